@@ -1,0 +1,355 @@
+"""BlockAllocator / BlockManager: unit cases, the beam-search fork scenario, and a stateful
+property test against a naive model that also simulates the KV pool's contents."""
+
+from __future__ import annotations
+
+import copy
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from jaxattn.paging import BlockAllocator, BlockManager, NoFreeBlocksError
+
+
+def snapshot(m: BlockManager):
+    a = m.allocator
+    return copy.deepcopy((m._tables, m._lens, a._ref, a._free))
+
+
+# --- BlockAllocator ------------------------------------------------------------------
+
+
+def test_allocator_refcounts_and_free_list():
+    a = BlockAllocator(3)
+    b0, b1 = a.allocate(), a.allocate()
+    assert {b0, b1} <= {0, 1, 2} and b0 != b1
+    assert a.num_free == 1 and a.ref_count(b0) == 1
+    a.incref(b0)
+    a.free(b0)
+    assert a.ref_count(b0) == 1 and a.num_free == 1  # still held once
+    a.free(b0)
+    assert a.ref_count(b0) == 0 and a.num_free == 2
+    assert a.allocate() == b0  # most recently freed is reused first
+
+
+def test_allocator_misuse_raises_and_changes_nothing():
+    a = BlockAllocator(2)
+    b = a.allocate()
+    a.free(b)
+    state = (list(a._ref), list(a._free))
+    with pytest.raises(ValueError, match="double free"):
+        a.free(b)
+    with pytest.raises(ValueError, match="free"):
+        a.incref(b)
+    with pytest.raises(ValueError, match="block=5"):
+        a.free(5)
+    with pytest.raises(ValueError, match="block"):
+        a.ref_count(-1)
+    with pytest.raises(TypeError, match="block"):
+        a.free(1.0)
+    with pytest.raises(TypeError, match="block"):
+        a.incref(True)
+    assert (list(a._ref), list(a._free)) == state
+    a.allocate(), a.allocate()
+    with pytest.raises(NoFreeBlocksError):
+        a.allocate()
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(0)
+
+
+# --- BlockManager --------------------------------------------------------------------
+
+
+def test_allocate_append_and_slot_mapping():
+    m = BlockManager(10, 4)
+    assert m.allocate("a", 6) == [0, 1]
+    assert m.seq_len("a") == 6 and m.num_free_blocks == 8
+    assert m.append_slot("a") == [] and m.append_slot("a") == []
+    assert m.block_table("a") == [0, 1]  # 8 tokens fill two blocks exactly
+    assert m.append_slot("a") == [] and m.block_table("a") == [0, 1, 2]
+    np.testing.assert_array_equal(m.slot_mapping("a", 0, 9), np.arange(9))
+    np.testing.assert_array_equal(m.slot_mapping("a", 7, 9), [7, 8])
+    assert m.slot_mapping("a", 3, 3).shape == (0,)
+    assert m.slot_mapping("a", 0, 9).dtype == np.int32
+    m.allocate("b", 5)
+    m.free("a")
+    m.allocate("c", 1)
+    # Freed blocks are reused, so slots follow the table, not the allocation order.
+    table = m.block_table("b")
+    want = [table[t // 4] * 4 + t % 4 for t in range(5)]
+    np.testing.assert_array_equal(m.slot_mapping("b", 0, 5), want)
+    m.check_invariants()
+
+
+def test_block_tables_padding():
+    m = BlockManager(16, 4)
+    m.allocate(0, 9)
+    m.allocate(1, 1)
+    m.allocate(2, 0)
+    bt = m.block_tables([1, 0, 2])
+    assert bt.dtype == np.int32 and bt.shape == (3, 3)
+    np.testing.assert_array_equal(bt[1], m.block_table(0))
+    np.testing.assert_array_equal(bt[0], [m.block_table(1)[0], 0, 0])
+    np.testing.assert_array_equal(bt[2], [0, 0, 0])
+    bt = m.block_tables([0, 1], pad_to=6, pad_value=-1)
+    assert bt.shape == (2, 6) and (bt[1, 1:] == -1).all()
+    with pytest.raises(ValueError, match="pad_to"):
+        m.block_tables([0], pad_to=2)
+    assert m.block_tables([]).shape == (0, 0)
+
+
+def test_watermark_reserves_blocks_for_growth():
+    m = BlockManager(10, 4, watermark=0.2)  # 2 blocks held back from admission
+    assert m.can_allocate(32) and not m.can_allocate(33)
+    m.allocate("a", 32)
+    assert not m.can_allocate(1)
+    assert m.can_append_slot("a")
+    m.append_slot("a")  # growth may dip into the reserve
+    assert m.num_free_blocks == 1
+    with pytest.raises(ValueError, match="watermark"):
+        BlockManager(10, 4, watermark=1.0)
+
+
+def test_misuse_raises_and_changes_nothing():
+    m = BlockManager(4, 4)
+    m.allocate("a", 5)
+    m.fork("a", "b")
+    before = snapshot(m)
+    cases = [
+        (lambda: m.allocate("a", 1), ValueError, "seq_id='a' is already allocated"),
+        (lambda: m.allocate("z", 100), NoFreeBlocksError, "needs 25 blocks"),
+        (lambda: m.allocate("z", -1), ValueError, "num_tokens"),
+        (lambda: m.allocate("z", 2.0), TypeError, "num_tokens"),
+        (lambda: m.free("z"), ValueError, "seq_id='z' is not allocated"),
+        (lambda: m.append_slot("z"), ValueError, "seq_id='z'"),
+        (lambda: m.append_slots("a", 100), NoFreeBlocksError, "needs"),
+        (lambda: m.fork("z", "y"), ValueError, "parent_id='z'"),
+        (lambda: m.fork("a", "b"), ValueError, "child_id='b' is already allocated"),
+        (lambda: m.slot_mapping("a", 0, 6), ValueError, "seq_len=5"),
+        (lambda: m.slot_mapping("a", 3, 2), ValueError, "start <= end"),
+        (lambda: m.block_tables(["a", "z"]), ValueError, "seq_id='z'"),
+        (lambda: m.block_table("z"), ValueError, "seq_id='z'"),
+    ]
+    for fn, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            fn()
+        assert snapshot(m) == before, msg
+    # Two free blocks are left; a CoW append needs one, a fresh allocation of 9 needs 3.
+    assert m.num_free_blocks == 2
+    with pytest.raises(NoFreeBlocksError):
+        m.allocate("c", 9)
+    assert snapshot(m) == before
+    m.free("a")
+    m.free("b")
+    assert m.num_free_blocks == 4
+    m.check_invariants()
+
+
+def test_append_slot_failure_keeps_length():
+    m = BlockManager(2, 2)
+    m.allocate("a", 2)
+    m.fork("a", "b")
+    m.append_slot("a")  # full tail -> fresh block, the last one
+    before = snapshot(m)
+    with pytest.raises(NoFreeBlocksError):
+        m.append_slot("b")
+    assert snapshot(m) == before and m.seq_len("b") == 2
+
+
+def test_copy_on_write_of_a_shared_partial_tail():
+    m = BlockManager(8, 4)
+    m.allocate("p", 6)
+    p0, p1 = m.block_table("p")
+    m.fork("p", "c")
+    assert m.ref_count(p0) == m.ref_count(p1) == 2
+    orders = m.append_slot("c")
+    assert len(orders) == 1 and orders[0][0] == p1
+    new = orders[0][1]
+    assert m.block_table("c") == [p0, new] and m.ref_count(p1) == 1 and m.ref_count(new) == 1
+    assert m.append_slot("p") == []  # the parent now owns p1 alone: written in place
+    assert m.block_table("p") == [p0, p1]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_beam_fork_scenario(block_size):
+    """Design notes part 1.2: beam width 4 over a 1024-token prompt."""
+    m = BlockManager(256, block_size)
+    prompt_blocks = 1024 // block_size
+    m.allocate("beam0", 1024)
+    free0 = m.num_free_blocks
+    for i in range(1, 4):
+        m.fork("beam0", f"beam{i}")
+    assert m.num_free_blocks == free0  # fork allocates nothing
+    assert all(m.ref_count(b) == 4 for b in m.block_table("beam0"))
+    # 1024 is a multiple of the block size: the shared tail is full, so the first new
+    # token of each beam goes to a fresh block of its own and nothing is copied.
+    orders = [m.append_slot(f"beam{i}") for i in range(4)]
+    assert orders == [[], [], [], []]
+    assert m.num_free_blocks == free0 - 4
+    tails = {m.block_table(f"beam{i}")[-1] for i in range(4)}
+    assert len(tails) == 4
+    # Each beam now writes its own tail; fork two more candidates off beam0 mid-block and
+    # let every holder diverge: each one copies exactly one block, except the last holder,
+    # which finds the tail no longer shared and keeps it.
+    for i in range(4, 8):
+        m.fork("beam0", f"beam{i}")
+    holders = ["beam0", *[f"beam{i}" for i in range(4, 8)]]
+    shared_tail = m.block_table("beam0")[-1]
+    free1 = m.num_free_blocks
+    copies = [m.append_slot(s) for s in holders]
+    assert copies[:-1] == [[(shared_tail, dst)] for [(_, dst)] in copies[:-1]]
+    assert copies[-1] == []
+    assert m.num_free_blocks == free1 - (len(holders) - 1)
+    assert len({m.block_table(s)[-1] for s in holders}) == len(holders)
+    for s in holders:  # the prompt blocks are still shared by everyone
+        assert m.block_table(s)[:prompt_blocks] == m.block_table("beam1")[:prompt_blocks]
+    m.check_invariants()
+    for s in list(m.seq_ids):
+        m.free(s)
+    assert m.num_free_blocks == 256
+
+
+# --- stateful property test ----------------------------------------------------------
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives a BlockManager with random ops against plain-Python tables and a simulated
+    pool: each token gets a unique value written to its slot, copy-on-write orders are
+    applied as `copy_blocks` would, and every sequence must read back exactly its tokens."""
+
+    NUM_BLOCKS, BLOCK_SIZE = 12, 3
+
+    def __init__(self):
+        super().__init__()
+        self.m = BlockManager(self.NUM_BLOCKS, self.BLOCK_SIZE)
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.memory = np.full(self.NUM_BLOCKS * self.BLOCK_SIZE, -1, np.int64)
+        self.next_seq = 0
+        self.next_value = 0
+
+    # model helpers
+    def holders(self, block):
+        return sum(block in t for t in self.tables.values())
+
+    def model_free(self):
+        used = set().union(*self.tables.values()) if self.tables else set()
+        return set(range(self.NUM_BLOCKS)) - used
+
+    def write(self, seq, start, end):
+        slots = self.m.slot_mapping(seq, start, end)
+        for s in slots:  # never write into a block someone else still reads
+            assert self.m.ref_count(int(s) // self.BLOCK_SIZE) == 1
+        values = np.arange(self.next_value, self.next_value + end - start)
+        self.next_value += end - start
+        self.memory[slots] = values
+        self.tokens[seq] += values.tolist()
+
+    def pick(self, idx):
+        return sorted(self.tables)[idx % len(self.tables)]
+
+    @rule(n=st.integers(0, 14))
+    def allocate(self, n):
+        seq = self.next_seq
+        need = -(-n // self.BLOCK_SIZE)
+        if need > len(self.model_free()):
+            before = snapshot(self.m)
+            with pytest.raises(NoFreeBlocksError):
+                self.m.allocate(seq, n)
+            assert snapshot(self.m) == before
+            return
+        free = self.model_free()
+        table = self.m.allocate(seq, n)
+        assert len(table) == need and set(table) <= free
+        self.next_seq += 1
+        self.tables[seq], self.tokens[seq] = list(table), []
+        self.write(seq, 0, n)
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100))
+    def append(self, idx):
+        seq = self.pick(idx)
+        table, length = self.tables[seq], len(self.tokens[seq])
+        grow = length % self.BLOCK_SIZE == 0
+        cow = not grow and self.holders(table[-1]) > 1
+        free = self.model_free()
+        if grow + cow > len(free):
+            before = snapshot(self.m)
+            assert not self.m.can_append_slot(seq)
+            with pytest.raises(NoFreeBlocksError):
+                self.m.append_slot(seq)
+            assert snapshot(self.m) == before
+            return
+        assert self.m.can_append_slot(seq)
+        orders = self.m.append_slot(seq)
+        new_table = self.m.block_table(seq)
+        if grow:
+            assert orders == [] and new_table[:-1] == table and new_table[-1] in free
+        elif cow:
+            [(src, dst)] = orders
+            assert src == table[-1] and dst in free and new_table == [*table[:-1], dst]
+        else:
+            assert orders == [] and new_table == table
+        for src, dst in orders:  # what copy_blocks does on the device
+            b = self.BLOCK_SIZE
+            self.memory[dst * b : (dst + 1) * b] = self.memory[src * b : (src + 1) * b]
+        self.tables[seq] = new_table
+        self.write(seq, length, length + 1)
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100))
+    def fork(self, idx):
+        parent, child = self.pick(idx), self.next_seq
+        free_before = self.m.num_free_blocks
+        self.m.fork(parent, child)
+        assert self.m.num_free_blocks == free_before
+        self.next_seq += 1
+        self.tables[child] = list(self.tables[parent])
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100))
+    def free(self, idx):
+        seq = self.pick(idx)
+        self.m.free(seq)
+        del self.tables[seq], self.tokens[seq]
+
+    @rule(seq=st.integers(-3, -1))
+    def misuse(self, seq):
+        before = snapshot(self.m)
+        with pytest.raises(ValueError):
+            self.m.free(seq)
+        with pytest.raises(ValueError):
+            self.m.fork(seq, 1000)
+        if self.tables:
+            with pytest.raises(ValueError):
+                self.m.fork(seq, next(iter(self.tables)))
+            with pytest.raises(ValueError):
+                self.m.allocate(next(iter(self.tables)), 1)
+        assert snapshot(self.m) == before
+
+    @invariant()
+    def matches_model(self):
+        self.m.check_invariants()
+        assert self.m.num_free_blocks == len(self.model_free())
+        for block in range(self.NUM_BLOCKS):
+            assert self.m.ref_count(block) == self.holders(block)
+        for seq, table in self.tables.items():
+            assert self.m.block_table(seq) == table
+            n = len(self.tokens[seq])
+            assert self.m.seq_len(seq) == n
+            got = self.memory[self.m.slot_mapping(seq, 0, n)]
+            assert got.tolist() == self.tokens[seq]
+        if self.tables:
+            ids = sorted(self.tables)
+            bt = self.m.block_tables(ids, pad_to=self.NUM_BLOCKS)
+            for row, seq in zip(bt, ids, strict=True):
+                assert row[: len(self.tables[seq])].tolist() == self.tables[seq]
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
