@@ -1,0 +1,154 @@
+"""Pieces shared by the decode and extend kernels: platform checks, KV addressing,
+the online-softmax step."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# Scores are kept in base 2 inside the kernels (exp2 is one SFU instruction; exp is not),
+# so the softmax scale is folded with log2(e) once, outside the inner loops.
+LOG2E = math.log2(math.e)
+
+_FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None means: interpret exactly when running on the CPU.
+
+    The kernels use the Triton lowering, so the only hardware targets are NVIDIA and
+    AMD GPUs; any other platform (a TPU, say) cannot run them compiled.
+    """
+    backend = jax.default_backend()
+    if interpret is None:
+        interpret = backend == "cpu"
+    if not interpret and backend not in _GPU_BACKENDS:
+        raise NotImplementedError(
+            f"the Pallas kernels use the Triton lowering and need a GPU; platform is {backend!r}"
+        )
+    return bool(interpret)
+
+
+def check_dtypes(q, k_cache, v_cache) -> None:
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if np.dtype(x.dtype) not in _FLOAT_DTYPES:
+            raise NotImplementedError(f"{name} dtype {np.dtype(x.dtype)} is not served")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        # The tensor-core dot needs both operands in one dtype; casting q down silently
+        # would change the numbers, so leave mixed precision to another backend.
+        raise NotImplementedError(
+            f"q, k_cache and v_cache must share a dtype, got {np.dtype(q.dtype)}, "
+            f"{np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
+        )
+
+
+def check_head_dim(head_dim: int) -> None:
+    # Triton tiles need power-of-two extents, and its dot needs at least 16 along K.
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise NotImplementedError(
+            f"head_dim={head_dim} is not served: it must be a power of two in [16, 256]"
+        )
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H200 when unknown)."""
+    dev = jax.devices()[0]
+    count = getattr(dev, "core_count", None)
+    if dev.platform == "gpu" and isinstance(count, int) and count > 0:
+        return count
+    return 132
+
+
+def paged_geometry(k_cache, layout: str):
+    """(num_pages, page_size, num_kv_heads, head_dim) for the layouts the kernels read."""
+    if layout == "bshd":
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    elif layout == "bhsd":
+        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    else:
+        raise NotImplementedError(
+            f"layout {layout!r} is not served by the Pallas kernels (bshd and bhsd are)"
+        )
+    return num_pages, page_size, num_kv_heads, head_dim
+
+
+def as_rows(cache):
+    """A free reshape to [rows, D]: every kernel addresses K/V by one row index per
+    (token, head), computed by :func:`paged_rows` or :func:`pool_rows`."""
+    return cache.reshape(-1, cache.shape[-1])
+
+
+def pool_rows(slot, kv_head, num_kv_heads: int):
+    """Row of (slot, head) in a token pool [num_slots, Hkv, D] (and in bshd pages, whose
+    slot is page * P + offset)."""
+    return slot * num_kv_heads + kv_head
+
+
+def paged_rows(page, offset, kv_head, *, layout: str, page_size: int, num_kv_heads: int):
+    if layout == "bshd":
+        return pool_rows(page * page_size + offset, kv_head, num_kv_heads)
+    return (page * num_kv_heads + kv_head) * page_size + offset  # bhsd
+
+
+def load_rows(ref, rows, valid, head_dim: int):
+    """Gather ``ref[rows, :]`` -> [n, D]; lanes with ``valid`` False are never read and
+    come back as 0, so NaN in unreferenced pages cannot reach the result."""
+    d = jnp.arange(head_dim)
+    return plgpu.load(ref.at[rows[:, None], d[None, :]], mask=valid[:, None], other=0)
+
+
+def dot_nt(a, b):
+    """a @ b.T with float32 accumulation."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def scores_base2(s, *, scale: float, soft_cap: float | None):
+    """Raw q.k (float32) -> logits in base 2: log2(e) * (cap * tanh(scale * s / cap))."""
+    if soft_cap is None:
+        return s * (scale * LOG2E)
+    return jnp.tanh(s * (scale / soft_cap)) * (soft_cap * LOG2E)
+
+
+def online_softmax_step(carry, s, v):
+    """One flash step: fold scores s [R, N] (base 2, masked lanes -inf) and values
+    v [N, D] into (acc [R, D], m [R], l [R]).
+
+    m starts finite (a very negative number), so a row whose lanes are all masked in
+    this step keeps alpha = 1 and p = 0 instead of producing inf - inf.
+    """
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
+# The running max starts here rather than at -inf (see online_softmax_step); it is far
+# below any base-2 logit a finite float input can produce.
+M_INIT = -1e30
+
+
+def init_state(rows: int, head_dim: int):
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), M_INIT, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def finalize(acc, l):
+    """acc / l, with 0 (not NaN) for a row that saw no key."""
+    safe = jnp.where(l > 0, l, 1.0)
+    return jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0)

@@ -1,0 +1,204 @@
+"""Paged decode attention: one query token per sequence over a paged KV cache.
+
+Grid ``(num_kv_heads, batch, num_partitions)``. One program owns one KV head of one
+sequence over one partition of its context and computes *every* query head of that
+KV head's GQA group against it, so each K/V page is read from memory once per group
+rather than once per query head (the REUSE_KV idea). The group's query rows form the
+M side of a tensor-core dot, padded to 16 rows (the smallest Triton dot); MHA is the
+group-of-1 case.
+
+Split-KV: with more than one partition each program writes its unnormalised
+accumulator and its (m, l) in base 2, and :func:`combine` merges them exactly::
+
+    M = max_p m_p,   w_p = 2^(m_p - M),   out = sum_p w_p acc_p / sum_p w_p l_p
+
+With a single partition the program normalises and writes the output itself (v1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import _common as C
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the decode kernel.
+
+    block_n: tokens per inner step (K/V tile rows).
+    num_warps, num_stages: Triton launch and software-pipelining depth.
+    min_programs: when ``partition_size`` is None, partitions are halved (down to
+      ``min_partition``) until the grid has at least this many programs; None means two
+      per streaming multiprocessor.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    min_programs: int | None = None
+    min_partition: int = 128
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"{self.block_n=} must be a power of two >= 16")
+
+
+def choose_partition_size(
+    *, batch: int, num_kv_heads: int, group: int, max_context: int,
+    partition_size: int | None, config: DecodeConfig,
+) -> int:
+    """Tokens per partition.
+
+    An explicit ``partition_size`` wins. Otherwise 512, or 256 when the group is larger
+    than 15 (more query rows per program hold more registers: a shorter partition keeps
+    the grid wide enough), then halved while the grid would leave the GPU idle.
+    """
+    if partition_size is not None:
+        return int(partition_size)
+    size = 256 if group > 15 else 512
+    target = config.min_programs or 2 * C.num_sms()
+
+    def programs(s):
+        return batch * num_kv_heads * pl.cdiv(max_context, s)
+
+    while size > config.min_partition and programs(size) < target:
+        size //= 2
+    return size
+
+
+def _decode_kernel(
+    seq_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, *out_refs,
+    group: int, group_pad: int, num_q_heads: int, num_kv_heads: int, page_size: int,
+    layout: str, partition_size: int, block_n: int, head_dim: int, scale: float,
+    soft_cap: float | None, split: bool,
+):
+    kv_head, b, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq_len = seq_lens_ref[b]
+    start = part * partition_size
+    end = jnp.minimum(seq_len, start + partition_size)
+
+    g = jnp.arange(group_pad)
+    d = jnp.arange(head_dim)
+    # Padding rows re-read the group's last head (never out of bounds) and are dropped.
+    q_heads = kv_head * group + jnp.minimum(g, group - 1)
+    q = q_ref[b, q_heads[:, None], d[None, :]]
+
+    def body(i, carry):
+        t = start + i * block_n + jnp.arange(block_n)
+        valid = t < end
+        page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
+        rows = C.paged_rows(page, lax.rem(t, page_size), kv_head, layout=layout,
+                            page_size=page_size, num_kv_heads=num_kv_heads)
+        k = C.load_rows(k_ref, rows, valid, head_dim)
+        s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        v = C.load_rows(v_ref, rows, valid, head_dim)
+        return C.online_softmax_step(carry, s, v)
+
+    num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
+    acc, m, l = lax.fori_loop(0, num_steps, body, C.init_state(group_pad, head_dim))
+
+    # Unpadded head ids for the stores: padding lanes are masked off (and, being
+    # distinct from the real ones, cannot collide with them in interpret mode).
+    out_heads = kv_head * group + g
+    row_ok = g < group
+    if not split:
+        (o_ref,) = out_refs
+        out = C.finalize(acc, l).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[b, out_heads[:, None], d[None, :]], out, mask=row_ok[:, None])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        plgpu.store(acc_ref.at[b, part, out_heads[:, None], d[None, :]], acc,
+                    mask=row_ok[:, None])
+        plgpu.store(m_ref.at[b, part, out_heads], m, mask=row_ok)
+        plgpu.store(l_ref.at[b, part, out_heads], l, mask=row_ok)
+
+
+def combine(acc, m, l, dtype):
+    """Exact merge of partitions along axis 1: acc f32[B, P, Hq, D], m/l f32[B, P, Hq]
+    (m in base 2) -> [B, Hq, D]."""
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp2(m - m_max)
+    denom = jnp.sum(w * l, axis=1)
+    numer = jnp.sum(w[..., None] * acc, axis=1)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jnp.where((denom > 0)[..., None], numer / safe[..., None], 0.0).astype(dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "layout", "partition_size", "soft_cap", "interpret", "config"),
+)
+def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layout,
+                     partition_size, soft_cap, interpret, config):
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
+    group = num_q_heads // num_kv_heads
+    max_context = block_tables.shape[1] * page_size
+    psize = choose_partition_size(
+        batch=batch, num_kv_heads=num_kv_heads, group=group, max_context=max_context,
+        partition_size=partition_size, config=config,
+    )
+    num_parts = pl.cdiv(max_context, psize)
+    split = num_parts > 1
+    # A tile longer than the partition would only load masked lanes.
+    block_n = max(16, min(config.block_n, pl.next_power_of_2(psize)))
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, group_pad=max(16, pl.next_power_of_2(group)),
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+        layout=layout, partition_size=psize, block_n=block_n, head_dim=head_dim,
+        scale=scale, soft_cap=soft_cap, split=split,
+    )
+    if split:
+        out_shape = (
+            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads), jnp.float32),
+        )
+    else:
+        out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, batch, num_parts),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name="jaxattn_paged_decode",
+    )(seq_lens, block_tables, q, C.as_rows(k_cache), C.as_rows(v_cache))
+    if not split:
+        return outs[0]
+    return combine(*outs, q.dtype)
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, *, scale, layout="bshd",
+    partition_size=None, soft_cap=None, interpret=None, config: DecodeConfig | None = None,
+):
+    """Decode attention over a paged cache (arguments already validated by ``ops``).
+
+    q: [B, Hq, D]; k_cache, v_cache: ``bshd`` [num_pages, P, Hkv, D] or ``bhsd``
+    [num_pages, Hkv, P, D]; block_tables: i32[B, max_pages]; seq_lens: i32[B].
+    Returns [B, Hq, D] in q's dtype. Raises NotImplementedError for the ``vllm`` layout,
+    head dims that are not powers of two in [16, 256], mixed dtypes, or a platform
+    that is neither a GPU nor interpret mode.
+    """
+    interpret = C.resolve_interpret(interpret)
+    C.check_dtypes(q, k_cache, v_cache)
+    C.paged_geometry(k_cache, layout)
+    C.check_head_dim(q.shape[-1])
+    return _paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale=float(scale), layout=layout,
+        partition_size=partition_size, soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret, config=config or DecodeConfig(),
+    )

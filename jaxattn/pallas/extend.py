@@ -1,0 +1,273 @@
+"""Extend (prefix-cached prefill) attention over a token pool or a paged cache.
+
+Queries exist only for the new tokens of each request; keys are the request's cached
+prefix followed by its new tokens, and new token i sees key j iff
+``j <= i + (Lk - Lq)`` (the causal mask shifted by the prefix length ``Lp = Lk - Lq``).
+
+Work is cut into *tiles*: ``block_q`` query rows of one request, each row a
+(new token, query head) pair. With ``heads_per_tile = GH > 1`` a tile holds
+``block_q // GH`` tokens times GH heads of one GQA group, so every K/V tile loaded
+serves GH heads; that pays when requests bring few new tokens (a tile of 128 rows
+would otherwise be mostly padding). The ragged batch is flattened on the device into
+a list of (request, tile) pairs, heaviest tile of each request first, so the grid
+holds no per-request padding beyond one partial tile.
+
+Per tile with new tokens ``[t0, t1)`` the key loop runs in two stages (seed 3.4):
+
+* stage 1, keys ``[0, Lp + t0)`` in whole ``block_n`` blocks: visible to every row of
+  the tile (the cached prefix and the new tokens before the tile), so no mask at all;
+* stage 2, from there up to ``Lp + t1``: the causal triangle, masked per element. The
+  loop stops at the tile's last row, so blocks above the diagonal are never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import _common as C
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendConfig:
+    """Tiling of the extend kernel.
+
+    block_q: query rows per tile (tokens x packed heads); block_n: keys per step.
+    heads_per_tile: query heads of one GQA group packed into a tile; None picks the
+      whole group when the average request brings fewer new tokens than ``block_q``
+      (and the group size is a power of two), else 1.
+    """
+
+    block_q: int = 128
+    block_n: int = 64
+    heads_per_tile: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 16")
+
+
+def _pick_heads_per_tile(config: ExtendConfig, group: int, avg_new_tokens: float) -> int:
+    if config.heads_per_tile is not None:
+        gh = config.heads_per_tile
+        if gh < 1 or group % gh or gh & (gh - 1) or config.block_q % gh:
+            raise ValueError(
+                f"heads_per_tile={gh} must be a power of two dividing the group size {group} "
+                f"and block_q={config.block_q}"
+            )
+        return gh
+    if group > 1 and not group & (group - 1) and avg_new_tokens < config.block_q:
+        return min(group, config.block_q // 16)
+    return 1
+
+
+def _tile_map(q_bounds, num_tiles: int, tokens_per_tile: int):
+    """(request, tile index within the request) for each grid tile.
+
+    q_bounds: i32[R + 1] row boundaries of R query segments. Tiles past the last one
+    get request R (the kernel skips them). Within a request the tiles run last first:
+    the last tile sees the most keys, and starting the long ones early evens out the
+    tail of the grid.
+    """
+    lens = q_bounds[1:] - q_bounds[:-1]
+    counts = (lens + tokens_per_tile - 1) // tokens_per_tile
+    ends = jnp.cumsum(counts)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    req_c = jnp.minimum(req, lens.shape[0] - 1)
+    local = counts[req_c] - 1 - (i - (ends[req_c] - counts[req_c]))
+    return req, local.astype(jnp.int32)
+
+
+def _extend_kernel(
+    tile_req_ref, tile_local_ref, q_bounds_ref, kv_meta_ref, kv_index_ref, q_ref, k_ref, v_ref,
+    o_ref, *, mode: str, batch: int, group: int, heads_per_tile: int, block_q: int,
+    block_n: int, head_dim: int, num_kv_heads: int, page_size: int, layout: str,
+    scale: float, soft_cap: float | None,
+):
+    head_block, tile = pl.program_id(0), pl.program_id(1)
+    req = tile_req_ref[tile]
+
+    # Request `batch` is the run of padding rows after the last request: it has no
+    # keys, so its tiles only write zeros.
+    @pl.when(req <= batch)
+    def _():
+        local = tile_local_ref[tile]
+        q_start = q_bounds_ref[req]
+        lq = q_bounds_ref[req + 1] - q_start
+        real = req < batch
+        req_c = jnp.minimum(req, batch - 1)
+        if mode == "pool":
+            kv_start = kv_meta_ref[req_c]
+            lk = jnp.where(real, kv_meta_ref[req_c + 1] - kv_start, 0)
+        else:
+            lk = jnp.where(real, kv_meta_ref[req_c], 0)
+        lp = jnp.where(real, lk - lq, 0)
+
+        tokens = block_q // heads_per_tile
+        t0 = local * tokens
+        t1 = jnp.minimum(lq, t0 + tokens)
+        r = jnp.arange(block_q)
+        t_rel = t0 + r // heads_per_tile
+        row_ok = t_rel < lq
+        q_rows = q_start + t_rel
+        heads = head_block * heads_per_tile + r % heads_per_tile
+        kv_head = (head_block * heads_per_tile) // group
+        d = jnp.arange(head_dim)
+        q = plgpu.load(q_ref.at[q_rows[:, None], heads[:, None], d[None, :]],
+                       mask=row_ok[:, None], other=0)
+
+        def key_rows(j, valid):
+            if mode == "pool":
+                if valid is None:
+                    slot = kv_index_ref[kv_start + j]
+                else:
+                    slot = plgpu.load(kv_index_ref.at[kv_start + j], mask=valid, other=0)
+                return C.pool_rows(slot, kv_head, num_kv_heads)
+            col = lax.div(j, page_size)
+            if valid is None:
+                page = kv_index_ref[req_c, col]
+            else:
+                page = plgpu.load(kv_index_ref.at[req_c, col], mask=valid, other=0)
+            return C.paged_rows(page, lax.rem(j, page_size), kv_head, layout=layout,
+                                page_size=page_size, num_kv_heads=num_kv_heads)
+
+        def stage1(i, carry):
+            j = i * block_n + jnp.arange(block_n)
+            rows = key_rows(j, None)
+            d_ = d[None, :]
+            k = k_ref[rows[:, None], d_]
+            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+            v = v_ref[rows[:, None], d_]
+            return C.online_softmax_step(carry, s, v)
+
+        # Keys [0, Lp + t0) are visible to every row of the tile.
+        shared = jnp.clip(lp + t0, 0, lk)
+        n1 = shared // block_n
+        carry = lax.fori_loop(0, n1, stage1, C.init_state(block_q, head_dim))
+
+        k_end = jnp.clip(lp + t1, 0, lk)
+        limit = lp + t_rel  # last key each row may see
+
+        def stage2(i, carry):
+            j = n1 * block_n + i * block_n + jnp.arange(block_n)
+            valid = j < k_end
+            rows = key_rows(j, valid)
+            k = C.load_rows(k_ref, rows, valid, head_dim)
+            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+            s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
+            v = C.load_rows(v_ref, rows, valid, head_dim)
+            return C.online_softmax_step(carry, s, v)
+
+        n2 = pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n)
+        acc, _, l = lax.fori_loop(0, n2, stage2, carry)
+        out = C.finalize(acc, l).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out,
+                    mask=row_ok[:, None])
+
+
+def _run(q, k_rows, v_rows, q_bounds_in, kv_meta, kv_index, *, mode, num_kv_heads, page_size,
+         layout, scale, soft_cap, interpret, config):
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch = q_bounds_in.shape[0] - 1
+    group = num_q_heads // num_kv_heads
+    gh = _pick_heads_per_tile(config, group, num_tokens / batch)
+    tokens = config.block_q // gh
+    # Segment `batch` holds the rows of q after the last request (padding).
+    q_bounds = jnp.concatenate([q_bounds_in, jnp.full((1,), num_tokens, jnp.int32)])
+    num_tiles = pl.cdiv(num_tokens, tokens) + batch + 1
+    tile_req, tile_local = _tile_map(q_bounds, num_tiles, tokens)
+    kernel = functools.partial(
+        _extend_kernel, mode=mode, batch=batch, group=group, heads_per_tile=gh,
+        block_q=config.block_q, block_n=config.block_n, head_dim=head_dim,
+        num_kv_heads=num_kv_heads, page_size=page_size, layout=layout, scale=scale,
+        soft_cap=soft_cap,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_heads // gh, num_tiles),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name=f"jaxattn_extend_{mode}",
+    )(tile_req, tile_local, q_bounds, kv_meta, kv_index, q, k_rows, v_rows)
+
+
+_STATIC = ("scale", "soft_cap", "interpret", "config")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _extend_pool(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap,
+                 interpret, config):
+    return _run(q, C.as_rows(k_cache), C.as_rows(v_cache), qo_indptr, kv_indptr, kv_indices,
+                mode="pool", num_kv_heads=k_cache.shape[1], page_size=1, layout="bshd",
+                scale=scale, soft_cap=soft_cap, interpret=interpret, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "layout"))
+def _prefill_paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout,
+                   soft_cap, interpret, config):
+    _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
+    return _run(q, C.as_rows(k_cache), C.as_rows(v_cache), cu_seqlens_q, seq_lens, block_tables,
+                mode="paged", num_kv_heads=num_kv_heads, page_size=page_size, layout=layout,
+                scale=scale, soft_cap=soft_cap, interpret=interpret, config=config)
+
+
+def _prepare(q, k_cache, v_cache, interpret):
+    interpret = C.resolve_interpret(interpret)
+    C.check_dtypes(q, k_cache, v_cache)
+    C.check_head_dim(q.shape[-1])
+    return interpret
+
+
+def _default_config(head_dim: int) -> ExtendConfig:
+    return ExtendConfig(num_warps=4 if head_dim <= 64 else 8)
+
+
+def extend_attention(
+    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap=None,
+    interpret=None, config: ExtendConfig | None = None,
+):
+    """SGLang-form extend (arguments already validated by ``ops``).
+
+    q: [Tq, Hq, D] packed by qo_indptr i32[B+1] (rows past qo_indptr[-1] come back as 0);
+    k_cache, v_cache: [num_slots, Hkv, D]; kv_indptr: i32[B+1]; kv_indices: the slots of
+    each request's prefix then new tokens. Returns [Tq, Hq, D] in q's dtype.
+    """
+    interpret = _prepare(q, k_cache, v_cache, interpret)
+    return _extend_pool(
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap), interpret=interpret,
+        config=config or _default_config(q.shape[-1]),
+    )
+
+
+def prefix_prefill(
+    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout="bshd",
+    soft_cap=None, interpret=None, config: ExtendConfig | None = None,
+):
+    """Paged-form extend (arguments already validated by ``ops``).
+
+    q: [Tq, Hq, D] packed by cu_seqlens_q i32[B+1]; k_cache, v_cache in ``bshd`` or
+    ``bhsd``; block_tables: i32[B, max_pages]; seq_lens: i32[B] total KV lengths.
+    Raises NotImplementedError for the ``vllm`` layout.
+    """
+    interpret = _prepare(q, k_cache, v_cache, interpret)
+    C.paged_geometry(k_cache, layout)
+    return _prefill_paged(
+        q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=float(scale),
+        layout=layout, soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret, config=config or _default_config(q.shape[-1]),
+    )
