@@ -121,18 +121,18 @@ def scores_base2(s, *, scale: float, soft_cap: float | None):
 
 def online_softmax_step(carry, s, v):
     """One flash step: fold scores s [R, N] (base 2, masked lanes -inf) and values
-    v [N, D] into (acc [R, D], m [R], l [R]).
+    v [N, D] into (acc [R, D], m [R], l_sum [R]).
 
     m starts finite (a very negative number), so a row whose lanes are all masked in
     this step keeps alpha = 1 and p = 0 instead of producing inf - inf.
     """
-    acc, m, l = carry
+    acc, m, l_sum = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
+    l_sum = l_sum * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
-    return acc, m_new, l
+    return acc, m_new, l_sum
 
 
 # The running max starts here rather than at -inf (see online_softmax_step); it is far
@@ -148,7 +148,7 @@ def init_state(rows: int, head_dim: int):
     )
 
 
-def finalize(acc, l):
-    """acc / l, with 0 (not NaN) for a row that saw no key."""
-    safe = jnp.where(l > 0, l, 1.0)
-    return jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0)
+def finalize(acc, l_sum):
+    """acc / l_sum, with 0 (not NaN) for a row that saw no key."""
+    safe = jnp.where(l_sum > 0, l_sum, 1.0)
+    return jnp.where((l_sum > 0)[:, None], acc / safe[:, None], 0.0)

@@ -52,8 +52,13 @@ class DecodeConfig:
 
 
 def choose_partition_size(
-    *, batch: int, num_kv_heads: int, group: int, max_context: int,
-    partition_size: int | None, config: DecodeConfig,
+    *,
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    max_context: int,
+    partition_size: int | None,
+    config: DecodeConfig,
 ) -> int:
     """Tokens per partition.
 
@@ -75,10 +80,24 @@ def choose_partition_size(
 
 
 def _decode_kernel(
-    seq_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    group: int, group_pad: int, num_q_heads: int, num_kv_heads: int, page_size: int,
-    layout: str, partition_size: int, block_n: int, head_dim: int, scale: float,
-    soft_cap: float | None, split: bool,
+    seq_lens_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    group: int,
+    group_pad: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    layout: str,
+    partition_size: int,
+    block_n: int,
+    head_dim: int,
+    scale: float,
+    soft_cap: float | None,
+    split: bool,
 ):
     kv_head, b, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[b]
@@ -95,8 +114,14 @@ def _decode_kernel(
         t = start + i * block_n + jnp.arange(block_n)
         valid = t < end
         page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
-        rows = C.paged_rows(page, lax.rem(t, page_size), kv_head, layout=layout,
-                            page_size=page_size, num_kv_heads=num_kv_heads)
+        rows = C.paged_rows(
+            page,
+            lax.rem(t, page_size),
+            kv_head,
+            layout=layout,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+        )
         k = C.load_rows(k_ref, rows, valid, head_dim)
         s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
@@ -104,7 +129,7 @@ def _decode_kernel(
         return C.online_softmax_step(carry, s, v)
 
     num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
-    acc, m, l = lax.fori_loop(0, num_steps, body, C.init_state(group_pad, head_dim))
+    acc, m, l_sum = lax.fori_loop(0, num_steps, body, C.init_state(group_pad, head_dim))
 
     # Unpadded head ids for the stores: padding lanes are masked off (and, being
     # distinct from the real ones, cannot collide with them in interpret mode).
@@ -112,22 +137,21 @@ def _decode_kernel(
     row_ok = g < group
     if not split:
         (o_ref,) = out_refs
-        out = C.finalize(acc, l).astype(o_ref.dtype)
+        out = C.finalize(acc, l_sum).astype(o_ref.dtype)
         plgpu.store(o_ref.at[b, out_heads[:, None], d[None, :]], out, mask=row_ok[:, None])
     else:
         acc_ref, m_ref, l_ref = out_refs
-        plgpu.store(acc_ref.at[b, part, out_heads[:, None], d[None, :]], acc,
-                    mask=row_ok[:, None])
+        plgpu.store(acc_ref.at[b, part, out_heads[:, None], d[None, :]], acc, mask=row_ok[:, None])
         plgpu.store(m_ref.at[b, part, out_heads], m, mask=row_ok)
-        plgpu.store(l_ref.at[b, part, out_heads], l, mask=row_ok)
+        plgpu.store(l_ref.at[b, part, out_heads], l_sum, mask=row_ok)
 
 
-def combine(acc, m, l, dtype):
-    """Exact merge of partitions along axis 1: acc f32[B, P, Hq, D], m/l f32[B, P, Hq]
+def combine(acc, m, l_sum, dtype):
+    """Exact merge of partitions along axis 1: acc f32[B, P, Hq, D], m, l_sum f32[B, P, Hq]
     (m in base 2) -> [B, Hq, D]."""
     m_max = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp2(m - m_max)
-    denom = jnp.sum(w * l, axis=1)
+    denom = jnp.sum(w * l_sum, axis=1)
     numer = jnp.sum(w[..., None] * acc, axis=1)
     safe = jnp.where(denom > 0, denom, 1.0)
     return jnp.where((denom > 0)[..., None], numer / safe[..., None], 0.0).astype(dtype)
@@ -137,15 +161,31 @@ def combine(acc, m, l, dtype):
     jax.jit,
     static_argnames=("scale", "layout", "partition_size", "soft_cap", "interpret", "config"),
 )
-def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layout,
-                     partition_size, soft_cap, interpret, config):
+def _paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    partition_size,
+    soft_cap,
+    interpret,
+    config,
+):
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * page_size
     psize = choose_partition_size(
-        batch=batch, num_kv_heads=num_kv_heads, group=group, max_context=max_context,
-        partition_size=partition_size, config=config,
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        max_context=max_context,
+        partition_size=partition_size,
+        config=config,
     )
     num_parts = pl.cdiv(max_context, psize)
     split = num_parts > 1
@@ -153,10 +193,19 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layo
     block_n = max(16, min(config.block_n, pl.next_power_of_2(psize)))
 
     kernel = functools.partial(
-        _decode_kernel, group=group, group_pad=max(16, pl.next_power_of_2(group)),
-        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-        layout=layout, partition_size=psize, block_n=block_n, head_dim=head_dim,
-        scale=scale, soft_cap=soft_cap, split=split,
+        _decode_kernel,
+        group=group,
+        group_pad=max(16, pl.next_power_of_2(group)),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        layout=layout,
+        partition_size=psize,
+        block_n=block_n,
+        head_dim=head_dim,
+        scale=scale,
+        soft_cap=soft_cap,
+        split=split,
     )
     if split:
         out_shape = (
@@ -182,8 +231,18 @@ def _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layo
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, *, scale, layout="bshd",
-    partition_size=None, soft_cap=None, interpret=None, config: DecodeConfig | None = None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout="bshd",
+    partition_size=None,
+    soft_cap=None,
+    interpret=None,
+    config: DecodeConfig | None = None,
 ):
     """Decode attention over a paged cache (arguments already validated by ``ops``).
 
@@ -198,7 +257,15 @@ def paged_attention(
     C.paged_geometry(k_cache, layout)
     C.check_head_dim(q.shape[-1])
     return _paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale=float(scale), layout=layout,
-        partition_size=partition_size, soft_cap=None if soft_cap is None else float(soft_cap),
-        interpret=interpret, config=config or DecodeConfig(),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=float(scale),
+        layout=layout,
+        partition_size=partition_size,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret,
+        config=config or DecodeConfig(),
     )

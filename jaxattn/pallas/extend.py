@@ -90,10 +90,28 @@ def _tile_map(q_bounds, num_tiles: int, tokens_per_tile: int):
 
 
 def _extend_kernel(
-    tile_req_ref, tile_local_ref, q_bounds_ref, kv_meta_ref, kv_index_ref, q_ref, k_ref, v_ref,
-    o_ref, *, mode: str, batch: int, group: int, heads_per_tile: int, block_q: int,
-    block_n: int, head_dim: int, num_kv_heads: int, page_size: int, layout: str,
-    scale: float, soft_cap: float | None,
+    tile_req_ref,
+    tile_local_ref,
+    q_bounds_ref,
+    kv_meta_ref,
+    kv_index_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    mode: str,
+    batch: int,
+    group: int,
+    heads_per_tile: int,
+    block_q: int,
+    block_n: int,
+    head_dim: int,
+    num_kv_heads: int,
+    page_size: int,
+    layout: str,
+    scale: float,
+    soft_cap: float | None,
 ):
     head_block, tile = pl.program_id(0), pl.program_id(1)
     req = tile_req_ref[tile]
@@ -124,8 +142,9 @@ def _extend_kernel(
         heads = head_block * heads_per_tile + r % heads_per_tile
         kv_head = (head_block * heads_per_tile) // group
         d = jnp.arange(head_dim)
-        q = plgpu.load(q_ref.at[q_rows[:, None], heads[:, None], d[None, :]],
-                       mask=row_ok[:, None], other=0)
+        q = plgpu.load(
+            q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
+        )
 
         def key_rows(j, valid):
             if mode == "pool":
@@ -139,8 +158,14 @@ def _extend_kernel(
                 page = kv_index_ref[req_c, col]
             else:
                 page = plgpu.load(kv_index_ref.at[req_c, col], mask=valid, other=0)
-            return C.paged_rows(page, lax.rem(j, page_size), kv_head, layout=layout,
-                                page_size=page_size, num_kv_heads=num_kv_heads)
+            return C.paged_rows(
+                page,
+                lax.rem(j, page_size),
+                kv_head,
+                layout=layout,
+                page_size=page_size,
+                num_kv_heads=num_kv_heads,
+            )
 
         def stage1(i, carry):
             j = i * block_n + jnp.arange(block_n)
@@ -170,14 +195,30 @@ def _extend_kernel(
             return C.online_softmax_step(carry, s, v)
 
         n2 = pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n)
-        acc, _, l = lax.fori_loop(0, n2, stage2, carry)
-        out = C.finalize(acc, l).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out,
-                    mask=row_ok[:, None])
+        acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
+        out = C.finalize(acc, l_sum).astype(o_ref.dtype)
+        plgpu.store(
+            o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
+        )
 
 
-def _run(q, k_rows, v_rows, q_bounds_in, kv_meta, kv_index, *, mode, num_kv_heads, page_size,
-         layout, scale, soft_cap, interpret, config):
+def _run(
+    q,
+    k_rows,
+    v_rows,
+    q_bounds_in,
+    kv_meta,
+    kv_index,
+    *,
+    mode,
+    num_kv_heads,
+    page_size,
+    layout,
+    scale,
+    soft_cap,
+    interpret,
+    config,
+):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = q_bounds_in.shape[0] - 1
     group = num_q_heads // num_kv_heads
@@ -188,9 +229,18 @@ def _run(q, k_rows, v_rows, q_bounds_in, kv_meta, kv_index, *, mode, num_kv_head
     num_tiles = pl.cdiv(num_tokens, tokens) + batch + 1
     tile_req, tile_local = _tile_map(q_bounds, num_tiles, tokens)
     kernel = functools.partial(
-        _extend_kernel, mode=mode, batch=batch, group=group, heads_per_tile=gh,
-        block_q=config.block_q, block_n=config.block_n, head_dim=head_dim,
-        num_kv_heads=num_kv_heads, page_size=page_size, layout=layout, scale=scale,
+        _extend_kernel,
+        mode=mode,
+        batch=batch,
+        group=group,
+        heads_per_tile=gh,
+        block_q=config.block_q,
+        block_n=config.block_n,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        layout=layout,
+        scale=scale,
         soft_cap=soft_cap,
     )
     return pl.pallas_call(
@@ -209,20 +259,59 @@ _STATIC = ("scale", "soft_cap", "interpret", "config")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _extend_pool(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap,
-                 interpret, config):
-    return _run(q, C.as_rows(k_cache), C.as_rows(v_cache), qo_indptr, kv_indptr, kv_indices,
-                mode="pool", num_kv_heads=k_cache.shape[1], page_size=1, layout="bshd",
-                scale=scale, soft_cap=soft_cap, interpret=interpret, config=config)
+def _extend_pool(
+    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap, interpret, config
+):
+    return _run(
+        q,
+        C.as_rows(k_cache),
+        C.as_rows(v_cache),
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        mode="pool",
+        num_kv_heads=k_cache.shape[1],
+        page_size=1,
+        layout="bshd",
+        scale=scale,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        config=config,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "layout"))
-def _prefill_paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout,
-                   soft_cap, interpret, config):
+def _prefill_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap,
+    interpret,
+    config,
+):
     _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
-    return _run(q, C.as_rows(k_cache), C.as_rows(v_cache), cu_seqlens_q, seq_lens, block_tables,
-                mode="paged", num_kv_heads=num_kv_heads, page_size=page_size, layout=layout,
-                scale=scale, soft_cap=soft_cap, interpret=interpret, config=config)
+    return _run(
+        q,
+        C.as_rows(k_cache),
+        C.as_rows(v_cache),
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        mode="paged",
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        layout=layout,
+        scale=scale,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        config=config,
+    )
 
 
 def _prepare(q, k_cache, v_cache, interpret):
@@ -237,8 +326,17 @@ def _default_config(head_dim: int) -> ExtendConfig:
 
 
 def extend_attention(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap=None,
-    interpret=None, config: ExtendConfig | None = None,
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    *,
+    scale,
+    soft_cap=None,
+    interpret=None,
+    config: ExtendConfig | None = None,
 ):
     """SGLang-form extend (arguments already validated by ``ops``).
 
@@ -248,15 +346,32 @@ def extend_attention(
     """
     interpret = _prepare(q, k_cache, v_cache, interpret)
     return _extend_pool(
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), interpret=interpret,
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret,
         config=config or _default_config(q.shape[-1]),
     )
 
 
 def prefix_prefill(
-    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout="bshd",
-    soft_cap=None, interpret=None, config: ExtendConfig | None = None,
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout="bshd",
+    soft_cap=None,
+    interpret=None,
+    config: ExtendConfig | None = None,
 ):
     """Paged-form extend (arguments already validated by ``ops``).
 
@@ -267,7 +382,15 @@ def prefix_prefill(
     interpret = _prepare(q, k_cache, v_cache, interpret)
     C.paged_geometry(k_cache, layout)
     return _prefill_paged(
-        q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=float(scale),
-        layout=layout, soft_cap=None if soft_cap is None else float(soft_cap),
-        interpret=interpret, config=config or _default_config(q.shape[-1]),
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_tables,
+        seq_lens,
+        scale=float(scale),
+        layout=layout,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret,
+        config=config or _default_config(q.shape[-1]),
     )
