@@ -279,9 +279,11 @@ class RadixCache:
                 return cached
             root = self._roots[namespace] = self._new_root(namespace)
             path = [root]
+        if child is not None:
+            # Split even when nothing new follows, so that access times stay exact per
+            # token: the matched upper part is fresh, the unmatched lower part is not.
+            path.append(self._split(child, m))
         if len(new_vals):
-            if child is not None:
-                path.append(self._split(child, m))
             parent = path[-1]
             leaf = TreeNode(key[cached:].copy(), new_vals.astype(np.int32), parent, self._id)
             parent.children[self._child_key(leaf.key, 0)] = leaf
@@ -483,6 +485,11 @@ class RadixCache:
                 assert node._namespace is None or node.children, "empty namespace root kept"
                 continue
             nodes += 1
+            for child in node.children.values():
+                # Every access to a child passes through its parent, so eviction order
+                # (by recency or by hits) always reaches a child before its parent.
+                assert node.last_access >= child.last_access
+                assert node.hit_count >= child.hit_count
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values())
             assert not owned[node.value].any(), "a slot is held by two nodes"
             owned[node.value] = True
