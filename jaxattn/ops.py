@@ -1,0 +1,443 @@
+"""Public attention ops: validate the arguments, then dispatch to a backend.
+
+``implementation=`` takes ``None``, a backend name (``"reference"``, ``"pallas"``,
+``"native"``) or a sequence of names tried in order. A backend that cannot serve the
+platform or the arguments raises ``NotImplementedError`` and the next one is tried; a
+single explicitly named backend re-raises instead (it is never silently replaced).
+``None`` tries the fast backends for the current platform and always ends with the
+reference, which serves everything.
+
+All validation here looks only at static properties (ranks, shapes, dtypes, attribute
+values), so it runs at trace time under ``jax.jit`` before any kernel is built. When
+the index arrays are concrete (eager calls) their values are checked too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import layout as _layout
+from . import reference as _reference
+
+BACKENDS = ("reference", "pallas", "native")
+
+# Fastest first. The reference closes every list so that None always succeeds. On the
+# CPU the Pallas kernels would run in the (slow) interpreter, so they are not tried.
+_DEFAULT_ORDER = {
+    "gpu": ("native", "pallas", "reference"),
+    "cuda": ("native", "pallas", "reference"),
+    "rocm": ("native", "pallas", "reference"),
+    "cpu": ("reference",),
+}
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# --- dispatch ------------------------------------------------------------------------
+
+
+def _backend_module(name: str):
+    if name == "reference":
+        return _reference
+    try:
+        return importlib.import_module(f"jaxattn.{name}")
+    except ImportError as e:  # a backend whose dependencies are missing cannot serve
+        raise NotImplementedError(f"backend {name!r} cannot be imported: {e}") from e
+
+
+def _candidates(implementation) -> tuple[tuple[str, ...], bool]:
+    """(names to try, whether the caller named exactly one)."""
+    if implementation is None:
+        order = _DEFAULT_ORDER.get(jax.default_backend(), ("reference",))
+        return order, False
+    if isinstance(implementation, str):
+        names, explicit = (implementation,), True
+    elif isinstance(implementation, Sequence) and implementation:
+        names, explicit = tuple(implementation), False
+    else:
+        raise TypeError(
+            f"implementation must be None, a backend name or a non-empty sequence of "
+            f"names from {BACKENDS}, got {implementation!r}"
+        )
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(f"implementation must name backends from {BACKENDS}, got {name!r}")
+    return names, explicit
+
+
+def _dispatch(op: str, implementation, *args, **kwargs):
+    names, explicit = _candidates(implementation)
+    errors = []
+    for name in names:
+        try:
+            fn = getattr(_backend_module(name), op)
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:
+            if explicit:
+                raise
+            errors.append(f"{name}: {e}")
+    raise NotImplementedError(f"no backend in {names} can serve {op}: " + "; ".join(errors))
+
+
+def available_backends(op: str = "paged_attention") -> tuple[str, ...]:
+    """Names of the backends importable on this platform (not a promise that each one
+    serves every argument combination)."""
+    out = []
+    for name in BACKENDS:
+        try:
+            mod = _backend_module(name)
+        except NotImplementedError:
+            continue
+        ok = getattr(mod, "is_available", lambda: True)()
+        if ok and hasattr(mod, op):
+            out.append(name)
+    return tuple(out)
+
+
+# --- validation helpers --------------------------------------------------------------
+
+
+def _shape_str(x) -> str:
+    return f"shape {tuple(x.shape)} and dtype {np.dtype(x.dtype)}"
+
+
+def _check_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_float(name, x):
+    _check_array(name, x)
+    if np.dtype(x.dtype) not in [np.dtype(d) for d in _FLOAT_DTYPES]:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {np.dtype(x.dtype)}")
+
+
+def _check_int32(name, x, rank, expected: str):
+    _check_array(name, x)
+    if np.dtype(x.dtype) != np.int32:
+        raise TypeError(f"{name} must be int32 {expected}, got {_shape_str(x)}")
+    if x.ndim != rank:
+        raise ValueError(f"{name} must be int32 {expected}, got {_shape_str(x)}")
+
+
+def _check_rank(name, x, rank, expected: str):
+    if x.ndim != rank:
+        raise ValueError(f"{name} must be {expected}, got {_shape_str(x)}")
+
+
+def _check_heads(q, num_kv_heads, head_dim, qname="q"):
+    hq, d = q.shape[-2], q.shape[-1]
+    if d != head_dim:
+        raise ValueError(f"{qname} head dim {d} does not match the KV cache head dim {head_dim}")
+    if num_kv_heads == 0 or hq % num_kv_heads:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of KV heads "
+            f"({num_kv_heads})"
+        )
+
+
+def _check_kv_dtypes(k_cache, v_cache):
+    _check_float("k_cache", k_cache)
+    _check_float("v_cache", v_cache)
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(
+            f"k_cache and v_cache must share a dtype, got {np.dtype(k_cache.dtype)} and "
+            f"{np.dtype(v_cache.dtype)}"
+        )
+
+
+def _resolve_scale(scale, head_dim) -> float:
+    if scale is None:
+        return _reference.default_scale(head_dim)
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
+        if isinstance(scale, jax.core.Tracer):
+            raise TypeError("scale must be a Python float (a static value), got a traced array")
+        scale = float(scale)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive float, got {scale}")
+    return scale
+
+
+def _check_soft_cap(soft_cap):
+    if soft_cap is None:
+        return None
+    if not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool):
+        raise TypeError(f"soft_cap must be a float or None, got {type(soft_cap).__name__}")
+    soft_cap = float(soft_cap)
+    if not np.isfinite(soft_cap) or soft_cap <= 0:
+        raise ValueError(f"soft_cap must be a finite positive float or None, got {soft_cap}")
+    return soft_cap
+
+
+def _check_partition_size(partition_size):
+    if partition_size is None:
+        return None
+    if not isinstance(partition_size, (int, np.integer)) or isinstance(partition_size, bool):
+        raise TypeError(f"partition_size must be an int or None, got {partition_size!r}")
+    if partition_size <= 0:
+        raise ValueError(f"partition_size must be positive, got {partition_size}")
+    return int(partition_size)
+
+
+def _concrete(x):
+    """numpy value of x, or None when x is traced (values unknown at trace time)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # noqa: BLE001 - anything non-materialisable is treated as traced
+        return None
+
+
+def _check_indptr_values(name, ptr):
+    p = _concrete(ptr)
+    if p is None:
+        return None
+    if p.size and p[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {p[0]}")
+    if np.any(np.diff(p) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {p.tolist()}")
+    return p
+
+
+def _check_seq_lens_values(seq_lens, block_tables, page_size, num_pages):
+    lens, tables = _concrete(seq_lens), _concrete(block_tables)
+    if lens is None:
+        return
+    capacity = block_tables.shape[1] * page_size
+    if np.any(lens < 0) or np.any(lens > capacity):
+        raise ValueError(
+            f"seq_lens must lie in [0, max_pages * page_size = {capacity}], got {lens.tolist()}"
+        )
+    if tables is None:
+        return
+    for b, n in enumerate(lens):
+        used = tables[b, : -(-int(n) // page_size)]
+        if np.any(used < 0) or np.any(used >= num_pages):
+            raise ValueError(
+                f"block_tables[{b}] holds a page outside [0, {num_pages}) within its first "
+                f"ceil(seq_lens[{b}] / page_size) entries: {used.tolist()}"
+            )
+
+
+# --- public ops ----------------------------------------------------------------------
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    partition_size=None,
+    soft_cap=None,
+    implementation=None,
+):
+    """Decode attention: one query token per sequence over a paged KV cache.
+
+    q: [B, Hq, D]; k_cache, v_cache: a paged cache in ``layout`` (see
+    :mod:`jaxattn.layout`); block_tables: i32[B, max_pages]; seq_lens: i32[B].
+    ``partition_size``: None for one pass (or the kernel's own split), an int for
+    split-KV with that many tokens per partition followed by an exact combine.
+    Returns [B, Hq, D] in q's dtype.
+    """
+    _layout.check_layout(layout)
+    _check_float("q", q)
+    _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
+    _check_kv_dtypes(k_cache, v_cache)
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    _check_heads(q, geom.num_kv_heads, geom.head_dim)
+    b = q.shape[0]
+    _check_int32("block_tables", block_tables, 2, f"[batch={b}, max_pages]")
+    if block_tables.shape[0] != b:
+        raise ValueError(
+            f"block_tables must be int32 [batch={b}, max_pages], got {_shape_str(block_tables)}"
+        )
+    _check_int32("seq_lens", seq_lens, 1, f"[batch={b}]")
+    if seq_lens.shape[0] != b:
+        raise ValueError(f"seq_lens must be int32 [batch={b}], got {_shape_str(seq_lens)}")
+    _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
+    return _dispatch(
+        "paged_attention",
+        implementation,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=_resolve_scale(scale, geom.head_dim),
+        layout=layout,
+        partition_size=_check_partition_size(partition_size),
+        soft_cap=_check_soft_cap(soft_cap),
+    )
+
+
+def extend_attention(
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    *,
+    scale=None,
+    soft_cap=None,
+    implementation=None,
+):
+    """Prefix-cached prefill over a token pool (SGLang form).
+
+    q: [Tq, Hq, D] packed by qo_indptr i32[B+1]; k_cache, v_cache: [num_slots, Hkv, D];
+    kv_indptr: i32[B+1]; kv_indices: i32[>= kv_indptr[-1]] holds, per request, the slots
+    of its cached prefix followed by those of its new tokens (already written). Row i of
+    request b sees key j iff ``j <= i + (Lk_b - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
+    """
+    _check_float("q", q)
+    _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    _check_kv_dtypes(k_cache, v_cache)
+    _check_rank("k_cache", k_cache, 3, "[num_slots, num_kv_heads, head_dim]")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, "
+            f"got {tuple(v_cache.shape)}"
+        )
+    _check_heads(q, k_cache.shape[1], k_cache.shape[2])
+    _check_int32("qo_indptr", qo_indptr, 1, "[batch + 1]")
+    _check_int32("kv_indptr", kv_indptr, 1, "[batch + 1]")
+    if qo_indptr.shape[0] < 2:
+        raise ValueError(
+            f"qo_indptr must be int32 [batch + 1] with batch >= 1, got {_shape_str(qo_indptr)}"
+        )
+    if kv_indptr.shape != qo_indptr.shape:
+        raise ValueError(
+            f"kv_indptr must be int32 [batch + 1 = {qo_indptr.shape[0]}] like "
+            f"qo_indptr, got {_shape_str(kv_indptr)}"
+        )
+    _check_int32("kv_indices", kv_indices, 1, "[kv_indptr[-1]]")
+    qo = _check_indptr_values("qo_indptr", qo_indptr)
+    kv = _check_indptr_values("kv_indptr", kv_indptr)
+    if qo is not None and qo[-1] > q.shape[0]:
+        raise ValueError(f"qo_indptr[-1] = {qo[-1]} exceeds the {q.shape[0]} rows of q")
+    if kv is not None and kv[-1] > kv_indices.shape[0]:
+        raise ValueError(
+            f"kv_indptr[-1] = {kv[-1]} exceeds the length of kv_indices ({kv_indices.shape[0]})"
+        )
+    if qo is not None and kv is not None and np.any(np.diff(kv) < np.diff(qo)):
+        raise ValueError(
+            "every request needs Lk >= Lq (kv_indptr lengths >= qo_indptr lengths),"
+            f" got qo lengths {np.diff(qo).tolist()} and kv lengths "
+            f"{np.diff(kv).tolist()}"
+        )
+    idx = _concrete(kv_indices)
+    if idx is not None and kv is not None:
+        used = idx[: kv[-1]]
+        if np.any(used < 0) or np.any(used >= k_cache.shape[0]):
+            raise ValueError(f"kv_indices[:kv_indptr[-1]] must lie in [0, {k_cache.shape[0]})")
+    return _dispatch(
+        "extend_attention",
+        implementation,
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale=_resolve_scale(scale, k_cache.shape[2]),
+        soft_cap=_check_soft_cap(soft_cap),
+    )
+
+
+def prefix_prefill(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+    implementation=None,
+):
+    """Prefix-cached prefill over a paged KV cache.
+
+    q: [Tq, Hq, D] packed by cu_seqlens_q i32[B+1]; block_tables i32[B, max_pages];
+    seq_lens i32[B] total KV lengths (prefix + new, already written). Row i of request b
+    sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
+    """
+    _layout.check_layout(layout)
+    _check_float("q", q)
+    _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    _check_kv_dtypes(k_cache, v_cache)
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    _check_heads(q, geom.num_kv_heads, geom.head_dim)
+    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+    b = cu_seqlens_q.shape[0] - 1
+    if b < 1:
+        raise ValueError(
+            f"cu_seqlens_q must be int32 [batch + 1] with batch >= 1, got "
+            f"{_shape_str(cu_seqlens_q)}"
+        )
+    _check_int32("block_tables", block_tables, 2, f"[batch={b}, max_pages]")
+    if block_tables.shape[0] != b:
+        raise ValueError(
+            f"block_tables must be int32 [batch={b}, max_pages], got {_shape_str(block_tables)}"
+        )
+    _check_int32("seq_lens", seq_lens, 1, f"[batch={b}]")
+    if seq_lens.shape[0] != b:
+        raise ValueError(f"seq_lens must be int32 [batch={b}], got {_shape_str(seq_lens)}")
+    cu = _check_indptr_values("cu_seqlens_q", cu_seqlens_q)
+    if cu is not None and cu[-1] > q.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1] = {cu[-1]} exceeds the {q.shape[0]} rows of q")
+    lens = _concrete(seq_lens)
+    if cu is not None and lens is not None and np.any(lens < np.diff(cu)):
+        raise ValueError(
+            f"seq_lens must be >= the query lengths, got seq_lens {lens.tolist()} "
+            f"and query lengths {np.diff(cu).tolist()}"
+        )
+    _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
+    return _dispatch(
+        "prefix_prefill",
+        implementation,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_tables,
+        seq_lens,
+        scale=_resolve_scale(scale, geom.head_dim),
+        layout=layout,
+        soft_cap=_check_soft_cap(soft_cap),
+    )
+
+
+def merge_states(outs, lses):
+    """Exact combine of partial attention results along axis 0.
+
+    outs: [N, ..., D] normalized partial outputs; lses: [N, ...] float, the natural-log
+    log-sum-exp of the scaled logits each part saw (-inf for an empty part).
+    Returns (out [..., D] in outs' dtype, lse [...] float32).
+    """
+    _check_float("outs", outs)
+    _check_array("lses", lses)
+    if not jnp.issubdtype(lses.dtype, jnp.floating):
+        raise TypeError(f"lses must be a float array, got {np.dtype(lses.dtype)}")
+    if outs.ndim < 2:
+        raise ValueError(f"outs must be [num_parts, ..., head_dim], got {_shape_str(outs)}")
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(
+            f"lses must have shape outs.shape[:-1] = {tuple(outs.shape[:-1])}, got "
+            f"{tuple(lses.shape)}"
+        )
+    return _reference.merge_states(outs, lses)

@@ -1,0 +1,22 @@
+"""The spec: pure ``jax.numpy`` attention, float32 accumulation, same signatures as the
+public ops in :mod:`jaxattn.ops` (without ``implementation=``)."""
+
+from .attention import (
+    attention_states,
+    default_scale,
+    extend_attention,
+    masked_attention,
+    merge_states,
+    paged_attention,
+    prefix_prefill,
+)
+
+__all__ = [
+    "attention_states",
+    "default_scale",
+    "extend_attention",
+    "masked_attention",
+    "merge_states",
+    "paged_attention",
+    "prefix_prefill",
+]

@@ -1,0 +1,250 @@
+"""The spec: attention over paged and pooled KV caches in plain ``jax.numpy``.
+
+Short and obviously right rather than fast: every logit is computed in float32 at
+HIGHEST precision, masking is a ``where`` (never a multiply, so NaN in an unread slot
+cannot leak into the result), and the output is cast to ``q``'s dtype at the end.
+
+Shapes: B sequences, Hq query heads, Hkv KV heads (Hq % Hkv == 0), D head dim,
+P page size. Query head ``h`` attends with KV head ``h // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .. import layout as _layout
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _logits(q, k, scale, soft_cap):
+    """q [T, Hq, D], k [S, Hkv, D] -> float32 logits [T, Hq, S] (GQA by head grouping)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
+    s = jnp.einsum("tkgd,skd->tkgs", qg, k.astype(jnp.float32), precision=_HI)
+    s = s.reshape(t, hq, k.shape[0]) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def _weighted_values(p, v):
+    """p [T, Hq, S] float32, v [S, Hkv, D] -> [T, Hq, D] float32."""
+    t, hq, s = p.shape
+    hkv = v.shape[1]
+    pg = p.reshape(t, hkv, hq // hkv, s)
+    o = jnp.einsum("tkgs,skd->tkgd", pg, v.astype(jnp.float32), precision=_HI)
+    return o.reshape(t, hq, v.shape[-1])
+
+
+def attention_states(q, k, v, mask, *, scale, soft_cap=None):
+    """Masked attention returning the softmax state.
+
+    q [T, Hq, D], k/v [S, Hkv, D], mask bool [T, S] (True = visible).
+    Returns ``(out [T, Hq, D] f32, m [T, Hq], l [T, Hq])`` where ``m`` is the max
+    visible logit (``-inf`` for a fully masked row), ``l = sum exp(logit - m)`` and
+    ``out`` the normalized output (zeros for a fully masked row).
+    """
+    s = _logits(q, k, scale, soft_cap)
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask[:, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    v = jnp.where(mask.any(axis=0)[:, None, None], v, 0)  # unread rows may hold NaN
+    o = _weighted_values(p, v)
+    o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return o, m, l
+
+
+def masked_attention(q, k, v, mask, *, scale, soft_cap=None):
+    """Masked softmax attention, float32 result [T, Hq, D]."""
+    return attention_states(q, k, v, mask, scale=scale, soft_cap=soft_cap)[0]
+
+
+def merge_states(outs, lses):
+    """Exact combine of partial attention results along axis 0.
+
+    outs ``[N, ..., D]`` are normalized partial outputs, lses ``[N, ...]`` the natural-log
+    log-sum-exp of the scaled logits each part saw (``-inf`` for a part that saw none).
+    Returns ``(out [..., D] in outs' dtype, lse [...] float32)``; a position where every
+    part is empty gives ``out = 0`` and ``lse = -inf``.
+    """
+    lses = lses.astype(jnp.float32)
+    big = jnp.max(lses, axis=0)
+    big_safe = jnp.where(jnp.isfinite(big), big, 0.0)
+    w = jnp.where(jnp.isfinite(lses), jnp.exp(lses - big_safe[None]), 0.0)
+    total = jnp.sum(w, axis=0)
+    parts = jnp.where(w[..., None] > 0, outs.astype(jnp.float32), 0.0)
+    out = jnp.sum(w[..., None] * parts, axis=0)
+    out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    lse = jnp.where(total > 0, big_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return out.astype(outs.dtype), lse
+
+
+def _resolve_scale(scale, head_dim):
+    return default_scale(head_dim) if scale is None else float(scale)
+
+
+def _sequence_slots(block_tables, seq_lens, page_size):
+    """Token slots [B, S] (S = max_pages * P) and validity [B, S] for paged sequences.
+
+    Invalid positions get slot 0 so that garbage block-table entries are never used as
+    addresses; their data is masked out anyway.
+    """
+    max_pages = block_tables.shape[1]
+    pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)
+    valid = pos[None, :] < seq_lens[:, None]
+    pages = block_tables[:, pos // page_size]
+    slots = jnp.where(valid, pages * page_size + (pos % page_size)[None, :], 0)
+    return slots, valid, pos
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    partition_size=None,
+    soft_cap=None,
+):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    q: [B, Hq, D]; k_cache, v_cache: a cache in ``layout``; block_tables: i32[B, max_pages];
+    seq_lens: i32[B]. Returns [B, Hq, D] in q's dtype.
+
+    ``partition_size=None`` is one pass over the whole context (vLLM v1). An int splits
+    the context into partitions of that many tokens (vLLM v2): each partition keeps its
+    max ``m_p``, exp-sum ``l_p`` and normalized output ``O_p``; the combine weighs
+    ``O_p`` by ``l_p * exp(m_p - M) / L`` with ``M = max m_p``, ``L = sum l_p exp(m_p - M)``.
+    """
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    scale = _resolve_scale(scale, q.shape[-1])
+    slots, valid, pos = _sequence_slots(block_tables, seq_lens, geom.page_size)
+    k = _layout.gather_tokens(k_cache, slots, layout, "k")  # [B, S, Hkv, D]
+    v = _layout.gather_tokens(v_cache, slots, layout, "v")
+
+    if partition_size is None:
+
+        def one(qb, kb, vb, validb):
+            return masked_attention(qb[None], kb, vb, validb[None], scale=scale, soft_cap=soft_cap)[
+                0
+            ]
+
+        out = jax.vmap(one)(q, k, v, valid)
+        return out.astype(q.dtype)
+
+    partition_size = int(partition_size)
+    num_parts = -(-pos.shape[0] // partition_size)
+    part_of = pos // partition_size
+
+    def one_split(qb, kb, vb, validb):
+        def part(p):
+            o, m, l = attention_states(
+                qb[None], kb, vb, (validb & (part_of == p))[None], scale=scale, soft_cap=soft_cap
+            )
+            return o[0], m[0], l[0]
+
+        o, m, l = jax.vmap(part)(jnp.arange(num_parts))  # [N, Hq, D], [N, Hq], [N, Hq]
+        big = jnp.max(m, axis=0)
+        big_safe = jnp.where(jnp.isfinite(big), big, 0.0)
+        lw = jnp.where(l > 0, l * jnp.exp(m - big_safe[None]), 0.0)  # l_p * exp(m_p - M)
+        total = jnp.sum(lw, axis=0)
+        num = jnp.sum(lw[..., None] * o, axis=0)
+        return jnp.where(
+            total[..., None] > 0, num / jnp.where(total > 0, total, 1.0)[..., None], 0.0
+        )
+
+    return jax.vmap(one_split)(q, k, v, valid).astype(q.dtype)
+
+
+def _ragged_rows(indptr, total_rows):
+    """For rows 0..total_rows-1 of a packed batch: (request id, row index within request,
+    row is real). Rows past indptr[-1] are padding."""
+    rows = jnp.arange(total_rows, dtype=jnp.int32)
+    req = jnp.searchsorted(indptr, rows, side="right").astype(jnp.int32) - 1
+    req = jnp.clip(req, 0, indptr.shape[0] - 2)
+    real = rows < indptr[-1]
+    return req, rows - indptr[req], real
+
+
+def extend_attention(
+    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale=None, soft_cap=None
+):
+    """Prefix-cached prefill over a token pool (SGLang's extend attention).
+
+    q: [Tq, Hq, D] packed by qo_indptr i32[B+1]; k_cache, v_cache: [num_slots, Hkv, D];
+    kv_indices: i32[>= kv_indptr[-1]] lists per request the slots of its cached prefix
+    followed by the slots of its new tokens. Row i of request b sees key j iff
+    ``j <= i + (Lk_b - Lq_b)`` (and ``j < Lk_b``). Returns [Tq, Hq, D] in q's dtype;
+    rows past qo_indptr[-1] are zeros.
+    """
+    scale = _resolve_scale(scale, q.shape[-1])
+    tq, nk = q.shape[0], kv_indices.shape[0]
+    q_req, q_row, q_real = _ragged_rows(qo_indptr, tq)
+    k_req, k_pos, k_real = _ragged_rows(kv_indptr, nk)
+    lq = qo_indptr[1:] - qo_indptr[:-1]
+    lk = kv_indptr[1:] - kv_indptr[:-1]
+    shift = (lk - lq)[q_req]
+    mask = (
+        q_real[:, None]
+        & k_real[None, :]
+        & (q_req[:, None] == k_req[None, :])
+        & (k_pos[None, :] <= q_row[:, None] + shift[:, None])
+    )
+    slots = jnp.where(k_real, kv_indices, 0)
+    k = k_cache[slots]
+    v = v_cache[slots]
+    return masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap).astype(q.dtype)
+
+
+def prefix_prefill(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+):
+    """Prefix-cached prefill over a paged KV cache (the paged form of extend).
+
+    q: [Tq, Hq, D] packed by cu_seqlens_q i32[B+1]; block_tables i32[B, max_pages];
+    seq_lens i32[B] are total KV lengths (prefix + new), whose K/V are already in the
+    cache. Row i of request b sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``.
+    Returns [Tq, Hq, D] in q's dtype; rows past cu_seqlens_q[-1] are zeros.
+    """
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    scale = _resolve_scale(scale, q.shape[-1])
+    b = block_tables.shape[0]
+    slots, valid, pos = _sequence_slots(block_tables, seq_lens, geom.page_size)
+    s = pos.shape[0]
+    k = _layout.gather_tokens(k_cache, slots.reshape(-1), layout, "k")  # [B*S, Hkv, D]
+    v = _layout.gather_tokens(v_cache, slots.reshape(-1), layout, "v")
+    q_req, q_row, q_real = _ragged_rows(cu_seqlens_q, q.shape[0])
+    lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    shift = (seq_lens - lq)[q_req]
+    k_req = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
+    k_pos = jnp.tile(pos, b)
+    mask = (
+        q_real[:, None]
+        & valid.reshape(-1)[None, :]
+        & (q_req[:, None] == k_req[None, :])
+        & (k_pos[None, :] <= q_row[:, None] + shift[:, None])
+    )
+    return masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap).astype(q.dtype)

@@ -1,0 +1,327 @@
+"""Shared test utilities: the tolerance table and random input builders.
+
+Every builder fills each page / slot that the op must not read with NaN, permutes the
+page ids, and pads block tables and index arrays with entries that point at NaN pages,
+so any read outside the valid range shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import layout as L
+
+# One table for every comparison against the spec or a float64 computation.
+TOLERANCES = {
+    np.dtype(jnp.float32): dict(atol=1e-4, rtol=1e-4),
+    np.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+    np.dtype(jnp.float16): dict(atol=5e-3, rtol=5e-3),
+}
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def tol(dtype) -> dict:
+    return dict(TOLERANCES[np.dtype(dtype)])
+
+
+def assert_close(actual, expected, dtype=None):
+    """Compare in float64 with the dtype's tolerance; NaN anywhere fails."""
+    dtype = np.dtype(actual.dtype if dtype is None else dtype)
+    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert not np.isnan(a).any(), "output contains NaN (an unread slot was read?)"
+    assert not np.isnan(e).any(), "expected value contains NaN"
+    np.testing.assert_allclose(a, e, **tol(dtype))
+
+
+def random_normal(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+# --- float64 numpy attention, independent of the spec --------------------------------
+
+
+def naive_attention(q, k, v, *, scale=None, soft_cap=None, causal=True):
+    """One request in float64 numpy. q [Lq, Hq, D], k/v [Lk, Hkv, D]; query i sees key j
+    iff j <= i + (Lk - Lq) when causal, every key otherwise. Fully masked rows -> 0."""
+    q, k, v = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (q, k, v))
+    lq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((lq, hq, d))
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
+        for i in range(lq):
+            n = min(lk, i + lk - lq + 1) if causal else lk
+            if n <= 0:
+                continue
+            s = kh[:n] @ q[i, h] * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            p = np.exp(s - s.max())
+            out[i, h] = p @ vh[:n] / p.sum()
+    return out
+
+
+# --- paged decode inputs -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PagedCase:
+    q: jnp.ndarray  # [B, Hq, D]
+    k_cache: jnp.ndarray
+    v_cache: jnp.ndarray
+    block_tables: jnp.ndarray  # int32 [B, max_pages]
+    seq_lens: jnp.ndarray  # int32 [B]
+    layout: str
+    page_size: int
+    dense_k: list  # per sequence [L, Hkv, D] (valid tokens only, cache dtype)
+    dense_v: list
+
+
+def make_paged_kv(
+    rng,
+    seq_lens,
+    *,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    layout="bshd",
+    dtype=jnp.float32,
+    spare_pages=3,
+    pad_pages=2,
+):
+    """A NaN-poisoned paged cache holding random K/V for sequences of ``seq_lens`` tokens.
+
+    Returns (k_cache, v_cache, block_tables, dense_k, dense_v). Pages are a random
+    permutation; ``spare_pages`` unused pages exist (NaN); each table has ``pad_pages``
+    extra entries pointing at NaN pages; slots past a sequence's end are NaN.
+    """
+    seq_lens = [int(n) for n in seq_lens]
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    used = sum(pages_per_seq)
+    num_pages = used + spare_pages + 1
+    perm = rng.permutation(num_pages)
+    data_pages, nan_pages = perm[:used], perm[used:]
+    max_pages = max(pages_per_seq + [1]) + pad_pages
+    k = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    tables = rng.choice(nan_pages, size=(len(seq_lens), max_pages)).astype(np.int32)
+    dense_k, dense_v, at = [], [], 0
+    for b, n in enumerate(seq_lens):
+        kb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
+        vb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
+        for j in range(pages_per_seq[b]):
+            page = data_pages[at]
+            at += 1
+            tables[b, j] = page
+            chunk = slice(j * page_size, min(n, (j + 1) * page_size))
+            m = chunk.stop - chunk.start
+            k[page, :m], v[page, :m] = kb[chunk], vb[chunk]
+        dense_k.append(jnp.asarray(kb, dtype))
+        dense_v.append(jnp.asarray(vb, dtype))
+    kc, vc = L.convert(jnp.asarray(k, dtype), jnp.asarray(v, dtype), "bshd", layout)
+    return kc, vc, jnp.asarray(tables), dense_k, dense_v
+
+
+def make_paged_decode(
+    rng,
+    seq_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    layout="bshd",
+    dtype=jnp.float32,
+    **kw,
+) -> PagedCase:
+    kc, vc, tables, dk, dv = make_paged_kv(
+        rng,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        **kw,
+    )
+    q = random_normal(rng, (len(seq_lens), num_q_heads, head_dim), dtype)
+    return PagedCase(q, kc, vc, tables, jnp.asarray(seq_lens, jnp.int32), layout, page_size, dk, dv)
+
+
+# --- extend / prefix-prefill inputs ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class ExtendCase:
+    q: jnp.ndarray  # [Tq, Hq, D] (may have padding rows at the end)
+    k_pool: jnp.ndarray  # [num_slots, Hkv, D]
+    v_pool: jnp.ndarray
+    qo_indptr: jnp.ndarray
+    kv_indptr: jnp.ndarray
+    kv_indices: jnp.ndarray  # may be longer than kv_indptr[-1] (padding)
+    prefix_lens: list
+    extend_lens: list
+    dense_k: list  # per request [Lk, Hkv, D]
+    dense_v: list
+
+
+def make_extend(
+    rng,
+    prefix_lens,
+    extend_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    dtype=jnp.float32,
+    spare_slots=7,
+    pad_rows=0,
+    pad_indices=3,
+):
+    """SGLang-form extend inputs over a NaN-poisoned token pool with shuffled slots."""
+    lks = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    total = sum(lks)
+    num_slots = total + spare_slots + 1
+    perm = rng.permutation(num_slots).astype(np.int32)
+    k = np.full((num_slots, num_kv_heads, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    indices, dense_k, dense_v, at = [], [], [], 0
+    for lk in lks:
+        slots = perm[at : at + lk]
+        at += lk
+        kb = rng.standard_normal((lk, num_kv_heads, head_dim), dtype=np.float32)
+        vb = rng.standard_normal((lk, num_kv_heads, head_dim), dtype=np.float32)
+        k[slots], v[slots] = kb, vb
+        indices.append(slots)
+        dense_k.append(jnp.asarray(kb, dtype))
+        dense_v.append(jnp.asarray(vb, dtype))
+    nan_slots = perm[total:]
+    indices.append(rng.choice(nan_slots, size=pad_indices).astype(np.int32))
+    tq = sum(extend_lens)
+    q = random_normal(rng, (tq + pad_rows, num_q_heads, head_dim), dtype)
+    qo = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int32)
+    kv = np.concatenate([[0], np.cumsum(lks)]).astype(np.int32)
+    return ExtendCase(
+        q,
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(qo),
+        jnp.asarray(kv),
+        jnp.asarray(np.concatenate(indices)),
+        list(prefix_lens),
+        list(extend_lens),
+        dense_k,
+        dense_v,
+    )
+
+
+@dataclasses.dataclass
+class PrefillCase:
+    q: jnp.ndarray
+    k_cache: jnp.ndarray
+    v_cache: jnp.ndarray
+    cu_seqlens_q: jnp.ndarray
+    block_tables: jnp.ndarray
+    seq_lens: jnp.ndarray
+    layout: str
+    page_size: int
+    prefix_lens: list
+    extend_lens: list
+    dense_k: list
+    dense_v: list
+
+
+def make_prefix_prefill(
+    rng,
+    prefix_lens,
+    extend_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    layout="bshd",
+    dtype=jnp.float32,
+    pad_rows=0,
+    **kw,
+) -> PrefillCase:
+    lks = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    kc, vc, tables, dk, dv = make_paged_kv(
+        rng,
+        lks,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        **kw,
+    )
+    tq = sum(extend_lens)
+    q = random_normal(rng, (tq + pad_rows, num_q_heads, head_dim), dtype)
+    cu = np.concatenate([[0], np.cumsum(extend_lens)]).astype(np.int32)
+    return PrefillCase(
+        q,
+        kc,
+        vc,
+        jnp.asarray(cu),
+        tables,
+        jnp.asarray(lks, jnp.int32),
+        layout,
+        page_size,
+        list(prefix_lens),
+        list(extend_lens),
+        dk,
+        dv,
+    )
+
+
+def prefill_as_extend(case: PrefillCase):
+    """The same problem in SGLang form: (k_pool, v_pool, qo_indptr, kv_indptr, kv_indices)."""
+    kb = L.to_bshd(case.k_cache, case.layout, "k")
+    vb = L.to_bshd(case.v_cache, case.layout, "v")
+    n, p, h, d = kb.shape
+    tables = np.asarray(case.block_tables)
+    lens = np.asarray(case.seq_lens)
+    idx = [
+        (tables[b, np.arange(lk) // p] * p + np.arange(lk) % p).astype(np.int32)
+        for b, lk in enumerate(lens)
+    ]
+    kv = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return (
+        kb.reshape(n * p, h, d),
+        vb.reshape(n * p, h, d),
+        case.cu_seqlens_q,
+        jnp.asarray(kv),
+        jnp.asarray(np.concatenate(idx)),
+    )
+
+
+def expected_decode(case: PagedCase, *, scale=None, soft_cap=None):
+    """float64 [B, Hq, D] from the dense per-sequence K/V."""
+    return np.stack(
+        [
+            naive_attention(
+                case.q[b][None], case.dense_k[b], case.dense_v[b], scale=scale, soft_cap=soft_cap
+            )[0]
+            for b in range(case.q.shape[0])
+        ]
+    )
+
+
+def expected_ragged(q, qo_indptr, dense_k, dense_v, *, scale=None, soft_cap=None):
+    """float64 [Tq, Hq, D] for packed queries; padding rows are zeros."""
+    qo = np.asarray(qo_indptr)
+    out = np.zeros(q.shape, np.float64)
+    for b in range(len(qo) - 1):
+        out[qo[b] : qo[b + 1]] = naive_attention(
+            q[qo[b] : qo[b + 1]], dense_k[b], dense_v[b], scale=scale, soft_cap=soft_cap
+        )
+    return out
