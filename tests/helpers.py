@@ -96,20 +96,25 @@ def make_paged_kv(
     dtype=jnp.float32,
     spare_pages=3,
     pad_pages=2,
+    num_pages=None,
+    max_pages=None,
 ):
     """A NaN-poisoned paged cache holding random K/V for sequences of ``seq_lens`` tokens.
 
     Returns (k_cache, v_cache, block_tables, dense_k, dense_v). Pages are a random
     permutation; ``spare_pages`` unused pages exist (NaN); each table has ``pad_pages``
     extra entries pointing at NaN pages; slots past a sequence's end are NaN.
+    ``num_pages`` / ``max_pages`` fix the shapes so that jitted code does not recompile.
     """
     seq_lens = [int(n) for n in seq_lens]
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     used = sum(pages_per_seq)
-    num_pages = used + spare_pages + 1
+    num_pages = used + spare_pages + 1 if num_pages is None else num_pages
+    max_pages = max([*pages_per_seq, 1]) + pad_pages if max_pages is None else max_pages
+    if num_pages <= used or max_pages < max([*pages_per_seq, 0]):
+        raise ValueError("num_pages / max_pages are too small for these sequences")
     perm = rng.permutation(num_pages)
     data_pages, nan_pages = perm[:used], perm[used:]
-    max_pages = max(pages_per_seq + [1]) + pad_pages
     k = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)
     tables = rng.choice(nan_pages, size=(len(seq_lens), max_pages)).astype(np.int32)
@@ -185,11 +190,22 @@ def make_extend(
     spare_slots=7,
     pad_rows=0,
     pad_indices=3,
+    num_slots=None,
+    num_rows=None,
+    num_indices=None,
 ):
-    """SGLang-form extend inputs over a NaN-poisoned token pool with shuffled slots."""
+    """SGLang-form extend inputs over a NaN-poisoned token pool with shuffled slots.
+
+    ``num_slots`` / ``num_rows`` / ``num_indices`` fix the pool size, the rows of q and the
+    length of kv_indices (padding included) so that jitted code does not recompile.
+    """
     lks = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     total = sum(lks)
-    num_slots = total + spare_slots + 1
+    num_slots = total + spare_slots + 1 if num_slots is None else num_slots
+    pad_indices = pad_indices if num_indices is None else num_indices - total
+    pad_rows = pad_rows if num_rows is None else num_rows - sum(extend_lens)
+    if num_slots <= total or pad_indices < 0 or pad_rows < 0:
+        raise ValueError("num_slots / num_rows / num_indices are too small for these requests")
     perm = rng.permutation(num_slots).astype(np.int32)
     k = np.full((num_slots, num_kv_heads, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)

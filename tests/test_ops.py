@@ -1,0 +1,188 @@
+"""Public ops: input validation (errors name the argument) and backend dispatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, expected_decode, make_extend, make_paged_decode
+
+import jaxattn
+from jaxattn import ops
+
+
+@pytest.fixture(scope="module")
+def paged():
+    rng = np.random.default_rng(0)
+    return make_paged_decode(rng, [5, 17], num_q_heads=8, num_kv_heads=2, head_dim=16, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    rng = np.random.default_rng(1)
+    return make_extend(rng, [3, 0], [2, 4], num_q_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def _paged_args(c):
+    return (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
+
+
+def test_public_paged_attention_reference(paged):
+    out = jaxattn.paged_attention(*_paged_args(paged), implementation="reference")
+    assert_close(out, expected_decode(paged))
+    out2 = jax.jit(lambda *a: jaxattn.paged_attention(*a, partition_size=8))(*_paged_args(paged))
+    assert_close(out2, expected_decode(paged))
+
+
+def test_default_implementation_serves(paged, ext):
+    assert_close(jaxattn.paged_attention(*_paged_args(paged)), expected_decode(paged))
+    e = ext
+    out = jaxattn.extend_attention(e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices)
+    want = jaxattn.reference.extend_attention(
+        e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices
+    )
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, ValueError, "q must be"),
+        (lambda a: {**a, "q": a["q"].astype(jnp.int32)}, TypeError, "q must be float"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "multiple of the number of KV heads"),
+        (lambda a: {**a, "q": a["q"][..., :8]}, ValueError, "head dim"),
+        (lambda a: {**a, "k_cache": a["k_cache"][..., :8]}, ValueError, "v_cache"),
+        (lambda a: {**a, "v_cache": a["v_cache"].astype(jnp.bfloat16)}, TypeError, "share"),
+        (
+            lambda a: {
+                **a,
+                "block_tables": a["block_tables"].astype(jnp.int64)
+                if jax.config.jax_enable_x64
+                else a["block_tables"].astype(jnp.float32),
+            },
+            TypeError,
+            "block_tables must be int32",
+        ),
+        (lambda a: {**a, "block_tables": a["block_tables"][:1]}, ValueError, "block_tables"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, ValueError, "seq_lens"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.uint32)}, TypeError, "seq_lens"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"] * 100}, ValueError, "seq_lens must lie"),
+        (
+            lambda a: {**a, "block_tables": a["block_tables"].at[0, 0].set(10_000)},
+            ValueError,
+            "block_tables\\[0\\]",
+        ),
+        (lambda a: {**a, "layout": "nhd"}, ValueError, "layout"),
+        (lambda a: {**a, "scale": -1.0}, ValueError, "scale"),
+        (lambda a: {**a, "scale": "big"}, TypeError, "scale"),
+        (lambda a: {**a, "soft_cap": 0.0}, ValueError, "soft_cap"),
+        (lambda a: {**a, "partition_size": 0}, ValueError, "partition_size"),
+        (lambda a: {**a, "partition_size": 1.5}, TypeError, "partition_size"),
+        (lambda a: {**a, "implementation": "cuda"}, ValueError, "implementation"),
+        (lambda a: {**a, "implementation": 3}, TypeError, "implementation"),
+    ],
+)
+def test_paged_attention_bad_inputs(paged, mutate, exc, match):
+    args = dict(
+        q=paged.q,
+        k_cache=paged.k_cache,
+        v_cache=paged.v_cache,
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+    )
+    args = mutate(args)
+    with pytest.raises(exc, match=match):
+        jaxattn.paged_attention(**args)
+
+
+def test_validation_runs_at_trace_time(paged):
+    # Under jit the values are unknown, but a wrong shape still fails before any kernel.
+    f = jax.jit(lambda q, *a: jaxattn.paged_attention(q[:, :3], *a))
+    with pytest.raises(ValueError, match="multiple of the number of KV heads"):
+        f(*_paged_args(paged))
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: {**a, "qo_indptr": a["qo_indptr"][:-1]}, ValueError, "kv_indptr"),
+        (lambda a: {**a, "kv_indptr": a["kv_indptr"][None]}, ValueError, "kv_indptr"),
+        (
+            lambda a: {**a, "kv_indices": a["kv_indices"].astype(jnp.float32)},
+            TypeError,
+            "kv_indices must be int32",
+        ),
+        (lambda a: {**a, "k_cache": a["k_cache"][None]}, ValueError, "k_cache"),
+        (lambda a: {**a, "v_cache": a["v_cache"][:-1]}, ValueError, "v_cache"),
+        (lambda a: {**a, "qo_indptr": a["qo_indptr"].at[0].set(1)}, ValueError, "qo_indptr\\[0\\]"),
+        (lambda a: {**a, "qo_indptr": a["qo_indptr"].at[-1].set(100)}, ValueError, "rows of q"),
+        (lambda a: {**a, "kv_indptr": a["kv_indptr"].at[1].set(1)}, ValueError, "Lk >= Lq"),
+        (lambda a: {**a, "kv_indices": a["kv_indices"].at[0].set(-5)}, ValueError, "kv_indices"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, "multiple of the number of KV heads"),
+    ],
+)
+def test_extend_attention_bad_inputs(ext, mutate, exc, match):
+    args = dict(
+        q=ext.q,
+        k_cache=ext.k_pool,
+        v_cache=ext.v_pool,
+        qo_indptr=ext.qo_indptr,
+        kv_indptr=ext.kv_indptr,
+        kv_indices=ext.kv_indices,
+    )
+    with pytest.raises(exc, match=match):
+        jaxattn.extend_attention(**mutate(args))
+
+
+def test_prefix_prefill_bad_inputs(paged):
+    q = jnp.zeros((6, 8, 16), jnp.float32)
+    cu = jnp.array([0, 2, 6], jnp.int32)
+    good = dict(
+        q=q,
+        k_cache=paged.k_cache,
+        v_cache=paged.v_cache,
+        cu_seqlens_q=cu,
+        block_tables=paged.block_tables,
+        seq_lens=paged.seq_lens,
+    )
+    jaxattn.prefix_prefill(**good)
+    with pytest.raises(ValueError, match="seq_lens must be >= the query lengths"):
+        jaxattn.prefix_prefill(**{**good, "cu_seqlens_q": jnp.array([0, 6, 6], jnp.int32)})
+    with pytest.raises(ValueError, match="block_tables"):
+        jaxattn.prefix_prefill(**{**good, "cu_seqlens_q": jnp.array([0, 1, 2, 6], jnp.int32)})
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        jaxattn.prefix_prefill(**{**good, "cu_seqlens_q": cu.astype(jnp.float32)})
+
+
+def test_merge_states_bad_inputs():
+    outs = jnp.zeros((3, 2, 4, 8))
+    with pytest.raises(ValueError, match="lses must have shape"):
+        jaxattn.merge_states(outs, jnp.zeros((3, 2)))
+    with pytest.raises(TypeError, match="lses must be a float"):
+        jaxattn.merge_states(outs, jnp.zeros((3, 2, 4), jnp.int32))
+
+
+class _Refuses:
+    """A backend that cannot serve anything."""
+
+    @staticmethod
+    def paged_attention(*a, **k):
+        raise NotImplementedError("never")
+
+
+def test_dispatch_falls_back_only_when_not_explicit(monkeypatch, paged):
+    real = ops._backend_module
+    monkeypatch.setattr(
+        ops, "_backend_module", lambda name: _Refuses if name == "native" else real(name)
+    )
+    # A sequence tries each in turn and ends at the reference.
+    out = jaxattn.paged_attention(*_paged_args(paged), implementation=("native", "reference"))
+    assert_close(out, expected_decode(paged))
+    # A single named backend that cannot serve raises instead of silently falling back.
+    with pytest.raises(NotImplementedError, match="never"):
+        jaxattn.paged_attention(*_paged_args(paged), implementation="native")
+    with pytest.raises(NotImplementedError, match="no backend"):
+        jaxattn.paged_attention(*_paged_args(paged), implementation=("native",))
+
+
+def test_available_backends_lists_reference():
+    assert "reference" in jaxattn.available_backends()
