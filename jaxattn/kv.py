@@ -1,0 +1,109 @@
+"""Device-side KV cache writes: store new tokens' K/V (vLLM ``reshape_and_cache``) and apply
+copy-on-write block copies (vLLM ``copy_blocks``).
+
+Both are pure functions that return new caches. Under ``jax.jit`` with the caches donated,
+XLA aliases each cache output to its input buffer and updates it in place, so a step
+writes only the touched slots instead of copying the whole pool::
+
+    write = jax.jit(write_kv, static_argnames="layout", donate_argnums=(0, 1))
+    k_cache, v_cache = write(k_cache, v_cache, k, v, slot_mapping, layout="vllm")
+
+After the call the donated input arrays are deleted; always rebind the names to the
+outputs. :data:`write_kv_donated` and :data:`copy_blocks_donated` are exactly these jitted
+functions. Inside a larger jitted step (a model forward that takes and returns the caches),
+donate the caches of the outer function instead: the scatter then updates the donated
+buffer in place there too.
+
+On XLA's CPU backend a bfloat16 scatter goes through float32 temporaries (there is no
+native bf16 scatter there); the output still aliases the donated input. float32 and
+float16 caches, and every dtype on GPU, are updated with no scratch copy of the pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import layout as L
+
+__all__ = ["copy_blocks", "copy_blocks_donated", "write_kv", "write_kv_donated"]
+
+
+def _shape(x) -> str:
+    return f"shape {tuple(x.shape)} and dtype {np.dtype(x.dtype)}"
+
+
+def _check_index_vector(name: str, x, expected: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an integer array {expected}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array {expected}, got {_shape(x)}")
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be {expected}, got {_shape(x)}")
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd"):
+    """Store the K/V of ``T`` tokens at their pool slots.
+
+    Args:
+      k_cache, v_cache: the paged cache in ``layout`` (see :mod:`jaxattn.layout`).
+      k, v: ``[T, Hkv, D]``; cast to the cache dtype.
+      slot_mapping: ``i32[T]``, slot ``page * P + offset`` of each token. Negative entries
+        are padding and write nothing, so a batch can be padded to a fixed ``T``. Valid
+        entries must be distinct and below ``num_pages * P``.
+
+    Returns:
+      ``(k_cache, v_cache)`` with the tokens written; everything else is unchanged.
+    """
+    geom = L.cache_geometry(k_cache, v_cache, layout)
+    want = f"[T, num_kv_heads={geom.num_kv_heads}, head_dim={geom.head_dim}]"
+    for name, x in (("k", k), ("v", v)):
+        if not hasattr(x, "shape") or x.ndim != 3 or tuple(x.shape[1:]) != geom[2:]:
+            got = _shape(x) if hasattr(x, "shape") else type(x).__name__
+            raise ValueError(f"{name} must be {want} to match the cache, got {got}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {_shape(v)}")
+    _check_index_vector("slot_mapping", slot_mapping, f"i32[T={k.shape[0]}]")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be i32[T={k.shape[0]}], got {_shape(slot_mapping)}")
+    slots = slot_mapping.astype(jnp.int32)
+    return (
+        L.scatter_tokens(k_cache, slots, k, layout, "k"),
+        L.scatter_tokens(v_cache, slots, v, layout, "v"),
+    )
+
+
+def copy_blocks(k_cache, v_cache, src, dst, *, layout: str = "bshd"):
+    """Copy whole pages ``src[i] -> dst[i]`` in both caches (copy-on-write orders).
+
+    Args:
+      src, dst: ``i32[N]`` page ids, e.g. the ``(src, dst)`` pairs returned by
+        :meth:`jaxattn.paging.BlockManager.append_slot`. A negative ``dst`` is padding and
+        copies nothing. Every read sees the cache as it was before the call; the ``dst``
+        entries must be distinct.
+
+    The page axis is axis 0 in every layout, so this is one gather and one scatter of
+    whole pages per cache.
+    """
+    L.cache_geometry(k_cache, v_cache, layout)
+    _check_index_vector("src", src, "i32[N]")
+    _check_index_vector("dst", dst, f"i32[N={src.shape[0]}] like src")
+    if dst.shape != src.shape:
+        raise ValueError(f"dst must be i32[N={src.shape[0]}] like src, got {_shape(dst)}")
+    num_pages = k_cache.shape[0]
+    src = src.astype(jnp.int32)
+    dst = dst.astype(jnp.int32)
+    # Send padding to an out-of-range page so that mode="drop" discards it (a plain -1
+    # would wrap around to the last page); its source is clamped to a harmless read.
+    dst = jnp.where(dst >= 0, dst, num_pages)
+    src = jnp.clip(src, 0, num_pages - 1)
+    return (
+        k_cache.at[dst].set(k_cache[src], mode="drop"),
+        v_cache.at[dst].set(v_cache[src], mode="drop"),
+    )
+
+
+# The in-place forms: the caches passed in are consumed, rebind to the returned ones.
+write_kv_donated = jax.jit(write_kv, static_argnames="layout", donate_argnums=(0, 1))
+copy_blocks_donated = jax.jit(copy_blocks, static_argnames="layout", donate_argnums=(0, 1))

@@ -1,0 +1,287 @@
+"""write_kv / copy_blocks: exact data movement in every layout, attention over caches written
+through the host structures, copy-on-write branches, and in-place updates under donation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, naive_attention
+
+from jaxattn import layout as L
+from jaxattn import reference
+from jaxattn.kv import copy_blocks, copy_blocks_donated, write_kv, write_kv_donated
+from jaxattn.paging import BlockManager
+from jaxattn.radix import RadixCache, TokenPool
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def nan_cache(layout, num_pages, page_size, hkv, d, dtype):
+    """A K/V pair in ``layout`` with every slot NaN: a read of an unwritten slot shows."""
+    k = jnp.full(L.cache_shape(layout, "k", num_pages, page_size, hkv, d, dtype), jnp.nan, dtype)
+    v = jnp.full(L.cache_shape(layout, "v", num_pages, page_size, hkv, d, dtype), jnp.nan, dtype)
+    return k, v
+
+
+def as_bshd_np(k_cache, v_cache, layout):
+    k = L.to_bshd(k_cache, layout, "k")
+    v = L.to_bshd(v_cache, layout, "v")
+    return np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))
+
+
+def rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+# --- exact data movement -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_write_kv_matches_numpy(layout, dtype):
+    rng = np.random.default_rng(0)
+    num_pages, page_size, hkv, d, t = 7, 5, 3, 16, 13
+    k0 = rand(rng, (num_pages, page_size, hkv, d), dtype)
+    v0 = rand(rng, (num_pages, page_size, hkv, d), dtype)
+    kc, vc = L.convert(k0, v0, "bshd", layout)
+    k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
+    slots = rng.choice(num_pages * page_size, size=t, replace=False).astype(np.int32)
+    slots[[2, 7, 12]] = [-1, -5, -1]  # padding writes nothing
+    kc, vc = jax.jit(write_kv, static_argnames="layout")(
+        kc, vc, k, v, jnp.asarray(slots), layout=layout
+    )
+    want_k = np.array(k0.astype(jnp.float32)).reshape(num_pages * page_size, hkv, d)
+    want_v = np.array(v0.astype(jnp.float32)).reshape(num_pages * page_size, hkv, d)
+    keep = slots >= 0
+    want_k[slots[keep]] = np.asarray(k.astype(jnp.float32))[keep]
+    want_v[slots[keep]] = np.asarray(v.astype(jnp.float32))[keep]
+    got_k, got_v = as_bshd_np(kc, vc, layout)
+    assert kc.dtype == dtype
+    np.testing.assert_array_equal(got_k.reshape(want_k.shape), want_k)
+    np.testing.assert_array_equal(got_v.reshape(want_v.shape), want_v)
+
+
+def test_write_kv_casts_to_the_cache_dtype():
+    kc, vc = nan_cache("bshd", 2, 4, 1, 8, jnp.bfloat16)
+    k = jnp.full((1, 1, 8), 1.5, jnp.float32)
+    kc, vc = write_kv(kc, vc, k, k, jnp.asarray([5], jnp.int32))
+    assert kc.dtype == jnp.bfloat16 and float(kc[1, 1, 0, 0]) == 1.5
+
+
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_copy_blocks_copies_whole_pages_and_skips_padding(layout):
+    rng = np.random.default_rng(1)
+    k0 = rand(rng, (6, 4, 2, 8), jnp.float32)
+    v0 = rand(rng, (6, 4, 2, 8), jnp.float32)
+    kc, vc = L.convert(k0, v0, "bshd", layout)
+    src = jnp.asarray([1, 3, 0, 2], jnp.int32)
+    dst = jnp.asarray([4, 1, -1, -1], jnp.int32)  # 1 is read and written: reads come first
+    kc, vc = copy_blocks(kc, vc, src, dst, layout=layout)
+    got_k, got_v = as_bshd_np(kc, vc, layout)
+    want_k, want_v = np.array(k0), np.array(v0)
+    want_k[[4, 1]], want_v[[4, 1]] = want_k[[1, 3]], want_v[[1, 3]]
+    np.testing.assert_array_equal(got_k, want_k)  # the last page is untouched by -1
+    np.testing.assert_array_equal(got_v, want_v)
+
+
+# --- through the host structures ------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_writes_then_attention_equals_dense(layout, page_size):
+    """Prefill prompts and decode tokens through BlockManager + write_kv, then the spec's
+    paged attention over the written cache must equal attention over the dense K/V."""
+    rng = np.random.default_rng(2)
+    hq, hkv, d = 8, 2, 32
+    prompts, steps = [1, 17, 33, 5], 20
+    num_blocks = 64 if page_size == 16 else 256
+    m = BlockManager(num_blocks, page_size)
+    kc, vc = nan_cache(layout, num_blocks, page_size, hkv, d, jnp.float32)
+    write = jax.jit(write_kv, static_argnames="layout", donate_argnums=(0, 1))
+    dense_k = [rng.standard_normal((n + steps, hkv, d), dtype=np.float32) for n in prompts]
+    dense_v = [rng.standard_normal((n + steps, hkv, d), dtype=np.float32) for n in prompts]
+    # Occupy and release a few blocks first so that tables are not simply 0, 1, 2, ...
+    m.allocate("warmup", 3 * page_size)
+    for b, n in enumerate(prompts):
+        m.allocate(b, n)
+        kc, vc = write(
+            kc,
+            vc,
+            dense_k[b][:n],
+            dense_v[b][:n],
+            jnp.asarray(m.slot_mapping(b, 0, n)),
+            layout=layout,
+        )
+    m.free("warmup")
+    batch = 8  # decode batches padded to a fixed size with slot -1
+    for step in range(steps):
+        slots = np.full(batch, -1, np.int32)
+        k_new = np.zeros((batch, hkv, d), np.float32)
+        v_new = np.zeros((batch, hkv, d), np.float32)
+        for b, n in enumerate(prompts):
+            assert m.append_slot(b) == []
+            pos = n + step
+            slots[b] = m.slot_mapping(b, pos, pos + 1)[0]
+            k_new[b], v_new[b] = dense_k[b][pos], dense_v[b][pos]
+        kc, vc = write(kc, vc, k_new, v_new, jnp.asarray(slots), layout=layout)
+    ids = list(range(len(prompts)))
+    tables = jnp.asarray(m.block_tables(ids, pad_to=num_blocks // 4))
+    lens = jnp.asarray([m.seq_len(b) for b in ids], jnp.int32)
+    q = rand(rng, (len(prompts), hq, d), jnp.float32)
+    attend = jax.jit(reference.paged_attention, static_argnames="layout")
+    out = attend(q, kc, vc, tables, lens, layout=layout)
+    want = np.stack(
+        [naive_attention(q[b][None], dense_k[b], dense_v[b])[0] for b in range(len(prompts))]
+    )
+    assert_close(out, want)
+
+
+def test_radix_reuse_then_extend_attention_equals_dense():
+    """Request 2 reuses request 1's cached prefix through the radix tree; extend attention
+    over [prefix slots + new slots] must equal attention over the dense K/V."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d, num_slots = 4, 2, 16, 128
+    pool = TokenPool(num_slots)
+    cache = RadixCache(pool)
+    kc, vc = nan_cache("bshd", num_slots, 1, hkv, d, jnp.float32)
+    system = rng.integers(0, 1000, 37).tolist()
+    tokens1, tokens2 = system + [1, 2, 3], system + [4, 5, 6, 7, 8]
+    # K/V here depend on the token only, which holds for a shared prefix in a real model.
+    table = rng.standard_normal((1000, hkv, d), dtype=np.float32)
+    kv_of = lambda toks: jnp.asarray(table[np.asarray(toks)])  # noqa: E731
+
+    slots1 = pool.alloc(len(tokens1))
+    kc, vc = write_kv(kc, vc, kv_of(tokens1), -kv_of(tokens1), jnp.asarray(slots1))
+    assert cache.insert(tokens1, slots1) == 0
+
+    hit = cache.match_prefix(tokens2)
+    assert hit.length == len(system)
+    cache.inc_lock_ref(hit.node)
+    new = pool.alloc(len(tokens2) - hit.length)
+    extend = tokens2[hit.length :]
+    kc, vc = write_kv(kc, vc, kv_of(extend), -kv_of(extend), jnp.asarray(new))
+    q = rand(rng, (len(extend), hq, d), jnp.float32)
+    kv_indices = jnp.asarray(np.concatenate([hit.indices, new]))
+    out = jax.jit(reference.extend_attention)(
+        q,
+        kc[:, 0],
+        vc[:, 0],
+        jnp.asarray([0, len(extend)], jnp.int32),
+        jnp.asarray([0, len(tokens2)], jnp.int32),
+        kv_indices,
+    )
+    want = naive_attention(q, kv_of(tokens2), -kv_of(tokens2))
+    assert_close(out, want)
+    assert cache.insert(tokens2, np.asarray(kv_indices)) == len(system)
+    cache.dec_lock_ref(hit.node)
+    assert cache.total_size == len(system) + 3 + 5
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_copy_on_write_gives_each_branch_its_own_tail(layout):
+    rng = np.random.default_rng(4)
+    page_size, hkv, d = 4, 2, 8
+    m = BlockManager(16, page_size)
+    kc, vc = nan_cache(layout, 16, page_size, hkv, d, jnp.float32)
+    prompt_k = rng.standard_normal((6, hkv, d), dtype=np.float32)
+    prompt_v = rng.standard_normal((6, hkv, d), dtype=np.float32)
+    m.allocate("a", 6)
+    kc, vc = write_kv(
+        kc, vc, prompt_k, prompt_v, jnp.asarray(m.slot_mapping("a", 0, 6)), layout=layout
+    )
+    m.fork("a", "b")
+    m.fork("a", "c")
+    dense = {s: (prompt_k, prompt_v) for s in "abc"}
+    copies = 0
+    for _ in range(3):  # every branch appends its own tokens; the first append diverges
+        for s in "bca":
+            orders = m.append_slot(s)
+            copies += len(orders)
+            pad = [(-1, -1)] * (2 - len(orders))  # a fixed batch of orders: one compile
+            src = jnp.asarray([o[0] for o in orders + pad], jnp.int32)
+            dst = jnp.asarray([o[1] for o in orders + pad], jnp.int32)
+            kc, vc = copy_blocks_donated(kc, vc, src, dst, layout=layout)
+            k1 = rng.standard_normal((1, hkv, d), dtype=np.float32)
+            v1 = rng.standard_normal((1, hkv, d), dtype=np.float32)
+            n = m.seq_len(s)
+            kc, vc = write_kv_donated(
+                kc, vc, k1, v1, jnp.asarray(m.slot_mapping(s, n - 1, n)), layout=layout
+            )
+            dk, dv = dense[s]
+            dense[s] = (np.concatenate([dk, k1]), np.concatenate([dv, v1]))
+    assert copies == 2  # b and c copy the shared tail; a then owns the original alone
+    for s in "abc":
+        slots = jnp.asarray(m.slot_mapping(s, 0, m.seq_len(s)))
+        np.testing.assert_array_equal(L.gather_tokens(kc, slots, layout, "k"), dense[s][0])
+        np.testing.assert_array_equal(L.gather_tokens(vc, slots, layout, "v"), dense[s][1])
+    tails = {m.block_table(s)[-1] for s in "abc"}
+    assert len(tails) == 3 and m.block_table("b")[0] == m.block_table("c")[0]
+
+
+# --- donation ------------------------------------------------------------------------
+
+
+def _args(op, layout, dtype):
+    kc, vc = nan_cache(layout, 32, 16, 2, 64, dtype)
+    if op == "write_kv":
+        x = jnp.ones((5, 2, 64), dtype)
+        return (kc, vc, x, x, jnp.arange(5, dtype=jnp.int32))
+    return (kc, vc, jnp.asarray([1, 2], jnp.int32), jnp.asarray([7, -1], jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+@pytest.mark.parametrize("op", ["write_kv", "copy_blocks"])
+def test_donated_caches_are_updated_in_place(op, layout, dtype):
+    fn = {"write_kv": write_kv_donated, "copy_blocks": copy_blocks_donated}[op]
+    args = _args(op, layout, dtype)
+    compiled = fn.lower(*args, layout=layout).compile()
+    header = compiled.as_text().split("\n", 1)[0]
+    # Output i (the K / V cache) reuses parameter i's buffer.
+    assert "input_output_alias={ {0}: (0, {}" in header and "{1}: (1, {}" in header
+    cache_bytes = args[0].nbytes + args[1].nbytes
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes == cache_bytes
+    if dtype != jnp.bfloat16:
+        # No scratch copy of the pool. (XLA's CPU backend has no bf16 scatter and converts
+        # through f32 temporaries; GPU backends scatter bf16 natively.)
+        assert mem.temp_size_in_bytes < cache_bytes // 8
+    out = fn(*args, layout=layout)
+    assert args[0].is_deleted() and args[1].is_deleted()
+    plain = jax.jit(write_kv if op == "write_kv" else copy_blocks, static_argnames="layout")
+    ref = plain(*_args(op, layout, dtype), layout=layout)
+    for got, want in zip(out, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+# --- validation ----------------------------------------------------------------------
+
+
+def test_bad_arguments_name_the_argument():
+    kc, vc = nan_cache("bshd", 4, 4, 2, 8, jnp.float32)
+    x = jnp.zeros((3, 2, 8))
+    s = jnp.arange(3, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="k must be"):
+        write_kv(kc, vc, jnp.zeros((3, 2, 4)), x, s)
+    with pytest.raises(ValueError, match="v must be"):
+        write_kv(kc, vc, x, jnp.zeros((3, 8)), s)
+    with pytest.raises(ValueError, match="v must have the shape"):
+        write_kv(kc, vc, x, jnp.zeros((2, 2, 8)), s)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        write_kv(kc, vc, x, x, jnp.arange(4, dtype=jnp.int32))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        write_kv(kc, vc, x, x, jnp.zeros(3))
+    with pytest.raises(ValueError, match="k_cache"):
+        write_kv(kc[0], vc, x, x, s)
+    with pytest.raises(ValueError, match="layout"):
+        write_kv(kc, vc, x, x, s, layout="nhd")
+    with pytest.raises(ValueError, match="dst must be"):
+        copy_blocks(kc, vc, s, s[:2])
+    with pytest.raises(ValueError, match="src must be"):
+        copy_blocks(kc, vc, s[None], s)
+    with pytest.raises(TypeError, match="src"):
+        copy_blocks(kc, vc, [0], s)
