@@ -301,6 +301,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.write(seq, length, length + 1)
 
     @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100), n=st.integers(0, 7))
+    def append_many(self, idx, n):
+        seq = self.pick(idx)
+        table, length = self.tables[seq], len(self.tokens[seq])
+        grow = -(-(length + n) // self.BLOCK_SIZE) - len(table)
+        cow = n > 0 and length % self.BLOCK_SIZE != 0 and self.holders(table[-1]) > 1
+        free = self.model_free()
+        if grow + cow > len(free):
+            before = snapshot(self.m)
+            assert not self.m.can_append_slot(seq, n)
+            with pytest.raises(NoFreeBlocksError):
+                self.m.append_slots(seq, n)
+            assert snapshot(self.m) == before
+            return
+        assert self.m.can_append_slot(seq, n)
+        orders = self.m.append_slots(seq, n)
+        new_table = self.m.block_table(seq)
+        assert len(new_table) == len(table) + grow
+        assert set(new_table) - set(table) <= free
+        if cow:
+            assert orders == [(table[-1], new_table[len(table) - 1])]
+        else:
+            assert orders == [] and new_table[: len(table)] == table
+        b = self.BLOCK_SIZE
+        for src, dst in orders:
+            self.memory[dst * b : (dst + 1) * b] = self.memory[src * b : (src + 1) * b]
+        self.tables[seq] = new_table
+        self.write(seq, length, length + n)
+
+    @precondition(lambda self: self.tables)
     @rule(idx=st.integers(0, 100))
     def fork(self, idx):
         parent, child = self.pick(idx), self.next_seq

@@ -26,7 +26,12 @@ class NoFreeBlocksError(RuntimeError):
 
 
 def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
-    # bool is an int subclass, but True as a block id or a length is always a bug.
+    # The exact-type test is the hot path (one call per generated token); numpy integers
+    # take the slower ABC check. bool is an int subclass, but True as a length is a bug.
+    if type(value) is int:
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
@@ -136,6 +141,11 @@ class BlockManager:
 
     def can_append_slot(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether :meth:`append_slots` of ``num_tokens`` would find enough free blocks."""
+        if num_tokens == 1 and type(num_tokens) is int and seq_id in self._tables:
+            length = self._lens[seq_id]
+            if length % self.block_size and self.allocator._ref[self._tables[seq_id][-1]] == 1:
+                return True
+            return bool(self.allocator._free)
         return self._blocks_to_append(self._check_seq(seq_id), num_tokens) <= self.num_free_blocks
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -207,7 +217,31 @@ class BlockManager:
         replaces it in this table only (the shared one loses one reference): the order
         ``(src, dst)`` must be applied to the cache before the new token is written.
         """
-        return self.append_slots(seq_id, 1)
+        # Specialised form of append_slots(seq_id, 1): a serving loop calls this once per
+        # sequence per decode step, so it touches the allocator's lists directly.
+        table = self._tables.get(seq_id)
+        if table is None:
+            self._check_seq(seq_id)
+        length = self._lens[seq_id]
+        allocator = self.allocator
+        if length % self.block_size == 0:
+            if not allocator._free:
+                raise NoFreeBlocksError(f"seq_id={seq_id!r} needs 1 block to grow, 0 free")
+            table.append(allocator.allocate())
+            orders = []
+        elif allocator._ref[table[-1]] > 1:
+            if not allocator._free:
+                raise NoFreeBlocksError(
+                    f"seq_id={seq_id!r} needs 1 block for copy-on-write, 0 free"
+                )
+            src = table[-1]
+            table[-1] = dst = allocator.allocate()
+            allocator._ref[src] -= 1  # still > 0: another table holds it
+            orders = [(src, dst)]
+        else:
+            orders = []
+        self._lens[seq_id] = length + 1
+        return orders
 
     def append_slots(self, seq_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
         """:meth:`append_slot` for ``num_tokens`` tokens at once (all or nothing)."""
