@@ -1,0 +1,134 @@
+// The few names that differ between CUDA and HIP, so that one kernel source builds with nvcc
+// and with hipcc (the vendor-header pattern jaxlib uses for its own GPU code).
+#pragma once
+
+#include "jaxattn/dtypes.h"
+
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define JAXATTN_HIP 1
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+#define gpuSuccess hipSuccess
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetDevice hipGetDevice
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#else
+#include <cuda_runtime.h>
+#define JAXATTN_CUDA 1
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+#define gpuSuccess cudaSuccess
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetDevice cudaGetDevice
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuDevAttrComputeCapabilityMajor cudaDevAttrComputeCapabilityMajor
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#endif
+
+// Wavefront width is part of the kernels' shape (lanes per token row, reduction trees), so it
+// is a compile-time constant on both sides of the launch. The AMD targets are the wave64
+// GCN/CDNA parts and Hygon DCUs; an RDNA build must pass -mwavefrontsize64.
+#if defined(JAXATTN_HIP)
+#define WARP_SIZE 64
+#if defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
+#error "jaxattn kernels assume 64-wide wavefronts on AMD; build with -mwavefrontsize64"
+#endif
+#else
+#define WARP_SIZE 32
+#endif
+
+namespace jaxattn {
+namespace gpu {
+
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask, int width = WARP_SIZE) {
+#if defined(JAXATTN_HIP)
+  return __shfl_xor(v, lane_mask, width);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+#endif
+}
+
+__device__ __forceinline__ float shfl(float v, int src_lane, int width = WARP_SIZE) {
+#if defined(JAXATTN_HIP)
+  return __shfl(v, src_lane, width);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, width);
+#endif
+}
+
+// 2^x on the special-function unit; the kernels fold log2(e) into their scale so that this is
+// the only exponential they need.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(JAXATTN_HIP)
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int m = WIDTH / 2; m >= 1; m /= 2) v += shfl_xor(v, m, WIDTH);
+  return v;
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int m = WIDTH / 2; m >= 1; m /= 2) v = fmaxf(v, shfl_xor(v, m, WIDTH));
+  return v;
+}
+
+// Sixteen bytes of storage (the unit of every global load) widened to float.
+template <typename T>
+__device__ __forceinline__ void vec_to_float(const uint4& r, float* out);
+
+template <>
+__device__ __forceinline__ void vec_to_float<float>(const uint4& r, float* out) {
+  out[0] = __uint_as_float(r.x);
+  out[1] = __uint_as_float(r.y);
+  out[2] = __uint_as_float(r.z);
+  out[3] = __uint_as_float(r.w);
+}
+
+template <>
+__device__ __forceinline__ void vec_to_float<bf16_t>(const uint4& r, float* out) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void vec_to_float<f16_t>(const uint4& r, float* out) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = f16_to_float(uint16_t(w[i] & 0xffffu));
+    out[2 * i + 1] = f16_to_float(uint16_t(w[i] >> 16));
+  }
+}
+
+inline const char* check_launch() {
+  const gpuError_t err = gpuGetLastError();
+  return err == gpuSuccess ? nullptr : gpuGetErrorString(err);
+}
+
+}  // namespace gpu
+}  // namespace jaxattn

@@ -1,0 +1,117 @@
+// Argument blocks shared by the CPU and GPU implementations. Plain data: raw pointers,
+// element strides and sizes, nothing from any framework.
+#pragma once
+
+#include <cstdint>
+
+namespace jaxattn {
+
+enum class Layout : int32_t {
+  kBSHD = 0,  // [num_pages, page_size, num_kv_heads, head_dim]
+  kBHSD = 1,  // [num_pages, num_kv_heads, page_size, head_dim]
+};
+
+// Where token `off` of page `page`, head `h`, element `d` lives:
+// page * page_stride + off * token_stride + h * head_stride + d (head_dim is contiguous).
+struct KvGeometry {
+  int32_t num_pages = 0;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int64_t page_stride = 0;
+  int64_t token_stride = 0;
+  int64_t head_stride = 0;
+};
+
+inline KvGeometry make_geometry(Layout layout, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
+  KvGeometry g;
+  g.num_pages = static_cast<int32_t>(d0);
+  g.head_dim = static_cast<int32_t>(d3);
+  if (layout == Layout::kBSHD) {
+    g.page_size = static_cast<int32_t>(d1);
+    g.num_kv_heads = static_cast<int32_t>(d2);
+    g.token_stride = d2 * d3;
+    g.head_stride = d3;
+  } else {
+    g.num_kv_heads = static_cast<int32_t>(d1);
+    g.page_size = static_cast<int32_t>(d2);
+    g.token_stride = d3;
+    g.head_stride = d2 * d3;
+  }
+  g.page_stride = d1 * d2 * d3;
+  return g;
+}
+
+// A token pool [num_slots, num_kv_heads, head_dim] is a paged cache with one token per page.
+inline KvGeometry pool_geometry(int64_t num_slots, int64_t num_kv_heads, int64_t head_dim) {
+  KvGeometry g;
+  g.num_pages = static_cast<int32_t>(num_slots);
+  g.page_size = 1;
+  g.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  g.head_dim = static_cast<int32_t>(head_dim);
+  g.page_stride = num_kv_heads * head_dim;
+  g.token_stride = 0;
+  g.head_stride = head_dim;
+  return g;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Logits are produced directly in base 2: with no cap, q is pre-multiplied by scale * log2(e);
+// with a cap, q is pre-multiplied by scale / cap and the kernel applies cap * log2(e) * tanh.
+struct LogitScale {
+  float q_scale;
+  float cap_log2e;  // 0 when there is no soft cap
+};
+
+inline LogitScale make_logit_scale(float scale, float soft_cap) {
+  if (soft_cap > 0.f) return {scale / soft_cap, soft_cap * kLog2e};
+  return {scale * kLog2e, 0.f};
+}
+
+struct DecodeParams {
+  const void* q = nullptr;  // [batch, num_q_heads, head_dim]
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* block_tables = nullptr;  // [batch, block_table_stride]
+  const int32_t* seq_lens = nullptr;      // [batch]
+  void* out = nullptr;                    // [batch, num_q_heads, head_dim]
+  // Split-KV scratch: partial outputs [batch, num_q_heads, max_parts, head_dim], then the
+  // (max, sum) pairs [batch, num_q_heads, max_parts, 2], both float32.
+  float* workspace = nullptr;
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t block_table_stride = 0;
+  int32_t partition_size = 0;  // 0: one pass over the whole sequence per block
+  int32_t max_parts = 1;
+  KvGeometry kv;
+  LogitScale ls{};
+};
+
+inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t max_parts,
+                                       int64_t head_dim) {
+  return batch * num_q_heads * max_parts * (head_dim + 2);
+}
+
+// Prefix prefill (paged, block tables) and SGLang extend (token pool, kv_indptr/kv_indices)
+// share one argument block: request b reads its page table row at
+// page_table + (page_indptr ? page_indptr[b] : b * page_table_stride) and has
+// seq_lens ? seq_lens[b] : page_indptr[b + 1] - page_indptr[b] keys.
+struct PrefillParams {
+  const void* q = nullptr;  // [total_q, num_q_heads, head_dim]
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* cu_seqlens_q = nullptr;  // [batch + 1]
+  const int32_t* page_table = nullptr;
+  const int32_t* page_indptr = nullptr;
+  const int32_t* seq_lens = nullptr;
+  void* out = nullptr;  // [total_q, num_q_heads, head_dim]
+  int32_t batch = 0;
+  int32_t total_q = 0;
+  int32_t num_q_heads = 0;
+  int32_t page_table_stride = 0;
+  KvGeometry kv;
+  LogitScale ls{};
+};
+
+}  // namespace jaxattn

@@ -1,0 +1,181 @@
+// Shape checks and argument blocks for the XLA FFI handlers, shared by the CPU and GPU
+// bindings. The Python wrapper validates first; these checks keep a bad call from reaching a
+// kernel when the targets are used directly.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "jaxattn/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxattn {
+namespace ffi_common {
+
+namespace ffi = xla::ffi;
+
+enum class DType { kF32, kBF16, kF16, kUnsupported };
+
+inline DType dtype_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return DType::kF32;
+    case ffi::DataType::BF16:
+      return DType::kBF16;
+    case ffi::DataType::F16:
+      return DType::kF16;
+    default:
+      return DType::kUnsupported;
+  }
+}
+
+inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+inline ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jaxattn: " + what);
+}
+
+inline ffi::Error check_same_dtype(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                   const ffi::AnyBuffer& v, ffi::DataType out) {
+  if (dtype_of(q.element_type()) == DType::kUnsupported)
+    return invalid("q must be float32, bfloat16 or float16");
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      out != q.element_type())
+    return invalid("q, k_cache, v_cache and the output must share one dtype");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_query(const ffi::AnyBuffer& q, const KvGeometry& g) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return invalid("q must have rank 3, got " + dims_str(qd));
+  if (qd[2] != g.head_dim)
+    return invalid("q head_dim " + std::to_string(qd[2]) + " != cache head_dim " +
+                   std::to_string(g.head_dim));
+  if (g.num_kv_heads <= 0 || qd[1] % g.num_kv_heads != 0)
+    return invalid("num_q_heads must be a multiple of num_kv_heads");
+  if (g.page_size <= 0 || g.head_dim <= 0) return invalid("empty cache geometry");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error paged_geometry(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, int32_t layout,
+                                 KvGeometry* g) {
+  const auto kd = k.dimensions();
+  if (kd.size() != 4) return invalid("k_cache must have rank 4, got " + dims_str(kd));
+  if (dims_str(kd) != dims_str(v.dimensions()))
+    return invalid("k_cache and v_cache shapes differ");
+  if (layout != 0 && layout != 1)
+    return invalid("layout attribute must be 0 (bshd) or 1 (bhsd)");
+  *g = make_geometry(static_cast<Layout>(layout), kd[0], kd[1], kd[2], kd[3]);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                     const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& bt,
+                                     const ffi::Buffer<ffi::S32>& seq_lens, ffi::AnyBuffer out,
+                                     ffi::Buffer<ffi::F32> workspace, float scale, float soft_cap,
+                                     int32_t layout, int32_t partition_size, DecodeParams* p) {
+  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+  if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
+  if (auto e = check_query(q, p->kv); e.failure()) return e;
+  const auto qd = q.dimensions();
+  const auto bd = bt.dimensions();
+  if (bd.size() != 2 || bd[0] != qd[0])
+    return invalid("block_tables must be [batch, max_pages], got " + dims_str(bd));
+  if (seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != qd[0])
+    return invalid("seq_lens must be [batch]");
+  if (partition_size < 0) return invalid("partition_size must be >= 0");
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->block_tables = bt.typed_data();
+  p->seq_lens = seq_lens.typed_data();
+  p->out = out.untyped_data();
+  p->workspace = workspace.typed_data();
+  p->batch = static_cast<int32_t>(qd[0]);
+  p->num_q_heads = static_cast<int32_t>(qd[1]);
+  p->block_table_stride = static_cast<int32_t>(bd[1]);
+  p->partition_size = partition_size;
+  const int64_t capacity = bd[1] * int64_t(p->kv.page_size);
+  p->max_parts =
+      partition_size > 0 ? static_cast<int32_t>((capacity + partition_size - 1) / partition_size)
+                         : 1;
+  if (p->max_parts < 1) p->max_parts = 1;
+  if (partition_size > 0 &&
+      int64_t(workspace.element_count()) <
+          decode_workspace_floats(p->batch, p->num_q_heads, p->max_parts, p->kv.head_dim))
+    return invalid("workspace too small for the requested partition_size");
+  p->ls = make_logit_scale(scale, soft_cap);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error fill_prefill_query(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& cu_q,
+                                     ffi::AnyBuffer out, float scale, float soft_cap,
+                                     PrefillParams* p) {
+  if (auto e = check_query(q, p->kv); e.failure()) return e;
+  const auto qd = q.dimensions();
+  if (cu_q.dimensions().size() != 1 || cu_q.dimensions()[0] < 1)
+    return invalid("cu_seqlens_q / qo_indptr must be [batch + 1]");
+  p->q = q.untyped_data();
+  p->out = out.untyped_data();
+  p->cu_seqlens_q = cu_q.typed_data();
+  p->batch = static_cast<int32_t>(cu_q.dimensions()[0] - 1);
+  p->total_q = static_cast<int32_t>(qd[0]);
+  p->num_q_heads = static_cast<int32_t>(qd[1]);
+  p->ls = make_logit_scale(scale, soft_cap);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                             const ffi::AnyBuffer& v,
+                                             const ffi::Buffer<ffi::S32>& cu_q,
+                                             const ffi::Buffer<ffi::S32>& bt,
+                                             const ffi::Buffer<ffi::S32>& seq_lens,
+                                             ffi::AnyBuffer out, float scale, float soft_cap,
+                                             int32_t layout, PrefillParams* p) {
+  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+  if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
+  if (auto e = fill_prefill_query(q, cu_q, out, scale, soft_cap, p); e.failure()) return e;
+  const auto bd = bt.dimensions();
+  if (bd.size() != 2 || bd[0] != p->batch)
+    return invalid("block_tables must be [batch, max_pages], got " + dims_str(bd));
+  if (seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != p->batch)
+    return invalid("seq_lens must be [batch]");
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->page_table = bt.typed_data();
+  p->page_table_stride = static_cast<int32_t>(bd[1]);
+  p->page_indptr = nullptr;
+  p->seq_lens = seq_lens.typed_data();
+  return ffi::Error::Success();
+}
+
+inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                     const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& qo_indptr,
+                                     const ffi::Buffer<ffi::S32>& kv_indptr,
+                                     const ffi::Buffer<ffi::S32>& kv_indices, ffi::AnyBuffer out,
+                                     float scale, float soft_cap, PrefillParams* p) {
+  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+  const auto kd = k.dimensions();
+  if (kd.size() != 3) return invalid("k_cache must be [num_slots, num_kv_heads, head_dim]");
+  if (dims_str(kd) != dims_str(v.dimensions()))
+    return invalid("k_cache and v_cache shapes differ");
+  p->kv = pool_geometry(kd[0], kd[1], kd[2]);
+  if (auto e = fill_prefill_query(q, qo_indptr, out, scale, soft_cap, p); e.failure()) return e;
+  if (kv_indptr.dimensions().size() != 1 || kv_indptr.dimensions()[0] != p->batch + 1)
+    return invalid("kv_indptr must be [batch + 1] like qo_indptr");
+  if (kv_indices.dimensions().size() != 1) return invalid("kv_indices must be rank 1");
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->page_table = kv_indices.typed_data();
+  p->page_table_stride = 0;
+  p->page_indptr = kv_indptr.typed_data();
+  p->seq_lens = nullptr;
+  return ffi::Error::Success();
+}
+
+}  // namespace ffi_common
+}  // namespace jaxattn
