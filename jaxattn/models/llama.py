@@ -1,0 +1,691 @@
+"""A Llama-style decoder in plain JAX that attends through the public ops.
+
+RMSNorm, RoPE (rotate-half, configurable theta, optional linear / llama3 scaling), GQA
+attention, SwiGLU MLP, tied or untied embeddings. Three forward passes share one layer
+body:
+
+* :func:`forward_dense` - no cache, plain causal attention over ``[B, S]`` tokens: the
+  correctness oracle that every cached path is compared against;
+* :func:`forward_extend` - a packed batch of requests, each computing new tokens after a
+  prefix whose KV is already cached (prefill, chunked prefill, prefix-cache hits): writes
+  the new K/V into the paged pool, then ``extend_attention`` (or ``prefix_prefill``);
+* :func:`forward_decode` - one new token per sequence: ``write_kv`` then
+  ``paged_attention``.
+
+Parameters are a dict pytree whose per-layer weights are stacked on a leading layer axis,
+so the layers run as one ``lax.scan``: one compiled layer body whatever the depth. Linear
+weights are stored ``[in, out]`` (Hugging Face stores ``[out, in]``).
+
+KV cache: one K and one V array for all layers, each a paged cache in ``layout`` with
+``num_layers * num_pages`` pages; layer ``l`` owns pages ``[l * num_pages, (l + 1) *
+num_pages)``. Host code (block tables, slot mappings, radix indices) speaks layer-0 page
+ids and slots; each layer adds its offset inside the scan. The whole pool is therefore one
+pair of arrays carried through the scan and updated by scatters, which XLA performs in
+place when the caller donates the caches; no per-layer slice of the pool is ever copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import numbers
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import layout as _layout
+from jaxattn import ops
+from jaxattn.kv import write_kv
+
+__all__ = [
+    "DecodeBatch",
+    "ExtendBatch",
+    "LlamaConfig",
+    "apply_rope",
+    "config_from_hf",
+    "forward_decode",
+    "forward_dense",
+    "forward_extend",
+    "init_kv_cache",
+    "init_params",
+    "lm_head",
+    "load_checkpoint",
+    "params_from_hf",
+    "rms_norm",
+    "rope_frequencies",
+]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_HF_DTYPE_NAMES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16"}
+_ROPE_TYPES = ("default", "linear", "llama3")
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape and numerics (hashable: jitted functions take it as a static argument).
+
+    ``head_dim=0`` means ``hidden_size // num_attention_heads``. ``rope_scaling`` is a
+    Hugging Face ``rope_scaling`` dict (stored as sorted items). ``eos_token_id`` is an
+    int, a sequence of ints or None (stored as a tuple). ``dtype`` names the parameter,
+    activation and KV cache dtype.
+    """
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_id: tuple | int | None = ()
+    bos_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            set_(name, _positive_int(name, getattr(self, name)))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim in (0, None):
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} must be a multiple of "
+                    f"num_attention_heads={self.num_attention_heads} when head_dim is not given"
+                )
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        set_("head_dim", _positive_int("head_dim", self.head_dim))
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            set_(name, float(value))
+        set_("dtype", _HF_DTYPE_NAMES.get(str(self.dtype), str(self.dtype)))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        eos = self.eos_token_id
+        if eos is None:
+            eos = ()
+        elif isinstance(eos, numbers.Integral):
+            eos = (eos,)
+        eos = tuple(eos)
+        if not all(isinstance(e, numbers.Integral) and 0 <= e < self.vocab_size for e in eos):
+            raise ValueError(f"eos_token_id must be token ids below vocab_size, got {eos!r}")
+        set_("eos_token_id", tuple(int(e) for e in eos))
+        scaling = self.rope_scaling
+        if isinstance(scaling, dict):
+            scaling = tuple(sorted(scaling.items()))
+        if scaling is not None:
+            kind = dict(scaling).get("rope_type", dict(scaling).get("type", "default"))
+            if kind not in _ROPE_TYPES:
+                raise ValueError(f"rope_scaling type must be one of {_ROPE_TYPES}, got {kind!r}")
+        set_("rope_scaling", scaling)
+        set_("tie_word_embeddings", bool(self.tie_word_embeddings))
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies in the pool, over all layers."""
+        itemsize = np.dtype(self.jnp_dtype).itemsize
+        return 2 * self.num_hidden_layers * self.kv_size * itemsize
+
+
+# --- parameters ----------------------------------------------------------------------
+
+
+def init_params(cfg: LlamaConfig, key) -> dict:
+    """Random parameters with unit-scale activations and O(1) logits.
+
+    Embeddings are N(0, 1) and every linear weight N(0, 1/fan_in), so that a random model
+    has well separated logits (greedy decoding is not a coin toss between near-ties).
+    """
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    dt = cfg.jnp_dtype
+    n, h, i, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    keys = iter(jax.random.split(key, 9))
+
+    def normal(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dt)
+
+    params = {
+        "embed": normal((v, h), 1),
+        "layers": {
+            "attn_norm": jnp.ones((n, h), dt),
+            "wq": normal((n, h, cfg.q_size), h),
+            "wk": normal((n, h, cfg.kv_size), h),
+            "wv": normal((n, h, cfg.kv_size), h),
+            "wo": normal((n, cfg.q_size, h), cfg.q_size),
+            "mlp_norm": jnp.ones((n, h), dt),
+            "w_gate": normal((n, h, i), h),
+            "w_up": normal((n, h, i), h),
+            "w_down": normal((n, i, h), i),
+        },
+        "norm": jnp.ones((h,), dt),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = normal((h, v), h)
+    return params
+
+
+def init_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int, *, layout: str = "bshd"):
+    """Zeroed ``(k_cache, v_cache)`` holding ``num_pages`` pages per layer (see module doc)."""
+    num_pages = _positive_int("num_pages", num_pages)
+    page_size = _positive_int("page_size", page_size)
+    total = cfg.num_hidden_layers * num_pages
+    dt = cfg.jnp_dtype
+    shape = lambda kind: _layout.cache_shape(
+        layout, kind, total, page_size, cfg.num_key_value_heads, cfg.head_dim, dt
+    )
+    return jnp.zeros(shape("k"), dt), jnp.zeros(shape("v"), dt)
+
+
+# --- building blocks -----------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm computed in float32; the weight multiplies after the cast back (as in HF)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.reshape((1,) * (x.ndim - 1) + weight.shape)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """float32 ``[head_dim // 2]`` inverse frequencies, with HF's rope scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE. x ``[T, H, D]``, positions ``i32[T]``, inv_freq ``f32[D // 2]``."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def lm_head(params: dict, cfg: LlamaConfig, h):
+    """float32 logits ``[..., vocab]`` of final-normed hidden states."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
+    """Run every layer on the token-major batch; return (final-normed hidden, state).
+
+    ``attend(q, k, v, layer, state) -> (out [T, Hq, D], state)`` is the only thing that
+    differs between the dense and the cached forward passes.
+    """
+    t = tokens.shape[0]
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inv_freq = jnp.asarray(rope_frequencies(cfg))
+    eps = cfg.rms_norm_eps
+    x = params["embed"][tokens]
+
+    def layer_body(carry, lp):
+        x, layer, state = carry
+        h = rms_norm(x, lp["attn_norm"], eps)
+        q = apply_rope(_linear(h, lp["wq"]).reshape(t, hq, d), positions, inv_freq)
+        k = apply_rope(_linear(h, lp["wk"]).reshape(t, hkv, d), positions, inv_freq)
+        v = _linear(h, lp["wv"]).reshape(t, hkv, d)
+        o, state = attend(q, k, v, layer, state)
+        x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"])
+        h = rms_norm(x, lp["mlp_norm"], eps)
+        gate = jax.nn.silu(_linear(h, lp["w_gate"]))
+        x = x + _linear(gate * _linear(h, lp["w_up"]), lp["w_down"])
+        return (x, layer + 1, state), None
+
+    (x, _, state), _ = jax.lax.scan(layer_body, (x, jnp.int32(0), state), params["layers"])
+    return rms_norm(x, params["norm"], eps), state
+
+
+# --- the dense oracle ----------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def forward_dense(params: dict, cfg: LlamaConfig, tokens, lengths=None):
+    """float32 logits ``[B, S, vocab]`` of ``tokens i32[B, S]`` with no KV cache.
+
+    Position ``i`` of row ``b`` attends to positions ``j <= i`` with ``j < lengths[b]``
+    (default: all ``S``); positions are ``0..S-1``. Plain masked softmax in float32 at
+    HIGHEST precision, independent of the paged ops. A 1-D ``tokens`` is one sequence
+    and gives ``[S, vocab]``. Jitted (``cfg`` static): pad to a few lengths and pass
+    ``lengths`` to avoid one compile per sequence length.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim not in (1, 2) or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, S] or [S], got {tokens.shape}")
+    squeeze = tokens.ndim == 1
+    if squeeze:
+        tokens = tokens[None]
+    b, s = tokens.shape
+    lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be i32[B={b}], got shape {lengths.shape}")
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    scale = 1.0 / math.sqrt(d)
+    pos = jnp.arange(s, dtype=jnp.int32)
+    visible = (pos[None, :, None] >= pos[None, None, :]) & (
+        pos[None, None, :] < lengths[:, None, None]
+    )
+
+    def attend(q, k, v, layer, state):
+        qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+        kb = k.astype(jnp.float32).reshape(b, s, hkv, d)
+        vb = v.astype(jnp.float32).reshape(b, s, hkv, d)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, precision=_HI) * scale
+        mask = visible[:, None, None, :, :]
+        logits = jnp.where(mask, logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vb, precision=_HI)
+        return o.reshape(b * s, hq, d), state
+
+    h, _ = _decoder(params, cfg, tokens.reshape(-1), jnp.tile(pos, b), attend, None)
+    logits = lm_head(params, cfg, h).reshape(b, s, cfg.vocab_size)
+    return logits[0] if squeeze else logits
+
+
+# --- cached forward passes -----------------------------------------------------------
+
+
+class ExtendBatch(NamedTuple):
+    """Metadata of a packed extend batch (every index in layer-0 page ids / slots).
+
+    tokens, positions: ``i32[T]`` new tokens and their absolute positions (padding: 0).
+    slot_mapping: ``i32[T]`` pool slot each new token's K/V is written to (padding: -1).
+    qo_indptr, kv_indptr: ``i32[B + 1]`` new tokens / prefix + new tokens per request
+      (padding requests are empty: the last value repeated).
+    kv_indices: ``i32[K]`` per request the slots of its prefix then of its new tokens.
+    block_tables, seq_lens: ``i32[B, W]``, ``i32[B]`` the same requests in paged form
+      (used with ``attention="prefix_prefill"``; may be None otherwise).
+    logit_rows: ``i32[R]`` rows of the packed batch whose logits are wanted (a row may be
+      listed several times, e.g. once per parallel sample).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    qo_indptr: jax.Array
+    kv_indptr: jax.Array
+    kv_indices: jax.Array
+    block_tables: jax.Array | None
+    seq_lens: jax.Array | None
+    logit_rows: jax.Array
+
+
+class DecodeBatch(NamedTuple):
+    """Metadata of a decode batch: one new token per sequence (layer-0 ids).
+
+    tokens, positions, slot_mapping: ``i32[B]`` (padding rows: slot -1); block_tables
+    ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token (padding
+    rows: 1, reading page 0, whose output is discarded).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+
+
+def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    if geom.num_pages % cfg.num_hidden_layers:
+        raise ValueError(
+            f"the cache holds {geom.num_pages} pages, not a multiple of "
+            f"num_hidden_layers={cfg.num_hidden_layers} (build it with init_kv_cache)"
+        )
+    if (geom.num_kv_heads, geom.head_dim) != (cfg.num_key_value_heads, cfg.head_dim):
+        raise ValueError(
+            f"the cache has {geom.num_kv_heads} KV heads of dim {geom.head_dim}, the model "
+            f"{cfg.num_key_value_heads} of dim {cfg.head_dim}"
+        )
+    return geom.num_pages // cfg.num_hidden_layers, geom.page_size
+
+
+def _write(k_cache, v_cache, k, v, slot_mapping, slot_offset, layout):
+    slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
+    return write_kv(k_cache, v_cache, k, v, slots, layout=layout)
+
+
+def forward_extend(
+    params: dict,
+    cfg: LlamaConfig,
+    k_cache,
+    v_cache,
+    batch: ExtendBatch,
+    *,
+    layout: str = "bshd",
+    attention: str = "extend",
+    implementation=None,
+):
+    """Prefill new tokens after cached prefixes; return ``(logits f32[R, V], k, v)``.
+
+    Each layer writes the new tokens' K/V into the pool first, then attends over prefix
+    plus new tokens with the shifted causal mask: ``extend_attention`` over the pool
+    viewed as a token pool (``attention="extend"``, layout bshd) or ``prefix_prefill``
+    over the paged form (``attention="prefix_prefill"``, any layout).
+    """
+    if attention not in ("extend", "prefix_prefill"):
+        raise ValueError(f"attention must be 'extend' or 'prefix_prefill', got {attention!r}")
+    if attention == "extend" and layout != "bshd":
+        raise ValueError(
+            f"attention='extend' reads the pool as a token pool, which needs layout='bshd'; "
+            f"use attention='prefix_prefill' with layout={layout!r}"
+        )
+    pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
+    slots_per_layer = pages_per_layer * page_size
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+
+    def attend(q, k, v, layer, caches):
+        kc, vc = _write(*caches, k, v, batch.slot_mapping, layer * slots_per_layer, layout)
+        if attention == "extend":
+            n = kc.shape[0] * page_size
+            o = ops.extend_attention(
+                q,
+                kc.reshape(n, hkv, d),
+                vc.reshape(n, hkv, d),
+                batch.qo_indptr,
+                batch.kv_indptr,
+                batch.kv_indices + layer * slots_per_layer,
+                implementation=implementation,
+            )
+        else:
+            o = ops.prefix_prefill(
+                q,
+                kc,
+                vc,
+                batch.qo_indptr,
+                batch.block_tables + layer * pages_per_layer,
+                batch.seq_lens,
+                layout=layout,
+                implementation=implementation,
+            )
+        return o, (kc, vc)
+
+    h, (k_cache, v_cache) = _decoder(
+        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache)
+    )
+    return lm_head(params, cfg, h[batch.logit_rows]), k_cache, v_cache
+
+
+def forward_decode(
+    params: dict,
+    cfg: LlamaConfig,
+    k_cache,
+    v_cache,
+    batch: DecodeBatch,
+    *,
+    layout: str = "bshd",
+    partition_size: int | None = None,
+    implementation=None,
+):
+    """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``."""
+    pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
+
+    def attend(q, k, v, layer, caches):
+        offset = layer * pages_per_layer
+        kc, vc = _write(*caches, k, v, batch.slot_mapping, offset * page_size, layout)
+        o = ops.paged_attention(
+            q,
+            kc,
+            vc,
+            batch.block_tables + offset,
+            batch.seq_lens,
+            layout=layout,
+            partition_size=partition_size,
+            implementation=implementation,
+        )
+        return o, (kc, vc)
+
+    h, (k_cache, v_cache) = _decoder(
+        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache)
+    )
+    return lm_head(params, cfg, h), k_cache, v_cache
+
+
+# --- Hugging Face checkpoints --------------------------------------------------------
+
+
+def config_from_hf(hf: dict, *, dtype: str | None = None) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a Hugging Face Llama ``config.json`` dict."""
+    if not isinstance(hf, dict):
+        raise TypeError(f"hf must be a dict (a parsed config.json), got {type(hf).__name__}")
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json model_type must be 'llama', got {model_type!r}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act must be 'silu' (SwiGLU), got {act!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            raise ValueError(f"config.json {flag}=true is not supported")
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in hf
+    ]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_scaling=hf.get("rope_scaling"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        eos_token_id=hf.get("eos_token_id"),
+        bos_token_id=hf.get("bos_token_id"),
+        dtype=dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32",
+    )
+
+
+def _hf_layer_names(i: int) -> dict[str, tuple[str, bool]]:
+    """Our stacked name -> (HF tensor name of layer i, whether it is a [out, in] Linear)."""
+    p = f"model.layers.{i}."
+    return {
+        "attn_norm": (p + "input_layernorm.weight", False),
+        "wq": (p + "self_attn.q_proj.weight", True),
+        "wk": (p + "self_attn.k_proj.weight", True),
+        "wv": (p + "self_attn.v_proj.weight", True),
+        "wo": (p + "self_attn.o_proj.weight", True),
+        "mlp_norm": (p + "post_attention_layernorm.weight", False),
+        "w_gate": (p + "mlp.gate_proj.weight", True),
+        "w_up": (p + "mlp.up_proj.weight", True),
+        "w_down": (p + "mlp.down_proj.weight", True),
+    }
+
+
+def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """Stacked parameters from Hugging Face Llama tensors (numpy, any float dtype).
+
+    Every expected tensor must be present with its HF shape; a tensor that would be
+    silently ignored (a bias, an unknown weight) is an error, so a checkpoint of another
+    architecture is never half loaded.
+    """
+    dt = np.dtype(cfg.jnp_dtype)
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hf_shape = {
+        "attn_norm": (h,),
+        "wq": (cfg.q_size, h),
+        "wk": (cfg.kv_size, h),
+        "wv": (cfg.kv_size, h),
+        "wo": (h, cfg.q_size),
+        "mlp_norm": (h,),
+        "w_gate": (i, h),
+        "w_up": (i, h),
+        "w_down": (h, i),
+    }
+    used = set()
+
+    def take(name, shape, transpose):
+        if name not in tensors:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        t = np.asarray(tensors[name])
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} must have shape {tuple(shape)}, got {t.shape}")
+        used.add(name)
+        t = t.T if transpose else t
+        return t.astype(dt)
+
+    layers = {k: [] for k in hf_shape}
+    for layer in range(cfg.num_hidden_layers):
+        for ours, (name, transpose) in _hf_layer_names(layer).items():
+            layers[ours].append(take(name, hf_shape[ours], transpose))
+    params = {
+        "embed": jnp.asarray(take("model.embed_tokens.weight", (v, h), False)),
+        "layers": {k: jnp.asarray(np.stack(ts)) for k, ts in layers.items()},
+        "norm": jnp.asarray(take("model.norm.weight", (h,), False)),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = jnp.asarray(take("lm_head.weight", (v, h), True))
+    extra = [n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")]
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")  # some exports store the tied copy too
+    if extra:
+        raise ValueError(f"checkpoint has tensors this model does not use: {sorted(extra)[:8]}")
+    return params
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="np") as f:
+        names = list(f.keys())
+        for name in names:
+            try:
+                out[name] = f.get_tensor(name)
+            except (TypeError, KeyError, ValueError):
+                out[name] = None  # a dtype this safetensors cannot give numpy (bf16)
+    missing = [n for n, t in out.items() if t is None]
+    if missing:
+        out.update(_read_raw(path, missing))
+    return out
+
+
+def _read_raw(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
+    """Read tensors straight from the file (8-byte header size, JSON header, data), for the
+    bf16 tensors that older safetensors releases cannot return as numpy arrays."""
+    import ml_dtypes  # a dependency of jax
+
+    dtypes = dict(_ST_DTYPES, BF16=ml_dtypes.bfloat16)
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        base = 8 + size
+        out = {}
+        for name in names:
+            meta = header[name]
+            if meta["dtype"] not in dtypes:
+                raise ValueError(f"tensor {name!r} in {path.name} has dtype {meta['dtype']}")
+            start, end = meta["data_offsets"]
+            f.seek(base + start)
+            raw = np.frombuffer(f.read(end - start), dtype=dtypes[meta["dtype"]])
+            out[name] = raw.reshape(meta["shape"])
+    return out
+
+
+def load_checkpoint(path, *, dtype: str | None = None) -> tuple[LlamaConfig, dict]:
+    """Read a Hugging Face Llama directory (``config.json`` + ``*.safetensors``).
+
+    Tensors may be bf16, f16 or f32 and split over several files. ``dtype`` overrides the
+    checkpoint's ``torch_dtype`` for the parameters (and therefore the KV cache).
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise ValueError(f"path must be a Hugging Face model directory, got {str(path)!r}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"path {str(path)!r} has no config.json")
+    cfg = config_from_hf(json.loads(config_file.read_text()), dtype=dtype)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"path {str(path)!r} has no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, t in _read_safetensors(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} appears in more than one file")
+            tensors[name] = t
+    return cfg, params_from_hf(cfg, tensors)

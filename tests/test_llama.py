@@ -1,0 +1,413 @@
+"""The Llama model: checkpoint loading against an independent float64 numpy implementation of
+the Hugging Face forward pass, and the cached forward passes (extend, chunked extend,
+decode, every pool layout) against the dense no-cache forward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxattn.models import llama
+from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # != hidden / heads: the config value must win
+    rms_norm_eps=1e-5,
+    rope_theta=500.0,
+)
+
+
+# --- an independent Hugging Face Llama in float64 numpy -------------------------------
+
+
+def hf_tensors(rng, hf: dict, *, tied: bool) -> dict[str, np.ndarray]:
+    """Random float32 weights under HF names and HF shapes ([out, in] Linear weights)."""
+    h, i, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    d = hf["head_dim"]
+    q, kv = hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((v, h)).astype(np.float32)}
+    for n in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        t[p + "self_attn.q_proj.weight"] = w(q, h)
+        t[p + "self_attn.k_proj.weight"] = w(kv, h)
+        t[p + "self_attn.v_proj.weight"] = w(kv, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, q)
+        t[p + "mlp.gate_proj.weight"] = w(i, h)
+        t[p + "mlp.up_proj.weight"] = w(i, h)
+        t[p + "mlp.down_proj.weight"] = w(h, i)
+        t[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+        t[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(
+            np.float32
+        )
+    t["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    if not tied:
+        t["lm_head.weight"] = w(v, h)
+    return t
+
+
+def hf_inv_freq(hf: dict) -> np.ndarray:
+    d = hf["head_dim"]
+    inv = 1.0 / hf["rope_theta"] ** (np.arange(0, d, 2) / d)
+    rs = hf.get("rope_scaling")
+    if rs and rs["rope_type"] == "linear":
+        inv = inv / rs["factor"]
+    elif rs and rs["rope_type"] == "llama3":
+        # transcribed from transformers' _compute_llama3_parameters
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        out = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = np.where(medium, smoothed, out)
+    return inv
+
+
+def hf_forward(t: dict, hf: dict, tokens) -> np.ndarray:
+    """float64 logits [S, V] of one sequence, written from the HF modeling code's math."""
+    f = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    s = len(tokens)
+    hq, hkv, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    eps = hf["rms_norm_eps"]
+
+    def norm(x, w):
+        return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+    def rotate_half(x):
+        return np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
+
+    freqs = np.outer(np.arange(s), hf_inv_freq(hf))
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    x = f["model.embed_tokens.weight"][np.asarray(tokens)]
+    causal = np.tril(np.ones((s, s), bool))
+    for n in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        h = norm(x, f[p + "input_layernorm.weight"])
+        q = (h @ f[p + "self_attn.q_proj.weight"].T).reshape(s, hq, d)
+        k = (h @ f[p + "self_attn.k_proj.weight"].T).reshape(s, hkv, d)
+        v = (h @ f[p + "self_attn.v_proj.weight"].T).reshape(s, hkv, d)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)
+        a = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+        a = np.where(causal, a, -np.inf)
+        a = np.exp(a - a.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", a, v).reshape(s, hq * d)
+        x = x + o @ f[p + "self_attn.o_proj.weight"].T
+        h = norm(x, f[p + "post_attention_layernorm.weight"])
+        g = h @ f[p + "mlp.gate_proj.weight"].T
+        x = (
+            x
+            + ((g / (1 + np.exp(-g))) * (h @ f[p + "mlp.up_proj.weight"].T))
+            @ f[p + "mlp.down_proj.weight"].T
+        )
+    x = norm(x, f["model.norm.weight"])
+    head = f.get("lm_head.weight", f["model.embed_tokens.weight"])
+    return x @ head.T
+
+
+def write_checkpoint(path, hf: dict, tensors: dict, *, dtype, shards: int = 1):
+    (path / "config.json").write_text(json.dumps(hf))
+    names = sorted(tensors)
+    for s in range(shards):
+        part = {n: np.ascontiguousarray(tensors[n].astype(dtype)) for n in names[s::shards]}
+        save_file(part, str(path / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"))
+
+
+def hf_config(**overrides) -> dict:
+    hf = dict(TINY, model_type="llama", hidden_act="silu", torch_dtype="float32")
+    hf.update(overrides)
+    return hf
+
+
+# --- checkpoints ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, tied, shards, rope_scaling",
+    [
+        (np.float32, False, 1, None),
+        (ml_dtypes.bfloat16, True, 2, None),
+        (np.float16, False, 3, {"rope_type": "linear", "factor": 2.0}),
+        (
+            np.float32,
+            True,
+            1,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],
+)
+def test_checkpoint_matches_hf_math(tmp_path, dtype, tied, shards, rope_scaling):
+    rng = np.random.default_rng(0)
+    hf = hf_config(tie_word_embeddings=tied, rope_scaling=rope_scaling, eos_token_id=[3, 7])
+    tensors = hf_tensors(rng, hf, tied=tied)
+    write_checkpoint(tmp_path, hf, tensors, dtype=dtype, shards=shards)
+    # Loaded as float32, the model must equal the HF math on the stored (rounded) weights.
+    cfg, params = llama.load_checkpoint(tmp_path, dtype="float32")
+    assert cfg.head_dim == 16 and cfg.tie_word_embeddings == tied
+    assert cfg.eos_token_id == (3, 7)
+    assert ("lm_head" in params) == (not tied)
+    stored = {k: v.astype(dtype).astype(np.float64) for k, v in tensors.items()}
+    tokens = rng.integers(0, hf["vocab_size"], 37)
+    want = hf_forward(stored, hf, tokens)
+    got = np.asarray(llama.forward_dense(params, cfg, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_checkpoint_native_dtype_bf16(tmp_path):
+    rng = np.random.default_rng(1)
+    hf = hf_config(torch_dtype="bfloat16")
+    tensors = hf_tensors(rng, hf, tied=False)
+    write_checkpoint(tmp_path, hf, tensors, dtype=ml_dtypes.bfloat16)
+    cfg, params = llama.load_checkpoint(tmp_path)
+    assert cfg.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    stored = {k: v.astype(ml_dtypes.bfloat16).astype(np.float64) for k, v in tensors.items()}
+    tokens = rng.integers(0, hf["vocab_size"], 20)
+    want = hf_forward(stored, hf, tokens)
+    got = np.asarray(llama.forward_dense(params, cfg, jnp.asarray(tokens, jnp.int32)))
+    # bf16 activations: a loose bound, but far below the logits' own spread (~1).
+    assert np.max(np.abs(got - want)) < 0.25
+    assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) > 0.8
+
+
+def test_checkpoint_errors(tmp_path):
+    rng = np.random.default_rng(2)
+    hf = hf_config()
+    tensors = hf_tensors(rng, hf, tied=False)
+    with pytest.raises(ValueError, match="path"):
+        llama.load_checkpoint(tmp_path / "nope")
+    with pytest.raises(ValueError, match="config.json"):
+        llama.load_checkpoint(tmp_path)
+
+    def check(mutate, match, **cfg_overrides):
+        d = tmp_path / f"case{check.n}"
+        check.n += 1
+        d.mkdir()
+        t = dict(tensors)
+        mutate(t)
+        write_checkpoint(d, hf_config(**cfg_overrides), t, dtype=np.float32)
+        with pytest.raises(ValueError, match=match):
+            llama.load_checkpoint(d)
+
+    check.n = 0
+    check(lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks tensor")
+    check(
+        lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((4, 4))}),
+        "q_proj.weight.*shape",
+    )
+    check(
+        lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
+        "does not use",
+    )
+    check(lambda t: None, "model_type", model_type="gpt2")
+    check(lambda t: None, "attention_bias", attention_bias=True)
+    check(lambda t: None, "rope_scaling", rope_scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_attention_heads=6, num_key_value_heads=4), "multiple of num_key_value_heads"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(head_dim=15), "even"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(eos_token_id=1000), "eos_token_id"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**kwargs)
+
+
+def test_config_is_hashable_and_normalised():
+    cfg = LlamaConfig(eos_token_id=5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert cfg.eos_token_id == (5,) and hash(cfg) == hash(LlamaConfig(**dataclasses_asdict(cfg)))
+    assert cfg.head_dim == 16 and cfg.q_size == 64 and cfg.kv_size == 32
+
+
+def dataclasses_asdict(cfg):
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+# --- cached forward passes against the dense forward ---------------------------------
+
+CFG = LlamaConfig(**TINY)
+
+
+def _pad(xs, n, value):
+    out = np.full(n, value, np.int32)
+    out[: len(xs)] = xs
+    return out
+
+
+class PagedSeqs:
+    """Sequences on randomly permuted pages of a pool (built here, not by the engine)."""
+
+    def __init__(self, rng, num_pages, page_size):
+        self.free = list(rng.permutation(num_pages))
+        self.p = page_size
+        self.tables: dict[int, list[int]] = {}
+
+    def slots(self, seq, start, end):
+        table = self.tables.setdefault(seq, [])
+        while len(table) * self.p < end:
+            table.append(int(self.free.pop()))
+        pos = np.arange(start, end)
+        return np.asarray(table)[pos // self.p] * self.p + pos % self.p
+
+    def extend_batch(self, chunks, *, t_pad, b_pad, k_pad, w_pad):
+        """chunks: (seq, tokens_so_far, start, end) -> ExtendBatch with padding."""
+        toks, pos, slot, qo, kv, idx, tables, lens, rows = [], [], [], [0], [0], [], [], [], []
+        for seq, tokens, start, end in chunks:
+            toks += list(tokens[start:end])
+            pos += list(range(start, end))
+            slot += list(self.slots(seq, start, end))
+            qo.append(qo[-1] + end - start)
+            kv.append(kv[-1] + end)
+            idx += list(self.slots(seq, 0, end))
+            tables.append(_pad(self.tables[seq], w_pad, 0))
+            lens.append(end)
+            rows.append(qo[-1] - 1)
+        n = len(chunks)
+        tables += [np.zeros(w_pad, np.int32)] * (b_pad - n)
+        return ExtendBatch(
+            tokens=jnp.asarray(_pad(toks, t_pad, 0)),
+            positions=jnp.asarray(_pad(pos, t_pad, 0)),
+            slot_mapping=jnp.asarray(_pad(slot, t_pad, -1)),
+            qo_indptr=jnp.asarray(_pad(qo, b_pad + 1, qo[-1])),
+            kv_indptr=jnp.asarray(_pad(kv, b_pad + 1, kv[-1])),
+            kv_indices=jnp.asarray(_pad(idx, k_pad, 0)),
+            block_tables=jnp.asarray(np.stack(tables)),
+            seq_lens=jnp.asarray(_pad(lens, b_pad, 0)),
+            logit_rows=jnp.asarray(_pad(rows, b_pad, 0)),
+        )
+
+    def decode_batch(self, items, *, b_pad, w_pad):
+        """items: (seq, tokens_so_far) decoding the last token."""
+        toks, pos, slot, tables, lens = [], [], [], [], []
+        for seq, tokens in items:
+            n = len(tokens)
+            toks.append(tokens[-1])
+            pos.append(n - 1)
+            slot += list(self.slots(seq, n - 1, n))
+            tables.append(_pad(self.tables[seq], w_pad, 0))
+            lens.append(n)
+        tables += [np.zeros(w_pad, np.int32)] * (b_pad - len(items))
+        return DecodeBatch(
+            tokens=jnp.asarray(_pad(toks, b_pad, 0)),
+            positions=jnp.asarray(_pad(pos, b_pad, 0)),
+            slot_mapping=jnp.asarray(_pad(slot, b_pad, -1)),
+            block_tables=jnp.asarray(np.stack(tables)),
+            seq_lens=jnp.asarray(_pad(lens, b_pad, 1)),
+        )
+
+
+@pytest.mark.parametrize(
+    "layout, attention",
+    [("bshd", "extend"), ("vllm", "prefix_prefill"), ("bhsd", "prefix_prefill")],
+)
+def test_cached_paths_match_dense(layout, attention):
+    rng = np.random.default_rng(3)
+    params = llama.init_params(CFG, jax.random.key(1))
+    num_pages, page = 24, 4
+    k_cache, v_cache = llama.init_kv_cache(CFG, num_pages, page, layout=layout)
+    # NaN in every slot: a read of anything not written by this test shows up.
+    k_cache, v_cache = jnp.full_like(k_cache, jnp.nan), jnp.full_like(v_cache, jnp.nan)
+    seqs = PagedSeqs(rng, num_pages, page)
+    full = {0: list(rng.integers(0, 96, 14)), 1: list(rng.integers(0, 96, 6)), 2: [5]}
+    padded = np.stack([_pad(t, 16, 0) for t in full.values()])
+    lens = jnp.asarray([len(t) for t in full.values()], jnp.int32)
+    dense = np.asarray(llama.forward_dense(params, CFG, jnp.asarray(padded), lens))
+
+    extend = jax.jit(
+        lambda p, k, v, b: llama.forward_extend(
+            p, CFG, k, v, b, layout=layout, attention=attention
+        ),
+        donate_argnums=(1, 2),
+    )
+    decode = jax.jit(
+        lambda p, k, v, b: llama.forward_decode(p, CFG, k, v, b, layout=layout),
+        donate_argnums=(1, 2),
+    )
+    pad = dict(t_pad=16, b_pad=4, k_pad=32, w_pad=6)
+    # Step 1: seq 0 first chunk, seq 1 whole prompt, seq 2 a one-token prompt.
+    b = seqs.extend_batch([(0, full[0], 0, 5), (1, full[1], 0, 5), (2, full[2], 0, 1)], **pad)
+    logits, k_cache, v_cache = extend(params, k_cache, v_cache, b)
+    np.testing.assert_allclose(logits[:3], [dense[0][4], dense[1][4], dense[2][0]], atol=1e-4)
+    # Step 2: seq 0 continues its prefill after a 5-token cached prefix.
+    b = seqs.extend_batch([(0, full[0], 5, 12)], **pad)
+    logits, k_cache, v_cache = extend(params, k_cache, v_cache, b)
+    np.testing.assert_allclose(logits[0], dense[0][11], atol=1e-4)
+    # Decode steps: seq 0 crosses a page boundary, seq 1 decodes its last prompt token.
+    for n0 in (13, 14):
+        b = seqs.decode_batch([(0, full[0][:n0]), (1, full[1])], b_pad=4, w_pad=6)
+        logits, k_cache, v_cache = decode(params, k_cache, v_cache, b)
+        np.testing.assert_allclose(logits[:2], [dense[0][n0 - 1], dense[1][5]], atol=1e-4)
+        assert not np.isnan(np.asarray(logits)).any()
+
+
+def test_decode_updates_the_donated_pool_in_place():
+    params = llama.init_params(CFG, jax.random.key(1))
+    k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4)
+    decode = jax.jit(
+        lambda p, k, v, b: llama.forward_decode(p, CFG, k, v, b), donate_argnums=(1, 2)
+    )
+    seqs = PagedSeqs(np.random.default_rng(0), 8, 4)
+    b = seqs.decode_batch([(0, [1])], b_pad=2, w_pad=2)
+    before = k_cache.unsafe_buffer_pointer()
+    _, k2, v2 = decode(params, k_cache, v_cache, b)
+    assert k_cache.is_deleted() and v_cache.is_deleted()
+    assert k2.unsafe_buffer_pointer() == before
+    # The token went to layer 1's copy of the page too (page offset num_pages * layer).
+    page = seqs.tables[0][0]
+    k2 = np.asarray(k2)
+    assert np.abs(k2[page, 0]).sum() > 0 and np.abs(k2[8 + page, 0]).sum() > 0
+    assert np.abs(np.delete(k2, [page, 8 + page], axis=0)).sum() == 0
+
+
+def test_forward_errors():
+    params = llama.init_params(CFG, jax.random.key(0))
+    k, v = llama.init_kv_cache(CFG, 4, 4, layout="bhsd")
+    b = PagedSeqs(np.random.default_rng(0), 4, 4).extend_batch(
+        [(0, [1, 2], 0, 2)], t_pad=2, b_pad=1, k_pad=2, w_pad=1
+    )
+    with pytest.raises(ValueError, match="layout='bshd'"):
+        llama.forward_extend(params, CFG, k, v, b, layout="bhsd", attention="extend")
+    with pytest.raises(ValueError, match="attention"):
+        llama.forward_extend(params, CFG, k, v, b, layout="bhsd", attention="flash")
+    other = LlamaConfig(**dict(TINY, num_key_value_heads=4))
+    with pytest.raises(ValueError, match="KV heads"):
+        llama.forward_extend(params, other, k, v, b, layout="bhsd", attention="prefix_prefill")
+    with pytest.raises(ValueError, match="tokens"):
+        llama.forward_dense(params, CFG, jnp.zeros((2, 2, 2), jnp.int32))
+    with pytest.raises(TypeError, match="cfg"):
+        llama.init_params({"vocab_size": 3}, jax.random.key(0))
