@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxattn.radix.token_pool import TokenPool, as_slots
+from jaxattn.radix.token_pool import TokenPool, as_slots, last_occurrences
 
 __all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
@@ -152,6 +152,7 @@ class RadixCache:
         self._roots: dict[Hashable, TreeNode] = {None: self._root}
         # Which pool slots the tree holds: catches a caller handing one slot over twice.
         self._owned = np.zeros(self.pool.num_slots, dtype=bool)
+        self._scratch = np.empty(self.pool.num_slots, dtype=np.int64)
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
@@ -193,8 +194,12 @@ class RadixCache:
 
     def _common_len(self, edge: np.ndarray, key: np.ndarray, pos: int) -> int:
         n = min(len(edge), len(key) - pos)
-        diff = np.flatnonzero(edge[:n] != key[pos : pos + n])
-        m = int(diff[0]) if diff.size else n
+        equal = edge[:n] == key[pos : pos + n]
+        # argmin of a bool array is the first False (0 when all are True); one C pass,
+        # cheaper per node than flatnonzero, which allocates the list of every mismatch.
+        m = int(equal.argmin())
+        if equal[m]:
+            m = n
         return m - m % self.page_size
 
     def _descend(self, root: TreeNode, key: np.ndarray):
@@ -301,7 +306,7 @@ class RadixCache:
             return
         if slots.min() < 0 or slots.max() >= self.pool.num_slots:
             raise ValueError(f"indices must lie in [0, {self.pool.num_slots})")
-        if np.unique(slots).size != slots.size:
+        if not last_occurrences(slots, self._scratch).all():
             raise ValueError("indices lists a slot twice")
         if self._owned[slots].any():
             bad = slots[self._owned[slots]][:8].tolist()

@@ -6,7 +6,19 @@ import numbers
 
 import numpy as np
 
-__all__ = ["TokenPool", "as_slots"]
+__all__ = ["TokenPool", "as_slots", "last_occurrences"]
+
+
+def last_occurrences(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """``bool[n]``: True where ``values[i]`` does not occur again after ``i``.
+
+    O(n) with a caller-owned ``scratch`` array indexable by every value (np.unique sorts or
+    hashes, several times slower on the 32k-token arrays of long prompts). ``scratch``
+    needs no initialisation: every entry read here was written first.
+    """
+    positions = np.arange(values.size, dtype=scratch.dtype)
+    scratch[values] = positions  # later writes win
+    return scratch[values] == positions
 
 
 def as_slots(name: str, slots: object) -> np.ndarray:
@@ -46,6 +58,7 @@ class TokenPool:
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
         self._used = np.zeros(self.num_pages, dtype=bool)
+        self._scratch = np.empty(self.num_pages, dtype=np.int64)
 
     @property
     def available(self) -> int:
@@ -81,9 +94,10 @@ class TokenPool:
         if slots.min() < 0 or slots.max() >= self.num_slots:
             raise ValueError(f"slots must lie in [0, {self.num_slots})")
         pages = slots // self.page_size if self.page_size > 1 else slots
+        last = last_occurrences(pages, self._scratch)
         if self.page_size > 1:
-            pages = np.unique(pages)
-        elif np.unique(pages).size != pages.size:
+            pages = pages[last]  # every page once, however many of its slots are listed
+        elif not last.all():
             raise ValueError("slots lists a slot twice (double free)")
         if not self._used[pages].all():
             bad = pages[~self._used[pages]][:8] * self.page_size
