@@ -1,0 +1,22 @@
+"""Serving engine: continuous batching over the paged KV pool and the radix prefix cache."""
+
+from .engine import Engine
+from .pool import PagePool
+from .progress import ProgressBar
+from .runner import Buckets, ModelRunner, bucket
+from .sampling import sample, sample_keys
+from .scheduler import Scheduler, Sequence, StepPlan
+
+__all__ = [
+    "Buckets",
+    "Engine",
+    "ModelRunner",
+    "PagePool",
+    "ProgressBar",
+    "Scheduler",
+    "Sequence",
+    "StepPlan",
+    "bucket",
+    "sample",
+    "sample_keys",
+]

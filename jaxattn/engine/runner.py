@@ -1,0 +1,341 @@
+"""The model runner: owns the KV pool and the jitted step functions.
+
+One scheduler step runs at most three programs, each over bucketed shapes:
+
+* ``copy_pages`` - copy-on-write page copies (only after a fork), every layer at once;
+* ``extend``     - prefill chunks of any number of requests, each after its cached prefix;
+* ``decode``     - one token for each decoding sequence.
+
+Extend and decode are separate programs rather than one mixed batch: their shapes vary
+independently (new tokens, KV length and requests for one; batch and block-table width for
+the other), so two programs compile ``|extend shapes| + |decode shapes|`` variants where a
+fused one would compile their product. Every shape is rounded up to a power of two (with
+a floor), so a long generation compiles O(log) programs; :attr:`ModelRunner.trace_counts`
+counts them. Sampling runs inside the step, so only the drawn token ids leave the device.
+The caches are donated to every program and updated in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.kv import copy_blocks
+from jaxattn.models import llama
+from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
+
+from .sampling import sample, sample_keys
+
+__all__ = ["Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
+
+_PLATFORM_ORDER = {"cpu": ("reference",)}
+_GPU_ORDER = ("native", "pallas", "reference")
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    n = max(int(n), int(floor), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Floors of the power-of-two shape buckets. Higher floors mean fewer programs to
+    compile, at the cost of padding work in small steps."""
+
+    tokens: int = 16  # new tokens in an extend step
+    kv: int = 64  # prefix + new tokens over all requests of an extend step
+    extend_batch: int = 2  # requests (or sample rows) of an extend step
+    decode_batch: int = 4  # sequences of a decode step
+    pages: int = 4  # block-table width (pages per sequence)
+    copies: int = 8  # copy-on-write page copies
+
+
+class ExtendItem(NamedTuple):
+    """A chunk ``[start, end)`` of a sequence whose first ``start`` tokens are cached.
+
+    ``samples``: ``(seed, uid, temperature, top_p)`` per token to draw from the logits of
+    the chunk's last row (empty for a chunk that does not finish the prompt); the key of a
+    draw is ``(seed, uid, end)`` (see :mod:`jaxattn.engine.sampling`).
+    """
+
+    tokens: np.ndarray  # i32[end - start]
+    start: int
+    end: int
+    table: np.ndarray  # i32 pages holding positions [0, end)
+    samples: tuple
+
+
+class DecodeItem(NamedTuple):
+    token: int
+    position: int  # == tokens cached before this one
+    table: np.ndarray  # pages holding positions [0, position]
+    seed: int
+    uid: int
+    temperature: float
+    top_p: float
+
+
+class SampleBatch(NamedTuple):
+    seeds: jax.Array
+    uids: jax.Array
+    positions: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+
+
+def _pad(values, n: int, fill, dtype=np.int32) -> np.ndarray:
+    out = np.full(n, fill, dtype)
+    values = np.asarray(values, dtype)
+    out[: len(values)] = values
+    return out
+
+
+class ModelRunner:
+    """Runs extend / decode steps of one model over one paged KV pool.
+
+    Args:
+      cfg, params: the model.
+      num_pages, page_size: pages per layer and tokens per page.
+      layout: pool layout (``"bshd"``, ``"bhsd"`` or ``"vllm"``).
+      extend_attention: ``"extend"`` (SGLang token-pool form, bshd only) or
+        ``"prefix_prefill"`` (paged form); None picks ``"extend"`` for bshd.
+      implementation: attention backend name, or None for the fastest one that serves
+        the platform; resolved once per step kind by tracing, and reported in
+        :attr:`backends`.
+      partition_size: split-KV partition for decode (None: the backend's choice).
+      buckets: shape bucket floors.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        params: dict,
+        *,
+        num_pages: int,
+        page_size: int,
+        layout: str = "bshd",
+        extend_attention: str | None = None,
+        implementation: str | None = None,
+        partition_size: int | None = None,
+        buckets: Buckets | None = None,
+    ):
+        self.cfg = cfg
+        self.params = params
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.layout = layout
+        if extend_attention is None:
+            extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
+        self.extend_attention = extend_attention
+        self.partition_size = partition_size
+        self.buckets = buckets or Buckets()
+        self.k_cache, self.v_cache = llama.init_kv_cache(cfg, num_pages, page_size, layout=layout)
+        self.trace_counts: collections.Counter = collections.Counter()
+        self.backends = {
+            "extend": self._resolve("extend", implementation),
+            "decode": self._resolve("decode", implementation),
+        }
+        self._extend = jax.jit(
+            functools.partial(self._extend_step, implementation=self.backends["extend"]),
+            donate_argnums=(1, 2),
+            static_argnames=("greedy",),
+        )
+        self._decode = jax.jit(
+            functools.partial(self._decode_step, implementation=self.backends["decode"]),
+            donate_argnums=(1, 2),
+            static_argnames=("greedy",),
+        )
+        self._copy = jax.jit(self._copy_step, donate_argnums=(0, 1))
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    # -- the programs -------------------------------------------------------------------
+
+    def _extend_step(self, params, k, v, batch, samples, *, greedy, implementation):
+        self.trace_counts["extend"] += 1  # runs once per trace, i.e. per compiled shape
+        logits, k, v = llama.forward_extend(
+            params,
+            self.cfg,
+            k,
+            v,
+            batch,
+            layout=self.layout,
+            attention=self.extend_attention,
+            implementation=implementation,
+        )
+        return self._sample(logits, samples, greedy), k, v
+
+    def _decode_step(self, params, k, v, batch, samples, *, greedy, implementation):
+        self.trace_counts["decode"] += 1
+        logits, k, v = llama.forward_decode(
+            params,
+            self.cfg,
+            k,
+            v,
+            batch,
+            layout=self.layout,
+            partition_size=self.partition_size,
+            implementation=implementation,
+        )
+        return self._sample(logits, samples, greedy), k, v
+
+    @staticmethod
+    def _sample(logits, samples: SampleBatch, greedy):
+        keys = sample_keys(samples.seeds, samples.uids, samples.positions)
+        return sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
+
+    def _resolve(self, kind: str, implementation) -> str:
+        """The first backend that can trace this step (NotImplementedError -> the next)."""
+        if implementation is not None:
+            names = (implementation,)
+        else:
+            names = _PLATFORM_ORDER.get(jax.default_backend(), _GPU_ORDER)
+        errors = []
+        for name in names:
+            fn = self._extend_step if kind == "extend" else self._decode_step
+            args = self._example_args(kind)
+            try:
+                jax.eval_shape(
+                    functools.partial(fn, implementation=name, greedy=True),
+                    self.params,
+                    self.k_cache,
+                    self.v_cache,
+                    *args,
+                )
+            except NotImplementedError as e:
+                if implementation is not None:
+                    raise
+                errors.append(f"{name}: {e}")
+                continue
+            finally:
+                self.trace_counts[kind] -= 1
+            return name
+        raise NotImplementedError(f"no attention backend serves the {kind} step: {errors}")
+
+    def _example_args(self, kind: str):
+        table = np.zeros(1, np.int32)
+        samples = ((0, 0, 0.0, 1.0),)
+        if kind == "extend":
+            item = ExtendItem(np.zeros(1, np.int32), 0, 1, table, samples)
+            return self._extend_args([item])
+        return self._decode_args([DecodeItem(0, 0, table, 0, 0, 0.0, 1.0)])
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def _slots(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        return (table[pos // self.page_size] * self.page_size + pos % self.page_size).astype(
+            np.int32
+        )
+
+    def _sample_batch(self, rows: list, n: int) -> SampleBatch:
+        """rows: (seed, uid, position, temperature, top_p) -> a batch padded to ``n``."""
+        col = lambda i, fill, dt=np.int32: jnp.asarray(_pad([r[i] for r in rows], n, fill, dt))
+        return SampleBatch(
+            seeds=col(0, 0),
+            uids=col(1, 0),
+            positions=col(2, 0),
+            temperature=col(3, 0.0, np.float32),
+            top_p=col(4, 1.0, np.float32),
+        )
+
+    def _extend_args(self, items: list[ExtendItem]):
+        bk = self.buckets
+        num_new = sum(it.end - it.start for it in items)
+        num_kv = sum(it.end for it in items)
+        num_rows = sum(len(it.samples) for it in items)
+        t = bucket(num_new, bk.tokens)
+        b = bucket(max(len(items), num_rows), bk.extend_batch)
+        k = bucket(num_kv, max(bk.kv, t))
+        tokens = np.concatenate([it.tokens for it in items])
+        positions = np.concatenate([np.arange(it.start, it.end) for it in items])
+        slots = np.concatenate([self._slots(it.table, it.start, it.end) for it in items])
+        indices = np.concatenate([self._slots(it.table, 0, it.end) for it in items])
+        qo = np.cumsum([0] + [it.end - it.start for it in items])
+        kv = np.cumsum([0] + [it.end for it in items])
+        rows, sample_rows = [], []
+        for it, last in zip(items, qo[1:] - 1, strict=True):
+            for seed, uid, temperature, top_p in it.samples:
+                rows.append(last)
+                sample_rows.append((seed, uid, it.end, temperature, top_p))
+        tables = seq_lens = None
+        if self.extend_attention == "prefix_prefill":
+            w = bucket(max(len(it.table) for it in items), bk.pages)
+            tables = np.zeros((b, w), np.int32)
+            for i, it in enumerate(items):
+                tables[i, : len(it.table)] = it.table
+            tables = jnp.asarray(tables)
+            seq_lens = jnp.asarray(_pad([it.end for it in items], b, 0))
+        batch = ExtendBatch(
+            tokens=jnp.asarray(_pad(tokens, t, 0)),
+            positions=jnp.asarray(_pad(positions, t, 0)),
+            slot_mapping=jnp.asarray(_pad(slots, t, -1)),
+            qo_indptr=jnp.asarray(_pad(qo, b + 1, qo[-1])),
+            kv_indptr=jnp.asarray(_pad(kv, b + 1, kv[-1])),
+            kv_indices=jnp.asarray(_pad(indices, k, 0)),
+            block_tables=tables,
+            seq_lens=seq_lens,
+            logit_rows=jnp.asarray(_pad(rows, b, 0)),
+        )
+        return batch, self._sample_batch(sample_rows, b)
+
+    def _decode_args(self, items: list[DecodeItem]):
+        b = bucket(len(items), self.buckets.decode_batch)
+        w = bucket(max(len(it.table) for it in items), self.buckets.pages)
+        tables = np.zeros((b, w), np.int32)
+        for i, it in enumerate(items):
+            tables[i, : len(it.table)] = it.table
+        slots = [self._slots(it.table, it.position, it.position + 1)[0] for it in items]
+        batch = DecodeBatch(
+            tokens=jnp.asarray(_pad([it.token for it in items], b, 0)),
+            positions=jnp.asarray(_pad([it.position for it in items], b, 0)),
+            slot_mapping=jnp.asarray(_pad(slots, b, -1)),
+            block_tables=jnp.asarray(tables),
+            seq_lens=jnp.asarray(_pad([it.position + 1 for it in items], b, 1)),
+        )
+        rows = [(it.seed, it.uid, it.position + 1, it.temperature, it.top_p) for it in items]
+        return batch, self._sample_batch(rows, b)
+
+    # -- running ------------------------------------------------------------------------
+
+    def extend(self, items: list[ExtendItem]) -> jax.Array:
+        """Run the chunks; return the drawn tokens ``i32[>= sum(len(samples))]`` (device)."""
+        batch, samples = self._extend_args(items)
+        greedy = all(s[2] == 0 for it in items for s in it.samples)
+        tokens, self.k_cache, self.v_cache = self._extend(
+            self.params, self.k_cache, self.v_cache, batch, samples, greedy=greedy
+        )
+        return tokens
+
+    def decode(self, items: list[DecodeItem]) -> jax.Array:
+        """Decode one token per item; return the drawn tokens ``i32[>= len(items)]``."""
+        batch, samples = self._decode_args(items)
+        greedy = all(it.temperature == 0 for it in items)
+        tokens, self.k_cache, self.v_cache = self._decode(
+            self.params, self.k_cache, self.v_cache, batch, samples, greedy=greedy
+        )
+        return tokens
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy page ``src -> dst`` (layer-0 ids) in every layer, before any write."""
+        n = len(pairs)
+        m = bucket(n * self.cfg.num_hidden_layers, self.buckets.copies)
+        offsets = np.arange(self.cfg.num_hidden_layers)[:, None] * self.num_pages
+        src = (np.asarray([p[0] for p in pairs])[None, :] + offsets).reshape(-1)
+        dst = (np.asarray([p[1] for p in pairs])[None, :] + offsets).reshape(-1)
+        self.k_cache, self.v_cache = self._copy(
+            self.k_cache, self.v_cache, jnp.asarray(_pad(src, m, 0)), jnp.asarray(_pad(dst, m, -1))
+        )
+
+    def _copy_step(self, k, v, src, dst):
+        self.trace_counts["copy"] += 1
+        return copy_blocks(k, v, src, dst, layout=self.layout)
