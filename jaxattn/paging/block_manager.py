@@ -281,7 +281,7 @@ class BlockManager:
         """Drop the sequence; blocks no other table holds return to the free list."""
         table = self._tables.pop(self._check_seq(seq_id))
         del self._lens[seq_id]
-        # Tail first, so that reuse order (LIFO) hands out the prompt head last.
+        # Tail first: the LIFO free list then hands these blocks out again in table order.
         for block in reversed(table):
             self.allocator.free(block)
 
