@@ -224,6 +224,36 @@ def simulate(scheme, trace, *, pool: int, max_running: int) -> dict:
     )
 
 
+def host_cost(reps: int = 20000) -> list[dict]:
+    """Microseconds per BlockManager call at serving sizes (256 sequences, block 16)."""
+    m = BlockManager(65536, 16)
+    seqs = list(range(256))
+    for s in seqs:
+        m.allocate(s, 1000)
+    rows = []
+
+    def measure(name, fn, n):
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        rows.append(dict(call=name, us=(time.perf_counter() - t0) / n * 1e6))
+
+    measure("append_slot (no copy)", lambda i: m.append_slot(seqs[i % 256]), reps)
+    measure("can_append_slot", lambda i: m.can_append_slot(seqs[i % 256]), reps)
+    forks = iter(range(10**6, 2 * 10**6))
+
+    def fork_and_diverge(i):
+        child = next(forks)
+        m.fork(seqs[i % 256], child)
+        m.append_slot(child)  # copy-on-write unless the tail happens to be full
+        m.free(child)
+
+    measure("fork + append_slot + free", fork_and_diverge, reps // 10)
+    measure("block_tables(256 seqs, pad_to=128)", lambda i: m.block_tables(seqs, 128), 200)
+    measure("slot_mapping(seq, 0, 1000)", lambda i: m.slot_mapping(seqs[i % 256], 0, 1000), 2000)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default="sharegpt,alpaca")
@@ -287,7 +317,10 @@ def main() -> None:
             ],
         )
     )
-    write_json(args.json, dict(env=environment(), args=vars(args), rows=rows))
+    host = host_cost()
+    print()
+    print(table(host, [("call", "BlockManager call", ""), ("us", "µs per call", ".2f")]))
+    write_json(args.json, dict(env=environment(), args=vars(args), rows=rows, host_cost=host))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,11 @@ class BlockManager:
         self.watermark_blocks = int(self.watermark * self.allocator.num_blocks)
         self._tables: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        # A numpy mirror of the tables, one row per sequence, kept in step with every
+        # mutation so that block_tables() is one gather instead of a Python loop per row.
+        self._rows: dict[Hashable, int] = {}
+        self._free_rows: list[int] = []
+        self._mat = np.zeros((16, 16), dtype=np.int32)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -167,17 +172,26 @@ class BlockManager:
         Padding defaults to block 0, a valid index: kernels stop at ``seq_lens`` and never
         read it, and a gather of a valid index cannot fault.
         """
-        tables = [self._tables[self._check_seq(s)] for s in seq_ids]
-        longest = max((len(t) for t in tables), default=0)
+        seq_ids = list(seq_ids)
+        try:
+            rows = np.array([self._rows[s] for s in seq_ids], dtype=np.int64)
+        except KeyError:
+            for s in seq_ids:
+                self._check_seq(s)
+            raise
+        tables = self._tables
+        lens = np.array([len(tables[s]) for s in seq_ids], dtype=np.int64)
+        longest = int(lens.max(initial=0))
         if pad_to is None:
             width = longest
         else:
             width = _check_int("pad_to", pad_to)
             if width < longest:
                 raise ValueError(f"pad_to={width} is shorter than the longest table ({longest})")
-        out = np.full((len(tables), width), pad_value, dtype=np.int32)
-        for row, table in zip(out, tables, strict=True):
-            row[: len(table)] = table
+        out = np.full((len(seq_ids), width), pad_value, dtype=np.int32)
+        have = min(width, self._mat.shape[1])
+        out[:, :have] = self._mat[rows, :have]
+        out[np.arange(width) >= lens[:, None]] = pad_value
         return out
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
@@ -207,6 +221,7 @@ class BlockManager:
         table = [self.allocator.allocate() for _ in range(needed)]
         self._tables[seq_id] = table
         self._lens[seq_id] = int(num_tokens)
+        self._mirror_new(seq_id)
         return list(table)
 
     def append_slot(self, seq_id: Hashable) -> list[tuple[int, int]]:
@@ -228,6 +243,7 @@ class BlockManager:
             if not allocator._free:
                 raise NoFreeBlocksError(f"seq_id={seq_id!r} needs 1 block to grow, 0 free")
             table.append(allocator.allocate())
+            self._mirror_entry(seq_id, len(table) - 1)
             orders = []
         elif allocator._ref[table[-1]] > 1:
             if not allocator._free:
@@ -237,6 +253,7 @@ class BlockManager:
             src = table[-1]
             table[-1] = dst = allocator.allocate()
             allocator._ref[src] -= 1  # still > 0: another table holds it
+            self._mirror_entry(seq_id, len(table) - 1)
             orders = [(src, dst)]
         else:
             orders = []
@@ -265,6 +282,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(new_len) - len(table)):
             table.append(self.allocator.allocate())
         self._lens[seq_id] = new_len
+        self._mirror_row(seq_id)
         return orders
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -272,18 +290,25 @@ class BlockManager:
         table = self._tables[self._check_seq(parent_id, "parent_id")]
         if child_id in self._tables:
             raise ValueError(f"child_id={child_id!r} is already allocated")
+        # Blocks of a table are allocated by construction: no per-block checks needed.
+        ref = self.allocator._ref
         for block in table:
-            self.allocator.incref(block)
+            ref[block] += 1
         self._tables[child_id] = list(table)
         self._lens[child_id] = self._lens[parent_id]
+        self._mirror_new(child_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence; blocks no other table holds return to the free list."""
         table = self._tables.pop(self._check_seq(seq_id))
         del self._lens[seq_id]
+        self._free_rows.append(self._rows.pop(seq_id))
         # Tail first: the LIFO free list then hands these blocks out again in table order.
+        ref, free = self.allocator._ref, self.allocator._free
         for block in reversed(table):
-            self.allocator.free(block)
+            ref[block] -= 1
+            if not ref[block]:
+                free.append(block)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless ref counts equal table membership and no block leaks."""
@@ -297,6 +322,43 @@ class BlockManager:
         free = self.allocator._free
         assert len(set(free)) == len(free), "a block is on the free list twice"
         assert sorted(free) == [b for b in range(self.num_blocks) if holders[b] == 0]
+        assert self._rows.keys() == self._tables.keys()
+        assert len(set(self._rows.values())) == len(self._rows), "two sequences share a row"
+        for seq_id, table in self._tables.items():
+            row = self._mat[self._rows[seq_id], : len(table)]
+            assert row.tolist() == table, f"numpy mirror of seq {seq_id!r} is stale"
+
+    # -- numpy mirror ----------------------------------------------------------------------
+
+    def _grow_mirror(self, rows: int, width: int) -> None:
+        old_rows, old_width = self._mat.shape
+        if rows <= old_rows and width <= old_width:
+            return
+        mat = np.zeros(
+            (
+                max(rows, 2 * old_rows if rows > old_rows else old_rows),
+                max(width, 2 * old_width if width > old_width else old_width),
+            ),
+            dtype=np.int32,
+        )
+        mat[:old_rows, :old_width] = self._mat
+        self._mat = mat
+
+    def _mirror_new(self, seq_id: Hashable) -> None:
+        row = self._free_rows.pop() if self._free_rows else len(self._rows)
+        self._rows[seq_id] = row
+        self._mirror_row(seq_id)
+
+    def _mirror_row(self, seq_id: Hashable) -> None:
+        table, row = self._tables[seq_id], self._rows[seq_id]
+        self._grow_mirror(row + 1, len(table))
+        self._mat[row, : len(table)] = table
+
+    def _mirror_entry(self, seq_id: Hashable, index: int) -> None:
+        row = self._rows[seq_id]
+        if index >= self._mat.shape[1]:
+            self._grow_mirror(row + 1, index + 1)
+        self._mat[row, index] = self._tables[seq_id][index]
 
     # -- internals -------------------------------------------------------------------------
 
