@@ -47,8 +47,8 @@ def timed(fn, *args, **kwargs):
     return out, (time.perf_counter_ns() - t0) / 1e3
 
 
-def median(xs) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
+def median(xs) -> float | None:
+    return float(statistics.median(xs)) if xs else None  # None: valid JSON, "-" in tables
 
 
 def cache_tokens(cache: RadixCache, pool: TokenPool, tokens: np.ndarray) -> tuple[int, float]:
