@@ -1,6 +1,7 @@
 """jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX."""
 
-from . import layout, reference
+from . import kv, layout, paging, radix, reference
+from .kv import copy_blocks, write_kv
 from .ops import (
     BACKENDS,
     available_backends,
@@ -15,10 +16,15 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "copy_blocks",
     "extend_attention",
+    "kv",
     "layout",
     "merge_states",
     "paged_attention",
+    "paging",
     "prefix_prefill",
+    "radix",
     "reference",
+    "write_kv",
 ]
