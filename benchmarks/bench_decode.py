@@ -1,0 +1,224 @@
+"""Paged decode attention: achieved KV-read bandwidth against the copy ceiling.
+
+    python benchmarks/bench_decode.py --impl reference,pallas,native --json decode.json
+
+Every implementation reachable through ``jaxattn.paged_attention`` is timed on the
+same inputs (one that raises NotImplementedError is reported as skipped), next to
+JAX's own Pallas GPU ``paged_attention`` as a peer. Bandwidth counts the K and V bytes
+a decode step must read (B * ctx * Hkv * D * 2 * itemsize) over the median time; the
+ratio is to the device-to-device copy bandwidth measured in the same run.
+
+``--sweep`` also times the Pallas kernel over a grid of tile configurations.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jaxattn  # noqa: E402
+from jaxattn import pallas as jpallas  # noqa: E402
+
+CASES = [(1, 32768), (8, 4096), (64, 4096), (256, 1024)]
+HEADS = [(32, 8), (32, 32)]
+SMALL_CASES = [(2, 256), (4, 128)]  # --small: a CPU smoke run of the script itself
+SMALL_HEADS = [(8, 2)]
+
+
+def build_inputs(
+    seed, *, batch, ctx, num_q_heads, num_kv_heads, head_dim, page_size, layout, dtype
+):
+    """Random decode inputs: every sequence full to ctx, pages permuted over the pool."""
+    pages_per_seq = ctx // page_size
+    num_pages = batch * pages_per_seq + 1
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+    geom = (num_pages, page_size, num_kv_heads, head_dim)
+    k_shape = jaxattn.layout.cache_shape(layout, "k", *geom, dtype=dtype)
+    v_shape = jaxattn.layout.cache_shape(layout, "v", *geom, dtype=dtype)
+    k_cache = jax.random.normal(kk, k_shape, dtype)
+    v_cache = jax.random.normal(kv, v_shape, dtype)
+    perm = jax.random.permutation(kp, num_pages)[: batch * pages_per_seq]
+    block_tables = perm.reshape(batch, pages_per_seq).astype(jnp.int32)
+    seq_lens = jnp.full((batch,), ctx, jnp.int32)
+    q = jax.random.normal(kq, (batch, num_q_heads, head_dim), dtype)
+    return q, k_cache, v_cache, block_tables, seq_lens
+
+
+def jax_pallas_peer(scale):
+    """jax.experimental.pallas.ops.gpu.paged_attention, JAX's own Pallas GPU kernel.
+
+    It wants K/V as [Hkv, num_pages, P, D] and does not scale the logits, so q is
+    scaled first (inside the timed call, as a serving step would)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+    def run(q, k_pages, v_pages, block_tables, seq_lens):
+        # Its defaults (16 splits of 8-page compute blocks) need the page count to divide.
+        pages = block_tables.shape[1]
+        k_splits = next(s for s in (16, 8, 4, 2, 1) if pages % s == 0)
+        return jpa.paged_attention(
+            (q * scale).astype(q.dtype),
+            k_pages,
+            v_pages,
+            block_tables,
+            seq_lens,
+            k_splits=k_splits,
+            pages_per_compute_block=min(8, pages // k_splits),
+            interpret=jax.default_backend() == "cpu",
+        )
+
+    return run
+
+
+def to_peer_layout(copy, layout):
+    q, k, v, bt, sl = copy
+    kb = jaxattn.layout.to_bshd(k, layout, "k")
+    vb = jaxattn.layout.to_bshd(v, layout, "v")
+    return q, jnp.transpose(kb, (2, 0, 1, 3)), jnp.transpose(vb, (2, 0, 1, 3)), bt, sl
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--layout", default="bshd")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cases", default=None, help="B:ctx,B:ctx,... (default: the issue's set)")
+    p.add_argument("--heads", default=None, help="Hq/Hkv,... (default: 32/8,32/32)")
+    p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
+    p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
+    args = p.parse_args(argv)
+
+    dtype = jnp.dtype(args.dtype)
+    cases = SMALL_CASES if args.small else CASES
+    heads = SMALL_HEADS if args.small else HEADS
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    if args.heads:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+    impls = common.parse_impls(args.impl)
+    d = args.head_dim
+    scale = 1.0 / math.sqrt(d)
+
+    result = dict(
+        env=common.environment(),
+        params=vars(args) | {"json": str(args.json)},
+        ceilings=None,
+        rows=[],
+    )
+    copy_gbps = None
+    if not args.no_ceilings:
+        result["ceilings"] = common.ceilings(small=args.small)
+        copy_gbps = result["ceilings"]["copy"]["gbps"]
+        print(
+            f"ceilings: copy {copy_gbps:.0f} GB/s (read+write), "
+            f"bf16 matmul {result['ceilings']['matmul']['tflops']:.0f} TFLOP/s",
+            flush=True,
+        )
+
+    for (batch, ctx), (hq, hkv) in itertools.product(cases, heads):
+        geom = dict(
+            batch=batch,
+            ctx=ctx,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            page_size=args.page_size,
+            layout=args.layout,
+            dtype=dtype,
+        )
+        kv_bytes = batch * ctx * hkv * d * 2 * dtype.itemsize
+        copies = common.make_copies(
+            functools.partial(build_inputs, **geom), common.num_copies(kv_bytes)
+        )
+        spec_out = None
+        if args.check:
+            spec_out = jaxattn.paged_attention(
+                *copies[0], layout=args.layout, implementation="reference"
+            )
+
+        def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected):
+            row = base | {"impl": name} | (extra or {})
+            row |= common.measure(fn, copies_, samples=args.samples, expected=expected)
+            metric = ""
+            if "us" in row:
+                row["gbps"] = kv_bytes / row["us"] / 1e3
+                metric = f"{row['gbps']:.0f} GB/s"
+                if copy_gbps is not None:
+                    row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+                    metric += f" ({row['pct_copy']:.0f}% of copy)"
+            result["rows"].append(row)
+            print(common.status_line(name, row, metric), flush=True)
+
+        record = functools.partial(
+            record,
+            base=dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}"),
+            kv_bytes=kv_bytes,
+            expected=spec_out,
+        )
+
+        print(
+            f"B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} ({kv_bytes / 1e6:.0f} MB of KV, "
+            f"{len(copies)} copies)",
+            flush=True,
+        )
+        for impl in impls:
+            fn = functools.partial(jaxattn.paged_attention, layout=args.layout, implementation=impl)
+            record(impl, fn, copies)
+        if args.sweep:
+            for cfg in sweep_configs():
+                fn = functools.partial(
+                    jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg
+                )
+                record("pallas-sweep", fn, copies, dict(config=str(cfg)))
+        if not args.no_peers:
+            peer_copies = [to_peer_layout(c, args.layout) for c in copies]
+            record("jax-pallas-gpu", jax_pallas_peer(scale), peer_copies)
+            del peer_copies
+        del copies
+
+    common.write_json(args.json, result)
+    rows = [r for r in result["rows"] if "us" in r]
+    print()
+    print(
+        common.table(
+            rows,
+            [
+                ("batch", "B", ""),
+                ("ctx", "ctx", ""),
+                ("heads", "Hq/Hkv", ""),
+                ("impl", "impl", ""),
+                ("config", "config", ""),
+                ("us", "time (us)", ".1f"),
+                ("gbps", "KV GB/s", ".0f"),
+                ("pct_copy", "% of copy", ".0f"),
+                ("rel_err", "rel err", ".1e"),
+            ],
+        )
+    )
+    return result
+
+
+def sweep_configs():
+    for block_n, warps, stages in [
+        (32, 4, 2),
+        (64, 4, 2),
+        (64, 4, 4),
+        (128, 4, 3),
+        (128, 8, 3),
+        (64, 2, 3),
+        (32, 2, 4),
+    ]:
+        yield jpallas.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Extend (prefix-cached prefill) attention: useful TFLOP/s against cuDNN.
+
+    python benchmarks/bench_extend.py --impl pallas,native --json extend.json
+
+Useful FLOPs count only the score entries the mask keeps:
+``4 * D * Hq * sum_b(Lq_b * Lp_b + Lq_b * (Lq_b + 1) / 2)``. Every implementation
+reachable through ``jaxattn.extend_attention`` (``--form extend``, a token pool with
+permuted slots) or ``jaxattn.prefix_prefill`` (``--form prefill``, a paged cache) is
+timed; one that raises NotImplementedError is reported as skipped. The peer is cuDNN
+flash attention (``jax.nn.dot_product_attention(..., implementation="cudnn")``) on
+the equivalent dense problem: cuDNN's causal mask is anchored top-left, so the
+prefix-shifted mask is expressed as one non-causal call over the prefix plus one
+causal call over the new tokens, merged by their log-sum-exp (for an empty prefix,
+the causal call alone).
+
+``--sweep`` also times the Pallas kernel over a grid of tile configurations.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jaxattn  # noqa: E402
+from jaxattn import pallas as jpallas  # noqa: E402
+
+# (batch, prefix, new tokens)
+CASES = [(8, 2048, 512), (1, 0, 8192), (32, 1000, 24)]
+SMALL_CASES = [(2, 40, 24), (1, 0, 64)]
+
+
+def useful_flops(batch, prefix, new, num_q_heads, head_dim):
+    return 4 * head_dim * num_q_heads * batch * (new * prefix + new * (new + 1) // 2)
+
+
+def build_extend(seed, *, batch, prefix, new, num_q_heads, num_kv_heads, head_dim, dtype):
+    """Token-pool inputs: every request's prefix + new slots, permuted over the pool."""
+    lk = prefix + new
+    num_slots = batch * lk + 1
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+    k_pool = jax.random.normal(kk, (num_slots, num_kv_heads, head_dim), dtype)
+    v_pool = jax.random.normal(kv, (num_slots, num_kv_heads, head_dim), dtype)
+    kv_indices = jax.random.permutation(kp, num_slots)[: batch * lk].astype(jnp.int32)
+    qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * new
+    kv_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * lk
+    q = jax.random.normal(kq, (batch * new, num_q_heads, head_dim), dtype)
+    return q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices
+
+
+def build_prefill(
+    seed, *, batch, prefix, new, num_q_heads, num_kv_heads, head_dim, dtype, page_size, layout
+):
+    lk = prefix + new
+    pages = -(-lk // page_size)
+    num_pages = batch * pages + 1
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+    geom = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = jax.random.normal(kk, jaxattn.layout.cache_shape(layout, "k", *geom), dtype)
+    v_cache = jax.random.normal(kv, jaxattn.layout.cache_shape(layout, "v", *geom), dtype)
+    tables = jax.random.permutation(kp, num_pages)[: batch * pages].reshape(batch, pages)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32) * new
+    seq_lens = jnp.full((batch,), lk, jnp.int32)
+    q = jax.random.normal(kq, (batch * new, num_q_heads, head_dim), dtype)
+    return q, k_cache, v_cache, cu, tables.astype(jnp.int32), seq_lens
+
+
+def to_dense(copy, *, batch, prefix, new):
+    """The same problem as dense [B, L, H, D] arrays (what cuDNN takes)."""
+    q, k_pool, v_pool, _, _, kv_indices = copy
+    lk = prefix + new
+    k = k_pool[kv_indices].reshape(batch, lk, *k_pool.shape[1:])
+    v = v_pool[kv_indices].reshape(batch, lk, *v_pool.shape[1:])
+    return q.reshape(batch, new, *q.shape[1:]), k, v
+
+
+def cudnn_peer(*, batch, prefix, new, scale):
+    dpa = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation="cudnn")
+
+    def run(q, k, v):
+        o_new, lse_new = dpa(q, k[:, prefix:], v[:, prefix:], is_causal=True, return_residual=True)
+        if prefix == 0:
+            return o_new.reshape(batch * new, *q.shape[2:])
+        o_pre, lse_pre = dpa(q, k[:, :prefix], v[:, :prefix], return_residual=True)
+        m = jnp.maximum(lse_pre, lse_new)
+        w_pre = jnp.exp(lse_pre - m)[..., None]
+        w_new = jnp.exp(lse_new - m)[..., None]
+        out = (w_pre * o_pre.astype(jnp.float32) + w_new * o_new.astype(jnp.float32)) / (
+            w_pre + w_new
+        )
+        return out.astype(q.dtype).reshape(batch * new, *q.shape[2:])
+
+    return run
+
+
+def sweep_configs():
+    for bq, bn, warps, stages, gh in [
+        (128, 64, 8, 2, 1),
+        (128, 64, 8, 3, 1),
+        (128, 128, 8, 2, 1),
+        (64, 64, 4, 3, 1),
+        (128, 32, 4, 3, 1),
+        (64, 128, 4, 2, 1),
+        (128, 64, 8, 2, 4),
+        (128, 64, 4, 2, 4),
+    ]:
+        yield jpallas.ExtendConfig(
+            block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, heads_per_tile=gh
+        )
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--form", choices=("extend", "prefill"), default="extend")
+    p.add_argument("--layout", default="bshd", help="paged layout for --form prefill")
+    p.add_argument("--page-size", type=int, default=16, help="page size for --form prefill")
+    p.add_argument("--heads", default="32/8")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cases", default=None, help="B:prefix:new,... (default: the issue's set)")
+    p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
+    p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
+    p.set_defaults(impl="pallas,native")
+    args = p.parse_args(argv)
+
+    dtype = jnp.dtype(args.dtype)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    d = args.head_dim
+    scale = 1.0 / math.sqrt(d)
+    cases = SMALL_CASES if args.small else CASES
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    impls = common.parse_impls(args.impl)
+
+    result = dict(
+        env=common.environment(),
+        params=vars(args) | {"json": str(args.json)},
+        ceilings=None,
+        rows=[],
+    )
+    if not args.no_ceilings:
+        result["ceilings"] = common.ceilings(small=args.small)
+        print(
+            f"ceilings: copy {result['ceilings']['copy']['gbps']:.0f} GB/s (read+write), "
+            f"bf16 matmul {result['ceilings']['matmul']['tflops']:.0f} TFLOP/s",
+            flush=True,
+        )
+    matmul = None if result["ceilings"] is None else result["ceilings"]["matmul"]["tflops"]
+
+    for batch, prefix, new in cases:
+        shape = dict(
+            batch=batch,
+            prefix=prefix,
+            new=new,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            dtype=dtype,
+        )
+        flops = useful_flops(batch, prefix, new, hq, d)
+        if args.form == "extend":
+            build = functools.partial(build_extend, **shape)
+            op = jaxattn.extend_attention
+            kernel = jpallas.extend_attention
+            kw = {}
+        else:
+            build = functools.partial(
+                build_prefill, **shape, page_size=args.page_size, layout=args.layout
+            )
+            op = jaxattn.prefix_prefill
+            kernel = jpallas.prefix_prefill
+            kw = {"layout": args.layout}
+        copy_bytes = common.tree_bytes(build(0))
+        copies = common.make_copies(build, common.num_copies(copy_bytes))
+        print(
+            f"{batch} x ({prefix} + {new}) Hq/Hkv={hq}/{hkv}: {flops / 1e9:.1f} GFLOP useful, "
+            f"{len(copies)} copies",
+            flush=True,
+        )
+        expected = None
+        if args.check:
+            try:
+                expected = jax.jit(functools.partial(op, implementation="reference", **kw))(
+                    *copies[0]
+                )
+            except Exception as e:  # noqa: BLE001 - the dense spec may not fit; time anyway
+                print(f"  (no check: the spec failed with {type(e).__name__})", flush=True)
+        base = dict(batch=batch, prefix=prefix, new=new, heads=f"{hq}/{hkv}", form=args.form)
+
+        def record(name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected):
+            row = base | {"impl": name} | (extra or {})
+            row |= common.measure(fn, copies_, samples=args.samples, expected=expected)
+            metric = ""
+            if "us" in row:
+                row["tflops"] = flops / row["us"] / 1e6
+                metric = f"{row['tflops']:.0f} TFLOP/s"
+                if matmul:
+                    row["pct_matmul"] = 100 * row["tflops"] / matmul
+            result["rows"].append(row)
+            print(common.status_line(name, row, metric), flush=True)
+            return row
+
+        for impl in impls:
+            record(impl, functools.partial(op, implementation=impl, **kw), copies)
+        if args.sweep:
+            for cfg in sweep_configs():
+                fn = functools.partial(kernel, scale=scale, config=cfg, **kw)
+                record("pallas-sweep", fn, copies, dict(config=str(cfg)))
+        peer = None
+        if not args.no_peers and args.form == "extend":
+            dense = [to_dense(c, batch=batch, prefix=prefix, new=new) for c in copies]
+            peer = record(
+                "cudnn", cudnn_peer(batch=batch, prefix=prefix, new=new, scale=scale), dense
+            )
+            del dense
+        if peer is not None and "us" in peer:
+            for row in result["rows"]:
+                if (
+                    row is not peer
+                    and row.get("batch") == batch
+                    and row.get("prefix") == prefix
+                    and row.get("new") == new
+                    and "us" in row
+                ):
+                    row["vs_cudnn"] = peer["us"] / row["us"]
+        del copies
+
+    common.write_json(args.json, result)
+    rows = [r for r in result["rows"] if "us" in r]
+    for r in rows:
+        r["case"] = f"{r['batch']}x({r['prefix']}+{r['new']})"
+    print()
+    print(
+        common.table(
+            rows,
+            [
+                ("case", "B x (prefix + new)", ""),
+                ("heads", "Hq/Hkv", ""),
+                ("impl", "impl", ""),
+                ("config", "config", ""),
+                ("us", "time (us)", ".1f"),
+                ("tflops", "TFLOP/s", ".0f"),
+                ("vs_cudnn", "x cuDNN", ".2f"),
+                ("rel_err", "rel err", ".1e"),
+            ],
+        )
+    )
+    return result
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()

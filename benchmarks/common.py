@@ -1,0 +1,209 @@
+"""Timing and ceilings shared by the benchmark scripts.
+
+Timing: one jitted function calls the op once on each of several copies of the inputs
+(enough copies that a round over them overflows the GPU's L2 several times, so no call
+finds its data cached); a sample enqueues that function many times back to back and
+waits once, so dispatch overlaps device work; after a warm-up, the figure is the
+median over samples of sample time / calls. (A ``lax.fori_loop`` over fixed inputs
+was tried first: XLA hoists the loop-invariant work out of the loop.)
+
+Ceilings, measured in the same run: device-to-device copy bandwidth (an elementwise
+``x + 1`` over a large buffer; bytes read plus bytes written) and a large bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# On-chip cache the rotated inputs must overflow (H200: 60 MB of L2).
+L2_BYTES = 60 * 2**20
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def num_copies(bytes_per_copy: int, *, max_copies: int = 8) -> int:
+    """Copies needed so that one round over them moves at least 4x the L2."""
+    return max(1, min(max_copies, math.ceil(4 * L2_BYTES / max(bytes_per_copy, 1))))
+
+
+def make_copies(build: Callable[[int], tuple], n: int) -> list[tuple]:
+    """n independent input sets; build(i) returns one (i seeds its randomness)."""
+    return [build(i) for i in range(n)]
+
+
+def time_calls(
+    fn: Callable,
+    copies: Sequence[tuple],
+    *,
+    target_s: float = 0.05,
+    samples: int = 15,
+    min_calls: int = 4,
+) -> dict:
+    """Seconds per ``fn(*copy)`` call: median over ``samples`` and the spread.
+
+    One jitted function calls fn once on every copy (unrolled: distinct inputs, so XLA
+    can neither merge nor hoist the calls); a sample enqueues that function several
+    times back to back and waits once, so the device never idles on the host. A
+    ``fori_loop`` over the same inputs does not work here: XLA moves loop-invariant
+    work out of the loop and times an empty body.
+    """
+    copies = [tuple(c) for c in copies]
+
+    @jax.jit
+    def all_calls(all_copies):
+        return [fn(*args) for args in all_copies]
+
+    def sample(dispatches: int) -> float:
+        t0 = time.perf_counter()
+        outs = [all_calls(copies) for _ in range(dispatches)]
+        jax.block_until_ready(outs)
+        return (time.perf_counter() - t0) / (dispatches * len(copies))
+
+    jax.block_until_ready(all_calls(copies))  # compile
+    per_call = min(sample(1) for _ in range(3))
+    dispatches = int(max(2, min(1000, round(target_s / max(per_call * len(copies), 1e-7)))))
+    sample(dispatches)
+    times = sorted(sample(dispatches) for _ in range(samples))
+    return dict(
+        median_s=statistics.median(times),
+        min_s=times[0],
+        p90_s=times[int(0.9 * (len(times) - 1))],
+        calls_per_sample=dispatches * len(copies),
+        samples=samples,
+        copies=len(copies),
+    )
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
+    """Device-to-device copy ceiling: x + 1 over nbytes of uint32 (read + write)."""
+    n = nbytes // 4
+    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    t = time_calls(lambda a: a + jnp.uint32(1), [(x,)], samples=10)
+    moved = 2 * n * 4
+    return dict(bytes_moved=moved, seconds=t["median_s"], gbps=moved / t["median_s"] / 1e9)
+
+
+def matmul_rate(n: int = 8192, dtype=jnp.bfloat16) -> dict:
+    """Dense matmul ceiling: n x n x n in dtype on random data, float32 accumulation."""
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    t = time_calls(
+        lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype),
+        [(a, b)],
+        samples=10,
+    )
+    flops = 2 * n**3
+    return dict(
+        n=n, dtype=str(np.dtype(dtype)), seconds=t["median_s"], tflops=flops / t["median_s"] / 1e12
+    )
+
+
+def ceilings(*, small: bool = False) -> dict:
+    """small: sizes for a smoke run on the CPU (the figures then mean nothing)."""
+    if small:
+        return dict(copy=copy_bandwidth(2**24), matmul=matmul_rate(256))
+    return dict(copy=copy_bandwidth(), matmul=matmul_rate())
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=dev.device_kind,
+        platform=dev.platform,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        argv=sys.argv,
+    )
+
+
+def parse_impls(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--impl",
+        default="reference,pallas,native",
+        help="comma-separated jaxattn implementations to time",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--no-ceilings", action="store_true", help="skip the ceiling runs")
+    p.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare every implementation's output with the spec first",
+    )
+    return p
+
+
+def write_json(path: Path | None, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, default=str)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown table; columns are (key, header, format)."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, rule]
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rel_error(out, expected) -> float:
+    """||out - expected|| / ||expected|| in float64."""
+    a = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def measure(fn: Callable, copies: Sequence[tuple], *, samples: int, expected=None) -> dict:
+    """Time fn over copies; a dict with us / us_min / timing (and rel_err against
+    ``expected`` on copy 0), or with ``skipped`` (NotImplementedError) or ``error``."""
+    out: dict = {}
+    try:
+        if expected is not None:
+            out["rel_err"] = rel_error(jax.jit(fn)(*copies[0]), expected)
+        t = time_calls(fn, copies, samples=samples)
+    except NotImplementedError as e:
+        return out | {"skipped": str(e)[:300]}
+    except Exception as e:  # noqa: BLE001 - one failing implementation must not end a run
+        return out | {"error": f"{type(e).__name__}: {e}"[:600]}
+    return out | dict(us=t["median_s"] * 1e6, us_min=t["min_s"] * 1e6, timing=t)
+
+
+def status_line(name: str, row: dict, metric: str) -> str:
+    if "skipped" in row:
+        return f"  {name}: skipped ({row['skipped']})"
+    if "error" in row:
+        return f"  {name}: ERROR {row['error']}"
+    err = f", rel err {row['rel_err']:.1e}" if "rel_err" in row else ""
+    return f"  {name}: {row['us']:.1f} us, {metric}{err}"
