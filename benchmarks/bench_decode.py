@@ -94,6 +94,11 @@ def main(argv=None):
     p.add_argument("--cases", default=None, help="B:ctx,B:ctx,... (default: the issue's set)")
     p.add_argument("--heads", default=None, help="Hq/Hkv,... (default: 32/8,32/32)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
+    p.add_argument(
+        "--sweep-cases",
+        default="64:4096:32/8,1:32768:32/8",
+        help="B:ctx:Hq/Hkv,... the sweep runs on (default: the two targets)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)
 
@@ -147,7 +152,9 @@ def main(argv=None):
 
         def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected):
             row = base | {"impl": name} | (extra or {})
-            row |= common.measure(fn, copies_, samples=args.samples, expected=expected)
+            row |= common.measure(
+                fn, copies_, samples=args.samples, target_s=args.target_s, expected=expected
+            )
             metric = ""
             if "us" in row:
                 row["gbps"] = kv_bytes / row["us"] / 1e3
@@ -173,7 +180,7 @@ def main(argv=None):
         for impl in impls:
             fn = functools.partial(jaxattn.paged_attention, layout=args.layout, implementation=impl)
             record(impl, fn, copies)
-        if args.sweep:
+        if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = functools.partial(
                     jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg

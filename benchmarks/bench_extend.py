@@ -127,6 +127,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cases", default=None, help="B:prefix:new,... (default: the issue's set)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
+    p.add_argument(
+        "--sweep-cases",
+        default="8:2048:512",
+        help="B:prefix:new,... the sweep runs on (default: the target case)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
@@ -197,7 +202,9 @@ def main(argv=None):
 
         def record(name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected):
             row = base | {"impl": name} | (extra or {})
-            row |= common.measure(fn, copies_, samples=args.samples, expected=expected)
+            row |= common.measure(
+                fn, copies_, samples=args.samples, target_s=args.target_s, expected=expected
+            )
             metric = ""
             if "us" in row:
                 row["tflops"] = flops / row["us"] / 1e6
@@ -210,7 +217,7 @@ def main(argv=None):
 
         for impl in impls:
             record(impl, functools.partial(op, implementation=impl, **kw), copies)
-        if args.sweep:
+        if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = functools.partial(kernel, scale=scale, config=cfg, **kw)
                 record("pallas-sweep", fn, copies, dict(config=str(cfg)))

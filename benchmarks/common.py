@@ -148,6 +148,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceiling runs")
     p.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
     p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--target-s", type=float, default=0.05, help="seconds per timing sample")
     p.add_argument(
         "--check",
         action="store_true",
@@ -185,14 +186,21 @@ def rel_error(out, expected) -> float:
     return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
 
 
-def measure(fn: Callable, copies: Sequence[tuple], *, samples: int, expected=None) -> dict:
+def measure(
+    fn: Callable,
+    copies: Sequence[tuple],
+    *,
+    samples: int,
+    target_s: float = 0.05,
+    expected=None,
+) -> dict:
     """Time fn over copies; a dict with us / us_min / timing (and rel_err against
     ``expected`` on copy 0), or with ``skipped`` (NotImplementedError) or ``error``."""
     out: dict = {}
     try:
         if expected is not None:
             out["rel_err"] = rel_error(jax.jit(fn)(*copies[0]), expected)
-        t = time_calls(fn, copies, samples=samples)
+        t = time_calls(fn, copies, samples=samples, target_s=target_s)
     except NotImplementedError as e:
         return out | {"skipped": str(e)[:300]}
     except Exception as e:  # noqa: BLE001 - one failing implementation must not end a run

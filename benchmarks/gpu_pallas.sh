@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Pallas kernels on a GPU: the compiled test twins, then the decode and extend
+# benchmarks (with tile sweeps). Results land in $OUT (default: ./gpu_pallas_out).
+#
+#   bash benchmarks/gpu_pallas.sh            # tests + benchmarks + sweeps
+#   STAGES="bench" bash benchmarks/gpu_pallas.sh   # any of: tests decode extend
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# jax >= 0.11 warns at every Triton lowering that the backend is deprecated.
+export PYTHONWARNINGS="ignore::DeprecationWarning"
+OUT="${OUT:-$PWD/gpu_pallas_out}"
+STAGES="${STAGES:-tests decode extend}"
+SAMPLES="${SAMPLES:-7}"
+PY="${PY:-python3}"
+mkdir -p "$OUT"
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
+  --format=csv > "$OUT/gpu.txt" 2>&1
+"$PY" -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+for stage in $STAGES; do
+  start=$SECONDS
+  case $stage in
+    tests)
+      # Triton compiles dominate: spread them over processes when xdist is there.
+      par=""; "$PY" -c "import xdist" 2>/dev/null && par="-n 4"
+      timeout 200 "$PY" -m pytest tests/test_pallas.py -q $par -p no:cacheprovider \
+        -k "Compiled or through_ops or heuristic or refuses or rejects" \
+        > "$OUT/tests.log" 2>&1
+      echo "tests rc=$?"; tail -n 15 "$OUT/tests.log" ;;
+    decode)
+      timeout 300 "$PY" benchmarks/bench_decode.py --check --sweep --samples "$SAMPLES" \
+        --target-s 0.03 --impl reference,pallas,native --json "$OUT/decode.json" \
+        > "$OUT/decode.log" 2>&1
+      echo "decode rc=$?"; sed -n '/^| B /,$p' "$OUT/decode.log" | grep -v sweep
+      grep -E "sweep|ERROR" "$OUT/decode.log" | head -40 ;;
+    extend)
+      timeout 200 "$PY" benchmarks/bench_extend.py --check --sweep --samples "$SAMPLES" \
+        --target-s 0.03 --impl pallas,native --json "$OUT/extend.json" \
+        > "$OUT/extend.log" 2>&1
+      echo "extend rc=$?"; sed -n '/^| B x/,$p' "$OUT/extend.log"
+      grep -E "ERROR|no check" "$OUT/extend.log" | head -20 ;;
+  esac
+  echo "stage $stage: $((SECONDS - start)) s"
+done
