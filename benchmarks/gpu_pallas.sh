@@ -27,18 +27,18 @@ for stage in $STAGES; do
     tests)
       # Triton compiles dominate: spread them over processes when xdist is there.
       par=""; "$PY" -c "import xdist" 2>/dev/null && par="-n 4"
-      timeout 200 "$PY" -m pytest tests/test_pallas.py -q $par -p no:cacheprovider \
+      timeout 120 "$PY" -m pytest tests/test_pallas.py -q $par -p no:cacheprovider \
         -k "Compiled or through_ops or heuristic or refuses or rejects" \
         > "$OUT/tests.log" 2>&1
       echo "tests rc=$?"; tail -n 15 "$OUT/tests.log" ;;
     decode)
-      timeout 300 "$PY" benchmarks/bench_decode.py --check --sweep --samples "$SAMPLES" \
+      timeout 210 "$PY" benchmarks/bench_decode.py --check --sweep --samples "$SAMPLES" \
         --target-s 0.03 --impl reference,pallas,native --json "$OUT/decode.json" \
         > "$OUT/decode.log" 2>&1
       echo "decode rc=$?"; sed -n '/^| B /,$p' "$OUT/decode.log" | grep -v sweep
       grep -E "sweep|ERROR" "$OUT/decode.log" | head -40 ;;
     extend)
-      timeout 200 "$PY" benchmarks/bench_extend.py --check --sweep --samples "$SAMPLES" \
+      timeout 150 "$PY" benchmarks/bench_extend.py --check --sweep --samples "$SAMPLES" \
         --target-s 0.03 --impl pallas,native --json "$OUT/extend.json" \
         > "$OUT/extend.log" 2>&1
       echo "extend rc=$?"; sed -n '/^| B x/,$p' "$OUT/extend.log"
