@@ -65,10 +65,8 @@ inline ffi::Error paged_geometry(const ffi::AnyBuffer& k, const ffi::AnyBuffer& 
                                  KvGeometry* g) {
   const auto kd = k.dimensions();
   if (kd.size() != 4) return invalid("k_cache must have rank 4, got " + dims_str(kd));
-  if (dims_str(kd) != dims_str(v.dimensions()))
-    return invalid("k_cache and v_cache shapes differ");
-  if (layout != 0 && layout != 1)
-    return invalid("layout attribute must be 0 (bshd) or 1 (bhsd)");
+  if (dims_str(kd) != dims_str(v.dimensions())) return invalid("k_cache and v_cache shapes differ");
+  if (layout != 0 && layout != 1) return invalid("layout attribute must be 0 (bshd) or 1 (bhsd)");
   *g = make_geometry(static_cast<Layout>(layout), kd[0], kd[1], kd[2], kd[3]);
   return ffi::Error::Success();
 }
@@ -100,9 +98,9 @@ inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
   p->block_table_stride = static_cast<int32_t>(bd[1]);
   p->partition_size = partition_size;
   const int64_t capacity = bd[1] * int64_t(p->kv.page_size);
-  p->max_parts =
-      partition_size > 0 ? static_cast<int32_t>((capacity + partition_size - 1) / partition_size)
-                         : 1;
+  p->max_parts = partition_size > 0
+                     ? static_cast<int32_t>((capacity + partition_size - 1) / partition_size)
+                     : 1;
   if (p->max_parts < 1) p->max_parts = 1;
   if (partition_size > 0 &&
       int64_t(workspace.element_count()) <
@@ -154,15 +152,15 @@ inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi:
 }
 
 inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                     const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& qo_indptr,
+                                     const ffi::AnyBuffer& v,
+                                     const ffi::Buffer<ffi::S32>& qo_indptr,
                                      const ffi::Buffer<ffi::S32>& kv_indptr,
                                      const ffi::Buffer<ffi::S32>& kv_indices, ffi::AnyBuffer out,
                                      float scale, float soft_cap, PrefillParams* p) {
   if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
   const auto kd = k.dimensions();
   if (kd.size() != 3) return invalid("k_cache must be [num_slots, num_kv_heads, head_dim]");
-  if (dims_str(kd) != dims_str(v.dimensions()))
-    return invalid("k_cache and v_cache shapes differ");
+  if (dims_str(kd) != dims_str(v.dimensions())) return invalid("k_cache and v_cache shapes differ");
   p->kv = pool_geometry(kd[0], kd[1], kd[2]);
   if (auto e = fill_prefill_query(q, qo_indptr, out, scale, soft_cap, p); e.failure()) return e;
   if (kv_indptr.dimensions().size() != 1 || kv_indptr.dimensions()[0] != p->batch + 1)

@@ -46,8 +46,8 @@ ffi::Error PrefixPrefillCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
                             float scale, float soft_cap, int32_t layout) {
   PrefillParams p;
-  if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables,
-                                                      seq_lens, *out, scale, soft_cap, layout, &p);
+  if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
+                                                      *out, scale, soft_cap, layout, &p);
       e.failure())
     return e;
   return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });

@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#endif
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define JAXATTN_HD __host__ __device__ __forceinline__
 #define JAXATTN_DEVICE_COMPILER 1

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Compile every GPU source as a CUDA build and as a ROCm/DCU build would, warnings as errors,
+# on a machine without a GPU: nvcc for sm_90, hipcc (HIP_PLATFORM=amd) for gfx906 and gfx90a.
+# Fails on any compiler warning, and on register spills in the nvcc resource report.
+#
+#   ffi/ci_build_check.sh            # both compilers (a missing one is an error)
+#   ffi/ci_build_check.sh nvcc       # or hipcc: one of them
+#
+# Environment: NVCC, HIPCC (compiler paths), JAXATTN_CHECK_DIR (keep the objects and logs
+# there), JOBS (parallel compiles; default: number of CPUs).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+which="${1:-all}"
+jobs="${JOBS:-$(nproc)}"
+out="${JAXATTN_CHECK_DIR:-$(mktemp -d)}"
+mkdir -p "$out"
+xla_inc="$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
+sources=(ffi_gpu paged_decode paged_decode_f32 paged_decode_bf16 paged_decode_f16 prefill)
+includes=(-I"$here/include" -I"$here/src" -isystem "$xla_inc")
+
+check_nvcc() {
+  local nvcc="${NVCC:-nvcc}"
+  command -v "$nvcc" >/dev/null || { echo "nvcc not found" >&2; return 1; }
+  echo "== nvcc $("$nvcc" --version | tail -1) -> sm_90"
+  printf '%s\n' "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
+    "\"$nvcc\" -std=c++17 -O3 -arch=sm_90 -Werror all-warnings \
+       -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v ${includes[*]} \
+       -c \"$here/src/{}.cu\" -o \"$out/{}.cuda.o\" > \"$out/{}.nvcc.log\" 2>&1 \
+     || { cat \"$out/{}.nvcc.log\"; exit 1; }"
+  local spills
+  spills="$(cat "$out"/*.nvcc.log | grep -c -E '[1-9][0-9]* bytes spill (stores|loads)' || true)"
+  echo "   kernels compiled: $(cat "$out"/*.nvcc.log | grep -c 'Compiling entry function'); with spills: $spills"
+  [ "$spills" = 0 ] || { grep -B3 -E '[1-9][0-9]* bytes spill' "$out"/*.nvcc.log; return 1; }
+}
+
+check_hipcc() {
+  local hipcc="${HIPCC:-hipcc}"
+  command -v "$hipcc" >/dev/null || { echo "hipcc not found" >&2; return 1; }
+  echo "== hipcc ($("$hipcc" --version 2>/dev/null | head -1)) -> gfx906, gfx90a"
+  printf '%s\n' "${sources[@]}" | HIP_PLATFORM=amd xargs -P "$jobs" -I{} sh -c \
+    "\"$hipcc\" -std=c++17 -O3 -x hip --offload-arch=gfx906 --offload-arch=gfx90a \
+       -Wall -Wextra -Werror ${includes[*]} \
+       -c \"$here/src/{}.cu\" -o \"$out/{}.hip.o\" > \"$out/{}.hipcc.log\" 2>&1 \
+     || { cat \"$out/{}.hipcc.log\"; exit 1; }"
+  echo "   objects: $(ls "$out"/*.hip.o | wc -l)"
+}
+
+case "$which" in
+  nvcc) check_nvcc ;;
+  hipcc) check_hipcc ;;
+  all) check_nvcc && check_hipcc ;;
+  *) echo "usage: $0 [nvcc|hipcc|all]" >&2; exit 2 ;;
+esac
+echo "GPU sources compile cleanly (logs in $out)"

@@ -1,0 +1,123 @@
+// XLA FFI handlers for GPUs; the same file builds for CUDA (nvcc) and ROCm (hipcc), the
+// stream type coming from jaxattn/gpu_vendor.h.
+#include <string>
+
+#include "ffi_common.h"
+#include "gpu_launch.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxattn {
+namespace {
+
+using ffi_common::dtype_of;
+
+ffi::Error gpu_dtype(ffi::DataType t, gpu::DType* out) {
+  switch (dtype_of(t)) {
+    case ffi_common::DType::kF32:
+      *out = gpu::DType::kF32;
+      return ffi::Error::Success();
+    case ffi_common::DType::kBF16:
+      *out = gpu::DType::kBF16;
+      return ffi::Error::Success();
+    case ffi_common::DType::kF16:
+      *out = gpu::DType::kF16;
+      return ffi::Error::Success();
+    default:
+      return ffi_common::invalid("unsupported dtype");
+  }
+}
+
+ffi::Error launched(const char* what, const char* err) {
+  if (err == nullptr) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxattn: ") + what + " launch failed: " + err);
+}
+
+ffi::Error PagedAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> block_tables,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
+                             float soft_cap, int32_t layout, int32_t partition_size) {
+  DecodeParams p;
+  if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, *out, *workspace,
+                                              scale, soft_cap, layout, partition_size, &p);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
+  return launched("paged decode", gpu::launch_paged_decode(dt, p, stream));
+}
+
+ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                            int32_t layout) {
+  PrefillParams p;
+  if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
+                                                      *out, scale, soft_cap, layout, &p);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
+  return launched("prefix prefill", gpu::launch_prefill(dt, p, stream));
+}
+
+ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qo_indptr,
+                              ffi::Buffer<ffi::S32> kv_indptr, ffi::Buffer<ffi::S32> kv_indices,
+                              ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
+  PrefillParams p;
+  if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, *out,
+                                              scale, soft_cap, &p);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
+  return launched("extend attention", gpu::launch_prefill(dt, p, stream));
+}
+
+}  // namespace
+}  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionGpu, jaxattn::PagedAttentionGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("partition_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillGpu, jaxattn::PrefixPrefillGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionGpu, jaxattn::ExtendAttentionGpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,22 @@
+// Entry points of the GPU kernels for the FFI handlers: plain argument blocks in, nullptr or
+// an error message out. No XLA types, so the kernel translation units need no XLA headers.
+#pragma once
+
+#include "jaxattn/gpu_vendor.h"
+#include "jaxattn/params.h"
+
+namespace jaxattn {
+namespace gpu {
+
+enum class DType { kF32, kBF16, kF16 };
+
+const char* launch_paged_decode(DType dtype, const DecodeParams& p, gpuStream_t stream);
+const char* launch_prefill(DType dtype, const PrefillParams& p, gpuStream_t stream);
+
+// Defined in jaxattn/paged_decode.cuh; instantiated once per dtype in its own translation
+// unit (paged_decode_<dtype>.cu) so that the many group/head_dim kernels build in parallel.
+template <typename T>
+const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream);
+
+}  // namespace gpu
+}  // namespace jaxattn

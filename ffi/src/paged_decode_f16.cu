@@ -1,0 +1,5 @@
+#include "gpu_launch.h"
+#include "jaxattn/paged_decode.cuh"
+
+template const char* jaxattn::gpu::launch_paged_decode_typed<jaxattn::f16_t>(
+    const jaxattn::DecodeParams& p, gpuStream_t stream);
