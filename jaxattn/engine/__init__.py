@@ -6,6 +6,7 @@ from .progress import ProgressBar
 from .runner import Buckets, ModelRunner, bucket
 from .sampling import sample, sample_keys
 from .scheduler import Scheduler, Sequence, StepPlan
+from .verify import VerifyReport, check_outputs, dense_logits
 
 __all__ = [
     "Buckets",
@@ -16,7 +17,10 @@ __all__ = [
     "Scheduler",
     "Sequence",
     "StepPlan",
+    "VerifyReport",
     "bucket",
+    "check_outputs",
+    "dense_logits",
     "sample",
     "sample_keys",
 ]

@@ -64,6 +64,10 @@ class Engine:
       buckets: shape bucket floors (:class:`~jaxattn.engine.runner.Buckets`).
       eos_token_id: stop token(s); default ``cfg.eos_token_id``; None or () for none.
       debug: check every page reference and that no shared page is written, each step.
+      runner: run the steps on this object instead of a new
+        :class:`~jaxattn.engine.runner.ModelRunner` (anything with its ``extend``,
+        ``decode``, ``copy_pages``, ``trace_counts``, ``backends`` and ``kv_bytes``; e.g. a
+        stand-in that checks the memory traffic in tests). ``params`` is then unused.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class Engine:
         buckets: Buckets | None = None,
         eos_token_id=_FROM_CONFIG,
         debug: bool = False,
+        runner=None,
     ):
         if not isinstance(cfg, LlamaConfig):
             raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
@@ -106,7 +111,7 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop)
         self.cfg = cfg
         self.debug = debug
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             cfg,
             params,
             num_pages=num_pages,

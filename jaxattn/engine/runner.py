@@ -97,6 +97,66 @@ def _pad(values, n: int, fill, dtype=np.int32) -> np.ndarray:
     return out
 
 
+# Traces per program kind, over every runner: the jitted programs are module level, so
+# engines of one model share their compiled programs (the static arguments are the model
+# config and the attention choices; the shapes come from the buckets).
+_TRACES: collections.Counter = collections.Counter()
+
+
+def _extend_fn(params, k, v, batch, samples, *, cfg, layout, attention, implementation, greedy):
+    logits, k, v = llama.forward_extend(
+        params, cfg, k, v, batch, layout=layout, attention=attention, implementation=implementation
+    )
+    return _draw(logits, samples, greedy), k, v
+
+
+def _decode_fn(
+    params, k, v, batch, samples, *, cfg, layout, partition_size, implementation, greedy
+):
+    logits, k, v = llama.forward_decode(
+        params,
+        cfg,
+        k,
+        v,
+        batch,
+        layout=layout,
+        partition_size=partition_size,
+        implementation=implementation,
+    )
+    return _draw(logits, samples, greedy), k, v
+
+
+def _copy_fn(k, v, src, dst, *, layout):
+    return copy_blocks(k, v, src, dst, layout=layout)
+
+
+def _draw(logits, samples: SampleBatch, greedy: bool):
+    keys = sample_keys(samples.seeds, samples.uids, samples.positions)
+    return sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
+
+
+def _counted(kind: str, fn):
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        _TRACES[kind] += 1  # the body runs once per trace, i.e. per compiled variant
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+_EXTEND = jax.jit(
+    _counted("extend", _extend_fn),
+    donate_argnums=(1, 2),
+    static_argnames=("cfg", "layout", "attention", "implementation", "greedy"),
+)
+_DECODE = jax.jit(
+    _counted("decode", _decode_fn),
+    donate_argnums=(1, 2),
+    static_argnames=("cfg", "layout", "partition_size", "implementation", "greedy"),
+)
+_COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout",))
+
+
 class ModelRunner:
     """Runs extend / decode steps of one model over one paged KV pool.
 
@@ -111,6 +171,9 @@ class ModelRunner:
         :attr:`backends`.
       partition_size: split-KV partition for decode (None: the backend's choice).
       buckets: shape bucket floors.
+
+    :attr:`trace_counts` counts the programs this runner's calls compiled (a program
+    another runner of the same model compiled already is reused, not counted).
     """
 
     def __init__(
@@ -126,72 +189,49 @@ class ModelRunner:
         partition_size: int | None = None,
         buckets: Buckets | None = None,
     ):
+        if extend_attention is None:
+            extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
+        if extend_attention not in ("extend", "prefix_prefill"):
+            raise ValueError(
+                f"extend_attention must be 'extend' or 'prefix_prefill', got {extend_attention!r}"
+            )
+        if extend_attention == "extend" and layout != "bshd":
+            raise ValueError(
+                f"extend_attention='extend' needs layout='bshd' (a token pool), got {layout!r}"
+            )
         self.cfg = cfg
         self.params = params
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
-        if extend_attention is None:
-            extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
         self.extend_attention = extend_attention
         self.partition_size = partition_size
         self.buckets = buckets or Buckets()
         self.k_cache, self.v_cache = llama.init_kv_cache(cfg, num_pages, page_size, layout=layout)
         self.trace_counts: collections.Counter = collections.Counter()
+        self._last_greedy = True
         self.backends = {
             "extend": self._resolve("extend", implementation),
             "decode": self._resolve("decode", implementation),
         }
-        self._extend = jax.jit(
-            functools.partial(self._extend_step, implementation=self.backends["extend"]),
-            donate_argnums=(1, 2),
-            static_argnames=("greedy",),
-        )
-        self._decode = jax.jit(
-            functools.partial(self._decode_step, implementation=self.backends["decode"]),
-            donate_argnums=(1, 2),
-            static_argnames=("greedy",),
-        )
-        self._copy = jax.jit(self._copy_step, donate_argnums=(0, 1))
+        self._statics = {
+            "extend": dict(
+                cfg=cfg,
+                layout=layout,
+                attention=extend_attention,
+                implementation=self.backends["extend"],
+            ),
+            "decode": dict(
+                cfg=cfg,
+                layout=layout,
+                partition_size=partition_size,
+                implementation=self.backends["decode"],
+            ),
+        }
 
     @property
     def kv_bytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
-
-    # -- the programs -------------------------------------------------------------------
-
-    def _extend_step(self, params, k, v, batch, samples, *, greedy, implementation):
-        self.trace_counts["extend"] += 1  # runs once per trace, i.e. per compiled shape
-        logits, k, v = llama.forward_extend(
-            params,
-            self.cfg,
-            k,
-            v,
-            batch,
-            layout=self.layout,
-            attention=self.extend_attention,
-            implementation=implementation,
-        )
-        return self._sample(logits, samples, greedy), k, v
-
-    def _decode_step(self, params, k, v, batch, samples, *, greedy, implementation):
-        self.trace_counts["decode"] += 1
-        logits, k, v = llama.forward_decode(
-            params,
-            self.cfg,
-            k,
-            v,
-            batch,
-            layout=self.layout,
-            partition_size=self.partition_size,
-            implementation=implementation,
-        )
-        return self._sample(logits, samples, greedy), k, v
-
-    @staticmethod
-    def _sample(logits, samples: SampleBatch, greedy):
-        keys = sample_keys(samples.seeds, samples.uids, samples.positions)
-        return sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
 
     def _resolve(self, kind: str, implementation) -> str:
         """The first backend that can trace this step (NotImplementedError -> the next)."""
@@ -201,23 +241,33 @@ class ModelRunner:
             names = _PLATFORM_ORDER.get(jax.default_backend(), _GPU_ORDER)
         errors = []
         for name in names:
-            fn = self._extend_step if kind == "extend" else self._decode_step
-            args = self._example_args(kind)
+            if kind == "extend":
+                fn = functools.partial(
+                    _extend_fn,
+                    cfg=self.cfg,
+                    layout=self.layout,
+                    attention=self.extend_attention,
+                    implementation=name,
+                    greedy=True,
+                )
+            else:
+                fn = functools.partial(
+                    _decode_fn,
+                    cfg=self.cfg,
+                    layout=self.layout,
+                    partition_size=self.partition_size,
+                    implementation=name,
+                    greedy=True,
+                )
             try:
                 jax.eval_shape(
-                    functools.partial(fn, implementation=name, greedy=True),
-                    self.params,
-                    self.k_cache,
-                    self.v_cache,
-                    *args,
+                    fn, self.params, self.k_cache, self.v_cache, *self._example_args(kind)
                 )
             except NotImplementedError as e:
                 if implementation is not None:
                     raise
                 errors.append(f"{name}: {e}")
                 continue
-            finally:
-                self.trace_counts[kind] -= 1
             return name
         raise NotImplementedError(f"no attention backend serves the {kind} step: {errors}")
 
@@ -310,19 +360,30 @@ class ModelRunner:
     def extend(self, items: list[ExtendItem]) -> jax.Array:
         """Run the chunks; return the drawn tokens ``i32[>= sum(len(samples))]`` (device)."""
         batch, samples = self._extend_args(items)
-        greedy = all(s[2] == 0 for it in items for s in it.samples)
-        tokens, self.k_cache, self.v_cache = self._extend(
-            self.params, self.k_cache, self.v_cache, batch, samples, greedy=greedy
-        )
-        return tokens
+        temperatures = [s[2] for it in items for s in it.samples]
+        # A step that draws nothing reuses the last variant rather than compiling another.
+        greedy = all(t == 0 for t in temperatures) if temperatures else self._last_greedy
+        return self._run("extend", _EXTEND, batch, samples, greedy)
 
     def decode(self, items: list[DecodeItem]) -> jax.Array:
         """Decode one token per item; return the drawn tokens ``i32[>= len(items)]``."""
         batch, samples = self._decode_args(items)
         greedy = all(it.temperature == 0 for it in items)
-        tokens, self.k_cache, self.v_cache = self._decode(
-            self.params, self.k_cache, self.v_cache, batch, samples, greedy=greedy
+        return self._run("decode", _DECODE, batch, samples, greedy)
+
+    def _run(self, kind, program, batch, samples, greedy):
+        self._last_greedy = greedy
+        before = _TRACES[kind]
+        tokens, self.k_cache, self.v_cache = program(
+            self.params,
+            self.k_cache,
+            self.v_cache,
+            batch,
+            samples,
+            greedy=greedy,
+            **self._statics[kind],
         )
+        self.trace_counts[kind] += _TRACES[kind] - before
         return tokens
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -332,10 +393,12 @@ class ModelRunner:
         offsets = np.arange(self.cfg.num_hidden_layers)[:, None] * self.num_pages
         src = (np.asarray([p[0] for p in pairs])[None, :] + offsets).reshape(-1)
         dst = (np.asarray([p[1] for p in pairs])[None, :] + offsets).reshape(-1)
-        self.k_cache, self.v_cache = self._copy(
-            self.k_cache, self.v_cache, jnp.asarray(_pad(src, m, 0)), jnp.asarray(_pad(dst, m, -1))
+        before = _TRACES["copy"]
+        self.k_cache, self.v_cache = _COPY(
+            self.k_cache,
+            self.v_cache,
+            jnp.asarray(_pad(src, m, 0)),
+            jnp.asarray(_pad(dst, m, -1)),
+            layout=self.layout,
         )
-
-    def _copy_step(self, k, v, src, dst):
-        self.trace_counts["copy"] += 1
-        return copy_blocks(k, v, src, dst, layout=self.layout)
+        self.trace_counts["copy"] += _TRACES["copy"] - before

@@ -178,15 +178,22 @@ def init_params(cfg: LlamaConfig, key) -> dict:
 
     Embeddings are N(0, 1) and every linear weight N(0, 1/fan_in), so that a random model
     has well separated logits (greedy decoding is not a coin toss between near-ties).
+    The weights are a deterministic function of ``key`` (a JAX PRNG key), drawn on the
+    host with numpy: drawing them with ``jax.random`` compiles one program per shape,
+    which costs more than everything else in a small CPU run.
     """
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    rng = np.random.default_rng(np.asarray(key, np.uint32).ravel().tolist())
     dt = cfg.jnp_dtype
     n, h, i, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    keys = iter(jax.random.split(key, 9))
 
     def normal(shape, fan_in):
-        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dt)
+        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(fan_in))
+        return jnp.asarray(w, dt)
 
     params = {
         "embed": normal((v, h), 1),

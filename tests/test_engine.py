@@ -1,0 +1,425 @@
+"""The serving engine.
+
+Two kinds of tests:
+
+* with the real model: greedy outputs equal the dense no-cache forward token for token
+  (prefix hits, chunked prefill, preemption, n > 1, batch order, layouts), sampled
+  outputs equal a redraw from the dense logits with the same keys, the number of
+  compiled programs stays bounded, and the pool is whole afterwards;
+* with a stand-in model over a simulated pool (no JAX): random workloads from
+  hypothesis (tiny pools, odd page sizes, chunk budgets, forks, stop tokens) where the
+  stand-in checks every position it reads and derives the next token from what it read,
+  so a lost, misplaced or overwritten slot changes the outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxattn.engine import Buckets, Engine, PagePool, check_outputs
+from jaxattn.models import llama
+from jaxattn.models.llama import LlamaConfig
+
+CFG = LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+PARAMS = llama.init_params(CFG, jax.random.key(0))
+# One pool shape and bucket floors for most tests, so that their engines share programs.
+POOL = dict(num_pages=48, page_size=4)
+BUCKETS = Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16)
+
+
+def make_engine(**kw):
+    args = dict(POOL, max_batch_tokens=32, buckets=BUCKETS, debug=True)
+    args.update(kw)
+    return Engine(CFG, PARAMS, **args)
+
+
+def workload(seed, num=6, system=18, suffix=(1, 14)):
+    """Prompts sharing a system prompt (some twice), plus a one-token prompt."""
+    rng = np.random.default_rng(seed)
+    sys_prompt = rng.integers(0, CFG.vocab_size, system).tolist()
+    prompts = [
+        sys_prompt + rng.integers(0, CFG.vocab_size, rng.integers(*suffix)).tolist()
+        for _ in range(num - 2)
+    ]
+    return prompts + [prompts[0], [int(rng.integers(0, CFG.vocab_size))]]
+
+
+def assert_verified(prompts, outputs, max_new, **kw):
+    report = check_outputs(PARAMS, CFG, prompts, outputs, max_new_tokens=max_new, **kw)
+    assert report.ok, report.problems[:5]
+    assert report.checked == sum(len(o) for o in outputs)
+    return report
+
+
+def assert_whole(engine):
+    engine.check_idle()
+    stats = engine.stats
+    assert stats["pages_in_use"] == stats["cached_pages"]
+
+
+# --- the real model ------------------------------------------------------------------
+
+
+def test_greedy_matches_dense_with_prefix_hits_chunks_and_any_order():
+    prompts = workload(0)
+    engine = make_engine()
+    out = engine.generate(prompts, 10)
+    assert_verified(prompts, out, 10)
+    assert_whole(engine)
+    stats = engine.stats
+    # The shared system prompt was computed once: later requests hit it.
+    assert stats["prefix_hit_tokens"] >= 16 * 3
+    assert stats["prefill_tokens"] + stats["prefix_hit_tokens"] == stats["prompt_tokens"]
+    # Long prompts were chunked (32 tokens per step): more extend steps than requests.
+    assert stats["extend_calls"] > 1
+    assert stats["generated_tokens"] == sum(len(o) for o in out) == 10 * len(prompts)
+    assert stats["attention_backend"] == {"extend": "reference", "decode": "reference"}
+
+    # Again on the warm cache, in another order: whole prompts (and the previous
+    # outputs' pages) are hits now, and the outputs are the same.
+    order = [3, 5, 0, 2, 4, 1]
+    before = dict(stats)
+    again = engine.generate([prompts[i] for i in order], 10)
+    assert again == [out[i] for i in order]
+    stats = engine.stats
+    computed = stats["prefill_tokens"] - before["prefill_tokens"]
+    assert computed <= len(prompts) * 4  # at most the partial last page of each prompt
+    assert_whole(engine)
+
+
+def test_chunked_prefill_and_no_radix_give_the_same_outputs():
+    prompts = workload(1, num=4, system=40, suffix=(20, 30))
+    ref = make_engine(max_batch_tokens=256).generate(prompts, 6)
+    for kw in (dict(max_batch_tokens=7), dict(radix_cache=False, max_batch_tokens=20)):
+        engine = make_engine(**kw)
+        assert engine.generate(prompts, 6) == ref
+        assert_whole(engine)
+        if not kw.get("radix_cache", True):
+            assert engine.stats["prefix_hit_tokens"] == 0
+            assert engine.stats["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert_verified(prompts, ref, 6)
+
+
+def test_preemption_under_a_tiny_pool_loses_nothing():
+    prompts = workload(2, num=8, system=10, suffix=(4, 12))
+    engine = make_engine(new_token_ratio=0.0, max_running=8)
+    out = engine.generate(prompts, 24)  # 8 * ~40 tokens in a 192-slot pool
+    stats = engine.stats
+    assert stats["preemptions"] > 0 and stats["evicted_tokens"] > 0
+    assert stats["peak_pages_in_use"] == POOL["num_pages"]
+    assert_verified(prompts, out, 24)
+    assert_whole(engine)
+    # Without the cache a preempted sequence recomputes everything; same outputs.
+    engine = make_engine(new_token_ratio=0.0, max_running=8, radix_cache=False)
+    assert engine.generate(prompts, 24) == out
+    assert engine.stats["preemptions"] > 0
+    assert_whole(engine)
+
+
+def test_parallel_sampling_forks_and_copies_on_write():
+    prompts = workload(3, num=4, system=9, suffix=(2, 6))  # lengths not multiples of 4
+    engine = make_engine()
+    greedy = engine.generate(prompts, 8, n=2)
+    for i in range(len(prompts)):
+        assert greedy[2 * i] == greedy[2 * i + 1]
+    assert_verified(prompts, greedy, 8, n=2)
+    stats = engine.stats
+    assert stats["forks"] == len(prompts) and stats["cow_copies"] > 0
+    assert_whole(engine)
+
+    kw = dict(n=2, temperature=0.8, top_p=0.9, seed=7)
+    sampled = engine.generate(prompts, 8, **kw)
+    assert_verified(prompts, sampled, 8, **kw)
+    assert any(sampled[2 * i] != sampled[2 * i + 1] for i in range(len(prompts)))
+    # Draws depend on (seed, output, position) only: another schedule, same tokens.
+    other = make_engine(max_batch_tokens=5, radix_cache=False)
+    assert other.generate(prompts, 8, **kw) == sampled
+    assert_whole(engine)
+    assert_whole(other)
+
+
+def test_stop_tokens():
+    prompts = workload(4, num=4)
+    full = make_engine(eos_token_id=None).generate(prompts, 8)
+    eos = full[0][2]
+    engine = make_engine(eos_token_id=eos)
+    out = engine.generate(prompts, 8)
+    for o, f in zip(out, full, strict=True):
+        cut = f.index(eos) + 1 if eos in f else len(f)
+        assert o == f[:cut]
+    assert len(out[0]) <= 3
+    assert_verified(prompts, out, 8, stop_ids=[eos])
+    assert engine.generate(prompts, 8, ignore_eos=True) == full
+    assert_whole(engine)
+
+
+def test_compiled_programs_stay_bounded():
+    """A 120-token generation compiles one decode program per power-of-two table width;
+    running it again compiles nothing."""
+    engine = make_engine(
+        num_pages=8, page_size=16, buckets=Buckets(tokens=16, kv=16, pages=1, decode_batch=1)
+    )
+    prompt = workload(5)[0][:9]
+    out = engine.generate([prompt], 110, ignore_eos=True)
+    assert len(out[0]) == 110
+    # 118 tokens -> 8 pages: widths 1, 2, 4, 8.
+    assert engine.runner.trace_counts == collections.Counter(extend=1, decode=4)
+    engine.generate([prompt[:5]], 110, ignore_eos=True)
+    assert engine.runner.trace_counts == collections.Counter(extend=1, decode=4)
+    assert_verified([prompt], out, 110)
+    assert_whole(engine)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "bhsd"])
+def test_other_layouts_through_prefix_prefill(layout):
+    prompts = workload(6, num=3, system=6, suffix=(1, 5))
+    engine = make_engine(layout=layout)
+    assert engine.runner.extend_attention == "prefix_prefill"
+    out = engine.generate(prompts, 5, n=2)
+    assert_verified(prompts, out, 5, n=2)
+    assert_whole(engine)
+
+
+def test_verify_reports_a_wrong_token():
+    prompts = workload(0)[:2]
+    out = make_engine().generate(prompts, 6)
+    bad = [list(o) for o in out]
+    bad[1][3] = (bad[1][3] + 1) % CFG.vocab_size
+    report = check_outputs(PARAMS, CFG, prompts, bad, max_new_tokens=6)
+    assert not report.ok and "output 1 token 3" in report.problems[0]
+    report = check_outputs(PARAMS, CFG, prompts, [o[:4] for o in out], max_new_tokens=6)
+    assert not report.ok and "stops at 4" in report.problems[0]
+
+
+def test_bad_arguments():
+    engine = make_engine()
+    cases = [
+        (lambda: engine.generate([[]], 4), ValueError, r"prompts\[0\]"),
+        (lambda: engine.generate([[1], [1000]], 4), ValueError, r"prompts\[1\]"),
+        (lambda: engine.generate([[1] * 190], 8), ValueError, "num_pages"),
+        (lambda: engine.generate([[1]], 0), ValueError, "max_new_tokens"),
+        (lambda: engine.generate([[1], [2]], [3]), ValueError, "max_new_tokens"),
+        (lambda: engine.generate([[1]], 4, n=0), ValueError, "n must"),
+        (lambda: engine.generate([[1]], 4, temperature=-1.0), ValueError, "temperature"),
+        (lambda: engine.generate([[1]], 4, top_p=0.0), ValueError, "top_p"),
+        (lambda: engine.generate([[1]], 4, seed=-1), ValueError, "seed"),
+        (lambda: engine.generate("abc", 4), TypeError, "prompts"),
+        (lambda: make_engine(num_pages=0), ValueError, "num_pages"),
+        (lambda: make_engine(eos_token_id=500), ValueError, "eos_token_id"),
+        (lambda: make_engine(policy="random"), ValueError, "policy"),
+        (lambda: make_engine(layout="bhsd", extend_attention="extend"), ValueError, "bshd"),
+        (lambda: Engine({"vocab_size": 3}, PARAMS, num_pages=4), TypeError, "cfg"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert not engine.has_work()  # a refused request is never queued
+    assert_whole(engine)
+
+
+# --- a stand-in model over a simulated pool ------------------------------------------
+
+
+def next_token(context, vocab, seed, uid, temperature) -> int:
+    key = np.asarray(context, np.int64).tobytes()
+    if temperature > 0:
+        key += np.asarray([seed, uid, len(context)], np.int64).tobytes()
+    return zlib.crc32(key) % vocab
+
+
+class PoolModel:
+    """Records the (token, position) each slot holds; every read checks the positions of
+    the whole context, and the next token is a hash of the tokens read."""
+
+    def __init__(self, num_pages, page_size, vocab):
+        self.tok = np.full((num_pages, page_size), -1, np.int64)
+        self.pos = np.full((num_pages, page_size), -1, np.int64)
+        self.p, self.vocab = page_size, vocab
+        self.trace_counts = collections.Counter()
+        self.backends = {"extend": "stand-in", "decode": "stand-in"}
+        self.kv_bytes = 0
+
+    def _where(self, table, positions):
+        return np.asarray(table)[positions // self.p], positions % self.p
+
+    def _write(self, table, start, tokens):
+        positions = np.arange(start, start + len(tokens))
+        page, off = self._where(table, positions)
+        self.tok[page, off] = tokens
+        self.pos[page, off] = positions
+
+    def _read(self, table, end):
+        positions = np.arange(end)
+        page, off = self._where(table, positions)
+        assert (self.pos[page, off] == positions).all(), "read a slot of another position"
+        return self.tok[page, off].tolist()
+
+    def extend(self, items):
+        for it in items:
+            self._write(it.table, it.start, it.tokens)
+        out = []
+        for it in items:
+            context = self._read(it.table, it.end)
+            out += [next_token(context, self.vocab, s, u, t) for s, u, t, _ in it.samples]
+        return np.asarray(out, np.int64)
+
+    def decode(self, items):
+        for it in items:
+            self._write(it.table, it.position, [it.token])
+        return np.asarray(
+            [
+                next_token(self._read(it.table, it.position + 1), self.vocab, *it[3:6])
+                for it in items
+            ],
+            np.int64,
+        )
+
+    def copy_pages(self, pairs):
+        src, dst = np.asarray(pairs).T
+        self.tok[dst], self.pos[dst] = self.tok[src].copy(), self.pos[src].copy()
+
+
+def expected(prompts, max_new, n, temperature, seed, stop, vocab):
+    out = []
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            seq = list(p)
+            while True:
+                t = next_token(seq, vocab, seed, i * n + j, temperature)
+                seq.append(t)
+                if t in stop or len(seq) - len(p) == max_new:
+                    break
+            out.append(seq[len(p) :])
+    return out
+
+
+@st.composite
+def workloads(draw):
+    vocab = 12
+    page = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    prefixes = draw(
+        st.lists(st.lists(st.integers(0, vocab - 1), max_size=20), min_size=1, max_size=3)
+    )
+    rounds = []
+    for _ in range(draw(st.integers(1, 2))):
+        prompts = [
+            draw(st.sampled_from(prefixes))
+            + draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12))
+            for _ in range(draw(st.integers(1, 8)))
+        ]
+        rounds.append(
+            dict(
+                prompts=prompts,
+                max_new=draw(st.integers(1, 12)),
+                n=draw(st.integers(1, 3)),
+                temperature=draw(st.sampled_from([0.0, 1.0])),
+                seed=draw(st.integers(0, 3)),
+            )
+        )
+    longest = max(len(p) + r["max_new"] for r in rounds for p in r["prompts"])
+    need = -(-longest // page)
+    return dict(
+        vocab=vocab,
+        rounds=rounds,
+        engine=dict(
+            page_size=page,
+            num_pages=need + draw(st.integers(0, 12)),
+            max_batch_tokens=draw(st.integers(1, 40)),
+            max_running=draw(st.integers(1, 8)),
+            radix_cache=draw(st.booleans()),
+            policy=draw(st.sampled_from(["lpm", "fcfs"])),
+            new_token_ratio=draw(st.sampled_from([0.0, 0.3])),
+            dedup_tokens=draw(st.sampled_from([0, 1, None])),
+            eos_token_id=draw(st.sampled_from([None, 0, 5])),
+        ),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_on_a_simulated_pool(w):
+    cfg = LlamaConfig(
+        vocab_size=w["vocab"],
+        hidden_size=8,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        num_hidden_layers=1,
+    )
+    e = w["engine"]
+    model = PoolModel(e["num_pages"], e["page_size"], w["vocab"])
+    engine = Engine(cfg, None, runner=model, debug=True, **e)
+    stop = set() if e["eos_token_id"] is None else {e["eos_token_id"]}
+    for r in w["rounds"]:
+        kw = dict(n=r["n"], temperature=r["temperature"], seed=r["seed"])
+        out = engine.generate(r["prompts"], r["max_new"], **kw)
+        assert out == expected(r["prompts"], r["max_new"], stop=stop, vocab=w["vocab"], **kw)
+        assert_whole(engine)
+    stats = engine.stats
+    assert (
+        stats["prefill_tokens"] + stats["decode_tokens"]
+        >= stats["generated_tokens"] - stats["forks"]
+    )
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=8,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        num_hidden_layers=1,
+    )
+    model = PoolModel(32, 2, 50)
+    engine = Engine(
+        cfg,
+        None,
+        runner=model,
+        num_pages=32,
+        page_size=2,
+        max_batch_tokens=64,
+        max_running=1,
+        debug=True,
+    )
+    cached = list(range(1, 21))
+    engine.generate([cached], 1)
+    a = engine.add_request([40, 41, 42], 1, tag="cold")
+    b = engine.add_request(cached[:16] + [45], 1, tag="warm")
+    first = engine.step()
+    assert [s.tag for s in first] == ["warm"] and b.finish_reason == "length"
+    assert engine.step()[0] is a
+    assert engine.stats["prefix_hit_tokens"] == 16
+    assert_whole(engine)
+
+
+def test_page_pool_reference_counts():
+    pool = PagePool(4, 2)
+    slots = pool.alloc(3)
+    assert slots.tolist() == [0, 1, 2] and pool.num_free_pages == 2
+    pool.incref_pages([0])
+    pool.free(slots)  # one reference per page touched
+    assert pool.ref_count(0) == 1 and pool.ref_count(1) == 0 and pool.num_free_pages == 3
+    with pytest.raises(ValueError, match="fewer references"):
+        pool.free_pages([0, 0])
+    assert pool.ref_count(0) == 1  # a refused free changes nothing
+    with pytest.raises(ValueError, match="is free"):
+        pool.incref_pages([2])
+    assert pool.alloc(7) is None and pool.num_free_pages == 3
+    assert pool.is_allocated([0, 1, 2]).tolist() == [True, True, False]
+    pool.check_invariants()
