@@ -1,0 +1,530 @@
+"""Tensor parallelism over a 1-D device mesh with JAX's own SPMD machinery.
+
+Attention heads are split over the mesh axis (``"tp"``): every device owns a contiguous
+block of ``Hq / N`` query heads and of ``Hkv / N`` KV heads, so each GQA group lives on one
+device and attention needs no communication. The KV pool is split the same way along its
+KV-head axis, while its page axis and every index array (block tables, seq_lens, indptrs,
+slot lists) stay global and replicated: the host-side paging and radix structures hand out
+the same page ids and slots on 1 or N devices.
+
+* :func:`make_mesh` builds the mesh.
+* :func:`paged_attention`, :func:`extend_attention`, :func:`prefix_prefill` (and the KV
+  writers :func:`write_kv`, :func:`copy_blocks`) are the public ops with a ``mesh=``
+  argument: they run the op of :mod:`jaxattn.ops` (any ``implementation=``, the native FFI
+  call included) inside ``shard_map`` on each device's heads. The arguments are first
+  validated on their global shapes, exactly as the single-device op validates them.
+  :class:`TensorParallel` binds a mesh and exposes the same five names, so a model can call
+  ``tp.paged_attention(...)`` where it would call ``ops.paged_attention(...)``.
+* :func:`param_specs` / :func:`param_shardings` / :func:`shard_params` give the Llama
+  parameters (see :mod:`jaxattn.models.llama`) Megatron-style shardings: q/k/v and MLP
+  gate/up projections column-parallel (their output features, i.e. whole heads, split),
+  o and down projections row-parallel (their input features split), so each layer needs
+  exactly two all-reduces of the hidden state, which XLA inserts after the row-parallel
+  matmuls. The norms and the input embedding are replicated: an embedding lookup reads
+  only the rows of the batch's tokens, while splitting the table by vocabulary would add
+  a masked lookup and one more all-reduce per step. The output projection ``lm_head`` is
+  split by vocabulary (it is the largest single matmul of a decode step, and its output,
+  the logits, is small); a tied ``lm_head`` is the embedding table and so stays replicated.
+* :func:`kv_cache_spec` / :func:`kv_cache_sharding` / :func:`shard_kv_cache` place a KV pool.
+
+A head count the mesh size does not divide is rejected with ``ValueError``; replicating
+KV heads when ``Hkv < N`` is not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import kv as _kv
+from . import layout as _layout
+from . import ops as _ops
+
+__all__ = [
+    "AXIS",
+    "TOKEN_POOL",
+    "TensorParallel",
+    "bytes_per_device",
+    "check_heads",
+    "copy_blocks",
+    "extend_attention",
+    "kv_cache_sharding",
+    "kv_cache_spec",
+    "kv_head_axis",
+    "make_mesh",
+    "paged_attention",
+    "param_shardings",
+    "param_specs",
+    "prefix_prefill",
+    "shard_kv_cache",
+    "shard_params",
+    "write_kv",
+]
+
+AXIS = "tp"
+
+# Pseudo-layout for an SGLang token pool ``[num_slots, Hkv, D]`` (extend_attention's K/V).
+TOKEN_POOL = "pool"
+
+# Where the KV-head axis sits in each cache array, and the array's rank.
+_KV_HEAD_AXIS = {
+    ("bshd", "k"): (2, 4),
+    ("bshd", "v"): (2, 4),
+    ("bhsd", "k"): (1, 4),
+    ("bhsd", "v"): (1, 4),
+    ("vllm", "k"): (1, 5),
+    ("vllm", "v"): (1, 4),
+    (TOKEN_POOL, "k"): (1, 3),
+    (TOKEN_POOL, "v"): (1, 3),
+}
+
+# jax.shard_map is the public name from jax 0.6 on; older releases only have the
+# experimental one, whose replication check is spelled check_rep.
+if hasattr(jax, "shard_map"):
+
+    def _shard_map(fn, mesh, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+else:  # pragma: no cover - depends on the installed jax
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map
+
+    def _shard_map(fn, mesh, in_specs, out_specs):
+        return _experimental_shard_map(fn, mesh, in_specs, out_specs, check_rep=False)
+
+
+# The replication / varying-axes check is off in both spellings: the FFI and Pallas calls
+# have no rule for it, and every output here is split over the mesh axis, never replicated,
+# so there is nothing for it to verify.
+
+
+# --- mesh and specs ------------------------------------------------------------------
+
+
+def make_mesh(
+    num_devices: int | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = AXIS,
+) -> Mesh:
+    """A 1-D mesh named ``axis_name`` over the first ``num_devices`` of ``devices``
+    (default: all of ``jax.devices()``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if num_devices is None else num_devices
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if n > len(devices):
+        raise ValueError(f"num_devices={n} exceeds the {len(devices)} devices available")
+    return Mesh(np.asarray(devices[:n]), (axis_name,))
+
+
+def _mesh_size(mesh: Mesh, axis_name: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not axis_name={axis_name!r}")
+    return mesh.shape[axis_name]
+
+
+def check_heads(num_shards: int, num_q_heads: int, num_kv_heads: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``num_shards`` divides the query and KV head counts."""
+    for name, heads in (("query", num_q_heads), ("KV", num_kv_heads)):
+        if heads is not None and heads % num_shards:
+            raise ValueError(
+                f"the number of {name} heads ({heads}) must be a multiple of the "
+                f"tensor-parallel mesh size ({num_shards})"
+            )
+
+
+def kv_head_axis(layout: str, kind: str = "k") -> int:
+    """Index of the KV-head axis of a K (``kind="k"``) or V cache in ``layout``
+    (``"bshd"``, ``"bhsd"``, ``"vllm"`` or :data:`TOKEN_POOL`)."""
+    if (layout, kind) not in _KV_HEAD_AXIS:
+        if kind not in ("k", "v"):
+            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        raise ValueError(f"layout must be one of {(*_layout.LAYOUTS, TOKEN_POOL)}, got {layout!r}")
+    return _KV_HEAD_AXIS[layout, kind][0]
+
+
+def _split(rank: int, axis: int | None, axis_name: str) -> PartitionSpec:
+    return PartitionSpec(*(axis_name if i == axis else None for i in range(rank)))
+
+
+def kv_cache_spec(layout: str, kind: str = "k", *, axis_name: str = AXIS) -> PartitionSpec:
+    """The PartitionSpec that splits a cache's KV-head axis over ``axis_name``."""
+    axis = kv_head_axis(layout, kind)
+    return _split(_KV_HEAD_AXIS[layout, kind][1], axis, axis_name)
+
+
+def kv_cache_sharding(
+    mesh: Mesh, layout: str, kind: str = "k", *, axis_name: str = AXIS
+) -> NamedSharding:
+    _mesh_size(mesh, axis_name)
+    return NamedSharding(mesh, kv_cache_spec(layout, kind, axis_name=axis_name))
+
+
+def shard_kv_cache(k_cache, v_cache, mesh: Mesh, *, layout: str = "bshd", axis_name: str = AXIS):
+    """``(k_cache, v_cache)`` placed on ``mesh`` with their KV-head axis split.
+
+    ``layout`` is a paged layout or :data:`TOKEN_POOL`. Each device then holds
+    ``1 / N`` of the pool: every page, for its own KV heads.
+    """
+    n = _mesh_size(mesh, axis_name)
+    if layout == TOKEN_POOL:
+        _check_pool(k_cache, v_cache)
+        num_kv_heads = k_cache.shape[1]
+    else:
+        num_kv_heads = _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads
+    check_heads(n, None, num_kv_heads)
+    return (
+        jax.device_put(k_cache, kv_cache_sharding(mesh, layout, "k", axis_name=axis_name)),
+        jax.device_put(v_cache, kv_cache_sharding(mesh, layout, "v", axis_name=axis_name)),
+    )
+
+
+def _check_pool(k_cache, v_cache):
+    if k_cache.ndim != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "a token pool is K and V of one shape [num_slots, num_kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+# --- the ops under shard_map ---------------------------------------------------------
+
+
+def _validate_global(op: str, args: tuple, kwargs: dict, num_float_args: int):
+    """Run the single-device op's checks on the global arguments, without computing.
+
+    Under ``jax.eval_shape`` the float arrays become abstract, but index arrays that are
+    concrete are closed over and stay concrete, so the value checks (page ids in range,
+    indptrs non-decreasing ...) still run on eager calls, as they do for the plain op.
+    """
+    traced = [i < num_float_args or isinstance(a, jax.core.Tracer) for i, a in enumerate(args)]
+
+    def fn(*abstract):
+        it = iter(abstract)
+        full = [next(it) if t else a for a, t in zip(args, traced, strict=True)]
+        return getattr(_ops, op)(*full, **{**kwargs, "implementation": "reference"})
+
+    jax.eval_shape(fn, *(a for a, t in zip(args, traced, strict=True) if t))
+
+
+def _heads_spec(axis_name):
+    return _split(3, 1, axis_name)
+
+
+def _check_q(q):
+    if not hasattr(q, "ndim") or q.ndim != 3:
+        raise ValueError(
+            f"q must be [tokens, num_q_heads, head_dim], got {getattr(q, 'shape', type(q))}"
+        )
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    layout: str = "bshd",
+    **kwargs,
+):
+    """:func:`jaxattn.paged_attention` with heads split over ``mesh``.
+
+    q: [B, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis
+    (:func:`kv_head_axis`); block_tables i32[B, max_pages], seq_lens i32[B] replicated.
+    Other keyword arguments (``scale``, ``partition_size``, ``soft_cap``,
+    ``implementation``) go to the op. Returns [B, Hq, D] split on axis 1.
+    """
+    args = (q, k_cache, v_cache, block_tables, seq_lens)
+    n = _mesh_size(mesh, axis_name)
+    _validate_global("paged_attention", args, dict(kwargs, layout=layout), 3)
+    check_heads(n, q.shape[1], _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads)
+    heads = _heads_spec(axis_name)
+    fn = _shard_map(
+        functools.partial(_ops.paged_attention, layout=layout, **kwargs),
+        mesh,
+        in_specs=(
+            heads,
+            kv_cache_spec(layout, "k", axis_name=axis_name),
+            kv_cache_spec(layout, "v", axis_name=axis_name),
+            PartitionSpec(),
+            PartitionSpec(),
+        ),
+        out_specs=heads,
+    )
+    return fn(*args)
+
+
+def extend_attention(
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    **kwargs,
+):
+    """:func:`jaxattn.extend_attention` with heads split over ``mesh``.
+
+    q: [Tq, Hq, D] and the token pool k_cache, v_cache [num_slots, Hkv, D] split on
+    axis 1; qo_indptr, kv_indptr, kv_indices replicated. Returns [Tq, Hq, D] split on
+    axis 1.
+    """
+    args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
+    n = _mesh_size(mesh, axis_name)
+    _validate_global("extend_attention", args, kwargs, 3)
+    check_heads(n, q.shape[1], k_cache.shape[1])
+    heads = _heads_spec(axis_name)
+    pool = kv_cache_spec(TOKEN_POOL, axis_name=axis_name)
+    rep = PartitionSpec()
+    fn = _shard_map(
+        functools.partial(_ops.extend_attention, **kwargs),
+        mesh,
+        in_specs=(heads, pool, pool, rep, rep, rep),
+        out_specs=heads,
+    )
+    return fn(*args)
+
+
+def prefix_prefill(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    layout: str = "bshd",
+    **kwargs,
+):
+    """:func:`jaxattn.prefix_prefill` with heads split over ``mesh``.
+
+    q: [Tq, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis;
+    cu_seqlens_q, block_tables, seq_lens replicated. Returns [Tq, Hq, D] split on axis 1.
+    """
+    args = (q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens)
+    n = _mesh_size(mesh, axis_name)
+    _validate_global("prefix_prefill", args, dict(kwargs, layout=layout), 3)
+    check_heads(n, q.shape[1], _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads)
+    heads = _heads_spec(axis_name)
+    rep = PartitionSpec()
+    fn = _shard_map(
+        functools.partial(_ops.prefix_prefill, layout=layout, **kwargs),
+        mesh,
+        in_specs=(
+            heads,
+            kv_cache_spec(layout, "k", axis_name=axis_name),
+            kv_cache_spec(layout, "v", axis_name=axis_name),
+            rep,
+            rep,
+            rep,
+        ),
+        out_specs=heads,
+    )
+    return fn(*args)
+
+
+def write_kv(
+    k_cache,
+    v_cache,
+    k,
+    v,
+    slot_mapping,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    layout: str = "bshd",
+):
+    """:func:`jaxattn.write_kv` on each device's KV heads: k, v [T, Hkv, D] split on
+    axis 1, slot_mapping replicated; the caches come back split as they went in.
+
+    A scatter into a split cache is what XLA's partitioner may otherwise decide to
+    gather first; under ``shard_map`` every device writes its own heads in place.
+    """
+    n = _mesh_size(mesh, axis_name)
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    check_heads(n, None, geom.num_kv_heads)
+    specs = (
+        kv_cache_spec(layout, "k", axis_name=axis_name),
+        kv_cache_spec(layout, "v", axis_name=axis_name),
+    )
+    heads = _heads_spec(axis_name)
+    fn = _shard_map(
+        functools.partial(_kv.write_kv, layout=layout),
+        mesh,
+        in_specs=(*specs, heads, heads, PartitionSpec()),
+        out_specs=specs,
+    )
+    return fn(k_cache, v_cache, k, v, slot_mapping)
+
+
+def copy_blocks(
+    k_cache, v_cache, src, dst, *, mesh: Mesh, axis_name: str = AXIS, layout: str = "bshd"
+):
+    """:func:`jaxattn.copy_blocks` on each device's KV heads (src, dst replicated)."""
+    n = _mesh_size(mesh, axis_name)
+    check_heads(n, None, _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads)
+    specs = (
+        kv_cache_spec(layout, "k", axis_name=axis_name),
+        kv_cache_spec(layout, "v", axis_name=axis_name),
+    )
+    rep = PartitionSpec()
+    fn = _shard_map(
+        functools.partial(_kv.copy_blocks, layout=layout),
+        mesh,
+        in_specs=(*specs, rep, rep),
+        out_specs=specs,
+    )
+    return fn(k_cache, v_cache, src, dst)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """A mesh axis bound once: the same op names as :mod:`jaxattn.ops` / :mod:`jaxattn.kv`,
+    running head-split. Hashable, so it can be a static argument of ``jax.jit``."""
+
+    mesh: Mesh
+    axis_name: str = AXIS
+
+    def __post_init__(self):
+        _mesh_size(self.mesh, self.axis_name)
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    def _bound(self, fn, *args, **kwargs):
+        return fn(*args, mesh=self.mesh, axis_name=self.axis_name, **kwargs)
+
+    def paged_attention(self, *args, **kwargs):
+        return self._bound(paged_attention, *args, **kwargs)
+
+    def extend_attention(self, *args, **kwargs):
+        return self._bound(extend_attention, *args, **kwargs)
+
+    def prefix_prefill(self, *args, **kwargs):
+        return self._bound(prefix_prefill, *args, **kwargs)
+
+    def write_kv(self, *args, **kwargs):
+        return self._bound(write_kv, *args, **kwargs)
+
+    def copy_blocks(self, *args, **kwargs):
+        return self._bound(copy_blocks, *args, **kwargs)
+
+    def shard_params(self, params: dict, cfg, **kwargs) -> dict:
+        return shard_params(params, self.mesh, cfg, axis_name=self.axis_name, **kwargs)
+
+    def shard_kv_cache(self, k_cache, v_cache, *, layout: str = "bshd"):
+        return shard_kv_cache(k_cache, v_cache, self.mesh, layout=layout, axis_name=self.axis_name)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+# --- parameters ----------------------------------------------------------------------
+
+# Per-layer weights (without the stacked layer axis): the axis split over the mesh, None
+# for replicated. Linear weights are [in, out].
+_LAYER_SPLIT = {
+    "attn_norm": None,
+    "wq": 1,  # column-parallel: whole query heads per device
+    "wk": 1,
+    "wv": 1,
+    "wo": 0,  # row-parallel: the heads this device attended over
+    "mlp_norm": None,
+    "w_gate": 1,  # column-parallel
+    "w_up": 1,
+    "w_down": 0,  # row-parallel
+}
+_TOP_LEVEL = ("embed", "layers", "norm", "lm_head")
+
+
+def param_specs(
+    params: dict,
+    cfg,
+    num_shards: int,
+    *,
+    axis_name: str = AXIS,
+    vocab_parallel: bool = True,
+) -> dict:
+    """PartitionSpecs for the Llama parameter pytree (same structure as ``params``).
+
+    ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` (e.g. from
+    ``jax.eval_shape(init_params, cfg, key)``): only keys and ranks are read. ``cfg`` is
+    the model's :class:`~jaxattn.models.llama.LlamaConfig`. ``lm_head`` is split by
+    vocabulary when ``vocab_parallel`` and ``num_shards`` divides the vocabulary, else
+    replicated. An unknown parameter name is an error rather than silently replicated.
+    """
+    check_heads(num_shards, cfg.num_attention_heads, cfg.num_key_value_heads)
+    if cfg.intermediate_size % num_shards:
+        raise ValueError(
+            f"intermediate_size ({cfg.intermediate_size}) must be a multiple of the "
+            f"tensor-parallel mesh size ({num_shards})"
+        )
+    unknown = sorted(set(params) - set(_TOP_LEVEL))
+    unknown += sorted(f"layers/{k}" for k in set(params.get("layers", {})) - set(_LAYER_SPLIT))
+    if unknown:
+        raise ValueError(f"no sharding rule for parameters {unknown}")
+
+    def stacked(name, x):
+        split = _LAYER_SPLIT[name]
+        if x.ndim != (2 if split is None else 3):
+            raise ValueError(
+                f"layers/{name} must be stacked on a leading layer axis, got {x.shape}"
+            )
+        return _split(x.ndim, None if split is None else split + 1, axis_name)
+
+    specs = {
+        "embed": PartitionSpec(),
+        "layers": {name: stacked(name, x) for name, x in params["layers"].items()},
+        "norm": PartitionSpec(),
+    }
+    if "lm_head" in params:
+        split_vocab = vocab_parallel and cfg.vocab_size % num_shards == 0
+        specs["lm_head"] = _split(2, 1 if split_vocab else None, axis_name)
+    return specs
+
+
+def param_shardings(
+    params: dict, mesh: Mesh, cfg, *, axis_name: str = AXIS, vocab_parallel: bool = True
+) -> dict:
+    """NamedShardings for the Llama parameters on ``mesh`` (see :func:`param_specs`)."""
+    n = _mesh_size(mesh, axis_name)
+    specs = param_specs(params, cfg, n, axis_name=axis_name, vocab_parallel=vocab_parallel)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def shard_params(
+    params: dict, mesh: Mesh, cfg, *, axis_name: str = AXIS, vocab_parallel: bool = True
+) -> dict:
+    """``params`` placed on ``mesh`` with :func:`param_shardings`."""
+    return jax.device_put(
+        params,
+        param_shardings(params, mesh, cfg, axis_name=axis_name, vocab_parallel=vocab_parallel),
+    )
+
+
+def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, num_shards: int) -> int:
+    """Bytes one device holds of an array of ``shape`` split by ``spec`` over a 1-D mesh
+    of ``num_shards`` devices."""
+    size = math.prod(shape)
+    if any(s is not None for s in spec):
+        size //= num_shards
+    return size * np.dtype(dtype).itemsize
