@@ -226,6 +226,22 @@ class TestDecodeCompiled(DecodeCases):
         out = _decode(case, scale=128**-0.5, interpret=False)
         assert_close(out, _decode_spec(case, scale=128**-0.5), dtype)
 
+    @pytest.mark.parametrize(
+        "dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)]
+    )
+    def test_default_tiles_fit_wide_heads(self, rng, dtype, head_dim):
+        case = make_paged_decode(
+            rng,
+            [700, 33],
+            num_q_heads=16,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            page_size=16,
+            dtype=dtype,
+        )
+        out = _decode(case, scale=0.1, interpret=False)
+        assert_close(out, _decode_spec(case, scale=0.1), dtype)
+
 
 def test_decode_partition_heuristic():
     cfg = P.DecodeConfig(min_programs=264)
@@ -436,6 +452,16 @@ class TestExtendCompiled(ExtendCases):
         )
         out = _extend(c, scale=128**-0.5, interpret=False)
         assert_close(out, _extend_spec(c, scale=128**-0.5), dtype)
+
+    @pytest.mark.parametrize(
+        "dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)]
+    )
+    def test_default_tiles_fit_wide_heads(self, rng, dtype, head_dim):
+        c = make_extend(
+            rng, [300, 0], [200, 77], num_q_heads=16, num_kv_heads=2, head_dim=head_dim, dtype=dtype
+        )
+        out = _extend(c, scale=0.1, interpret=False)
+        assert_close(out, _extend_spec(c, scale=0.1), dtype)
 
 
 def test_extend_through_ops(rng):

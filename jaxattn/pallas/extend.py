@@ -321,8 +321,14 @@ def _prepare(q, k_cache, v_cache, interpret):
     return interpret
 
 
-def _default_config(head_dim: int) -> ExtendConfig:
-    return ExtendConfig(num_warps=4 if head_dim <= 64 else 8)
+def _default_config(head_dim: int, itemsize: int) -> ExtendConfig:
+    """128-row query tiles; K/V tiles of up to 128 rows while a stage of both stays
+    within 64 KiB (bf16 D=128: 128 rows, the fastest of a sweep on an H200)."""
+    block_q = 128 if head_dim <= 128 else 64
+    block_n = C.kv_tile_rows(head_dim, itemsize, stage_bytes=64 * 1024, cap=128)
+    return ExtendConfig(
+        block_q=block_q, block_n=block_n, num_warps=4 if head_dim <= 64 else 8, num_stages=2
+    )
 
 
 def extend_attention(
@@ -355,7 +361,7 @@ def extend_attention(
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
-        config=config or _default_config(q.shape[-1]),
+        config=config or _default_config(q.shape[-1], q.dtype.itemsize),
     )
 
 
@@ -392,5 +398,5 @@ def prefix_prefill(
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
-        config=config or _default_config(q.shape[-1]),
+        config=config or _default_config(q.shape[-1], q.dtype.itemsize),
     )
