@@ -25,7 +25,8 @@ the same page ids and slots on 1 or N devices.
   a masked lookup and one more all-reduce per step. The output projection ``lm_head`` is
   split by vocabulary (it is the largest single matmul of a decode step, and its output,
   the logits, is small); a tied ``lm_head`` is the embedding table and so stays replicated.
-* :func:`kv_cache_spec` / :func:`kv_cache_sharding` / :func:`shard_kv_cache` place a KV pool.
+* :func:`kv_cache_spec` / :func:`kv_cache_sharding` / :func:`shard_kv_cache` place a KV pool;
+  :func:`init_kv_cache` builds one already split.
 
 A head count the mesh size does not divide is rejected with ``ValueError``; replicating
 KV heads when ``Hkv < N`` is not supported.
@@ -54,7 +55,9 @@ __all__ = [
     "check_heads",
     "copy_blocks",
     "extend_attention",
+    "init_kv_cache",
     "kv_cache_sharding",
+    "kv_cache_shardings",
     "kv_cache_spec",
     "kv_head_axis",
     "make_mesh",
@@ -168,6 +171,32 @@ def kv_cache_sharding(
     return NamedSharding(mesh, kv_cache_spec(layout, kind, axis_name=axis_name))
 
 
+def kv_cache_shardings(
+    mesh: Mesh, layout: str = "bshd", *, axis_name: str = AXIS
+) -> tuple[NamedSharding, NamedSharding]:
+    """``(k_sharding, v_sharding)``, e.g. the ``out_shardings`` of a jitted function that
+    builds the pool, so that no device ever holds the whole of it."""
+    return (
+        kv_cache_sharding(mesh, layout, "k", axis_name=axis_name),
+        kv_cache_sharding(mesh, layout, "v", axis_name=axis_name),
+    )
+
+
+def init_kv_cache(init, mesh: Mesh, *, layout: str = "bshd", axis_name: str = AXIS):
+    """``init() -> (k_cache, v_cache)`` run jitted with the split as its output sharding:
+    each device allocates only its own KV heads (``shard_kv_cache`` of an existing pool
+    would first hold it whole on one device)."""
+    n = _mesh_size(mesh, axis_name)
+    k_abs, v_abs = jax.eval_shape(init)
+    if layout == TOKEN_POOL:
+        _check_pool(k_abs, v_abs)
+        num_kv_heads = k_abs.shape[1]
+    else:
+        num_kv_heads = _layout.cache_geometry(k_abs, v_abs, layout).num_kv_heads
+    check_heads(n, None, num_kv_heads)
+    return jax.jit(init, out_shardings=kv_cache_shardings(mesh, layout, axis_name=axis_name))()
+
+
 def shard_kv_cache(k_cache, v_cache, mesh: Mesh, *, layout: str = "bshd", axis_name: str = AXIS):
     """``(k_cache, v_cache)`` placed on ``mesh`` with their KV-head axis split.
 
@@ -181,10 +210,8 @@ def shard_kv_cache(k_cache, v_cache, mesh: Mesh, *, layout: str = "bshd", axis_n
     else:
         num_kv_heads = _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads
     check_heads(n, None, num_kv_heads)
-    return (
-        jax.device_put(k_cache, kv_cache_sharding(mesh, layout, "k", axis_name=axis_name)),
-        jax.device_put(v_cache, kv_cache_sharding(mesh, layout, "v", axis_name=axis_name)),
-    )
+    ks, vs = kv_cache_shardings(mesh, layout, axis_name=axis_name)
+    return jax.device_put(k_cache, ks), jax.device_put(v_cache, vs)
 
 
 def _check_pool(k_cache, v_cache):
@@ -431,6 +458,12 @@ class TensorParallel:
 
     def shard_kv_cache(self, k_cache, v_cache, *, layout: str = "bshd"):
         return shard_kv_cache(k_cache, v_cache, self.mesh, layout=layout, axis_name=self.axis_name)
+
+    def init_kv_cache(self, init, *, layout: str = "bshd"):
+        return init_kv_cache(init, self.mesh, layout=layout, axis_name=self.axis_name)
+
+    def kv_cache_shardings(self, layout: str = "bshd"):
+        return kv_cache_shardings(self.mesh, layout, axis_name=self.axis_name)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

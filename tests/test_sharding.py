@@ -392,7 +392,8 @@ def test_sharded_model_matches_single_device(monkeypatch, n, layout, attention):
                 p, CFG, k, v, dec, layout=layout, implementation="reference"
             )
         )
-        return (logits, *step(params, k, v)), step.lower(params, k, v).compile().as_text()
+        compiled = step.lower(params, k, v).compile()
+        return (logits, *compiled(params, k, v)), compiled.as_text()
 
     single, _ = run(llama.forward_extend, llama.forward_decode, params, k0, v0)
 
@@ -401,7 +402,9 @@ def test_sharded_model_matches_single_device(monkeypatch, n, layout, attention):
     tp = S.TensorParallel(mesh)
     monkeypatch.setattr(llama, "ops", tp)
     monkeypatch.setattr(llama, "write_kv", tp.write_kv)
-    sk, sv = tp.shard_kv_cache(k0, v0, layout=layout)
+    sk, sv = tp.init_kv_cache(
+        lambda: llama.init_kv_cache(CFG, pages, page_size, layout=layout), layout=layout
+    )
     sharded, hlo = run(
         llama.forward_extend, llama.forward_decode, tp.shard_params(params, CFG), sk, sv
     )
@@ -420,3 +423,41 @@ def test_sharded_model_matches_single_device(monkeypatch, n, layout, attention):
     hidden = f"[{len(lens)},{CFG.hidden_size}]"
     assert all(hidden in shape for shape in coll["all-reduce"]), coll
     assert len(coll["all-reduce"]) in (2, 2 * CFG.num_hidden_layers), coll
+
+
+# --- the memory figures of benchmarks/tp_memory.py -----------------------------------
+
+
+def _tp_memory():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tp_memory.py"
+    spec = importlib.util.spec_from_file_location("tp_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tp_memory_figures_match_placed_arrays():
+    """The computed per-device bytes equal what one device holds once placed."""
+    tpm = _tp_memory()
+    params = llama.init_params(CFG, jax.random.key(0))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), tpm.param_shapes(CFG)) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), params
+    )
+    for n in (1, 2, 4):
+        mesh = _mesh(n)
+        dev = mesh.devices.flat[0]
+        on_dev = lambda tree, dev=dev: sum(
+            s.data.nbytes
+            for x in jax.tree.leaves(tree)
+            for s in x.addressable_shards
+            if s.device == dev
+        )
+        assert on_dev(S.shard_params(params, mesh, CFG)) == tpm.weight_bytes_per_device(CFG, n)
+        pages, page_size = 3, 4
+        caches = S.shard_kv_cache(*llama.init_kv_cache(CFG, pages, page_size), mesh)
+        per_token = tpm.kv_bytes_per_token_per_device(CFG, n)
+        assert on_dev(caches) == per_token * pages * page_size
+    assert tpm.ring_all_reduce_bytes(1000, 4) == 1500
