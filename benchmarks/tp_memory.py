@@ -18,7 +18,7 @@ KV head, embedding and norms replicated, ``lm_head`` split by vocabulary):
   vocabulary-split ``lm_head``, when gathered for sampling, add ``(N - 1) / N * vocab * 4``
   bytes per sampled row (listed apart).
 
-    python benchmarks/tp_memory.py [--json benchmarks/results/tp_memory.json]
+    python benchmarks/tp_memory.py [--decode-batch 64] [--json benchmarks/results/tp_memory.json]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def allreduce_bytes_per_token(cfg: LlamaConfig, tp: int, itemsize: int) -> float
     return cfg.num_hidden_layers * per_layer
 
 
-def row(name: str, cfg: LlamaConfig, tp: int, hbm_bytes: float) -> dict:
+def row(name: str, cfg: LlamaConfig, tp: int, hbm_bytes: float, decode_batch: int) -> dict:
     weights = weight_bytes_per_device(cfg, tp)
     kv_token = kv_bytes_per_token_per_device(cfg, tp)
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
@@ -142,6 +142,10 @@ def row(name: str, cfg: LlamaConfig, tp: int, hbm_bytes: float) -> dict:
         allreduces_per_layer=2,
         allreduce_bytes_per_token_bf16=allreduce_bytes_per_token(cfg, tp, itemsize),
         allreduce_kib_per_token_bf16=allreduce_bytes_per_token(cfg, tp, itemsize) / KIB,
+        decode_batch=decode_batch,
+        allreduce_mib_per_decode_step_bf16=decode_batch
+        * allreduce_bytes_per_token(cfg, tp, itemsize)
+        / MIB,
         allreduce_bytes_per_token_f32=allreduce_bytes_per_token(cfg, tp, 4),
         allreduce_kib_per_token_f32=allreduce_bytes_per_token(cfg, tp, 4) / KIB,
         logits_gather_bytes_per_row=(tp - 1) / tp * cfg.vocab_size * 4 if split_vocab else 0.0,
@@ -158,7 +162,8 @@ COLUMNS = [
     ("kv_mib_per_seq", "KV MiB/1024-tok seq/dev", ".0f"),
     ("kv_tokens_fit", "KV tokens fit", ",d"),
     ("allreduce_kib_per_token_bf16", "all-reduce KiB/token/dev bf16", ".0f"),
-    ("allreduce_kib_per_token_f32", "as compiled (f32)", ".0f"),
+    ("allreduce_kib_per_token_f32", "same, f32 as compiled", ".0f"),
+    ("allreduce_mib_per_decode_step_bf16", "all-reduce MiB/decode step/dev bf16", ".1f"),
     ("logits_gather_kib_per_row", "logits gather KiB/row/dev", ".0f"),
 ]
 
@@ -173,17 +178,19 @@ def main(argv=None) -> dict:
         default=140.0,
         help="memory per device for weights + KV (activations and workspace ignored)",
     )
+    parser.add_argument("--decode-batch", type=int, default=64, help="sequences per decode step")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
 
     rows = []
     for name, shape in MODELS.items():
         cfg = LlamaConfig(**shape, dtype=args.dtype)
-        rows += [row(name, cfg, tp, args.hbm_gib * GIB) for tp in args.tp]
+        rows += [row(name, cfg, tp, args.hbm_gib * GIB, args.decode_batch) for tp in args.tp]
     payload = dict(
         what="per-device memory and communication of tensor-parallel Llama-3 (computed)",
         dtype=args.dtype,
         hbm_gib=args.hbm_gib,
+        decode_batch=args.decode_batch,
         seq_tokens=SEQ_TOKENS,
         sharding=(
             "q/k/v, gate/up column-parallel; o, down row-parallel; KV pool split by KV head; "
@@ -194,7 +201,11 @@ def main(argv=None) -> dict:
         rows=rows,
     )
     print(table(rows, COLUMNS))
-    print(f"\n(KV tokens fit: {args.hbm_gib:g} GiB per device minus the weights.)\n")
+    print(
+        f"\nKV tokens fit: {args.hbm_gib:g} GiB per device minus the weights. Decode step: "
+        f"batch {args.decode_batch}, one token per sequence; a prefill chunk of T tokens "
+        "sends T times the per-token figure.\n"
+    )
     print(json.dumps(payload, indent=2))
     write_json(args.json, payload)
     return payload
