@@ -423,3 +423,18 @@ def test_page_pool_reference_counts():
     assert pool.alloc(7) is None and pool.num_free_pages == 3
     assert pool.is_allocated([0, 1, 2]).tolist() == [True, True, False]
     pool.check_invariants()
+
+
+def test_demo_runs_and_verifies(capsys):
+    from jaxattn.__main__ import main
+
+    args = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 128 --system-tokens 40"
+    args += " --chats 2 --turns 2 --few-shot 3 --example-tokens 16 --max-new-tokens 5"
+    args += " --num-pages 48 --page-size 4 --max-batch-tokens 64 --quiet --verify --json"
+    assert main(["demo", *args.split()]) == 0
+    out = capsys.readouterr().out
+    assert "verify (no-cache recompute)   OK: 35 tokens of 7 outputs checked" in out
+    assert "served from radix cache" in out and "attention backend" in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--checkpoint DIR" in capsys.readouterr().out

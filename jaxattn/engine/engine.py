@@ -64,6 +64,8 @@ class Engine:
       buckets: shape bucket floors (:class:`~jaxattn.engine.runner.Buckets`).
       eos_token_id: stop token(s); default ``cfg.eos_token_id``; None or () for none.
       debug: check every page reference and that no shared page is written, each step.
+      track_waste: measure, every step, the KV slots allocated but not holding a token,
+        paged against a contiguous preallocation (``kv_waste_*`` in :attr:`stats`).
       runner: run the steps on this object instead of a new
         :class:`~jaxattn.engine.runner.ModelRunner` (anything with its ``extend``,
         ``decode``, ``copy_pages``, ``trace_counts``, ``backends`` and ``kv_bytes``; e.g. a
@@ -90,6 +92,7 @@ class Engine:
         buckets: Buckets | None = None,
         eos_token_id=_FROM_CONFIG,
         debug: bool = False,
+        track_waste: bool = False,
         runner=None,
     ):
         if not isinstance(cfg, LlamaConfig):
@@ -111,6 +114,7 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop)
         self.cfg = cfg
         self.debug = debug
+        self.track_waste = track_waste
         self.runner = runner or ModelRunner(
             cfg,
             params,
@@ -226,6 +230,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one scheduler step; return the sequences that finished in it."""
         t0 = time.perf_counter()
+        compiled_before = sum(self.runner.trace_counts.values())
         sched = self.scheduler
         plan = sched.schedule()
         if not plan:
@@ -275,7 +280,10 @@ class Engine:
         done = sched.commit(plan, extend_tokens, decode_tokens)
         self._stats["steps"] += 1
         self._stats["generated_tokens"] += drawn
-        self._stats["time_s"] += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self._stats["time_s"] += spent
+        if sum(self.runner.trace_counts.values()) != compiled_before:
+            self._stats["compile_steps_time_s"] += spent
         if self.debug:
             sched.check_invariants()
         return done
@@ -357,12 +365,14 @@ class Engine:
             "extend_calls": 0,
             "decode_calls": 0,
             "time_s": 0.0,
+            "compile_steps_time_s": 0.0,
             "peak_pages_in_use": 0,
             "peak_kv_slots_contiguous": 0,
             "peak_live_tokens": 0,
         }
         self.scheduler.stats.clear()
         self._idle_steps = 0
+        self._waste = np.zeros(4)  # paged waste, paged slots, contiguous waste, contiguous
 
     def _track_memory(self) -> None:
         s, sched = self._stats, self.scheduler
@@ -371,6 +381,19 @@ class Engine:
         contiguous = sum(q.prompt_len + q.max_new_tokens for q in running)
         s["peak_kv_slots_contiguous"] = max(s["peak_kv_slots_contiguous"], contiguous)
         s["peak_live_tokens"] = max(s["peak_live_tokens"], sum(len(q.tokens) for q in running))
+        if not self.track_waste:
+            return
+        p = self.page_size
+        fill: dict[int, int] = {}
+        for q in running:
+            n = len(q.tokens)
+            for i, page in enumerate(q.table):
+                fill[page] = max(fill.get(page, 0), min(p, max(n - i * p, 0)))
+        # Distinct live tokens: a page shared by several sequences (a cached prefix, a
+        # forked prompt) counts once; a contiguous layout would hold a copy per sequence.
+        distinct = sum(fill.values())
+        paged = len(fill) * p
+        self._waste += (paged - distinct, paged, contiguous - distinct, contiguous)
 
     @property
     def stats(self) -> dict:
@@ -383,7 +406,14 @@ class Engine:
         slots a contiguous preallocation (prompt + max_new_tokens per running sequence)
         would have held at once; peak_live_tokens: the most tokens running sequences
         needed KV for at once (shared prefixes counted per sequence); compiles: programs
-        traced per step kind; attention_backend: what the extend and decode steps run.
+        traced per step kind; attention_backend: what the extend and decode steps run;
+        time_s: wall time in :meth:`step`, compile_steps_time_s: the part spent in steps
+        that compiled a program; kv_waste_paged / kv_waste_contiguous (with
+        ``track_waste``): summed over steps, the fraction of the KV slots reserved for
+        running sequences that hold no distinct live token - for pages, the empty tail of
+        each sequence's last page; for a contiguous preallocation of prompt +
+        max_new_tokens per sequence, the unused reservation plus every duplicate copy of
+        a shared prefix.
         """
         sched = self.scheduler
         out = dict(self._stats)
@@ -399,6 +429,10 @@ class Engine:
             "admissions",
         ):
             out[key] = int(sched.stats.get(key, 0))
+        if self.track_waste:
+            w = self._waste
+            out["kv_waste_paged"] = float(w[0] / w[1]) if w[1] else 0.0
+            out["kv_waste_contiguous"] = float(w[2] / w[3]) if w[3] else 0.0
         out.update(
             num_pages=self.num_pages,
             page_size=self.page_size,

@@ -80,15 +80,18 @@ def check_outputs(
     stop_ids=(),
     temperature: float = 0.0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed=0,
+    sample_ids=None,
     tie_tolerance: float = 1e-4,
 ) -> VerifyReport:
     """Check the outputs of ``Engine.generate(prompts, max_new_tokens, n=n, ...)``.
 
     Output ``k`` belongs to prompt ``k // n``. Greedy outputs must take the argmax at
     every step (up to ``tie_tolerance``); sampled ones must equal the token redrawn from
-    the dense logits with the same key ``(seed, k, position)``. Lengths must follow
-    ``max_new_tokens`` and the stop tokens.
+    the dense logits with the same key ``(seed, k, position)``. ``seed`` may also be one
+    seed per output and ``sample_ids`` replaces ``k`` (requests queued one by one with
+    :meth:`Engine.add_request`). Lengths must follow ``max_new_tokens`` and the stop
+    tokens.
     """
     prompts = [list(p) for p in prompts]
     outputs = [list(o) for o in outputs]
@@ -97,6 +100,8 @@ def check_outputs(
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     stop_ids = set(stop_ids)
+    seeds = [int(seed)] * len(outputs) if isinstance(seed, int) else [int(s) for s in seed]
+    sample_ids = list(range(len(outputs))) if sample_ids is None else list(sample_ids)
     report = VerifyReport()
     logits = dense_logits(params, cfg, [prompts[k // n] + out for k, out in enumerate(outputs)])
     for k, out in enumerate(outputs):
@@ -129,8 +134,8 @@ def check_outputs(
         drawn = np.asarray(
             _redraw(
                 jnp.asarray(padded),
-                jnp.full((m,), seed, jnp.int32),
-                jnp.full((m,), k, jnp.int32),
+                jnp.full((m,), seeds[k], jnp.int32),
+                jnp.full((m,), sample_ids[k], jnp.int32),
                 jnp.asarray(len(prompt) + np.arange(m), jnp.int32),
                 jnp.full((m,), temperature, jnp.float32),
                 jnp.full((m,), top_p, jnp.float32),

@@ -1,0 +1,190 @@
+"""End-to-end serving throughput on the shared-prefix workload, radix cache on vs off.
+
+The workload (``jaxattn.engine.workload``): multi-turn chats and few-shot prompts behind
+one long system prompt; each chat turn is queued when the previous one finishes and
+carries the whole conversation. For each mode the workload runs twice on fresh engines
+of the same configuration: the first run compiles every program the schedule needs (the
+jitted step programs are shared by engines of one model), the second is timed. Reported
+per mode: prompt tokens served from the radix cache, prefill tokens computed, generated
+tokens, wall time, generated tokens/s, and all tokens (prompt + generated) served per
+second.
+
+    python benchmarks/bench_engine.py                      # small random model (CPU)
+    python benchmarks/bench_engine.py --preset 1b --json benchmarks/results/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+from common import environment, table, write_json  # noqa: E402
+
+from jaxattn.engine import Engine  # noqa: E402
+from jaxattn.engine.workload import make_workload, run_workload  # noqa: E402
+from jaxattn.models import llama  # noqa: E402
+
+# Model shapes: (layers, hidden, intermediate, q heads, kv heads, head dim, vocab, dtype).
+PRESETS = {
+    "tiny": (2, 64, 128, 4, 2, 16, 128, "float32"),
+    "small": (4, 256, 512, 8, 2, 32, 512, "float32"),
+    "1b": (16, 2048, 8192, 32, 8, 64, 32000, "bfloat16"),  # Llama-3.2-1B-like
+    "8b": (32, 4096, 14336, 32, 8, 128, 32000, "bfloat16"),  # Llama-3-8B-like
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model shape")
+    m.add_argument("--checkpoint", metavar="DIR", help="load a Hugging Face Llama instead")
+    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override dtype")
+    m.add_argument("--layers", type=int, help="override the preset's layer count")
+    w = p.add_argument_group("workload")
+    w.add_argument("--system-tokens", type=int, default=512)
+    w.add_argument("--chats", type=int, default=8)
+    w.add_argument("--turns", type=int, default=3)
+    w.add_argument("--few-shot", type=int, default=16)
+    w.add_argument("--example-tokens", type=int, default=256)
+    w.add_argument("--max-new-tokens", type=int, default=32)
+    w.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine")
+    e.add_argument("--page-size", type=int, default=16)
+    e.add_argument("--num-pages", type=int, default=1024, help="KV pages per layer")
+    e.add_argument("--max-batch-tokens", type=int, default=512)
+    e.add_argument("--max-running", type=int, default=64)
+    e.add_argument("--implementation", choices=["reference", "pallas", "native"])
+    e.add_argument(
+        "--modes", default="on,off", help="radix cache modes to run, comma separated (on,off)"
+    )
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def build_model(args):
+    if args.checkpoint:
+        cfg, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        return cfg, params, f"checkpoint {args.checkpoint}"
+    layers, hidden, inter, hq, hkv, d, vocab, dtype = PRESETS[args.preset]
+    cfg = llama.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=args.layers or layers,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        dtype=args.dtype or dtype,
+    )
+    return cfg, llama.init_params(cfg, jax.random.key(args.seed)), f"preset {args.preset}"
+
+
+def run_mode(cfg, params, workload, args, radix: bool) -> dict:
+    def once():
+        engine = Engine(
+            cfg,
+            params,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_running=args.max_running,
+            radix_cache=radix,
+            implementation=args.implementation,
+        )
+        t0 = time.perf_counter()
+        records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        return engine, records, time.perf_counter() - t0
+
+    warm, _, warm_s = once()  # compiles
+    engine, records, wall = once()
+    s = engine.stats
+    served = s["prompt_tokens"] + s["generated_tokens"]
+    return dict(
+        mode="radix on" if radix else "radix off",
+        requests=len(records),
+        prompt_tokens=s["prompt_tokens"],
+        cache_hit_tokens=s["prefix_hit_tokens"],
+        cache_hit_pct=100.0 * s["prefix_hit_tokens"] / max(s["prompt_tokens"], 1),
+        prefill_tokens=s["prefill_tokens"],
+        generated_tokens=s["generated_tokens"],
+        steps=s["steps"],
+        wall_s=wall,
+        gen_tok_s=s["generated_tokens"] / wall,
+        served_tok_s=served / wall,
+        peak_pages=s["peak_pages_in_use"],
+        preemptions=s["preemptions"],
+        compiles_in_timed_run=sum(s["compiles"].values()),
+        warmup_s=warm_s,
+        warmup_compiles=sum(warm.stats["compiles"].values()),
+        attention_backend=s["attention_backend"],
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg, params, name = build_model(args)
+    workload = make_workload(
+        cfg.vocab_size,
+        seed=args.seed,
+        system_tokens=args.system_tokens,
+        chats=args.chats,
+        turns=args.turns,
+        few_shot=args.few_shot,
+        example_tokens=args.example_tokens,
+    )
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise SystemExit(f"--modes must list 'on' and/or 'off', got {args.modes!r}")
+    print(
+        f"bench_engine: {name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads x {cfg.head_dim}, "
+        f"{cfg.dtype}) on {jax.devices()[0].device_kind}; {workload.num_requests} requests",
+        file=sys.stderr,
+    )
+    rows = []
+    for m in modes:
+        rows.append(run_mode(cfg, params, workload, args, radix=m == "on"))
+        print(f"  {rows[-1]['mode']}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr)
+    columns = [
+        ("mode", "mode", ""),
+        ("requests", "requests", "d"),
+        ("prompt_tokens", "prompt tok", "d"),
+        ("cache_hit_pct", "cache hit %", ".1f"),
+        ("prefill_tokens", "prefill computed", "d"),
+        ("generated_tokens", "generated", "d"),
+        ("steps", "steps", "d"),
+        ("wall_s", "wall s", ".2f"),
+        ("gen_tok_s", "gen tok/s", ".1f"),
+        ("served_tok_s", "served tok/s", ".1f"),
+        ("peak_pages", "peak pages", "d"),
+        ("preemptions", "preempt", "d"),
+        ("compiles_in_timed_run", "compiles (timed)", "d"),
+    ]
+    print(table(rows, columns))
+    if len(rows) == 2:
+        on, off = rows
+        print(
+            f"\nradix on vs off: {on['gen_tok_s'] / off['gen_tok_s']:.2f}x generated tok/s, "
+            f"{off['prefill_tokens'] / max(on['prefill_tokens'], 1):.2f}x fewer prefill tokens"
+        )
+    payload = dict(
+        environment=environment(),
+        model=dict(name=name, **{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}),
+        args={k: str(v) for k, v in vars(args).items()},
+        results=rows,
+    )
+    write_json(args.json, payload)
+    import json
+
+    print(json.dumps(payload, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
