@@ -185,7 +185,7 @@ def main(argv=None):
                 fn = functools.partial(
                     jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg
                 )
-                record("pallas-sweep", fn, copies, dict(config=str(cfg)))
+                record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
         if not args.no_peers:
             peer_copies = [to_peer_layout(c, args.layout) for c in copies]
             record("jax-pallas-gpu", jax_pallas_peer(scale), peer_copies)
@@ -216,13 +216,12 @@ def main(argv=None):
 
 def sweep_configs():
     for block_n, warps, stages in [
-        (32, 4, 2),
-        (64, 4, 2),
-        (64, 4, 4),
-        (128, 4, 3),
-        (128, 8, 3),
         (64, 2, 3),
+        (64, 4, 3),
         (32, 2, 4),
+        (64, 2, 4),
+        (128, 2, 3),
+        (64, 4, 2),
     ]:
         yield jpallas.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 

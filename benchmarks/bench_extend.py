@@ -103,14 +103,15 @@ def cudnn_peer(*, batch, prefix, new, scale):
 
 def sweep_configs():
     for bq, bn, warps, stages, gh in [
-        (128, 64, 8, 2, 1),
-        (128, 64, 8, 3, 1),
         (128, 128, 8, 2, 1),
-        (64, 64, 4, 3, 1),
-        (128, 32, 4, 3, 1),
-        (64, 128, 4, 2, 1),
-        (128, 64, 8, 2, 4),
-        (128, 64, 4, 2, 4),
+        (128, 128, 8, 3, 1),
+        (128, 128, 4, 2, 1),
+        (128, 64, 8, 3, 1),
+        (64, 128, 4, 3, 1),
+        (128, 128, 8, 2, 4),
+        (128, 128, 4, 2, 4),
+        (128, 64, 4, 3, 4),
+        (64, 64, 4, 2, 4),
     ]:
         yield jpallas.ExtendConfig(
             block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, heads_per_tile=gh
@@ -220,7 +221,7 @@ def main(argv=None):
         if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = functools.partial(kernel, scale=scale, config=cfg, **kw)
-                record("pallas-sweep", fn, copies, dict(config=str(cfg)))
+                record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
         peer = None
         if not args.no_peers and args.form == "extend":
             dense = [to_dense(c, batch=batch, prefix=prefix, new=new) for c in copies]

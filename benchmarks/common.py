@@ -14,6 +14,7 @@ Ceilings, measured in the same run: device-to-device copy bandwidth (an elementw
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -215,3 +216,20 @@ def status_line(name: str, row: dict, metric: str) -> str:
         return f"  {name}: ERROR {row['error']}"
     err = f", rel err {row['rel_err']:.1e}" if "rel_err" in row else ""
     return f"  {name}: {row['us']:.1f} us, {metric}{err}"
+
+
+def config_label(cfg) -> str:
+    """Compact 'field=value' text of a tile-config dataclass (None fields left out)."""
+    short = {
+        "block_q": "bq",
+        "block_n": "bn",
+        "num_warps": "w",
+        "num_stages": "s",
+        "heads_per_tile": "gh",
+    }
+    parts = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is not None and f.name in short:
+            parts.append(f"{short[f.name]}={v}")
+    return " ".join(parts)

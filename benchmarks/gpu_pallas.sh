@@ -3,7 +3,8 @@
 # benchmarks (with tile sweeps). Results land in $OUT (default: ./gpu_pallas_out).
 #
 #   bash benchmarks/gpu_pallas.sh            # tests + benchmarks + sweeps
-#   STAGES="bench" bash benchmarks/gpu_pallas.sh   # any of: tests decode extend
+#   STAGES="decode extend" bash benchmarks/gpu_pallas.sh   # any of: tests decode extend
+#   DECODE_ARGS="--impl pallas --no-peers" EXTEND_ARGS="..."  # replace the defaults
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,20 +27,20 @@ for stage in $STAGES; do
   case $stage in
     tests)
       # Triton compiles dominate: spread them over processes when xdist is there.
-      par=""; "$PY" -c "import xdist" 2>/dev/null && par="-n 4"
-      timeout 120 "$PY" -m pytest tests/test_pallas.py -q $par -p no:cacheprovider \
+      par=""; "$PY" -c "import xdist" 2>/dev/null && par="-n ${WORKERS:-4}"
+      timeout 120 "$PY" -m pytest tests/test_pallas.py -q $par -p no:cacheprovider --tb=short \
         -k "Compiled or through_ops or heuristic or refuses or rejects" \
         > "$OUT/tests.log" 2>&1
       echo "tests rc=$?"; tail -n 15 "$OUT/tests.log" ;;
     decode)
       timeout 210 "$PY" benchmarks/bench_decode.py --check --sweep --samples "$SAMPLES" \
-        --target-s 0.03 --impl reference,pallas,native --json "$OUT/decode.json" \
+        --target-s 0.03 ${DECODE_ARGS:---impl reference,pallas,native} --json "$OUT/decode.json" \
         > "$OUT/decode.log" 2>&1
-      echo "decode rc=$?"; sed -n '/^| B /,$p' "$OUT/decode.log" | grep -v sweep
-      grep -E "sweep|ERROR" "$OUT/decode.log" | head -40 ;;
+      echo "decode rc=$?"; sed -n '/^| B /,$p' "$OUT/decode.log"
+      grep -E "ERROR" "$OUT/decode.log" | head -20 ;;
     extend)
       timeout 150 "$PY" benchmarks/bench_extend.py --check --sweep --samples "$SAMPLES" \
-        --target-s 0.03 --impl pallas,native --json "$OUT/extend.json" \
+        --target-s 0.03 ${EXTEND_ARGS:---impl pallas,native} --json "$OUT/extend.json" \
         > "$OUT/extend.log" 2>&1
       echo "extend rc=$?"; sed -n '/^| B x/,$p' "$OUT/extend.log"
       grep -E "ERROR|no check" "$OUT/extend.log" | head -20 ;;
