@@ -178,8 +178,6 @@ class Engine:
         seed: int = 0,
         ignore_eos: bool = False,
         tag=None,
-        _index: int = 0,
-        _first_sample_id: int = 0,
     ) -> Sequence:
         """Queue one prompt; return its first sequence.
 
@@ -190,18 +188,25 @@ class Engine:
         ``j`` draws its tokens with the keys ``(seed, j, position)``.
         """
         max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-        n = _check_int("n", n, 1)
-        if (
-            isinstance(seed, bool)
-            or not isinstance(seed, numbers.Integral)
-            or not (0 <= seed < 2**31)
-        ):
+        self._check_sampling(n, seed, temperature, top_p)
+        prompt = self._check_prompt(0, prompt, max_new_tokens)
+        return self._queue(prompt, max_new_tokens, temperature, top_p, n, seed, ignore_eos, tag, 0)
+
+    @staticmethod
+    def _check_sampling(n, seed, temperature, top_p) -> None:
+        _check_int("n", n, 1)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
+        if not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
         if not isinstance(temperature, numbers.Real) or not 0 <= temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        prompt = self._check_prompt(_index, prompt, max_new_tokens)
+
+    def _queue(
+        self, prompt, max_new_tokens, temperature, top_p, n, seed, ignore_eos, tag, first_sample
+    ) -> Sequence:
         ids = [next(self._seq_ids) for _ in range(n)]
         seq = Sequence(
             seq_id=ids[0],
@@ -211,10 +216,10 @@ class Engine:
             temperature=float(temperature),
             top_p=float(top_p),
             seed=int(seed),
-            sample_id=_first_sample_id,
+            sample_id=first_sample,
             stop_ids=frozenset() if ignore_eos else self.stop_ids,
             arrival=next(self._arrivals),
-            fork_ids=[(sid, _first_sample_id + j) for j, sid in enumerate(ids[1:], 1)],
+            fork_ids=[(sid, first_sample + j) for j, sid in enumerate(ids[1:], 1)],
             tag=tag,
         )
         self.scheduler.add(seq)
@@ -323,23 +328,14 @@ class Engine:
                     f"max_new_tokens must be an int or one int per prompt, got {len(max_new)} "
                     f"values for {len(prompts)} prompts"
                 )
-        n = _check_int("n", n, 1)
-        for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)):
-            _check_int("max_new_tokens", m, 1)
-            self._check_prompt(i, p, m)
-        heads = [
-            self.add_request(
-                p,
-                m,
-                temperature=temperature,
-                top_p=top_p,
-                n=n,
-                seed=seed,
-                ignore_eos=ignore_eos,
-                _index=i,
-                _first_sample_id=i * n,
-            )
+        self._check_sampling(n, seed, temperature, top_p)
+        checked = [
+            self._check_prompt(i, p, _check_int("max_new_tokens", m, 1))
             for i, (p, m) in enumerate(zip(prompts, max_new, strict=True))
+        ]
+        heads = [
+            self._queue(p, m, temperature, top_p, n, seed, ignore_eos, None, i * n)
+            for i, (p, m) in enumerate(zip(checked, max_new, strict=True))
         ]
         order = [sid for h in heads for sid in [h.seq_id] + [f for f, _ in h.fork_ids]]
         wanted = set(order)
