@@ -23,9 +23,9 @@ from jaxattn.paging import BlockManager, NoFreeBlocksError
 from jaxattn.paging.page_table import PageTable, Status, check_invariants
 
 # Small enough that random programs run out of blocks, fill tables and share tails often.
-N, P, S, M = 12, 4, 4, 4
+N, P, S, M = 10, 3, 6, 4
 WATERMARK = 0.2
-BATCH = 3
+BATCH = 4
 SLOTS = 6  # static length of the slot_mapping queries
 
 FIELDS = ("ref_counts", "free_stack", "num_free", "tables", "lens", "active", "status")
@@ -172,25 +172,54 @@ class HostModel:
 
 # --- random programs -----------------------------------------------------------------
 
-# Mostly live ids, sometimes out of range on either side.
-seq_ids = st.sampled_from([*range(S)] * 4 + [-1, S])
-token_counts = st.integers(-1, M * P + 2)
-OPS = st.one_of(
-    st.tuples(st.just("allocate"), seq_ids, token_counts),
-    st.tuples(st.just("append_slot"), seq_ids),
-    st.tuples(st.just("append_slot"), seq_ids),
-    st.tuples(st.just("append_slot_batch"), st.lists(seq_ids, min_size=BATCH, max_size=BATCH)),
-    st.tuples(st.just("append_slot_batch"), st.lists(seq_ids, min_size=BATCH, max_size=BATCH)),
-    st.tuples(st.just("fork"), seq_ids, seq_ids),
-    st.tuples(st.just("free"), seq_ids),
-    st.tuples(st.just("slot_mapping"), seq_ids, st.integers(-2, M * P)),
-    st.tuples(st.just("can_allocate"), token_counts),
-)
-PROGRAMS = st.lists(OPS, min_size=1, max_size=40)
+# Drawn op by op against the host's current state, so that most ops hit live sequences
+# (and free ids for allocate / fork children) and programs reach a full pool, shared
+# tails and full tables; any id, out of range ones included, is still drawn now and then.
+OP_NAMES = ["allocate"] * 3 + ["append_slot"] * 2 + ["append_slot_batch"] * 4 + ["fork"] * 3
+OP_NAMES += ["free", "slot_mapping", "can_allocate"]
+any_seq = st.sampled_from([*range(S), -1, S])
+# Mostly short prompts, which leave room to fork and grow; sometimes any count.
+token_counts = st.one_of(st.integers(0, 2 * P + 1), st.integers(-1, M * P + 2))
+starts = st.integers(-2, M * P)
+
+
+def draw_seq(data, preferred):
+    if preferred and data.draw(st.integers(0, 9)) < 8:
+        return data.draw(st.sampled_from(preferred))
+    return data.draw(any_seq)
+
+
+def draw_ops(data, bm: BlockManager):
+    """One op, or a beam: a live sequence forked into every free id, so that one tail has
+    many holders and a batch can run the pool dry between two of them."""
+    live = [s for s in range(S) if s in bm]
+    if live and data.draw(st.integers(0, 9)) == 0:
+        parent = data.draw(st.sampled_from(live))
+        return [("fork", parent, child) for child in range(S) if child not in bm]
+    return [draw_op(data, bm)]
+
+
+def draw_op(data, bm: BlockManager, name=None):
+    name = name or data.draw(st.sampled_from(OP_NAMES))
+    live = [s for s in range(S) if s in bm]
+    idle = [s for s in range(S) if s not in bm]
+    if name == "allocate":
+        return name, draw_seq(data, idle), data.draw(token_counts)
+    if name == "append_slot_batch":
+        # Mostly distinct live sequences, so that a parent and its forks copy in one step.
+        first = data.draw(st.permutations(live)) if data.draw(st.integers(0, 9)) < 8 else []
+        return name, [*first, *(draw_seq(data, live) for _ in range(BATCH))][:BATCH]
+    if name == "fork":
+        return name, draw_seq(data, live), draw_seq(data, idle)
+    if name == "slot_mapping":
+        return name, draw_seq(data, live), data.draw(starts)
+    if name == "can_allocate":
+        return name, data.draw(token_counts)
+    return name, draw_seq(data, live)
 
 
 def apply(fns, state, op):
-    """(new state, [per-entry statuses], extra output) of one op on the functional table."""
+    """(new state, per-entry statuses or None, extra output) of one op on a page table."""
     name, *args = op
     if name == "slot_mapping":
         return state, None, fns[name](state, *args, length=SLOTS)
@@ -205,51 +234,59 @@ def apply(fns, state, op):
     return fns[name](state, *args), None, None
 
 
-@settings(max_examples=150, deadline=None)
-@given(PROGRAMS)
-def test_matches_host_block_manager_step_by_step(program):
+def check_against_host(host: HostModel, op, state, statuses, extra):
+    """Run op on the host too and compare everything the functional op returned."""
+    name, *args = op
+    where = f"{op}"
+    if name == "slot_mapping":
+        np.testing.assert_array_equal(extra, host.slot_mapping(*args), err_msg=where)
+    elif name == "can_allocate":
+        assert bool(extra) == (args[0] >= 0 and host.bm.can_allocate(args[0])), where
+    elif name == "append_slot_batch":
+        want, pairs = host.append_slot_batch(*args)
+        assert [Status(int(s)) for s in statuses] == want, where
+        assert np.asarray(extra).tolist() == [list(p) for p in pairs], where
+        first = next((s for s in want if s != Status.OK), Status.OK)
+        assert int(state.status) == first, where
+    else:
+        want, result = getattr(host, name)(*args)
+        assert Status(int(state.status)) == want, where
+        if name == "append_slot":
+            assert tuple(np.asarray(extra).tolist()) == result, where
+    got = leaves(state)
+    for field, value in host.arrays().items():
+        np.testing.assert_array_equal(got[field], value, err_msg=f"{where}: {field}")
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_matches_host_block_manager_step_by_step(data):
     state, bm = fresh()
     host = HostModel(bm)
-    for step, op in enumerate(program):
-        where = f"step {step} {op}"
-        name, *args = op
-        state, statuses, extra = apply(JIT, state, op)
-        if name == "slot_mapping":
-            np.testing.assert_array_equal(extra, host.slot_mapping(*args), err_msg=where)
-        elif name == "can_allocate":
-            assert bool(extra) == (args[0] >= 0 and bm.can_allocate(args[0])), where
-        elif name == "append_slot_batch":
-            want, pairs = host.append_slot_batch(*args)
-            assert [Status(int(s)) for s in statuses] == want, where
-            assert np.asarray(extra).tolist() == [list(p) for p in pairs], where
-            first = next((s for s in want if s != Status.OK), Status.OK)
-            assert int(state.status) == first, where
-        else:
-            want, result = getattr(host, name)(*args)
-            assert Status(int(state.status)) == want, where
-            if name == "append_slot":
-                assert tuple(np.asarray(extra).tolist()) == result, where
-        got = leaves(state)
-        for field, value in host.arrays().items():
-            np.testing.assert_array_equal(got[field], value, err_msg=f"{where}: {field}")
-        check_invariants(state)
-        bm.check_invariants()
+    for _ in range(data.draw(st.integers(10, 50))):
+        for op in draw_ops(data, bm):
+            state, statuses, extra = apply(JIT, state, op)
+            check_against_host(host, op, state, statuses, extra)
+            check_invariants(state)
+            bm.check_invariants()
 
 
-@settings(max_examples=15, deadline=None)
-@given(PROGRAMS)
-def test_jit_and_eager_agree_bit_for_bit(program):
-    jitted, _ = fresh()
-    eager = jitted
-    for step, op in enumerate(program):
-        jitted, js, jx = apply(JIT, jitted, op)
-        eager, es, ex = apply(EAGER, eager, op)
-        assert_same_state(jitted, eager, f"step {step} {op}")
-        for a, b in ((js, es), (jx, ex)):
-            assert (a is None) == (b is None)
-            if a is not None:
-                a, b = np.asarray(a), np.asarray(b)
-                assert a.dtype == b.dtype and np.array_equal(a, b), f"step {step} {op}"
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_jit_and_eager_agree_bit_for_bit(data):
+    jitted, bm = fresh()
+    eager, host = jitted, HostModel(bm)
+    for step in range(data.draw(st.integers(10, 30))):
+        for op in draw_ops(data, bm):
+            jitted, js, jx = apply(JIT, jitted, op)
+            eager, es, ex = apply(EAGER, eager, op)
+            assert_same_state(jitted, eager, f"step {step} {op}")
+            for a, b in ((js, es), (jx, ex)):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    a, b = np.asarray(a), np.asarray(b)
+                    assert a.dtype == b.dtype and np.array_equal(a, b), f"step {step} {op}"
+            check_against_host(host, op, jitted, js, jx)  # keeps the host in step for drawing
 
 
 # --- vmap: a stack of independent tables ---------------------------------------------
@@ -265,47 +302,36 @@ VMAPPED = {
         jax.vmap(PageTable.slot_mapping, in_axes=(0, 0, 0, None)), static_argnums=3
     ),
 }
-ARGS = {
-    "allocate": (seq_ids, token_counts),
-    "append_slot": (seq_ids,),
-    "append_slot_batch": (st.lists(seq_ids, min_size=BATCH, max_size=BATCH),),
-    "fork": (seq_ids, seq_ids),
-    "free": (seq_ids,),
-    "slot_mapping": (seq_ids, st.integers(-2, M * P)),
-}
-
-
-@st.composite
-def batched_ops(draw):
-    name = draw(st.sampled_from(sorted(VMAPPED)))
-    # One argument tuple per table: the tables follow different programs.
-    per_table = [tuple(draw(a) for a in ARGS[name]) for _ in range(V)]
-    return name, per_table
 
 
 def stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(batched_ops(), min_size=1, max_size=25))
-def test_vmap_over_independent_tables(program):
-    singles = [fresh()[0] for _ in range(V)]
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_vmap_over_independent_tables(data):
+    singles, hosts = zip(*(fresh() for _ in range(V)), strict=True)
+    singles, hosts = list(singles), [HostModel(bm) for bm in hosts]
     batched = stack(singles)
-    for step, (name, per_table) in enumerate(program):
-        columns = [np.asarray(col, np.int32) for col in zip(*per_table, strict=True)]
+    for step in range(data.draw(st.integers(5, 25))):
+        # One op for the whole stack (vmap maps one function), its arguments per table.
+        name = data.draw(st.sampled_from(sorted(VMAPPED)))
+        ops = [draw_op(data, h.bm, name) for h in hosts]
+        columns = [np.asarray(col, np.int32) for col in zip(*(op[1:] for op in ops), strict=True)]
         if name == "slot_mapping":
             extras = (VMAPPED[name](batched, *columns, SLOTS),)
         else:
             out = VMAPPED[name](batched, *columns)
             batched, extras = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-        for i, args in enumerate(per_table):
-            singles[i], statuses, extra = apply(JIT, singles[i], (name, *args))
-            where = f"step {step} {name} table {i}"
+        for i, op in enumerate(ops):
+            singles[i], statuses, extra = apply(JIT, singles[i], op)
+            where = f"step {step} {op} table {i}"
             assert_same_state(jax.tree.map(lambda x, i=i: x[i], batched), singles[i], where)
             want = [e for e in (extra, statuses) if e is not None]
             for a, b in zip(extras, want, strict=True):
                 np.testing.assert_array_equal(a[i], b, err_msg=where)
+            check_against_host(hosts[i], op, singles[i], statuses, extra)
 
 
 # --- unit cases ----------------------------------------------------------------------
