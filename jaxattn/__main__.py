@@ -178,6 +178,8 @@ def demo(args) -> int:
     kv_mib = s["kv_pool_bytes"] / 2**20
     page_bytes = s["kv_pool_bytes"] / s["num_pages"]
     contiguous_mib = s["peak_kv_slots_contiguous"] / s["page_size"] * page_bytes / 2**20
+    paged_slots = s["peak_pages_in_use"] * s["page_size"]
+    paged_mib = s["peak_pages_in_use"] * page_bytes / 2**20
     rows = [
         ("model", model_desc),
         (
@@ -198,9 +200,10 @@ def demo(args) -> int:
         ),
         (
             "KV slots at peak",
-            f"paged {s['peak_pages_in_use'] * s['page_size']} vs contiguous preallocation "
-            f"{s['peak_kv_slots_contiguous']} ({contiguous_mib:.1f} MiB; prompt + max_new "
-            "per running request)",
+            f"paged {paged_slots} ({paged_mib:.1f} MiB) vs contiguous preallocation "
+            f"{s['peak_kv_slots_contiguous']} ({contiguous_mib:.1f} MiB), "
+            f"{s['peak_kv_slots_contiguous'] / max(paged_slots, 1):.1f}x more "
+            "(prompt + max_new per running request, no sharing)",
         ),
         (
             "KV memory waste",

@@ -192,8 +192,12 @@ def init_params(cfg: LlamaConfig, key) -> dict:
     n, h, i, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
 
     def normal(shape, fan_in):
-        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(fan_in))
-        return jnp.asarray(w, dt)
+        # Row by row, so that a large model needs no float32 copy of a whole tensor.
+        out = np.empty(shape, np.dtype(dt))
+        scale = np.float32(1 / math.sqrt(fan_in))
+        for i in range(shape[0]):
+            out[i] = rng.standard_normal(shape[1:], dtype=np.float32) * scale
+        return jnp.asarray(out)
 
     params = {
         "embed": normal((v, h), 1),
