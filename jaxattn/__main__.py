@@ -81,7 +81,10 @@ def _model(args):
     from jaxattn.models import llama
 
     if args.checkpoint:
-        cfg, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        try:
+            cfg, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        except ValueError as e:
+            raise SystemExit(f"--checkpoint: {e}") from e
         name = f"checkpoint {args.checkpoint}"
     else:
         if args.hidden % args.heads:
