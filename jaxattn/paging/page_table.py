@@ -22,6 +22,20 @@ Failure never raises (values are unknown under ``jit``) and never corrupts: the 
 was. ``status`` always describes the last operation, so check it after each op, or fold it
 (``jnp.maximum`` over steps) when a loop runs many ops before looking.
 
+The host raises where this sets a status; the functional table also has fixed capacities
+the host lacks, hence ``UNKNOWN_SEQ`` (id out of range) and ``TABLE_FULL``.
+
+A decode step over a batch uses :meth:`PageTable.append_slot_batch` (the sequential loop
+of ``append_slot`` in one vectorised pass) and the kernel-ready views, all in one jit::
+
+    pt, cow, status = pt.append_slot_batch(seqs)
+    k, v = copy_blocks(k, v, cow[:, 0], cow[:, 1])
+    lens = pt.seq_lens(seqs)
+    slots = jax.vmap(lambda s, n: pt.slot_mapping(s, n - 1, 1)[0])(seqs, lens)
+    slots = jnp.where(status == Status.OK, slots, -1)  # a failed append writes nothing
+    k, v = write_kv(k, v, k_new, v_new, slots)
+    out = paged_attention(q, k, v, pt.block_tables(seqs), lens)
+
 Under ``jax.jit`` the static shapes are the array shapes plus the two static fields
 ``block_size`` and ``watermark_blocks``; ``slot_mapping``'s ``length`` must be static. Under
 ``jax.vmap`` a stack of states (same shapes and static fields) is a batch of independent
