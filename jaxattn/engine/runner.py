@@ -12,7 +12,9 @@ the other), so two programs compile ``|extend shapes| + |decode shapes|`` varian
 fused one would compile their product. Every shape is rounded up to a power of two (with
 a floor), so a long generation compiles O(log) programs; :attr:`ModelRunner.trace_counts`
 counts them. Sampling runs inside the step, so only the drawn token ids leave the device.
-The caches are donated to every program and updated in place.
+The caches are donated to every program and updated in place. The jitted programs are
+module level, keyed on the model config and the attention choices, so every engine of one
+model reuses the programs another engine compiled.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from .sampling import sample, sample_keys
 
 __all__ = ["Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
 
+# The order jaxattn.ops tries backends in when implementation=None (on the CPU the Pallas
+# kernels would only run interpreted). The runner resolves the backend itself, once, so
+# that it can report which one its programs run.
 _PLATFORM_ORDER = {"cpu": ("reference",)}
 _GPU_ORDER = ("native", "pallas", "reference")
 
