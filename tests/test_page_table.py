@@ -317,14 +317,15 @@ def test_vmap_over_independent_tables(data):
     for step in range(data.draw(st.integers(5, 25))):
         # One op for the whole stack (vmap maps one function), its arguments per table.
         name = data.draw(st.sampled_from(sorted(VMAPPED)))
-        ops = [draw_op(data, h.bm, name) for h in hosts]
-        columns = [np.asarray(col, np.int32) for col in zip(*(op[1:] for op in ops), strict=True)]
+        table_ops = [draw_op(data, h.bm, name) for h in hosts]
+        args = zip(*(op[1:] for op in table_ops), strict=True)
+        columns = [np.asarray(col, np.int32) for col in args]
         if name == "slot_mapping":
             extras = (VMAPPED[name](batched, *columns, SLOTS),)
         else:
             out = VMAPPED[name](batched, *columns)
             batched, extras = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-        for i, op in enumerate(ops):
+        for i, op in enumerate(table_ops):
             singles[i], statuses, extra = apply(JIT, singles[i], op)
             where = f"step {step} {op} table {i}"
             assert_same_state(jax.tree.map(lambda x, i=i: x[i], batched), singles[i], where)
