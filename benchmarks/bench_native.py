@@ -48,6 +48,7 @@ def main(argv=None):
     p.add_argument("--partitions", default="auto,256,512", help="auto (None) and/or ints")
     p.add_argument("--decode-cases", default=None, help="B:ctx,... (default: the issue's set)")
     p.add_argument("--prefill-cases", default=None, help="B:prefix:new,...")
+    p.add_argument("--decode-heads", default=None, help="Hq/Hkv,... (default: 32/8,32/32)")
     p.add_argument("--prefill-heads", default="32/8")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-prefill", action="store_true")
@@ -61,6 +62,8 @@ def main(argv=None):
         decode_cases, heads, prefill_cases = [(2, 256)], [(8, 2)], [(2, 40, 24)]
     if args.decode_cases:
         decode_cases = [tuple(int(x) for x in c.split(":")) for c in args.decode_cases.split(",")]
+    if args.decode_heads:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.decode_heads.split(",")]
     if args.prefill_cases:
         prefill_cases = [tuple(int(x) for x in c.split(":")) for c in args.prefill_cases.split(",")]
     result = dict(

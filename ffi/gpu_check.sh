@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# One GPU session for the native kernels: load (or build) the CUDA library, run the native
-# tests against the spec on the GPU, then time the kernels. Logs and JSON go to $OUT.
+# One GPU session for the native kernels: load (or build) the CUDA library, time the
+# kernels, run the native tests against the spec on the GPU, and summarise the SASS of the
+# main kernels. Logs and JSON go to $OUT.
 #
-#   OUT=/tmp/o JAXATTN_NATIVE_LIB_DIR=build/gpu/ffi ffi/gpu_check.sh [bench_native.py args]
+#   OUT=/tmp/o JAXATTN_NATIVE_LIB_DIR=build/gpu/ffi ffi/gpu_check.sh
 #
 # A prebuilt library in $JAXATTN_NATIVE_LIB_DIR is used when it loads; otherwise the CUDA
-# library is built here for sm_90 first.
+# library is built here for sm_90 first. Knobs (environment):
+#   PREFETCH       decode variants to time and test: "0", "1" (JAXATTN_DECODE_PREFETCH) or "0 1"
+#   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
+#   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
+#   DECODE_K, PREFILL_K   pytest -k expressions for the decode / prefill tests
+#   TEST_TIMEOUT, BENCH_TIMEOUT   seconds per step
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/jaxattn-gpu}"
@@ -34,18 +40,58 @@ else
   export JAXATTN_NATIVE_LIB_DIR="$PWD/build/gpu/ffi"
   stamp "built"
 fi
+lib="$JAXATTN_NATIVE_LIB_DIR/libjaxattn_cuda.so"
 
-stamp "tests"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_native.py \
-  > "$out/tests.log" 2>&1
-echo "pytest exit: $?"
-grep -E "passed|failed|error" "$out/tests.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
+bench() {  # name, env assignment, bench_native.py args...
+  local name="$1" envset="$2"
+  shift 2
+  stamp "timings: $name"
+  env $envset timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_native.py \
+    --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+  echo "exit $?"
+  grep -E "ERROR|Traceback" "$out/$name.log" | head -5
+  sed -n '/^| op/,$p' "$out/$name.log"
+}
 
-stamp "timings"
-timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_native.py --json "$out/native.json" "$@" \
-  > "$out/bench.log" 2>&1
-echo "bench exit: $?"
-grep -v "^|" "$out/bench.log" | grep -E "ERROR|error" | head -10
-sed -n '/^| op/,$p' "$out/bench.log"
+tests() {  # name, env assignment, pytest -k expression
+  local name="$1" envset="$2" expr="$3"
+  stamp "tests: $name"
+  env $envset timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/test_native.py ${expr:+-k "$expr"} > "$out/$name.log" 2>&1
+  echo "pytest exit: $?"
+  grep -E "passed|failed|error" "$out/$name.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
+}
+
+for v in ${PREFETCH:-0}; do
+  [ "${DECODE_ARGS:-}" = skip ] ||
+    bench "decode_prefetch$v" "JAXATTN_DECODE_PREFETCH=$v" --skip-prefill ${DECODE_ARGS:-}
+done
+[ "${PREFILL_ARGS:-}" = skip ] || bench prefill "" --skip-decode ${PREFILL_ARGS:-}
+for v in ${PREFETCH:-0}; do
+  tests "decode_tests_prefetch$v" "JAXATTN_DECODE_PREFETCH=$v" "${DECODE_K:-decode}"
+done
+tests prefill_tests "" "${PREFILL_K:-not decode}"
+
+stamp "SASS summary"
+if command -v cuobjdump > /dev/null; then
+  cuobjdump --dump-sass "$lib" > "$out/sass.txt" 2>/dev/null
+  python3 - "$out/sass.txt" <<'PY' | tee "$out/sass_summary.txt"
+import collections, re, sys
+func, counts = None, collections.defaultdict(collections.Counter)
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"Function : (\S+)", line)
+    if m:
+        func = m.group(1)
+        continue
+    m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?P\d\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", line)
+    if m and func:
+        counts[func][m.group(1)] += 1
+keep = ("paged_decode_kernelINS_6bf16_tELi128ELi4E", "prefill_mma_kernelINS_6bf16_tELi128E")
+for f, c in counts.items():
+    if any(k in f for k in keep):
+        ops = {k: v for k, v in c.items() if re.match(r"(LDG|LDGSTS|LDSM|HMMA|MUFU|SHFL|LDL|STL|BAR)", k)}
+        print(f, dict(sorted(ops.items())))
+PY
+fi
 stamp "done"

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "jaxattn/gpu_vendor.h"
 #include "jaxattn/params.h"
@@ -31,7 +32,7 @@ namespace gpu {
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <typename T, int D, int GT>
+template <typename T, int D, int GT, bool PREFETCH = false>
 struct DecodeShape {
   static_assert(D % (16 / sizeof(T)) == 0, "head_dim must be a whole number of 16-byte vectors");
   static constexpr int kVec = 16 / sizeof(T);
@@ -44,10 +45,11 @@ struct DecodeShape {
   static constexpr int kTokenSplit = kHeadChunks >= 4 ? 1 : 4 / kHeadChunks;
   static constexpr int kWarps = kHeadChunks * kTokenSplit;
   static constexpr int kThreads = kWarps * WARP_SIZE;
-  // Rows each lane group has in flight per step: enough independent 16-byte loads to cover
-  // memory latency without spilling the K/V registers.
-  static constexpr int kUnroll = 4;
   static constexpr bool kStaged = kHeadChunks > 1;
+  // Rows each lane group has in flight per step: enough independent 16-byte loads to cover
+  // memory latency without spilling the K/V registers. The prefetching variant holds two
+  // steps, so with eight query heads a warp it takes two rows a step.
+  static constexpr int kUnroll = (PREFETCH && !kStaged && kHeadsPerWarp >= 8) ? 2 : 4;
   static constexpr int kStep = kTokenSplit * kRowsPerWarp * kUnroll;
   static constexpr int kTile =
       kStaged ? cmax(kStep, (32768 / int(2 * D * sizeof(T))) / kStep * kStep) : kStep;
@@ -90,10 +92,10 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
   }
 }
 
-template <typename T, int D, int GT>
-__global__ void __launch_bounds__((DecodeShape<T, D, GT>::kThreads))
+template <typename T, int D, int GT, bool PREFETCH>
+__global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
     paged_decode_kernel(const DecodeParams p) {
-  using S = DecodeShape<T, D, GT>;
+  using S = DecodeShape<T, D, GT, PREFETCH>;
   constexpr int VEC = S::kVec, TG = S::kLanesPerRow, NV = S::kVecsPerLane;
   constexpr int EPL = S::kElemsPerLane, TPW = S::kRowsPerWarp, GC = S::kHeadsPerWarp;
   constexpr int HC = S::kHeadChunks, WS = S::kTokenSplit, U = S::kUnroll;
@@ -202,28 +204,44 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT>::kThreads))
   const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  if constexpr (!S::kStaged) {
+  auto load_rows = [&](int tb, uint4(&kr)[U][NV], uint4(&vr)[U][NV], bool(&ok)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = tb + (u * WS + ws) * TPW + row;
+      ok[u] = t < end;
+      if (ok[u]) {
+        const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
+                            int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          kr[u][j] = load16(kbase + off + j * TG * VEC);
+          vr[u][j] = load16(vbase + off + j * TG * VEC);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
+      }
+    }
+  };
+
+  if constexpr (!S::kStaged && !PREFETCH) {
     for (int tb = start; tb < end; tb += S::kStep) {
       uint4 kr[U][NV], vr[U][NV];
       bool ok[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t = tb + (u * WS + ws) * TPW + row;
-        ok[u] = t < end;
-        if (ok[u]) {
-          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
-                              int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
-#pragma unroll
-          for (int j = 0; j < NV; ++j) {
-            kr[u][j] = load16(kbase + off + j * TG * VEC);
-            vr[u][j] = load16(vbase + off + j * TG * VEC);
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
-        }
-      }
+      load_rows(tb, kr, vr, ok);
       consume(kr, vr, ok);
+    }
+  } else if constexpr (!S::kStaged) {
+    // Two register sets, alternating: one step's rows are loaded while the other's are
+    // consumed. A step past the end loads nothing and consumes only masked rows.
+    uint4 ka[U][NV], va[U][NV], kb[U][NV], vb[U][NV];
+    bool oka[U], okb[U];
+    load_rows(start, ka, va, oka);
+    for (int tb = start; tb < end; tb += 2 * S::kStep) {
+      load_rows(tb + S::kStep, kb, vb, okb);
+      consume(ka, va, oka);
+      load_rows(tb + 2 * S::kStep, ka, va, oka);
+      consume(kb, vb, okb);
     }
   } else {
     T* ks = reinterpret_cast<T*>(smem);
@@ -366,12 +384,12 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
   }
 }
 
-template <typename T, int D, int GT>
+template <typename T, int D, int GT, bool PREFETCH = false>
 const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream) {
-  using S = DecodeShape<T, D, GT>;
+  using S = DecodeShape<T, D, GT, PREFETCH>;
   if (p.batch > 65535 || p.max_parts > 65535) return "jaxattn: batch or partition count over 65535";
   const dim3 grid(p.kv.num_kv_heads, p.batch, p.partition_size > 0 ? p.max_parts : 1);
-  paged_decode_kernel<T, D, GT><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  paged_decode_kernel<T, D, GT, PREFETCH><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   if (const char* e = check_launch()) return e;
   if (p.partition_size > 0) {
     decode_combine_kernel<T, D><<<dim3(p.num_q_heads, p.batch), 128, 0, stream>>>(p);
@@ -380,10 +398,29 @@ const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream)
   return nullptr;
 }
 
+// JAXATTN_DECODE_PREFETCH=1 selects the variant that loads the next step's K/V while the
+// current one is computed, built for 16-bit caches with head_dim 64/128 and groups up to 8.
+// Read once per process. Not yet the default: it has not been measured on a GPU.
+inline bool decode_prefetch() {
+  static const bool on = [] {
+    const char* env = std::getenv("JAXATTN_DECODE_PREFETCH");
+    return env != nullptr && env[0] == '1';
+  }();
+  return on;
+}
+
 // The smallest group template that covers the runtime group; extra heads are masked.
 template <typename T, int D>
 const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
   const int group = p.num_q_heads / p.kv.num_kv_heads;
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
+    if (decode_prefetch()) {
+      if (group <= 1) return launch_paged_decode_group<T, D, 1, true>(p, stream);
+      if (group <= 2) return launch_paged_decode_group<T, D, 2, true>(p, stream);
+      if (group <= 4) return launch_paged_decode_group<T, D, 4, true>(p, stream);
+      if (group <= 8) return launch_paged_decode_group<T, D, 8, true>(p, stream);
+    }
+  }
   if (group <= 1) return launch_paged_decode_group<T, D, 1>(p, stream);
   if (group <= 2) return launch_paged_decode_group<T, D, 2>(p, stream);
   if (group <= 4) return launch_paged_decode_group<T, D, 4>(p, stream);
