@@ -21,6 +21,17 @@ Model: a random-weight Llama (sizes below) or a Hugging Face Llama directory
 """
 
 
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", metavar="DIR", help="Hugging Face Llama directory to load")
@@ -30,32 +41,34 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         help="parameter / KV dtype (default: float32 for the random model, the "
         "checkpoint's own dtype otherwise)",
     )
-    m.add_argument("--layers", type=int, default=4, help="random model: layers (default 4)")
-    m.add_argument("--hidden", type=int, default=256, help="random model: hidden size (256)")
-    m.add_argument("--heads", type=int, default=8, help="random model: query heads (8)")
-    m.add_argument("--kv-heads", type=int, default=2, help="random model: KV heads (2)")
-    m.add_argument("--vocab", type=int, default=512, help="random model: vocabulary (512)")
+    m.add_argument("--layers", type=_count(1), default=4, help="random model: layers (default 4)")
+    m.add_argument("--hidden", type=_count(1), default=256, help="random model: hidden size (256)")
+    m.add_argument("--heads", type=_count(1), default=8, help="random model: query heads (8)")
+    m.add_argument("--kv-heads", type=_count(1), default=2, help="random model: KV heads (2)")
+    m.add_argument("--vocab", type=_count(1), default=512, help="random model: vocabulary (512)")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--system-tokens", type=int, default=192, help="shared system prompt (192)")
-    w.add_argument("--chats", type=int, default=4, help="multi-turn chats (4)")
-    w.add_argument("--turns", type=int, default=3, help="turns per chat (3)")
-    w.add_argument("--few-shot", type=int, default=8, help="few-shot requests (8)")
     w.add_argument(
-        "--example-tokens", type=int, default=96, help="shared few-shot examples block (96)"
+        "--system-tokens", type=_count(0), default=192, help="shared system prompt (192)"
     )
-    w.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (16)")
+    w.add_argument("--chats", type=_count(0), default=4, help="multi-turn chats (4)")
+    w.add_argument("--turns", type=_count(1), default=3, help="turns per chat (3)")
+    w.add_argument("--few-shot", type=_count(0), default=8, help="few-shot requests (8)")
+    w.add_argument(
+        "--example-tokens", type=_count(0), default=96, help="shared few-shot examples block (96)"
+    )
+    w.add_argument("--max-new-tokens", type=_count(1), default=16, help="tokens per answer (16)")
     w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     w.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
-    w.add_argument("--seed", type=int, default=0, help="workload, weights and sampling seed")
+    w.add_argument("--seed", type=_count(0), default=0, help="workload, weights and sampling seed")
 
     e = p.add_argument_group("engine")
-    e.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
-    e.add_argument("--num-pages", type=int, default=256, help="KV pages per layer (256)")
+    e.add_argument("--page-size", type=_count(1), default=16, help="tokens per KV page (16)")
+    e.add_argument("--num-pages", type=_count(1), default=256, help="KV pages per layer (256)")
     e.add_argument(
-        "--max-batch-tokens", type=int, default=128, help="tokens computed per step (128)"
+        "--max-batch-tokens", type=_count(1), default=128, help="tokens computed per step (128)"
     )
-    e.add_argument("--max-running", type=int, default=32, help="sequences at once (32)")
+    e.add_argument("--max-running", type=_count(1), default=32, help="sequences at once (32)")
     e.add_argument(
         "--no-radix", action="store_true", help="disable the radix prefix cache (for contrast)"
     )
@@ -89,15 +102,18 @@ def _model(args):
     else:
         if args.hidden % args.heads:
             raise SystemExit(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-        cfg = llama.LlamaConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            intermediate_size=2 * args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            dtype=args.dtype or "float32",
-        )
+        try:
+            cfg = llama.LlamaConfig(
+                vocab_size=args.vocab,
+                hidden_size=args.hidden,
+                intermediate_size=2 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads,
+                dtype=args.dtype or "float32",
+            )
+        except ValueError as e:
+            raise SystemExit(f"model options: {e}") from e
         params = llama.init_params(cfg, jax.random.key(args.seed))
         name = "random-weight Llama"
     desc = (
@@ -139,9 +155,7 @@ def demo(args) -> int:
             f"--num-pages {args.num_pages} x --page-size {args.page_size} cannot hold a "
             f"{longest}-token conversation; raise --num-pages"
         )
-    engine = Engine(
-        cfg,
-        params,
+    engine_kwargs = dict(
         num_pages=args.num_pages,
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
@@ -159,6 +173,10 @@ def demo(args) -> int:
         ),
         track_waste=True,
     )
+    try:
+        engine = Engine(cfg, params, **engine_kwargs)
+    except ValueError as e:
+        raise SystemExit(f"engine options: {e}") from e
     print(f"jaxattn demo on {jax.default_backend()}: {model_desc}", file=sys.stderr)
     start = time.perf_counter()
     records = run_workload(
