@@ -419,9 +419,10 @@ def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
     return geom.num_pages // cfg.num_hidden_layers, geom.page_size
 
 
-def _write(k_cache, v_cache, k, v, slot_mapping, slot_offset, layout):
+def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout):
     slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
-    return write_kv(k_cache, v_cache, k, v, slots, layout=layout)
+    writer = write_kv if kernels is None else kernels.write_kv
+    return writer(k_cache, v_cache, k, v, slots, layout=layout)
 
 
 def forward_extend(
@@ -434,6 +435,7 @@ def forward_extend(
     layout: str = "bshd",
     attention: str = "extend",
     implementation=None,
+    kernels=None,
 ):
     """Prefill new tokens after cached prefixes; return ``(logits f32[R, V], k, v)``.
 
@@ -441,7 +443,12 @@ def forward_extend(
     plus new tokens with the shifted causal mask: ``extend_attention`` over the pool
     viewed as a token pool (``attention="extend"``, layout bshd) or ``prefix_prefill``
     over the paged form (``attention="prefix_prefill"``, any layout).
+
+    ``kernels``: an object with ``write_kv``, ``extend_attention``, ``prefix_prefill`` and
+    ``paged_attention`` of the public signatures to call instead of :mod:`jaxattn.ops`
+    and :func:`jaxattn.kv.write_kv` (e.g. :class:`jaxattn.sharding.TensorParallel`).
     """
+    attn = ops if kernels is None else kernels
     if attention not in ("extend", "prefix_prefill"):
         raise ValueError(f"attention must be 'extend' or 'prefix_prefill', got {attention!r}")
     if attention == "extend" and layout != "bshd":
@@ -454,10 +461,10 @@ def forward_extend(
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
 
     def attend(q, k, v, layer, caches):
-        kc, vc = _write(*caches, k, v, batch.slot_mapping, layer * slots_per_layer, layout)
+        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, layer * slots_per_layer, layout)
         if attention == "extend":
             n = kc.shape[0] * page_size
-            o = ops.extend_attention(
+            o = attn.extend_attention(
                 q,
                 kc.reshape(n, hkv, d),
                 vc.reshape(n, hkv, d),
@@ -467,7 +474,7 @@ def forward_extend(
                 implementation=implementation,
             )
         else:
-            o = ops.prefix_prefill(
+            o = attn.prefix_prefill(
                 q,
                 kc,
                 vc,
@@ -495,14 +502,19 @@ def forward_decode(
     layout: str = "bshd",
     partition_size: int | None = None,
     implementation=None,
+    kernels=None,
 ):
-    """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``."""
+    """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
+
+    ``kernels``: as in :func:`forward_extend`.
+    """
+    attn = ops if kernels is None else kernels
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
 
     def attend(q, k, v, layer, caches):
         offset = layer * pages_per_layer
-        kc, vc = _write(*caches, k, v, batch.slot_mapping, offset * page_size, layout)
-        o = ops.paged_attention(
+        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, offset * page_size, layout)
+        o = attn.paged_attention(
             q,
             kc,
             vc,
