@@ -411,3 +411,32 @@ def test_forward_errors():
         llama.forward_dense(params, CFG, jnp.zeros((2, 2, 2), jnp.int32))
     with pytest.raises(TypeError, match="cfg"):
         llama.init_params({"vocab_size": 3}, jax.random.key(0))
+
+
+def test_kernels_hook_replaces_the_ops():
+    """A ``kernels`` object (e.g. a tensor-parallel wrapper) receives every KV write and
+    attention call instead of jaxattn.ops."""
+    from jaxattn import ops
+    from jaxattn.kv import write_kv
+
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            real = write_kv if name == "write_kv" else getattr(ops, name)
+
+            def record(*args, **kwargs):
+                calls.append(name)
+                return real(*args, **kwargs)
+
+            return record
+
+    params = llama.init_params(CFG, jax.random.key(0))
+    k, v = llama.init_kv_cache(CFG, 4, 4)
+    seqs = PagedSeqs(np.random.default_rng(0), 4, 4)
+    ext = seqs.extend_batch([(0, [1, 2, 3], 0, 3)], t_pad=4, b_pad=1, k_pad=4, w_pad=1)
+    dec = seqs.decode_batch([(0, [1, 2, 3, 4])], b_pad=1, w_pad=1)
+    jax.eval_shape(lambda: llama.forward_extend(params, CFG, k, v, ext, kernels=Recorder()))
+    jax.eval_shape(lambda: llama.forward_decode(params, CFG, k, v, dec, kernels=Recorder()))
+    # The layer scan traces its body once: one write and one attention call per pass.
+    assert calls == ["write_kv", "extend_attention", "write_kv", "paged_attention"]
