@@ -122,6 +122,13 @@ def ceilings(*, small: bool = False) -> dict:
     return dict(copy=copy_bandwidth(), matmul=matmul_rate())
 
 
+def ceilings_line(c: dict) -> str:
+    return (
+        f"ceilings: copy {c['copy']['gbps']:.0f} GB/s (read+write), "
+        f"bf16 matmul {c['matmul']['tflops']:.0f} TFLOP/s"
+    )
+
+
 def environment() -> dict:
     dev = jax.devices()[0]
     return dict(

@@ -2,7 +2,7 @@
 # Pallas kernels on a GPU: the compiled test twins, then the decode and extend
 # benchmarks (with tile sweeps). Results land in $OUT (default: ./gpu_pallas_out).
 #
-#   bash benchmarks/gpu_pallas.sh            # tests + benchmarks + sweeps
+#   bash benchmarks/gpu_pallas.sh            # tests + benchmarks + sweeps (~5 min on an H200)
 #   STAGES="decode extend" bash benchmarks/gpu_pallas.sh   # any of: tests decode extend
 #   DECODE_ARGS="--impl pallas --no-peers" EXTEND_ARGS="..."  # replace the defaults
 set -uo pipefail
