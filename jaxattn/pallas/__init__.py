@@ -13,6 +13,13 @@ Lowering: the kernels are written for the Pallas *Triton* lowering
   kernel (compute bound) needs; decode is memory bound and needs wide loads in flight,
   not a particular matrix instruction.
 
+Measured on an H200 (bf16, D=128): decode reads the paged KV at 75-105% of the
+device-to-device copy bandwidth (read + write), twice JAX's own Pallas paged decode;
+extend reaches about 250-280 TFLOP/s, half of cuDNN's flash attention, which keeps
+K/V tiles flowing through TMA with warp-specialised pipelines. That gap, and jax 0.11
+deprecating the Triton lowering (it warns at each lowering), make a Mosaic GPU
+version of the extend kernel the next step; decode has no such gap to close.
+
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
 serve, so ``jaxattn.ops`` can fall back to another backend.
