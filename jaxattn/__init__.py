@@ -5,6 +5,7 @@ from .kv import copy_blocks, write_kv
 from .ops import (
     BACKENDS,
     available_backends,
+    default_implementations,
     extend_attention,
     merge_states,
     paged_attention,
@@ -17,6 +18,7 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "copy_blocks",
+    "default_implementations",
     "extend_attention",
     "kv",
     "layout",

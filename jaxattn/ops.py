@@ -50,11 +50,17 @@ def _backend_module(name: str):
         raise NotImplementedError(f"backend {name!r} cannot be imported: {e}") from e
 
 
+def default_implementations(platform: str | None = None) -> tuple[str, ...]:
+    """The backends ``implementation=None`` tries, in order, on ``platform`` (default: the
+    current default backend). The reference is always last."""
+    platform = jax.default_backend() if platform is None else platform
+    return _DEFAULT_ORDER.get(platform, ("reference",))
+
+
 def _candidates(implementation) -> tuple[tuple[str, ...], bool]:
     """(names to try, whether the caller named exactly one)."""
     if implementation is None:
-        order = _DEFAULT_ORDER.get(jax.default_backend(), ("reference",))
-        return order, False
+        return default_implementations(), False
     if isinstance(implementation, str):
         names, explicit = (implementation,), True
     elif isinstance(implementation, Sequence) and implementation:
