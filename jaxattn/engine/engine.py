@@ -62,6 +62,10 @@ class Engine:
       implementation: attention backend (None: the fastest that serves the platform).
       partition_size: split-KV partition size for decode.
       buckets: shape bucket floors (:class:`~jaxattn.engine.runner.Buckets`).
+      mesh: serve tensor-parallel over this 1-D mesh (:func:`jaxattn.sharding.make_mesh`):
+        heads, MLP and the pool's KV heads split over its devices, while pages, block
+        tables and the radix cache stay global, so scheduling and outputs are those of one
+        device. None: one device.
       eos_token_id: stop token(s); default ``cfg.eos_token_id``; None or () for none.
       debug: check every page reference and that no shared page is written, each step.
       track_waste: measure, every step, the KV slots allocated but not holding a token,
@@ -69,7 +73,8 @@ class Engine:
       runner: run the steps on this object instead of a new
         :class:`~jaxattn.engine.runner.ModelRunner` (anything with its ``extend``,
         ``decode``, ``copy_pages``, ``trace_counts``, ``backends`` and ``kv_bytes``; e.g. a
-        stand-in that checks the memory traffic in tests). ``params`` is then unused.
+        stand-in that checks the memory traffic in tests). ``params`` and ``mesh`` are
+        then unused.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class Engine:
         implementation: str | None = None,
         partition_size: int | None = None,
         buckets: Buckets | None = None,
+        mesh=None,
         eos_token_id=_FROM_CONFIG,
         debug: bool = False,
         track_waste: bool = False,
@@ -125,6 +131,7 @@ class Engine:
             implementation=implementation,
             partition_size=partition_size,
             buckets=buckets,
+            mesh=mesh,
         )
         self.scheduler = Scheduler(
             num_pages,
@@ -403,6 +410,8 @@ class Engine:
         would have held at once; peak_live_tokens: the most tokens running sequences
         needed KV for at once (shared prefixes counted per sequence); compiles: programs
         traced per step kind; attention_backend: what the extend and decode steps run;
+        tp: devices the model is split over (1 without a mesh); kv_pool_bytes: the pool
+        over all devices, kv_pool_bytes_per_device: what one device holds of it;
         time_s: wall time in :meth:`step`, compile_steps_time_s: the part spent in steps
         that compiled a program; kv_waste_paged / kv_waste_contiguous (with
         ``track_waste``): summed over steps, the fraction of the KV slots reserved for
@@ -439,6 +448,10 @@ class Engine:
             compiles=dict(self.runner.trace_counts),
             attention_backend=dict(self.runner.backends),
             kv_pool_bytes=self.runner.kv_bytes,
+            kv_pool_bytes_per_device=getattr(
+                self.runner, "kv_bytes_per_device", self.runner.kv_bytes
+            ),
+            tp=getattr(self.runner, "tp_size", 1),
         )
         return out
 

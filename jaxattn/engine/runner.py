@@ -15,6 +15,12 @@ counts them. Sampling runs inside the step, so only the drawn token ids leave th
 The caches are donated to every program and updated in place. The jitted programs are
 module level, keyed on the model config and the attention choices, so every engine of one
 model reuses the programs another engine compiled.
+
+Tensor parallelism (``mesh=``): the parameters are placed Megatron-style and the pool is
+created split by KV head (:mod:`jaxattn.sharding`); the programs take the
+:class:`~jaxattn.sharding.TensorParallel` as one more static argument and hand it to the
+model as its ``kernels``, so attention and KV writes run per device on its own heads. The
+metadata (block tables, slots, indptrs) is the same on 1 or N devices.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import ops
+from jaxattn import sharding as _sharding
 from jaxattn.kv import copy_blocks
 from jaxattn.models import llama
 from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
@@ -35,12 +43,6 @@ from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
 from .sampling import sample, sample_keys
 
 __all__ = ["Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
-
-# The order jaxattn.ops tries backends in when implementation=None (on the CPU the Pallas
-# kernels would only run interpreted). The runner resolves the backend itself, once, so
-# that it can report which one its programs run.
-_PLATFORM_ORDER = {"cpu": ("reference",)}
-_GPU_ORDER = ("native", "pallas", "reference")
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -108,15 +110,25 @@ def _pad(values, n: int, fill, dtype=np.int32) -> np.ndarray:
 _TRACES: collections.Counter = collections.Counter()
 
 
-def _extend_fn(params, k, v, batch, samples, *, cfg, layout, attention, implementation, greedy):
+def _extend_fn(
+    params, k, v, batch, samples, *, cfg, layout, attention, implementation, greedy, tp=None
+):
     logits, k, v = llama.forward_extend(
-        params, cfg, k, v, batch, layout=layout, attention=attention, implementation=implementation
+        params,
+        cfg,
+        k,
+        v,
+        batch,
+        layout=layout,
+        attention=attention,
+        implementation=implementation,
+        kernels=tp,
     )
-    return _draw(logits, samples, greedy), k, v
+    return _draw(logits, samples, greedy), *_keep_split(tp, layout, k, v)
 
 
 def _decode_fn(
-    params, k, v, batch, samples, *, cfg, layout, partition_size, implementation, greedy
+    params, k, v, batch, samples, *, cfg, layout, partition_size, implementation, greedy, tp=None
 ):
     logits, k, v = llama.forward_decode(
         params,
@@ -127,12 +139,24 @@ def _decode_fn(
         layout=layout,
         partition_size=partition_size,
         implementation=implementation,
+        kernels=tp,
     )
-    return _draw(logits, samples, greedy), k, v
+    return _draw(logits, samples, greedy), *_keep_split(tp, layout, k, v)
 
 
-def _copy_fn(k, v, src, dst, *, layout):
-    return copy_blocks(k, v, src, dst, layout=layout)
+def _copy_fn(k, v, src, dst, *, layout, tp=None):
+    if tp is None:
+        return copy_blocks(k, v, src, dst, layout=layout)
+    return _keep_split(tp, layout, *tp.copy_blocks(k, v, src, dst, layout=layout))
+
+
+def _keep_split(tp, layout, k, v):
+    """Pin the returned caches to the split they came in with: the donated input buffers
+    can then be reused in place, and the next step needs no resharding."""
+    if tp is None:
+        return k, v
+    ks, vs = tp.kv_cache_shardings(layout)
+    return jax.lax.with_sharding_constraint(k, ks), jax.lax.with_sharding_constraint(v, vs)
 
 
 def _draw(logits, samples: SampleBatch, greedy: bool):
@@ -152,14 +176,14 @@ def _counted(kind: str, fn):
 _EXTEND = jax.jit(
     _counted("extend", _extend_fn),
     donate_argnums=(1, 2),
-    static_argnames=("cfg", "layout", "attention", "implementation", "greedy"),
+    static_argnames=("cfg", "layout", "attention", "implementation", "greedy", "tp"),
 )
 _DECODE = jax.jit(
     _counted("decode", _decode_fn),
     donate_argnums=(1, 2),
-    static_argnames=("cfg", "layout", "partition_size", "implementation", "greedy"),
+    static_argnames=("cfg", "layout", "partition_size", "implementation", "greedy", "tp"),
 )
-_COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout",))
+_COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
 class ModelRunner:
@@ -176,6 +200,9 @@ class ModelRunner:
         :attr:`backends`.
       partition_size: split-KV partition for decode (None: the backend's choice).
       buckets: shape bucket floors.
+      mesh: a 1-D :class:`jax.sharding.Mesh` (axis ``"tp"``, see
+        :func:`jaxattn.sharding.make_mesh`) to run tensor-parallel over; None for one
+        device. Its size must divide the query and KV head counts and the MLP width.
 
     :attr:`trace_counts` counts the programs this runner's calls compiled (a program
     another runner of the same model compiled already is reused, not counted).
@@ -193,6 +220,7 @@ class ModelRunner:
         implementation: str | None = None,
         partition_size: int | None = None,
         buckets: Buckets | None = None,
+        mesh=None,
     ):
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
@@ -204,15 +232,22 @@ class ModelRunner:
             raise ValueError(
                 f"extend_attention='extend' needs layout='bshd' (a token pool), got {layout!r}"
             )
+        self.tp = None if mesh is None else _sharding.TensorParallel(mesh)
         self.cfg = cfg
-        self.params = params
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
         self.extend_attention = extend_attention
         self.partition_size = partition_size
         self.buckets = buckets or Buckets()
-        self.k_cache, self.v_cache = llama.init_kv_cache(cfg, num_pages, page_size, layout=layout)
+        init = functools.partial(llama.init_kv_cache, cfg, num_pages, page_size, layout=layout)
+        if self.tp is None:
+            self.params = params
+            self.k_cache, self.v_cache = init()
+        else:
+            self.params = self.tp.shard_params(params, cfg)
+            # Built split, so that no device ever holds the whole pool.
+            self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
         self.backends = {
@@ -225,25 +260,45 @@ class ModelRunner:
                 layout=layout,
                 attention=extend_attention,
                 implementation=self.backends["extend"],
+                tp=self.tp,
             ),
             "decode": dict(
                 cfg=cfg,
                 layout=layout,
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
+                tp=self.tp,
             ),
         }
 
     @property
+    def tp_size(self) -> int:
+        """Devices the model is split over (1 without a mesh)."""
+        return 1 if self.tp is None else self.tp.size
+
+    @property
     def kv_bytes(self) -> int:
+        """Bytes of the whole pool, over all devices."""
         return self.k_cache.nbytes + self.v_cache.nbytes
+
+    @property
+    def kv_bytes_per_device(self) -> int:
+        """Bytes of the pool the most loaded device holds (``kv_bytes / tp_size`` when the
+        split is even)."""
+        held: collections.Counter = collections.Counter()
+        for cache in (self.k_cache, self.v_cache):
+            for shard in cache.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        return max(held.values())
 
     def _resolve(self, kind: str, implementation) -> str:
         """The first backend that can trace this step (NotImplementedError -> the next)."""
         if implementation is not None:
             names = (implementation,)
+        elif self.tp is not None:
+            names = ops.default_implementations(self.tp.mesh.devices.flat[0].platform)
         else:
-            names = _PLATFORM_ORDER.get(jax.default_backend(), _GPU_ORDER)
+            names = ops.default_implementations()
         errors = []
         for name in names:
             if kind == "extend":
@@ -254,6 +309,7 @@ class ModelRunner:
                     attention=self.extend_attention,
                     implementation=name,
                     greedy=True,
+                    tp=self.tp,
                 )
             else:
                 fn = functools.partial(
@@ -263,6 +319,7 @@ class ModelRunner:
                     partition_size=self.partition_size,
                     implementation=name,
                     greedy=True,
+                    tp=self.tp,
                 )
             try:
                 jax.eval_shape(
@@ -405,5 +462,6 @@ class ModelRunner:
             jnp.asarray(_pad(src, m, 0)),
             jnp.asarray(_pad(dst, m, -1)),
             layout=self.layout,
+            tp=self.tp,
         )
         self.trace_counts["copy"] += _TRACES["copy"] - before
