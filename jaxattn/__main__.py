@@ -18,6 +18,10 @@ random ids, so no tokenizer is needed.
 
 Model: a random-weight Llama (sizes below) or a Hugging Face Llama directory
 (--checkpoint DIR: config.json + *.safetensors).
+
+Tensor parallelism: --devices N splits the query and KV heads, the MLP and the KV pool's
+KV heads over N devices (N must divide --heads, --kv-heads and the MLP width). On a CPU
+host, N fake CPU devices are created for it; on a GPU host, the first N GPUs are used.
 """
 
 
@@ -44,7 +48,12 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--layers", type=_count(1), default=4, help="random model: layers (default 4)")
     m.add_argument("--hidden", type=_count(1), default=256, help="random model: hidden size (256)")
     m.add_argument("--heads", type=_count(1), default=8, help="random model: query heads (8)")
-    m.add_argument("--kv-heads", type=_count(1), default=2, help="random model: KV heads (2)")
+    m.add_argument(
+        "--kv-heads",
+        type=_count(1),
+        help="random model: KV heads (default 2, or --devices when that is larger, so that "
+        "every device holds whole KV heads)",
+    )
     m.add_argument("--vocab", type=_count(1), default=512, help="random model: vocabulary (512)")
 
     w = p.add_argument_group("workload")
@@ -73,6 +82,13 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--no-radix", action="store_true", help="disable the radix prefix cache (for contrast)"
     )
     e.add_argument(
+        "--devices",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="tensor-parallel over N devices (default 1); on the CPU, N fake devices",
+    )
+    e.add_argument(
         "--implementation",
         choices=["reference", "pallas", "native"],
         help="attention backend (default: the fastest for the platform)",
@@ -88,6 +104,45 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="also print the engine stats as JSON")
 
 
+def _use_devices(n: int):
+    """A mesh over ``n`` devices (None for one), asking for ``n`` CPU devices first.
+
+    The CPU device count can only be set before JAX starts its backends; when they are
+    already up (JAX was used before in this process), the devices that exist are used.
+    """
+    if n == 1:
+        return None
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except AttributeError:  # pragma: no cover - a jax without the option reads the flag
+        import os
+
+        flag = f"--xla_force_host_platform_device_count={n}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    except RuntimeError:
+        pass  # backends already started
+    from jaxattn import sharding
+
+    available = jax.devices()
+    if len(available) < n:
+        raise SystemExit(
+            f"--devices {n}: only {len(available)} {jax.default_backend()} device(s) available"
+        )
+    return sharding.make_mesh(n, devices=available)
+
+
+def _check_split(devices: int, *sizes) -> None:
+    """Tensor parallelism gives every device whole heads and an equal MLP slice."""
+    for name, size in sizes:
+        if size % devices:
+            raise SystemExit(
+                f"--devices {devices} must divide {name} ({size}): every device holds whole "
+                "heads and an equal share of the MLP"
+            )
+
+
 def _model(args):
     import jax
 
@@ -99,9 +154,22 @@ def _model(args):
         except ValueError as e:
             raise SystemExit(f"--checkpoint: {e}") from e
         name = f"checkpoint {args.checkpoint}"
+        _check_split(
+            args.devices,
+            ("query heads", cfg.num_attention_heads),
+            ("KV heads", cfg.num_key_value_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        )
     else:
         if args.hidden % args.heads:
             raise SystemExit(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+        kv_heads = args.kv_heads or max(2, args.devices)
+        _check_split(
+            args.devices,
+            ("--heads", args.heads),
+            ("--kv-heads", kv_heads),
+            ("the MLP width (2 x --hidden)", 2 * args.hidden),
+        )
         try:
             cfg = llama.LlamaConfig(
                 vocab_size=args.vocab,
@@ -109,7 +177,7 @@ def _model(args):
                 intermediate_size=2 * args.hidden,
                 num_hidden_layers=args.layers,
                 num_attention_heads=args.heads,
-                num_key_value_heads=args.kv_heads,
+                num_key_value_heads=kv_heads,
                 dtype=args.dtype or "float32",
             )
         except ValueError as e:
@@ -135,6 +203,7 @@ def demo(args) -> int:
     from jaxattn.engine import Buckets, Engine, check_outputs
     from jaxattn.engine.workload import make_workload, run_workload
 
+    mesh = _use_devices(args.devices)
     cfg, params, model_desc = _model(args)
     workload = make_workload(
         cfg.vocab_size,
@@ -172,12 +241,14 @@ def demo(args) -> int:
             pages=32,
         ),
         track_waste=True,
+        mesh=mesh,
     )
     try:
         engine = Engine(cfg, params, **engine_kwargs)
     except ValueError as e:
         raise SystemExit(f"engine options: {e}") from e
-    print(f"jaxattn demo on {jax.default_backend()}: {model_desc}", file=sys.stderr)
+    on = f"{args.devices} {jax.default_backend()} devices" if mesh else jax.default_backend()
+    print(f"jaxattn demo on {on}: {model_desc}", file=sys.stderr)
     start = time.perf_counter()
     records = run_workload(
         engine,
@@ -218,6 +289,13 @@ def demo(args) -> int:
             "peak pages in use",
             f"{s['peak_pages_in_use']} / {s['num_pages']} pages of {s['page_size']} tokens "
             f"(pool {kv_mib:.1f} MiB; {s['cached_pages']} pages cached at the end)",
+        ),
+        (
+            "tensor parallel",
+            f"{s['tp']} devices: heads, MLP and KV pool split, "
+            f"{s['kv_pool_bytes_per_device'] / 2**20:.1f} MiB of the pool on each"
+            if s["tp"] > 1
+            else "off (one device; --devices N splits the model over N)",
         ),
         (
             "KV slots at peak",
