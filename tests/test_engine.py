@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec
 
+from jaxattn import sharding
 from jaxattn.engine import Buckets, Engine, PagePool, check_outputs
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
@@ -232,6 +234,36 @@ def test_bad_arguments():
     assert_whole(engine)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "vllm"])
+def test_tensor_parallel_engine_matches_one_device(layout):
+    """Heads split over 2 devices; pages, block tables and the radix cache stay global,
+    so the schedule and the greedy outputs are those of one device."""
+    prompts = workload(7, num=5, system=14, suffix=(1, 9))
+    one = make_engine(layout=layout)
+    single = one.generate(prompts, 6, n=2)
+    assert one.stats["tp"] == 1
+    engine = make_engine(layout=layout, mesh=sharding.make_mesh(2))
+    out = engine.generate(prompts, 6, n=2)
+    assert out == single
+    assert_verified(prompts, out, 6, n=2)
+    stats = engine.stats
+    assert stats["tp"] == 2
+    assert stats["prefix_hit_tokens"] > 0 and stats["forks"] == 5 and stats["cow_copies"] > 0
+    for key in ("prefix_hit_tokens", "prefill_tokens", "cow_copies", "peak_pages_in_use"):
+        assert stats[key] == one.stats[key], key
+    assert 2 * stats["kv_pool_bytes_per_device"] == stats["kv_pool_bytes"]
+    runner = engine.runner
+    mesh = runner.tp.mesh
+    for cache, kind in ((runner.k_cache, "k"), (runner.v_cache, "v")):
+        assert cache.sharding.is_equivalent_to(
+            sharding.kv_cache_sharding(mesh, layout, kind), cache.ndim
+        )
+    assert runner.params["layers"]["wq"].sharding.spec == PartitionSpec(None, None, sharding.AXIS)
+    assert_whole(engine)
+    with pytest.raises(ValueError, match=r"KV heads \(2\) must be a multiple"):
+        make_engine(mesh=sharding.make_mesh(4))
+
+
 # --- a stand-in model over a simulated pool ------------------------------------------
 
 
@@ -435,6 +467,24 @@ def test_demo_runs_and_verifies(capsys):
     out = capsys.readouterr().out
     assert "verify (no-cache recompute)   OK: 35 tokens of 7 outputs checked" in out
     assert "served from radix cache" in out and "attention backend" in out
+    assert "tensor parallel               off" in out
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "--checkpoint DIR" in capsys.readouterr().out
+
+
+def test_demo_on_two_devices(capsys):
+    from jaxattn.__main__ import main
+
+    # The heads and sizes of test_demo_runs_and_verifies; the default KV heads (2) split.
+    args = "--layers 2 --hidden 64 --heads 4 --vocab 128 --system-tokens 40 --devices 2"
+    args += " --chats 2 --turns 2 --few-shot 3 --example-tokens 16 --max-new-tokens 5"
+    args += " --num-pages 48 --page-size 4 --max-batch-tokens 64 --quiet --verify"
+    assert main(["demo", *args.split()]) == 0
+    out = capsys.readouterr().out
+    assert "verify (no-cache recompute)   OK: 35 tokens of 7 outputs checked" in out
+    assert "tensor parallel               2 devices" in out
+    with pytest.raises(SystemExit, match=r"--devices 3 must divide --heads \(4\)"):
+        main(["demo", *args.split(), "--devices", "3"])
+    with pytest.raises(SystemExit, match=r"--devices 2 must divide --kv-heads \(1\)"):
+        main(["demo", *args.split(), "--kv-heads", "1"])
