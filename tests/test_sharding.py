@@ -365,7 +365,7 @@ def _collectives(compiled_text: str) -> dict:
 @pytest.mark.parametrize(
     "n,layout,attention", [(2, "bshd", "extend"), (4, "vllm", "prefix_prefill")]
 )
-def test_sharded_model_matches_single_device(monkeypatch, n, layout, attention):
+def test_sharded_model_matches_single_device(n, layout, attention):
     """Prefill then one decode step: params by param_shardings, the pool split by KV
     head, attention through the shard_map ops. Logits and caches match one device, and
     the compiled step communicates exactly two all-reduces of the hidden state per layer.
@@ -380,34 +380,23 @@ def test_sharded_model_matches_single_device(monkeypatch, n, layout, attention):
     dec = _decode_batch(rng.integers(0, CFG.vocab_size, len(lens)), lens, page_size, tables)
     k0, v0 = llama.init_kv_cache(CFG, pages, page_size, layout=layout)
 
-    def run(forward_extend, forward_decode, params, k, v):
+    def run(params, k, v, kernels=None):
+        kw = dict(layout=layout, implementation="reference", kernels=kernels)
         prefill = jax.jit(
-            lambda p, k, v: forward_extend(
-                p, CFG, k, v, ext, layout=layout, attention=attention, implementation="reference"
-            )
+            lambda p, k, v: llama.forward_extend(p, CFG, k, v, ext, attention=attention, **kw)
         )
         logits, k, v = prefill(params, k, v)
-        step = jax.jit(
-            lambda p, k, v: forward_decode(
-                p, CFG, k, v, dec, layout=layout, implementation="reference"
-            )
-        )
+        step = jax.jit(lambda p, k, v: llama.forward_decode(p, CFG, k, v, dec, **kw))
         compiled = step.lower(params, k, v).compile()
         return (logits, *compiled(params, k, v)), compiled.as_text()
 
-    single, _ = run(llama.forward_extend, llama.forward_decode, params, k0, v0)
+    single, _ = run(params, k0, v0)
 
-    # The model reaches attention and KV writes through module-level names; route them
-    # through the mesh until the model takes the TensorParallel object itself.
     tp = S.TensorParallel(mesh)
-    monkeypatch.setattr(llama, "ops", tp)
-    monkeypatch.setattr(llama, "write_kv", tp.write_kv)
     sk, sv = tp.init_kv_cache(
         lambda: llama.init_kv_cache(CFG, pages, page_size, layout=layout), layout=layout
     )
-    sharded, hlo = run(
-        llama.forward_extend, llama.forward_decode, tp.shard_params(params, CFG), sk, sv
-    )
+    sharded, hlo = run(tp.shard_params(params, CFG), sk, sv, kernels=tp)
 
     names = ("prefill logits", "decode logits", "k cache", "v cache")
     for name, got, want in zip(names, sharded, single, strict=True):
