@@ -204,34 +204,50 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
   const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  auto load_rows = [&](int tb, uint4(&kr)[U][NV], uint4(&vr)[U][NV], bool(&ok)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = tb + (u * WS + ws) * TPW + row;
-      ok[u] = t < end;
-      if (ok[u]) {
-        const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
-                            int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          kr[u][j] = load16(kbase + off + j * TG * VEC);
-          vr[u][j] = load16(vbase + off + j * TG * VEC);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
-      }
-    }
-  };
-
   if constexpr (!S::kStaged && !PREFETCH) {
     for (int tb = start; tb < end; tb += S::kStep) {
       uint4 kr[U][NV], vr[U][NV];
       bool ok[U];
-      load_rows(tb, kr, vr, ok);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = tb + (u * WS + ws) * TPW + row;
+        ok[u] = t < end;
+        if (ok[u]) {
+          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
+                              int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
+#pragma unroll
+          for (int j = 0; j < NV; ++j) {
+            kr[u][j] = load16(kbase + off + j * TG * VEC);
+            vr[u][j] = load16(vbase + off + j * TG * VEC);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
+        }
+      }
       consume(kr, vr, ok);
     }
   } else if constexpr (!S::kStaged) {
+    auto load_rows = [&](int tb, uint4(&kr)[U][NV], uint4(&vr)[U][NV], bool(&ok)[U]) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = tb + (u * WS + ws) * TPW + row;
+        ok[u] = t < end;
+        if (ok[u]) {
+          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
+                              int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
+#pragma unroll
+          for (int j = 0; j < NV; ++j) {
+            kr[u][j] = load16(kbase + off + j * TG * VEC);
+            vr[u][j] = load16(vbase + off + j * TG * VEC);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
+        }
+      }
+    };
+
     // Two register sets, alternating: one step's rows are loaded while the other's are
     // consumed. A step past the end loads nothing and consumes only masked rows.
     uint4 ka[U][NV], va[U][NV], kb[U][NV], vb[U][NV];
@@ -399,8 +415,9 @@ const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream)
 }
 
 // JAXATTN_DECODE_PREFETCH=1 selects the variant that loads the next step's K/V while the
-// current one is computed, built for 16-bit caches with head_dim 64/128 and groups up to 8.
-// Read once per process. Not yet the default: it has not been measured on a GPU.
+// current one is computed, built for CUDA, 16-bit caches, head_dim 64/128 and groups up to
+// 8. Read once per process. Not yet the default: it has not been measured on a GPU (and
+// hipcc puts its register sets in scratch memory).
 inline bool decode_prefetch() {
   static const bool on = [] {
     const char* env = std::getenv("JAXATTN_DECODE_PREFETCH");
@@ -413,6 +430,7 @@ inline bool decode_prefetch() {
 template <typename T, int D>
 const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
   const int group = p.num_q_heads / p.kv.num_kv_heads;
+#if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
     if (decode_prefetch()) {
       if (group <= 1) return launch_paged_decode_group<T, D, 1, true>(p, stream);
@@ -421,6 +439,7 @@ const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
       if (group <= 8) return launch_paged_decode_group<T, D, 8, true>(p, stream);
     }
   }
+#endif
   if (group <= 1) return launch_paged_decode_group<T, D, 1>(p, stream);
   if (group <= 2) return launch_paged_decode_group<T, D, 2>(p, stream);
   if (group <= 4) return launch_paged_decode_group<T, D, 4>(p, stream);
