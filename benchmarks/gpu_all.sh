@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project in stages that fit a time-limited session
+# on one GPU. Results (logs, JSON) land in $OUT (default ./gpu_out).
+#
+#   STAGES="tests decode extend" bash benchmarks/gpu_all.sh
+#   STAGES="engine pagetable prefetch" bash benchmarks/gpu_all.sh
+#
+# The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
+# elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
+# otherwise from the installed package.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONWARNINGS="ignore::DeprecationWarning"
+if [ -n "${JAXATTN_NATIVE_LIB_DIR:-}" ]; then
+  JAXATTN_NATIVE_LIB_DIR="$(cd "$JAXATTN_NATIVE_LIB_DIR" && pwd)"
+  export JAXATTN_NATIVE_LIB_DIR
+fi
+OUT="${OUT:-$PWD/gpu_out}"
+STAGES="${STAGES:-tests decode extend engine pagetable}"
+mkdir -p "$OUT"
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0))s] $*"; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import jax, jaxattn.native as n; print('jax', jax.__version__, jax.devices(), 'native', n.is_available())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+for stage in $STAGES; do
+  stamp "stage $stage"
+  case $stage in
+    tests)  # compiled Pallas twins, every native case on the GPU, public ops
+      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
+        --tb=short tests/test_native.py tests/test_ops.py \
+        "tests/test_pallas.py" -k "not Interpret" > "$OUT/tests.log" 2>&1
+      echo "tests rc=$?"; tail -n 12 "$OUT/tests.log" ;;
+    decode)
+      timeout "${DECODE_TIMEOUT:-190}" python3 benchmarks/bench_decode.py --check \
+        --impl reference,pallas,native --samples 7 --target-s 0.03 --json "$OUT/decode.json" \
+        > "$OUT/decode.log" 2>&1
+      echo "decode rc=$?"; sed -n '/^| B /,$p' "$OUT/decode.log"; grep -E "ERROR|ceiling" "$OUT/decode.log" | head ;;
+    extend)
+      timeout "${EXTEND_TIMEOUT:-150}" python3 benchmarks/bench_extend.py --check \
+        --impl pallas,native --samples 7 --target-s 0.03 --json "$OUT/extend.json" \
+        > "$OUT/extend.log" 2>&1
+      echo "extend rc=$?"; sed -n '/^| B x/,$p' "$OUT/extend.log"; grep -E "ERROR|ceiling" "$OUT/extend.log" | head ;;
+    engine)
+      timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/bench_engine.py --preset 1b \
+        --num-pages 8192 --max-batch-tokens 2048 --json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
+      echo "engine rc=$?"; tail -n 12 "$OUT/engine.log" ;;
+    pagetable)
+      timeout "${PAGETABLE_TIMEOUT:-90}" python3 benchmarks/bench_page_table.py --batch 64 \
+        --prompt-len 500 --steps 50 --dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 \
+        --head-dim 128 --json "$OUT/page_table.json" > "$OUT/page_table.log" 2>&1
+      echo "pagetable rc=$?"; tail -n 8 "$OUT/page_table.log" ;;
+    prefetch)  # the native decode variant that keeps the next step's loads in flight
+      JAXATTN_DECODE_PREFETCH=1 timeout "${PREFETCH_TIMEOUT:-120}" python3 benchmarks/bench_native.py \
+        --check --skip-prefill --decode-heads 32/8 --partitions auto --samples 7 \
+        --json "$OUT/prefetch.json" > "$OUT/prefetch.log" 2>&1
+      echo "prefetch rc=$?"; sed -n '/^| op/,$p' "$OUT/prefetch.log"; grep -E "ERROR" "$OUT/prefetch.log" | head
+      JAXATTN_DECODE_PREFETCH=1 timeout 100 python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
+        tests/test_native.py -k "decode or paged" > "$OUT/prefetch_tests.log" 2>&1
+      echo "prefetch tests rc=$?"; tail -n 3 "$OUT/prefetch_tests.log" ;;
+  esac
+done
+stamp done
