@@ -12,7 +12,10 @@ for _flag in _flags:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import zlib  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -25,3 +28,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's id: fresh data per case, reproducible per case."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import layout as L
+from jaxattn import reference as ref
 
 # One table for every comparison against the spec or a float64 computation.
 TOLERANCES = {
@@ -341,3 +343,59 @@ def expected_ragged(q, qo_indptr, dense_k, dense_v, *, scale=None, soft_cap=None
             q[qo[b] : qo[b + 1]], dense_k[b], dense_v[b], scale=scale, soft_cap=soft_cap
         )
     return out
+
+
+# --- calling an op on a case ------------------------------------------------------------
+
+
+def call_decode(fn, case: PagedCase, **kw):
+    """``fn(q, k_cache, v_cache, block_tables, seq_lens, layout=..., **kw)`` on a case."""
+    return fn(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        layout=case.layout,
+        **kw,
+    )
+
+
+def call_extend(fn, case: ExtendCase, **kw):
+    return fn(
+        case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, case.kv_indices, **kw
+    )
+
+
+def call_prefill(fn, case: PrefillCase, **kw):
+    return fn(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.cu_seqlens_q,
+        case.block_tables,
+        case.seq_lens,
+        layout=case.layout,
+        **kw,
+    )
+
+
+# The spec under jit: one compile per shape instead of one per eager op, which otherwise
+# dominates a CPU test run.
+spec_paged_attention = jax.jit(
+    ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
+)
+spec_extend_attention = jax.jit(ref.extend_attention, static_argnames=("scale", "soft_cap"))
+spec_prefix_prefill = jax.jit(ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap"))
+
+
+def spec_decode(case: PagedCase, **kw):
+    return call_decode(spec_paged_attention, case, **kw)
+
+
+def spec_extend(case: ExtendCase, **kw):
+    return call_extend(spec_extend_attention, case, **kw)
+
+
+def spec_prefill(case: PrefillCase, **kw):
+    return call_prefill(spec_prefix_prefill, case, **kw)

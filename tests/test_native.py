@@ -9,7 +9,6 @@ the module is skipped, unless JAXATTN_REQUIRE_NATIVE=1 (CI) turns that into a fa
 from __future__ import annotations
 
 import os
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +17,22 @@ import pytest
 from helpers import (
     DTYPES,
     assert_close,
+    call_decode,
+    call_extend,
+    call_prefill,
     make_extend,
     make_paged_decode,
     make_prefix_prefill,
     prefill_as_extend,
+    spec_decode,
+    spec_extend,
+    spec_paged_attention,
+    spec_prefill,
+    spec_prefix_prefill,
 )
 
 import jaxattn
 from jaxattn import native
-from jaxattn import reference as ref
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
@@ -36,79 +42,16 @@ if not native.is_available():
     pytest.skip("the native library is not built", allow_module_level=True)
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
 def _decode(case, **kw):
-    return jaxattn.paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.seq_lens,
-        layout=case.layout,
-        implementation="native",
-        **kw,
-    )
-
-
-# The spec, jitted: eager dispatch of its many small ops dominates a CPU test run otherwise.
-_spec_decode = jax.jit(
-    ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
-)
-_spec_extend = jax.jit(ref.extend_attention, static_argnames=("scale", "soft_cap"))
-_spec_prefill = jax.jit(ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap"))
-
-
-def _decode_spec(case, **kw):
-    return _spec_decode(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.seq_lens,
-        layout=case.layout,
-        **kw,
-    )
+    return call_decode(jaxattn.paged_attention, case, implementation="native", **kw)
 
 
 def _extend(c, **kw):
-    return jaxattn.extend_attention(
-        c.q,
-        c.k_pool,
-        c.v_pool,
-        c.qo_indptr,
-        c.kv_indptr,
-        c.kv_indices,
-        implementation="native",
-        **kw,
-    )
-
-
-def _extend_spec(c, **kw):
-    return _spec_extend(c.q, c.k_pool, c.v_pool, c.qo_indptr, c.kv_indptr, c.kv_indices, **kw)
+    return call_extend(jaxattn.extend_attention, c, implementation="native", **kw)
 
 
 def _prefill(c, **kw):
-    return jaxattn.prefix_prefill(
-        c.q,
-        c.k_cache,
-        c.v_cache,
-        c.cu_seqlens_q,
-        c.block_tables,
-        c.seq_lens,
-        layout=c.layout,
-        implementation="native",
-        **kw,
-    )
-
-
-def _prefill_spec(c, **kw):
-    return _spec_prefill(
-        c.q, c.k_cache, c.v_cache, c.cu_seqlens_q, c.block_tables, c.seq_lens, layout=c.layout, **kw
-    )
+    return call_prefill(jaxattn.prefix_prefill, c, implementation="native", **kw)
 
 
 # --- decode ----------------------------------------------------------------------------
@@ -142,7 +85,7 @@ def test_decode_layout_page_group(rng, layout, page_size, heads, partition_size)
     )
     out = _decode(case, scale=0.3, partition_size=partition_size)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
-    assert_close(out, _decode_spec(case, scale=0.3))
+    assert_close(out, spec_decode(case, scale=0.3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,7 +103,7 @@ def test_decode_dtype_soft_cap(rng, dtype, soft_cap, head_dim):
     # A large scale drives the logits into the cap's bend.
     out = _decode(case, scale=0.5, soft_cap=soft_cap)
     assert out.dtype == dtype
-    assert_close(out, _decode_spec(case, scale=0.5, soft_cap=soft_cap), dtype)
+    assert_close(out, spec_decode(case, scale=0.5, soft_cap=soft_cap), dtype)
 
 
 @pytest.mark.parametrize("partition_size", [None, 16, 100, 512, 8192])
@@ -176,7 +119,7 @@ def test_decode_partition_size(rng, partition_size):
         layout="bhsd",
     )
     out = _decode(case, scale=0.2, partition_size=partition_size)
-    assert_close(out, _decode_spec(case, scale=0.2))
+    assert_close(out, spec_decode(case, scale=0.2))
     np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
 
 
@@ -186,7 +129,7 @@ def test_decode_partition_from_environment(rng, monkeypatch):
     )
     monkeypatch.setenv("JAXATTN_PARTITION_SIZE", "64")
     out = _decode(case, scale=0.2)
-    assert_close(out, _decode_spec(case, scale=0.2))
+    assert_close(out, spec_decode(case, scale=0.2))
     monkeypatch.setenv("JAXATTN_PARTITION_SIZE", "-3")
     with pytest.raises(ValueError, match="JAXATTN_PARTITION_SIZE"):
         _decode(case, scale=0.2)
@@ -230,7 +173,7 @@ def test_decode_jit_shows_custom_call_and_traces_lengths(rng):
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     hlo = f.lower(*args).as_text()
     assert "custom_call" in hlo and "jaxattn_paged_attention" in hlo
-    assert_close(f(*args), _decode_spec(case, scale=0.25))
+    assert_close(f(*args), spec_decode(case, scale=0.25))
 
 
 def test_decode_vmap_over_queries(rng):
@@ -251,7 +194,7 @@ def test_decode_vmap_over_queries(rng):
     )
     out = jax.jit(f)(qs)
     for i in range(qs.shape[0]):
-        want = _spec_decode(
+        want = spec_paged_attention(
             qs[i], case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=0.3
         )
         assert_close(out[i], want)
@@ -275,7 +218,7 @@ def test_gpu_refuses_unbuilt_head_dim(rng):
 @pytest.mark.skipif(ON_GPU, reason="the CPU handlers take any head_dim")
 def test_cpu_takes_any_head_dim(rng):
     case = make_paged_decode(rng, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=48, page_size=16)
-    assert_close(_decode(case, scale=0.2, partition_size=16), _decode_spec(case, scale=0.2))
+    assert_close(_decode(case, scale=0.2, partition_size=16), spec_decode(case, scale=0.2))
 
 
 def test_handler_reports_bad_arguments(rng):
@@ -326,7 +269,7 @@ def test_decode_serving_shapes(rng, dtype, heads):
     )
     # The kernel's own choice: one pass or split-KV, by batch size.
     out = _decode(case, scale=128**-0.5)
-    assert_close(out, _decode_spec(case, scale=128**-0.5), dtype)
+    assert_close(out, spec_decode(case, scale=128**-0.5), dtype)
 
 
 # --- extend / prefix prefill ----------------------------------------------------------
@@ -349,7 +292,7 @@ def test_extend_shapes(rng, prefix, new, heads):
     c = make_extend(rng, prefix, new, num_q_heads=hq, num_kv_heads=hkv, head_dim=32, pad_rows=3)
     out = _extend(c, scale=0.3)
     assert out.shape == c.q.shape and out.dtype == c.q.dtype
-    assert_close(out, _extend_spec(c, scale=0.3))
+    assert_close(out, spec_extend(c, scale=0.3))
     np.testing.assert_array_equal(np.asarray(out[-3:]), 0.0)  # padding rows
 
 
@@ -378,7 +321,7 @@ def test_prefill_layout_page(rng, layout, page_size, heads):
         pad_rows=2,
     )
     out = _prefill(c, scale=0.3)
-    assert_close(out, _prefill_spec(c, scale=0.3))
+    assert_close(out, spec_prefill(c, scale=0.3))
     np.testing.assert_array_equal(np.asarray(out[-2:]), 0.0)
 
 
@@ -396,7 +339,7 @@ def test_extend_dtype_soft_cap(rng, dtype, soft_cap, head_dim):
     )
     out = _extend(c, scale=0.5, soft_cap=soft_cap)
     assert out.dtype == dtype
-    assert_close(out, _extend_spec(c, scale=0.5, soft_cap=soft_cap), dtype)
+    assert_close(out, spec_extend(c, scale=0.5, soft_cap=soft_cap), dtype)
 
 
 @pytest.mark.parametrize(
@@ -416,7 +359,7 @@ def test_prefill_head_dim_128(rng, dtype, layout):
         pad_rows=1,
     )
     out = _prefill(c, scale=128**-0.5)
-    assert_close(out, _prefill_spec(c, scale=128**-0.5), dtype)
+    assert_close(out, spec_prefill(c, scale=128**-0.5), dtype)
 
 
 def test_prefill_long_prefix(rng):
@@ -430,7 +373,7 @@ def test_prefill_long_prefix(rng):
         page_size=32,
         layout="bhsd",
     )
-    assert_close(_prefill(c, scale=0.2), _prefill_spec(c, scale=0.2))
+    assert_close(_prefill(c, scale=0.2), spec_prefill(c, scale=0.2))
 
 
 def test_paged_and_pool_forms_agree(rng):
@@ -460,7 +403,7 @@ def test_extend_deterministic_and_jitted(rng):
     assert "jaxattn_extend_attention" in f.lower(*args).as_text()
     a, b = f(*args), f(*args)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    assert_close(a, _extend_spec(c, scale=0.2), jnp.bfloat16)
+    assert_close(a, spec_extend(c, scale=0.2), jnp.bfloat16)
 
 
 def test_prefill_vmap_and_hlo(rng):
@@ -492,7 +435,7 @@ def test_prefill_vmap_and_hlo(rng):
     qs = jnp.stack([c.q, -c.q])
     out = jax.jit(jax.vmap(f))(qs)
     for i in range(2):
-        want = _spec_prefill(
+        want = spec_prefix_prefill(
             qs[i], c.k_cache, c.v_cache, c.cu_seqlens_q, c.block_tables, c.seq_lens, layout="bhsd"
         )
         assert_close(out[i], want, jnp.float16)
@@ -513,7 +456,7 @@ def test_extend_serving_shapes(rng, dtype, heads):
         pad_rows=5,
     )
     out = _extend(c, scale=128**-0.5)
-    assert_close(out, _extend_spec(c, scale=128**-0.5), dtype)
+    assert_close(out, spec_extend(c, scale=128**-0.5), dtype)
 
 
 @pytest.mark.gpu
@@ -532,4 +475,4 @@ def test_prefill_serving_shapes(rng, layout):
         pad_rows=4,
     )
     out = _prefill(c, scale=128**-0.5)
-    assert_close(out, _prefill_spec(c, scale=128**-0.5), jnp.bfloat16)
+    assert_close(out, spec_prefill(c, scale=128**-0.5), jnp.bfloat16)

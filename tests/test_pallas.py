@@ -8,93 +8,40 @@ reproduces), every unread page and slot holds NaN, block tables are permuted.
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
     assert_close,
+    call_decode,
+    call_extend,
+    call_prefill,
     make_extend,
     make_paged_decode,
     make_prefix_prefill,
     prefill_as_extend,
+    spec_decode,
+    spec_extend,
+    spec_prefill,
 )
 
 import jaxattn
 from jaxattn import pallas as P
-from jaxattn import reference as ref
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
 def _decode(case, *, interpret, **kw):
-    return P.paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.seq_lens,
-        layout=case.layout,
-        interpret=interpret,
-        **kw,
-    )
-
-
-# The spec under jit: one compile per shape instead of one per eager op.
-_spec_decode = jax.jit(
-    ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
-)
-_spec_extend = jax.jit(ref.extend_attention, static_argnames=("scale", "soft_cap"))
-_spec_prefill = jax.jit(ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap"))
-
-
-def _decode_spec(case, **kw):
-    return _spec_decode(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        case.seq_lens,
-        layout=case.layout,
-        **kw,
-    )
+    return call_decode(P.paged_attention, case, interpret=interpret, **kw)
 
 
 def _extend(c, *, interpret, **kw):
-    return P.extend_attention(
-        c.q, c.k_pool, c.v_pool, c.qo_indptr, c.kv_indptr, c.kv_indices, interpret=interpret, **kw
-    )
-
-
-def _extend_spec(c, **kw):
-    return _spec_extend(c.q, c.k_pool, c.v_pool, c.qo_indptr, c.kv_indptr, c.kv_indices, **kw)
+    return call_extend(P.extend_attention, c, interpret=interpret, **kw)
 
 
 def _prefill(c, *, interpret, **kw):
-    return P.prefix_prefill(
-        c.q,
-        c.k_cache,
-        c.v_cache,
-        c.cu_seqlens_q,
-        c.block_tables,
-        c.seq_lens,
-        layout=c.layout,
-        interpret=interpret,
-        **kw,
-    )
-
-
-def _prefill_spec(c, **kw):
-    return _spec_prefill(
-        c.q, c.k_cache, c.v_cache, c.cu_seqlens_q, c.block_tables, c.seq_lens, layout=c.layout, **kw
-    )
+    return call_prefill(P.prefix_prefill, c, interpret=interpret, **kw)
 
 
 # --- decode ----------------------------------------------------------------------------
@@ -128,7 +75,7 @@ class DecodeCases:
         )
         out = _decode(case, scale=0.3, interpret=self.INTERPRET)
         assert out.shape == case.q.shape and out.dtype == case.q.dtype
-        assert_close(out, _decode_spec(case, scale=0.3))
+        assert_close(out, spec_decode(case, scale=0.3))
 
     @pytest.mark.parametrize(
         "dtype,soft_cap,page_size",
@@ -154,7 +101,7 @@ class DecodeCases:
         # A large scale drives the logits into the cap's bend.
         out = _decode(case, scale=0.5, soft_cap=soft_cap, interpret=self.INTERPRET)
         assert out.dtype == dtype
-        assert_close(out, _decode_spec(case, scale=0.5, soft_cap=soft_cap), dtype)
+        assert_close(out, spec_decode(case, scale=0.5, soft_cap=soft_cap), dtype)
 
     @pytest.mark.parametrize(
         "partition_size", [None, 16, 100, pytest.param(512, marks=pytest.mark.slow), 8192]
@@ -171,7 +118,7 @@ class DecodeCases:
             layout="bhsd",
         )
         out = _decode(case, scale=0.2, partition_size=partition_size, interpret=self.INTERPRET)
-        assert_close(out, _decode_spec(case, scale=0.2))
+        assert_close(out, spec_decode(case, scale=0.2))
         np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
 
     def test_deterministic(self, rng):
@@ -198,7 +145,7 @@ class DecodeCases:
             )
         )
         out = f(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
-        assert_close(out, _decode_spec(case, scale=0.25))
+        assert_close(out, spec_decode(case, scale=0.25))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the compiled twin covers these cases on a GPU")
@@ -224,7 +171,7 @@ class TestDecodeCompiled(DecodeCases):
             dtype=dtype,
         )
         out = _decode(case, scale=128**-0.5, interpret=False)
-        assert_close(out, _decode_spec(case, scale=128**-0.5), dtype)
+        assert_close(out, spec_decode(case, scale=128**-0.5), dtype)
 
     @pytest.mark.parametrize(
         "dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)]
@@ -240,7 +187,7 @@ class TestDecodeCompiled(DecodeCases):
             dtype=dtype,
         )
         out = _decode(case, scale=0.1, interpret=False)
-        assert_close(out, _decode_spec(case, scale=0.1), dtype)
+        assert_close(out, spec_decode(case, scale=0.1), dtype)
 
 
 def test_decode_partition_heuristic():
@@ -286,7 +233,7 @@ def test_decode_through_ops(rng):
     )
     f = jax.jit(lambda *a: jaxattn.paged_attention(*a, soft_cap=3.0, implementation="pallas"))
     out = f(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
-    assert_close(out, _decode_spec(case, soft_cap=3.0), jnp.bfloat16)
+    assert_close(out, spec_decode(case, soft_cap=3.0), jnp.bfloat16)
     with pytest.raises(NotImplementedError):
         jaxattn.paged_attention(
             case.q,
@@ -327,7 +274,7 @@ class ExtendCases:
         c = make_extend(rng, prefix, new, num_q_heads=hq, num_kv_heads=hkv, head_dim=32, pad_rows=3)
         out = _extend(c, scale=0.3, config=config, interpret=self.INTERPRET)
         assert out.shape == c.q.shape and out.dtype == c.q.dtype
-        assert_close(out, _extend_spec(c, scale=0.3))
+        assert_close(out, spec_extend(c, scale=0.3))
         np.testing.assert_array_equal(np.asarray(out[-3:]), 0.0)  # padding rows
 
     @pytest.mark.parametrize(
@@ -357,7 +304,7 @@ class ExtendCases:
         out = _prefill(
             c, scale=0.3, config=P.ExtendConfig(block_q=32, block_n=32), interpret=self.INTERPRET
         )
-        assert_close(out, _prefill_spec(c, scale=0.3))
+        assert_close(out, spec_prefill(c, scale=0.3))
 
     @pytest.mark.parametrize(
         "dtype,soft_cap",
@@ -382,7 +329,7 @@ class ExtendCases:
             config=P.ExtendConfig(block_q=32, block_n=32, num_warps=4),
         )
         assert out.dtype == dtype
-        assert_close(out, _extend_spec(c, scale=0.5, soft_cap=soft_cap), dtype)
+        assert_close(out, spec_extend(c, scale=0.5, soft_cap=soft_cap), dtype)
 
     def test_long_prefix(self, rng):
         c = make_prefix_prefill(
@@ -396,7 +343,7 @@ class ExtendCases:
             layout="bhsd",
         )
         out = _prefill(c, scale=0.2, interpret=self.INTERPRET)
-        assert_close(out, _prefill_spec(c, scale=0.2))
+        assert_close(out, spec_prefill(c, scale=0.2))
 
     def test_paged_and_pool_forms_agree(self, rng):
         c = make_prefix_prefill(
@@ -451,7 +398,7 @@ class TestExtendCompiled(ExtendCases):
             pad_rows=5,
         )
         out = _extend(c, scale=128**-0.5, interpret=False)
-        assert_close(out, _extend_spec(c, scale=128**-0.5), dtype)
+        assert_close(out, spec_extend(c, scale=128**-0.5), dtype)
 
     @pytest.mark.parametrize(
         "dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)]
@@ -461,7 +408,7 @@ class TestExtendCompiled(ExtendCases):
             rng, [300, 0], [200, 77], num_q_heads=16, num_kv_heads=2, head_dim=head_dim, dtype=dtype
         )
         out = _extend(c, scale=0.1, interpret=False)
-        assert_close(out, _extend_spec(c, scale=0.1), dtype)
+        assert_close(out, spec_extend(c, scale=0.1), dtype)
 
 
 def test_extend_through_ops(rng):
@@ -478,10 +425,10 @@ def test_extend_through_ops(rng):
     )
     f = jax.jit(lambda *a: jaxattn.prefix_prefill(*a, layout="bhsd", implementation="pallas"))
     out = f(c.q, c.k_cache, c.v_cache, c.cu_seqlens_q, c.block_tables, c.seq_lens)
-    assert_close(out, _prefill_spec(c), jnp.float16)
+    assert_close(out, spec_prefill(c), jnp.float16)
     k, v, qo, kv, idx = prefill_as_extend(c)
     out2 = jaxattn.extend_attention(c.q, k, v, qo, kv, idx, implementation="pallas")
-    assert_close(out2, _prefill_spec(c), jnp.float16)
+    assert_close(out2, spec_prefill(c), jnp.float16)
 
 
 def test_extend_rejects_bad_heads_per_tile(rng):

@@ -19,6 +19,8 @@ from helpers import (
     naive_attention,
     prefill_as_extend,
     random_normal,
+    spec_extend_attention,
+    spec_paged_attention,
 )
 from hypothesis import given, settings
 
@@ -315,12 +317,8 @@ def test_extend_soft_cap_and_scale():
 # --- random shapes (hypothesis), jit and vmap ------------------------------------------
 
 
-# Jitted once per static configuration; the random cases below keep shapes fixed so that
-# hypothesis explores values and lengths without recompiling for every example.
-_paged_jit = jax.jit(
-    ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
-)
-_extend_jit = jax.jit(ref.extend_attention, static_argnames=("scale", "soft_cap"))
+# The jitted spec (tests/helpers.py) keeps shapes fixed across the random cases below so
+# that hypothesis explores values and lengths without recompiling for every example.
 
 
 @settings(max_examples=20, deadline=None)
@@ -346,7 +344,7 @@ def test_paged_random_shapes(lens, group, page_size, layout, partition, seed):
         num_pages=4 * max_pages + 1,
         max_pages=max_pages,
     )
-    out = _paged_jit(
+    out = spec_paged_attention(
         case.q,
         case.k_cache,
         case.v_cache,
@@ -386,7 +384,7 @@ def test_extend_random_shapes(reqs, group, seed):
         num_indices=240,
     )
     assert case.qo_indptr.shape == (5,) and qo_len <= 5
-    out = _extend_jit(
+    out = spec_extend_attention(
         case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, case.kv_indices
     )
     assert_close(out, expected_ragged(case.q, case.qo_indptr, case.dense_k, case.dense_v))
