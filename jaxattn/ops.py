@@ -157,6 +157,18 @@ def _check_kv_dtypes(k_cache, v_cache):
         )
 
 
+def _check_tables(b, block_tables, seq_lens):
+    """block_tables int32 [b, max_pages] and seq_lens int32 [b]."""
+    _check_int32("block_tables", block_tables, 2, f"[batch={b}, max_pages]")
+    if block_tables.shape[0] != b:
+        raise ValueError(
+            f"block_tables must be int32 [batch={b}, max_pages], got {_shape_str(block_tables)}"
+        )
+    _check_int32("seq_lens", seq_lens, 1, f"[batch={b}]")
+    if seq_lens.shape[0] != b:
+        raise ValueError(f"seq_lens must be int32 [batch={b}], got {_shape_str(seq_lens)}")
+
+
 def _resolve_scale(scale, head_dim) -> float:
     if scale is None:
         return _reference.default_scale(head_dim)
@@ -265,14 +277,7 @@ def paged_attention(
     geom = _layout.cache_geometry(k_cache, v_cache, layout)
     _check_heads(q, geom.num_kv_heads, geom.head_dim)
     b = q.shape[0]
-    _check_int32("block_tables", block_tables, 2, f"[batch={b}, max_pages]")
-    if block_tables.shape[0] != b:
-        raise ValueError(
-            f"block_tables must be int32 [batch={b}, max_pages], got {_shape_str(block_tables)}"
-        )
-    _check_int32("seq_lens", seq_lens, 1, f"[batch={b}]")
-    if seq_lens.shape[0] != b:
-        raise ValueError(f"seq_lens must be int32 [batch={b}], got {_shape_str(seq_lens)}")
+    _check_tables(b, block_tables, seq_lens)
     _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
     return _dispatch(
         "paged_attention",
@@ -395,14 +400,7 @@ def prefix_prefill(
             f"cu_seqlens_q must be int32 [batch + 1] with batch >= 1, got "
             f"{_shape_str(cu_seqlens_q)}"
         )
-    _check_int32("block_tables", block_tables, 2, f"[batch={b}, max_pages]")
-    if block_tables.shape[0] != b:
-        raise ValueError(
-            f"block_tables must be int32 [batch={b}, max_pages], got {_shape_str(block_tables)}"
-        )
-    _check_int32("seq_lens", seq_lens, 1, f"[batch={b}]")
-    if seq_lens.shape[0] != b:
-        raise ValueError(f"seq_lens must be int32 [batch={b}], got {_shape_str(seq_lens)}")
+    _check_tables(b, block_tables, seq_lens)
     cu = _check_indptr_values("cu_seqlens_q", cu_seqlens_q)
     if cu is not None and cu[-1] > q.shape[0]:
         raise ValueError(f"cu_seqlens_q[-1] = {cu[-1]} exceeds the {q.shape[0]} rows of q")
