@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "jaxattn/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -173,6 +174,54 @@ inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
   p->page_indptr = kv_indptr.typed_data();
   p->seq_lens = nullptr;
   return ffi::Error::Success();
+}
+
+// The operands and attributes of each op, appended to a binding that already holds the
+// platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
+// cannot drift apart. Order: q, k_cache, v_cache, index arrays..., out, [lse], attributes.
+template <typename B>
+auto bind_paged_attention(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("layout")
+      .template Attr<int32_t>("partition_size");
+}
+
+template <typename B>
+auto bind_prefix_prefill(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("layout");
+}
+
+template <typename B>
+auto bind_extend_attention(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap");
 }
 
 }  // namespace ffi_common

@@ -69,40 +69,10 @@ ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
 }  // namespace jaxattn
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionCpu, jaxattn::PagedAttentionCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("partition_size"));
+                              jaxattn::ffi_common::bind_paged_attention(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillCpu, jaxattn::PrefixPrefillCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("layout"));
+                              jaxattn::ffi_common::bind_prefix_prefill(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionCpu, jaxattn::ExtendAttentionCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                              jaxattn::ffi_common::bind_extend_attention(ffi::Ffi::Bind()));

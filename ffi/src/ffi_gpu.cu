@@ -81,43 +81,13 @@ ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 }  // namespace jaxattn
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionGpu, jaxattn::PagedAttentionGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("layout")
-                                  .Attr<int32_t>("partition_size"));
+                              jaxattn::ffi_common::bind_paged_attention(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillGpu, jaxattn::PrefixPrefillGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("layout"));
+                              jaxattn::ffi_common::bind_prefix_prefill(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionGpu, jaxattn::ExtendAttentionGpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                              jaxattn::ffi_common::bind_extend_attention(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
