@@ -34,6 +34,23 @@ SMALL_CASES = [(2, 256), (4, 128)]  # --small: a CPU smoke run of the script its
 SMALL_HEADS = [(8, 2)]
 
 
+def case_copies(batch, ctx, hq, hkv, head_dim, page_size, layout, dtype):
+    """(K+V bytes of one input set, enough input copies to rotate past the L2) for a case."""
+    kv_bytes = batch * ctx * hkv * head_dim * 2 * dtype.itemsize
+    build = functools.partial(
+        build_inputs,
+        batch=batch,
+        ctx=ctx,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+    )
+    return kv_bytes, common.make_copies(build, common.num_copies(kv_bytes))
+
+
 def build_inputs(
     seed, *, batch, ctx, num_q_heads, num_kv_heads, head_dim, page_size, layout, dtype
 ):
@@ -125,20 +142,7 @@ def main(argv=None):
     copy_gbps = None
 
     for (batch, ctx), (hq, hkv) in itertools.product(cases, heads):
-        geom = dict(
-            batch=batch,
-            ctx=ctx,
-            num_q_heads=hq,
-            num_kv_heads=hkv,
-            head_dim=d,
-            page_size=args.page_size,
-            layout=args.layout,
-            dtype=dtype,
-        )
-        kv_bytes = batch * ctx * hkv * d * 2 * dtype.itemsize
-        copies = common.make_copies(
-            functools.partial(build_inputs, **geom), common.num_copies(kv_bytes)
-        )
+        kv_bytes, copies = case_copies(batch, ctx, hq, hkv, d, args.page_size, args.layout, dtype)
         spec_out = None
         if args.check:
             spec_out = jaxattn.paged_attention(

@@ -102,19 +102,8 @@ def main(argv=None):
 
     if not args.skip_decode:
         for (batch, ctx), (hq, hkv) in itertools.product(decode_cases, heads):
-            geom = dict(
-                batch=batch,
-                ctx=ctx,
-                num_q_heads=hq,
-                num_kv_heads=hkv,
-                head_dim=d,
-                page_size=args.page_size,
-                layout=args.layout,
-                dtype=dtype,
-            )
-            kv_bytes = batch * ctx * hkv * d * 2 * dtype.itemsize
-            copies = common.make_copies(
-                functools.partial(bench_decode.build_inputs, **geom), common.num_copies(kv_bytes)
+            kv_bytes, copies = bench_decode.case_copies(
+                batch, ctx, hq, hkv, d, args.page_size, args.layout, dtype
             )
             expected = None
             if args.check:
