@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+LOG2E = math.log2(math.e)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
@@ -82,36 +84,103 @@ def to_dense(copy, *, batch, prefix, new):
     return q.reshape(batch, new, *q.shape[1:]), k, v
 
 
-def cudnn_peer(*, batch, prefix, new, scale):
-    dpa = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation="cudnn")
-
-    def run(q, k, v):
-        o_new, lse_new = dpa(q, k[:, prefix:], v[:, prefix:], is_causal=True, return_residual=True)
-        if prefix == 0:
-            return o_new.reshape(batch * new, *q.shape[2:])
-        o_pre, lse_pre = dpa(q, k[:, :prefix], v[:, :prefix], return_residual=True)
+def _merge_base2(parts, *, batch, new):
+    """Merge (out [B, T, H, D], lse [B, T, H] in base 2) of the prefix and the new-token
+    calls: the exact combine, as the kernels do it."""
+    if len(parts) == 1:
+        out = parts[0][0]
+    else:
+        (o_pre, lse_pre), (o_new, lse_new) = parts
         m = jnp.maximum(lse_pre, lse_new)
-        w_pre = jnp.exp(lse_pre - m)[..., None]
-        w_new = jnp.exp(lse_new - m)[..., None]
+        w_pre = jnp.exp2(lse_pre - m)[..., None]
+        w_new = jnp.exp2(lse_new - m)[..., None]
         out = (w_pre * o_pre.astype(jnp.float32) + w_new * o_new.astype(jnp.float32)) / (
             w_pre + w_new
         )
-        return out.astype(q.dtype).reshape(batch * new, *q.shape[2:])
+    return out.astype(parts[0][0].dtype).reshape(batch * new, *out.shape[2:])
+
+
+def split_peer(part, *, batch, prefix, new):
+    """A dense attention ``part(q, k, v, causal) -> (out, lse base 2 [B, T, H])`` run as
+    the extend problem: prefix keys without a mask, new keys causal, merged."""
+
+    def run(q, k, v):
+        parts = []
+        if prefix:
+            parts.append(part(q, k[:, :prefix], v[:, :prefix], False))
+        parts.append(part(q, k[:, prefix:], v[:, prefix:], True))
+        return _merge_base2(parts, batch=batch, new=new)
 
     return run
 
 
+def cudnn_part(scale):
+    def part(q, k, v, causal):
+        o, lse = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation="cudnn", return_residual=True
+        )
+        return o, lse * LOG2E  # cuDNN's log-sum-exp is natural
+
+    return part
+
+
+def pallas_triton_part(scale):
+    """JAX's own Pallas (Triton) flash attention; it takes no GQA, so K/V come with
+    their heads repeated (see ``repeat_kv``)."""
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    def part(q, k, v, causal):
+        o, lse = jax_attention.mha(
+            q, k, v, None, sm_scale=scale, causal=causal, return_residuals=True
+        )
+        return o, jnp.swapaxes(lse, 1, 2)
+
+    return part
+
+
+def pallas_mosaic_part(scale):
+    """JAX's own Pallas Mosaic GPU flash attention (wgmma + TMA, warp-specialised). It
+    applies no softmax scale (q is pre-scaled here) and, in jax 0.11.2, serves float16
+    only, so this peer runs on float16 copies of the inputs."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    def part(q, k, v, causal):
+        cfg = attention_mgpu.TuningConfig(
+            block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal
+        )
+        o, (lse,) = attention_mgpu.attention(
+            (q * scale).astype(q.dtype), k, v, cfg, save_residuals=True
+        )
+        return o, jnp.swapaxes(lse, 1, 2)
+
+    return part
+
+
+def repeat_kv(dense, group):
+    q, k, v = dense
+    return q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+
+def as_float16(dense):
+    return tuple(x.astype(jnp.float16) for x in dense)
+
+
 def sweep_configs():
+    # (block_q, block_n, warps, stages, heads per tile)
     for bq, bn, warps, stages, gh in [
-        (128, 128, 8, 2, 1),
-        (128, 128, 8, 3, 1),
-        (128, 128, 4, 2, 1),
-        (128, 64, 8, 3, 1),
-        (64, 128, 4, 3, 1),
-        (128, 128, 8, 2, 4),
-        (128, 128, 4, 2, 4),
         (128, 64, 4, 3, 4),
-        (64, 64, 4, 2, 4),
+        (128, 64, 4, 4, 4),
+        (128, 128, 8, 3, 4),
+        (256, 64, 8, 3, 4),
+        (128, 64, 4, 3, 2),
+        (256, 64, 8, 2, 2),
+        (256, 64, 8, 3, 2),
+        (256, 64, 8, 4, 2),
+        (256, 128, 8, 3, 2),
+        (256, 32, 8, 4, 2),
+        (128, 128, 8, 3, 1),
+        (256, 64, 8, 3, 1),
+        (64, 64, 4, 3, 4),
     ]:
         yield jpallas.ExtendConfig(
             block_q=bq, block_n=bn, num_warps=warps, num_stages=stages, heads_per_tile=gh
@@ -216,8 +285,18 @@ def main(argv=None):
         peer = None
         if not args.no_peers and args.form == "extend":
             dense = [to_dense(c, batch=batch, prefix=prefix, new=new) for c in copies]
-            peer = record(
-                "cudnn", cudnn_peer(batch=batch, prefix=prefix, new=new, scale=scale), dense
+            split = functools.partial(split_peer, batch=batch, prefix=prefix, new=new)
+            peer = record("cudnn", split(cudnn_part(scale)), dense)
+            # JAX's own Pallas attention kernels on the same dense problem.
+            record(
+                "jax-pallas-triton",
+                split(pallas_triton_part(scale)),
+                [repeat_kv(x, hq // hkv) for x in dense],
+            )
+            record(
+                "jax-pallas-mosaic (f16)",
+                split(pallas_mosaic_part(scale)),
+                [as_float16(x) for x in dense],
             )
             del dense
         if peer is not None and "us" in peer:

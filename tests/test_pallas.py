@@ -190,6 +190,17 @@ class TestDecodeCompiled(DecodeCases):
         assert_close(out, spec_decode(case, scale=0.1), dtype)
 
 
+def test_extend_tile_heuristic():
+    cfg = P.extend._default_config
+    long = cfg(128, 2, 4, tokens_per_request=512.0)
+    assert (long.block_q, long.block_n, long.heads_per_tile, long.num_warps) == (256, 64, 2, 8)
+    short = cfg(128, 2, 4, tokens_per_request=24.0)
+    assert (short.block_q, short.heads_per_tile) == (128, None)
+    assert P.extend._pick_heads_per_tile(short, 4) == 4  # 32 tokens x 4 heads
+    assert cfg(128, 2, 1, tokens_per_request=512.0).block_n == 128  # MHA: unpacked
+    assert cfg(128, 4, 4, tokens_per_request=512.0).num_stages == 2  # float32
+
+
 def test_decode_partition_heuristic():
     cfg = P.DecodeConfig(min_programs=264)
     common = dict(num_kv_heads=8, max_context=4096, partition_size=None, config=cfg)
@@ -344,6 +355,23 @@ class ExtendCases:
         )
         out = _prefill(c, scale=0.2, interpret=self.INTERPRET)
         assert_close(out, spec_prefill(c, scale=0.2))
+
+    def test_default_tiles_of_a_long_extend(self, rng):
+        # >= 128 new tokens a request on average, 16-bit, D=128: the 256-row tiles of
+        # 128 tokens x 2 heads that the default picks for long extends.
+        c = make_extend(
+            rng,
+            [100, 37],
+            [300, 140],
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            dtype=jnp.bfloat16,
+            pad_rows=5,
+        )
+        out = _extend(c, scale=0.1, interpret=self.INTERPRET)
+        assert_close(out, spec_extend(c, scale=0.1))
+        np.testing.assert_array_equal(np.asarray(out[-5:], np.float32), 0.0)
 
     def test_paged_and_pool_forms_agree(self, rng):
         c = make_prefix_prefill(

@@ -323,16 +323,25 @@ def _prepare(q, k_cache, v_cache, interpret):
     return interpret
 
 
-def _default_config(head_dim: int, itemsize: int, group: int) -> ExtendConfig:
-    """Tiles per head size, dtype and GQA group.
+def _default_config(
+    head_dim: int, itemsize: int, group: int, tokens_per_request: float
+) -> ExtendConfig:
+    """Tiles per head size, dtype, GQA group and the mean new tokens per request.
 
-    16-bit, D <= 128: the fastest of a sweep on an H200 (bf16, D=128, Hq/Hkv=32/8,
-    8 x (2048 + 512)): packed groups 128 x 64 tiles, 4 warps, 3 stages; unpacked
-    128 x 128, 8 warps, 3 stages. Otherwise (float32 or wider heads) a stage of K and V
-    is kept within 64 KiB and two stages deep, so the tiles fit in shared memory.
+    16-bit, D <= 128, from sweeps on an H200 (bf16, D=128, Hq/Hkv=32/8,
+    ``benchmarks/bench_extend.py --sweep``): long extends (>= 128 new tokens a request
+    on average, e.g. 8 x (2048 + 512)) take 256-row tiles of 128 tokens x 2 heads,
+    64 keys a step, 8 warps, 3 stages; short ones (32 x (1000 + 24)) take 128-row tiles
+    of 32 tokens x 4 heads, so that few rows are padding; unpacked groups take 128 x 128
+    tiles with 8 warps. Otherwise (float32 or wider heads) a stage of K and V is kept
+    within 64 KiB and two stages deep, so the tiles fit in shared memory.
     """
     packed = group > 1 and not group & (group - 1)
     if itemsize <= 2 and head_dim <= 128:
+        if packed and tokens_per_request >= 128:
+            return ExtendConfig(
+                block_q=256, block_n=64, heads_per_tile=2, num_warps=8, num_stages=3
+            )
         if packed:
             return ExtendConfig(block_q=128, block_n=64, num_warps=4, num_stages=3)
         return ExtendConfig(block_q=128, block_n=128, num_warps=8, num_stages=3)
@@ -342,6 +351,13 @@ def _default_config(head_dim: int, itemsize: int, group: int) -> ExtendConfig:
         num_warps=4 if head_dim <= 64 else 8,
         num_stages=2,
     )
+
+
+def _config_for(config, q, group, q_bounds):
+    if config is not None:
+        return config
+    tokens_per_request = q.shape[0] / max(q_bounds.shape[0] - 1, 1)
+    return _default_config(q.shape[-1], q.dtype.itemsize, group, tokens_per_request)
 
 
 def extend_attention(
@@ -374,8 +390,7 @@ def extend_attention(
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
-        config=config
-        or _default_config(q.shape[-1], q.dtype.itemsize, q.shape[1] // k_cache.shape[1]),
+        config=_config_for(config, q, q.shape[1] // k_cache.shape[1], qo_indptr),
     )
 
 
@@ -412,5 +427,5 @@ def prefix_prefill(
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
-        config=config or _default_config(q.shape[-1], q.dtype.itemsize, q.shape[1] // num_kv_heads),
+        config=_config_for(config, q, q.shape[1] // num_kv_heads, cu_seqlens_q),
     )
