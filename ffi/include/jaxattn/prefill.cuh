@@ -17,12 +17,23 @@
 // number of tiles (ceil(Tq / kBM) + batch); blocks past the last tile zero the padding rows
 // after cu_seqlens_q[batch], so every output row is written.
 //
-// Two kernels: tensor-core MMA (mma.sync m16n8k16, bf16/f16 with f32 accumulation, cp.async
-// double buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128; a
-// portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
+// Three kernels:
+//   sm90  Hopper warpgroup MMA (wgmma, sm_90a only; prefill_sm90.cuh / prefill_sm90.cu):
+//         128-row tiles, two warpgroups, 3-stage cp.async ring of 128-key tiles, bf16/f16,
+//         head_dim 64 and 128. Used on compute capability 9.0 when the library was built with
+//         90 among JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A).
+//   mma   tensor-core mma.sync m16n8k16 (bf16/f16 with f32 accumulation, cp.async double
+//         buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128.
+//   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
+// JAXATTN_PREFILL_KERNEL=auto|sm90|mma|simt (read once per process; default auto: the first of
+// sm90, mma, simt that supports the call) forces one: a forced kernel is used wherever it
+// supports the dtype and head_dim, the automatic choice elsewhere; sm90 forced on a device or
+// build without it is an error, as is any other value.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
@@ -556,15 +567,66 @@ inline bool device_has_mma() {
     return false;
   return major >= 8;
 }
+
+// sm_90a code runs on compute capability 9.0 only.
+inline bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+}
 #endif
 
+// Shapes the sm90 kernel takes: head_dim 64 or 128, and every cache row offset representable
+// in 32 bits of 16-byte units (its shared-memory row table).
+inline bool prefill_sm90_fits(const PrefillParams& p) {
+  return (p.kv.head_dim == 64 || p.kv.head_dim == 128) &&
+         int64_t(p.kv.num_pages) * p.kv.page_stride / 8 < int64_t(0xffffffffu);
+}
+
+#if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
+// prefill_sm90.cu (compiled for sm_90a only), T = bf16_t or f16_t.
 template <typename T>
-const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
+const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
+#endif
+
+enum class PrefillKernel { kAuto, kSm90, kMma, kSimt, kInvalid };
+
+inline PrefillKernel parse_prefill_kernel(const char* s) {
+  if (s == nullptr || *s == 0 || std::strcmp(s, "auto") == 0) return PrefillKernel::kAuto;
+  if (std::strcmp(s, "sm90") == 0) return PrefillKernel::kSm90;
+  if (std::strcmp(s, "mma") == 0) return PrefillKernel::kMma;
+  if (std::strcmp(s, "simt") == 0) return PrefillKernel::kSimt;
+  return PrefillKernel::kInvalid;
+}
+
+// JAXATTN_PREFILL_KERNEL, read on first use.
+inline PrefillKernel prefill_kernel_from_env() {
+  static const PrefillKernel k = parse_prefill_kernel(std::getenv("JAXATTN_PREFILL_KERNEL"));
+  return k;
+}
+
+template <typename T>
+const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream,
+                                 PrefillKernel which = prefill_kernel_from_env()) {
+  if (which == PrefillKernel::kInvalid)
+    return "jaxattn: JAXATTN_PREFILL_KERNEL must be auto, sm90, mma or simt";
   if (p.total_q == 0 || p.batch == 0) return nullptr;
   if (p.num_q_heads > 65535) return "jaxattn: more than 65535 query heads";
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
-    if ((p.kv.head_dim == 64 || p.kv.head_dim == 128) && device_has_mma()) {
+    const bool tc_dim = p.kv.head_dim == 64 || p.kv.head_dim == 128;
+    if (tc_dim && (which == PrefillKernel::kAuto || which == PrefillKernel::kSm90)) {
+#if defined(JAXATTN_HAVE_SM90A)
+      if (device_is_sm90() && prefill_sm90_fits(p)) return launch_prefill_sm90<T>(p, stream);
+#endif
+      if (which == PrefillKernel::kSm90)
+        return "jaxattn: JAXATTN_PREFILL_KERNEL=sm90 needs a compute capability 9.0 device, a "
+               "library built with 90 in JAXATTN_CUDA_ARCHS and a cache under 64 GiB";
+    }
+    if (tc_dim && which != PrefillKernel::kSimt && device_has_mma()) {
       return p.kv.head_dim == 64 ? launch_prefill_mma<T, 64>(p, stream)
                                  : launch_prefill_mma<T, 128>(p, stream);
     }

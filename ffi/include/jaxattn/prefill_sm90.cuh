@@ -1,0 +1,491 @@
+// Hopper prefix prefill / extend attention: warpgroup MMA (wgmma.mma_async, sm_90a) for both
+// GEMMs, FlashAttention-3 style. Same contract as the kernels of prefill.cuh (PrefillParams:
+// paged K/V through a page-table row per request, the token pool as page size 1, bshd/bhsd
+// through KvGeometry strides, row i of a request sees key j iff j <= i + (Lk - Lq), logits in
+// base 2, f32 accumulation, output in q's dtype) and the same block -> (request, tile) map
+// (find_prefill_tile: heaviest tiles of a request first, padding rows zeroed by the spare blocks).
+//
+// Only built for sm_90a (prefill_sm90.cu, -gencode arch=compute_90a,code=sm_90a); every other
+// target sees the kernel with an empty body. Launched by launch_prefill_typed (prefill.cuh) for
+// 16-bit dtypes with head_dim 64 or 128 on compute capability 9.0.
+//
+// Block: 256 threads = two warpgroups, 128 query rows of one request and one query head
+// (warpgroup w owns rows 64w..64w+63), key tiles of 128. No warp specialisation: every thread
+// copies and every warpgroup computes.
+//
+// Shared memory (1024-byte aligned), each tile stored as D/64 column blocks of [rows][64]
+// elements, 128 bytes a row, the 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte
+// swizzle of the wgmma descriptors (swizzle mode 1), so one layout serves
+//   Q  [128 x D]  K-major A operand of S = Q K^T (descriptor per warpgroup: +64 rows),
+//   K  [128 x D]  K-major B operand of S (rows are keys, D contiguous),
+//   V  [128 x D]  MN-major B operand of O += P V (instruction transpose bit; LBO = distance
+//                 between the 64-column blocks, SBO = 8 rows = 1024 bytes),
+// a k step of 16 being +32 bytes inside the swizzled row (Q, K) or +16 rows (V). K and V tiles
+// live in a ring of 3 stages (K then V per stage), filled with 16-byte cp.async copies of
+// gathered rows (zero-filled past the request's keys, so unread slots and NaN-filled unused
+// pages never enter a product), then two tiles' row offsets (uint32, 16-byte units;
+// launch_prefill_typed falls back to the mma kernel when a cache is too large for them).
+// D = 128: 32 KB Q + 3 x 64 KB K/V + 1 KB offsets + 1 KB alignment slack = 226 KB, one block
+// per SM.
+//
+// Iteration n (one barrier): wait for tile n's copies, fence.proxy.async (cp.async writes are
+// generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q K_n^T (8 x m64n128k16,
+// both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x m64nDk16, P from registers)
+// as two wgmma groups; issue the copies of tile n + 1 into stage (n + 1) % 3 (neither stage n
+// nor stage n - 1 is touched) and advance the row cursors (RowCursor, incremental page
+// addressing) for tile n + 2; wait for S only; softmax on the accumulator fragments (scale,
+// optional cap * tanh, mask only on tiles that cross the diagonal or the last key, base-2
+// exponentials) while P_{n-1} V_{n-1} still runs; wait for it; rescale O; pack P_n to 16-bit A
+// fragments (the m64nNk16 accumulator layout is the A-fragment layout). The last P V follows
+// the loop. Key tiles stop at the tile holding the last row's last visible key (key_range),
+// exactly as the mma kernel.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "jaxattn/prefill.cuh"
+
+#if defined(JAXATTN_CUDA)
+
+namespace jaxattn {
+namespace gpu {
+
+template <int D>
+struct Sm90Shape {
+  static constexpr int kBM = 128;  // two consumer warpgroups x 64 rows
+  static constexpr int kBN = 128;  // keys per tile
+  static constexpr int kThreads = 256;
+  static constexpr int kStages = 3;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kTileBytes = kBN * D * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  static constexpr int kOffBytes = 2 * kBN * 4;       // row offsets of two key tiles
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kStageBytes + kOffBytes;
+  static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
+  static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
+  static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 block may have");
+};
+
+// A row offset in 16-byte units (every row starts on a multiple of head_dim elements);
+// kSm90NoRow marks keys past the request (zero-filled).
+constexpr uint32_t kSm90NoRow = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t sm90_pack_off(int64_t off) {
+  return off < 0 ? kSm90NoRow : uint32_t(off >> 3);
+}
+
+// Byte offset of 16-byte chunk c of row r in a tile of R rows: D/64 column blocks of R rows of
+// 128 bytes, chunks XOR-swizzled with the row's phase in its 8-row (1024-byte) group.
+template <int R>
+__device__ __forceinline__ uint32_t sm90_tile_off(int r, int c) {
+  return uint32_t((c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride
+// byte offsets in 16-byte units in bits 0-13, 16-29, 32-45; base offset 0 (every swizzle
+// pattern starts on a 1024-byte boundary); swizzle mode 1 in bits 62-63.
+__host__ __device__ constexpr uint64_t sm90_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo & 0x3FFFFu) >> 4) << 16) |
+         (uint64_t((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ void sm90_wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void sm90_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void sm90_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async proxy
+// (wgmma operand reads); a barrier then orders them for the other threads.
+__device__ __forceinline__ void sm90_fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Pins registers at this point of the program: accesses cannot move across it, so the
+// accumulators and A fragments of an in-flight wgmma are touched only after its wait.
+template <int N>
+__device__ __forceinline__ void sm90_pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void sm90_pin(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+#define JAXATTN_SM90_R32                                                                       \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define JAXATTN_SM90_R64                                                                      \
+  JAXATTN_SM90_R32                                                                            \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, " \
+  "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define JAXATTN_SM90_ACC8(i)                                                                 \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define JAXATTN_SM90_ACC32 \
+  JAXATTN_SM90_ACC8(0), JAXATTN_SM90_ACC8(8), JAXATTN_SM90_ACC8(16), JAXATTN_SM90_ACC8(24)
+#define JAXATTN_SM90_ACC64                                                           \
+  JAXATTN_SM90_ACC32, JAXATTN_SM90_ACC8(32), JAXATTN_SM90_ACC8(40), JAXATTN_SM90_ACC8(48), \
+      JAXATTN_SM90_ACC8(56)
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B K-major in shared memory.
+#define JAXATTN_SM90_SS_N128(TY)                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                     \
+               : JAXATTN_SM90_ACC64                                                   \
+               : "l"(da), "l"(db), "r"(scale_d)                                       \
+               : "memory")
+// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers, B MN-major in shared memory.
+#define JAXATTN_SM90_RS_N128(TY)                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                            \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
+               "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                       \
+               : JAXATTN_SM90_ACC64                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)          \
+               : "memory")
+// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers, B MN-major in shared memory.
+#define JAXATTN_SM90_RS_N64(TY)                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                           \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" JAXATTN_SM90_R32 \
+               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                      \
+               : JAXATTN_SM90_ACC32                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)         \
+               : "memory")
+
+template <typename T>
+__device__ __forceinline__ void sm90_mma_ss_n128(float (&d)[64], uint64_t da, uint64_t db,
+                                                 int scale_d) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    JAXATTN_SM90_SS_N128("bf16");
+  } else {
+    JAXATTN_SM90_SS_N128("f16");
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a, uint64_t db) {
+  if constexpr (N == 128) {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      JAXATTN_SM90_RS_N128("bf16");
+    } else {
+      JAXATTN_SM90_RS_N128("f16");
+    }
+  } else {
+    static_assert(N == 64, "P V is built for head_dim 64 and 128");
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      JAXATTN_SM90_RS_N64("bf16");
+    } else {
+      JAXATTN_SM90_RS_N64("f16");
+    }
+  }
+}
+
+#undef JAXATTN_SM90_SS_N128
+#undef JAXATTN_SM90_RS_N128
+#undef JAXATTN_SM90_RS_N64
+#undef JAXATTN_SM90_ACC64
+#undef JAXATTN_SM90_ACC32
+#undef JAXATTN_SM90_ACC8
+#undef JAXATTN_SM90_R64
+#undef JAXATTN_SM90_R32
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <typename T, int D>
+__global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
+    prefill_sm90_kernel(const PrefillParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Sm90Shape<D>;
+  constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
+  constexpr int NS = S::kStages;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t raw = smem_u32(smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle patterns start on 1024 bytes
+  const uint32_t q_s = base;
+  const uint32_t kv_s = base + S::kQBytes;  // stage i: K at + i * kStageBytes, V kTileBytes on
+  uint32_t* rowoff =
+      reinterpret_cast<uint32_t*>(smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
+
+  const int head = blockIdx.y;
+  PrefillTile t;
+  if (!find_prefill_tile<T>(p, BM, blockIdx.x, head, &t)) return;
+  const KvGeometry& kv = p.kv;
+  const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int shift = t.lk - t.lq;
+  const KeyRange range = key_range(t);
+  const int ntiles = (range.end + BN - 1) / BN;
+
+  // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
+  RowCursor cur;
+  if (tid < BN) {
+    cur.init(kv, t.table, tid, t.lk);
+    rowoff[tid] = sm90_pack_off(cur.off);
+    cur.advance(kv, t.table, tid, BN, t.lk);
+    rowoff[BN + tid] = sm90_pack_off(cur.off);
+  }
+  __syncthreads();
+
+  const T* qg = static_cast<const T*>(p.q);
+  const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  const int c = tid % CH, r0 = tid / CH;  // this thread copies chunk c of rows r0 + i * RP
+#pragma unroll
+  for (int i = 0; i < BM / RP; ++i) {
+    const int r = r0 + i * RP;
+    const bool ok = r < t.rows;
+    const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
+    cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+  }
+  // K and V rows of one key tile into stage `stage`, from the offsets in slot `slot`.
+  auto load_kv = [&](int stage, int slot) {
+    const uint32_t kd = kv_s + uint32_t(stage * S::kStageBytes);
+#pragma unroll
+    for (int i = 0; i < BN / RP; ++i) {
+      const int r = r0 + i * RP;
+      const uint32_t u = rowoff[slot * BN + r];
+      const bool ok = u != kSm90NoRow;
+      const int64_t off = int64_t(u) << 3;
+      const uint32_t dst = kd + sm90_tile_off<BN>(r, c);
+      cp_async16(dst, ok ? kg + off + c * 8 : kg, ok);
+      cp_async16(dst + S::kTileBytes, ok ? vg + off + c * 8 : vg, ok);
+    }
+  };
+  if (ntiles > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  // Descriptors. Q (A) and K (B of S): K-major, 8-row groups 1024 bytes apart (SBO), the
+  // leading offset unused (1); k step kk is column block kk / 4 and 32 bytes per kk % 4.
+  // V (B of P V): MN-major, LBO = the distance between 64-column blocks (BN rows of 128 bytes),
+  // SBO = 8 key rows; k step j (16 keys) is 16 rows = 2048 bytes on.
+  const uint64_t dq = sm90_desc(q_s + uint32_t(wg * 64 * 128), 16, 1024);
+  const uint64_t dk = sm90_desc(kv_s, 16, 1024);
+  const uint64_t dv = sm90_desc(kv_s + S::kTileBytes, BN * 128, 1024);
+  auto kstep = [](int kk, int rows) {
+    return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+  };
+
+  float o[D / 2];   // O accumulator fragment: m64nDk16 layout
+  float s[BN / 2];  // S accumulator fragment, then the probabilities
+  uint32_t pf[BN / 4];  // P as 16-bit A fragments: pf[4 kk + i] feeds k step kk
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+  // Accumulator element 4j + e of this thread: row g (e < 2) or g + 8 of the warp's 16 rows,
+  // column 8j + 2 tq + (e & 1).
+  const int row0 = t.m0 + wg * 64 + wl * 16 + g;  // query rows within the request
+  const int row1 = row0 + 8;
+  const float qs = p.ls.q_scale, cap = p.ls.cap_log2e;
+
+  // Waits for tile n's copies and publishes them to every warpgroup's wgmma (async proxy).
+  auto tile_ready = [&]() {
+    cp_async_wait<0>();  // tile n is the only copy group in flight
+    sm90_fence_proxy_async();
+    __syncthreads();  // tile n visible; every thread is done with iteration n - 1
+  };
+  // Tile n + 1 goes to the stage of tile n - 2 (its last reader, iteration n - 1, is past the
+  // barrier); its offsets were written in iteration n - 1. The cursors then step to tile n + 2,
+  // whose offsets replace tile n's (read when tile n was issued, before the barrier).
+  auto next_loads = [&](int n) {
+    if (n + 1 < ntiles) load_kv((n + 1) % NS, (n + 1) % 2);
+    cp_async_commit();
+    if (tid < BN) {
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, t.lk);
+      rowoff[(n % 2) * BN + tid] = sm90_pack_off(cur.off);
+    }
+  };
+  auto issue_s = [&](int n) {
+    const uint64_t dks = dk + uint64_t(((n % NS) * S::kStageBytes) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      sm90_mma_ss_n128<T>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+    }
+    sm90_wgmma_commit();
+  };
+  auto issue_pv = [&](int n) {  // O += P_n V_n
+    const uint64_t dvs = dv + uint64_t(((n % NS) * S::kStageBytes) >> 4);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<T, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
+    sm90_wgmma_commit();
+  };
+
+  // Online softmax of tile n on the S fragments (left as probabilities in s): new row maxima,
+  // the factors a0 / a1 that rescale the old O and l, this thread's partial row sums.
+  float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
+  auto softmax = [&](int n, auto mask_tag, auto cap_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    constexpr bool kCap = decltype(cap_tag)::value;
+    // Last visible key of each row, relative to this thread's first column of the tile.
+    const int n0 = n * BN;
+    const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
+    const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[4 * j + e] * qs;
+        if constexpr (kCap) v = cap * tanhf(v);
+        if constexpr (kMask) {
+          if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+        }
+        s[4 * j + e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = group_max<4>(mx0);
+    mx1 = group_max<4>(mx1);
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+    a0 = fast_exp2(m0 - mu0);
+    a1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    sum0 = 0.f;
+    sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      s[4 * j] = fast_exp2(s[4 * j] - mu0);
+      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - mu0);
+      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - mu1);
+      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - mu1);
+      sum0 += s[4 * j] + s[4 * j + 1];
+      sum1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  // Tiles wholly below full_end need no mask (the prefix stage); the rest cross the diagonal
+  // or the last key.
+  auto softmax_tile = [&](int n) {
+    const bool masked = n * BN + BN > range.full_end;
+    if (cap > 0.f) {
+      if (masked) {
+        softmax(n, True{}, True{});
+      } else {
+        softmax(n, False{}, True{});
+      }
+    } else {
+      if (masked) {
+        softmax(n, True{}, False{});
+      } else {
+        softmax(n, False{}, False{});
+      }
+    }
+  };
+  // Once P_{n-1} V_{n-1} is done: rescale O and l, and pack P_n into A fragments. Accumulator
+  // elements (2i, 2i + 1) are one A register: rows g / g + 8 and key pairs in the order a0..a7
+  // of the m64nNk16 A layout (pf[4 kk .. 4 kk + 3] is k step kk).
+  auto rescale_pack = [&]() {
+    l0 = l0 * a0 + sum0;  // each lane keeps partial row sums; the quad adds them at the end
+    l1 = l1 * a1 + sum1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[4 * i] *= a0;
+      o[4 * i + 1] *= a0;
+      o[4 * i + 2] *= a1;
+      o[4 * i + 3] *= a1;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
+  };
+
+  if (ntiles > 0) {
+    // Tile 0: S only (no P V yet).
+    tile_ready();
+    sm90_wgmma_fence();
+    issue_s(0);
+    next_loads(0);
+    sm90_wgmma_wait<0>();
+    sm90_pin(s);
+    softmax_tile(0);
+    rescale_pack();
+  }
+  for (int n = 1; n < ntiles; ++n) {
+    tile_ready();
+    sm90_wgmma_fence();
+    issue_s(n);       // group 1: S = Q K_n^T
+    issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
+    next_loads(n);
+    sm90_wgmma_wait<1>();  // S done; P_{n-1} V_{n-1} may still run
+    sm90_pin(s);
+    softmax_tile(n);
+    sm90_wgmma_wait<0>();  // P_{n-1} V_{n-1} done: O and the P fragments are free
+    sm90_pin(o);
+    sm90_pin(pf);
+    rescale_pack();
+  }
+
+  if (ntiles > 0) {
+    sm90_wgmma_fence();
+    issue_pv(ntiles - 1);
+    sm90_wgmma_wait<0>();
+    sm90_pin(o);
+    sm90_pin(pf);
+  }
+  cp_async_wait<0>();
+
+  l0 = group_sum<4>(l0);
+  l1 = group_sum<4>(l1);
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  T* out = static_cast<T*>(p.out);
+  const int lr0 = wg * 64 + wl * 16 + g, lr1 = lr0 + 8;  // rows within the tile
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int d = i * 8 + 2 * tq;
+    if (lr0 < t.rows) {
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
+          pack2<T>(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+    }
+    if (lr1 < t.rows) {
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
+          pack2<T>(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+template <typename T, int D>
+const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
+  using S = Sm90Shape<D>;
+  auto kernel = prefill_sm90_kernel<T, D>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) !=
+      cudaSuccess)
+    return check_launch();
+  const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  return check_launch();
+}
+
+// Declared in prefill.cuh; instantiated for bf16_t and f16_t in prefill_sm90.cu.
+template <typename T>
+const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream) {
+  static_assert(sizeof(T) == 2, "the sm90 kernel takes 16-bit inputs");
+  if (!prefill_sm90_fits(p)) return "jaxattn: the sm90 prefill kernel does not take this shape";
+  return p.kv.head_dim == 64 ? launch_prefill_sm90_d<T, 64>(p, stream)
+                             : launch_prefill_sm90_d<T, 128>(p, stream);
+}
+
+}  // namespace gpu
+}  // namespace jaxattn
+
+#endif  // JAXATTN_CUDA

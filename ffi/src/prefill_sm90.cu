@@ -1,0 +1,16 @@
+// The Hopper prefill kernel (jaxattn/prefill_sm90.cuh), compiled for sm_90a alone
+// (-gencode arch=compute_90a,code=sm_90a): launch_prefill_typed in prefill.cu calls it on
+// compute capability 9.0 devices when the library defines JAXATTN_HAVE_SM90A. Under hipcc this
+// translation unit is empty.
+#include "jaxattn/prefill_sm90.cuh"
+
+#if defined(JAXATTN_CUDA)
+namespace jaxattn {
+namespace gpu {
+
+template const char* launch_prefill_sm90<bf16_t>(const PrefillParams& p, gpuStream_t stream);
+template const char* launch_prefill_sm90<f16_t>(const PrefillParams& p, gpuStream_t stream);
+
+}  // namespace gpu
+}  // namespace jaxattn
+#endif

@@ -1,0 +1,446 @@
+// GPU self-test of the prefill kernels (sm90 wgmma, mma.sync, SIMT) against a CPU float64
+// reference, then timings. Build and run on the GPU machine from the repository root:
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
+//     -Iffi/include -Iffi/src ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu \
+//     ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest && /tmp/prefill_selftest
+//
+// (On a device other than compute capability 9.0 build for its arch without the sm90 files;
+// the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
+// skips the checks.
+//
+// Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
+// the whole cache NaN before the requests' keys are written, so unused pages and the slots
+// past each request's last key are NaN; the output NaN-filled before the launch; extra q rows
+// past the last request, which must come back as zeros. A case passes when every valid
+// output element is within 2 eps (1 + |ref|) of the reference (eps = 2^-8 bf16, 2^-11 f16:
+// the rounding of P and of the output) and every padding row is zero.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "jaxattn/prefill.cuh"
+
+using jaxattn::KvGeometry;
+using jaxattn::Layout;
+using jaxattn::PrefillParams;
+using jaxattn::gpu::PrefillKernel;
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+namespace {
+
+uint16_t enc(float f, bool f16) { return f16 ? jaxattn::float_to_f16(f) : jaxattn::float_to_bf16(f); }
+float dec(uint16_t h, bool f16) { return f16 ? jaxattn::f16_to_float(h) : jaxattn::bf16_to_float(h); }
+constexpr uint16_t kNaN16 = 0xffff;  // a NaN in both bf16 and f16
+
+struct Case {
+  std::string name;
+  std::vector<int> lq, prefix;  // per request
+  int hq, hkv, d, page_size;    // page_size 1 with pool = true: the token-pool (extend) form
+  Layout layout;
+  bool pool;
+  float cap;
+  bool f16;
+  int pad_rows;
+};
+
+struct Problem {
+  Case c;
+  int batch = 0, nq = 0, total_q = 0, table_stride = 0;
+  std::vector<int> cu_q, lk;
+  std::vector<int32_t> table, indptr, seq_lens;
+  std::vector<uint16_t> q, k, v;
+  std::vector<std::vector<int64_t>> key_off;  // element offset of key j of request b
+  KvGeometry geo;
+  float scale = 0.f;
+};
+
+Problem make_problem(const Case& c, std::mt19937& rng, bool fill_values = true) {
+  Problem P;
+  P.c = c;
+  P.batch = int(c.lq.size());
+  P.cu_q.assign(P.batch + 1, 0);
+  P.lk.resize(P.batch);
+  for (int b = 0; b < P.batch; ++b) {
+    P.cu_q[b + 1] = P.cu_q[b] + c.lq[b];
+    P.lk[b] = c.prefix[b] + c.lq[b];
+  }
+  P.nq = P.cu_q[P.batch];
+  P.total_q = P.nq + c.pad_rows;
+  const int ps = c.pool ? 1 : c.page_size;
+  std::vector<int> need(P.batch);
+  int used = 0, max_need = 0;
+  for (int b = 0; b < P.batch; ++b) {
+    need[b] = (P.lk[b] + ps - 1) / ps;
+    used += need[b];
+    max_need = std::max(max_need, need[b]);
+  }
+  const int num_pages = used + 3;  // three pages nobody uses (NaN)
+  std::vector<int> perm(num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  if (c.pool) {
+    P.geo = jaxattn::pool_geometry(num_pages, c.hkv, c.d);
+  } else if (c.layout == Layout::kBSHD) {
+    P.geo = jaxattn::make_geometry(Layout::kBSHD, num_pages, ps, c.hkv, c.d);
+  } else {
+    P.geo = jaxattn::make_geometry(Layout::kBHSD, num_pages, c.hkv, ps, c.d);
+  }
+  const int64_t cache = int64_t(num_pages) * P.geo.page_stride;
+  P.k.assign(cache, kNaN16);
+  P.v.assign(cache, kNaN16);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  P.key_off.resize(P.batch);
+  int next = 0;
+  if (c.pool) {
+    P.indptr.assign(P.batch + 1, 0);
+  } else {
+    P.table_stride = max_need + 2;
+    P.table.assign(int64_t(P.batch) * P.table_stride, perm[num_pages - 1]);  // a NaN page
+    P.seq_lens = P.lk;
+  }
+  for (int b = 0; b < P.batch; ++b) {
+    std::vector<int> pages(perm.begin() + next, perm.begin() + next + need[b]);
+    next += need[b];
+    if (c.pool) {
+      P.table.insert(P.table.end(), pages.begin(), pages.end());
+      P.indptr[b + 1] = P.indptr[b] + need[b];
+    } else {
+      std::copy(pages.begin(), pages.end(), P.table.begin() + int64_t(b) * P.table_stride);
+    }
+    P.key_off[b].resize(P.lk[b]);
+    for (int j = 0; j < P.lk[b]; ++j) {
+      const int64_t off = int64_t(pages[j / ps]) * P.geo.page_stride +
+                          int64_t(j % ps) * P.geo.token_stride;
+      P.key_off[b][j] = off;
+      for (int h = 0; h < c.hkv; ++h) {
+        for (int dd = 0; dd < c.d; ++dd) {
+          const int64_t e = off + h * P.geo.head_stride + dd;
+          P.k[e] = fill_values ? enc(uni(rng), c.f16) : 0;
+          P.v[e] = fill_values ? enc(uni(rng), c.f16) : 0;
+        }
+      }
+    }
+  }
+  P.q.resize(int64_t(P.total_q) * c.hq * c.d);
+  for (auto& x : P.q) x = fill_values ? enc(1.7f * uni(rng), c.f16) : 0;
+  P.scale = 1.f / std::sqrt(float(c.d));
+  return P;
+}
+
+// out[nq][hq][d] in float64.
+std::vector<double> reference(const Problem& P) {
+  const Case& c = P.c;
+  const int group = c.hq / c.hkv;
+  std::vector<double> out(int64_t(P.nq) * c.hq * c.d, 0.0);
+  std::vector<double> qrow(c.d), logit, acc(c.d);
+  std::vector<float> kf, vf;
+  for (int b = 0; b < P.batch; ++b) {
+    const int lk = P.lk[b], lq = c.lq[b];
+    for (int kvh = 0; kvh < c.hkv; ++kvh) {
+      // This request's keys of this head, decoded once.
+      kf.assign(int64_t(lk) * c.d, 0.f);
+      vf.assign(int64_t(lk) * c.d, 0.f);
+      for (int j = 0; j < lk; ++j) {
+        for (int dd = 0; dd < c.d; ++dd) {
+          const int64_t e = P.key_off[b][j] + kvh * P.geo.head_stride + dd;
+          kf[int64_t(j) * c.d + dd] = dec(P.k[e], c.f16);
+          vf[int64_t(j) * c.d + dd] = dec(P.v[e], c.f16);
+        }
+      }
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        for (int i = 0; i < lq; ++i) {
+          const int row = P.cu_q[b] + i;
+          for (int dd = 0; dd < c.d; ++dd)
+            qrow[dd] = dec(P.q[(int64_t(row) * c.hq + h) * c.d + dd], c.f16);
+          const int last = std::min(lk - 1, i + lk - lq);
+          double mx = -INFINITY;
+          logit.assign(std::max(last + 1, 0), 0.0);
+          for (int j = 0; j <= last; ++j) {
+            double sdot = 0.0;
+            const float* kr = &kf[int64_t(j) * c.d];
+            for (int dd = 0; dd < c.d; ++dd) sdot += qrow[dd] * kr[dd];
+            sdot *= P.scale;
+            if (c.cap > 0.f) sdot = c.cap * std::tanh(sdot / c.cap);
+            logit[j] = sdot;
+            mx = std::max(mx, sdot);
+          }
+          std::fill(acc.begin(), acc.end(), 0.0);
+          double l = 0.0;
+          for (int j = 0; j <= last; ++j) {
+            const double pj = std::exp(logit[j] - mx);
+            l += pj;
+            const float* vr = &vf[int64_t(j) * c.d];
+            for (int dd = 0; dd < c.d; ++dd) acc[dd] += pj * vr[dd];
+          }
+          for (int dd = 0; dd < c.d; ++dd)
+            out[(int64_t(row) * c.hq + h) * c.d + dd] = l > 0.0 ? acc[dd] / l : 0.0;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+struct Device {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
+  int32_t *cu = nullptr, *table = nullptr, *indptr = nullptr, *seq = nullptr;
+  size_t out_bytes = 0;
+  PrefillParams p;
+
+  template <typename V>
+  static void* up(const std::vector<V>& h) {
+    if (h.empty()) return nullptr;
+    void* d = nullptr;
+    CK(cudaMalloc(&d, h.size() * sizeof(V)));
+    CK(cudaMemcpy(d, h.data(), h.size() * sizeof(V), cudaMemcpyHostToDevice));
+    return d;
+  }
+  explicit Device(const Problem& P) {
+    q = up(P.q);
+    k = up(P.k);
+    v = up(P.v);
+    cu = static_cast<int32_t*>(up(P.cu_q));
+    table = static_cast<int32_t*>(up(P.table));
+    indptr = static_cast<int32_t*>(up(P.indptr));
+    seq = static_cast<int32_t*>(up(P.seq_lens));
+    out_bytes = P.q.size() * 2;
+    CK(cudaMalloc(&out, out_bytes));
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.cu_seqlens_q = cu;
+    p.page_table = table;
+    p.page_indptr = P.c.pool ? indptr : nullptr;
+    p.seq_lens = P.c.pool ? nullptr : seq;
+    p.out = out;
+    p.batch = P.batch;
+    p.total_q = P.total_q;
+    p.num_q_heads = P.c.hq;
+    p.page_table_stride = P.table_stride;
+    p.kv = P.geo;
+    p.ls = jaxattn::make_logit_scale(P.scale, P.c.cap);
+  }
+  ~Device() {
+    for (void* x : {q, k, v, out, static_cast<void*>(cu), static_cast<void*>(table),
+                    static_cast<void*>(indptr), static_cast<void*>(seq)})
+      if (x) cudaFree(x);
+  }
+  const char* launch(bool f16, PrefillKernel which) const {
+    return f16 ? jaxattn::gpu::launch_prefill_typed<jaxattn::f16_t>(p, 0, which)
+               : jaxattn::gpu::launch_prefill_typed<jaxattn::bf16_t>(p, 0, which);
+  }
+};
+
+const char* kernel_name(PrefillKernel k) {
+  switch (k) {
+    case PrefillKernel::kSm90:
+      return "sm90";
+    case PrefillKernel::kMma:
+      return "mma";
+    case PrefillKernel::kSimt:
+      return "simt";
+    default:
+      return "auto";
+  }
+}
+
+bool g_sm90_expected = false;  // compute capability 9.0: the sm90 path must run
+
+// 0 pass, 1 fail, 2 skipped.
+int check_case(const Case& c, std::mt19937& rng) {
+  const Problem P = make_problem(c, rng);
+  const std::vector<double> ref = reference(P);
+  Device dev(P);
+  const double eps = c.f16 ? 1.0 / 2048 : 1.0 / 256;
+  int worst = 0;
+  for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kMma, PrefillKernel::kSimt}) {
+    CK(cudaMemset(dev.out, 0xff, dev.out_bytes));  // NaN everywhere
+    const char* err = dev.launch(c.f16, which);
+    if (err != nullptr) {
+      const bool fail = which != PrefillKernel::kSm90 || g_sm90_expected;
+      std::printf("  %-44s %-5s %s: %s\n", c.name.c_str(), kernel_name(which),
+                  fail ? "FAIL" : "SKIP", err);
+      cudaGetLastError();
+      worst = std::max(worst, fail ? 1 : 0);
+      continue;
+    }
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out(P.q.size());
+    CK(cudaMemcpy(out.data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
+    double max_abs = 0.0, max_ref = 0.0, worst_ratio = 0.0;
+    int64_t bad = 0, nonzero_pad = 0;
+    const int64_t valid = int64_t(P.nq) * c.hq * c.d;
+    for (int64_t i = 0; i < valid; ++i) {
+      const double o = dec(out[i], c.f16), r = ref[i];
+      const double e = std::fabs(o - r);  // NaN compares false below: counted as bad
+      const double tol = 2 * eps * (1.0 + std::fabs(r));
+      if (!(e <= tol)) ++bad;
+      if (!(e <= max_abs)) max_abs = e;
+      max_ref = std::max(max_ref, std::fabs(r));
+      worst_ratio = std::max(worst_ratio, e / tol);
+    }
+    for (int64_t i = valid; i < int64_t(out.size()); ++i)
+      if ((out[i] & 0x7fff) != 0) ++nonzero_pad;
+    const bool ok = bad == 0 && nonzero_pad == 0;
+    std::printf("  %-44s %-5s max_abs_err %.3e  max_rel_err %.3e  err/tol %.2f  bad %lld  "
+                "bad_pad %lld  %s\n",
+                c.name.c_str(), kernel_name(which), max_abs, max_abs / std::max(max_ref, 1e-30),
+                worst_ratio, (long long)bad, (long long)nonzero_pad, ok ? "PASS" : "FAIL");
+    if (!ok) worst = 1;
+  }
+  return worst;
+}
+
+double useful_flops(const std::vector<int>& lq, const std::vector<int>& prefix, int hq, int d) {
+  double s = 0.0;
+  for (size_t b = 0; b < lq.size(); ++b)
+    s += double(lq[b]) * prefix[b] + double(lq[b]) * (lq[b] + 1) / 2.0;
+  return 4.0 * d * hq * s;
+}
+
+// Times each path on one problem; 1 when the sm90 and mma outputs disagree.
+int bench_case(const char* name, const Case& c, std::mt19937& rng) {
+  const Problem P = make_problem(c, rng);
+  Device dev(P);
+  const double flops = useful_flops(c.lq, c.prefix, c.hq, c.d);
+  std::vector<std::vector<uint16_t>> outs;
+  int rc = 0;
+  for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kMma}) {
+    CK(cudaMemset(dev.out, 0xff, dev.out_bytes));
+    const char* err = dev.launch(c.f16, which);
+    if (err != nullptr) {
+      std::printf("  %-28s %-5s %s: %s\n", name, kernel_name(which),
+                  which == PrefillKernel::kSm90 && !g_sm90_expected ? "SKIP" : "FAIL", err);
+      cudaGetLastError();
+      if (which != PrefillKernel::kSm90 || g_sm90_expected) rc = 1;
+      continue;
+    }
+    for (int i = 0; i < 2; ++i) dev.launch(c.f16, which);
+    CK(cudaDeviceSynchronize());
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    for (int i = 0; i < 10; ++i) {
+      CK(cudaEventRecord(e0));
+      dev.launch(c.f16, which);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float t = 0.f;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::sort(ms.begin(), ms.end());
+    const double med = 0.5 * (ms[4] + ms[5]);
+    std::printf("  %-28s %-5s %9.1f us  %6.1f TFLOP/s (useful)  [min %.1f us]\n", name,
+                kernel_name(which), med * 1e3, flops / (med * 1e-3) / 1e12, ms[0] * 1e3);
+    outs.emplace_back(P.q.size());
+    CK(cudaMemcpy(outs.back().data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
+  }
+  if (outs.size() == 2) {
+    double md = 0.0;
+    int64_t nan = 0;
+    const int64_t valid = int64_t(P.nq) * c.hq * c.d;
+    for (int64_t i = 0; i < valid; ++i) {
+      const double a = dec(outs[0][i], c.f16), b = dec(outs[1][i], c.f16);
+      if (!std::isfinite(a) || !std::isfinite(b)) ++nan;
+      md = std::max(md, std::fabs(a - b));
+    }
+    const bool ok = nan == 0 && md <= 4.0 / 256;
+    std::printf("  %-28s sm90 vs mma: max abs diff %.3e, non-finite %lld  %s\n", name, md,
+                (long long)nan, ok ? "PASS" : "FAIL");
+    if (!ok) rc = 1;
+  }
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool checks = true, bench = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-bench") == 0) bench = false;
+    if (std::strcmp(argv[i], "--bench-only") == 0) checks = false;
+  }
+  int dev = 0, major = 0, minor = 0;
+  CK(cudaGetDevice(&dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+#if defined(JAXATTN_HAVE_SM90A)
+  g_sm90_expected = major == 9 && minor == 0;
+#endif
+  std::printf("device: %s (cc %d.%d, %d SMs); sm90 path %s\n", prop.name, major, minor,
+              prop.multiProcessorCount, g_sm90_expected ? "expected" : "not expected");
+
+  std::mt19937 rng(1234);
+  int failed = 0, total = 0;
+  const Layout bshd = Layout::kBSHD, bhsd = Layout::kBHSD;
+  if (checks) {
+    // name, lq, prefix, hq, hkv, d, page_size, layout, pool, cap, f16, pad_rows
+    const std::vector<Case> cases = {
+        {"lq1 x4 prefixes 0/5/64/1000, 32/8 p16", {1, 1, 1, 1}, {0, 5, 64, 1000}, 32, 8, 128, 16,
+         bshd, false, 0.f, false, 3},
+        {"lq 3/17/255/1 mixed prefixes, 32/8 p16", {3, 17, 255, 1}, {5, 64, 0, 1000}, 32, 8, 128,
+         16, bshd, false, 0.f, false, 5},
+        {"same, bhsd p64 softcap 2", {3, 17, 255, 1}, {5, 64, 0, 1000}, 32, 8, 128, 64, bhsd,
+         false, 2.f, false, 2},
+        {"lq 255/17/0 prefix 1000/5/64, 8/8 p1", {255, 17, 0}, {1000, 5, 64}, 8, 8, 128, 1, bshd,
+         false, 0.f, false, 0},
+        {"pool (extend) 17/255/3, 4/1", {17, 255, 3}, {1000, 64, 0}, 4, 1, 128, 1, bshd, true,
+         0.f, false, 7},
+        {"pool softcap 5, 8/8", {255, 1}, {5, 64}, 8, 8, 128, 1, bshd, true, 5.f, false, 1},
+        {"lq 300 prefix 1000 (11 key tiles), 8/8 p16", {300}, {1000}, 8, 8, 128, 16, bshd, false,
+         0.f, false, 0},
+        {"lq 129/128/127 prefix 127/128/129, 4/1 bhsd", {129, 128, 127}, {127, 128, 129}, 4, 1,
+         128, 16, bhsd, false, 0.f, false, 4},
+        {"lq 255 prefix 0, 4/1 bhsd p64 softcap 2", {255}, {0}, 4, 1, 128, 64, bhsd, false, 2.f,
+         false, 0},
+        {"f16 lq 17/255 prefix 64/1000, 32/8 p16", {17, 255}, {64, 1000}, 32, 8, 128, 16, bshd,
+         false, 0.f, true, 2},
+        {"D64 bf16 lq 255/3 prefix 64/5, 32/8 p16", {255, 3}, {64, 5}, 32, 8, 64, 16, bshd,
+         false, 0.f, false, 3},
+        {"D64 f16 pool softcap 2, 8/8", {17, 255}, {1000, 0}, 8, 8, 64, 1, bshd, true, 2.f, true,
+         0},
+        {"D64 bhsd p64 lq 1/255 prefix 1000/64, 4/1", {1, 255}, {1000, 64}, 4, 1, 64, 64, bhsd,
+         false, 0.f, false, 1},
+    };
+    std::printf("checks (vs CPU float64 reference):\n");
+    for (const Case& c : cases) {
+      const int r = check_case(c, rng);
+      ++total;
+      if (r == 1) ++failed;
+    }
+    std::printf("checks: %d of %d cases failed\n", failed, total);
+  }
+  if (bench) {
+    std::printf("timings (bf16, D=128, 32/8, page 16, bshd; median of 10 after warm-up):\n");
+    const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
+                      bshd, false, 0.f, false, 0};
+    if (bench_case("8 x (2048 + 512)", big, rng)) ++failed;
+    const Case longq = {"", {8192}, {0}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
+    if (bench_case("1 x (0 + 8192)", longq, rng)) ++failed;
+  }
+  std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
+  return failed ? 1 : 0;
+}
