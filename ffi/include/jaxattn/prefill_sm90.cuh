@@ -329,10 +329,13 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   // Online softmax of tile n on the S fragments (left as probabilities in s): new row maxima,
   // the factors a0 / a1 that rescale the old O and l, this thread's partial row sums.
+  // kFold (no soft cap, q_scale > 0, the usual case): maxima on the raw dot products and
+  // p = exp2(s * q_scale - max) as one FFMA; otherwise logits = [cap *] [tanh](s * q_scale)
+  // first, exactly as the mma kernel.
   float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
-  auto softmax = [&](int n, auto mask_tag, auto cap_tag) {
+  auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
     constexpr bool kMask = decltype(mask_tag)::value;
-    constexpr bool kCap = decltype(cap_tag)::value;
+    constexpr bool kFold = decltype(fold_tag)::value;
     // Last visible key of each row, relative to this thread's first column of the tile.
     const int n0 = n * BN;
     const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
@@ -342,8 +345,11 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = s[4 * j + e] * qs;
-        if constexpr (kCap) v = cap * tanhf(v);
+        float v = s[4 * j + e];
+        if constexpr (!kFold) {
+          v *= qs;
+          if (cap > 0.f) v = cap * tanhf(v);
+        }
         if constexpr (kMask) {
           if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
         }
@@ -354,6 +360,10 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     }
     mx0 = group_max<4>(mx0);
     mx1 = group_max<4>(mx1);
+    if constexpr (kFold) {  // to logits (q_scale > 0 keeps the order; -inf stays -inf)
+      mx0 *= qs;
+      mx1 *= qs;
+    }
     const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
     const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
     a0 = fast_exp2(m0 - mu0);
@@ -362,23 +372,25 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     m1 = mn1;
     sum0 = 0.f;
     sum1 = 0.f;
+    const float sc = kFold ? qs : 1.f;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-      s[4 * j] = fast_exp2(s[4 * j] - mu0);
-      s[4 * j + 1] = fast_exp2(s[4 * j + 1] - mu0);
-      s[4 * j + 2] = fast_exp2(s[4 * j + 2] - mu1);
-      s[4 * j + 3] = fast_exp2(s[4 * j + 3] - mu1);
+      s[4 * j] = fast_exp2(fmaf(s[4 * j], sc, -mu0));
+      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc, -mu0));
+      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc, -mu1));
+      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc, -mu1));
       sum0 += s[4 * j] + s[4 * j + 1];
       sum1 += s[4 * j + 2] + s[4 * j + 3];
     }
   };
   using True = std::true_type;
   using False = std::false_type;
+  const bool fold = !(cap > 0.f) && qs > 0.f;
   // Tiles wholly below full_end need no mask (the prefix stage); the rest cross the diagonal
   // or the last key.
   auto softmax_tile = [&](int n) {
     const bool masked = n * BN + BN > range.full_end;
-    if (cap > 0.f) {
+    if (fold) {
       if (masked) {
         softmax(n, True{}, True{});
       } else {
