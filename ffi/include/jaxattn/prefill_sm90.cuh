@@ -28,17 +28,22 @@
 // D = 128: 32 KB Q + 3 x 64 KB K/V + 1 KB offsets + 1 KB alignment slack = 226 KB, one block
 // per SM.
 //
-// Iteration n (one barrier): wait for tile n's copies, fence.proxy.async (cp.async writes are
-// generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q K_n^T (8 x m64n128k16,
-// both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x m64nDk16, P from registers)
-// as two wgmma groups; issue the copies of tile n + 1 into stage (n + 1) % 3 (neither stage n
-// nor stage n - 1 is touched) and advance the row cursors (RowCursor, incremental page
-// addressing) for tile n + 2; wait for S only; softmax on the accumulator fragments (scale,
-// optional cap * tanh, mask only on tiles that cross the diagonal or the last key, base-2
-// exponentials) while P_{n-1} V_{n-1} still runs; wait for it; rescale O; pack P_n to 16-bit A
-// fragments (the m64nNk16 accumulator layout is the A-fragment layout). The last P V follows
-// the loop. Key tiles stop at the tile holding the last row's last visible key (key_range),
-// exactly as the mma kernel.
+// Iteration n >= 1 (one barrier): wait for tile n's copies, fence.proxy.async (cp.async writes
+// are generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q K_n^T (D/16 x
+// m64n128k16, both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x m64nDk16, P from
+// registers) as two wgmma groups; issue the copies of tile n + 1 into stage (n + 1) % 3
+// (neither stage n nor stage n - 1 is touched) and advance the row cursors (RowCursor,
+// incremental page addressing) for tile n + 2; wait for S only (wait_group 1); online softmax
+// on the accumulator fragments (no cap: maxima on the raw dot products, one FFMA + ex2 per
+// probability; with a cap: cap * tanh(s * q_scale) first; the mask only on tiles that cross
+// the diagonal or the last key) while P_{n-1} V_{n-1} still runs; wait for it; rescale O; pack
+// P_n to 16-bit A fragments (the m64nNk16 accumulator layout is the A-fragment layout). Tile 0
+// is peeled (S only) and the last P V follows the loop, so every wgmma group in the loop is
+// unconditional (with a conditional P V group ptxas either serialised the wgmma or turned the
+// empty commit into a dummy group that made wait_group 1 wait for P V as well). Key tiles stop at the tile holding the last row's last
+// visible key (key_range), exactly as the mma kernel.
+//
+// ptxas (nvcc 13.0): 254-255 registers, no spills, one block of 256 threads per SM.
 #pragma once
 
 #include <cstdint>
@@ -210,13 +215,13 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
   constexpr int NS = S::kStages;
   constexpr float kNegInf = -__builtin_huge_valf();
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t raw = smem_u32(smem);
+  extern __shared__ __align__(1024) unsigned char sm90_smem[];
+  const uint32_t raw = smem_u32(sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle patterns start on 1024 bytes
   const uint32_t q_s = base;
   const uint32_t kv_s = base + S::kQBytes;  // stage i: K at + i * kStageBytes, V kTileBytes on
   uint32_t* rowoff =
-      reinterpret_cast<uint32_t*>(smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
+      reinterpret_cast<uint32_t*>(sm90_smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
 
   const int head = blockIdx.y;
   PrefillTile t;
