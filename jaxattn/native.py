@@ -12,8 +12,10 @@ Python float; anything this backend cannot serve raises ``NotImplementedError``.
 
 Split-KV decode: ``partition_size`` given -> that many tokens per partition, then the
 combine kernel. ``None`` -> one pass, unless the batch leaves the GPU short of blocks;
-then the kernel splits with 512 tokens per partition (256 when a KV head serves more than
-15 query heads), or ``$JAXATTN_PARTITION_SIZE`` when set (read at trace time).
+then the kernel splits with ``$JAXATTN_PARTITION_SIZE`` tokens per partition when set (read
+at trace time), else 512 (256 when a KV head serves more than 15 query heads), halved while
+the grid would still be under two blocks per multiprocessor (down to 128 tokens: a short
+context of a small batch).
 Inside the kernels logits are in base 2 (scale folded with log2(e)); nothing in base 2
 leaves them.
 """
@@ -62,6 +64,11 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Hq/Hkv=32/8: B=64 ctx=4096 (512 blocks) ran 5% faster in one pass than split by 512;
 # B=8 (64 blocks) ran 3.6x faster split.
 _MIN_BLOCKS_PER_SM = 3
+# A split grid with fewer blocks than this per multiprocessor halves its partitions (the
+# decode kernel for 2..8 query heads per KV head holds two blocks per H200 SM); not below
+# _MIN_PARTITION tokens. The Pallas decode uses the same rule.
+_MIN_SPLIT_BLOCKS_PER_SM = 2
+_MIN_PARTITION = 128
 
 _BUILD_HINT = (
     "build it from the repository root with `pip install -e .` (CMake >= 3.20 and a C++17 "
@@ -220,11 +227,19 @@ def choose_partition_size(partition_size, *, platform, batch, num_kv_heads, grou
     """Tokens per partition for decode, 0 for one pass (see the module docstring)."""
     if partition_size is not None:
         return int(partition_size)
-    split = _env_partition_size() or (256 if group > 15 else 512)
+    env = _env_partition_size()
+    split = env or (256 if group > 15 else 512)
     if platform == "cpu" or capacity <= split:
         return 0
-    if batch * num_kv_heads >= _MIN_BLOCKS_PER_SM * _num_multiprocessors():
+    sms = _num_multiprocessors()
+    if batch * num_kv_heads >= _MIN_BLOCKS_PER_SM * sms:
         return 0
+    if env is None:
+        while (
+            split > _MIN_PARTITION
+            and batch * num_kv_heads * math.ceil(capacity / split) < _MIN_SPLIT_BLOCKS_PER_SM * sms
+        ):
+            split //= 2
     return split
 
 

@@ -135,12 +135,23 @@ def test_decode_partition_from_environment(rng, monkeypatch):
         _decode(case, scale=0.2)
 
 
-def test_partition_choice():
+def test_partition_choice(monkeypatch):
+    monkeypatch.setattr(native, "_num_multiprocessors", lambda: 132)
     common = dict(num_kv_heads=8, capacity=4096)
     assert native.choose_partition_size(96, platform="cuda", batch=64, group=4, **common) == 96
-    # A single sequence leaves a GPU short of blocks: split, 512 or 256 by group size.
-    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **common) == 512
-    assert native.choose_partition_size(None, platform="cuda", batch=1, group=16, **common) == 256
+    # Few sequences leave a GPU short of blocks: split, 512 or 256 by group size ...
+    assert native.choose_partition_size(None, platform="cuda", batch=8, group=4, **common) == 512
+    assert native.choose_partition_size(None, platform="cuda", batch=16, group=16, **common) == 256
+    long_ctx = dict(num_kv_heads=8, capacity=32768)
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **long_ctx) == 512
+    # ... halved while under two blocks per SM (264), down to 128 tokens.
+    assert native.choose_partition_size(None, platform="cuda", batch=4, group=4, **common) == 256
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **common) == 128
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=16, **common) == 128
+    # $JAXATTN_PARTITION_SIZE is taken as it is.
+    monkeypatch.setenv("JAXATTN_PARTITION_SIZE", "1024")
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **common) == 1024
+    monkeypatch.delenv("JAXATTN_PARTITION_SIZE")
     # Enough sequences, a context within one partition, or the CPU: one pass.
     assert native.choose_partition_size(None, platform="cuda", batch=4096, group=4, **common) == 0
     assert (

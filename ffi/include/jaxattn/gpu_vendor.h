@@ -125,6 +125,40 @@ __device__ __forceinline__ void vec_to_float<f16_t>(const uint4& r, float* out) 
   }
 }
 
+// Asynchronous 16-byte copies from global to shared memory, for multi-stage pipelines:
+// async_copy16 starts one copy (valid == false writes 16 zero bytes and reads nothing),
+// async_copy_commit closes the group of copies this thread started since the last commit, and
+// async_copy_wait<N> blocks until at most N of this thread's groups are still in flight. The
+// copies become visible to other threads only through a barrier after the wait.
+// NVIDIA sm_80+: cp.async.cg (bypasses L1; zero fill through src-size 0). HIP and older
+// NVIDIA targets: a plain synchronous load and shared store, commit and wait do nothing, so
+// one pipeline source runs (unpipelined) everywhere. Both pointers must be 16-byte aligned.
+__device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src, bool valid) {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (valid) v = *static_cast<const uint4*>(gmem_src);
+  *static_cast<uint4*>(smem_dst) = v;
+#endif
+}
+
+__device__ __forceinline__ void async_copy_commit() {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void async_copy_wait() {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 inline const char* check_launch() {
   const gpuError_t err = gpuGetLastError();
   return err == gpuSuccess ? nullptr : gpuGetErrorString(err);

@@ -4,16 +4,50 @@
 // partition of it) and computes every query head of that head's GQA group, so each K/V row
 // is fetched from memory once per block however many query heads share it.
 //
-// Lanes: a row of head_dim elements is read by kLanesPerRow lanes, 16 bytes each, so a warp
-// covers kRowsPerWarp token rows per step and every load is a full 16-byte vector. Each lane
-// keeps its slice of q and of the output for the warp's heads in registers; a logit is the
-// lanes' partial dot products summed by a shuffle tree of width kLanesPerRow. Softmax runs
-// online per lane group in base 2 (q pre-scaled by scale * log2 e, exp2 on the SFU); lane
-// groups and warps merge their (max, sum, output) states once, at the end.
+// Decode moves every K/V byte once and does little arithmetic per byte, so the kernels are
+// built around keeping enough loads in flight. Three kernels:
 //
-// Group sizes up to 8 keep every head in each warp's registers and read K/V straight from
-// global memory. Larger groups (16..64) split the heads over warps of 8; the block then
-// stages each tile of K/V rows in shared memory once and all warps read it from there.
+// 1. Direct (one query head per KV head). A row of head_dim elements is read by kLanesPerRow
+//    lanes, 16 bytes each, straight from global memory into registers, four rows per lane
+//    group a step; each lane keeps its slice of q and of the output in registers and a logit
+//    is the lanes' partial dot products summed by a shuffle tree. With one head the compute
+//    per row is short and 8 blocks fit an SM, which keeps memory saturated (90-106% of the
+//    H200 copy bandwidth).
+//
+// 2. Pipelined tensor-core kernel (NVIDIA sm_80+, bf16/f16, 2..8 query heads per KV head).
+//    With more heads the direct kernel's load -> wait -> compute step left too few bytes in
+//    flight (51-70% of copy bandwidth at 4 heads). Here K and V tiles of kTile = 64 token rows
+//    go through a ring of kStages shared-memory stages filled by 16-byte cp.async copies: while
+//    tile n is computed, tiles n+1 .. n+kStages-1 are in flight. Row addresses come from the
+//    block table (page * page_stride + offset * token_stride); each tile's row offsets are
+//    computed once, by one thread a row, into its stage's header: the block-table entry is
+//    loaded before the compute of the tile that stage holds, stored after it, and the copies
+//    are issued in the next iteration, after its barrier (no load latency on the issue
+//    path). Rows past the partition's end are zero-filled and never read from global memory:
+//    NaN in unused slots and pages cannot reach a product.
+//    Compute, per warp and 16-token slice of the tile (mma.sync m16n8k16, f32 accumulation):
+//      S = Q K^T with the group's query heads as the A operand (rows 0..7, rows 8..15 zero),
+//        K as the B operand (ldmatrix from the K stage): lane (g, t) gets S[head g][tokens
+//        2t, 2t+1] of each 8-token half;
+//      softmax per head in base 2 (max over the 4 lanes of a head: two shuffles);
+//      O^T += V^T P^T with V^T as the A operand (ldmatrix.trans from the V stage) and P^T as
+//        the B operand, which is exactly the S fragment packed to 16 bits -- no transpose, no
+//        padding in the accumulator (head_dim x 8 heads: D/4 floats per lane).
+//    P is rounded to the input's 16-bit type for the second product (as in FlashAttention);
+//    everything else stays f32. The tensor cores make the arithmetic negligible, so the kernel
+//    runs at the rate its loads are issued: at head_dim 128, 3 stages of 34 KiB, two blocks
+//    per H200 SM, 128 KiB in flight per SM. The four warps' (max, sum, output) states merge
+//    once, through shared memory.
+//
+// 3. Pipelined SIMT kernel (everything else: f32, HIP, 16..64 heads per KV head). The same
+//    ring of stages (on HIP and pre-sm_80 targets the copies are synchronous: gpu_vendor.h),
+//    computed with the lane-group scheme of kernel 1 from shared memory. Groups up to 8 keep
+//    every head in each warp's registers and split the tile's rows over four warps; larger
+//    groups split the heads over warps of 8 that all read every row of the tile.
+//
+// Softmax runs online in base 2 (logits scaled by scale * log2 e, exp2 on the SFU; with a soft
+// cap, cap * log2 e * tanh(logit / cap)); warps and lane groups merge their (max, sum, output)
+// states once, at the end.
 //
 // Split-KV (partition_size > 0): each block writes its partition's normalised output and
 // (max, sum) to the workspace and a combine kernel weighs the partitions by
@@ -21,10 +55,21 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
+#include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
 #include "jaxattn/params.h"
+
+// Tuning knobs of the tensor-core kernel, compile-time (ffi/tests_gpu/decode_selftest.cu can
+// be rebuilt with -D to time other values): the shared-memory budget of its ring in KiB
+// (stages are as many as fit, 2..4; 3 at head_dim 128, two blocks per H200 SM) or a fixed
+// stage count.
+#ifndef JAXATTN_DECODE_MMA_SMEM_KB
+#define JAXATTN_DECODE_MMA_SMEM_KB 110
+#endif
+#ifndef JAXATTN_DECODE_MMA_STAGES
+#define JAXATTN_DECODE_MMA_STAGES 0
+#endif
 
 namespace jaxattn {
 namespace gpu {
@@ -32,11 +77,15 @@ namespace gpu {
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <typename T, int D, int GT, bool PREFETCH = false>
+// Shape of the SIMT kernels (1 and 3). DIRECT selects kernel 1 (the default for one head per
+// KV head; decode_selftest.cu also instantiates it for larger groups to time it against the
+// pipelined kernels).
+template <typename T, int D, int GT, bool DIRECT = (GT == 1)>
 struct DecodeShape {
   static_assert(D % (16 / sizeof(T)) == 0, "head_dim must be a whole number of 16-byte vectors");
   static constexpr int kVec = 16 / sizeof(T);
-  static constexpr int kLanesPerRow = cmin(D / kVec, WARP_SIZE);
+  static constexpr int kChunks = D / kVec;  // 16-byte vectors a row
+  static constexpr int kLanesPerRow = cmin(kChunks, WARP_SIZE);
   static constexpr int kVecsPerLane = D / (kVec * kLanesPerRow);
   static constexpr int kElemsPerLane = kVecsPerLane * kVec;
   static constexpr int kRowsPerWarp = WARP_SIZE / kLanesPerRow;
@@ -45,22 +94,36 @@ struct DecodeShape {
   static constexpr int kTokenSplit = kHeadChunks >= 4 ? 1 : 4 / kHeadChunks;
   static constexpr int kWarps = kHeadChunks * kTokenSplit;
   static constexpr int kThreads = kWarps * WARP_SIZE;
-  static constexpr bool kStaged = kHeadChunks > 1;
-  // Rows each lane group has in flight per step: enough independent 16-byte loads to cover
-  // memory latency without spilling the K/V registers. The prefetching variant holds two
-  // steps, so with eight query heads a warp it takes two rows a step.
-  static constexpr int kUnroll = (PREFETCH && !kStaged && kHeadsPerWarp >= 8) ? 2 : 4;
+  static constexpr bool kStaged = !DIRECT;
+  static_assert(kStaged || kHeadChunks == 1, "the direct kernel keeps every head in each warp");
+  // Rows each lane group has in flight per step: from global memory (direct) enough
+  // independent 16-byte loads to cover memory latency; from shared memory fewer registers.
+  static constexpr int kUnroll = kStaged ? 2 : 4;
   static constexpr int kStep = kTokenSplit * kRowsPerWarp * kUnroll;
-  static constexpr int kTile =
-      kStaged ? cmax(kStep, (32768 / int(2 * D * sizeof(T))) / kStep * kStep) : kStep;
-  // Shared rows padded by one vector so that neighbouring rows start in different banks.
+
+  // Pipelined: a ring of kStages stages of kTile rows (K then V, each row padded by one
+  // vector so that neighbouring rows start in different banks) plus each stage's row offsets,
+  // within 44 KiB (the default dynamic shared-memory limit is 48).
   static constexpr int kRowStride = D + kVec;
-  static constexpr int kStageBytes = kStaged ? 2 * kTile * kRowStride * int(sizeof(T)) : 0;
-  static constexpr int kMergeBytes = kTokenSplit > 1
-                                         ? kWarps* kHeadsPerWarp*(D + 2) * int(sizeof(float))
-                                         : 0;
-  static constexpr int kSmemBytes = cmax(kStageBytes, kMergeBytes);
-  static_assert(kSmemBytes <= 48 * 1024, "decode shared memory must fit the default limit");
+  static constexpr int kRowBytes = 2 * kRowStride * int(sizeof(T)) + 8;
+  static constexpr int kRingBudget = 44 * 1024;
+  static constexpr int kFit3 = kRingBudget / (3 * kRowBytes) / kStep * kStep;
+  static constexpr int kFit2 = kRingBudget / (2 * kRowBytes) / kStep * kStep;
+  static constexpr int kStages = kStaged ? (kFit3 >= kStep ? 3 : 2) : 0;
+  static constexpr int kTile =
+      kStaged ? cmin(cmax(64 / kStep, 1) * kStep, kStages == 3 ? kFit3 : kFit2) : kStep;
+  static_assert(!kStaged || (kTile >= kStep && kTile % kStep == 0 && kTile <= kThreads),
+                "a stage holds whole steps and at most one row per thread");
+  static constexpr int kRingStages = kStaged ? kStages : 2;  // the (unused) ring type of DIRECT
+  static constexpr int kRingBytes = kStaged ? kStages * kTile * kRowBytes : 0;
+  static constexpr int kMergeBytes =
+      kTokenSplit > 1 ? kWarps * kHeadsPerWarp * (D + 2) * int(sizeof(float)) : 0;
+  static constexpr int kSmemBytes = cmax(kRingBytes, kMergeBytes);
+  static_assert(kSmemBytes <= 48 * 1024, "SIMT decode shared memory must fit the default limit");
+  // __launch_bounds__ minimum blocks per SM: 0 (none) keeps ptxas's own register target for
+  // the direct kernel (64 registers at 1 head: 8 blocks an SM); for the pipelined one that
+  // target spilled a few bytes at 2 heads, and shared memory bounds its occupancy anyway.
+  static constexpr int kMinBlocks = kStaged ? 1 : 0;
 };
 
 __device__ __forceinline__ uint4 load16(const void* p) {
@@ -69,6 +132,26 @@ __device__ __forceinline__ uint4 load16(const void* p) {
 #else
   return *static_cast<const uint4*>(p);
 #endif
+}
+
+// The block's share of its sequence: tokens [start, end).
+struct DecodeRange {
+  int start;
+  int end;
+};
+
+// False when the block has no tokens of a split sequence (the combine reads only partitions
+// that hold tokens, so such a block writes nothing).
+__device__ __forceinline__ bool decode_range(const DecodeParams& p, DecodeRange* r) {
+  const int L = max(p.seq_lens[blockIdx.y], 0);
+  r->start = 0;
+  r->end = L;
+  if (p.partition_size > 0) {
+    r->start = int(blockIdx.z) * p.partition_size;
+    if (r->start >= L) return false;
+    r->end = min(L, r->start + p.partition_size);
+  }
+  return true;
 }
 
 // Writes one element of a finished (head, d): the output itself in one pass, or the
@@ -92,10 +175,119 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
   }
 }
 
-template <typename T, int D, int GT, bool PREFETCH>
-__global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
+// Merges the (max, sum, output) states that WS warps left in shared memory for each of the
+// block's HC x GC heads and writes the results, in a fixed order. red holds, for warp
+// w = ws * HC + hc and its head g, D output floats then the max and the sum, at
+// red + (w * GC + g) * (D + 2).
+template <typename T, int D, int HC, int GC, int WS, int NT>
+__device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, const float* red,
+                                                      int b, int kvh, int group) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  for (int i = threadIdx.x; i < HC * GC * D; i += NT) {
+    const int hci = i / (GC * D), g = (i / D) % GC, d = i % D;
+    const int gh = hci * GC + g;
+    if (gh >= group) continue;
+    float mx = kNegInf;
+#pragma unroll
+    for (int w = 0; w < WS; ++w) mx = fmaxf(mx, red[((w * HC + hci) * GC + g) * (D + 2) + D]);
+    const float m_use = mx == kNegInf ? 0.f : mx;
+    float o = 0.f, ls = 0.f;
+#pragma unroll
+    for (int w = 0; w < WS; ++w) {
+      const float* r = red + ((w * HC + hci) * GC + g) * (D + 2);
+      const float wt = fast_exp2(r[D] - m_use);
+      ls += wt * r[D + 1];
+      o += wt * r[d];
+    }
+    decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls);
+  }
+}
+
+// The shared-memory ring of the pipelined kernels: kStages stages, each the element offsets
+// of its TILE rows (int64, -1 for a row past the end) followed by TILE rows of K and TILE rows
+// of V (RS elements apart). Tile n lives in stage n % STAGES.
+template <typename T, int D, int TILE, int STAGES, int RS, int NT>
+struct KvRing {
+  static constexpr int kVec = 16 / int(sizeof(T));
+  static constexpr int kChunks = D / kVec;
+  static constexpr int kStageBytes = TILE * 8 + 2 * TILE * RS * int(sizeof(T));
+  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static_assert(TILE <= NT, "one thread computes each row offset");
+
+  unsigned char* base;
+  const T* kbase;  // this KV head's K and V
+  const T* vbase;
+  const int32_t* table;  // this sequence's block-table row
+  KvGeometry kv;
+  int start, end;
+
+  __device__ __forceinline__ int64_t* offsets(int stage) const {
+    return reinterpret_cast<int64_t*>(base + stage * kStageBytes);
+  }
+  __device__ __forceinline__ T* k_rows(int stage) const {
+    return reinterpret_cast<T*>(base + stage * kStageBytes + TILE * 8);
+  }
+  __device__ __forceinline__ T* v_rows(int stage) const { return k_rows(stage) + TILE * RS; }
+
+  // Page of this thread's row of tile n (0 when the row is past the end; only threads below
+  // TILE have a row). Split from store_offset so that the block-table read can be issued a
+  // whole tile's compute before its value is needed.
+  __device__ __forceinline__ int page_of(int n) const {
+    const int t = start + n * TILE + int(threadIdx.x);
+    return (int(threadIdx.x) < TILE && t < end) ? table[t / kv.page_size] : 0;
+  }
+  __device__ __forceinline__ void store_offset(int n, int page) const {
+    if (int(threadIdx.x) >= TILE) return;
+    const int t = start + n * TILE + int(threadIdx.x);
+    offsets(n % STAGES)[threadIdx.x] =
+        t < end ? int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride
+                : int64_t(-1);
+  }
+
+  // Starts the copies of tile n (its offsets must be visible: stored before a barrier).
+  __device__ __forceinline__ void issue(int n) const {
+    const int s = n % STAGES;
+    const int64_t* off = offsets(s);
+    T* ks = k_rows(s);
+    T* vs = v_rows(s);
+    constexpr int kCopies = TILE * kChunks;
+#pragma unroll
+    for (int i = 0; i < (kCopies + NT - 1) / NT; ++i) {
+      const int idx = int(threadIdx.x) + i * NT;
+      if (kCopies % NT == 0 || idx < kCopies) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int64_t o = off[r];
+        const bool ok = o >= 0;
+        const int64_t src = ok ? o + c * kVec : 0;
+        async_copy16(ks + r * RS + c * kVec, kbase + src, ok);
+        async_copy16(vs + r * RS + c * kVec, vbase + src, ok);
+      }
+    }
+  }
+
+  // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
+  // commit group each (empty groups past the last tile keep the group count uniform).
+  __device__ __forceinline__ void prologue(int ntiles) const {
+#pragma unroll
+    for (int n = 0; n < STAGES; ++n) store_offset(n, page_of(n));
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < STAGES - 1; ++n) {
+      if (n < ntiles) issue(n);
+      async_copy_commit();
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// SIMT kernels (1 and 3).
+// ------------------------------------------------------------------------------------------
+
+template <typename T, int D, int GT, bool DIRECT>
+__global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
+                                  (DecodeShape<T, D, GT, DIRECT>::kMinBlocks))
     paged_decode_kernel(const DecodeParams p) {
-  using S = DecodeShape<T, D, GT, PREFETCH>;
+  using S = DecodeShape<T, D, GT, DIRECT>;
   constexpr int VEC = S::kVec, TG = S::kLanesPerRow, NV = S::kVecsPerLane;
   constexpr int EPL = S::kElemsPerLane, TPW = S::kRowsPerWarp, GC = S::kHeadsPerWarp;
   constexpr int HC = S::kHeadChunks, WS = S::kTokenSplit, U = S::kUnroll;
@@ -103,17 +295,23 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int kvh = blockIdx.x, b = blockIdx.y;
-  const int L = max(p.seq_lens[b], 0);
   const int group = p.num_q_heads / p.kv.num_kv_heads;
-  int start = 0, end = L;
-  if (p.partition_size > 0) {
-    start = int(blockIdx.z) * p.partition_size;
-    if (start >= L) return;  // the combine reads only partitions that hold tokens
-    end = min(L, start + p.partition_size);
-  }
+  DecodeRange range;
+  if (!decode_range(p, &range)) return;
+  const int start = range.start, end = range.end;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int hc = warp % HC, ws = warp / HC;
   const int row = lane / TG, col = lane % TG;
+
+  const KvGeometry& kv = p.kv;
+  const int32_t* bt = p.block_tables + int64_t(b) * p.block_table_stride;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+
+  using Ring = KvRing<T, D, S::kTile, S::kRingStages, S::kRowStride, S::kThreads>;
+  [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
+  [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
+  if constexpr (S::kStaged) ring.prologue(ntiles);  // the copies overlap the q loads below
 
   float q[GC][EPL];
 #pragma unroll
@@ -198,13 +396,9 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
     }
   };
 
-  const KvGeometry& kv = p.kv;
-  const int32_t* bt = p.block_tables + int64_t(b) * p.block_table_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  if constexpr (!S::kStaged && !PREFETCH) {
+  if constexpr (!S::kStaged) {
     for (int tb = start; tb < end; tb += S::kStep) {
       uint4 kr[U][NV], vr[U][NV];
       bool ok[U];
@@ -227,65 +421,25 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
       }
       consume(kr, vr, ok);
     }
-  } else if constexpr (!S::kStaged) {
-    auto load_rows = [&](int tb, uint4(&kr)[U][NV], uint4(&vr)[U][NV], bool(&ok)[U]) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t = tb + (u * WS + ws) * TPW + row;
-        ok[u] = t < end;
-        if (ok[u]) {
-          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
-                              int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
-#pragma unroll
-          for (int j = 0; j < NV; ++j) {
-            kr[u][j] = load16(kbase + off + j * TG * VEC);
-            vr[u][j] = load16(vbase + off + j * TG * VEC);
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < NV; ++j) kr[u][j] = vr[u][j] = zero;
-        }
-      }
-    };
-
-    // Two register sets, alternating: one step's rows are loaded while the other's are
-    // consumed. A step past the end loads nothing and consumes only masked rows.
-    uint4 ka[U][NV], va[U][NV], kb[U][NV], vb[U][NV];
-    bool oka[U], okb[U];
-    load_rows(start, ka, va, oka);
-    for (int tb = start; tb < end; tb += 2 * S::kStep) {
-      load_rows(tb + S::kStep, kb, vb, okb);
-      consume(ka, va, oka);
-      load_rows(tb + 2 * S::kStep, ka, va, oka);
-      consume(kb, vb, okb);
-    }
   } else {
-    T* ks = reinterpret_cast<T*>(smem);
-    T* vs = ks + S::kTile * S::kRowStride;
-    constexpr int kChunks = D / VEC;
-    for (int tile = start; tile < end; tile += S::kTile) {
-      __syncthreads();  // every warp is done with the previous tile
-      for (int i = threadIdx.x; i < S::kTile * kChunks; i += S::kThreads) {
-        const int r = i / kChunks, c = i % kChunks, t = tile + r;
-        uint4 kk = zero, vv = zero;
-        if (t < end) {
-          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
-                              int64_t(t % kv.page_size) * kv.token_stride + c * VEC;
-          kk = load16(kbase + off);
-          vv = load16(vbase + off);
-        }
-        *reinterpret_cast<uint4*>(ks + r * S::kRowStride + c * VEC) = kk;
-        *reinterpret_cast<uint4*>(vs + r * S::kRowStride + c * VEC) = vv;
-      }
-      __syncthreads();
-      const int tile_len = min(S::kTile, end - tile);
-      for (int tb = 0; tb < tile_len; tb += S::kStep) {
+    constexpr int NS = S::kStages;
+    for (int n = 0; n < ntiles; ++n) {
+      async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
+      __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+      if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+      async_copy_commit();
+      const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+
+      const int s = n % NS, tile0 = start + n * S::kTile;
+      const T* ks = ring.k_rows(s);
+      const T* vs = ring.v_rows(s);
+      for (int tb = 0; tb < S::kTile && tile0 + tb < end; tb += S::kStep) {
         uint4 kr[U][NV], vr[U][NV];
         bool ok[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int r = tb + (u * WS + ws) * TPW + row;
-          ok[u] = r < tile_len;
+          ok[u] = tile0 + r < end;  // rows past the end hold zeros
 #pragma unroll
           for (int j = 0; j < NV; ++j) {
             const int e = r * S::kRowStride + (j * TG + col) * VEC;
@@ -295,7 +449,9 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
         }
         consume(kr, vr, ok);
       }
+      ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
     }
+    async_copy_wait<0>();
   }
 
   // Merge the lane groups of each warp (they saw disjoint rows).
@@ -337,7 +493,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
   } else {
     // Merge the warps that split the rows, through shared memory, in a fixed order.
     float* red = reinterpret_cast<float*>(smem);
-    __syncthreads();  // staged K/V (if any) is no longer read
+    __syncthreads();  // the ring (if any) is no longer read
     if (row == 0) {
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
@@ -354,93 +510,378 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, PREFETCH>::kThreads))
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < HC * GC * D; i += S::kThreads) {
-      const int hci = i / (GC * D), g = (i / D) % GC, d = i % D;
-      const int gh = hci * GC + g;
-      if (gh >= group) continue;
-      float mx = kNegInf;
-#pragma unroll
-      for (int w = 0; w < WS; ++w) mx = fmaxf(mx, red[((w * HC + hci) * GC + g) * (D + 2) + D]);
-      const float m_use = mx == kNegInf ? 0.f : mx;
-      float o = 0.f, ls = 0.f;
-#pragma unroll
-      for (int w = 0; w < WS; ++w) {
-        const float* r = red + ((w * HC + hci) * GC + g) * (D + 2);
-        const float wt = fast_exp2(r[D] - m_use);
-        ls += wt * r[D + 1];
-        o += wt * r[d];
-      }
-      decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls);
-    }
+    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group);
   }
 }
 
-// Exact merge of the partitions of one (sequence, query head).
+// ------------------------------------------------------------------------------------------
+// Tensor-core kernel (2).
+// ------------------------------------------------------------------------------------------
+
+#if defined(JAXATTN_CUDA)
+
 template <typename T, int D>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
+struct MmaDecodeShape {
+  static_assert(sizeof(T) == 2 && D % 16 == 0, "16-bit elements, head_dim a multiple of 16");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kHeads = 8;         // query heads a KV head serves (n of the MMAs)
+  static constexpr int kTile = 16 * kWarps;  // a 16-token slice per warp
+  static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
+  static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
+  static constexpr int kStages =
+      JAXATTN_DECODE_MMA_STAGES > 0
+          ? JAXATTN_DECODE_MMA_STAGES
+          : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+  static_assert(kStages >= 2, "the ring needs two stages");
+  static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
+  static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
+  // Shared memory allows two blocks an SM at head_dim 128; saying so keeps ptxas from
+  // capping registers at 128 (on sm_80 that cap spilled).
+  static constexpr int kMinBlocks = 2;
+};
+
+__device__ __forceinline__ uint32_t decode_smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void decode_ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
+__device__ __forceinline__ void decode_ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
+// c += A B, m16n8k16, f32 accumulation; A in a0..a3, B in b0, b1 (PTX fragment layouts).
+template <typename T>
+__device__ __forceinline__ void decode_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                           uint32_t a3, uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
+template <typename T>
+__device__ __forceinline__ uint32_t decode_pack2(float lo, float hi) {
+  uint32_t r = 0;
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+#endif
+  return r;
+}
+
+// Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
+// (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
+// 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
+// cols 2t, 2t+1).
+//   S[16 x 8 tokens] = Q[16 x D] K^T: A = q (row g = query head g; rows 8..15 zero), B = K rows
+//     (ldmatrix of 8 token rows x 8 dims: lane gets K[token g][dims 2t, 2t+1] = B(k, n=g)).
+//   O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] P^T[16 tokens x 8 heads]: A = V^T
+//     (ldmatrix.trans of 8 token rows x 8 dims: lane gets V[tokens 2t, 2t+1][dim g]), B = P^T:
+//     (rows = tokens 2t, 2t+1, col = head g) is what S's C fragment holds, (head g, tokens 2t,
+//     2t+1), packed to 16 bits.
+template <typename T, int D>
+__global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape<T, D>::kMinBlocks)
+    paged_decode_mma_kernel(const DecodeParams p) {
+#if __CUDA_ARCH__ >= 800
+  using S = MmaDecodeShape<T, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr int H = S::kHeads;
   constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  DecodeRange range;
+  if (!decode_range(p, &range)) return;
+  const int start = range.start, end = range.end;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
+  const Ring ring{smem,  kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
+                  kv,    start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  ring.prologue(ntiles);
+
+  // Q as the A operand, unscaled (16-bit, exact); the scale is applied to S in f32.
+  uint32_t qa[KD][2];
+  {
+    const bool head_ok = g < group;
+    const T* qp = static_cast<const T*>(p.q) +
+                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
+      qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
+    }
+  }
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+
+  // ldmatrix lane address within a 16-row slice: rows (lane % 8) + 8 (lane / 16), 16-byte
+  // vector (lane / 8) % 2 of each 32-byte (16-element) column block.
+  const int rb = warp * 16;
+  const uint32_t lane_off =
+      uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
+
+  for (int n = 0; n < ntiles; ++n) {
+    async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
+    __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+
+    const int s = n % NS;
+    const int t0 = start + n * TILE + rb;  // this warp's first token
+    if (t0 < end) {                        // warp-uniform
+      const uint32_t kaddr = decode_smem_addr(ring.k_rows(s)) + lane_off;
+      const uint32_t vaddr = decode_smem_addr(ring.v_rows(s)) + lane_off;
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        uint32_t kf[4];
+        decode_ldsm_x4(kf, kaddr + kk * 32);
+        decode_mma<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
+        decode_mma<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
+      }
+      // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
+      float pr[2][2];
+      float mx = kNegInf;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[h][e] * p.ls.q_scale;
+          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
+          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
+          mx = fmaxf(mx, pr[h][e]);
+        }
+      }
+      mx = group_max<4>(mx);
+      const float m_new = fmaxf(m, mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[h][e] = fast_exp2(pr[h][e] - m_use);
+          sum += pr[h][e];
+        }
+      }
+      l = l * alpha + sum;
+      m = m_new;
+      // This lane's output columns are heads 2 tq and 2 tq + 1, whose factors live on lanes
+      // 4 (2 tq) and 4 (2 tq + 1).
+      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      const uint32_t pb0 = decode_pack2<T>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = decode_pack2<T>(pr[1][0], pr[1][1]);
+#pragma unroll
+      for (int j = 0; j < KD; ++j) {
+        o[j][0] *= a_lo;
+        o[j][1] *= a_hi;
+        o[j][2] *= a_lo;
+        o[j][3] *= a_hi;
+        uint32_t vf[4];
+        decode_ldsm_x4_trans(vf, vaddr + j * 32);
+        decode_mma<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
+      }
+    }
+    ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+  }
+  async_copy_wait<0>();
+  l = group_sum<4>(l);
+
+  // Per-warp states to shared memory (over the ring), then the fixed-order merge.
+  float* red = reinterpret_cast<float*>(smem);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < KD; ++j) {
+    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + j * 16 + g;
+    float* r1 = r0 + (D + 2);
+    r0[0] = o[j][0];
+    r1[0] = o[j][1];
+    r0[8] = o[j][2];
+    r1[8] = o[j][3];
+  }
+  if (tq == 0) {
+    red[(warp * H + g) * (D + 2) + D] = m;
+    red[(warp * H + g) * (D + 2) + D + 1] = l;
+  }
+  __syncthreads();
+  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group);
+#endif
+}
+
+#endif  // JAXATTN_CUDA
+
+// ------------------------------------------------------------------------------------------
+// Split-KV combine and launchers.
+// ------------------------------------------------------------------------------------------
+
+// Exact merge of the partitions of one (sequence, query head): the maximum of the partition
+// maxima first, then each warp sums its share of the partitions (their loads independent),
+// then the warps' sums in a fixed order.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams p) {
+  constexpr int kThreads = 256, kWarps = kThreads / WARP_SIZE;
+  constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  __shared__ float red_o[kWarps][D];
+  __shared__ float red_x[2][kWarps];
   const int h = blockIdx.x, b = blockIdx.y;
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int L = max(p.seq_lens[b], 0);
   const int nparts = (L + p.partition_size - 1) / p.partition_size;
   const int64_t slot0 = (int64_t(b) * p.num_q_heads + h) * p.max_parts;
   const float* part_out = p.workspace + slot0 * D;
   const float* ml = p.workspace + int64_t(p.batch) * p.num_q_heads * p.max_parts * D + 2 * slot0;
+
   float mx = kNegInf;
-  for (int i = 0; i < nparts; ++i) mx = fmaxf(mx, ml[2 * i]);
+  for (int i = threadIdx.x; i < nparts; i += kThreads) mx = fmaxf(mx, ml[2 * i]);
+  mx = group_max<WARP_SIZE>(mx);
+  if (lane == 0) red_x[0][warp] = mx;
+  __syncthreads();
+  mx = red_x[0][0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red_x[0][w]);
   const float m_use = mx == kNegInf ? 0.f : mx;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float o = 0.f, ls = 0.f;
-    for (int i = 0; i < nparts; ++i) {
-      const float w = ml[2 * i + 1] * fast_exp2(ml[2 * i] - m_use);
-      ls += w;
-      o = fmaf(w, part_out[int64_t(i) * D + d], o);
+
+  float o[kPerLane], ls = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
+#pragma unroll 4
+  for (int i = warp; i < nparts; i += kWarps) {
+    const float w = ml[2 * i + 1] * fast_exp2(ml[2 * i] - m_use);
+    ls += w;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int d = lane + k * WARP_SIZE;
+      if (D % WARP_SIZE == 0 || d < D) o[k] = fmaf(w, part_out[int64_t(i) * D + d], o[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int d = lane + k * WARP_SIZE;
+    if (D % WARP_SIZE == 0 || d < D) red_o[warp][d] = o[k];
+  }
+  if (lane == 0) red_x[1][warp] = ls;
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float od = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      od += red_o[w][d];
+      l += red_x[1][w];
     }
     static_cast<T*>(p.out)[(int64_t(b) * p.num_q_heads + h) * D + d] =
-        from_float<T>(ls > 0.f ? o / ls : 0.f);
+        from_float<T>(l > 0.f ? od / l : 0.f);
   }
 }
 
-template <typename T, int D, int GT, bool PREFETCH = false>
-const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream) {
-  using S = DecodeShape<T, D, GT, PREFETCH>;
+inline const char* decode_grid(const DecodeParams& p, dim3* grid) {
   if (p.batch > 65535 || p.max_parts > 65535) return "jaxattn: batch or partition count over 65535";
-  const dim3 grid(p.kv.num_kv_heads, p.batch, p.partition_size > 0 ? p.max_parts : 1);
-  paged_decode_kernel<T, D, GT, PREFETCH><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-  if (const char* e = check_launch()) return e;
-  if (p.partition_size > 0) {
-    decode_combine_kernel<T, D><<<dim3(p.num_q_heads, p.batch), 128, 0, stream>>>(p);
-    if (const char* e = check_launch()) return e;
-  }
+  *grid = dim3(p.kv.num_kv_heads, p.batch, p.partition_size > 0 ? p.max_parts : 1);
   return nullptr;
 }
 
-// JAXATTN_DECODE_PREFETCH=1 selects the variant that loads the next step's K/V while the
-// current one is computed, built for CUDA, 16-bit caches, head_dim 64/128 and groups up to
-// 8. Read once per process. Not yet the default: it has not been measured on a GPU (and
-// hipcc puts its register sets in scratch memory).
-inline bool decode_prefetch() {
-  static const bool on = [] {
-    const char* env = std::getenv("JAXATTN_DECODE_PREFETCH");
-    return env != nullptr && env[0] == '1';
-  }();
-  return on;
+template <typename T, int D>
+const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
+  if (p.partition_size == 0) return nullptr;
+  decode_combine_kernel<T, D><<<dim3(p.num_q_heads, p.batch), 256, 0, stream>>>(p);
+  return check_launch();
 }
 
-// The smallest group template that covers the runtime group; extra heads are masked.
+template <typename T, int D, int GT, bool DIRECT = (GT == 1)>
+const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream) {
+  using S = DecodeShape<T, D, GT, DIRECT>;
+  dim3 grid;
+  if (const char* e = decode_grid(p, &grid)) return e;
+  paged_decode_kernel<T, D, GT, DIRECT><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  if (const char* e = check_launch()) return e;
+  return launch_decode_combine<T, D>(p, stream);
+}
+
+#if defined(JAXATTN_CUDA)
+template <typename T, int D>
+const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
+  using S = MmaDecodeShape<T, D>;
+  dim3 grid;
+  if (const char* e = decode_grid(p, &grid)) return e;
+  auto kernel = paged_decode_mma_kernel<T, D>;
+  if constexpr (S::kSmemBytes > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cudaGetErrorString(err);
+    }
+  }
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  if (const char* e = check_launch()) return e;
+  return launch_decode_combine<T, D>(p, stream);
+}
+
+// Whether the current device runs the tensor-core kernel: mma.sync m16n8k16 bf16/f16 and
+// cp.async need compute capability 8.0, and its ring must fit the opt-in shared-memory limit
+// (head_dim 128 takes 104 KiB: A100 and H100/H200 yes, 8.6/8.9 parts with 99 KiB no).
+inline bool decode_mma_supported(int smem_bytes) {
+  int dev = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return major >= 8 && optin >= smem_bytes;
+}
+#endif
+
+// Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit data on NVIDIA sm_80+
+// -> tensor cores; otherwise the pipelined SIMT kernel of the smallest group template that
+// covers the runtime group (extra heads are masked).
 template <typename T, int D>
 const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
   const int group = p.num_q_heads / p.kv.num_kv_heads;
+  if (group <= 1) return launch_paged_decode_group<T, D, 1>(p, stream);
 #if defined(JAXATTN_CUDA)
-  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
-    if (decode_prefetch()) {
-      if (group <= 1) return launch_paged_decode_group<T, D, 1, true>(p, stream);
-      if (group <= 2) return launch_paged_decode_group<T, D, 2, true>(p, stream);
-      if (group <= 4) return launch_paged_decode_group<T, D, 4, true>(p, stream);
-      if (group <= 8) return launch_paged_decode_group<T, D, 8, true>(p, stream);
-    }
+  if constexpr (sizeof(T) == 2) {
+    if (group <= 8 && decode_mma_supported(MmaDecodeShape<T, D>::kSmemBytes))
+      return launch_paged_decode_mma<T, D>(p, stream);
   }
 #endif
-  if (group <= 1) return launch_paged_decode_group<T, D, 1>(p, stream);
   if (group <= 2) return launch_paged_decode_group<T, D, 2>(p, stream);
   if (group <= 4) return launch_paged_decode_group<T, D, 4>(p, stream);
   if (group <= 8) return launch_paged_decode_group<T, D, 8>(p, stream);

@@ -1,0 +1,633 @@
+// Standalone GPU self-test and timing of the paged decode kernels (jaxattn/paged_decode.cuh),
+// no Python or XLA needed:
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o /tmp/decode_selftest
+//   /tmp/decode_selftest            # correctness cases, then timing
+//   /tmp/decode_selftest --check    # correctness only        (--perf: timing only)
+//
+// Correctness: random paged caches (pages a random permutation, every unused page and every
+// slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
+// against a float64 CPU reference, for f32/bf16/f16, groups 1..64, head_dim 32..256, page
+// sizes 1..128, both layouts, one pass and split partitions, with and without a soft cap.
+// Outputs and the split workspace start as NaN, so anything unwritten shows. A case passes
+// when |out - ref| <= atol + rtol |ref| everywhere (the tolerances of tests/helpers.py).
+//
+// Timing: bf16, head_dim 128, page 16, bshd, Hq/Hkv 32/8 and 32/32; the K/V pool holds enough
+// copies of each case's cache (separate pages, separate block tables, used in rotation) to
+// exceed 240 MB, 4x the H200's L2. Median of 20 samples of 10 back-to-back calls (main kernel
+// plus the combine when split), at the partition size jaxattn/native.py picks (marked *) and,
+// for B <= 8, at 128..2048 as well. GB/s counts the K and V bytes the call must read. For
+// comparison at 32/8: "simt" (the pipelined SIMT kernel, what f32 uses) and "old" (the direct
+// register-load kernel, the previous default for 2..8 heads, with the current combine).
+// Tuning knobs of the tensor-core kernel are compile-time: rebuild with
+// -DJAXATTN_DECODE_MMA_STAGES=2|3|4 (or -DJAXATTN_DECODE_MMA_SMEM_KB=...) to compare.
+// Without a GPU, emulate_mma_decode.py (next to this file) checks the tensor-core kernel's
+// fragment and pipeline indexing on the CPU.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "jaxattn/paged_decode.cuh"
+
+using namespace jaxattn;
+
+#define CUDA_OK(x)                                                                   \
+  do {                                                                               \
+    cudaError_t err_ = (x);                                                          \
+    if (err_ != cudaSuccess) {                                                       \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,                \
+                   cudaGetErrorString(err_));                                        \
+      std::exit(2);                                                                  \
+    }                                                                                \
+  } while (0)
+
+namespace {
+
+// splitmix64 with Box-Muller normals: fast enough for millions of cache entries a case.
+struct Rng {
+  using result_type = uint64_t;
+  uint64_t state;
+  bool has_spare = false;
+  float spare = 0.f;
+  explicit Rng(uint64_t seed) : state(seed) {}
+  static constexpr uint64_t min() { return 0; }
+  static constexpr uint64_t max() { return ~uint64_t(0); }
+  uint64_t operator()() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (double((*this)() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+  float normal() {
+    if (has_spare) {
+      has_spare = false;
+      return spare;
+    }
+    const double r = std::sqrt(-2.0 * std::log(uniform())), a = 6.283185307179586 * uniform();
+    spare = float(r * std::sin(a));
+    has_spare = true;
+    return float(r * std::cos(a));
+  }
+};
+
+enum class DT { kF32, kBF16, kF16 };
+const char* dt_name(DT t) { return t == DT::kF32 ? "f32" : (t == DT::kBF16 ? "bf16" : "f16"); }
+size_t dt_size(DT t) { return t == DT::kF32 ? 4 : 2; }
+
+// Rounds x to the dtype (host), returning the rounded value and writing its storage.
+double store_elem(DT t, void* base, size_t i, float x) {
+  switch (t) {
+    case DT::kF32:
+      static_cast<float*>(base)[i] = x;
+      return x;
+    case DT::kBF16: {
+      const uint16_t b = float_to_bf16(x);
+      static_cast<uint16_t*>(base)[i] = b;
+      return bf16_to_float(b);
+    }
+    case DT::kF16: {
+      const uint16_t h = float_to_f16(x);
+      static_cast<uint16_t*>(base)[i] = h;
+      return f16_to_float(h);
+    }
+  }
+  return 0;
+}
+
+void store_nan(DT t, void* base, size_t i) {
+  if (t == DT::kF32) {
+    static_cast<float*>(base)[i] = std::nanf("");
+  } else {
+    static_cast<uint16_t*>(base)[i] = t == DT::kBF16 ? 0x7fc0u : 0x7e00u;
+  }
+}
+
+double load_elem(DT t, const void* base, size_t i) {
+  switch (t) {
+    case DT::kF32:
+      return static_cast<const float*>(base)[i];
+    case DT::kBF16:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DT::kF16:
+      return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0;
+}
+
+const char* launch(DT t, const DecodeParams& p, cudaStream_t s) {
+  switch (t) {
+    case DT::kF32:
+      return gpu::launch_paged_decode_typed<float>(p, s);
+    case DT::kBF16:
+      return gpu::launch_paged_decode_typed<bf16_t>(p, s);
+    case DT::kF16:
+      return gpu::launch_paged_decode_typed<f16_t>(p, s);
+  }
+  return "bad dtype";
+}
+
+struct Case {
+  DT dt = DT::kBF16;
+  std::vector<int> lens;
+  int hq = 8, hkv = 2, d = 128, page = 16;
+  Layout layout = Layout::kBSHD;
+  int part = 0;
+  float scale = 0.1f, cap = 0.f;
+};
+
+std::string describe(const Case& c) {
+  char buf[256];
+  std::string lens;
+  for (size_t i = 0; i < c.lens.size(); ++i) lens += (i ? "," : "") + std::to_string(c.lens[i]);
+  std::snprintf(buf, sizeof(buf), "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%4d cap=%g lens=[%s]",
+                dt_name(c.dt), c.hq, c.hkv, c.d, c.page,
+                c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.cap, lens.c_str());
+  return buf;
+}
+
+bool run_case(const Case& c, Rng& rng) {
+  const int B = int(c.lens.size()), D = c.d, P = c.page, hkv = c.hkv, hq = c.hq;
+  const int group = hq / hkv;
+  const size_t es = dt_size(c.dt);
+
+  // Pages: a random permutation; the used ones first, then spares (NaN).
+  std::vector<int> pages_per(B);
+  int used = 0, max_pages = 1;
+  for (int b = 0; b < B; ++b) {
+    pages_per[b] = (c.lens[b] + P - 1) / P;
+    used += pages_per[b];
+    max_pages = std::max(max_pages, pages_per[b]);
+  }
+  const int num_pages = used + 4;
+  const int width = max_pages + 2;  // padded block tables
+  std::vector<int> perm(num_pages);
+  for (int i = 0; i < num_pages; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const int nan_pages = num_pages - used;
+
+  const size_t page_elems = size_t(P) * hkv * D;
+  const size_t cache_elems = size_t(num_pages) * page_elems;
+  std::vector<unsigned char> kc(cache_elems * es), vc(cache_elems * es);
+  for (size_t i = 0; i < cache_elems; ++i) {
+    store_nan(c.dt, kc.data(), i);
+    store_nan(c.dt, vc.data(), i);
+  }
+  const KvGeometry g = c.layout == Layout::kBSHD ? make_geometry(c.layout, num_pages, P, hkv, D)
+                                                 : make_geometry(c.layout, num_pages, hkv, P, D);
+  std::vector<int32_t> table(size_t(B) * width);
+  // Dense copies of the valid K/V (rounded), [b][t][h][d].
+  std::vector<std::vector<double>> dk(B), dv(B);
+  int at = 0;
+  for (int b = 0; b < B; ++b) {
+    const int L = c.lens[b];
+    dk[b].resize(size_t(L) * hkv * D);
+    dv[b].resize(size_t(L) * hkv * D);
+    for (int j = 0; j < width; ++j)
+      table[size_t(b) * width + j] = perm[used + int(rng() % uint64_t(nan_pages))];
+    for (int j = 0; j < pages_per[b]; ++j) table[size_t(b) * width + j] = perm[at++];
+    for (int t = 0; t < L; ++t) {
+      const int page = table[size_t(b) * width + t / P];
+      for (int h = 0; h < hkv; ++h)
+        for (int e = 0; e < D; ++e) {
+          const size_t idx =
+              size_t(page) * g.page_stride + size_t(t % P) * g.token_stride + h * g.head_stride + e;
+          dk[b][(size_t(t) * hkv + h) * D + e] = store_elem(c.dt, kc.data(), idx, rng.normal());
+          dv[b][(size_t(t) * hkv + h) * D + e] = store_elem(c.dt, vc.data(), idx, rng.normal());
+        }
+    }
+  }
+  const size_t q_elems = size_t(B) * hq * D;
+  std::vector<unsigned char> qh(q_elems * es);
+  std::vector<double> qd(q_elems);
+  for (size_t i = 0; i < q_elems; ++i) qd[i] = store_elem(c.dt, qh.data(), i, rng.normal());
+
+  // float64 reference.
+  std::vector<double> ref(q_elems, 0.0);
+  for (int b = 0; b < B; ++b) {
+    const int L = c.lens[b];
+    std::vector<double> s(L);
+    for (int h = 0; h < hq; ++h) {
+      const int kh = h / group;
+      const double* qv = &qd[(size_t(b) * hq + h) * D];
+      double mx = -INFINITY;
+      for (int t = 0; t < L; ++t) {
+        const double* kv = &dk[b][(size_t(t) * hkv + kh) * D];
+        double dot = 0;
+        for (int e = 0; e < D; ++e) dot += qv[e] * kv[e];
+        dot *= c.scale;
+        if (c.cap > 0) dot = c.cap * std::tanh(dot / c.cap);
+        s[t] = dot;
+        mx = std::max(mx, dot);
+      }
+      double sum = 0;
+      for (int t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - mx));
+      double* o = &ref[(size_t(b) * hq + h) * D];
+      for (int t = 0; t < L; ++t) {
+        const double* vv = &dv[b][(size_t(t) * hkv + kh) * D];
+        for (int e = 0; e < D; ++e) o[e] += s[t] / sum * vv[e];
+      }
+    }
+  }
+
+  // Device run.
+  DecodeParams p;
+  p.batch = B;
+  p.num_q_heads = hq;
+  p.block_table_stride = width;
+  p.partition_size = c.part;
+  const int64_t capacity = int64_t(width) * P;
+  p.max_parts = c.part > 0 ? int32_t((capacity + c.part - 1) / c.part) : 1;
+  p.kv = g;
+  p.ls = make_logit_scale(c.scale, c.cap);
+  const size_t ws_floats = size_t(decode_workspace_floats(B, hq, p.max_parts, D));
+  void *dq, *dkc, *dvc, *dout;
+  int32_t *dtab, *dlens;
+  float* dws;
+  CUDA_OK(cudaMalloc(&dq, qh.size()));
+  CUDA_OK(cudaMalloc(&dkc, kc.size()));
+  CUDA_OK(cudaMalloc(&dvc, vc.size()));
+  CUDA_OK(cudaMalloc(&dout, q_elems * es));
+  CUDA_OK(cudaMalloc(&dtab, table.size() * 4));
+  CUDA_OK(cudaMalloc(&dlens, B * 4));
+  CUDA_OK(cudaMalloc(&dws, ws_floats * 4));
+  CUDA_OK(cudaMemcpy(dq, qh.data(), qh.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dkc, kc.data(), kc.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dvc, vc.data(), vc.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dlens, c.lens.data(), B * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(dout, 0xff, q_elems * es));  // NaN in every dtype
+  CUDA_OK(cudaMemset(dws, 0xff, ws_floats * 4));
+  p.q = dq;
+  p.k = dkc;
+  p.v = dvc;
+  p.block_tables = dtab;
+  p.seq_lens = dlens;
+  p.out = dout;
+  p.workspace = dws;
+  const char* err = launch(c.dt, p, 0);
+  cudaError_t sync = cudaDeviceSynchronize();
+  std::vector<unsigned char> oh(q_elems * es);
+  if (sync == cudaSuccess) CUDA_OK(cudaMemcpy(oh.data(), dout, oh.size(), cudaMemcpyDeviceToHost));
+  for (void* ptr : {dq, dkc, dvc, dout, static_cast<void*>(dtab), static_cast<void*>(dlens),
+                    static_cast<void*>(dws)})
+    cudaFree(ptr);
+  if (err || sync != cudaSuccess) {
+    std::printf("FAIL  %s: launch: %s / %s\n", describe(c).c_str(), err ? err : "ok",
+                cudaGetErrorString(sync));
+    if (sync != cudaSuccess) std::exit(3);  // the context is gone
+    return false;
+  }
+
+  const double atol = c.dt == DT::kF32 ? 1e-4 : (c.dt == DT::kBF16 ? 2e-2 : 5e-3);
+  const double rtol = atol;
+  double max_abs = 0, max_rel = 0, worst = 0;
+  size_t nans = 0;
+  for (size_t i = 0; i < q_elems; ++i) {
+    const double o = load_elem(c.dt, oh.data(), i), r = ref[i];
+    if (std::isnan(o)) {
+      ++nans;
+      continue;
+    }
+    const double e = std::fabs(o - r);
+    max_abs = std::max(max_abs, e);
+    max_rel = std::max(max_rel, e / std::max(std::fabs(r), 1e-3));
+    worst = std::max(worst, e / (atol + rtol * std::fabs(r)));
+  }
+  const bool ok = nans == 0 && worst <= 1.0;
+  std::printf("%s  %s  max_abs=%.2e max_rel=%.2e tol_ratio=%.3f%s\n", ok ? "PASS" : "FAIL",
+              describe(c).c_str(), max_abs, max_rel, worst,
+              nans ? (" NaN x" + std::to_string(nans)).c_str() : "");
+  return ok;
+}
+
+int run_checks() {
+  Rng rng(1234);
+  std::vector<Case> cases;
+  const std::vector<int> lens = {1, 3, 17, 255, 513, 4097, 0, 64};
+  // The main grid: dtype x group x page size x layout x partition.
+  for (DT dt : {DT::kBF16, DT::kF16, DT::kF32})
+    for (int group : {1, 4, 8, 16})
+      for (int page : {1, 16, 128})
+        for (Layout lay : {Layout::kBSHD, Layout::kBHSD})
+          for (int part : {0, 256, 512}) {
+            Case c;
+            c.dt = dt;
+            c.lens = lens;
+            c.hkv = 2;
+            c.hq = 2 * group;
+            c.page = page;
+            c.layout = lay;
+            c.part = part;
+            cases.push_back(c);
+          }
+  // Head dims, odd groups and page sizes, small partitions, soft cap, large scale.
+  for (DT dt : {DT::kBF16, DT::kF16, DT::kF32})
+    for (int d : {32, 64, 256})
+      for (int group : {1, 2, 4, 8, 16})
+        for (int part : {0, 100}) {
+          Case c;
+          c.dt = dt;
+          c.lens = {1, 3, 17, 255, 513, 130};
+          c.d = d;
+          c.hkv = 2;
+          c.hq = 2 * group;
+          c.page = d == 256 ? 8 : 32;
+          c.layout = d == 64 ? Layout::kBHSD : Layout::kBSHD;
+          c.part = part;
+          cases.push_back(c);
+        }
+  auto extra = [&](DT dt, std::vector<int> l, int hq, int hkv, int d, int page, Layout lay, int part,
+                   float scale, float cap) {
+    Case c;
+    c.dt = dt;
+    c.lens = std::move(l);
+    c.hq = hq;
+    c.hkv = hkv;
+    c.d = d;
+    c.page = page;
+    c.layout = lay;
+    c.part = part;
+    c.scale = scale;
+    c.cap = cap;
+    cases.push_back(c);
+  };
+  for (DT dt : {DT::kBF16, DT::kF16, DT::kF32}) {
+    extra(dt, {3, 255, 40}, 8, 2, 128, 16, Layout::kBSHD, 0, 0.5f, 4.0f);      // soft cap
+    extra(dt, {3, 255, 40}, 8, 2, 64, 16, Layout::kBHSD, 64, 0.5f, 4.0f);      // soft cap, split
+    extra(dt, {700, 33, 1, 64, 65}, 12, 4, 128, 3, Layout::kBSHD, 0, 0.1f, 0);  // group 3, page 3
+    extra(dt, {700, 33, 2000}, 10, 5, 128, 7, Layout::kBHSD, 64, 0.1f, 0);     // group 2, page 7
+    extra(dt, {700, 33, 2000}, 40, 5, 128, 16, Layout::kBSHD, 16, 0.1f, 0);    // group 8, tiny parts
+    extra(dt, {300, 77}, 24, 2, 128, 16, Layout::kBHSD, 0, 0.1f, 0);           // group 12
+    extra(dt, {300, 77}, 64, 1, 128, 16, Layout::kBSHD, 128, 0.1f, 0);         // group 64
+    extra(dt, {32768}, 32, 8, 128, 16, Layout::kBSHD, 512, 0.0884f, 0);        // B=1 long
+    extra(dt, {4096, 4095, 4033, 63, 4161}, 32, 8, 128, 16, Layout::kBSHD, 0, 0.0884f, 0);
+    extra(dt, {1024, 1000}, 16, 2, 128, 128, Layout::kBHSD, 8192, 0.0884f, 0);  // one partition
+  }
+  int failed = 0;
+  for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;
+  std::printf("correctness: %zu cases, %d failed\n", cases.size(), failed);
+  return failed;
+}
+
+// ------------------------------------------------------------------------------------------
+// Timing.
+// ------------------------------------------------------------------------------------------
+
+__global__ void fill_random_bf16(uint16_t* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = float(z >> 40) * (1.f / 16777216.f) * 2.f - 1.f;  // [-1, 1)
+    x[i] = float_to_bf16(u);
+  }
+}
+
+int num_sms() {
+  int dev = 0, n = 0;
+  CUDA_OK(cudaGetDevice(&dev));
+  CUDA_OK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+// jaxattn/native.py's choice (choose_partition_size with no override).
+int auto_partition(int batch, int hkv, int group, int64_t capacity) {
+  int split = group > 15 ? 256 : 512;
+  if (capacity <= split) return 0;
+  if (int64_t(batch) * hkv >= 3LL * num_sms()) return 0;
+  const int64_t want = 2LL * num_sms();
+  while (split > 128 && int64_t(batch) * hkv * ((capacity + split - 1) / split) < want) split /= 2;
+  return split;
+}
+
+double copy_ceiling_gbs() {
+  const size_t bytes = size_t(1) << 30;  // 1 GiB in, 1 GiB out
+  void *a, *b;
+  CUDA_OK(cudaMalloc(&a, bytes));
+  CUDA_OK(cudaMalloc(&b, bytes));
+  CUDA_OK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CUDA_OK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  std::vector<float> ms;
+  for (int i = 0; i < 10; ++i) {
+    CUDA_OK(cudaEventRecord(e0));
+    CUDA_OK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_OK(cudaEventRecord(e1));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float t;
+    CUDA_OK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaFree(a);
+  cudaFree(b);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+
+// One timing case: its pool, tables and buffers; time() runs a variant.
+struct Bench {
+  Bench(int b, int c, int q_heads, int kv_heads) : B(b), ctx(c), hq(q_heads), hkv(kv_heads) {}
+  int B, ctx, hq, hkv;
+  static constexpr int D = 128, P = 16;
+  int copies = 1, pages_per_copy = 0, width = 0;
+  void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
+  float* ws = nullptr;
+  int32_t* lens = nullptr;
+  std::vector<int32_t*> tables;
+  size_t ws_floats = 0;
+
+  double kv_bytes() const { return 2.0 * B * double(ctx) * hkv * D * 2; }
+
+  void setup(Rng& rng) {
+    width = (ctx + P - 1) / P;
+    pages_per_copy = B * width;
+    const double min_bytes = 240e6;
+    copies = std::max(1, int(std::ceil(min_bytes / kv_bytes())));
+    const size_t pages = size_t(copies) * pages_per_copy;
+    const size_t elems = pages * P * hkv * D;
+    CUDA_OK(cudaMalloc(&k, elems * 2));
+    CUDA_OK(cudaMalloc(&v, elems * 2));
+    fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(k), elems, 1);
+    fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(v), elems, 1ull << 40);
+    CUDA_OK(cudaGetLastError());
+    const size_t qe = size_t(B) * hq * D;
+    CUDA_OK(cudaMalloc(&q, qe * 2));
+    CUDA_OK(cudaMalloc(&out, qe * 2));
+    fill_random_bf16<<<64, 256>>>(static_cast<uint16_t*>(q), qe, 7);
+    std::vector<int32_t> l(B, ctx);
+    CUDA_OK(cudaMalloc(&lens, B * 4));
+    CUDA_OK(cudaMemcpy(lens, l.data(), B * 4, cudaMemcpyHostToDevice));
+    ws_floats = size_t(decode_workspace_floats(B, hq, (int64_t(width) * P + 127) / 128, D));
+    CUDA_OK(cudaMalloc(&ws, ws_floats * 4));
+    for (int c = 0; c < copies; ++c) {
+      std::vector<int32_t> t(pages_per_copy);
+      for (int i = 0; i < pages_per_copy; ++i) t[i] = c * pages_per_copy + i;
+      std::shuffle(t.begin(), t.end(), rng);
+      int32_t* dt;
+      CUDA_OK(cudaMalloc(&dt, t.size() * 4));
+      CUDA_OK(cudaMemcpy(dt, t.data(), t.size() * 4, cudaMemcpyHostToDevice));
+      tables.push_back(dt);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+  }
+
+  void teardown() {
+    for (void* ptr : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(lens)}) cudaFree(ptr);
+    for (int32_t* t : tables) cudaFree(t);
+    tables.clear();
+  }
+
+  DecodeParams params(int part, int copy) const {
+    DecodeParams p;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.block_tables = tables[copy];
+    p.seq_lens = lens;
+    p.out = out;
+    p.workspace = ws;
+    p.batch = B;
+    p.num_q_heads = hq;
+    p.block_table_stride = width;
+    p.partition_size = part;
+    p.max_parts = part > 0 ? int32_t((int64_t(width) * P + part - 1) / part) : 1;
+    p.kv = make_geometry(Layout::kBSHD, int64_t(copies) * pages_per_copy, P, hkv, D);
+    p.ls = make_logit_scale(0.0883883f, 0.f);
+    return p;
+  }
+
+  // Median microseconds per call; variant 0: the dispatcher, 1: pipelined SIMT (4 heads),
+  // 2: direct (4 heads).
+  double time(int part, int variant) const {
+    auto call = [&](int copy) {
+      const DecodeParams p = params(part, copy);
+      const char* e = nullptr;
+      if (variant == 0) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
+      if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
+      if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
+      if (e) {
+        std::fprintf(stderr, "launch failed: %s\n", e);
+        std::exit(2);
+      }
+    };
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    int copy = 0;
+    for (int i = 0; i < 3; ++i) call(copy++ % copies);
+    std::vector<float> us;
+    for (int s = 0; s < 20; ++s) {
+      CUDA_OK(cudaEventRecord(e0));
+      for (int i = 0; i < 10; ++i) call(copy++ % copies);
+      CUDA_OK(cudaEventRecord(e1));
+      CUDA_OK(cudaEventSynchronize(e1));
+      float ms;
+      CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+      us.push_back(ms * 100.f);  // per call: ms * 1000 / 10
+    }
+    CUDA_OK(cudaGetLastError());
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+};
+
+void print_kernel_info() {
+  cudaFuncAttributes a;
+  int blocks = 0;
+  using S = gpu::MmaDecodeShape<bf16_t, 128>;
+  CUDA_OK(cudaFuncSetAttribute(gpu::paged_decode_mma_kernel<bf16_t, 128>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+  CUDA_OK(cudaFuncGetAttributes(&a, gpu::paged_decode_mma_kernel<bf16_t, 128>));
+  CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, gpu::paged_decode_mma_kernel<bf16_t, 128>, S::kThreads, S::kSmemBytes));
+  std::printf("mma kernel bf16 D=128: %d registers, %d threads, %d stages x %d tokens, %d B smem, "
+              "%d blocks/SM\n",
+              a.numRegs, S::kThreads, S::kStages, S::kTile, S::kSmemBytes, blocks);
+  using G1 = gpu::DecodeShape<bf16_t, 128, 1>;
+  CUDA_OK(cudaFuncGetAttributes(&a, gpu::paged_decode_kernel<bf16_t, 128, 1, true>));
+  CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, gpu::paged_decode_kernel<bf16_t, 128, 1, true>, G1::kThreads, G1::kSmemBytes));
+  std::printf("direct kernel bf16 D=128 (1 head): %d registers, %d blocks/SM\n", a.numRegs, blocks);
+}
+
+void run_perf() {
+  cudaDeviceProp prop;
+  int dev = 0;
+  CUDA_OK(cudaGetDevice(&dev));
+  CUDA_OK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("\ndevice: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+  print_kernel_info();
+  const double ceiling = copy_ceiling_gbs();
+  std::printf("device-to-device copy ceiling (read + write): %.0f GB/s\n\n", ceiling);
+  std::printf("bf16, D=128, page 16, bshd. GB/s = K+V bytes / time; %% of the copy ceiling.\n");
+  std::printf("%-5s %-6s %-7s %-7s %-6s %10s %9s %6s\n", "B", "ctx", "Hq/Hkv", "kernel", "part",
+              "us", "GB/s", "%");
+  Rng rng(99);
+  struct Shape {
+    int B, ctx;
+  };
+  const Shape shapes[] = {{1, 32768}, {8, 4096}, {64, 4096}, {256, 1024}};
+  for (int hkv : {8, 32})
+    for (const Shape& sh : shapes) {
+      Bench bench(sh.B, sh.ctx, 32, hkv);
+      bench.setup(rng);
+      const int group = 32 / hkv;
+      const int auto_part = auto_partition(sh.B, hkv, group, int64_t(bench.width) * Bench::P);
+      std::vector<int> parts = {auto_part};
+      if (sh.B <= 8) {
+        for (int x : {128, 256, 512, 1024, 2048})
+          if (x != auto_part) parts.push_back(x);
+      } else {
+        parts.push_back(auto_part == 0 ? 512 : 0);
+      }
+      auto row = [&](const char* name, int part, int variant) {
+        const double us = bench.time(part, variant);
+        const double gbs = bench.kv_bytes() / (us * 1e-6) / 1e9;
+        char hh[16];
+        std::snprintf(hh, sizeof(hh), "32/%d", hkv);
+        std::printf("%-5d %-6d %-7s %-7s %-6s %10.1f %9.0f %5.0f%%\n", sh.B, sh.ctx, hh, name,
+                    (std::to_string(part) + (part == auto_part ? "*" : "")).c_str(), us, gbs,
+                    100.0 * gbs / ceiling);
+      };
+      for (int part : parts) row("new", part, 0);
+      if (group == 4) {
+        row("simt", auto_part, 1);
+        row("old", auto_part, 2);
+      }
+      bench.teardown();
+    }
+  std::printf("(* = the partition jaxattn/native.py picks; 0 = one pass)\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool check = true, perf = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--check")) perf = false;
+    else if (!std::strcmp(argv[i], "--perf")) check = false;
+    else {
+      std::fprintf(stderr, "usage: %s [--check | --perf]\n", argv[0]);
+      return 2;
+    }
+  }
+  int failed = 0;
+  if (check) failed = run_checks();
+  if (perf) run_perf();
+  if (check) std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,304 @@
+"""Lane-level CPU emulation of paged_decode_mma_kernel (jaxattn/paged_decode.cuh), no GPU needed.
+
+The kernel's index formulas (ring offsets and copies, ldmatrix lane addresses, fragment
+registers, shuffle sources, the shared-memory merge) are transcribed here one to one and run
+on the PTX semantics of ldmatrix(.trans) and mma.m16n8k16 (fragment layouts as the PTX ISA
+documents them), against a float64 reference, for head_dim 32/64, page sizes 1..128, both
+layouts, 2..4 stages, groups 2..8, one pass and split partitions. cp.async copies land either
+at issue ("early": catches a copy overwriting a stage still being read) or only when a
+wait_group forces them ("late": catches reading a stage before it landed).
+
+Keep it in step with the kernel when either changes. Run: python3 emulate_mma_decode.py [--full]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import numpy as np
+
+NEG_INF = -np.inf
+TILE, WARPS, NT = 64, 4, 128
+
+
+def bf16_round(x):
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def ldmatrix_x4(rows, lane_addrs, rs, trans):
+    """rows [n][rs] elements, lane_addrs[32] byte offsets -> registers [32 lanes][4][2]."""
+    mats = []
+    for i in range(4):
+        m = []
+        for r in range(8):
+            addr = lane_addrs[8 * i + r]
+            assert addr % 16 == 0
+            row, col = divmod(addr // 2, rs)
+            assert col + 8 <= rs
+            m.append(rows[row, col : col + 8])
+        mats.append(np.stack(m))
+    out = np.zeros((32, 4, 2), np.float32)
+    for t in range(32):
+        for i in range(4):
+            if trans:
+                out[t, i] = [mats[i][2 * (t % 4), t // 4], mats[i][2 * (t % 4) + 1, t // 4]]
+            else:
+                out[t, i] = mats[i][t // 4, 2 * (t % 4) : 2 * (t % 4) + 2]
+    return out
+
+
+def mma(c, a, b):
+    """c[32][4] + A @ B with A from a[32][4][2], B from b[32][2][2] (m16n8k16 layouts)."""
+    am, bm = np.zeros((16, 16)), np.zeros((16, 8))
+    for t in range(32):
+        g, tq = t // 4, t % 4
+        for e in range(2):
+            am[g, 2 * tq + e] = a[t, 0, e]
+            am[g + 8, 2 * tq + e] = a[t, 1, e]
+            am[g, 2 * tq + 8 + e] = a[t, 2, e]
+            am[g + 8, 2 * tq + 8 + e] = a[t, 3, e]
+            bm[2 * tq + e, g] = b[t, 0, e]
+            bm[2 * tq + 8 + e, g] = b[t, 1, e]
+    cm = am @ bm
+    out = c.copy()
+    for t in range(32):
+        g, tq = t // 4, t % 4
+        out[t] += [cm[g, 2 * tq], cm[g, 2 * tq + 1], cm[g + 8, 2 * tq], cm[g + 8, 2 * tq + 1]]
+    return out
+
+
+def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap):
+    """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}."""
+    page_size, page_stride, token_stride = geo
+    rs, ch, kd = d + 8, d // 8, d // 16
+    off = np.full((ns, TILE), 12345678, np.int64)
+    ks = np.full((ns, TILE, rs), np.nan, np.float32)  # padding columns stay NaN
+    vs = np.full((ns, TILE, rs), np.nan, np.float32)
+    groups = [[]]  # committed groups of copies, then the open one
+
+    def page_of(n, tid):
+        t = start + n * TILE + tid
+        return table[t // page_size] if (tid < TILE and t < end) else 0
+
+    def store_offset(n, tid, page):
+        t = start + n * TILE + tid
+        if tid < TILE:
+            off[n % ns, tid] = (
+                page * page_stride + (t % page_size) * token_stride if t < end else -1
+            )
+
+    def land_copy(op):
+        s, r, c, o = op
+        ks[s, r, c * 8 : c * 8 + 8] = kc[o + c * 8 : o + c * 8 + 8] if o >= 0 else 0
+        vs[s, r, c * 8 : c * 8 + 8] = vc[o + c * 8 : o + c * 8 + 8] if o >= 0 else 0
+
+    def issue(n):
+        s, copies = n % ns, TILE * ch
+        for tid in range(NT):
+            for i in range((copies + NT - 1) // NT):
+                idx = tid + i * NT
+                if copies % NT == 0 or idx < copies:
+                    r, c = divmod(idx, ch)
+                    op = (s, r, c, int(off[s, r]))
+                    if land == "early":
+                        land_copy(op)
+                    else:
+                        groups[-1].append(op)
+
+    def commit():
+        groups.append([])
+
+    def wait(n_pending):
+        while len(groups) - 1 > n_pending:
+            for op in groups.pop(0):
+                land_copy(op)
+
+    ntiles = (end - start + TILE - 1) // TILE
+    for n in range(ns):
+        for tid in range(NT):
+            store_offset(n, tid, page_of(n, tid))
+    for n in range(ns - 1):
+        if n < ntiles:
+            issue(n)
+        commit()
+
+    qa = np.zeros((32, kd, 2, 2), np.float32)
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        if g < group:
+            for kk in range(kd):
+                qa[lane, kk, 0] = q[g, kk * 16 + 2 * tq : kk * 16 + 2 * tq + 2]
+                qa[lane, kk, 1] = q[g, kk * 16 + 8 + 2 * tq : kk * 16 + 8 + 2 * tq + 2]
+
+    o = np.zeros((WARPS, 32, kd, 4))
+    m = np.full((WARPS, 32), NEG_INF)
+    lsum = np.zeros((WARPS, 32))
+    for n in range(ntiles):
+        wait(ns - 2)
+        if n + ns - 1 < ntiles:
+            issue(n + ns - 1)
+        commit()
+        pages = [page_of(n + ns, tid) for tid in range(NT)]
+        s = n % ns
+        for warp in range(WARPS):
+            rb = warp * 16
+            t0 = start + n * TILE + rb
+            if t0 >= end:
+                continue
+            lane_off = [
+                ((rb + lane % 8 + (lane // 16) * 8) * rs + ((lane // 8) % 2) * 8) * 2
+                for lane in range(32)
+            ]
+            sc = [np.zeros((32, 4)), np.zeros((32, 4))]
+            for kk in range(kd):
+                kf = ldmatrix_x4(ks[s], [x + kk * 32 for x in lane_off], rs, False)
+                a = np.zeros((32, 4, 2), np.float32)
+                a[:, 0], a[:, 2] = qa[:, kk, 0], qa[:, kk, 1]
+                sc[0] = mma(sc[0], a, kf[:, 0:2])
+                sc[1] = mma(sc[1], a, kf[:, 2:4])
+            pr = np.zeros((32, 2, 2))
+            mx = np.full(32, NEG_INF)
+            for lane, h, e in itertools.product(range(32), range(2), range(2)):
+                v = sc[h][lane, e] * q_scale
+                if cap > 0:
+                    v = cap * math.tanh(v)
+                pr[lane, h, e] = v if t0 + 8 * h + 2 * (lane % 4) + e < end else NEG_INF
+                mx[lane] = max(mx[lane], pr[lane, h, e])
+            mx = np.array([mx[4 * (x // 4) : 4 * (x // 4) + 4].max() for x in range(32)])
+            alpha = np.zeros(32)
+            for lane in range(32):
+                m_new = max(m[warp, lane], mx[lane])
+                m_use = 0.0 if m_new == NEG_INF else m_new
+                alpha[lane] = 2.0 ** (m[warp, lane] - m_use)
+                pr[lane] = 2.0 ** (pr[lane] - m_use)
+                lsum[warp, lane] = lsum[warp, lane] * alpha[lane] + pr[lane].sum()
+                m[warp, lane] = m_new
+            b = bf16_round(pr.reshape(32, 4)).reshape(32, 2, 2)
+            for j in range(kd):
+                for lane in range(32):
+                    tq = lane % 4
+                    a_lo, a_hi = alpha[8 * tq], alpha[8 * tq + 4]
+                    o[warp, lane, j] *= [a_lo, a_hi, a_lo, a_hi]
+                vf = ldmatrix_x4(vs[s], [x + j * 32 for x in lane_off], rs, True)
+                o[warp, :, j] = mma(o[warp, :, j], vf, b)
+        for tid in range(NT):
+            store_offset(n + ns, tid, pages[tid])
+    wait(0)
+
+    red = np.full((WARPS, 8, d + 2), np.nan)
+    for warp, lane in itertools.product(range(WARPS), range(32)):
+        g, tq = lane // 4, lane % 4
+        for j in range(kd):
+            red[warp, 2 * tq, j * 16 + g] = o[warp, lane, j, 0]
+            red[warp, 2 * tq + 1, j * 16 + g] = o[warp, lane, j, 1]
+            red[warp, 2 * tq, j * 16 + g + 8] = o[warp, lane, j, 2]
+            red[warp, 2 * tq + 1, j * 16 + g + 8] = o[warp, lane, j, 3]
+        if tq == 0:
+            red[warp, g, d] = m[warp, lane]
+            red[warp, g, d + 1] = lsum[warp, 4 * g : 4 * g + 4].sum()
+    res = {}
+    for g in range(group):
+        mx = red[:, g, d].max()
+        m_use = 0.0 if mx == NEG_INF else mx
+        wt = 2.0 ** (red[:, g, d] - m_use)
+        ls = (wt * red[:, g, d + 1]).sum()
+        out = (wt[:, None] * red[:, g, :d]).sum(0)
+        res[g] = (out / ls if ls > 0 else np.zeros(d), mx, ls)
+    return res
+
+
+def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2):
+    npages = max(1, -(-length // page_size)) + 3
+    table = rng.permutation(npages)  # entries past the sequence point at NaN pages
+    shape = (npages, page_size, hkv, d) if layout == "bshd" else (npages, hkv, page_size, d)
+    kc, vc = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    dk = bf16_round(rng.standard_normal((length, hkv, d)))
+    dv = bf16_round(rng.standard_normal((length, hkv, d)))
+    for t in range(length):
+        pg, slot = table[t // page_size], t % page_size
+        if layout == "bshd":
+            kc[pg, slot], vc[pg, slot] = dk[t], dv[t]
+        else:
+            kc[pg, :, slot], vc[pg, :, slot] = dk[t], dv[t]
+    token_stride, head_stride = (hkv * d, d) if layout == "bshd" else (d, page_size * d)
+    geo = (page_size, page_size * hkv * d, token_stride)
+    q = bf16_round(rng.standard_normal((hkv * group, d)))
+    scale, cap = 0.3, (4.0 if d == 64 else 0.0)
+    if cap:
+        q_scale, cap_log2e = scale / cap, cap * math.log2(math.e)
+    else:
+        q_scale, cap_log2e = scale * math.log2(math.e), 0.0
+    parts = (
+        [(0, length)] if part == 0 else [(s, min(length, s + part)) for s in range(0, length, part)]
+    )
+    worst = 0.0
+    for kvh in range(hkv):
+        kflat, vflat = kc.reshape(-1)[kvh * head_stride :], vc.reshape(-1)[kvh * head_stride :]
+        qh = q[kvh * group : (kvh + 1) * group]
+        res = [
+            run_block(kflat, vflat, geo, table, s, e, qh, group, d, ns, land, q_scale, cap_log2e)
+            for s, e in parts
+        ]
+        for g in range(group):
+            if part == 0:
+                out = res[0][g][0]
+            else:  # decode_combine_kernel
+                mx = max((r[g][1] for r in res), default=NEG_INF)
+                m_use = 0.0 if mx == NEG_INF else mx
+                w = np.array([r[g][2] * 2.0 ** (r[g][1] - m_use) for r in res])
+                out = sum(wi * r[g][0] for wi, r in zip(w, res, strict=True))
+                out = out / w.sum() if w.sum() > 0 else np.zeros(d)
+            ref = np.zeros(d)
+            if length:
+                s = dk[:, kvh].astype(np.float64) @ qh[g].astype(np.float64) * scale
+                if cap:
+                    s = cap * np.tanh(s / cap)
+                p = np.exp(s - s.max())
+                ref = p @ dv[:, kvh].astype(np.float64) / p.sum()
+            if np.isnan(out).any():
+                return math.inf
+            worst = max(worst, float(np.abs(out - ref).max()))
+    return worst
+
+
+def main(full):
+    rng = np.random.default_rng(0)
+    lengths = [
+        (1, 0),
+        (3, 0),
+        (17, 0),
+        (255, 0),
+        (513, 256),
+        (130, 100),
+        (0, 0),
+        (64, 0),
+        (200, 64),
+    ]
+    configs = [(1, 3), (3, 2), (3, 3), (16, 3), (16, 4), (128, 4)]  # (page size, stages)
+    dims = (32, 64) if full else (32,)
+    groups = (2, 4, 8) if full else (4, 8)
+    fails = cases = 0
+    for d, (page, ns), layout, land, group in itertools.product(
+        dims, configs, ("bshd", "bhsd"), ("early", "late"), groups
+    ):
+        for length, part in lengths:
+            if d == 64 and length > 300:
+                continue
+            err = check(rng, d, page, layout, ns, land, group, length, part)
+            cases += 1
+            if not err < 2e-2:
+                fails += 1
+                print(
+                    f"FAIL d={d} page={page} {layout} stages={ns} {land} group={group} "
+                    f"len={length} part={part}: max error {err}"
+                )
+    print(f"{cases} cases, {fails} failed")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--full" in sys.argv[1:]))
