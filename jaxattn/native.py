@@ -13,9 +13,11 @@ Python float; anything this backend cannot serve raises ``NotImplementedError``.
 Split-KV decode: ``partition_size`` given -> that many tokens per partition, then the
 combine kernel. ``None`` -> one pass, unless the batch leaves the GPU short of blocks;
 then the kernel splits with ``$JAXATTN_PARTITION_SIZE`` tokens per partition when set (read
-at trace time), else 512 (256 when a KV head serves more than 15 query heads), halved while
-the grid would still be under two blocks per multiprocessor (down to 128 tokens: a short
-context of a small batch).
+at trace time), else from a base of 512 tokens (256 when a KV head serves more than 15
+query heads) it takes the largest power-of-two multiple or fraction of the base (down to
+128 tokens) whose grid still fills 90% of one wave of resident blocks (two per
+multiprocessor, eight for one query head per KV head): fewer, longer partitions pay fewer
+pipeline fills and a smaller combine, as long as every multiprocessor has work.
 Inside the kernels logits are in base 2 (scale folded with log2(e)); nothing in base 2
 leaves them.
 """
@@ -64,10 +66,20 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Hq/Hkv=32/8: B=64 ctx=4096 (512 blocks) ran 5% faster in one pass than split by 512;
 # B=8 (64 blocks) ran 3.6x faster split.
 _MIN_BLOCKS_PER_SM = 3
-# A split grid with fewer blocks than this per multiprocessor halves its partitions (the
-# decode kernel for 2..8 query heads per KV head holds two blocks per H200 SM); not below
-# _MIN_PARTITION tokens. The Pallas decode uses the same rule.
-_MIN_SPLIT_BLOCKS_PER_SM = 2
+
+
+# A split grid aims at one wave of resident blocks and takes the largest partition whose
+# grid fills _WAVE_FILL of it. Resident blocks per H200 SM: 8 for the one-KV-head-per-query
+# kernel (group 1, 64 registers), 2 for the others (the tensor-core kernel for 2..8 query
+# heads per KV head holds 104 KiB of shared memory). H200, bf16, D=128, 32/8: B=1
+# ctx=32768 ran at 70% of the copy bandwidth with 1024-token partitions (256 blocks) and
+# 62% with 512 (512 blocks); B=8 ctx=4096 70% vs 65%; 2048 (128 blocks) fell to 59% in
+# both. At 32/32, 4096-token partitions (256 blocks, a third of a wave) ran at 59%.
+def _resident_blocks_per_sm(group: int) -> int:
+    return 8 if group == 1 else 2
+
+
+_WAVE_FILL = 0.9
 _MIN_PARTITION = 128
 
 _BUILD_HINT = (
@@ -235,10 +247,11 @@ def choose_partition_size(partition_size, *, platform, batch, num_kv_heads, grou
     if batch * num_kv_heads >= _MIN_BLOCKS_PER_SM * sms:
         return 0
     if env is None:
-        while (
-            split > _MIN_PARTITION
-            and batch * num_kv_heads * math.ceil(capacity / split) < _MIN_SPLIT_BLOCKS_PER_SM * sms
-        ):
+        blocks = lambda size: batch * num_kv_heads * math.ceil(capacity / size)
+        want = _WAVE_FILL * _resident_blocks_per_sm(group) * sms
+        while 2 * split < capacity and blocks(2 * split) >= want:
+            split *= 2
+        while split > _MIN_PARTITION and blocks(split) < want:
             split //= 2
     return split
 

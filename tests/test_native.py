@@ -139,15 +139,20 @@ def test_partition_choice(monkeypatch):
     monkeypatch.setattr(native, "_num_multiprocessors", lambda: 132)
     common = dict(num_kv_heads=8, capacity=4096)
     assert native.choose_partition_size(96, platform="cuda", batch=64, group=4, **common) == 96
-    # Few sequences leave a GPU short of blocks: split, 512 or 256 by group size ...
-    assert native.choose_partition_size(None, platform="cuda", batch=8, group=4, **common) == 512
-    assert native.choose_partition_size(None, platform="cuda", batch=16, group=16, **common) == 256
+    # Few sequences leave a GPU short of blocks: split, from 512 (256 for large groups),
+    # into the largest partitions whose grid fills 90% of one wave (2 x 132 blocks) ...
+    assert native.choose_partition_size(None, platform="cuda", batch=4, group=4, **common) == 512
+    assert native.choose_partition_size(None, platform="cuda", batch=8, group=4, **common) == 1024
+    assert native.choose_partition_size(None, platform="cuda", batch=4, group=16, **common) == 512
     long_ctx = dict(num_kv_heads=8, capacity=32768)
-    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **long_ctx) == 512
-    # ... halved while under two blocks per SM (264), down to 128 tokens.
-    assert native.choose_partition_size(None, platform="cuda", batch=4, group=4, **common) == 256
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **long_ctx) == 1024
+    # ... or smaller ones, down to 128 tokens, when even the base leaves it short.
+    assert native.choose_partition_size(None, platform="cuda", batch=2, group=4, **common) == 256
     assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **common) == 128
     assert native.choose_partition_size(None, platform="cuda", batch=1, group=16, **common) == 128
+    # One query head per KV head: its kernel holds 8 blocks per SM, so the wave is 4x larger.
+    mha = dict(num_kv_heads=32, capacity=32768)
+    assert native.choose_partition_size(None, platform="cuda", batch=1, group=1, **mha) == 1024
     # $JAXATTN_PARTITION_SIZE is taken as it is.
     monkeypatch.setenv("JAXATTN_PARTITION_SIZE", "1024")
     assert native.choose_partition_size(None, platform="cuda", batch=1, group=4, **common) == 1024

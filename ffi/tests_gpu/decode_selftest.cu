@@ -402,8 +402,10 @@ int auto_partition(int batch, int hkv, int group, int64_t capacity) {
   int split = group > 15 ? 256 : 512;
   if (capacity <= split) return 0;
   if (int64_t(batch) * hkv >= 3LL * num_sms()) return 0;
-  const int64_t want = 2LL * num_sms();
-  while (split > 128 && int64_t(batch) * hkv * ((capacity + split - 1) / split) < want) split /= 2;
+  const double want = 0.9 * (group == 1 ? 8 : 2) * num_sms();
+  auto blocks = [&](int64_t size) { return double(batch) * hkv * ((capacity + size - 1) / size); };
+  while (2LL * split < capacity && blocks(2LL * split) >= want) split *= 2;
+  while (split > 128 && blocks(split) < want) split /= 2;
   return split;
 }
 
