@@ -3,7 +3,7 @@
 # on one GPU. Results (logs, JSON) land in $OUT (default ./gpu_out).
 #
 #   STAGES="tests decode extend" bash benchmarks/gpu_all.sh
-#   STAGES="engine pagetable prefetch" bash benchmarks/gpu_all.sh
+#   STAGES="engine pagetable" bash benchmarks/gpu_all.sh
 #
 # The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
 # elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
@@ -55,14 +55,6 @@ for stage in $STAGES; do
         --prompt-len 500 --steps 50 --dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 \
         --head-dim 128 --json "$OUT/page_table.json" > "$OUT/page_table.log" 2>&1
       echo "pagetable rc=$?"; tail -n 8 "$OUT/page_table.log" ;;
-    prefetch)  # the native decode variant that keeps the next step's loads in flight
-      JAXATTN_DECODE_PREFETCH=1 timeout "${PREFETCH_TIMEOUT:-120}" python3 benchmarks/bench_native.py \
-        --check --skip-prefill --decode-heads 32/8 --partitions auto --samples 7 \
-        --json "$OUT/prefetch.json" > "$OUT/prefetch.log" 2>&1
-      echo "prefetch rc=$?"; sed -n '/^| op/,$p' "$OUT/prefetch.log"; grep -E "ERROR" "$OUT/prefetch.log" | head
-      JAXATTN_DECODE_PREFETCH=1 timeout 100 python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
-        tests/test_native.py -k "decode or paged" > "$OUT/prefetch_tests.log" 2>&1
-      echo "prefetch tests rc=$?"; tail -n 3 "$OUT/prefetch_tests.log" ;;
   esac
 done
 stamp done

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One GPU session for the native kernels: load (or build) the CUDA library, time the
-# kernels, run the native tests against the spec on the GPU, and summarise the SASS of the
-# main kernels. Logs and JSON go to $OUT.
+# One GPU session for the native kernels: the stand-alone self-tests (ffi/tests_gpu), load
+# (or build) the CUDA library, time the kernels, run the native tests against the spec on the
+# GPU, and summarise the SASS of the main kernels. Logs and JSON go to $OUT.
 #
 #   OUT=/tmp/o JAXATTN_NATIVE_LIB_DIR=build/gpu/ffi ffi/gpu_check.sh
 #
 # A prebuilt library in $JAXATTN_NATIVE_LIB_DIR is used when it loads; otherwise the CUDA
 # library is built here for sm_90 first. Knobs (environment):
-#   PREFETCH       decode variants to time and test: "0", "1" (JAXATTN_DECODE_PREFETCH) or "0 1"
+#   SELFTESTS      "skip": do not build and run ffi/tests_gpu/*_selftest.cu
+#   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
 #   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
 #   DECODE_K, PREFILL_K   pytest -k expressions for the decode / prefill tests
@@ -42,6 +43,20 @@ else
 fi
 lib="$JAXATTN_NATIVE_LIB_DIR/libjaxattn_cuda.so"
 
+selftest() {  # name, nvcc arguments...
+  local name="$1"
+  shift
+  stamp "self-test: $name"
+  if nvcc -std=c++17 -O3 -Iffi/include -Iffi/src "$@" -o "$out/$name" > "$out/$name.build.log" 2>&1; then
+    timeout "${BENCH_TIMEOUT:-240}" "$out/$name" > "$out/$name.log" 2>&1
+    echo "exit $?"
+    grep -c PASS "$out/$name.log"
+    grep -v PASS "$out/$name.log" | tail -40
+  else
+    tail -20 "$out/$name.build.log"
+  fi
+}
+
 bench() {  # name, env assignment, bench_native.py args...
   local name="$1" envset="$2"
   shift 2
@@ -63,15 +78,20 @@ tests() {  # name, env assignment, pytest -k expression
   grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
 }
 
-for v in ${PREFETCH:-0}; do
-  [ "${DECODE_ARGS:-}" = skip ] ||
-    bench "decode_prefetch$v" "JAXATTN_DECODE_PREFETCH=$v" --skip-prefill ${DECODE_ARGS:-}
-done
-[ "${PREFILL_ARGS:-}" = skip ] || bench prefill "" --skip-decode ${PREFILL_ARGS:-}
-for v in ${PREFETCH:-0}; do
-  tests "decode_tests_prefetch$v" "JAXATTN_DECODE_PREFETCH=$v" "${DECODE_K:-decode}"
-done
+if [ "${SELFTESTS:-}" != skip ]; then
+  selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
+  selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
+    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_sm90.cu
+fi
+[ "${DECODE_ARGS:-}" = skip ] || bench decode "" --skip-prefill ${DECODE_ARGS:-}
+if [ "${PREFILL_ARGS:-}" != skip ]; then
+  for k in ${PREFILL_KERNELS:-auto mma}; do
+    bench "prefill_$k" "JAXATTN_PREFILL_KERNEL=$k" --skip-decode ${PREFILL_ARGS:-}
+  done
+fi
+tests decode_tests "" "${DECODE_K:-decode}"
 tests prefill_tests "" "${PREFILL_K:-not decode}"
+tests prefill_tests_mma "JAXATTN_PREFILL_KERNEL=mma" "${PREFILL_K:-not decode}"
 
 stamp "SASS summary"
 if command -v cuobjdump > /dev/null; then
@@ -87,10 +107,11 @@ for line in open(sys.argv[1], errors="replace"):
     m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?P\d\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", line)
     if m and func:
         counts[func][m.group(1)] += 1
-keep = ("paged_decode_kernelINS_6bf16_tELi128ELi4E", "prefill_mma_kernelINS_6bf16_tELi128E")
+keep = ("paged_decode_mma_kernelINS_6bf16_tELi128E", "prefill_mma_kernelINS_6bf16_tELi128E",
+        "prefill_sm90_kernelINS_6bf16_tELi128E")
 for f, c in counts.items():
     if any(k in f for k in keep):
-        ops = {k: v for k, v in c.items() if re.match(r"(LDG|LDGSTS|LDSM|HMMA|MUFU|SHFL|LDL|STL|BAR)", k)}
+        ops = {k: v for k, v in c.items() if re.match(r"(LDG|LDGSTS|LDSM|HMMA|HGMMA|MUFU|SHFL|LDL|STL|BAR)", k)}
         print(f, dict(sorted(ops.items())))
 PY
 fi
