@@ -37,9 +37,15 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def num_copies(bytes_per_copy: int, *, max_copies: int = 8) -> int:
-    """Copies needed so that one round over them moves at least 4x the L2."""
-    return max(1, min(max_copies, math.ceil(4 * L2_BYTES / max(bytes_per_copy, 1))))
+def num_copies(bytes_per_copy: int, *, max_copies: int = 16) -> int:
+    """Copies needed so that one round over them moves at least 16x the L2 (~1 GB).
+
+    A round is one dispatch, so this also sets the device time a dispatch holds: with
+    4x the L2 (two copies of a 45 us decode) the host's dispatch time could exceed the
+    device time, and an H200 measured the same kernel at 45 or 70 us from one process
+    to the next; with ~1 GB a round the device time dominates.
+    """
+    return max(1, min(max_copies, math.ceil(16 * L2_BYTES / max(bytes_per_copy, 1))))
 
 
 def make_copies(build: Callable[[int], tuple], n: int) -> list[tuple]:
@@ -54,6 +60,7 @@ def time_calls(
     target_s: float = 0.05,
     samples: int = 15,
     min_calls: int = 4,
+    warmup_s: float = 0.25,
 ) -> dict:
     """Seconds per ``fn(*copy)`` call: median over ``samples`` and the spread.
 
@@ -78,7 +85,14 @@ def time_calls(
     jax.block_until_ready(all_calls(copies))  # compile
     per_call = min(sample(1) for _ in range(3))
     dispatches = int(max(2, min(1000, round(target_s / max(per_call * len(copies), 1e-7)))))
+    # Warm up for a fixed wall time, not a fixed count: an idle GPU starts at a low clock
+    # (an H200 read 345 MHz before a run), and with a count-based warm-up the first,
+    # shortest case of a run (a 45 us decode) measured up to 1.5x slower than in the
+    # previous run.
+    t_end = time.perf_counter() + warmup_s
     sample(dispatches)
+    while time.perf_counter() < t_end:
+        sample(dispatches)
     times = sorted(sample(dispatches) for _ in range(samples))
     return dict(
         median_s=statistics.median(times),
