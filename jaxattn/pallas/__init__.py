@@ -9,16 +9,20 @@ Lowering: the kernels are written for the Pallas *Triton* lowering
   of one tensor, so a page-granular gather would need one TMA per page;
 * the same kernel source runs in Pallas interpret mode on the CPU, which is how CI
   tests it, and compiles for AMD GPUs as well as NVIDIA;
-* on Hopper, Triton turns the tile dots into wgmma by itself, which is what the extend
-  kernel (compute bound) needs; decode is memory bound and needs wide loads in flight,
-  not a particular matrix instruction.
+* on Hopper, Triton turns the tile dots into wgmma by itself (an ncu profile of the extend
+  kernel shows HGMMA and cp.async in its SASS), which is what the extend kernel (compute
+  bound) needs; decode is memory bound and needs wide loads in flight, not a particular
+  matrix instruction.
 
-Measured on an H200 (bf16, D=128): decode reads the paged KV at 75-105% of the
-device-to-device copy bandwidth (read + write), twice JAX's own Pallas paged decode;
-extend reaches about 250-280 TFLOP/s, half of cuDNN's flash attention, which keeps
-K/V tiles flowing through TMA with warp-specialised pipelines. That gap, and jax 0.11
-deprecating the Triton lowering (it warns at each lowering), make a Mosaic GPU
-version of the extend kernel the next step; decode has no such gap to close.
+Measured on an H200 (bf16, D=128, Hq/Hkv 32/8; ``benchmarks/RESULTS.md``): decode reads the
+paged KV at 77-105% of the device-to-device copy bandwidth (read + write), about twice
+JAX's own Pallas paged decode; extend reaches 316 TFLOP/s on 8 x (2048 + 512) and 382 on
+1 x (0 + 8192), 0.78x and 0.71x cuDNN's flash attention, 1.5x JAX's own Pallas (Triton)
+flash attention on the first and level with it on the second. What separates it from
+cuDNN and from JAX's Mosaic GPU attention (0.89x cuDNN on the first) is warp
+specialisation with TMA-fed pipelines, which the Triton lowering does not express;
+jax 0.11 also deprecates that lowering (it warns at each lowering), so a Mosaic GPU
+extend kernel, with page-granular copies, is the next step for this backend.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
