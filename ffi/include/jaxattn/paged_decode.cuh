@@ -58,6 +58,7 @@
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
+#include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/params.h"
 
 // Tuning knobs of the tensor-core kernel, compile-time (ffi/tests_gpu/decode_selftest.cu can
@@ -541,61 +542,6 @@ struct MmaDecodeShape {
   static constexpr int kMinBlocks = 2;
 };
 
-__device__ __forceinline__ uint32_t decode_smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void decode_ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-}
-
-__device__ __forceinline__ void decode_ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-}
-
-// c += A B, m16n8k16, f32 accumulation; A in a0..a3, B in b0, b1 (PTX fragment layouts).
-template <typename T>
-__device__ __forceinline__ void decode_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                           uint32_t a3, uint32_t b0, uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#endif
-}
-
-// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
-template <typename T>
-__device__ __forceinline__ uint32_t decode_pack2(float lo, float hi) {
-  uint32_t r = 0;
-#if __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-#endif
-  return r;
-}
-
 // Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
 // (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
 // 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
@@ -667,15 +613,15 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     const int s = n % NS;
     const int t0 = start + n * TILE + rb;  // this warp's first token
     if (t0 < end) {                        // warp-uniform
-      const uint32_t kaddr = decode_smem_addr(ring.k_rows(s)) + lane_off;
-      const uint32_t vaddr = decode_smem_addr(ring.v_rows(s)) + lane_off;
+      const uint32_t kaddr = smem_u32(ring.k_rows(s)) + lane_off;
+      const uint32_t vaddr = smem_u32(ring.v_rows(s)) + lane_off;
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
         uint32_t kf[4];
-        decode_ldsm_x4(kf, kaddr + kk * 32);
-        decode_mma<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
-        decode_mma<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
+        ldmatrix_x4(kf, kaddr + kk * 32);
+        mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
+        mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
       }
       // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
       float pr[2][2];
@@ -708,8 +654,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       // This lane's output columns are heads 2 tq and 2 tq + 1, whose factors live on lanes
       // 4 (2 tq) and 4 (2 tq + 1).
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const uint32_t pb0 = decode_pack2<T>(pr[0][0], pr[0][1]);
-      const uint32_t pb1 = decode_pack2<T>(pr[1][0], pr[1][1]);
+      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < KD; ++j) {
         o[j][0] *= a_lo;
@@ -717,8 +663,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
         o[j][2] *= a_lo;
         o[j][3] *= a_hi;
         uint32_t vf[4];
-        decode_ldsm_x4_trans(vf, vaddr + j * 32);
-        decode_mma<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
+        ldmatrix_x4_trans(vf, vaddr + j * 32);
+        mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
     ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)

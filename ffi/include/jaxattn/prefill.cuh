@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
+#include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/params.h"
 
 namespace jaxattn {
@@ -277,80 +278,6 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return uint32_t((r * MmaShape<D>::kChunks + (c ^ (r & 7))) * 16);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-}
-
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-#endif
-}
-
-// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r = 0;
-#if __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-#endif
-  return r;
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     prefill_mma_kernel(const PrefillParams p) {
@@ -407,7 +334,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     }
   };
   if (ntiles > 0) load_kv(0);
-  cp_async_commit();
+  async_copy_commit();
 
   uint32_t qf[D / 16][4];
   float o[D / 8][4];
@@ -420,8 +347,8 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   for (int n = 0; n < ntiles; ++n) {
     const int buf = n & 1;
     if (n + 1 < ntiles) load_kv(buf ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    async_copy_commit();
+    async_copy_wait<1>();
     __syncthreads();
     if (n == 0) {
 #pragma unroll
@@ -518,7 +445,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     }
     __syncthreads();  // tile n's buffers are free for tile n + 2
   }
-  cp_async_wait<0>();
+  async_copy_wait<0>();
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
@@ -551,16 +478,21 @@ const char* launch_prefill_simt(const PrefillParams& p, gpuStream_t stream) {
 }
 
 #if defined(JAXATTN_CUDA)
-template <typename T, int D>
-const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
-  using S = MmaShape<D>;
-  auto kernel = prefill_mma_kernel<T, D>;
+// Launches a tensor-core prefill kernel of shape S (kBM rows a block, kThreads, kSmemBytes of
+// dynamic shared memory) over the tile grid: an upper bound on the tiles, times the heads.
+template <typename S, typename Kernel>
+const char* launch_prefill_tiles(Kernel kernel, const PrefillParams& p, gpuStream_t stream) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) !=
       cudaSuccess)
     return check_launch();
   const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
+}
+
+template <typename T, int D>
+const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
+  return launch_prefill_tiles<MmaShape<D>>(prefill_mma_kernel<T, D>, p, stream);
 }
 
 inline bool device_has_mma() {

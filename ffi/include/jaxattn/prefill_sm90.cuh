@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     }
   };
   if (ntiles > 0) load_kv(0, 0);
-  cp_async_commit();
+  async_copy_commit();
 
   // Descriptors. Q (A) and K (B of S): K-major, 8-row groups 1024 bytes apart (SBO), the
   // leading offset unused (1); k step kk is column block kk / 4 and 32 bytes per kk % 4.
@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   // Waits for tile n's copies and publishes them to every warpgroup's wgmma (async proxy).
   auto tile_ready = [&]() {
-    cp_async_wait<0>();  // tile n is the only copy group in flight
+    async_copy_wait<0>();  // tile n is the only copy group in flight
     sm90_fence_proxy_async();
     __syncthreads();  // tile n visible; every thread is done with iteration n - 1
   };
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   // whose offsets replace tile n's (read when tile n was issued, before the barrier).
   auto next_loads = [&](int n) {
     if (n + 1 < ntiles) load_kv((n + 1) % NS, (n + 1) % 2);
-    cp_async_commit();
+    async_copy_commit();
     if (tid < BN) {
       cur.advance(kv, t.table, (n + 1) * BN + tid, BN, t.lk);
       rowoff[(n % 2) * BN + tid] = sm90_pack_off(cur.off);
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     sm90_pin(o);
     sm90_pin(pf);
   }
-  cp_async_wait<0>();
+  async_copy_wait<0>();
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
@@ -483,14 +483,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
 template <typename T, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
-  using S = Sm90Shape<D>;
-  auto kernel = prefill_sm90_kernel<T, D>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) !=
-      cudaSuccess)
-    return check_launch();
-  const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
-  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-  return check_launch();
+  return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D>, p, stream);
 }
 
 // Declared in prefill.cuh; instantiated for bf16_t and f16_t in prefill_sm90.cu.

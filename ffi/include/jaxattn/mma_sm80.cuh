@@ -1,0 +1,93 @@
+// NVIDIA tensor-core building blocks shared by the decode and prefill kernels (sm_80+):
+// shared-memory addresses, cp.async on 32-bit shared addresses, ldmatrix, mma.sync m16n8k16
+// with f32 accumulation, and packing of two floats into one 16-bit pair. CUDA only: the HIP
+// builds never include the kernels that use them. On targets below sm_80 the bodies are
+// empty (the launchers never pick those kernels there).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "jaxattn/gpu_vendor.h"
+
+#if defined(JAXATTN_CUDA)
+
+namespace jaxattn {
+namespace gpu {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One 16-byte copy to a shared address (valid == false: 16 zero bytes, nothing read). Commit
+// and wait are async_copy_commit / async_copy_wait<N> of gpu_vendor.h.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+}
+
+// c += A B, m16n8k16, f32 accumulation, T = bf16_t or f16_t; A in a0..a3, B in b0, b1 (the PTX
+// fragment layouts).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  mma16816<T>(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r = 0;
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+#endif
+  return r;
+}
+
+}  // namespace gpu
+}  // namespace jaxattn
+
+#endif  // JAXATTN_CUDA
