@@ -1,8 +1,9 @@
 // NVIDIA tensor-core building blocks shared by the decode and prefill kernels (sm_80+):
 // shared-memory addresses, cp.async on 32-bit shared addresses, ldmatrix, mma.sync m16n8k16
-// with f32 accumulation, and packing of two floats into one 16-bit pair. CUDA only: the HIP
-// builds never include the kernels that use them. On targets below sm_80 the bodies are
-// empty (the launchers never pick those kernels there).
+// with f32 accumulation, and packing of two floats into one 16-bit pair; on the host, the
+// device checks that pick those kernels and the opt-in to large dynamic shared memory. CUDA
+// only: the HIP builds never include the kernels that use them. On targets below sm_80 the
+// device bodies are empty (the launchers never pick those kernels there).
 #pragma once
 
 #include <cstdint>
@@ -85,6 +86,38 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 #endif
   return r;
+}
+
+// What the launchers ask of the current device. All zero when a query fails, so no
+// tensor-core kernel is chosen.
+struct DeviceCaps {
+  int major = 0;
+  int minor = 0;
+  int smem_optin = 0;  // most dynamic shared memory one block may opt in to, bytes
+};
+
+inline DeviceCaps current_device_caps() {
+  DeviceCaps c;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&c.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&c.minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess)
+    return DeviceCaps{};
+  return c;
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (past the default 48 KiB a
+// block needs the opt-in); nullptr or the error, which is cleared.
+template <typename Kernel>
+inline const char* allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return nullptr;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) return nullptr;
+  (void)cudaGetLastError();
+  return cudaGetErrorString(err);
 }
 
 }  // namespace gpu

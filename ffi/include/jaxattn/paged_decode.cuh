@@ -789,14 +789,7 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   dim3 grid;
   if (const char* e = decode_grid(p, &grid)) return e;
   auto kernel = paged_decode_mma_kernel<T, D>;
-  if constexpr (S::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return cudaGetErrorString(err);
-    }
-  }
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   if (const char* e = check_launch()) return e;
   return launch_decode_combine<T, D>(p, stream);
@@ -806,12 +799,8 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
 // cp.async need compute capability 8.0, and its ring must fit the opt-in shared-memory limit
 // (head_dim 128 takes 104 KiB: A100 and H100/H200 yes, 8.6/8.9 parts with 99 KiB no).
 inline bool decode_mma_supported(int smem_bytes) {
-  int dev = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
-  return major >= 8 && optin >= smem_bytes;
+  const DeviceCaps c = current_device_caps();
+  return c.major >= 8 && c.smem_optin >= smem_bytes;
 }
 #endif
 

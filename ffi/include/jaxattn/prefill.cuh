@@ -482,9 +482,7 @@ const char* launch_prefill_simt(const PrefillParams& p, gpuStream_t stream) {
 // dynamic shared memory) over the tile grid: an upper bound on the tiles, times the heads.
 template <typename S, typename Kernel>
 const char* launch_prefill_tiles(Kernel kernel, const PrefillParams& p, gpuStream_t stream) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) !=
-      cudaSuccess)
-    return check_launch();
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
@@ -495,22 +493,12 @@ const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
   return launch_prefill_tiles<MmaShape<D>>(prefill_mma_kernel<T, D>, p, stream);
 }
 
-inline bool device_has_mma() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return major >= 8;
-}
+inline bool device_has_mma() { return current_device_caps().major >= 8; }
 
 // sm_90a code runs on compute capability 9.0 only.
 inline bool device_is_sm90() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
+  const DeviceCaps c = current_device_caps();
+  return c.major == 9 && c.minor == 0;
 }
 #endif
 
