@@ -23,13 +23,14 @@ movement).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("bshd", "bhsd", "vllm")
-Layout = Literal["bshd", "bhsd", "vllm"]
+POOL = "pool"
 Kind = Literal["k", "v"]
 
 
@@ -38,11 +39,6 @@ class CacheGeometry(NamedTuple):
     page_size: int
     num_kv_heads: int
     head_dim: int
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def _check_kind(kind: str) -> None:
@@ -58,6 +54,161 @@ def vllm_x(dtype) -> int:
     return 16 // itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One physical KV layout: the axes of its K and V arrays, outermost first.
+
+    Axis names: ``page`` (``slot`` in a token pool), ``offset`` (token within the page),
+    ``head`` (KV head), ``dim`` (head dim), and for vLLM's K ``dim_hi`` / ``dim_lo``
+    (``d // x`` and ``d % x``). Everything that depends on a layout (shapes, the KV-head
+    axis a tensor-parallel split cuts, the row address a kernel computes, the stride block
+    of the native kernels) is derived here, so the spec, both kernel backends and the
+    sharding rules read one description.
+    """
+
+    name: str
+    k_axes: tuple[str, ...]
+    v_axes: tuple[str, ...]
+
+    def axes(self, kind: str = "k") -> tuple[str, ...]:
+        _check_kind(kind)
+        return self.k_axes if kind == "k" else self.v_axes
+
+    def rank(self, kind: str = "k") -> int:
+        return len(self.axes(kind))
+
+    def kv_head_axis(self, kind: str = "k") -> int:
+        """Index of the KV-head axis (the one tensor parallelism splits)."""
+        return self.axes(kind).index("head")
+
+    @property
+    def is_pool(self) -> bool:
+        return self.name == POOL
+
+    @property
+    def rows_contiguous(self) -> bool:
+        """Whether a token's head_dim elements are contiguous for every (page, offset,
+        head), so that a cache is a free reshape to ``[rows, D]`` (see :meth:`row`)."""
+        return self.k_axes == self.v_axes and self.k_axes[-1] == "dim"
+
+    def describe(self, kind: str = "k") -> str:
+        names = {
+            "page": "num_pages",
+            "slot": "num_slots",
+            "offset": "page_size",
+            "head": "num_kv_heads",
+            "dim": "head_dim",
+            "dim_hi": "head_dim // x",
+            "dim_lo": "x",
+        }
+        return "[" + ", ".join(names[a] for a in self.axes(kind)) + "]"
+
+    def shape(self, kind: str, geom: CacheGeometry, dtype=jnp.bfloat16) -> tuple[int, ...]:
+        sizes = {
+            "page": geom.num_pages,
+            "slot": geom.num_pages,
+            "offset": geom.page_size,
+            "head": geom.num_kv_heads,
+            "dim": geom.head_dim,
+        }
+        if "dim_lo" in self.axes(kind):
+            x = vllm_x(dtype)
+            if geom.head_dim % x:
+                raise ValueError(
+                    f"head_dim={geom.head_dim} must be a multiple of x={x} for the vllm layout"
+                )
+            sizes.update(dim_hi=geom.head_dim // x, dim_lo=x)
+        return tuple(sizes[a] for a in self.axes(kind))
+
+    def geometry(self, k_cache, v_cache) -> CacheGeometry:
+        """(num_pages, page_size, num_kv_heads, head_dim) of a K/V cache pair.
+
+        Raises ``ValueError`` naming the argument when the ranks or shapes do not fit the
+        layout, or K and V disagree. A token pool has one token per page.
+        """
+        ks, vs = tuple(k_cache.shape), tuple(v_cache.shape)
+        for name, shape, kind in (("k_cache", ks, "k"), ("v_cache", vs, "v")):
+            if len(shape) != self.rank(kind):
+                raise ValueError(
+                    f"{name} must have rank {self.rank(kind)} for layout={self.name!r} "
+                    f"({self.describe(kind)}), got shape {shape}"
+                )
+        size = dict(zip(self.k_axes, ks, strict=True))
+        if "dim_lo" in size:
+            want_x = vllm_x(k_cache.dtype)
+            if size["dim_lo"] != want_x:
+                raise ValueError(
+                    f"k_cache last axis must be x=16//itemsize={want_x} for layout="
+                    f"{self.name!r} and dtype {np.dtype(k_cache.dtype)}, got shape {ks}"
+                )
+            size["dim"] = size["dim_hi"] * size["dim_lo"]
+        geom = CacheGeometry(
+            size.get("page", size.get("slot")), size.get("offset", 1), size["head"], size["dim"]
+        )
+        want_v = self.shape("v", geom, v_cache.dtype)
+        if vs != want_v:
+            raise ValueError(f"v_cache must have shape {want_v} to match k_cache {ks}, got {vs}")
+        return geom
+
+    def row(self, page, offset, head, geom: CacheGeometry):
+        """Row of (page, offset, head) in the cache viewed as ``[rows, head_dim]`` (only
+        for layouts whose rows are contiguous: bshd, bhsd, the token pool)."""
+        order = {"page": page, "slot": page, "offset": offset, "head": head}
+        extent = {
+            "page": geom.num_pages,
+            "slot": geom.num_pages,
+            "offset": geom.page_size,
+            "head": geom.num_kv_heads,
+        }
+        r = 0
+        for a in self.k_axes[:-1]:
+            r = r * extent[a] + order[a]
+        return r
+
+    def strides(self, geom: CacheGeometry) -> tuple[int, int, int]:
+        """Element strides (page, token, head) of a rows-contiguous layout: the ``KvGeometry``
+        block of the native kernels (``ffi/include/jaxattn/params.h``) mirrors these."""
+        sizes = {
+            "page": geom.num_pages,
+            "slot": geom.num_pages,
+            "offset": geom.page_size,
+            "head": geom.num_kv_heads,
+            "dim": geom.head_dim,
+        }
+        stride, acc = {}, 1
+        for a in reversed(self.k_axes):
+            stride[a] = acc
+            acc *= sizes[a]
+        page = stride.get("page", stride.get("slot"))
+        return page, stride.get("offset", 0), stride["head"]
+
+
+_REGISTRY = {
+    "bshd": Layout("bshd", ("page", "offset", "head", "dim"), ("page", "offset", "head", "dim")),
+    "bhsd": Layout("bhsd", ("page", "head", "offset", "dim"), ("page", "head", "offset", "dim")),
+    "vllm": Layout(
+        "vllm", ("page", "head", "dim_hi", "offset", "dim_lo"), ("page", "head", "dim", "offset")
+    ),
+    # An SGLang token pool [num_slots, Hkv, D] (extend_attention's K/V): page size 1.
+    POOL: Layout(POOL, ("slot", "head", "dim"), ("slot", "head", "dim")),
+}
+
+
+def get(layout: str | Layout, *, pool: bool = False) -> Layout:
+    """The :class:`Layout` named ``layout`` (one of :data:`LAYOUTS`; ``"pool"`` too when
+    ``pool``). Raises ``ValueError`` naming the argument otherwise."""
+    if isinstance(layout, Layout):
+        return layout
+    allowed = (*LAYOUTS, POOL) if pool else LAYOUTS
+    if layout not in allowed:
+        raise ValueError(f"layout must be one of {allowed}, got {layout!r}")
+    return _REGISTRY[layout]
+
+
+def check_layout(layout: str) -> None:
+    get(layout)
+
+
 def cache_shape(
     layout: str,
     kind: str,
@@ -68,68 +219,16 @@ def cache_shape(
     dtype=jnp.bfloat16,
 ) -> tuple[int, ...]:
     """The shape of the K (``kind="k"``) or V cache for a layout."""
-    check_layout(layout)
     _check_kind(kind)
-    n, p, h, d = num_pages, page_size, num_kv_heads, head_dim
-    if layout == "bshd":
-        return (n, p, h, d)
-    if layout == "bhsd":
-        return (n, h, p, d)
-    if kind == "v":
-        return (n, h, d, p)
-    x = vllm_x(dtype)
-    if d % x:
-        raise ValueError(f"head_dim={d} must be a multiple of x={x} for the vllm layout")
-    return (n, h, d // x, p, x)
+    return get(layout).shape(
+        kind, CacheGeometry(num_pages, page_size, num_kv_heads, head_dim), dtype
+    )
 
 
 def cache_geometry(k_cache, v_cache, layout: str) -> CacheGeometry:
-    """(num_pages, page_size, num_kv_heads, head_dim) of a K/V cache pair.
-
-    Raises ``ValueError`` naming the argument when the ranks or shapes do not fit the
-    layout, or K and V disagree.
-    """
-    check_layout(layout)
-    ks, vs = tuple(k_cache.shape), tuple(v_cache.shape)
-    want_rank = {"bshd": (4, 4), "bhsd": (4, 4), "vllm": (5, 4)}[layout]
-    if len(ks) != want_rank[0]:
-        raise ValueError(
-            f"k_cache must have rank {want_rank[0]} for layout={layout!r} "
-            f"({_describe(layout, 'k')}), got shape {ks}"
-        )
-    if len(vs) != want_rank[1]:
-        raise ValueError(
-            f"v_cache must have rank {want_rank[1]} for layout={layout!r} "
-            f"({_describe(layout, 'v')}), got shape {vs}"
-        )
-    if layout == "bshd":
-        n, p, h, d = ks
-    elif layout == "bhsd":
-        n, h, p, d = ks
-    else:
-        n, h, dx, p, x = ks
-        want_x = vllm_x(k_cache.dtype)
-        if x != want_x:
-            raise ValueError(
-                f"k_cache last axis must be x=16//itemsize={want_x} for layout='vllm' "
-                f"and dtype {np.dtype(k_cache.dtype)}, got shape {ks}"
-            )
-        d = dx * x
-    geom = CacheGeometry(n, p, h, d)
-    want_v = cache_shape(layout, "v", *geom, dtype=v_cache.dtype)
-    if vs != want_v:
-        raise ValueError(f"v_cache must have shape {want_v} to match k_cache {ks}, got {vs}")
-    return geom
-
-
-def _describe(layout: str, kind: str) -> str:
-    if layout == "bshd":
-        return "[num_pages, page_size, num_kv_heads, head_dim]"
-    if layout == "bhsd":
-        return "[num_pages, num_kv_heads, page_size, head_dim]"
-    if kind == "k":
-        return "[num_pages, num_kv_heads, head_dim // x, page_size, x]"
-    return "[num_pages, num_kv_heads, head_dim, page_size]"
+    """(num_pages, page_size, num_kv_heads, head_dim) of a K/V cache pair (see
+    :meth:`Layout.geometry`)."""
+    return get(layout).geometry(k_cache, v_cache)
 
 
 # --- conversions ---------------------------------------------------------------------
