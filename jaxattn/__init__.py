@@ -1,6 +1,6 @@
 """jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX."""
 
-from . import kv, layout, paging, radix, reference
+from . import backend, env, kv, layout, ops, paging, radix, reference
 from .kv import copy_blocks, write_kv
 from .ops import (
     BACKENDS,
@@ -17,12 +17,15 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "backend",
     "copy_blocks",
     "default_implementations",
+    "env",
     "extend_attention",
     "kv",
     "layout",
     "merge_states",
+    "ops",
     "paged_attention",
     "paging",
     "prefix_prefill",

@@ -7,17 +7,20 @@ the platform that runs the computation; the ops here are thin ``jax.ffi.ffi_call
 wrappers, so they work under ``jax.jit`` (the HLO shows a ``custom_call`` to
 ``jaxattn_*``) and under ``jax.vmap`` (one kernel call per mapped element).
 
-Backend interface of :mod:`jaxattn.ops`: the arguments arrive validated, ``scale`` a
-Python float; anything this backend cannot serve raises ``NotImplementedError``.
+Backend contract (:mod:`jaxattn.backend`): :data:`IMPLEMENTATIONS` holds this backend's
+implementation of each op, with its configuration (:class:`DecodeConfig`,
+:class:`PrefillConfig`) and the heuristic that picks one. The functions
+:func:`paged_attention`, :func:`prefix_prefill` and :func:`extend_attention` take arguments
+already validated by :mod:`jaxattn.ops` and raise ``NotImplementedError`` for anything this
+backend cannot serve.
 
-Split-KV decode: ``partition_size`` given -> that many tokens per partition, then the
-combine kernel. ``None`` -> one pass, unless the batch leaves the GPU short of blocks;
-then the kernel splits with ``$JAXATTN_PARTITION_SIZE`` tokens per partition when set (read
-at trace time), else from a base of 512 tokens (256 when a KV head serves more than 15
-query heads) it takes the largest power-of-two multiple or fraction of the base (down to
-128 tokens) whose grid still fills 90% of one wave of resident blocks (two per
-multiprocessor, eight for one query head per KV head): fewer, longer partitions pay fewer
-pipeline fills and a smaller combine, as long as every multiprocessor has work.
+Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> that many tokens
+per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU
+short of blocks; then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
+rule :func:`jaxattn.backend.split_kv_partition` aimed at 90% of one wave of resident blocks,
+where the resident blocks per multiprocessor and the multiprocessor count come from the
+library itself (``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` on the kernel the launcher
+would pick, or its HIP twin), never from numbers written here.
 Inside the kernels logits are in base 2 (scale folded with log2(e)); nothing in base 2
 leaves them.
 """
@@ -25,6 +28,8 @@ leaves them.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import importlib.resources
 import math
 import os
@@ -36,7 +41,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import env as _env
+from . import layout as L
+from .backend import Implementation, split_kv_partition
+
 __all__ = [
+    "IMPLEMENTATIONS",
+    "DecodeConfig",
+    "PrefillConfig",
+    "choose_partition_size",
+    "decode_occupancy",
     "extend_attention",
     "is_available",
     "library_path",
@@ -60,25 +74,18 @@ _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
 _MAX_GROUP = 64
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_DTYPE_IDS = {np.dtype(jnp.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(jnp.float16): 2}
 
-# One-pass decode keeps one block per (sequence, KV head); below this many blocks per
-# multiprocessor the kernel splits the context instead. On an H200 (132 SMs), bf16, D=128,
+# One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
+# multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
 # Hq/Hkv=32/8: B=64 ctx=4096 (512 blocks) ran 5% faster in one pass than split by 512;
 # B=8 (64 blocks) ran 3.6x faster split.
-_MIN_BLOCKS_PER_SM = 3
+_ONE_PASS_BLOCKS_PER_SM = 3
 
-
-# A split grid aims at one wave of resident blocks and takes the largest partition whose
-# grid fills _WAVE_FILL of it. Resident blocks per H200 SM: 8 for the one-KV-head-per-query
-# kernel (group 1, 64 registers), 2 for the others (the tensor-core kernel for 2..8 query
-# heads per KV head holds 104 KiB of shared memory). H200, bf16, D=128, 32/8: B=1
-# ctx=32768 ran at 70% of the copy bandwidth with 1024-token partitions (256 blocks) and
-# 62% with 512 (512 blocks); B=8 ctx=4096 70% vs 65%; 2048 (128 blocks) fell to 59% in
-# both. At 32/32, 4096-token partitions (256 blocks, a third of a wave) ran at 59%.
-def _resident_blocks_per_sm(group: int) -> int:
-    return 8 if group == 1 else 2
-
-
+# A split grid aims at this fraction of one wave of resident blocks. H200, bf16, D=128, 32/8:
+# B=1 ctx=32768 ran at 70% of the copy bandwidth with 1024-token partitions (256 blocks, 2
+# resident per SM) and 62% with 512 (512 blocks); B=8 ctx=4096 70% vs 65%; 2048 (128 blocks)
+# fell to 59% in both.
 _WAVE_FILL = 0.9
 _MIN_PARTITION = 128
 
@@ -177,83 +184,139 @@ def is_available() -> bool:
     return True
 
 
-# --- argument checks this backend adds --------------------------------------------------
+# --- what this backend serves ----------------------------------------------------------------
 
 
-def _check_serveable(platform, q, k_cache, v_cache, num_kv_heads, head_dim):
+def _unsupported(platform, q, k_cache, v_cache, num_kv_heads, head_dim) -> str | None:
     dt = np.dtype(q.dtype)
     if dt not in _DTYPES:
-        raise NotImplementedError(f"native kernels take float32/bfloat16/float16, got {dt}")
+        return f"native kernels take float32/bfloat16/float16, got {dt}"
     if np.dtype(k_cache.dtype) != dt or np.dtype(v_cache.dtype) != dt:
-        raise NotImplementedError(
+        return (
             f"native kernels need q and the KV cache in one dtype, got {dt} and "
             f"{np.dtype(k_cache.dtype)}"
         )
     if platform != "cpu":
         if head_dim not in _GPU_HEAD_DIMS:
-            raise NotImplementedError(
-                f"native GPU kernels are built for head_dim in {_GPU_HEAD_DIMS}, got {head_dim}"
-            )
+            return f"native GPU kernels are built for head_dim in {_GPU_HEAD_DIMS}, got {head_dim}"
         group = q.shape[1] // num_kv_heads
         if group > _MAX_GROUP:
-            raise NotImplementedError(
+            return (
                 f"native GPU kernels serve up to {_MAX_GROUP} query heads per KV head, got {group}"
             )
+    return None
 
 
-def _paged_geometry(k_cache, layout):
-    if layout not in _LAYOUT_IDS:
+def _layout_id(layout) -> int:
+    name = L.get(layout, pool=True).name
+    if name not in _LAYOUT_IDS:
         raise NotImplementedError(
-            f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={layout!r}"
+            f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={name!r}"
         )
-    if layout == "bshd":
-        n, p, h, d = k_cache.shape
-    else:
-        n, h, p, d = k_cache.shape
-    return n, p, h, d
+    return _LAYOUT_IDS[name]
+
+
+def _require(platform, q, k_cache, v_cache, layout) -> L.CacheGeometry:
+    if L.get(layout, pool=True).name != L.POOL:
+        _layout_id(layout)
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    reason = _unsupported(platform, q, k_cache, v_cache, geom.num_kv_heads, geom.head_dim)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return geom
 
 
 def _attrs(scale, soft_cap):
     return dict(scale=np.float32(scale), soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
 
 
-def _env_partition_size() -> int | None:
-    env = os.environ.get("JAXATTN_PARTITION_SIZE", "").strip()
-    if not env:
-        return None
-    try:
-        value = int(env)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"JAXATTN_PARTITION_SIZE must be a positive integer, got {env!r}")
-    return value
+# --- occupancy: asked of the library, not written here ---------------------------------------
 
 
-def _num_multiprocessors() -> int:
-    count = getattr(jax.devices()[0], "core_count", None)
-    return int(count) if count else 108
+@functools.cache
+def decode_occupancy(platform: str, dtype, head_dim: int, group: int) -> tuple[int, int]:
+    """(resident blocks per multiprocessor, multiprocessors) of the decode kernel the GPU
+    launcher picks for this dtype, head_dim and GQA group, on the current device: the
+    library runs ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` (or the HIP twin) on the
+    kernel with its block size and shared memory."""
+    lib = _lib_handles[platform]
+    blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
+    err = lib.jaxattn_decode_occupancy(
+        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(head_dim),
+        ctypes.c_int(group),
+        ctypes.byref(blocks),
+        ctypes.byref(sms),
+    )
+    if err != 0 or blocks.value <= 0 or sms.value <= 0:
+        raise RuntimeError(
+            f"the native library could not report the decode kernel's occupancy "
+            f"(dtype {np.dtype(dtype)}, head_dim {head_dim}, group {group}): error {err}"
+        )
+    return blocks.value, sms.value
 
 
-def choose_partition_size(partition_size, *, platform, batch, num_kv_heads, group, capacity) -> int:
-    """Tokens per partition for decode, 0 for one pass (see the module docstring)."""
+def choose_partition_size(
+    partition_size, *, platform, batch, num_kv_heads, group, capacity, occupancy=None
+) -> int:
+    """Tokens per partition for decode, 0 for one pass (see the module docstring).
+
+    ``occupancy``: ``(resident blocks per SM, SMs)``, asked of the library when None.
+    """
     if partition_size is not None:
         return int(partition_size)
-    env = _env_partition_size()
-    split = env or (256 if group > 15 else 512)
-    if platform == "cpu" or capacity <= split:
+    if platform == "cpu":
         return 0
-    sms = _num_multiprocessors()
-    if batch * num_kv_heads >= _MIN_BLOCKS_PER_SM * sms:
-        return 0
-    if env is None:
-        blocks = lambda size: batch * num_kv_heads * math.ceil(capacity / size)
-        want = _WAVE_FILL * _resident_blocks_per_sm(group) * sms
-        while 2 * split < capacity and blocks(2 * split) >= want:
-            split *= 2
-        while split > _MIN_PARTITION and blocks(split) < want:
-            split //= 2
-    return split
+    env = _env.overrides().partition_size
+    blocks_per_sm, sms = occupancy
+    if env is not None:
+        pairs = batch * num_kv_heads
+        return 0 if capacity <= env or pairs >= _ONE_PASS_BLOCKS_PER_SM * sms else env
+    return split_kv_partition(
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        capacity=capacity,
+        target_blocks=_WAVE_FILL * blocks_per_sm * sms,
+        grow=True,
+        one_pass_blocks=_ONE_PASS_BLOCKS_PER_SM * sms,
+        min_partition=_MIN_PARTITION,
+    )
+
+
+# --- configurations ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Native decode. ``partition_size``: tokens per split-KV partition (then the combine
+    kernel), 0 for one pass. An op's explicit ``partition_size=`` wins over it."""
+
+    partition_size: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.partition_size, bool) or not isinstance(self.partition_size, int):
+            raise TypeError(f"partition_size must be an int, got {self.partition_size!r}")
+        if self.partition_size < 0:
+            raise ValueError(f"partition_size must be >= 0, got {self.partition_size}")
+
+
+_KERNEL_IDS = {"auto": 0, "sm90": 1, "mma": 2, "simt": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Native prefill (``prefix_prefill``, ``extend_attention``). ``kernel`` picks the GPU
+    kernel: ``auto`` (the Hopper wgmma kernel on compute capability 9.0 for extends of 64
+    or more new tokens a request on average, else the mma.sync one, else SIMT), ``sm90``,
+    ``mma`` or ``simt``; a forced kernel is used wherever it supports the dtype and head
+    dim. The CPU has one kernel."""
+
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.kernel not in _KERNEL_IDS:
+            raise ValueError(f"kernel must be one of {tuple(_KERNEL_IDS)}, got {self.kernel!r}")
 
 
 # --- ops ---------------------------------------------------------------------------------
@@ -270,21 +333,22 @@ def paged_attention(
     layout,
     partition_size=None,
     soft_cap=None,
+    config: DecodeConfig | None = None,
 ):
-    """Decode attention over a paged cache: q [B, Hq, D] -> [B, Hq, D] in q's dtype."""
+    """Decode attention over a paged cache: q [B, Hq, D] -> [B, Hq, D] in q's dtype.
+
+    ``partition_size`` (explicit) wins over ``config``; with neither, the heuristic of
+    :func:`choose_partition_size` picks."""
     platform = _ensure_registered()
-    _, page_size, num_kv_heads, head_dim = _paged_geometry(k_cache, layout)
-    _check_serveable(platform, q, k_cache, v_cache, num_kv_heads, head_dim)
-    batch, num_q_heads, _ = q.shape
-    capacity = block_tables.shape[1] * page_size
-    ps = choose_partition_size(
-        partition_size,
-        platform=platform,
-        batch=batch,
-        num_kv_heads=num_kv_heads,
-        group=num_q_heads // num_kv_heads,
-        capacity=capacity,
-    )
+    geom = _require(platform, q, k_cache, v_cache, layout)
+    batch, num_q_heads, head_dim = q.shape
+    if partition_size is not None:
+        ps = int(partition_size)
+    elif config is not None:
+        ps = config.partition_size
+    else:
+        ps = _heuristic_partition(platform, q, geom, block_tables.shape[1])
+    capacity = block_tables.shape[1] * geom.page_size
     # Partial outputs and (max, sum) pairs of every partition, float32; a stub when one pass.
     max_parts = max(1, math.ceil(capacity / ps)) if ps else 0
     ws = batch * num_q_heads * max_parts * (head_dim + 2) if ps else 1
@@ -300,19 +364,50 @@ def paged_attention(
         block_tables,
         seq_lens,
         **_attrs(scale, soft_cap),
-        layout=np.int32(_LAYOUT_IDS[layout]),
+        layout=np.int32(_layout_id(layout)),
         partition_size=np.int32(ps),
     )
     return out
 
 
+def _heuristic_partition(platform, q, geom, max_pages) -> int:
+    group = q.shape[1] // geom.num_kv_heads
+    occupancy = None
+    if platform != "cpu":
+        occupancy = decode_occupancy(platform, q.dtype, geom.head_dim, group)
+    return choose_partition_size(
+        None,
+        platform=platform,
+        batch=q.shape[0],
+        num_kv_heads=geom.num_kv_heads,
+        group=group,
+        capacity=max_pages * geom.page_size,
+        occupancy=occupancy,
+    )
+
+
+def _prefill_config(config):
+    if config is not None:
+        return config
+    return PrefillConfig(_env.overrides().prefill_kernel or "auto")
+
+
 def prefix_prefill(
-    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout, soft_cap=None
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap=None,
+    config: PrefillConfig | None = None,
 ):
     """Prefix-cached prefill over a paged cache: q [Tq, Hq, D] -> [Tq, Hq, D]."""
     platform = _ensure_registered()
-    _, _, num_kv_heads, head_dim = _paged_geometry(k_cache, layout)
-    _check_serveable(platform, q, k_cache, v_cache, num_kv_heads, head_dim)
+    _require(platform, q, k_cache, v_cache, layout)
     call = jax.ffi.ffi_call(
         "jaxattn_prefix_prefill", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
     )
@@ -324,17 +419,126 @@ def prefix_prefill(
         block_tables,
         seq_lens,
         **_attrs(scale, soft_cap),
-        layout=np.int32(_LAYOUT_IDS[layout]),
+        layout=np.int32(_layout_id(layout)),
+        kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
     )
 
 
 def extend_attention(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap=None
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    *,
+    scale,
+    soft_cap=None,
+    config: PrefillConfig | None = None,
 ):
     """SGLang-form extend over a token pool [num_slots, Hkv, D]: q [Tq, Hq, D] -> [Tq, Hq, D]."""
     platform = _ensure_registered()
-    _check_serveable(platform, q, k_cache, v_cache, k_cache.shape[1], k_cache.shape[2])
+    _require(platform, q, k_cache, v_cache, L.POOL)
     call = jax.ffi.ffi_call(
         "jaxattn_extend_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
     )
-    return call(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, **_attrs(scale, soft_cap))
+    return call(
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        **_attrs(scale, soft_cap),
+        kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
+    )
+
+
+# --- the backend contract (jaxattn.backend) ---------------------------------------------------
+
+
+class _Native(Implementation):
+    backend = "native"
+
+    def available(self, platform):
+        try:
+            _ensure_registered()
+        except NotImplementedError as e:
+            return str(e)
+        return None
+
+    def supports(self, a):
+        if a.layout.name not in (*_LAYOUT_IDS, L.POOL):
+            return f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={a.layout.name!r}"
+        return _unsupported(
+            _platform(), a.q, a.k_cache, a.v_cache, a.geometry.num_kv_heads, a.geometry.head_dim
+        )
+
+
+class _PagedAttention(_Native):
+    config_cls = DecodeConfig
+
+    def heuristic_config(self, a):
+        platform = _ensure_registered()
+        return DecodeConfig(
+            _heuristic_partition(platform, a.q, a.geometry, a.block_tables.shape[1])
+        )
+
+    def run(self, a, config):
+        return paged_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            partition_size=a.partition_size,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+class _Prefill(_Native):
+    config_cls = PrefillConfig
+
+    def heuristic_config(self, a):
+        return _prefill_config(None)
+
+
+class _PrefixPrefill(_Prefill):
+    def run(self, a, config):
+        return prefix_prefill(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.cu_seqlens_q,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+class _ExtendAttention(_Prefill):
+    def run(self, a, config):
+        return extend_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.qo_indptr,
+            a.kv_indptr,
+            a.kv_indices,
+            scale=a.scale,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+IMPLEMENTATIONS = {
+    "paged_attention": _PagedAttention(),
+    "prefix_prefill": _PrefixPrefill(),
+    "extend_attention": _ExtendAttention(),
+}

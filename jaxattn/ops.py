@@ -1,21 +1,28 @@
-"""Public attention ops: validate the arguments, then dispatch to a backend.
+"""Public attention ops: validate the arguments, then run one backend.
 
-``implementation=`` takes ``None``, a backend name (``"reference"``, ``"pallas"``,
-``"native"``) or a sequence of names tried in order. A backend that cannot serve the
-platform or the arguments raises ``NotImplementedError`` and the next one is tried; a
-single explicitly named backend re-raises instead (it is never silently replaced).
-``None`` tries the fast backends for the current platform and always ends with the
-reference, which serves everything.
+Each op is an :class:`~jaxattn.backend.Op` object (:data:`PAGED_ATTENTION`,
+:data:`EXTEND_ATTENTION`, :data:`PREFIX_PREFILL`) and a function of the public signature
+that calls it. ``implementation=`` takes ``None``, a backend name (``"reference"``,
+``"pallas"``, ``"native"``) or a sequence of names tried in order; ``config=`` a backend's
+frozen configuration (e.g. :class:`jaxattn.pallas.ExtendConfig`), which also selects that
+backend when ``implementation`` is None. A backend that cannot serve the platform or the
+arguments is skipped with its reason; a single explicitly named backend raises
+``NotImplementedError`` instead (it is never silently replaced). ``None`` tries the fast
+backends for the current platform and always ends with the reference, which serves
+everything. See :mod:`jaxattn.backend` for the contract.
 
 All validation here looks only at static properties (ranks, shapes, dtypes, attribute
 values), so it runs at trace time under ``jax.jit`` before any kernel is built. When
 the index arrays are concrete (eager calls) their values are checked too.
+
+The reference implementations of the ops live here as well: the spec functions of
+:mod:`jaxattn.reference` behind the backend contract.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Sequence
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,86 +30,25 @@ import numpy as np
 
 from . import layout as _layout
 from . import reference as _reference
+from .backend import BACKENDS, Implementation, Op, default_implementations
 
-BACKENDS = ("reference", "pallas", "native")
-
-# Fastest first. The reference closes every list so that None always succeeds. On the
-# CPU the Pallas kernels would run in the (slow) interpreter, so they are not tried.
-_DEFAULT_ORDER = {
-    "gpu": ("native", "pallas", "reference"),
-    "cuda": ("native", "pallas", "reference"),
-    "rocm": ("native", "pallas", "reference"),
-    "cpu": ("reference",),
-}
+__all__ = [
+    "BACKENDS",
+    "EXTEND_ATTENTION",
+    "PAGED_ATTENTION",
+    "PREFIX_PREFILL",
+    "ExtendArgs",
+    "PagedArgs",
+    "PrefillArgs",
+    "available_backends",
+    "default_implementations",
+    "extend_attention",
+    "merge_states",
+    "paged_attention",
+    "prefix_prefill",
+]
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-# --- dispatch ------------------------------------------------------------------------
-
-
-def _backend_module(name: str):
-    if name == "reference":
-        return _reference
-    try:
-        return importlib.import_module(f"jaxattn.{name}")
-    except ImportError as e:  # a backend whose dependencies are missing cannot serve
-        raise NotImplementedError(f"backend {name!r} cannot be imported: {e}") from e
-
-
-def default_implementations(platform: str | None = None) -> tuple[str, ...]:
-    """The backends ``implementation=None`` tries, in order, on ``platform`` (default: the
-    current default backend). The reference is always last."""
-    platform = jax.default_backend() if platform is None else platform
-    return _DEFAULT_ORDER.get(platform, ("reference",))
-
-
-def _candidates(implementation) -> tuple[tuple[str, ...], bool]:
-    """(names to try, whether the caller named exactly one)."""
-    if implementation is None:
-        return default_implementations(), False
-    if isinstance(implementation, str):
-        names, explicit = (implementation,), True
-    elif isinstance(implementation, Sequence) and implementation:
-        names, explicit = tuple(implementation), False
-    else:
-        raise TypeError(
-            f"implementation must be None, a backend name or a non-empty sequence of "
-            f"names from {BACKENDS}, got {implementation!r}"
-        )
-    for name in names:
-        if name not in BACKENDS:
-            raise ValueError(f"implementation must name backends from {BACKENDS}, got {name!r}")
-    return names, explicit
-
-
-def _dispatch(op: str, implementation, *args, **kwargs):
-    names, explicit = _candidates(implementation)
-    errors = []
-    for name in names:
-        try:
-            fn = getattr(_backend_module(name), op)
-            return fn(*args, **kwargs)
-        except NotImplementedError as e:
-            if explicit:
-                raise
-            errors.append(f"{name}: {e}")
-    raise NotImplementedError(f"no backend in {names} can serve {op}: " + "; ".join(errors))
-
-
-def available_backends(op: str = "paged_attention") -> tuple[str, ...]:
-    """Names of the backends importable on this platform (not a promise that each one
-    serves every argument combination)."""
-    out = []
-    for name in BACKENDS:
-        try:
-            mod = _backend_module(name)
-        except NotImplementedError:
-            continue
-        ok = getattr(mod, "is_available", lambda: True)()
-        if ok and hasattr(mod, op):
-            out.append(name)
-    return tuple(out)
 
 
 # --- validation helpers --------------------------------------------------------------
@@ -206,8 +152,8 @@ def _check_partition_size(partition_size):
 
 
 def _concrete(x):
-    """numpy value of x, or None when x is traced (values unknown at trace time)."""
-    if isinstance(x, jax.core.Tracer):
+    """numpy value of x, or None when x is traced or abstract (values unknown)."""
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
         return None
     try:
         return np.asarray(x)
@@ -246,6 +192,309 @@ def _check_seq_lens_values(seq_lens, block_tables, page_size, num_pages):
             )
 
 
+# --- argument records -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Args:
+    """Validated arguments of an attention op: the arrays and the static facts about
+    them that every backend asks for."""
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    scale: float
+    soft_cap: float | None
+    layout: _layout.Layout
+    geometry: _layout.CacheGeometry
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.q.shape[1] // self.geometry.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedArgs(_Args):
+    """:func:`paged_attention`: q [B, Hq, D], block_tables i32[B, W], seq_lens i32[B]."""
+
+    block_tables: Any = None
+    seq_lens: Any = None
+    partition_size: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a block-table row can address."""
+        return self.block_tables.shape[1] * self.geometry.page_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExtendArgs(_Args):
+    """:func:`extend_attention` over a token pool (``layout`` is the pool pseudo-layout)."""
+
+    qo_indptr: Any = None
+    kv_indptr: Any = None
+    kv_indices: Any = None
+
+    @property
+    def batch(self) -> int:
+        return self.qo_indptr.shape[0] - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefillArgs(_Args):
+    """:func:`prefix_prefill`: q packed by cu_seqlens_q over a paged cache."""
+
+    cu_seqlens_q: Any = None
+    block_tables: Any = None
+    seq_lens: Any = None
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+# --- the ops ------------------------------------------------------------------------------
+
+
+class PagedAttention(Op):
+    name = "paged_attention"
+    roles = ("q", "k", "v", None, None)
+
+    def bind(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        *,
+        scale=None,
+        layout="bshd",
+        partition_size=None,
+        soft_cap=None,
+    ) -> PagedArgs:
+        lay = _layout.get(layout)
+        _check_float("q", q)
+        _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
+        _check_kv_dtypes(k_cache, v_cache)
+        geom = lay.geometry(k_cache, v_cache)
+        _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        b = q.shape[0]
+        _check_tables(b, block_tables, seq_lens)
+        _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
+        return PagedArgs(
+            q,
+            k_cache,
+            v_cache,
+            scale=_resolve_scale(scale, geom.head_dim),
+            soft_cap=_check_soft_cap(soft_cap),
+            layout=lay,
+            geometry=geom,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            partition_size=_check_partition_size(partition_size),
+        )
+
+
+class ExtendAttention(Op):
+    name = "extend_attention"
+    roles = ("q", "k", "v", None, None, None)
+
+    def bind(
+        self, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale=None, soft_cap=None
+    ) -> ExtendArgs:
+        _check_float("q", q)
+        _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+        _check_kv_dtypes(k_cache, v_cache)
+        _check_rank("k_cache", k_cache, 3, "[num_slots, num_kv_heads, head_dim]")
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, "
+                f"got {tuple(v_cache.shape)}"
+            )
+        pool = _layout.get(_layout.POOL, pool=True)
+        geom = pool.geometry(k_cache, v_cache)
+        _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        _check_int32("qo_indptr", qo_indptr, 1, "[batch + 1]")
+        _check_int32("kv_indptr", kv_indptr, 1, "[batch + 1]")
+        if qo_indptr.shape[0] < 2:
+            raise ValueError(
+                f"qo_indptr must be int32 [batch + 1] with batch >= 1, got {_shape_str(qo_indptr)}"
+            )
+        if kv_indptr.shape != qo_indptr.shape:
+            raise ValueError(
+                f"kv_indptr must be int32 [batch + 1 = {qo_indptr.shape[0]}] like "
+                f"qo_indptr, got {_shape_str(kv_indptr)}"
+            )
+        _check_int32("kv_indices", kv_indices, 1, "[kv_indptr[-1]]")
+        qo = _check_indptr_values("qo_indptr", qo_indptr)
+        kv = _check_indptr_values("kv_indptr", kv_indptr)
+        if qo is not None and qo[-1] > q.shape[0]:
+            raise ValueError(f"qo_indptr[-1] = {qo[-1]} exceeds the {q.shape[0]} rows of q")
+        if kv is not None and kv[-1] > kv_indices.shape[0]:
+            raise ValueError(
+                f"kv_indptr[-1] = {kv[-1]} exceeds the length of kv_indices ({kv_indices.shape[0]})"
+            )
+        if qo is not None and kv is not None and np.any(np.diff(kv) < np.diff(qo)):
+            raise ValueError(
+                "every request needs Lk >= Lq (kv_indptr lengths >= qo_indptr lengths),"
+                f" got qo lengths {np.diff(qo).tolist()} and kv lengths "
+                f"{np.diff(kv).tolist()}"
+            )
+        idx = _concrete(kv_indices)
+        if idx is not None and kv is not None:
+            used = idx[: kv[-1]]
+            if np.any(used < 0) or np.any(used >= k_cache.shape[0]):
+                raise ValueError(f"kv_indices[:kv_indptr[-1]] must lie in [0, {k_cache.shape[0]})")
+        return ExtendArgs(
+            q,
+            k_cache,
+            v_cache,
+            scale=_resolve_scale(scale, geom.head_dim),
+            soft_cap=_check_soft_cap(soft_cap),
+            layout=pool,
+            geometry=geom,
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+        )
+
+
+class PrefixPrefill(Op):
+    name = "prefix_prefill"
+    roles = ("q", "k", "v", None, None, None)
+
+    def bind(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_tables,
+        seq_lens,
+        *,
+        scale=None,
+        layout="bshd",
+        soft_cap=None,
+    ) -> PrefillArgs:
+        lay = _layout.get(layout)
+        _check_float("q", q)
+        _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+        _check_kv_dtypes(k_cache, v_cache)
+        geom = lay.geometry(k_cache, v_cache)
+        _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+        b = cu_seqlens_q.shape[0] - 1
+        if b < 1:
+            raise ValueError(
+                f"cu_seqlens_q must be int32 [batch + 1] with batch >= 1, got "
+                f"{_shape_str(cu_seqlens_q)}"
+            )
+        _check_tables(b, block_tables, seq_lens)
+        cu = _check_indptr_values("cu_seqlens_q", cu_seqlens_q)
+        if cu is not None and cu[-1] > q.shape[0]:
+            raise ValueError(f"cu_seqlens_q[-1] = {cu[-1]} exceeds the {q.shape[0]} rows of q")
+        lens = _concrete(seq_lens)
+        if cu is not None and lens is not None and np.any(lens < np.diff(cu)):
+            raise ValueError(
+                f"seq_lens must be >= the query lengths, got seq_lens {lens.tolist()} "
+                f"and query lengths {np.diff(cu).tolist()}"
+            )
+        _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
+        return PrefillArgs(
+            q,
+            k_cache,
+            v_cache,
+            scale=_resolve_scale(scale, geom.head_dim),
+            soft_cap=_check_soft_cap(soft_cap),
+            layout=lay,
+            geometry=geom,
+            cu_seqlens_q=cu_seqlens_q,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+        )
+
+
+PAGED_ATTENTION = PagedAttention()
+EXTEND_ATTENTION = ExtendAttention()
+PREFIX_PREFILL = PrefixPrefill()
+OPS = {op.name: op for op in (PAGED_ATTENTION, EXTEND_ATTENTION, PREFIX_PREFILL)}
+
+
+# --- the reference backend -------------------------------------------------------------
+
+
+class _ReferencePaged(Implementation):
+    backend = "reference"
+
+    def run(self, a: PagedArgs, config):
+        return _reference.paged_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            partition_size=a.partition_size,
+            soft_cap=a.soft_cap,
+        )
+
+
+class _ReferenceExtend(Implementation):
+    backend = "reference"
+
+    def run(self, a: ExtendArgs, config):
+        return _reference.extend_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.qo_indptr,
+            a.kv_indptr,
+            a.kv_indices,
+            scale=a.scale,
+            soft_cap=a.soft_cap,
+        )
+
+
+class _ReferencePrefill(Implementation):
+    backend = "reference"
+
+    def run(self, a: PrefillArgs, config):
+        return _reference.prefix_prefill(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.cu_seqlens_q,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+        )
+
+
+IMPLEMENTATIONS = {
+    "paged_attention": _ReferencePaged(),
+    "extend_attention": _ReferenceExtend(),
+    "prefix_prefill": _ReferencePrefill(),
+}
+
+
+def available_backends(op: str = "paged_attention") -> tuple[str, ...]:
+    """Names of the backends that can run ``op`` on this platform (not a promise that each
+    one serves every argument combination)."""
+    platform = jax.default_backend()
+    return tuple(
+        name for name, impl in OPS[op].implementations().items() if impl.available(platform) is None
+    )
+
+
 # --- public ops ----------------------------------------------------------------------
 
 
@@ -261,6 +510,7 @@ def paged_attention(
     partition_size=None,
     soft_cap=None,
     implementation=None,
+    config=None,
 ):
     """Decode attention: one query token per sequence over a paged KV cache.
 
@@ -268,29 +518,21 @@ def paged_attention(
     :mod:`jaxattn.layout`); block_tables: i32[B, max_pages]; seq_lens: i32[B].
     ``partition_size``: None for one pass (or the kernel's own split), an int for
     split-KV with that many tokens per partition followed by an exact combine.
+    ``config``: a backend's configuration (None: its heuristic).
     Returns [B, Hq, D] in q's dtype.
     """
-    _layout.check_layout(layout)
-    _check_float("q", q)
-    _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
-    _check_kv_dtypes(k_cache, v_cache)
-    geom = _layout.cache_geometry(k_cache, v_cache, layout)
-    _check_heads(q, geom.num_kv_heads, geom.head_dim)
-    b = q.shape[0]
-    _check_tables(b, block_tables, seq_lens)
-    _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
-    return _dispatch(
-        "paged_attention",
-        implementation,
+    return PAGED_ATTENTION(
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
-        scale=_resolve_scale(scale, geom.head_dim),
+        scale=scale,
         layout=layout,
-        partition_size=_check_partition_size(partition_size),
-        soft_cap=_check_soft_cap(soft_cap),
+        partition_size=partition_size,
+        soft_cap=soft_cap,
+        implementation=implementation,
+        config=config,
     )
 
 
@@ -305,6 +547,7 @@ def extend_attention(
     scale=None,
     soft_cap=None,
     implementation=None,
+    config=None,
 ):
     """Prefix-cached prefill over a token pool (SGLang form).
 
@@ -313,58 +556,17 @@ def extend_attention(
     of its cached prefix followed by those of its new tokens (already written). Row i of
     request b sees key j iff ``j <= i + (Lk_b - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
     """
-    _check_float("q", q)
-    _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
-    _check_kv_dtypes(k_cache, v_cache)
-    _check_rank("k_cache", k_cache, 3, "[num_slots, num_kv_heads, head_dim]")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, "
-            f"got {tuple(v_cache.shape)}"
-        )
-    _check_heads(q, k_cache.shape[1], k_cache.shape[2])
-    _check_int32("qo_indptr", qo_indptr, 1, "[batch + 1]")
-    _check_int32("kv_indptr", kv_indptr, 1, "[batch + 1]")
-    if qo_indptr.shape[0] < 2:
-        raise ValueError(
-            f"qo_indptr must be int32 [batch + 1] with batch >= 1, got {_shape_str(qo_indptr)}"
-        )
-    if kv_indptr.shape != qo_indptr.shape:
-        raise ValueError(
-            f"kv_indptr must be int32 [batch + 1 = {qo_indptr.shape[0]}] like "
-            f"qo_indptr, got {_shape_str(kv_indptr)}"
-        )
-    _check_int32("kv_indices", kv_indices, 1, "[kv_indptr[-1]]")
-    qo = _check_indptr_values("qo_indptr", qo_indptr)
-    kv = _check_indptr_values("kv_indptr", kv_indptr)
-    if qo is not None and qo[-1] > q.shape[0]:
-        raise ValueError(f"qo_indptr[-1] = {qo[-1]} exceeds the {q.shape[0]} rows of q")
-    if kv is not None and kv[-1] > kv_indices.shape[0]:
-        raise ValueError(
-            f"kv_indptr[-1] = {kv[-1]} exceeds the length of kv_indices ({kv_indices.shape[0]})"
-        )
-    if qo is not None and kv is not None and np.any(np.diff(kv) < np.diff(qo)):
-        raise ValueError(
-            "every request needs Lk >= Lq (kv_indptr lengths >= qo_indptr lengths),"
-            f" got qo lengths {np.diff(qo).tolist()} and kv lengths "
-            f"{np.diff(kv).tolist()}"
-        )
-    idx = _concrete(kv_indices)
-    if idx is not None and kv is not None:
-        used = idx[: kv[-1]]
-        if np.any(used < 0) or np.any(used >= k_cache.shape[0]):
-            raise ValueError(f"kv_indices[:kv_indptr[-1]] must lie in [0, {k_cache.shape[0]})")
-    return _dispatch(
-        "extend_attention",
-        implementation,
+    return EXTEND_ATTENTION(
         q,
         k_cache,
         v_cache,
         qo_indptr,
         kv_indptr,
         kv_indices,
-        scale=_resolve_scale(scale, k_cache.shape[2]),
-        soft_cap=_check_soft_cap(soft_cap),
+        scale=scale,
+        soft_cap=soft_cap,
+        implementation=implementation,
+        config=config,
     )
 
 
@@ -380,6 +582,7 @@ def prefix_prefill(
     layout="bshd",
     soft_cap=None,
     implementation=None,
+    config=None,
 ):
     """Prefix-cached prefill over a paged KV cache.
 
@@ -387,42 +590,18 @@ def prefix_prefill(
     seq_lens i32[B] total KV lengths (prefix + new, already written). Row i of request b
     sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
     """
-    _layout.check_layout(layout)
-    _check_float("q", q)
-    _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
-    _check_kv_dtypes(k_cache, v_cache)
-    geom = _layout.cache_geometry(k_cache, v_cache, layout)
-    _check_heads(q, geom.num_kv_heads, geom.head_dim)
-    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
-    b = cu_seqlens_q.shape[0] - 1
-    if b < 1:
-        raise ValueError(
-            f"cu_seqlens_q must be int32 [batch + 1] with batch >= 1, got "
-            f"{_shape_str(cu_seqlens_q)}"
-        )
-    _check_tables(b, block_tables, seq_lens)
-    cu = _check_indptr_values("cu_seqlens_q", cu_seqlens_q)
-    if cu is not None and cu[-1] > q.shape[0]:
-        raise ValueError(f"cu_seqlens_q[-1] = {cu[-1]} exceeds the {q.shape[0]} rows of q")
-    lens = _concrete(seq_lens)
-    if cu is not None and lens is not None and np.any(lens < np.diff(cu)):
-        raise ValueError(
-            f"seq_lens must be >= the query lengths, got seq_lens {lens.tolist()} "
-            f"and query lengths {np.diff(cu).tolist()}"
-        )
-    _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
-    return _dispatch(
-        "prefix_prefill",
-        implementation,
+    return PREFIX_PREFILL(
         q,
         k_cache,
         v_cache,
         cu_seqlens_q,
         block_tables,
         seq_lens,
-        scale=_resolve_scale(scale, geom.head_dim),
+        scale=scale,
         layout=layout,
-        soft_cap=_check_soft_cap(soft_cap),
+        soft_cap=soft_cap,
+        implementation=implementation,
+        config=config,
     )
 
 

@@ -73,19 +73,7 @@ __all__ = [
 AXIS = "tp"
 
 # Pseudo-layout for an SGLang token pool ``[num_slots, Hkv, D]`` (extend_attention's K/V).
-TOKEN_POOL = "pool"
-
-# Where the KV-head axis sits in each cache array, and the array's rank.
-_KV_HEAD_AXIS = {
-    ("bshd", "k"): (2, 4),
-    ("bshd", "v"): (2, 4),
-    ("bhsd", "k"): (1, 4),
-    ("bhsd", "v"): (1, 4),
-    ("vllm", "k"): (1, 5),
-    ("vllm", "v"): (1, 4),
-    (TOKEN_POOL, "k"): (1, 3),
-    (TOKEN_POOL, "v"): (1, 3),
-}
+TOKEN_POOL = _layout.POOL
 
 # jax.shard_map is the public name from jax 0.6 on; older releases only have the
 # experimental one, whose replication check is spelled check_rep.
@@ -147,11 +135,7 @@ def check_heads(num_shards: int, num_q_heads: int, num_kv_heads: int | None = No
 def kv_head_axis(layout: str, kind: str = "k") -> int:
     """Index of the KV-head axis of a K (``kind="k"``) or V cache in ``layout``
     (``"bshd"``, ``"bhsd"``, ``"vllm"`` or :data:`TOKEN_POOL`)."""
-    if (layout, kind) not in _KV_HEAD_AXIS:
-        if kind not in ("k", "v"):
-            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
-        raise ValueError(f"layout must be one of {(*_layout.LAYOUTS, TOKEN_POOL)}, got {layout!r}")
-    return _KV_HEAD_AXIS[layout, kind][0]
+    return _layout.get(layout, pool=True).kv_head_axis(kind)
 
 
 def _split(rank: int, axis: int | None, axis_name: str) -> PartitionSpec:
@@ -160,8 +144,8 @@ def _split(rank: int, axis: int | None, axis_name: str) -> PartitionSpec:
 
 def kv_cache_spec(layout: str, kind: str = "k", *, axis_name: str = AXIS) -> PartitionSpec:
     """The PartitionSpec that splits a cache's KV-head axis over ``axis_name``."""
-    axis = kv_head_axis(layout, kind)
-    return _split(_KV_HEAD_AXIS[layout, kind][1], axis, axis_name)
+    lay = _layout.get(layout, pool=True)
+    return _split(lay.rank(kind), lay.kv_head_axis(kind), axis_name)
 
 
 def kv_cache_sharding(
@@ -225,32 +209,38 @@ def _check_pool(k_cache, v_cache):
 # --- the ops under shard_map ---------------------------------------------------------
 
 
-def _validate_global(op: str, args: tuple, kwargs: dict, num_float_args: int):
-    """Run the single-device op's checks on the global arguments, without computing.
-
-    Under ``jax.eval_shape`` the float arrays become abstract, but index arrays that are
-    concrete are closed over and stay concrete, so the value checks (page ids in range,
-    indptrs non-decreasing ...) still run on eager calls, as they do for the plain op.
-    """
-    traced = [i < num_float_args or isinstance(a, jax.core.Tracer) for i, a in enumerate(args)]
-
-    def fn(*abstract):
-        it = iter(abstract)
-        full = [next(it) if t else a for a, t in zip(args, traced, strict=True)]
-        return getattr(_ops, op)(*full, **{**kwargs, "implementation": "reference"})
-
-    jax.eval_shape(fn, *(a for a, t in zip(args, traced, strict=True) if t))
-
-
 def _heads_spec(axis_name):
     return _split(3, 1, axis_name)
 
 
-def _check_q(q):
-    if not hasattr(q, "ndim") or q.ndim != 3:
-        raise ValueError(
-            f"q must be [tokens, num_q_heads, head_dim], got {getattr(q, 'shape', type(q))}"
-        )
+def _shard_op(op, args: tuple, kwargs: dict, mesh: Mesh, axis_name: str):
+    """Run ``op`` under ``shard_map`` on each device's heads.
+
+    The arguments are first validated on their global shapes by the op's own
+    :meth:`~jaxattn.backend.Op.bind` (index values too, when they are concrete), exactly as
+    the single-device op validates them; the op's ``roles`` say how each positional
+    argument is split (query heads, a KV cache's KV-head axis, or replicated).
+    """
+    n = _mesh_size(mesh, axis_name)
+    call_kw = {k: kwargs[k] for k in ("implementation", "config") if k in kwargs}
+    bound = op.bind(*args, **{k: v for k, v in kwargs.items() if k not in call_kw})
+    check_heads(n, bound.num_q_heads, bound.geometry.num_kv_heads)
+    lay = bound.layout
+    specs = []
+    for role in op.roles:
+        if role == "q":
+            specs.append(_heads_spec(axis_name))
+        elif role in ("k", "v"):
+            specs.append(_split(lay.rank(role), lay.kv_head_axis(role), axis_name))
+        else:
+            specs.append(PartitionSpec())
+    fn = _shard_map(
+        functools.partial(op, **kwargs),
+        mesh,
+        in_specs=tuple(specs),
+        out_specs=_heads_spec(axis_name),
+    )
+    return fn(*args)
 
 
 def paged_attention(
@@ -270,26 +260,10 @@ def paged_attention(
     q: [B, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis
     (:func:`kv_head_axis`); block_tables i32[B, max_pages], seq_lens i32[B] replicated.
     Other keyword arguments (``scale``, ``partition_size``, ``soft_cap``,
-    ``implementation``) go to the op. Returns [B, Hq, D] split on axis 1.
+    ``implementation``, ``config``) go to the op. Returns [B, Hq, D] split on axis 1.
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    n = _mesh_size(mesh, axis_name)
-    _validate_global("paged_attention", args, dict(kwargs, layout=layout), 3)
-    check_heads(n, q.shape[1], _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads)
-    heads = _heads_spec(axis_name)
-    fn = _shard_map(
-        functools.partial(_ops.paged_attention, layout=layout, **kwargs),
-        mesh,
-        in_specs=(
-            heads,
-            kv_cache_spec(layout, "k", axis_name=axis_name),
-            kv_cache_spec(layout, "v", axis_name=axis_name),
-            PartitionSpec(),
-            PartitionSpec(),
-        ),
-        out_specs=heads,
-    )
-    return fn(*args)
+    return _shard_op(_ops.PAGED_ATTENTION, args, dict(kwargs, layout=layout), mesh, axis_name)
 
 
 def extend_attention(
@@ -311,19 +285,7 @@ def extend_attention(
     axis 1.
     """
     args = (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
-    n = _mesh_size(mesh, axis_name)
-    _validate_global("extend_attention", args, kwargs, 3)
-    check_heads(n, q.shape[1], k_cache.shape[1])
-    heads = _heads_spec(axis_name)
-    pool = kv_cache_spec(TOKEN_POOL, axis_name=axis_name)
-    rep = PartitionSpec()
-    fn = _shard_map(
-        functools.partial(_ops.extend_attention, **kwargs),
-        mesh,
-        in_specs=(heads, pool, pool, rep, rep, rep),
-        out_specs=heads,
-    )
-    return fn(*args)
+    return _shard_op(_ops.EXTEND_ATTENTION, args, kwargs, mesh, axis_name)
 
 
 def prefix_prefill(
@@ -345,25 +307,7 @@ def prefix_prefill(
     cu_seqlens_q, block_tables, seq_lens replicated. Returns [Tq, Hq, D] split on axis 1.
     """
     args = (q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens)
-    n = _mesh_size(mesh, axis_name)
-    _validate_global("prefix_prefill", args, dict(kwargs, layout=layout), 3)
-    check_heads(n, q.shape[1], _layout.cache_geometry(k_cache, v_cache, layout).num_kv_heads)
-    heads = _heads_spec(axis_name)
-    rep = PartitionSpec()
-    fn = _shard_map(
-        functools.partial(_ops.prefix_prefill, layout=layout, **kwargs),
-        mesh,
-        in_specs=(
-            heads,
-            kv_cache_spec(layout, "k", axis_name=axis_name),
-            kv_cache_spec(layout, "v", axis_name=axis_name),
-            rep,
-            rep,
-            rep,
-        ),
-        out_specs=heads,
-    )
-    return fn(*args)
+    return _shard_op(_ops.PREFIX_PREFILL, args, dict(kwargs, layout=layout), mesh, axis_name)
 
 
 def write_kv(

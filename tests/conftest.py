@@ -34,3 +34,22 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     """A generator seeded from the test's id: fresh data per case, reproducible per case."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def set_env(monkeypatch):
+    """``set_env(NAME=value, ...)`` sets environment variables and re-reads jaxattn's
+    overrides (:mod:`jaxattn.env`); both are restored after the test."""
+    import jaxattn.env
+
+    def set_(**values):
+        for name, value in values.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        return jaxattn.env.refresh()
+
+    yield set_
+    monkeypatch.undo()
+    jaxattn.env.refresh()

@@ -8,6 +8,8 @@ from helpers import assert_close, expected_decode, make_extend, make_paged_decod
 
 import jaxattn
 from jaxattn import ops
+from jaxattn import pallas as P
+from jaxattn.backend import Implementation
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +163,22 @@ def test_merge_states_bad_inputs():
         jaxattn.merge_states(outs, jnp.zeros((3, 2, 4), jnp.int32))
 
 
-class _Refuses:
+class _Refuses(Implementation):
     """A backend that cannot serve anything."""
 
-    @staticmethod
-    def paged_attention(*a, **k):
-        raise NotImplementedError("never")
+    backend = "native"
+
+    def supports(self, args):
+        return "never"
 
 
 def test_dispatch_falls_back_only_when_not_explicit(monkeypatch, paged):
-    real = ops._backend_module
+    op = ops.PAGED_ATTENTION
+    real = type(op).implementation
     monkeypatch.setattr(
-        ops, "_backend_module", lambda name: _Refuses if name == "native" else real(name)
+        type(op),
+        "implementation",
+        lambda self, name: _Refuses() if name == "native" else real(self, name),
     )
     # A sequence tries each in turn and ends at the reference.
     out = jaxattn.paged_attention(*_paged_args(paged), implementation=("native", "reference"))
@@ -186,3 +192,80 @@ def test_dispatch_falls_back_only_when_not_explicit(monkeypatch, paged):
 
 def test_available_backends_lists_reference():
     assert "reference" in jaxattn.available_backends()
+    for op in ("paged_attention", "extend_attention", "prefix_prefill"):
+        assert "reference" in jaxattn.available_backends(op)
+
+
+def test_resolve_reports_backend_and_config(paged):
+    args = ops.PAGED_ATTENTION.bind(*_paged_args(paged), partition_size=8)
+    r = ops.PAGED_ATTENTION.resolve(args, "reference")
+    assert (r.backend, r.config) == ("reference", None)
+    # A Pallas config picks the Pallas backend when no implementation is named.
+    cfg = P.DecodeConfig(block_n=16)
+    r = ops.PAGED_ATTENTION.resolve(args, None, cfg)
+    assert r.backend == "pallas" and r.config is cfg
+    # The heuristic fills in the device-dependent fields.
+    r = ops.PAGED_ATTENTION.resolve(args, "pallas")
+    assert isinstance(r.config, P.DecodeConfig) and r.config.block_n and r.config.min_programs
+    r = ops.EXTEND_ATTENTION.resolve(
+        ops.EXTEND_ATTENTION.bind(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _ext_args()]),
+        "pallas",
+    )
+    assert isinstance(r.config, P.ExtendConfig)
+
+
+def _ext_args():
+    rng = np.random.default_rng(2)
+    e = make_extend(rng, [3, 0], [2, 4], num_q_heads=4, num_kv_heads=2, head_dim=16)
+    return (e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices)
+
+
+def test_config_reaches_the_backend(paged):
+    out = jaxattn.paged_attention(
+        *_paged_args(paged), implementation="pallas", config=P.DecodeConfig(block_n=16)
+    )
+    assert_close(out, expected_decode(paged))
+    # The wrong backend's config, or a config for a backend that takes none, is an error.
+    with pytest.raises(TypeError, match="config for the pallas backend"):
+        jaxattn.paged_attention(
+            *_paged_args(paged), implementation="pallas", config=P.ExtendConfig()
+        )
+    with pytest.raises(TypeError, match="takes no config"):
+        jaxattn.paged_attention(
+            *_paged_args(paged), implementation="reference", config=P.DecodeConfig()
+        )
+    with pytest.raises(TypeError, match="no backend's config"):
+        jaxattn.paged_attention(*_paged_args(paged), config=object())
+
+
+def test_bind_takes_abstract_arrays(paged):
+    """Validation reads only static facts, so the engine can resolve on shapes alone."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _paged_args(paged)]
+    args = ops.PAGED_ATTENTION.bind(*structs)
+    assert args.group == 4 and args.capacity == paged.block_tables.shape[1] * 4
+    with pytest.raises(ValueError, match="multiple of the number of KV heads"):
+        ops.PAGED_ATTENTION.bind(jax.ShapeDtypeStruct((2, 3, 16), jnp.float32), *structs[1:])
+
+
+def test_environment_overrides_are_validated(set_env):
+    with pytest.raises(ValueError, match="JAXATTN_PARTITION_SIZE"):
+        set_env(JAXATTN_PARTITION_SIZE="-3")
+    with pytest.raises(ValueError, match="JAXATTN_PREFILL_KERNEL"):
+        set_env(JAXATTN_PARTITION_SIZE="256", JAXATTN_PREFILL_KERNEL="fastest")
+    assert set_env(JAXATTN_PREFILL_KERNEL="MMA") == jaxattn.env.Overrides(256, "mma")
+    assert set_env(JAXATTN_PARTITION_SIZE=None, JAXATTN_PREFILL_KERNEL=None) == (
+        jaxattn.env.Overrides()
+    )
+
+
+def test_split_rule_shared_by_backends():
+    """Both kernel backends size split-KV partitions with one rule."""
+    rule = jaxattn.backend.split_kv_partition
+    kw = dict(num_kv_heads=8, group=4, capacity=4096)
+    # No growth: halve from 512 until the grid has the target number of blocks.
+    assert rule(batch=1, target_blocks=264, grow=False, **kw) == 128
+    assert rule(batch=64, target_blocks=264, grow=False, **kw) == 512
+    # Growth: the longest partition that still fills the target.
+    assert rule(batch=8, target_blocks=237.6, grow=True, **kw) == 1024
+    # Enough (sequence, KV head) pairs: one pass.
+    assert rule(batch=64, target_blocks=237.6, grow=True, one_pass_blocks=396, **kw) == 0

@@ -216,6 +216,62 @@ def test_extend_attention(rng, impl, n, hq, hkv, layout):
     assert_head_split(sharded, n)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "reference",
+        "pallas",
+        None,
+        pytest.param(
+            "native", marks=pytest.mark.skipif(not native.is_available(), reason="not built")
+        ),
+    ],
+)
+def test_ops_inside_a_users_shard_map(rng, impl, check_vma):
+    """Every backend inside a user's own ``jax.shard_map`` (``check_vma`` on, as by
+    default): outputs carry their inputs' varying axes. The Pallas interpreter (the CPU
+    path) refuses with a reason under the check, and runs without it."""
+    n = 4 if jax.device_count() >= 4 else jax.device_count()
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("x",))
+    c = make_paged_decode(rng, [5, 17], num_q_heads=8, num_kv_heads=4, head_dim=16, page_size=4)
+    e = make_extend(rng, [3, 0], [2, 5], num_q_heads=8, num_kv_heads=4, head_dim=16)
+    heads, rep = P(None, "x"), P()
+
+    def decode(q, k, v, t, s):
+        return jaxattn.paged_attention(q, k, v, t, s, partition_size=8, implementation=impl)
+
+    def extend(q, k, v, qo, kv, idx):
+        return jaxattn.extend_attention(q, k, v, qo, kv, idx, implementation=impl)
+
+    f = jax.jit(
+        jax.shard_map(
+            decode,
+            mesh=mesh,
+            in_specs=(heads, P(None, None, "x"), P(None, None, "x"), rep, rep),
+            out_specs=heads,
+            check_vma=check_vma,
+        )
+    )
+    g = jax.jit(
+        jax.shard_map(
+            extend,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, rep, rep, rep),
+            out_specs=heads,
+            check_vma=check_vma,
+        )
+    )
+    dargs = (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
+    eargs = (e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices)
+    if impl == "pallas" and ON_CPU and check_vma:
+        with pytest.raises(NotImplementedError, match="check_vma"):
+            f(*dargs)
+        return
+    assert_close(f(*dargs), jaxattn.reference.paged_attention(*dargs, partition_size=8))
+    assert_close(g(*eargs), jaxattn.reference.extend_attention(*eargs))
+
+
 @pytest.mark.skipif(not native.is_available(), reason="the native library is not built")
 def test_native_custom_call_runs_per_device(rng):
     """The FFI call sits inside the SPMD program, on each device's slice of heads."""

@@ -113,8 +113,11 @@ inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
 
 inline ffi::Error fill_prefill_query(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::S32>& cu_q,
                                      ffi::AnyBuffer out, float scale, float soft_cap,
-                                     PrefillParams* p) {
+                                     int32_t kernel, PrefillParams* p) {
   if (auto e = check_query(q, p->kv); e.failure()) return e;
+  if (kernel < 0 || kernel > 3)
+    return invalid("kernel attribute must be 0 (auto), 1 (sm90), 2 (mma) or 3 (simt)");
+  p->kernel = kernel;
   const auto qd = q.dimensions();
   if (cu_q.dimensions().size() != 1 || cu_q.dimensions()[0] < 1)
     return invalid("cu_seqlens_q / qo_indptr must be [batch + 1]");
@@ -134,10 +137,10 @@ inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi:
                                              const ffi::Buffer<ffi::S32>& bt,
                                              const ffi::Buffer<ffi::S32>& seq_lens,
                                              ffi::AnyBuffer out, float scale, float soft_cap,
-                                             int32_t layout, PrefillParams* p) {
+                                             int32_t layout, int32_t kernel, PrefillParams* p) {
   if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
-  if (auto e = fill_prefill_query(q, cu_q, out, scale, soft_cap, p); e.failure()) return e;
+  if (auto e = fill_prefill_query(q, cu_q, out, scale, soft_cap, kernel, p); e.failure()) return e;
   const auto bd = bt.dimensions();
   if (bd.size() != 2 || bd[0] != p->batch)
     return invalid("block_tables must be [batch, max_pages], got " + dims_str(bd));
@@ -157,13 +160,15 @@ inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
                                      const ffi::Buffer<ffi::S32>& qo_indptr,
                                      const ffi::Buffer<ffi::S32>& kv_indptr,
                                      const ffi::Buffer<ffi::S32>& kv_indices, ffi::AnyBuffer out,
-                                     float scale, float soft_cap, PrefillParams* p) {
+                                     float scale, float soft_cap, int32_t kernel,
+                                     PrefillParams* p) {
   if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
   const auto kd = k.dimensions();
   if (kd.size() != 3) return invalid("k_cache must be [num_slots, num_kv_heads, head_dim]");
   if (dims_str(kd) != dims_str(v.dimensions())) return invalid("k_cache and v_cache shapes differ");
   p->kv = pool_geometry(kd[0], kd[1], kd[2]);
-  if (auto e = fill_prefill_query(q, qo_indptr, out, scale, soft_cap, p); e.failure()) return e;
+  if (auto e = fill_prefill_query(q, qo_indptr, out, scale, soft_cap, kernel, p); e.failure())
+    return e;
   if (kv_indptr.dimensions().size() != 1 || kv_indptr.dimensions()[0] != p->batch + 1)
     return invalid("kv_indptr must be [batch + 1] like qo_indptr");
   if (kv_indices.dimensions().size() != 1) return invalid("kv_indices must be rank 1");
@@ -207,7 +212,8 @@ auto bind_prefix_prefill(B&& b) {
       .template Ret<ffi::AnyBuffer>()
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
-      .template Attr<int32_t>("layout");
+      .template Attr<int32_t>("layout")
+      .template Attr<int32_t>("kernel");
 }
 
 template <typename B>
@@ -221,7 +227,8 @@ auto bind_extend_attention(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<float>("scale")
-      .template Attr<float>("soft_cap");
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("kernel");
 }
 
 }  // namespace ffi_common

@@ -44,10 +44,11 @@ ffi::Error PagedAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
 ffi::Error PrefixPrefillCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
-                            float scale, float soft_cap, int32_t layout) {
+                            float scale, float soft_cap, int32_t layout,
+                            int32_t kernel) {
   PrefillParams p;
   if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
-                                                      *out, scale, soft_cap, layout, &p);
+                                                      *out, scale, soft_cap, layout, kernel, &p);
       e.failure())
     return e;
   return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });
@@ -56,10 +57,10 @@ ffi::Error PrefixPrefillCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
 ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::S32> qo_indptr, ffi::Buffer<ffi::S32> kv_indptr,
                               ffi::Buffer<ffi::S32> kv_indices, ffi::Result<ffi::AnyBuffer> out,
-                              float scale, float soft_cap) {
+                              float scale, float soft_cap, int32_t kernel) {
   PrefillParams p;
   if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, *out,
-                                              scale, soft_cap, &p);
+                                              scale, soft_cap, kernel, &p);
       e.failure())
     return e;
   return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });

@@ -52,10 +52,10 @@ ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
-                            int32_t layout) {
+                            int32_t layout, int32_t kernel) {
   PrefillParams p;
   if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
-                                                      *out, scale, soft_cap, layout, &p);
+                                                      *out, scale, soft_cap, layout, kernel, &p);
       e.failure())
     return e;
   gpu::DType dt;
@@ -66,10 +66,11 @@ ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
 ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qo_indptr,
                               ffi::Buffer<ffi::S32> kv_indptr, ffi::Buffer<ffi::S32> kv_indices,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
+                              ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                              int32_t kernel) {
   PrefillParams p;
   if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, *out,
-                                              scale, soft_cap, &p);
+                                              scale, soft_cap, kernel, &p);
       e.failure())
     return e;
   gpu::DType dt;
@@ -91,3 +92,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillGpu, jaxattn::PrefixPrefillGpu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionGpu, jaxattn::ExtendAttentionGpu,
                               jaxattn::ffi_common::bind_extend_attention(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+
+// Host query for the split-KV heuristic of jaxattn/native.py (called through ctypes, outside
+// any computation): the resident blocks per multiprocessor of the decode kernel the launcher
+// picks for dtype (0 float32, 1 bfloat16, 2 float16), head_dim and group on the current
+// device, and that device's multiprocessor count. Returns 0 on success.
+extern "C" int jaxattn_decode_occupancy(int dtype, int head_dim, int group, int* blocks_per_sm,
+                                        int* num_sms) {
+  using jaxattn::gpu::DType;
+  if (dtype < 0 || dtype > 2 || blocks_per_sm == nullptr || num_sms == nullptr) return 1;
+  const DType dt = dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kBF16 : DType::kF16;
+  int dev = 0;
+  if (gpuGetDevice(&dev) != gpuSuccess ||
+      gpuDeviceGetAttribute(num_sms, gpuDevAttrMultiProcessorCount, dev) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 2;
+  }
+  return jaxattn::gpu::decode_occupancy(dt, head_dim, group, blocks_per_sm) == nullptr ? 0 : 3;
+}

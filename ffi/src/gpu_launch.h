@@ -17,6 +17,11 @@ const char* launch_prefill(DType dtype, const PrefillParams& p, gpuStream_t stre
 // unit (paged_decode_<dtype>.cu) so that the many group/head_dim kernels build in parallel.
 template <typename T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream);
+template <typename T>
+const char* decode_occupancy_typed(int head_dim, int group, int* blocks);
+
+// Resident blocks per multiprocessor of the decode kernel for (dtype, head_dim, group).
+const char* decode_occupancy(DType dtype, int head_dim, int group, int* blocks);
 
 }  // namespace gpu
 }  // namespace jaxattn

@@ -15,5 +15,17 @@ const char* launch_paged_decode(DType dtype, const DecodeParams& p, gpuStream_t 
   return "jaxattn: unsupported dtype";
 }
 
+const char* decode_occupancy(DType dtype, int head_dim, int group, int* blocks) {
+  switch (dtype) {
+    case DType::kF32:
+      return decode_occupancy_typed<float>(head_dim, group, blocks);
+    case DType::kBF16:
+      return decode_occupancy_typed<bf16_t>(head_dim, group, blocks);
+    case DType::kF16:
+      return decode_occupancy_typed<f16_t>(head_dim, group, blocks);
+  }
+  return "jaxattn: unsupported dtype";
+}
+
 }  // namespace gpu
 }  // namespace jaxattn

@@ -243,8 +243,10 @@ struct Device {
       if (x) cudaFree(x);
   }
   const char* launch(bool f16, PrefillKernel which) const {
-    return f16 ? jaxattn::gpu::launch_prefill_typed<jaxattn::f16_t>(p, 0, which)
-               : jaxattn::gpu::launch_prefill_typed<jaxattn::bf16_t>(p, 0, which);
+    jaxattn::PrefillParams q = p;
+    q.kernel = static_cast<int32_t>(which);
+    return f16 ? jaxattn::gpu::launch_prefill_typed<jaxattn::f16_t>(q, 0)
+               : jaxattn::gpu::launch_prefill_typed<jaxattn::bf16_t>(q, 0);
   }
 };
 

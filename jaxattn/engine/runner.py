@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import layout as _layout
 from jaxattn import ops
 from jaxattn import sharding as _sharding
 from jaxattn.kv import copy_blocks
@@ -292,54 +293,38 @@ class ModelRunner:
         return max(held.values())
 
     def _resolve(self, kind: str, implementation) -> str:
-        """The first backend that can trace this step (NotImplementedError -> the next)."""
-        if implementation is not None:
-            names = (implementation,)
-        elif self.tp is not None:
-            names = ops.default_implementations(self.tp.mesh.devices.flat[0].platform)
+        """The backend the attention op of this step kind resolves to (the op's own
+        resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device sees)."""
+        cfg, tp = self.cfg, self.tp_size
+        hq, hkv, d = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim
+        dt = cfg.jnp_dtype
+        sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+        lay = _layout.get(self.layout)
+        geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
+        k, v = sds(lay.shape("k", geom, dt), dt), sds(lay.shape("v", geom, dt), dt)
+        q = sds((1, hq, d), dt)
+        if kind == "decode":
+            op = ops.PAGED_ATTENTION
+            args = op.bind(
+                q,
+                k,
+                v,
+                sds((1, 1), i32),
+                sds((1,), i32),
+                layout=self.layout,
+                partition_size=self.partition_size,
+            )
+        elif self.extend_attention == "extend":
+            op = ops.EXTEND_ATTENTION
+            pool = sds((geom.num_pages * geom.page_size, hkv, d), dt)
+            args = op.bind(q, pool, pool, sds((2,), i32), sds((2,), i32), sds((1,), i32))
         else:
-            names = ops.default_implementations()
-        errors = []
-        for name in names:
-            if kind == "extend":
-                fn = functools.partial(
-                    _extend_fn,
-                    cfg=self.cfg,
-                    layout=self.layout,
-                    attention=self.extend_attention,
-                    implementation=name,
-                    greedy=True,
-                    tp=self.tp,
-                )
-            else:
-                fn = functools.partial(
-                    _decode_fn,
-                    cfg=self.cfg,
-                    layout=self.layout,
-                    partition_size=self.partition_size,
-                    implementation=name,
-                    greedy=True,
-                    tp=self.tp,
-                )
-            try:
-                jax.eval_shape(
-                    fn, self.params, self.k_cache, self.v_cache, *self._example_args(kind)
-                )
-            except NotImplementedError as e:
-                if implementation is not None:
-                    raise
-                errors.append(f"{name}: {e}")
-                continue
-            return name
-        raise NotImplementedError(f"no attention backend serves the {kind} step: {errors}")
-
-    def _example_args(self, kind: str):
-        table = np.zeros(1, np.int32)
-        samples = ((0, 0, 0.0, 1.0),)
-        if kind == "extend":
-            item = ExtendItem(np.zeros(1, np.int32), 0, 1, table, samples)
-            return self._extend_args([item])
-        return self._decode_args([DecodeItem(0, 0, table, 0, 0, 0.0, 1.0)])
+            op = ops.PREFIX_PREFILL
+            args = op.bind(
+                q, k, v, sds((2,), i32), sds((1, 1), i32), sds((1,), i32), layout=self.layout
+            )
+        platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
+        return op.resolve(args, implementation, platform=platform).backend
 
     # -- metadata -----------------------------------------------------------------------
 

@@ -34,16 +34,109 @@ in the loops); what the kernels return never exposes that.
 
 import jax
 
+from ..backend import Implementation
+from . import _common as C
+from . import decode as _decode
+from . import extend as _extend
 from .decode import DecodeConfig, choose_partition_size, paged_attention
 from .extend import ExtendConfig, extend_attention, prefix_prefill
+
+_PLATFORMS = ("cpu", "gpu", "cuda", "rocm")
 
 
 def is_available() -> bool:
     """True where the kernels can run: compiled on a GPU, interpreted on the CPU."""
-    return jax.default_backend() in ("cpu", "gpu", "cuda", "rocm")
+    return jax.default_backend() in _PLATFORMS
 
+
+# --- the backend contract (jaxattn.backend) ---------------------------------------------
+
+
+class _Pallas(Implementation):
+    backend = "pallas"
+
+    def available(self, platform):
+        if platform not in _PLATFORMS:
+            return (
+                "the Pallas kernels use the Triton lowering and need a GPU (or the CPU "
+                f"interpreter); platform is {platform!r}"
+            )
+        return None
+
+    def supports(self, a):
+        return C.unsupported(a.q, a.k_cache, a.v_cache, a.layout)
+
+
+class _PagedAttention(_Pallas):
+    config_cls = DecodeConfig
+
+    def heuristic_config(self, a):
+        return _decode.heuristic_config(a.q, a.geometry)
+
+    def run(self, a, config):
+        return paged_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            partition_size=a.partition_size,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+class _ExtendAttention(_Pallas):
+    config_cls = ExtendConfig
+
+    def heuristic_config(self, a):
+        return _extend.heuristic_config(a.q, a.group, a.qo_indptr)
+
+    def run(self, a, config):
+        return extend_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.qo_indptr,
+            a.kv_indptr,
+            a.kv_indices,
+            scale=a.scale,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+class _PrefixPrefill(_Pallas):
+    config_cls = ExtendConfig
+
+    def heuristic_config(self, a):
+        return _extend.heuristic_config(a.q, a.group, a.cu_seqlens_q)
+
+    def run(self, a, config):
+        return prefix_prefill(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.cu_seqlens_q,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
+IMPLEMENTATIONS = {
+    "paged_attention": _PagedAttention(),
+    "extend_attention": _ExtendAttention(),
+    "prefix_prefill": _PrefixPrefill(),
+}
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "DecodeConfig",
     "ExtendConfig",
     "choose_partition_size",

@@ -11,6 +11,9 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from .. import _compat
+from .. import layout as L
+
 # Scores are kept in base 2 inside the kernels (exp2 is one SFU instruction; exp is not),
 # so the softmax scale is folded with log2(e) once, outside the inner loops.
 LOG2E = math.log2(math.e)
@@ -35,25 +38,71 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return bool(interpret)
 
 
-def check_dtypes(q, k_cache, v_cache) -> None:
+def dtype_reason(q, k_cache, v_cache) -> str | None:
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if np.dtype(x.dtype) not in _FLOAT_DTYPES:
-            raise NotImplementedError(f"{name} dtype {np.dtype(x.dtype)} is not served")
+            return f"{name} dtype {np.dtype(x.dtype)} is not served"
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         # The tensor-core dot needs both operands in one dtype; casting q down silently
         # would change the numbers, so leave mixed precision to another backend.
-        raise NotImplementedError(
+        return (
             f"q, k_cache and v_cache must share a dtype, got {np.dtype(q.dtype)}, "
             f"{np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
         )
+    return None
 
 
-def check_head_dim(head_dim: int) -> None:
+def head_dim_reason(head_dim: int) -> str | None:
     # Triton tiles need power-of-two extents, and its dot needs at least 16 along K.
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise NotImplementedError(
-            f"head_dim={head_dim} is not served: it must be a power of two in [16, 256]"
+        return f"head_dim={head_dim} is not served: it must be a power of two in [16, 256]"
+    return None
+
+
+SERVED_LAYOUTS = ("bshd", "bhsd", L.POOL)
+
+
+def layout_reason(layout) -> str | None:
+    name = L.get(layout, pool=True).name
+    if name not in SERVED_LAYOUTS:
+        return f"layout {name!r} is not served by the Pallas kernels (bshd and bhsd are)"
+    return None
+
+
+def interpret_reason(*operands) -> str | None:
+    # The interpreter evaluates the kernel body primitive by primitive, mixing a shard's
+    # varying operands with invariant grid indices, which shard_map's varying-axes check
+    # rejects (compiled kernels are one primitive and type their outputs, see
+    # jaxattn._compat.out_struct).
+    if (
+        jax.default_backend() == "cpu"
+        and _compat.varying_axes(*operands)
+        and _compat.check_vma_active()
+    ):
+        return (
+            "the Pallas interpreter (the CPU path) cannot run inside shard_map with "
+            "check_vma=True; compiled on a GPU it can, and on the CPU the reference and "
+            "native backends can (or pass check_vma=False)"
         )
+    return None
+
+
+def unsupported(q, k_cache, v_cache, layout) -> str | None:
+    """Why the kernels cannot serve these operands, or None (see ``Implementation.supports``)."""
+    return (
+        layout_reason(layout)
+        or dtype_reason(q, k_cache, v_cache)
+        or head_dim_reason(q.shape[-1])
+        or interpret_reason(q, k_cache, v_cache)
+    )
+
+
+def require(q, k_cache, v_cache, layout) -> L.CacheGeometry:
+    """The cache geometry, or NotImplementedError when the kernels cannot serve."""
+    reason = unsupported(q, k_cache, v_cache, layout)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return L.get(layout, pool=True).geometry(k_cache, v_cache)
 
 
 def num_sms() -> int:
@@ -65,35 +114,10 @@ def num_sms() -> int:
     return 132
 
 
-def paged_geometry(k_cache, layout: str):
-    """(num_pages, page_size, num_kv_heads, head_dim) for the layouts the kernels read."""
-    if layout == "bshd":
-        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    elif layout == "bhsd":
-        num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
-    else:
-        raise NotImplementedError(
-            f"layout {layout!r} is not served by the Pallas kernels (bshd and bhsd are)"
-        )
-    return num_pages, page_size, num_kv_heads, head_dim
-
-
 def as_rows(cache):
     """A free reshape to [rows, D]: every kernel addresses K/V by one row index per
-    (token, head), computed by :func:`paged_rows` or :func:`pool_rows`."""
+    (token, head), computed by :meth:`jaxattn.layout.Layout.row`."""
     return cache.reshape(-1, cache.shape[-1])
-
-
-def pool_rows(slot, kv_head, num_kv_heads: int):
-    """Row of (slot, head) in a token pool [num_slots, Hkv, D] (and in bshd pages, whose
-    slot is page * P + offset)."""
-    return slot * num_kv_heads + kv_head
-
-
-def paged_rows(page, offset, kv_head, *, layout: str, page_size: int, num_kv_heads: int):
-    if layout == "bshd":
-        return pool_rows(page * page_size + offset, kv_head, num_kv_heads)
-    return (page * num_kv_heads + kv_head) * page_size + offset  # bhsd
 
 
 def load_rows(ref, rows, valid, head_dim: int):

@@ -26,6 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import layout as L
+from .._compat import match_varying, out_struct
+from ..backend import split_kv_partition
 from . import _common as C
 
 
@@ -66,21 +69,33 @@ def choose_partition_size(
 ) -> int:
     """Tokens per partition.
 
-    An explicit ``partition_size`` wins. Otherwise 512, or 256 when the group is larger
-    than 15 (more query rows per program hold more registers: a shorter partition keeps
-    the grid wide enough), then halved while the grid would leave the GPU idle.
+    An explicit ``partition_size`` wins. Otherwise the shared split rule
+    (:func:`jaxattn.backend.split_kv_partition`) without growing: 512 tokens, or 256 when
+    the group is larger than 15, halved while the grid would have fewer than
+    ``config.min_programs`` programs (two per multiprocessor by default). A partition
+    that covers the whole context is one pass.
     """
     if partition_size is not None:
         return int(partition_size)
-    size = 256 if group > 15 else 512
-    target = config.min_programs or 2 * C.num_sms()
+    return split_kv_partition(
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        capacity=max_context,
+        target_blocks=config.min_programs or 2 * C.num_sms(),
+        grow=False,
+        min_partition=config.min_partition,
+    )
 
-    def programs(s):
-        return batch * num_kv_heads * pl.cdiv(max_context, s)
 
-    while size > config.min_partition and programs(size) < target:
-        size //= 2
-    return size
+def heuristic_config(q, geom: L.CacheGeometry) -> DecodeConfig:
+    """The tuned defaults with the device-dependent fields filled in: K/V tiles of 64
+    rows (fewer for wide heads or float32, so that three stages fit in shared memory) and
+    two programs per multiprocessor."""
+    return DecodeConfig(
+        block_n=C.kv_tile_rows(geom.head_dim, q.dtype.itemsize, stage_bytes=32 * 1024, cap=64),
+        min_programs=2 * C.num_sms(),
+    )
 
 
 def _decode_kernel(
@@ -92,9 +107,7 @@ def _decode_kernel(
     *out_refs,
     group: int,
     group_pad: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    page_size: int,
+    geom: L.CacheGeometry,
     layout: str,
     partition_size: int,
     block_n: int,
@@ -117,15 +130,9 @@ def _decode_kernel(
     def body(i, carry):
         t = start + i * block_n + jnp.arange(block_n)
         valid = t < end
+        page_size = geom.page_size
         page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
-        rows = C.paged_rows(
-            page,
-            lax.rem(t, page_size),
-            kv_head,
-            layout=layout,
-            page_size=page_size,
-            num_kv_heads=num_kv_heads,
-        )
+        rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
         k = C.load_rows(k_ref, rows, valid, head_dim)
         s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
@@ -180,9 +187,10 @@ def _paged_attention(
     config,
 ):
     batch, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
+    geom = L.get(layout).geometry(k_cache, v_cache)
+    num_kv_heads = geom.num_kv_heads
     group = num_q_heads // num_kv_heads
-    max_context = block_tables.shape[1] * page_size
+    max_context = block_tables.shape[1] * geom.page_size
     psize = choose_partition_size(
         batch=batch,
         num_kv_heads=num_kv_heads,
@@ -203,9 +211,7 @@ def _paged_attention(
         _decode_kernel,
         group=group,
         group_pad=max(16, pl.next_power_of_2(group)),
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        page_size=page_size,
+        geom=geom,
         layout=layout,
         partition_size=psize,
         block_n=block_n,
@@ -214,15 +220,16 @@ def _paged_attention(
         soft_cap=soft_cap,
         split=split,
     )
+    inputs = match_varying(seq_lens, block_tables, q, C.as_rows(k_cache), C.as_rows(v_cache))
     if split:
         out_shape = (
-            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_parts, num_q_heads), jnp.float32),
+            out_struct((batch, num_parts, num_q_heads, head_dim), jnp.float32, *inputs),
+            out_struct((batch, num_parts, num_q_heads), jnp.float32, *inputs),
+            out_struct((batch, num_parts, num_q_heads), jnp.float32, *inputs),
         )
     else:
-        out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),)
-    outs = pl.pallas_call(
+        out_shape = (out_struct(q.shape, q.dtype, *inputs),)
+    call = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, batch, num_parts),
         out_shape=out_shape,
@@ -231,7 +238,8 @@ def _paged_attention(
         ),
         interpret=interpret,
         name="jaxattn_paged_decode",
-    )(seq_lens, block_tables, q, C.as_rows(k_cache), C.as_rows(v_cache))
+    )
+    outs = call(*inputs)
     if not split:
         return outs[0]
     return combine(*outs, q.dtype)
@@ -260,9 +268,7 @@ def paged_attention(
     that is neither a GPU nor interpret mode.
     """
     interpret = C.resolve_interpret(interpret)
-    C.check_dtypes(q, k_cache, v_cache)
-    C.paged_geometry(k_cache, layout)
-    C.check_head_dim(q.shape[-1])
+    C.require(q, k_cache, v_cache, layout)
     return _paged_attention(
         q,
         k_cache,

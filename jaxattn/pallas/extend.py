@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import layout as L
+from .._compat import match_varying, out_struct
 from . import _common as C
 
 
@@ -109,12 +111,13 @@ def _extend_kernel(
     block_q: int,
     block_n: int,
     head_dim: int,
-    num_kv_heads: int,
-    page_size: int,
+    geom: L.CacheGeometry,
     layout: str,
     scale: float,
     soft_cap: float | None,
 ):
+    lay = L.get(layout, pool=True)
+    page_size = geom.page_size
     head_block, tile = pl.program_id(0), pl.program_id(1)
     req = tile_req_ref[tile]
 
@@ -154,20 +157,13 @@ def _extend_kernel(
                     slot = kv_index_ref[kv_start + j]
                 else:
                     slot = plgpu.load(kv_index_ref.at[kv_start + j], mask=valid, other=0)
-                return C.pool_rows(slot, kv_head, num_kv_heads)
+                return lay.row(slot, 0, kv_head, geom)
             col = lax.div(j, page_size)
             if valid is None:
                 page = kv_index_ref[req_c, col]
             else:
                 page = plgpu.load(kv_index_ref.at[req_c, col], mask=valid, other=0)
-            return C.paged_rows(
-                page,
-                lax.rem(j, page_size),
-                kv_head,
-                layout=layout,
-                page_size=page_size,
-                num_kv_heads=num_kv_heads,
-            )
+            return lay.row(page, lax.rem(j, page_size), kv_head, geom)
 
         def stage1(i, carry):
             j = i * block_n + jnp.arange(block_n)
@@ -213,8 +209,7 @@ def _run(
     kv_index,
     *,
     mode,
-    num_kv_heads,
-    page_size,
+    geom,
     layout,
     scale,
     soft_cap,
@@ -223,7 +218,7 @@ def _run(
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = q_bounds_in.shape[0] - 1
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // geom.num_kv_heads
     gh = _pick_heads_per_tile(config, group)
     tokens = config.block_q // gh
     # Segment `batch` holds the rows of q after the last request (padding).
@@ -239,22 +234,23 @@ def _run(
         block_q=config.block_q,
         block_n=config.block_n,
         head_dim=head_dim,
-        num_kv_heads=num_kv_heads,
-        page_size=page_size,
+        geom=geom,
         layout=layout,
         scale=scale,
         soft_cap=soft_cap,
     )
-    return pl.pallas_call(
+    inputs = match_varying(tile_req, tile_local, q_bounds, kv_meta, kv_index, q, k_rows, v_rows)
+    call = pl.pallas_call(
         kernel,
         grid=(num_q_heads // gh, num_tiles),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, *inputs),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         interpret=interpret,
         name=f"jaxattn_extend_{mode}",
-    )(tile_req, tile_local, q_bounds, kv_meta, kv_index, q, k_rows, v_rows)
+    )
+    return call(*inputs)
 
 
 _STATIC = ("scale", "soft_cap", "interpret", "config")
@@ -272,9 +268,8 @@ def _extend_pool(
         kv_indptr,
         kv_indices,
         mode="pool",
-        num_kv_heads=k_cache.shape[1],
-        page_size=1,
-        layout="bshd",
+        geom=L.get(L.POOL, pool=True).geometry(k_cache, v_cache),
+        layout=L.POOL,
         scale=scale,
         soft_cap=soft_cap,
         interpret=interpret,
@@ -297,7 +292,6 @@ def _prefill_paged(
     interpret,
     config,
 ):
-    _, page_size, num_kv_heads, _ = C.paged_geometry(k_cache, layout)
     return _run(
         q,
         C.as_rows(k_cache),
@@ -306,8 +300,7 @@ def _prefill_paged(
         seq_lens,
         block_tables,
         mode="paged",
-        num_kv_heads=num_kv_heads,
-        page_size=page_size,
+        geom=L.get(layout).geometry(k_cache, v_cache),
         layout=layout,
         scale=scale,
         soft_cap=soft_cap,
@@ -316,10 +309,9 @@ def _prefill_paged(
     )
 
 
-def _prepare(q, k_cache, v_cache, interpret):
+def _prepare(q, k_cache, v_cache, layout, interpret):
     interpret = C.resolve_interpret(interpret)
-    C.check_dtypes(q, k_cache, v_cache)
-    C.check_head_dim(q.shape[-1])
+    C.require(q, k_cache, v_cache, layout)
     return interpret
 
 
@@ -353,11 +345,16 @@ def _default_config(
     )
 
 
-def _config_for(config, q, group, q_bounds):
-    if config is not None:
-        return config
+def heuristic_config(q, group: int, q_bounds) -> ExtendConfig:
+    """The configuration for these queries: :func:`_default_config` of the head size,
+    dtype, GQA group and the mean new tokens per request (the static row count of q over
+    the batch)."""
     tokens_per_request = q.shape[0] / max(q_bounds.shape[0] - 1, 1)
     return _default_config(q.shape[-1], q.dtype.itemsize, group, tokens_per_request)
+
+
+def _config_for(config, q, group, q_bounds):
+    return heuristic_config(q, group, q_bounds) if config is None else config
 
 
 def extend_attention(
@@ -379,7 +376,7 @@ def extend_attention(
     k_cache, v_cache: [num_slots, Hkv, D]; kv_indptr: i32[B+1]; kv_indices: the slots of
     each request's prefix then new tokens. Returns [Tq, Hq, D] in q's dtype.
     """
-    interpret = _prepare(q, k_cache, v_cache, interpret)
+    interpret = _prepare(q, k_cache, v_cache, L.POOL, interpret)
     return _extend_pool(
         q,
         k_cache,
@@ -414,8 +411,8 @@ def prefix_prefill(
     ``bhsd``; block_tables: i32[B, max_pages]; seq_lens: i32[B] total KV lengths.
     Raises NotImplementedError for the ``vllm`` layout.
     """
-    interpret = _prepare(q, k_cache, v_cache, interpret)
-    num_kv_heads = C.paged_geometry(k_cache, layout)[2]
+    interpret = _prepare(q, k_cache, v_cache, layout, interpret)
+    num_kv_heads = L.get(layout).geometry(k_cache, v_cache).num_kv_heads
     return _prefill_paged(
         q,
         k_cache,

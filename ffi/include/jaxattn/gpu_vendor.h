@@ -19,6 +19,8 @@ using gpuError_t = hipError_t;
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute(reinterpret_cast<const void*>(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor(n, f, threads, smem) \
+  hipOccupancyMaxActiveBlocksPerMultiprocessor(n, reinterpret_cast<const void*>(f), threads, smem)
 #else
 #include <cuda_runtime.h>
 #define JAXATTN_CUDA 1
@@ -34,6 +36,7 @@ using gpuError_t = cudaError_t;
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute(f, a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #endif
 
 // Wavefront width is part of the kernels' shape (lanes per token row, reduction trees), so it

@@ -806,24 +806,128 @@ inline bool decode_mma_supported(int smem_bytes) {
 
 // Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit data on NVIDIA sm_80+
 // -> tensor cores; otherwise the pipelined SIMT kernel of the smallest group template that
-// covers the runtime group (extra heads are masked).
+// covers the runtime group (extra heads are masked). One function, so that the launcher and
+// the occupancy query (decode_occupancy_typed) always describe the same kernel.
+enum class DecodeKernel { kDirect, kMma, kG2, kG4, kG8, kG16, kG32, kG64, kNone };
+
 template <typename T, int D>
-const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
-  const int group = p.num_q_heads / p.kv.num_kv_heads;
-  if (group <= 1) return launch_paged_decode_group<T, D, 1>(p, stream);
+DecodeKernel pick_decode_kernel(int group) {
+  if (group <= 1) return DecodeKernel::kDirect;
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
     if (group <= 8 && decode_mma_supported(MmaDecodeShape<T, D>::kSmemBytes))
-      return launch_paged_decode_mma<T, D>(p, stream);
+      return DecodeKernel::kMma;
   }
 #endif
-  if (group <= 2) return launch_paged_decode_group<T, D, 2>(p, stream);
-  if (group <= 4) return launch_paged_decode_group<T, D, 4>(p, stream);
-  if (group <= 8) return launch_paged_decode_group<T, D, 8>(p, stream);
-  if (group <= 16) return launch_paged_decode_group<T, D, 16>(p, stream);
-  if (group <= 32) return launch_paged_decode_group<T, D, 32>(p, stream);
-  if (group <= 64) return launch_paged_decode_group<T, D, 64>(p, stream);
+  if (group <= 2) return DecodeKernel::kG2;
+  if (group <= 4) return DecodeKernel::kG4;
+  if (group <= 8) return DecodeKernel::kG8;
+  if (group <= 16) return DecodeKernel::kG16;
+  if (group <= 32) return DecodeKernel::kG32;
+  if (group <= 64) return DecodeKernel::kG64;
+  return DecodeKernel::kNone;
+}
+
+template <typename T, int D>
+const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
+  switch (pick_decode_kernel<T, D>(p.num_q_heads / p.kv.num_kv_heads)) {
+    case DecodeKernel::kDirect:
+      return launch_paged_decode_group<T, D, 1>(p, stream);
+#if defined(JAXATTN_CUDA)
+    case DecodeKernel::kMma:
+      if constexpr (sizeof(T) == 2) return launch_paged_decode_mma<T, D>(p, stream);
+      break;
+#endif
+    case DecodeKernel::kG2:
+      return launch_paged_decode_group<T, D, 2>(p, stream);
+    case DecodeKernel::kG4:
+      return launch_paged_decode_group<T, D, 4>(p, stream);
+    case DecodeKernel::kG8:
+      return launch_paged_decode_group<T, D, 8>(p, stream);
+    case DecodeKernel::kG16:
+      return launch_paged_decode_group<T, D, 16>(p, stream);
+    case DecodeKernel::kG32:
+      return launch_paged_decode_group<T, D, 32>(p, stream);
+    case DecodeKernel::kG64:
+      return launch_paged_decode_group<T, D, 64>(p, stream);
+    default:
+      break;
+  }
   return "jaxattn: paged decode serves at most 64 query heads per KV head";
+}
+
+// Resident blocks per multiprocessor of `kernel` launched with `threads` and `smem` bytes of
+// dynamic shared memory, on the current device.
+template <typename Kernel>
+const char* occupancy_of(Kernel kernel, int threads, int smem, int* blocks) {
+  if (smem > 48 * 1024) {
+    if (gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        gpuSuccess) {
+      (void)gpuGetLastError();
+      return "jaxattn: cannot raise the decode kernel's shared-memory limit";
+    }
+  }
+  if (gpuOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return "jaxattn: the occupancy query failed";
+  }
+  return nullptr;
+}
+
+template <typename T, int D, int GT>
+const char* group_occupancy(int* blocks) {
+  using S = DecodeShape<T, D, GT, GT == 1>;
+  return occupancy_of(paged_decode_kernel<T, D, GT, GT == 1>, S::kThreads, S::kSmemBytes, blocks);
+}
+
+template <typename T, int D>
+const char* decode_occupancy_dim(int group, int* blocks) {
+  switch (pick_decode_kernel<T, D>(group)) {
+    case DecodeKernel::kDirect:
+      return group_occupancy<T, D, 1>(blocks);
+#if defined(JAXATTN_CUDA)
+    case DecodeKernel::kMma:
+      if constexpr (sizeof(T) == 2) {
+        using S = MmaDecodeShape<T, D>;
+        return occupancy_of(paged_decode_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
+      }
+      break;
+#endif
+    case DecodeKernel::kG2:
+      return group_occupancy<T, D, 2>(blocks);
+    case DecodeKernel::kG4:
+      return group_occupancy<T, D, 4>(blocks);
+    case DecodeKernel::kG8:
+      return group_occupancy<T, D, 8>(blocks);
+    case DecodeKernel::kG16:
+      return group_occupancy<T, D, 16>(blocks);
+    case DecodeKernel::kG32:
+      return group_occupancy<T, D, 32>(blocks);
+    case DecodeKernel::kG64:
+      return group_occupancy<T, D, 64>(blocks);
+    default:
+      break;
+  }
+  return "jaxattn: paged decode serves at most 64 query heads per KV head";
+}
+
+// The split-KV heuristic (jaxattn/native.py) asks this instead of assuming a kernel's
+// resources: blocks of the decode kernel that launch_paged_decode_typed would run for
+// (head_dim, group) that fit one multiprocessor of the current device.
+template <typename T>
+const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
+  switch (head_dim) {
+    case 32:
+      return decode_occupancy_dim<T, 32>(group, blocks);
+    case 64:
+      return decode_occupancy_dim<T, 64>(group, blocks);
+    case 128:
+      return decode_occupancy_dim<T, 128>(group, blocks);
+    case 256:
+      return decode_occupancy_dim<T, 256>(group, blocks);
+    default:
+      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+  }
 }
 
 template <typename T>

@@ -110,6 +110,8 @@ struct PrefillParams {
   int32_t total_q = 0;
   int32_t num_q_heads = 0;
   int32_t page_table_stride = 0;
+  // GPU prefill kernel: a PrefillKernel value (0 auto, 1 sm90, 2 mma, 3 simt); the CPU has one.
+  int32_t kernel = 0;
   KvGeometry kv;
   LogitScale ls{};
 };

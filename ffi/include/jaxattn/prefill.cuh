@@ -28,15 +28,14 @@
 //   mma   tensor-core mma.sync m16n8k16 (bf16/f16 with f32 accumulation, cp.async double
 //         buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128.
 //   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
-// JAXATTN_PREFILL_KERNEL=auto|sm90|mma|simt (read once per process; default auto: the first of
-// sm90, mma, simt that supports the call) forces one: a forced kernel is used wherever it
+// The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt; default auto:
+// the first of sm90, mma, simt that supports the call; jaxattn.native.PrefillConfig, whose
+// default comes from $JAXATTN_PREFILL_KERNEL) forces one: a forced kernel is used wherever it
 // supports the dtype and head_dim, the automatic choice elsewhere; sm90 forced on a device or
-// build without it is an error, as is any other value.
+// build without it is an error.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
@@ -515,30 +514,16 @@ template <typename T>
 const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 #endif
 
-enum class PrefillKernel { kAuto, kSm90, kMma, kSimt, kInvalid };
-
-inline PrefillKernel parse_prefill_kernel(const char* s) {
-  if (s == nullptr || *s == 0 || std::strcmp(s, "auto") == 0) return PrefillKernel::kAuto;
-  if (std::strcmp(s, "sm90") == 0) return PrefillKernel::kSm90;
-  if (std::strcmp(s, "mma") == 0) return PrefillKernel::kMma;
-  if (std::strcmp(s, "simt") == 0) return PrefillKernel::kSimt;
-  return PrefillKernel::kInvalid;
-}
+// The values of PrefillParams::kernel (the FFI attribute `kernel`).
+enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3 };
 
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles.
 constexpr int kSm90MinRowsPerRequest = 64;
 
-// JAXATTN_PREFILL_KERNEL, read on first use.
-inline PrefillKernel prefill_kernel_from_env() {
-  static const PrefillKernel k = parse_prefill_kernel(std::getenv("JAXATTN_PREFILL_KERNEL"));
-  return k;
-}
-
 template <typename T>
-const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream,
-                                 PrefillKernel which = prefill_kernel_from_env()) {
-  if (which == PrefillKernel::kInvalid)
-    return "jaxattn: JAXATTN_PREFILL_KERNEL must be auto, sm90, mma or simt";
+const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
+  if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
+  const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
   if (p.total_q == 0 || p.batch == 0) return nullptr;
   if (p.num_q_heads > 65535) return "jaxattn: more than 65535 query heads";
 #if defined(JAXATTN_CUDA)
@@ -553,7 +538,7 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream,
         return launch_prefill_sm90<T>(p, stream);
 #endif
       if (which == PrefillKernel::kSm90)
-        return "jaxattn: JAXATTN_PREFILL_KERNEL=sm90 needs a compute capability 9.0 device, a "
+        return "jaxattn: the sm90 prefill kernel needs a compute capability 9.0 device, a "
                "library built with 90 in JAXATTN_CUDA_ARCHS and a cache under 64 GiB";
     }
     if (tc_dim && which != PrefillKernel::kSimt && device_has_mma()) {

@@ -1,0 +1,247 @@
+"""The backend contract: every attention op is an :class:`Op` with implementations.
+
+An :class:`Op` (``jaxattn.ops.PAGED_ATTENTION``, ...) owns the public signature of one
+operation. :meth:`Op.bind` validates the arguments into a typed record (static facts only:
+ranks, shapes, dtypes, layouts, attribute values; index *values* too when they are
+concrete), so it runs at trace time under ``jax.jit`` before any kernel is built. One
+:class:`Implementation` per backend then runs it:
+
+* ``supports(args) -> reason | None`` says whether this backend serves these arguments
+  (``None``) or why not;
+* ``config_cls`` is the backend's frozen configuration dataclass (tiles, split sizes,
+  kernel choice), ``heuristic_config(args)`` the configuration it picks from the shapes and
+  the device when the caller gives none;
+* ``run(args, config)`` computes.
+
+:meth:`Op.resolve` picks the implementation (``implementation=`` None, a backend name, or a
+sequence of names tried in order) and its configuration; the op call, the engine's step
+builder and the sharded ops all ask it, so a backend is chosen one way everywhere. A backend
+named alone never falls back: it raises ``NotImplementedError`` with its reason. ``None``
+tries the fast backends of the platform (:func:`default_implementations`) and always ends
+with the reference, which serves everything.
+
+Backends live in ``jaxattn.<name>`` modules (``reference`` in :mod:`jaxattn.ops`) and
+expose ``IMPLEMENTATIONS: dict[op name, Implementation]``; they are imported on first use,
+so a backend whose dependencies are missing only becomes unavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+
+BACKENDS = ("reference", "pallas", "native")
+
+# Fastest first; the reference closes every list. On the CPU the Pallas kernels would run
+# in the (slow) interpreter and the native C++ handlers are single-threaded, so the
+# reference (XLA) goes alone.
+_DEFAULT_ORDER = {
+    "gpu": ("native", "pallas", "reference"),
+    "cuda": ("native", "pallas", "reference"),
+    "rocm": ("native", "pallas", "reference"),
+    "cpu": ("reference",),
+}
+
+
+def default_implementations(platform: str | None = None) -> tuple[str, ...]:
+    """The backends ``implementation=None`` tries, in order, on ``platform`` (default: the
+    current default backend). The reference is always last."""
+    platform = jax.default_backend() if platform is None else platform
+    return _DEFAULT_ORDER.get(platform, ("reference",))
+
+
+class Implementation:
+    """One backend's implementation of one op (see the module docstring)."""
+
+    backend: ClassVar[str]
+    config_cls: ClassVar[type | None] = None
+
+    def available(self, platform: str) -> str | None:
+        """Why this implementation cannot run on ``platform`` at all, or None."""
+        return None
+
+    def supports(self, args) -> str | None:
+        """Why these (validated) arguments are not served, or None."""
+        return None
+
+    def heuristic_config(self, args):
+        """The configuration used when the caller gives none."""
+        return None if self.config_cls is None else self.config_cls()
+
+    def run(self, args, config):
+        raise NotImplementedError
+
+    def check_config(self, config) -> None:
+        if self.config_cls is None:
+            if config is not None:
+                raise TypeError(f"the {self.backend} backend takes no config, got {config!r}")
+        elif not isinstance(config, self.config_cls):
+            raise TypeError(
+                f"config for the {self.backend} backend must be a "
+                f"{self.config_cls.__module__}.{self.config_cls.__qualname__}, got {config!r}"
+            )
+
+
+class Resolved(NamedTuple):
+    """The outcome of :meth:`Op.resolve`: which backend runs, and with what config."""
+
+    backend: str
+    implementation: Implementation
+    config: Any
+
+
+def _backend_module(name: str):
+    module = "jaxattn.ops" if name == "reference" else f"jaxattn.{name}"
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # a backend whose dependencies are missing cannot serve
+        raise NotImplementedError(f"backend {name!r} cannot be imported: {e}") from e
+
+
+def candidates(implementation) -> tuple[tuple[str, ...], bool]:
+    """(backend names to try, whether the caller named exactly one)."""
+    if implementation is None:
+        return default_implementations(), False
+    if isinstance(implementation, str):
+        names, explicit = (implementation,), True
+    elif isinstance(implementation, Sequence) and implementation:
+        names, explicit = tuple(implementation), False
+    else:
+        raise TypeError(
+            f"implementation must be None, a backend name or a non-empty sequence of "
+            f"names from {BACKENDS}, got {implementation!r}"
+        )
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(f"implementation must name backends from {BACKENDS}, got {name!r}")
+    return names, explicit
+
+
+class Op:
+    """One public attention op: validation (:meth:`bind`), resolution, dispatch.
+
+    Subclasses set ``name`` and implement :meth:`bind` (returning the op's argument
+    record) and ``roles`` (how tensor parallelism splits each positional argument: ``"q"``
+    split on its head axis, ``"k"`` / ``"v"`` a KV cache split on its KV-head axis,
+    ``None`` replicated).
+    """
+
+    name: ClassVar[str]
+    roles: ClassVar[tuple[str | None, ...]]
+
+    def bind(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def implementation(self, backend: str) -> Implementation:
+        """The ``backend``'s implementation of this op (``NotImplementedError`` if none)."""
+        impls = getattr(_backend_module(backend), "IMPLEMENTATIONS", {})
+        if self.name not in impls:
+            raise NotImplementedError(f"backend {backend!r} has no {self.name}")
+        return impls[self.name]
+
+    def implementations(self) -> dict[str, Implementation]:
+        """Every importable backend's implementation of this op."""
+        out = {}
+        for name in BACKENDS:
+            try:
+                out[name] = self.implementation(name)
+            except NotImplementedError:
+                continue
+        return out
+
+    def resolve(self, args, implementation=None, config=None, *, platform=None) -> Resolved:
+        """Pick the implementation and configuration for validated ``args``.
+
+        ``config`` given with ``implementation=None`` selects the backend whose
+        ``config_cls`` it is an instance of. Raises ``NotImplementedError`` (with every
+        backend's reason) when nothing tried can serve.
+        """
+        if config is not None and implementation is None:
+            names = [
+                n
+                for n, impl in self.implementations().items()
+                if impl.config_cls is not None and isinstance(config, impl.config_cls)
+            ]
+            if not names:
+                raise TypeError(
+                    f"config {config!r} is no backend's config for {self.name}; pass "
+                    f"implementation= as well or a config of one of {BACKENDS}"
+                )
+            implementation = names[0]
+        names, explicit = candidates(implementation)
+        platform = jax.default_backend() if platform is None else platform
+        reasons = []
+        for name in names:
+            try:
+                impl = self.implementation(name)
+                reason = impl.available(platform) or impl.supports(args)
+            except NotImplementedError as e:
+                reason = str(e)
+            if reason is None:
+                if config is None:
+                    cfg = impl.heuristic_config(args)
+                else:
+                    impl.check_config(config)
+                    cfg = config
+                return Resolved(name, impl, cfg)
+            if explicit:
+                raise NotImplementedError(f"{name} cannot serve {self.name}: {reason}")
+            reasons.append(f"{name}: {reason}")
+        raise NotImplementedError(
+            f"no backend in {names} can serve {self.name}: " + "; ".join(reasons)
+        )
+
+    def run(self, args, implementation=None, config=None):
+        resolved = self.resolve(args, implementation, config)
+        return resolved.implementation.run(args, resolved.config)
+
+    def __call__(self, *args, implementation=None, config=None, **kwargs):
+        return self.run(self.bind(*args, **kwargs), implementation, config)
+
+
+def split_kv_partition(
+    *,
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    capacity: int,
+    target_blocks: float,
+    grow: bool,
+    one_pass_blocks: int | None = None,
+    min_partition: int = 128,
+) -> int:
+    """Tokens per split-KV partition of a decode grid of (sequence, KV head, partition)
+    blocks; 0 means one pass.
+
+    From a base of 512 tokens (256 when a KV head serves more than 15 query heads: more
+    query rows hold more registers, so a block should cover fewer tokens), the partition
+    grows (``grow``) while the grid of twice as long partitions still has
+    ``target_blocks``, then halves (down to ``min_partition``) while it has fewer. Fewer,
+    longer partitions pay fewer pipeline fills and a smaller combine, as long as every
+    multiprocessor has work. ``one_pass_blocks``: with at least this many (sequence,
+    KV head) pairs, or a context within the base, the grid is full without splitting.
+    Each backend passes its kernels' occupancy as ``target_blocks``.
+    """
+    size = 256 if group > 15 else 512
+    pairs = batch * num_kv_heads
+    if one_pass_blocks is not None and (capacity <= size or pairs >= one_pass_blocks):
+        return 0
+
+    def blocks(s):
+        return pairs * -(-capacity // s)
+
+    if grow:
+        while 2 * size < capacity and blocks(2 * size) >= target_blocks:
+            size *= 2
+    while size > min_partition and blocks(size) < target_blocks:
+        size //= 2
+    return size
+
+
+def replace(args, **changes):
+    """A copy of an argument record with some fields replaced (e.g. a shard's arrays)."""
+    return dataclasses.replace(args, **changes)

@@ -1,0 +1,53 @@
+"""Environment-variable overrides of the backends' default configurations, read in one place.
+
+* ``JAXATTN_PARTITION_SIZE``: tokens per split-KV partition of the native decode kernel when
+  the call gives no ``partition_size`` and no ``config`` (a positive integer);
+* ``JAXATTN_PREFILL_KERNEL``: the native GPU prefill kernel, ``auto`` (default), ``sm90``
+  (Hopper wgmma), ``mma`` (mma.sync) or ``simt``.
+
+The variables only change which configuration a backend's heuristic returns; the chosen
+values travel as the kernels' static attributes (``partition_size``, ``kernel`` of the FFI
+calls), so they are part of the lowered program and of any compilation cache key. They are
+read once per process (:func:`overrides`); :func:`refresh` reads them again (tests).
+An explicit ``config=`` or ``partition_size=`` always wins over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+PARTITION_SIZE = "JAXATTN_PARTITION_SIZE"
+PREFILL_KERNEL = "JAXATTN_PREFILL_KERNEL"
+PREFILL_KERNELS = ("auto", "sm90", "mma", "simt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    partition_size: int | None = None
+    prefill_kernel: str | None = None
+
+
+@functools.cache
+def overrides() -> Overrides:
+    """The overrides set in the environment (``ValueError`` naming a malformed one)."""
+    size = os.environ.get(PARTITION_SIZE, "").strip()
+    partition_size = None
+    if size:
+        try:
+            partition_size = int(size)
+        except ValueError:
+            partition_size = 0
+        if partition_size <= 0:
+            raise ValueError(f"{PARTITION_SIZE} must be a positive integer, got {size!r}")
+    kernel = os.environ.get(PREFILL_KERNEL, "").strip().lower() or None
+    if kernel is not None and kernel not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL} must be one of {PREFILL_KERNELS}, got {kernel!r}")
+    return Overrides(partition_size, kernel)
+
+
+def refresh() -> Overrides:
+    """Read the environment again (after a change) and return the new overrides."""
+    overrides.cache_clear()
+    return overrides()

@@ -1,0 +1,598 @@
+"""Every backend of every attention op against the spec: one suite of cases.
+
+Each case runs on each backend this platform offers, through the public ops
+(``implementation=`` the backend):
+
+* ``reference``: the spec itself, checked against an independent float64 computation;
+* ``pallas``: the kernels in Pallas interpret mode on the CPU, compiled on a GPU;
+* ``native``: the C++ handlers on the CPU, the CUDA/HIP kernels on a GPU.
+
+The kernel backends are checked against the spec. A backend whose
+``supports(args)`` refuses a case (its capability flag in the backend contract,
+:mod:`jaxattn.backend`) is skipped with that reason; the refusals themselves are tested in
+``test_refusals``. Inputs are drawn fresh per case (seeded from the test id), every unread
+page and slot holds NaN, block tables are permuted. Cases that are slow in the Pallas
+interpreter carry the ``slow`` mark for that backend on the CPU only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    DTYPES,
+    assert_close,
+    call_decode,
+    call_extend,
+    call_prefill,
+    expected_decode,
+    expected_ragged,
+    make_extend,
+    make_paged_decode,
+    make_prefix_prefill,
+    prefill_as_extend,
+    spec_decode,
+    spec_extend,
+    spec_prefill,
+)
+
+import jaxattn
+from jaxattn import native, ops
+from jaxattn import pallas as P
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+NATIVE = native.is_available()
+if not NATIVE and os.environ.get("JAXATTN_REQUIRE_NATIVE") == "1":
+    raise RuntimeError("JAXATTN_REQUIRE_NATIVE=1 but the native library is not available")
+
+BACKENDS = ("reference", "pallas", "native")
+
+
+def grid(names: str, cases, *, heavy=(), backends=BACKENDS):
+    """Parametrize over ``backend`` x ``cases``. ``heavy``: indices of cases marked slow for
+    the Pallas interpreter (CPU only)."""
+    names = [n.strip() for n in names.split(",")]
+    params = []
+    for b in backends:
+        for i, case in enumerate(cases):
+            case = case if isinstance(case, tuple) else (case,)
+            marks = []
+            if b == "native":
+                marks.append(pytest.mark.skipif(not NATIVE, reason="native library not built"))
+            if b == "pallas" and not ON_GPU and i in heavy:
+                marks.append(pytest.mark.slow)
+            ident = "-".join([b, *(str(v) for v in case)])
+            params.append(pytest.param(b, *case, marks=marks, id=ident))
+    return pytest.mark.parametrize(["backend", *names], params)
+
+
+def _run(op, call, fn, backend, case, config=None, **kw):
+    """The public op on ``case`` with ``implementation=backend``; skipped with the
+    backend's reason when it does not serve the case."""
+    args = call(op.bind, case, **{k: v for k, v in kw.items()})
+    impl = op.implementation(backend)
+    reason = impl.available(jax.default_backend()) or impl.supports(args)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    if backend != "pallas":
+        config = None
+    return call(fn, case, implementation=backend, config=config, **kw)
+
+
+def decode(backend, case, config=None, **kw):
+    return _run(
+        ops.PAGED_ATTENTION, call_decode, jaxattn.paged_attention, backend, case, config, **kw
+    )
+
+
+def extend(backend, case, config=None, **kw):
+    return _run(
+        ops.EXTEND_ATTENTION, call_extend, jaxattn.extend_attention, backend, case, config, **kw
+    )
+
+
+def prefill(backend, case, config=None, **kw):
+    return _run(
+        ops.PREFIX_PREFILL, call_prefill, jaxattn.prefix_prefill, backend, case, config, **kw
+    )
+
+
+def want_decode(backend, case, **kw):
+    """float64 for the reference (independent), the spec for a kernel backend."""
+    if backend == "reference":
+        return expected_decode(case, **kw)
+    return spec_decode(case, **kw)
+
+
+def want_extend(backend, c, **kw):
+    if backend == "reference":
+        return expected_ragged(c.q, c.qo_indptr, c.dense_k, c.dense_v, **kw)
+    return spec_extend(c, **kw)
+
+
+def want_prefill(backend, c, **kw):
+    if backend == "reference":
+        return expected_ragged(c.q, c.cu_seqlens_q, c.dense_k, c.dense_v, **kw)
+    return spec_prefill(c, **kw)
+
+
+# --- decode -------------------------------------------------------------------------------
+
+
+@grid(
+    "layout, page_size, heads, partition_size",
+    [
+        ("bshd", 16, (8, 2), None),
+        ("bhsd", 16, (8, 2), 128),
+        ("bshd", 1, (4, 4), 128),
+        ("bhsd", 1, (4, 1), None),
+        ("bshd", 32, (16, 1), 128),
+        ("bhsd", 64, (8, 1), None),
+        ("bshd", 128, (4, 4), None),
+        ("bhsd", 128, (32, 2), 128),
+        ("bshd", 16, (64, 1), 128),
+        ("bhsd", 16, (24, 2), None),
+        ("vllm", 16, (8, 2), None),
+    ],
+    heavy=(4, 8, 9),
+)
+def test_decode_layout_page_group(rng, backend, layout, page_size, heads, partition_size):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [1, 3, 17, 255, 513],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=page_size,
+        layout=layout,
+    )
+    out = decode(backend, case, scale=0.3, partition_size=partition_size)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, want_decode(backend, case, scale=0.3))
+
+
+@grid(
+    "dtype, soft_cap, head_dim, page_size",
+    [
+        (jnp.float32, None, 128, 32),
+        (jnp.bfloat16, 4.0, 64, 64),
+        (jnp.float16, None, 64, 32),
+        (jnp.float32, 4.0, 64, 16),
+        (jnp.bfloat16, None, 128, 16),
+        (jnp.float16, 4.0, 128, 64),
+    ],
+    heavy=(3, 4, 5),
+)
+def test_decode_dtype_soft_cap(rng, backend, dtype, soft_cap, head_dim, page_size):
+    case = make_paged_decode(
+        rng,
+        [3, 255, 40],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    # A large scale drives the logits into the cap's bend.
+    out = decode(backend, case, scale=0.5, soft_cap=soft_cap)
+    assert out.dtype == dtype
+    assert_close(out, want_decode(backend, case, scale=0.5, soft_cap=soft_cap), dtype)
+
+
+@grid("partition_size", [None, 16, 100, 512, 8192], heavy=(3,))
+def test_decode_partition_size(rng, backend, partition_size):
+    # 0 tokens must give zeros; 8192 covers the whole context (one partition).
+    case = make_paged_decode(
+        rng,
+        [4097, 1, 0, 513],
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=32,
+        page_size=32,
+        layout="bhsd",
+    )
+    out = decode(backend, case, scale=0.2, partition_size=partition_size)
+    assert_close(out, want_decode(backend, case, scale=0.2))
+    np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
+
+
+@grid("dummy", [0])
+def test_decode_deterministic_and_jitted(rng, backend, dummy):
+    case = make_paged_decode(
+        rng, [300, 77], num_q_heads=4, num_kv_heads=1, head_dim=32, page_size=16, dtype=jnp.bfloat16
+    )
+    f = jax.jit(
+        lambda q, k, v, t, n: jaxattn.paged_attention(
+            q, k, v, t, n, scale=0.2, partition_size=64, implementation=backend
+        )
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    if backend == "native":
+        assert "jaxattn_paged_attention" in f.lower(*args).as_text()
+    a, b = f(*args), f(*args)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_close(a, want_decode(backend, case, scale=0.2), jnp.bfloat16)
+
+
+@grid("dummy", [0])
+def test_decode_vmap_over_queries(rng, backend, dummy):
+    case = make_paged_decode(
+        rng, [5, 130], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16
+    )
+    qs = jnp.stack([case.q, 2.0 * case.q, -case.q])
+    f = jax.vmap(
+        lambda q: jaxattn.paged_attention(
+            q,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            case.seq_lens,
+            scale=0.3,
+            implementation=backend,
+        )
+    )
+    out = jax.jit(f)(qs)
+    for i in range(qs.shape[0]):
+        case.q = qs[i]
+        assert_close(out[i], want_decode(backend, case, scale=0.3))
+
+
+@pytest.mark.gpu
+@grid(
+    "dtype, heads",
+    [(dt, h) for dt in (jnp.bfloat16, jnp.float16) for h in ((32, 8), (32, 32), (64, 4), (128, 8))],
+    backends=("pallas", "native"),
+)
+def test_decode_serving_shapes(rng, backend, dtype, heads):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [4097, 1, 1000, 8191, 255],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=16,
+        dtype=dtype,
+    )
+    # The backend's own choice: one pass or split-KV, by batch size.
+    out = decode(backend, case, scale=128**-0.5)
+    assert_close(out, want_decode(backend, case, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "dtype, head_dim",
+    [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)],
+    backends=("pallas", "native"),
+)
+def test_decode_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
+    case = make_paged_decode(
+        rng, [700, 33], num_q_heads=16, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype
+    )
+    out = decode(backend, case, scale=0.1)
+    assert_close(out, want_decode(backend, case, scale=0.1), dtype)
+
+
+# --- extend / prefix prefill ----------------------------------------------------------------
+
+EXTEND_SHAPES = [
+    # (prefix lens, new-token lens, (Hq, Hkv), Pallas config)
+    ([0, 5, 40, 255], [3, 17, 1, 2], (4, 1), None),
+    ([0], [513], (8, 2), P.ExtendConfig(block_q=32, block_n=16)),
+    ([513, 17, 0], [1, 64, 3], (16, 1), P.ExtendConfig(block_q=64, block_n=32)),
+    ([3, 100], [255, 31], (4, 4), None),
+    ([1, 0, 255], [17, 3, 40], (8, 2), P.ExtendConfig(block_q=32, block_n=16, heads_per_tile=1)),
+    ([70, 2], [40, 9], (32, 8), P.ExtendConfig(block_q=64, block_n=16, heads_per_tile=4)),
+]
+
+
+@grid("prefix, new, heads, config", EXTEND_SHAPES, heavy=(3, 4))
+def test_extend_shapes(rng, backend, prefix, new, heads, config):
+    hq, hkv = heads
+    c = make_extend(rng, prefix, new, num_q_heads=hq, num_kv_heads=hkv, head_dim=32, pad_rows=3)
+    out = extend(backend, c, config, scale=0.3)
+    assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert_close(out, want_extend(backend, c, scale=0.3))
+    np.testing.assert_array_equal(np.asarray(out[-3:]), 0.0)  # padding rows
+
+
+@grid(
+    "layout, page_size, heads",
+    [
+        ("bshd", 16, (8, 2)),
+        ("bhsd", 16, (4, 4)),
+        ("bshd", 1, (4, 1)),
+        ("bhsd", 1, (8, 2)),
+        ("bshd", 64, (16, 1)),
+        ("bhsd", 128, (8, 1)),
+        ("vllm", 16, (8, 2)),
+    ],
+    heavy=(3, 4),
+)
+def test_prefill_layout_page(rng, backend, layout, page_size, heads):
+    hq, hkv = heads
+    c = make_prefix_prefill(
+        rng,
+        [0, 200, 33],
+        [17, 1, 130],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=page_size,
+        layout=layout,
+        pad_rows=2,
+    )
+    out = prefill(backend, c, P.ExtendConfig(block_q=32, block_n=32), scale=0.3)
+    assert_close(out, want_prefill(backend, c, scale=0.3))
+    np.testing.assert_array_equal(np.asarray(out[-2:]), 0.0)
+
+
+@grid(
+    "dtype, soft_cap, head_dim",
+    [
+        (jnp.float32, None, 64),
+        (jnp.bfloat16, 4.0, 64),
+        (jnp.float16, None, 64),
+        (jnp.float32, 4.0, 128),
+        (jnp.bfloat16, None, 128),
+        (jnp.float16, 4.0, 128),
+    ],
+    heavy=(3, 4, 5),
+)
+def test_extend_dtype_soft_cap(rng, backend, dtype, soft_cap, head_dim):
+    c = make_extend(
+        rng,
+        [40, 0, 130],
+        [20, 70, 65],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    cfg = P.ExtendConfig(block_q=32, block_n=32, num_warps=4)
+    out = extend(backend, c, cfg, scale=0.5, soft_cap=soft_cap)
+    assert out.dtype == dtype
+    assert_close(out, want_extend(backend, c, scale=0.5, soft_cap=soft_cap), dtype)
+
+
+@grid(
+    "dtype, layout",
+    [(jnp.float32, "bshd"), (jnp.bfloat16, "bhsd"), (jnp.float16, "bshd")],
+    heavy=(0, 1, 2),
+)
+def test_prefill_head_dim_128(rng, backend, dtype, layout):
+    c = make_prefix_prefill(
+        rng,
+        [64, 0, 255],
+        [130, 64, 17],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        pad_rows=1,
+    )
+    out = prefill(backend, c, scale=128**-0.5)
+    assert_close(out, want_prefill(backend, c, scale=128**-0.5), dtype)
+
+
+@grid("dummy", [0])
+def test_prefill_long_prefix(rng, backend, dummy):
+    c = make_prefix_prefill(
+        rng,
+        [4097, 0],
+        [3, 255],
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        page_size=32,
+        layout="bhsd",
+    )
+    assert_close(prefill(backend, c, scale=0.2), want_prefill(backend, c, scale=0.2))
+
+
+@grid("dummy", [0])
+def test_extend_default_tiles_of_a_long_extend(rng, backend, dummy):
+    # >= 128 new tokens a request on average, 16-bit, D=128: the 256-row tiles of 128 tokens
+    # x 2 heads that the Pallas default picks for long extends.
+    c = make_extend(
+        rng,
+        [100, 37],
+        [300, 140],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        pad_rows=5,
+    )
+    out = extend(backend, c, scale=0.1)
+    assert_close(out, want_extend(backend, c, scale=0.1))
+    np.testing.assert_array_equal(np.asarray(out[-5:], np.float32), 0.0)
+
+
+@grid("dummy", [0], backends=("pallas", "native"))
+def test_paged_and_pool_forms_agree(rng, backend, dummy):
+    c = make_prefix_prefill(
+        rng,
+        [37, 5],
+        [29, 64],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        layout="bshd",
+    )
+    k, v, qo, kv, idx = prefill_as_extend(c)
+    cfg = P.ExtendConfig(block_q=32, block_n=16) if backend == "pallas" else None
+    a = prefill(backend, c, cfg, scale=0.2)
+    b = jaxattn.extend_attention(
+        c.q, k, v, qo, kv, idx, scale=0.2, implementation=backend, config=cfg
+    )
+    # One kernel, the same keys in the same order, the same tiles: the same arithmetic.
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@grid("dummy", [0])
+def test_extend_deterministic_and_jitted(rng, backend, dummy):
+    c = make_extend(
+        rng, [10, 90], [50, 7], num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.bfloat16
+    )
+    f = jax.jit(lambda *a: jaxattn.extend_attention(*a, scale=0.2, implementation=backend))
+    args = (c.q, c.k_pool, c.v_pool, c.qo_indptr, c.kv_indptr, c.kv_indices)
+    if backend == "native":
+        assert "jaxattn_extend_attention" in f.lower(*args).as_text()
+    a, b = f(*args), f(*args)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_close(a, want_extend(backend, c, scale=0.2), jnp.bfloat16)
+
+
+@grid("dummy", [0])
+def test_prefill_vmap_and_jit(rng, backend, dummy):
+    c = make_prefix_prefill(
+        rng,
+        [20, 0],
+        [5, 33],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        layout="bhsd",
+        dtype=jnp.float16,
+    )
+
+    def f(q):
+        return jaxattn.prefix_prefill(
+            q,
+            c.k_cache,
+            c.v_cache,
+            c.cu_seqlens_q,
+            c.block_tables,
+            c.seq_lens,
+            layout="bhsd",
+            implementation=backend,
+        )
+
+    if backend == "native":
+        assert "jaxattn_prefix_prefill" in jax.jit(f).lower(c.q).as_text()
+    qs = jnp.stack([c.q, -c.q])
+    out = jax.jit(jax.vmap(f))(qs)
+    for i in range(2):
+        c.q = qs[i]
+        assert_close(out[i], want_prefill(backend, c), jnp.float16)
+
+
+@pytest.mark.gpu
+@grid(
+    "dtype, heads",
+    [(dt, h) for dt in (jnp.bfloat16, jnp.float16) for h in ((32, 8), (32, 32), (64, 4))],
+    backends=("pallas", "native"),
+)
+def test_extend_serving_shapes(rng, backend, dtype, heads):
+    hq, hkv = heads
+    c = make_extend(
+        rng,
+        [2048, 0, 1000, 4097],
+        [512, 1000, 24, 1],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        dtype=dtype,
+        pad_rows=5,
+    )
+    out = extend(backend, c, scale=128**-0.5)
+    assert_close(out, want_extend(backend, c, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid("layout", ["bshd", "bhsd"], backends=("pallas", "native"))
+def test_prefill_serving_shapes(rng, backend, layout):
+    c = make_prefix_prefill(
+        rng,
+        [2048, 1000, 0],
+        [512, 24, 300],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        layout=layout,
+        dtype=jnp.bfloat16,
+        pad_rows=4,
+    )
+    out = prefill(backend, c, scale=128**-0.5)
+    assert_close(out, want_prefill(backend, c, scale=128**-0.5), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@grid(
+    "dtype, head_dim",
+    [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)],
+    backends=("pallas", "native"),
+)
+def test_extend_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
+    c = make_extend(
+        rng, [300, 0], [200, 77], num_q_heads=16, num_kv_heads=2, head_dim=head_dim, dtype=dtype
+    )
+    out = extend(backend, c, scale=0.1)
+    assert_close(out, want_extend(backend, c, scale=0.1), dtype)
+
+
+# --- what each backend refuses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["pallas", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="not built"))],
+)
+def test_refusals(rng, backend):
+    """A backend named alone refuses what it cannot serve, naming the reason; never a
+    silent fallback."""
+    case = make_paged_decode(
+        rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16, layout="vllm"
+    )
+    with pytest.raises(NotImplementedError, match="vllm"):
+        call_decode(jaxattn.paged_attention, case, implementation=backend)
+    # None falls through to a backend that serves it.
+    assert_close(call_decode(jaxattn.paged_attention, case), spec_decode(case))
+    if backend == "pallas" or ON_GPU:
+        case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=48, page_size=16)
+        with pytest.raises(NotImplementedError, match="head_dim"):
+            call_decode(jaxattn.paged_attention, case, implementation=backend)
+    q = jnp.zeros((1, 4, 32), jnp.bfloat16)
+    case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
+    with pytest.raises(NotImplementedError, match="dtype"):
+        jaxattn.paged_attention(
+            q,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            case.seq_lens,
+            implementation=backend,
+        )
+
+
+@pytest.mark.skipif(ON_GPU or not NATIVE, reason="the CPU handlers take any head_dim")
+def test_native_cpu_takes_any_head_dim(rng):
+    case = make_paged_decode(rng, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=48, page_size=16)
+    assert_close(decode("native", case, scale=0.2, partition_size=16), spec_decode(case, scale=0.2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_backend_agrees_on_one_case(rng, dtype):
+    """One small case through every available backend: all within the dtype's tolerance of
+    each other (a smoke test that the registry serves the same op everywhere)."""
+    case = make_paged_decode(
+        rng, [9, 33], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8, dtype=dtype
+    )
+    outs = {
+        b: call_decode(jaxattn.paged_attention, case, implementation=b)
+        for b in jaxattn.available_backends()
+    }
+    assert set(outs) >= {"reference"}
+    for out in outs.values():
+        assert_close(out, spec_decode(case), dtype)
