@@ -1,6 +1,7 @@
 """jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX."""
 
 from . import backend, env, kv, layout, ops, paging, radix, reference
+from .backend import checked
 from .kv import copy_blocks, write_kv
 from .ops import (
     BACKENDS,
@@ -18,6 +19,7 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "backend",
+    "checked",
     "copy_blocks",
     "default_implementations",
     "env",

@@ -27,12 +27,17 @@ so a backend whose dependencies are missing only becomes unavailable.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import importlib
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
 
 BACKENDS = ("reference", "pallas", "native")
 
@@ -195,12 +200,85 @@ class Op:
             f"no backend in {names} can serve {self.name}: " + "; ".join(reasons)
         )
 
-    def run(self, args, implementation=None, config=None):
+    def problems(self, args) -> list:
+        """The index checks of the memory-safety contract, as
+        :class:`jaxattn.reference.validity.Problem` s (ok arrays and messages)."""
+        return []
+
+    def trivial(self, args):
+        """The result when an input has a zero-size dimension (no sequences, no rows, an
+        empty table): there is nothing for a kernel to do, and every backend answers the
+        spec's result. None otherwise."""
+        return None
+
+    def run(self, args, implementation=None, config=None, *, debug_checks=None):
         resolved = self.resolve(args, implementation, config)
+        if checks_enabled() if debug_checks is None else debug_checks:
+            for p in self.problems(args):
+                ok = jnp.atleast_1d(p.ok)
+                index = jnp.argmin(ok)  # the first failing sequence
+                checkify.check(jnp.all(ok), p.message, index=index)
+        out = self.trivial(args)
+        if out is not None:
+            return out
         return resolved.implementation.run(args, resolved.config)
 
-    def __call__(self, *args, implementation=None, config=None, **kwargs):
-        return self.run(self.bind(*args, **kwargs), implementation, config)
+    def __call__(self, *args, implementation=None, config=None, debug_checks=None, **kwargs):
+        return self.run(
+            self.bind(*args, **kwargs), implementation, config, debug_checks=debug_checks
+        )
+
+
+# --- the checked mode ---------------------------------------------------------------------
+
+_CHECKS = contextvars.ContextVar("jaxattn_debug_checks", default=False)
+
+
+def checks_enabled() -> bool:
+    """Whether ops traced now emit their index checks (inside :func:`checked`)."""
+    return _CHECKS.get()
+
+
+@contextlib.contextmanager
+def _checking():
+    token = _CHECKS.set(True)
+    try:
+        yield
+    finally:
+        _CHECKS.reset(token)
+
+
+def checked(fn, *, jit: bool = True):
+    """``fn`` with the index checks of every jaxattn op inside it turned into errors.
+
+    Under ``jax.jit`` an out-of-range page id, length or indptr cannot be seen before a
+    kernel runs, so by contract it only poisons the rows of its sequence with NaN. The
+    checked function instead raises ``checkify.JaxRuntimeError`` naming the argument and
+    the sequence (e.g. ``block_tables[1] holds a page outside [0, 32) ...``), the way the
+    eager checks do. It is built on :mod:`jax.experimental.checkify`: the ops emit
+    ``checkify.check`` calls while ``fn`` is traced (each op also takes
+    ``debug_checks=True`` for use inside one's own ``checkify``), and the result is
+    compiled with ``jax.jit`` unless ``jit=False``.
+
+    Pass the plain Python function: a function already jitted and traced elsewhere
+    would reuse its unchecked trace.
+    """
+
+    def traced_with_checks(*args, **kwargs):
+        with _checking():
+            return fn(*args, **kwargs)
+
+    run = checkify.checkify(traced_with_checks)
+    if jit:
+        run = jax.jit(run)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        err, out = run(*args, **kwargs)
+        err.throw()
+        return out
+
+    return wrapper
 
 
 def split_kv_partition(

@@ -13,7 +13,12 @@ everything. See :mod:`jaxattn.backend` for the contract.
 
 All validation here looks only at static properties (ranks, shapes, dtypes, attribute
 values), so it runs at trace time under ``jax.jit`` before any kernel is built. When
-the index arrays are concrete (eager calls) their values are checked too.
+the index arrays are concrete (eager calls) their values are checked too. Under ``jax.jit``
+index values follow the memory-safety contract (:mod:`jaxattn.reference.validity`): a
+sequence with an out-of-range index gets NaN rows, never an out-of-bounds access;
+:func:`checked` (or ``debug_checks=True`` inside ``checkify``) turns those into errors.
+Inputs with a zero-size dimension (no sequences, no rows, an empty table or index list)
+get the spec's result on every backend: there is nothing for a kernel to do.
 
 The reference implementations of the ops live here as well: the spec functions of
 :mod:`jaxattn.reference` behind the backend contract.
@@ -30,7 +35,8 @@ import numpy as np
 
 from . import layout as _layout
 from . import reference as _reference
-from .backend import BACKENDS, Implementation, Op, default_implementations
+from .backend import BACKENDS, Implementation, Op, checked, default_implementations
+from .reference import validity as _validity
 
 __all__ = [
     "BACKENDS",
@@ -41,6 +47,7 @@ __all__ = [
     "PagedArgs",
     "PrefillArgs",
     "available_backends",
+    "checked",
     "default_implementations",
     "extend_attention",
     "merge_states",
@@ -300,6 +307,18 @@ class PagedAttention(Op):
             partition_size=_check_partition_size(partition_size),
         )
 
+    def problems(self, a: PagedArgs):
+        g = a.geometry
+        return _validity.paged_problems(a.block_tables, a.seq_lens, g.page_size, g.num_pages)
+
+    def trivial(self, a: PagedArgs):
+        if a.q.shape[0] and a.block_tables.shape[1]:
+            return None
+        # No sequences, or tables that address no page: a sequence of length 0 attends to
+        # nothing (zeros), any other length is out of range (NaN).
+        empty = (a.seq_lens == 0)[:, None, None]
+        return jnp.where(empty, jnp.zeros(a.q.shape, a.q.dtype), jnp.nan).astype(a.q.dtype)
+
 
 class ExtendAttention(Op):
     name = "extend_attention"
@@ -364,6 +383,24 @@ class ExtendAttention(Op):
             kv_indices=kv_indices,
         )
 
+    def problems(self, a: ExtendArgs):
+        return _validity.ragged_problems(
+            a.qo_indptr,
+            a.q.shape[0],
+            a.kv_indptr[1:] - a.kv_indptr[:-1],
+            q_name="qo_indptr",
+            kv_indptr=a.kv_indptr,
+            kv_indices=a.kv_indices,
+            num_slots=a.geometry.num_pages,
+        )
+
+    def trivial(self, a: ExtendArgs):
+        if a.q.shape[0] and a.kv_indices.shape[0]:
+            return None
+        return _reference.extend_attention(
+            a.q, a.k_cache, a.v_cache, a.qo_indptr, a.kv_indptr, a.kv_indices, scale=a.scale
+        )
+
 
 class PrefixPrefill(Op):
     name = "prefix_prefill"
@@ -417,6 +454,26 @@ class PrefixPrefill(Op):
             cu_seqlens_q=cu_seqlens_q,
             block_tables=block_tables,
             seq_lens=seq_lens,
+        )
+
+    def problems(self, a: PrefillArgs):
+        g = a.geometry
+        return _validity.ragged_problems(
+            a.cu_seqlens_q, a.q.shape[0], a.seq_lens, q_name="cu_seqlens_q"
+        ) + _validity.paged_problems(a.block_tables, a.seq_lens, g.page_size, g.num_pages)
+
+    def trivial(self, a: PrefillArgs):
+        if a.q.shape[0] and a.block_tables.shape[1]:
+            return None
+        return _reference.prefix_prefill(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.cu_seqlens_q,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
         )
 
 
@@ -511,6 +568,7 @@ def paged_attention(
     soft_cap=None,
     implementation=None,
     config=None,
+    debug_checks=None,
 ):
     """Decode attention: one query token per sequence over a paged KV cache.
 
@@ -518,7 +576,8 @@ def paged_attention(
     :mod:`jaxattn.layout`); block_tables: i32[B, max_pages]; seq_lens: i32[B].
     ``partition_size``: None for one pass (or the kernel's own split), an int for
     split-KV with that many tokens per partition followed by an exact combine.
-    ``config``: a backend's configuration (None: its heuristic).
+    ``config``: a backend's configuration (None: its heuristic). ``debug_checks``: emit
+    the index checks as ``checkify`` checks (None: inside :func:`checked` only).
     Returns [B, Hq, D] in q's dtype.
     """
     return PAGED_ATTENTION(
@@ -533,6 +592,7 @@ def paged_attention(
         soft_cap=soft_cap,
         implementation=implementation,
         config=config,
+        debug_checks=debug_checks,
     )
 
 
@@ -548,6 +608,7 @@ def extend_attention(
     soft_cap=None,
     implementation=None,
     config=None,
+    debug_checks=None,
 ):
     """Prefix-cached prefill over a token pool (SGLang form).
 
@@ -567,6 +628,7 @@ def extend_attention(
         soft_cap=soft_cap,
         implementation=implementation,
         config=config,
+        debug_checks=debug_checks,
     )
 
 
@@ -583,6 +645,7 @@ def prefix_prefill(
     soft_cap=None,
     implementation=None,
     config=None,
+    debug_checks=None,
 ):
     """Prefix-cached prefill over a paged KV cache.
 
@@ -602,6 +665,7 @@ def prefix_prefill(
         soft_cap=soft_cap,
         implementation=implementation,
         config=config,
+        debug_checks=debug_checks,
     )
 
 

@@ -4,6 +4,13 @@ Short and obviously right rather than fast: every logit is computed in float32 a
 HIGHEST precision, masking is a ``where`` (never a multiply, so NaN in an unread slot
 cannot leak into the result), and the output is cast to ``q``'s dtype at the end.
 
+NaN semantics (every backend keeps them): NaN in ``q``, or in any K/V element a row
+attends to, gives NaN in that row; a row with nothing to attend to gives 0;
+:func:`merge_states` propagates NaN and +inf. Index metadata follows the memory-safety
+contract of :mod:`jaxattn.reference.validity`: under ``jax.jit`` a sequence with an
+out-of-range page id, kv index, length or indptr gets NaN in all its rows (never a clamped
+or wrapped read that looks plausible), every other sequence is exact.
+
 Shapes: B sequences, Hq query heads, Hkv KV heads (Hq % Hkv == 0), D head dim,
 P page size. Query head ``h`` attends with KV head ``h // (Hq // Hkv)``.
 """
@@ -16,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import layout as _layout
+from . import validity as _validity
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -53,6 +61,10 @@ def attention_states(q, k, v, mask, *, scale, soft_cap=None):
     visible logit (``-inf`` for a fully masked row), ``l = sum exp(logit - m)`` and
     ``out`` the normalized output (zeros for a fully masked row).
     """
+    if k.shape[0] == 0:  # no keys at all: every row is fully masked
+        t, hq, d = q.shape
+        empty = jnp.zeros((t, hq), jnp.float32)
+        return jnp.zeros((t, hq, v.shape[-1]), jnp.float32), empty - jnp.inf, empty
     s = _logits(q, k, scale, soft_cap)
     s = jnp.where(mask[:, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -61,7 +73,9 @@ def attention_states(q, k, v, mask, *, scale, soft_cap=None):
     l = jnp.sum(p, axis=-1)
     v = jnp.where(mask.any(axis=0)[:, None, None], v, 0)  # unread rows may hold NaN
     o = _weighted_values(p, v)
-    o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    # l == 0 only when nothing is visible; a NaN l (NaN in q or in a visible key or value)
+    # stays NaN through the division.
+    o = jnp.where(l[..., None] == 0, 0.0, o / jnp.where(l == 0, 1.0, l)[..., None])
     return o, m, l
 
 
@@ -76,9 +90,13 @@ def merge_states(outs, lses):
     outs ``[N, ..., D]`` are normalized partial outputs, lses ``[N, ...]`` the natural-log
     log-sum-exp of the scaled logits each part saw (``-inf`` for a part that saw none).
     Returns ``(out [..., D] in outs' dtype, lse [...] float32)``; a position where every
-    part is empty gives ``out = 0`` and ``lse = -inf``.
+    part is empty gives ``out = 0`` and ``lse = -inf``. A NaN lse (or a NaN output of a
+    part with weight) gives NaN; a ``+inf`` lse gives ``lse = +inf`` and a NaN output (the
+    weights are undefined). Zero parts merge to ``out = 0``, ``lse = -inf``.
     """
     lses = lses.astype(jnp.float32)
+    if outs.shape[0] == 0:
+        return jnp.zeros(outs.shape[1:], outs.dtype), jnp.full(lses.shape[1:], -jnp.inf)
     big = jnp.max(lses, axis=0)
     big_safe = jnp.where(jnp.isfinite(big), big, 0.0)
     w = jnp.where(jnp.isfinite(lses), jnp.exp(lses - big_safe[None]), 0.0)
@@ -87,6 +105,10 @@ def merge_states(outs, lses):
     out = jnp.sum(w[..., None] * parts, axis=0)
     out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
     lse = jnp.where(total > 0, big_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    # jnp.max propagates NaN; +inf is a part of unbounded mass whose weight is undefined.
+    poisoned = jnp.isnan(big) | (big == jnp.inf)
+    out = jnp.where(poisoned[..., None], jnp.nan, out)
+    lse = jnp.where(poisoned, big, lse)
     return out.astype(outs.dtype), lse
 
 
@@ -94,18 +116,26 @@ def _resolve_scale(scale, head_dim):
     return default_scale(head_dim) if scale is None else float(scale)
 
 
-def _sequence_slots(block_tables, seq_lens, page_size):
-    """Token slots [B, S] (S = max_pages * P) and validity [B, S] for paged sequences.
+def _sequence_slots(block_tables, seq_lens, page_size, num_pages):
+    """Token slots [B, S] (S = max_pages * P), which of them a sequence reads [B, S], and
+    the sequences whose metadata is valid [B].
 
-    Invalid positions get slot 0 so that garbage block-table entries are never used as
-    addresses; their data is masked out anyway.
+    Unread positions, and every position of an invalid sequence, get slot 0, so that no
+    garbage or out-of-range entry is ever an address; their data is masked out, and an
+    invalid sequence's rows are replaced by NaN.
     """
     max_pages = block_tables.shape[1]
+    ok = _validity.paged_valid(block_tables, seq_lens, page_size, num_pages)
     pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)
-    valid = pos[None, :] < seq_lens[:, None]
+    valid = (pos[None, :] < seq_lens[:, None]) & ok[:, None]
     pages = block_tables[:, pos // page_size]
     slots = jnp.where(valid, pages * page_size + (pos % page_size)[None, :], 0)
-    return slots, valid, pos
+    return slots, valid, pos, ok
+
+
+def _poison(out, bad_rows):
+    """NaN in every row of ``out`` [T, ...] where ``bad_rows`` [T]."""
+    return jnp.where(bad_rows.reshape(bad_rows.shape + (1,) * (out.ndim - 1)), jnp.nan, out)
 
 
 def paged_attention(
@@ -132,7 +162,7 @@ def paged_attention(
     """
     geom = _layout.cache_geometry(k_cache, v_cache, layout)
     scale = _resolve_scale(scale, q.shape[-1])
-    slots, valid, pos = _sequence_slots(block_tables, seq_lens, geom.page_size)
+    slots, valid, pos, ok = _sequence_slots(block_tables, seq_lens, geom.page_size, geom.num_pages)
     k = _layout.gather_tokens(k_cache, slots, layout, "k")  # [B, S, Hkv, D]
     v = _layout.gather_tokens(v_cache, slots, layout, "v")
 
@@ -144,7 +174,7 @@ def paged_attention(
             ]
 
         out = jax.vmap(one)(q, k, v, valid)
-        return out.astype(q.dtype)
+        return _poison(out, ~ok).astype(q.dtype)
 
     partition_size = int(partition_size)
     num_parts = -(-pos.shape[0] // partition_size)
@@ -160,14 +190,16 @@ def paged_attention(
         o, m, l = jax.vmap(part)(jnp.arange(num_parts))  # [N, Hq, D], [N, Hq], [N, Hq]
         big = jnp.max(m, axis=0)
         big_safe = jnp.where(jnp.isfinite(big), big, 0.0)
-        lw = jnp.where(l > 0, l * jnp.exp(m - big_safe[None]), 0.0)  # l_p * exp(m_p - M)
+        # l_p * exp(m_p - M); an empty partition weighs 0, a NaN one stays NaN.
+        lw = jnp.where(l == 0, 0.0, l * jnp.exp(m - big_safe[None]))
         total = jnp.sum(lw, axis=0)
         num = jnp.sum(lw[..., None] * o, axis=0)
+        # total == 0: nothing visible; NaN (from a NaN partition) stays NaN.
         return jnp.where(
-            total[..., None] > 0, num / jnp.where(total > 0, total, 1.0)[..., None], 0.0
+            total[..., None] == 0, 0.0, num / jnp.where(total == 0, 1.0, total)[..., None]
         )
 
-    return jax.vmap(one_split)(q, k, v, valid).astype(q.dtype)
+    return _poison(jax.vmap(one_split)(q, k, v, valid), ~ok).astype(q.dtype)
 
 
 def _ragged_rows(indptr, total_rows):
@@ -193,11 +225,22 @@ def extend_attention(
     """
     scale = _resolve_scale(scale, q.shape[-1])
     tq, nk = q.shape[0], kv_indices.shape[0]
-    q_req, q_row, q_real = _ragged_rows(qo_indptr, tq)
-    k_req, k_pos, k_real = _ragged_rows(kv_indptr, nk)
     lq = qo_indptr[1:] - qo_indptr[:-1]
     lk = kv_indptr[1:] - kv_indptr[:-1]
+    problems = _validity.ragged_problems(
+        qo_indptr,
+        tq,
+        lk,
+        q_name="qo_indptr",
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        num_slots=k_cache.shape[0],
+    )
+    structural, ok = _validity.ragged_valid(problems, lq.shape[0])
+    q_req, q_row, q_real = _ragged_rows(qo_indptr, tq)
+    k_req, k_pos, k_real = _ragged_rows(kv_indptr, nk)
     shift = (lk - lq)[q_req]
+    k_real = k_real & ok[k_req]  # an invalid request's indices are never addresses
     mask = (
         q_real[:, None]
         & k_real[None, :]
@@ -207,7 +250,9 @@ def extend_attention(
     slots = jnp.where(k_real, kv_indices, 0)
     k = k_cache[slots]
     v = v_cache[slots]
-    return masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap).astype(q.dtype)
+    out = masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap)
+    bad_rows = _validity.ragged_row_mask(qo_indptr, tq, structural, ok)
+    return _poison(out, bad_rows).astype(q.dtype)
 
 
 def prefix_prefill(
@@ -232,7 +277,9 @@ def prefix_prefill(
     geom = _layout.cache_geometry(k_cache, v_cache, layout)
     scale = _resolve_scale(scale, q.shape[-1])
     b = block_tables.shape[0]
-    slots, valid, pos = _sequence_slots(block_tables, seq_lens, geom.page_size)
+    slots, valid, pos, paged_ok = _sequence_slots(
+        block_tables, seq_lens, geom.page_size, geom.num_pages
+    )
     s = pos.shape[0]
     k = _layout.gather_tokens(k_cache, slots.reshape(-1), layout, "k")  # [B*S, Hkv, D]
     v = _layout.gather_tokens(v_cache, slots.reshape(-1), layout, "v")
@@ -241,10 +288,15 @@ def prefix_prefill(
     shift = (seq_lens - lq)[q_req]
     k_req = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
     k_pos = jnp.tile(pos, b)
+    problems = _validity.ragged_problems(cu_seqlens_q, q.shape[0], seq_lens, q_name="cu_seqlens_q")
+    structural, ok = _validity.ragged_valid(problems, b)
+    ok = ok & paged_ok
     mask = (
         q_real[:, None]
-        & valid.reshape(-1)[None, :]
+        & (valid & ok[:, None]).reshape(-1)[None, :]
         & (q_req[:, None] == k_req[None, :])
         & (k_pos[None, :] <= q_row[:, None] + shift[:, None])
     )
-    return masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap).astype(q.dtype)
+    out = masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap)
+    bad_rows = _validity.ragged_row_mask(cu_seqlens_q, q.shape[0], structural, ok)
+    return _poison(out, bad_rows).astype(q.dtype)

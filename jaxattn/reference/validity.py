@@ -1,0 +1,134 @@
+"""Which sequences of a batch have valid index metadata: the memory-safety contract.
+
+Under ``jax.jit`` the values of block tables, lengths and indptr arrays cannot be checked
+before a kernel runs. Every backend therefore keeps one contract (written here once, in
+``jax.numpy``, and used by the spec, the Pallas wrappers and the checked mode):
+
+* no index value makes a kernel read or write outside a buffer;
+* every output row of a sequence with an invalid index is NaN, a poison the caller sees;
+  every other sequence's rows are exact;
+* block-table entries past a sequence's length are never read and never poison it.
+
+Paged sequence ``b`` (decode, prefix prefill) is invalid when ``seq_lens[b] < 0``,
+``seq_lens[b] > max_pages * page_size``, or a page id it uses
+(``block_tables[b, :ceil(seq_lens[b] / page_size)]``) lies outside ``[0, num_pages)``.
+
+A ragged batch (extend, prefix prefill) is *structurally* invalid when its query indptr
+(and, for extend, its kv indptr) does not start at 0 or decreases somewhere: the rows of
+the requests are then undefined, and every row of the output is NaN. Otherwise request
+``b`` is invalid when its rows run past ``q`` (``qo_indptr[b + 1] > num_rows``), it has
+fewer keys than queries (``Lk < Lq``), its keys run past ``kv_indices``
+(``kv_indptr[b + 1] > len(kv_indices)``), or a key index it uses lies outside the pool;
+its rows ``[qo_indptr[b], min(qo_indptr[b + 1], num_rows))`` are NaN.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+
+class Problem(NamedTuple):
+    """One check: ``ok`` bool[N] per sequence (or a scalar), and a message naming the
+    argument, formatted with ``index`` = the first failing sequence (checkify style)."""
+
+    ok: jnp.ndarray
+    message: str
+
+
+def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> list[Problem]:
+    """The checks of paged sequences (see the module docstring)."""
+    width = block_tables.shape[1]
+    capacity = width * page_size
+    lens_ok = (seq_lens >= 0) & (seq_lens <= capacity)
+    used = (
+        jnp.arange(width, dtype=jnp.int32)[None, :]
+        < ((jnp.clip(seq_lens, 0, capacity) + page_size - 1) // page_size)[:, None]
+    )
+    in_range = (block_tables >= 0) & (block_tables < num_pages)
+    pages_ok = jnp.all(in_range | ~used, axis=1)
+    return [
+        Problem(
+            lens_ok,
+            f"seq_lens[{{index}}] must lie in [0, max_pages * page_size = {capacity}]",
+        ),
+        Problem(
+            pages_ok,
+            f"block_tables[{{index}}] holds a page outside [0, {num_pages}) within its first "
+            "ceil(seq_lens / page_size) entries",
+        ),
+    ]
+
+
+def paged_valid(block_tables, seq_lens, page_size: int, num_pages: int):
+    """bool[B]: the paged sequences whose metadata is valid."""
+    return _all(paged_problems(block_tables, seq_lens, page_size, num_pages), seq_lens.shape[0])
+
+
+def indptr_ok(indptr):
+    """Scalar bool: starts at 0 and never decreases."""
+    return (indptr[0] == 0) & jnp.all(indptr[1:] >= indptr[:-1])
+
+
+def ragged_problems(
+    q_indptr, num_rows: int, lk, *, q_name: str, kv_indptr=None, kv_indices=None, num_slots=None
+) -> list[Problem]:
+    """The checks of a ragged batch: q rows by ``q_indptr`` (named ``q_name``), ``lk`` keys
+    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``."""
+    lq = q_indptr[1:] - q_indptr[:-1]
+    problems = [
+        Problem(indptr_ok(q_indptr), f"{q_name} must start at 0 and be non-decreasing"),
+        Problem(
+            q_indptr[1:] <= num_rows, f"{q_name}[{{index}} + 1] exceeds the {num_rows} rows of q"
+        ),
+        Problem(lk >= lq, "request {index} has fewer keys than queries (Lk < Lq)"),
+    ]
+    if kv_indptr is not None:
+        n = kv_indices.shape[0]
+        problems += [
+            Problem(indptr_ok(kv_indptr), "kv_indptr must start at 0 and be non-decreasing"),
+            Problem(
+                kv_indptr[1:] <= n,
+                f"kv_indptr[{{index}} + 1] exceeds the length of kv_indices ({n})",
+            ),
+        ]
+        # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: count the
+        # out-of-pool entries in that range with one prefix sum (one pass, no search).
+        out_of_pool = (kv_indices < 0) | (kv_indices >= num_slots)
+        count = jnp.concatenate(
+            [jnp.zeros((1,), jnp.int32), jnp.cumsum(out_of_pool, dtype=jnp.int32)]
+        )
+        lo = jnp.clip(kv_indptr[:-1], 0, n)
+        hi = jnp.clip(kv_indptr[1:], lo, n)
+        problems.append(
+            Problem(
+                count[hi] == count[lo],
+                f"kv_indices of request {{index}} hold a slot outside [0, {num_slots})",
+            )
+        )
+    return problems
+
+
+def ragged_valid(problems: list[Problem], batch: int):
+    """(structurally fine: scalar bool, per request: bool[B])."""
+    structural = jnp.all(jnp.stack([p.ok for p in problems if p.ok.ndim == 0]))
+    return structural, _all(problems, batch) & structural
+
+
+def ragged_row_mask(q_indptr, num_rows: int, structural, request_ok):
+    """bool[num_rows]: the rows that must be NaN."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    start, end = q_indptr[:-1], jnp.minimum(q_indptr[1:], num_rows)
+    bad_rows = jnp.any(
+        (~request_ok)[None, :] & (rows[:, None] >= start[None, :]) & (rows[:, None] < end[None, :]),
+        axis=1,
+    )
+    return bad_rows | ~structural
+
+
+def _all(problems: list[Problem], batch: int):
+    ok = jnp.ones((batch,), bool)
+    for p in problems:
+        ok = ok & (p.ok if p.ok.ndim else jnp.broadcast_to(p.ok, (batch,)))
+    return ok
