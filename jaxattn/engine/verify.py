@@ -35,11 +35,13 @@ from .sampling import sample, sample_keys
 __all__ = ["GAP_RTOL", "VerifyReport", "check_outputs", "dense_logits"]
 
 # Near-tie tolerance of a logit gap, relative to the row's largest logit magnitude (at least
-# 1), by the dtype the model computes in. Measured with the demo's random 1B-like Llama (16
-# layers, hidden 2048) on an H200: correct runs left gaps up to GAP_MEASURED of that scale;
-# each tolerance keeps a margin of several times that, and stays a small fraction of the
-# logits' spread, which a wrong slot, page or mask disturbs.
-GAP_RTOL = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 4e-2}
+# 1), by the dtype the model computes in. Measured on an H200 with a random 1B-like Llama (16
+# layers, hidden 2048, 32/8 heads, vocab 32000; logits up to about 5), 1920 greedy tokens
+# each, Pallas kernels: the largest relative gap of a correct run was 0.0165 in bfloat16 (71
+# tokens not the oracle's argmax, absolute gaps 0.005-0.06), 0.001 in float16 (10 tokens)
+# and 0.0002 in float32 (2 tokens). Each tolerance is about three to five times that, and a
+# small fraction of the logits' spread, which a wrong slot, page or mask disturbs.
+GAP_RTOL = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 5e-2}
 
 
 def dense_logits(params: dict, cfg: LlamaConfig, sequences, *, rows: int = 8) -> list:
