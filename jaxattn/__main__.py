@@ -321,10 +321,16 @@ def _table(rows) -> str:
 def demo(args) -> int:
     import jax
 
+    import jaxattn
     from jaxattn.engine import Buckets, Engine, check_outputs
     from jaxattn.engine.workload import make_workload, run_workload
 
     mesh = _use_devices(args.devices)
+    if args.implementation and args.implementation not in jaxattn.available_backends():
+        raise UsageError(
+            f"--implementation {args.implementation}: not available on the "
+            f"{jax.default_backend()} backend here (python -m jaxattn info shows what was built)"
+        )
     cfg, model_desc = _model_config(args)
     workload = make_workload(
         cfg.vocab_size,

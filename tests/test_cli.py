@@ -79,6 +79,15 @@ def test_flag_errors(case):
     assert_usage_error(run_cli("demo", *TINY, *args), *names)
 
 
+def test_backend_not_available_here(monkeypatch, capsys):
+    import jaxattn
+
+    monkeypatch.setattr(jaxattn, "available_backends", lambda op="paged_attention": ("reference",))
+    assert main(["demo", *TINY, "--implementation", "native"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--implementation native: not available" in err[0]
+
+
 def test_unknown_command():
     assert_usage_error(run_cli("serve"), "serve", "demo", "info")
 
