@@ -1,11 +1,23 @@
-"""Command line: ``python -m jaxattn demo [options]`` (``--help`` lists every option)."""
+"""Command line: ``python -m jaxattn demo [options]`` and ``python -m jaxattn info``
+(``--help`` lists every option).
+
+A mistake in what was asked for (a flag's value, a checkpoint file) ends the command with
+one line on stderr that names the flag or the file, and exit status 2, as argparse does for
+the flags it parses itself; Ctrl-C ends it with one line and status 130 (128 + SIGINT, what
+a shell reports for it). Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import pathlib
 import sys
 import time
+
+PROG = "python -m jaxattn"
 
 DEMO_DESCRIPTION = """\
 Serve a shared-prefix workload with the jaxattn engine and summarise what the paged KV
@@ -25,15 +37,53 @@ host, N fake CPU devices are created for it; on a GPU host, the first N GPUs are
 """
 
 
+class UsageError(Exception):
+    """A mistake in the command line or in the files it names: one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints its usage block and then the error; one line that names the flag is
+    # what the rest of this command line prints too.
+    def error(self, message):
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
 def _count(minimum: int):
     def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
 
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
@@ -67,8 +117,8 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--example-tokens", type=_count(0), default=96, help="shared few-shot examples block (96)"
     )
     w.add_argument("--max-new-tokens", type=_count(1), default=16, help="tokens per answer (16)")
-    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    w.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
+    w.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    w.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass (1.0)")
     w.add_argument("--seed", type=_count(0), default=0, help="workload, weights and sampling seed")
 
     e = p.add_argument_group("engine")
@@ -98,7 +148,10 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--verify",
         action="store_true",
-        help="check every generated token against a dense forward pass without any cache",
+        help="check every generated token against a dense forward pass without any cache; "
+        "a token that is not the dense pass's choice fails only when their logit gap exceeds "
+        "the tolerance of the dtype (float32 1e-3, float16 5e-3, bfloat16 5e-2, relative to "
+        "the largest logit)",
     )
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     o.add_argument("--json", action="store_true", help="also print the engine stats as JSON")
@@ -127,7 +180,7 @@ def _use_devices(n: int):
 
     available = jax.devices()
     if len(available) < n:
-        raise SystemExit(
+        raise UsageError(
             f"--devices {n}: only {len(available)} {jax.default_backend()} device(s) available"
         )
     return sharding.make_mesh(n, devices=available)
@@ -137,22 +190,68 @@ def _check_split(devices: int, *sizes) -> None:
     """Tensor parallelism gives every device whole heads and an equal MLP slice."""
     for name, size in sizes:
         if size % devices:
-            raise SystemExit(
+            raise UsageError(
                 f"--devices {devices} must divide {name} ({size}): every device holds whole "
                 "heads and an equal share of the MLP"
             )
 
 
-def _model(args):
-    import jax
+_JSON_TYPES = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+
+
+def _checkpoint_config(directory: str, dtype):
+    """The checkpoint's config, after checking every file the weights will be read from,
+    so that a mistake in any of them is named before minutes go into loading."""
+    import safetensors
 
     from jaxattn.models import llama
 
-    if args.checkpoint:
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        raise UsageError(f"--checkpoint {directory}: no such directory")
+    config = path / "config.json"
+    try:
+        hf = json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(
+            f"--checkpoint: {config} not found (a Hugging Face Llama directory holds "
+            "config.json and *.safetensors)"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"--checkpoint: {config} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--checkpoint: cannot read {config}: {e}") from None
+    if not isinstance(hf, dict):
+        kind = _JSON_TYPES.get(type(hf), "a number")
+        raise UsageError(f"--checkpoint: {config} must hold a JSON object, not {kind}")
+    try:
+        cfg = llama.config_from_hf(hf, dtype=dtype)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--checkpoint: {config}: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"--checkpoint: {path} has no *.safetensors files")
+    # Each file's header on its own (a cheap read), so that a broken file is named.
+    broken = (getattr(safetensors, "SafetensorError", ValueError), OSError)
+    for file in files:
         try:
-            cfg, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
-        except ValueError as e:
-            raise SystemExit(f"--checkpoint: {e}") from e
+            with safetensors.safe_open(str(file), framework="np") as f:
+                f.keys()
+        except broken as e:
+            raise UsageError(
+                f"--checkpoint: {file} is not a readable safetensors file: {e}"
+            ) from None
+    return cfg
+
+
+def _model_config(args):
+    """(config, one-line description) of the model asked for; nothing is loaded yet."""
+    from jaxattn.models import llama
+
+    if args.checkpoint:
+        cfg = _checkpoint_config(args.checkpoint, args.dtype)
         name = f"checkpoint {args.checkpoint}"
         _check_split(
             args.devices,
@@ -162,7 +261,16 @@ def _model(args):
         )
     else:
         if args.hidden % args.heads:
-            raise SystemExit(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+            raise UsageError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+        if args.hidden // args.heads % 2:
+            raise UsageError(
+                f"--hidden {args.hidden} / --heads {args.heads} must be even: it is the head "
+                "dim, which rotary embeddings split in halves"
+            )
+        if args.kv_heads and args.heads % args.kv_heads:
+            raise UsageError(
+                f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+            )
         kv_heads = args.kv_heads or max(2, args.devices)
         _check_split(
             args.devices,
@@ -181,15 +289,28 @@ def _model(args):
                 dtype=args.dtype or "float32",
             )
         except ValueError as e:
-            raise SystemExit(f"model options: {e}") from e
-        params = llama.init_params(cfg, jax.random.key(args.seed))
+            raise UsageError(f"model options: {e}") from None
         name = "random-weight Llama"
     desc = (
         f"{name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} q/kv heads of {cfg.head_dim}, "
         f"vocab {cfg.vocab_size}, {cfg.dtype}"
     )
-    return cfg, params, desc
+    return cfg, desc
+
+
+def _model_params(args, cfg):
+    import jax
+
+    from jaxattn.models import llama
+
+    if not args.checkpoint:
+        return llama.init_params(cfg, jax.random.key(args.seed))
+    try:
+        _, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+    except (ValueError, TypeError, OSError) as e:
+        raise UsageError(f"--checkpoint {args.checkpoint}: {e}") from None
+    return params
 
 
 def _table(rows) -> str:
@@ -200,11 +321,17 @@ def _table(rows) -> str:
 def demo(args) -> int:
     import jax
 
+    import jaxattn
     from jaxattn.engine import Buckets, Engine, check_outputs
     from jaxattn.engine.workload import make_workload, run_workload
 
     mesh = _use_devices(args.devices)
-    cfg, params, model_desc = _model(args)
+    if args.implementation and args.implementation not in jaxattn.available_backends():
+        raise UsageError(
+            f"--implementation {args.implementation}: not available on the "
+            f"{jax.default_backend()} backend here (python -m jaxattn info shows what was built)"
+        )
+    cfg, model_desc = _model_config(args)
     workload = make_workload(
         cfg.vocab_size,
         seed=args.seed,
@@ -214,16 +341,24 @@ def demo(args) -> int:
         few_shot=args.few_shot,
         example_tokens=args.example_tokens,
     )
-    longest = (
-        args.system_tokens
-        + max(args.example_tokens + 32, args.turns * (32 + args.max_new_tokens))
-        + args.max_new_tokens
-    )
-    if -(-longest // args.page_size) > args.num_pages:
-        raise SystemExit(
-            f"--num-pages {args.num_pages} x --page-size {args.page_size} cannot hold a "
-            f"{longest}-token conversation; raise --num-pages"
+    if not workload.num_requests:
+        raise UsageError("--chats 0 and --few-shot 0: the workload has no request")
+    longest = workload.longest_request(args.max_new_tokens)
+    if longest > cfg.max_position_embeddings:
+        raise UsageError(
+            f"the longest request of this workload reaches {longest} tokens with its answer, "
+            f"more than the model's max_position_embeddings={cfg.max_position_embeddings}; "
+            "lower --system-tokens, --example-tokens, --turns or --max-new-tokens"
         )
+    # As the engine counts: the last token drawn is never written to the pool.
+    pages = -(-(longest - 1) // args.page_size)
+    if pages > args.num_pages:
+        raise UsageError(
+            f"--num-pages {args.num_pages}: the longest request of this workload needs "
+            f"{pages} pages of --page-size {args.page_size} ({longest - 1} tokens of KV); "
+            f"raise --num-pages to at least {pages}"
+        )
+    params = _model_params(args, cfg)
     engine_kwargs = dict(
         num_pages=args.num_pages,
         page_size=args.page_size,
@@ -246,19 +381,25 @@ def demo(args) -> int:
     try:
         engine = Engine(cfg, params, **engine_kwargs)
     except ValueError as e:
-        raise SystemExit(f"engine options: {e}") from e
+        raise UsageError(f"engine options: {e}") from None
     on = f"{args.devices} {jax.default_backend()} devices" if mesh else jax.default_backend()
     print(f"jaxattn demo on {on}: {model_desc}", file=sys.stderr)
     start = time.perf_counter()
-    records = run_workload(
-        engine,
-        workload,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
+    try:
+        records = run_workload(
+            engine,
+            workload,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    except NotImplementedError as e:
+        # A backend named explicitly never falls back, and says why it cannot serve.
+        if args.implementation is None:
+            raise
+        raise UsageError(f"--implementation {args.implementation}: {e}") from None
     wall = time.perf_counter() - start
     s = engine.stats
 
@@ -340,14 +481,7 @@ def demo(args) -> int:
             seed=[r.seed for r in records],
             sample_ids=[0] * len(records),
         )
-        verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} mismatches)"
-        ties = f", {report.near_ties} near-ties" if report.near_ties else ""
-        rows.append(
-            (
-                "verify (no-cache recompute)",
-                f"{verdict}: {report.checked} tokens of {len(records)} outputs checked{ties}",
-            )
-        )
+        rows.append(("verify (no-cache recompute)", report.summary(len(records))))
     print("\n" + _table(rows))
     if args.json:
         print(json.dumps(s, indent=1, sort_keys=True))
@@ -358,11 +492,140 @@ def demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxattn",
-        description="jaxattn: paged / radix KV-cache serving in JAX.",
+def _sm(arch: str) -> tuple[int, int] | None:
+    """(major, minor) of "sm_90" / "sm_90a" / "sm_80-real"; None for anything else."""
+    digits = arch.removeprefix("sm_").split("-")[0].rstrip("af")
+    return (int(digits[:-1]), int(digits[-1])) if digits.isdigit() and len(digits) >= 2 else None
+
+
+def _cuda_fit(capability: str, archs: list[str]) -> str:
+    """How a CUDA library built for ``archs`` runs on a device of ``capability`` ("9.0")."""
+    try:
+        device = tuple(int(x) for x in capability.split("."))
+    except ValueError:
+        return ""
+    built = [a for a in map(_sm, archs) if a]
+    # Machine code runs on later minors of its major; PTX is compiled by the driver for
+    # any later device (slowly, on first load).
+    if any(a[0] == device[0] and a[1] <= device[1] for a in built):
+        return ""
+    if any(a < device for a in built):
+        return " (no machine code for it: the driver compiles the library's PTX on first load)"
+    arch = capability.replace(".", "")
+    return f" (the CUDA library holds no code for it: rebuild with JAXATTN_CUDA_ARCHS={arch})"
+
+
+def environment_info() -> dict:
+    """What ``python -m jaxattn info`` prints, as a dict (also its ``--json``)."""
+    import jax
+    import jaxlib
+    import numpy as np
+
+    import jaxattn
+    from jaxattn import native
+
+    backend = jax.default_backend()
+    devices = []
+    for d in jax.devices():
+        item = {"id": d.id, "platform": d.platform, "kind": d.device_kind}
+        capability = getattr(d, "compute_capability", None)
+        if capability:
+            item["compute_capability"] = str(capability)
+        devices.append(item)
+    libraries = native.library_info()
+    try:
+        import jax.experimental.pallas.triton  # noqa: F401
+
+        triton = "available"
+    except Exception as e:  # any import failure means the lowering cannot be used
+        triton = f"unavailable ({type(e).__name__}: {e})"
+    if backend == "cpu":
+        pallas = (
+            "interpret mode on the CPU (implementation=None does not try it there); "
+            f"Triton lowering for GPUs {triton}"
+        )
+    elif backend in ("gpu", "cuda", "rocm"):
+        pallas = f"Triton lowering {triton}"
+    else:
+        pallas = f"not for the {backend} platform"
+    return {
+        "jaxattn": jaxattn.__version__,
+        "package": str(pathlib.Path(jaxattn.__file__).parent),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
+        "backend": backend,
+        "devices": devices,
+        "default_implementations": list(jaxattn.default_implementations()),
+        "available_backends": list(jaxattn.available_backends()),
+        "pallas": pallas,
+        "native": libraries,
+    }
+
+
+def info(args) -> int:
+    env = environment_info()
+    if args.json:
+        print(json.dumps(env, indent=1))
+        return 0
+    lines = [
+        f"jaxattn {env['jaxattn']} ({env['package']})",
+        f"python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}",
+    ]
+    devices = env["devices"]
+    kinds = sorted({d["kind"] for d in devices})
+    lines.append(f"default backend: {env['backend']}, {len(devices)} device(s): {', '.join(kinds)}")
+    cuda_archs = (env["native"]["cuda"]["build"] or {}).get("architectures")
+    for d in devices:
+        if "compute_capability" in d:
+            cc = d["compute_capability"]
+            fit = _cuda_fit(cc, cuda_archs) if cuda_archs else ""
+            lines.append(f"  device {d['id']}: {d['kind']}, compute capability {cc}{fit}")
+    lines.append(
+        "attention backends: implementation=None tries "
+        f"{' -> '.join(env['default_implementations'])}; importable here: "
+        f"{', '.join(env['available_backends'])}"
     )
+    lines.append(f"pallas: {env['pallas']}")
+    lines.append("native libraries:")
+    for platform, lib in env["native"].items():
+        if lib["path"] is None:
+            why = (
+                f"not built: {lib['not_built']}"
+                if lib["not_built"]
+                else "not found (why: unknown, no build record)"
+            )
+            lines.append(f"  {platform:<5} {why}")
+            continue
+        loads = "loads" if lib["loads"] is True else f"does not load: {lib['loads']}"
+        build = lib["build"]
+        if build:
+            archs = " ".join(build.get("architectures", [])) or "unknown architectures"
+            made = f"{build.get('compiler', 'compiler unknown')}, for {archs}"
+            if build.get("hopper_prefill"):
+                made += f" (+ {build['hopper_prefill']} prefill)"
+        else:
+            made = "compiler and architectures unknown (no _build_info.json next to it)"
+        lines.append(f"  {platform:<5} {lib['path']}")
+        lines.append(f"        {loads}; {made}")
+    print("\n".join(lines))
+    return 0
+
+
+def _end_progress_line() -> None:
+    progress = sys.modules.get("jaxattn.engine.progress")
+    if progress is not None:
+        progress.end_line()
+
+
+def _run(args) -> int:
+    return info(args) if args.command == "info" else demo(args)
+
+
+def main(argv=None) -> int:
+    """Run the command line; return its exit status (2: a usage error, 130: interrupted)."""
+    parser = _Parser(prog=PROG, description="jaxattn: paged / radix KV-cache serving in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "demo",
@@ -371,12 +634,46 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_demo_args(p)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    return demo(args)
+    i = sub.add_parser(
+        "info",
+        help="versions, devices, attention backends and the native libraries built",
+        description="Print what jaxattn finds here: versions, devices, the attention backends "
+        "tried by default, and each native library (path, whether it loads, compiler and "
+        "architectures from the build record).",
+    )
+    i.add_argument("--json", action="store_true", help="print it as JSON")
+    args = None
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        return _run(args)
+    except UsageError as e:
+        _end_progress_line()
+        message = str(e)
+        if not message.startswith(PROG):
+            message = f"{PROG} {getattr(args, 'command', '')}: error: {message}"
+        print(message, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        _end_progress_line()
+        command = f" {args.command}" if getattr(args, "command", None) else ""
+        print(f"{PROG}{command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): nothing left to say, and nobody to say it to.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:
+        # Leave without tearing the interpreter down: an interrupt that landed while XLA was
+        # compiling can leave its threads mid-work, and finalising under them has crashed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

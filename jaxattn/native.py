@@ -1,8 +1,9 @@
 """Native kernels (C++ on the CPU, one CUDA/HIP source on GPUs) bound through the XLA FFI.
 
 The shared libraries are built by ``pip install`` (CMake, see ``ffi/CMakeLists.txt``):
-``libjaxattn_cpu.so`` always, ``libjaxattn_cuda.so`` when ``nvcc`` is found and
-``libjaxattn_rocm.so`` when ``hipcc`` is found. Each one is registered, on first use, for
+``libjaxattn_cpu.so`` always, ``libjaxattn_cuda.so`` when ``nvcc`` is found and an NVIDIA GPU
+is visible (or ``JAXATTN_CUDA=ON``), ``libjaxattn_rocm.so`` likewise with ``hipcc`` and an AMD
+GPU (``JAXATTN_HIP``). Each one is registered, on first use, for
 the platform that runs the computation; the ops here are thin ``jax.ffi.ffi_call``
 wrappers, so they work under ``jax.jit`` (the HLO shows a ``custom_call`` to
 ``jaxattn_*``) and under ``jax.vmap`` (one kernel call per mapped element).
@@ -31,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 import importlib.resources
+import json
 import math
 import os
 import pathlib
@@ -53,6 +55,7 @@ __all__ = [
     "decode_occupancy",
     "extend_attention",
     "is_available",
+    "library_info",
     "library_path",
     "paged_attention",
     "prefix_prefill",
@@ -91,7 +94,8 @@ _MIN_PARTITION = 128
 
 _BUILD_HINT = (
     "build it from the repository root with `pip install -e .` (CMake >= 3.20 and a C++17 "
-    "compiler; nvcc adds the CUDA library, hipcc the ROCm one), or point "
+    "compiler; nvcc with a visible GPU, or JAXATTN_CUDA=ON, adds the CUDA library, hipcc "
+    "likewise the ROCm one), or point "
     "$JAXATTN_NATIVE_LIB_DIR at a directory that holds it"
 )
 
@@ -133,6 +137,52 @@ def library_path(platform: str) -> str | None:
     except (ModuleNotFoundError, TypeError, NotADirectoryError, AttributeError):
         pass
     return None
+
+
+BUILD_INFO = "_build_info.json"
+
+
+def _build_record(directory: pathlib.Path) -> dict | None:
+    try:
+        record = json.loads((directory / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def library_info() -> dict[str, dict]:
+    """Per platform ("cpu", "cuda", "rocm"): ``path`` of its library (None: not found),
+    ``loads`` (True, or why not; None when not found), ``build``: its entry in the
+    ``_build_info.json`` that the build writes next to the libraries (compiler,
+    architectures; None without a record), and ``not_built``: for a missing library, the
+    reason the build that made the others gave for leaving it out (None if unknown).
+    Nothing is registered with XLA."""
+    out = {}
+    for platform, name in _LIBRARIES.items():
+        path = library_path(platform)
+        entry = {"path": path, "loads": None, "build": None, "not_built": None}
+        if path is not None:
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                entry["loads"] = str(e)
+            else:
+                suffix = _HANDLER_SUFFIX[platform]
+                missing = [s + suffix for s in _TARGETS.values() if not hasattr(lib, s + suffix)]
+                entry["loads"] = f"{name} lacks {missing}" if missing else True
+            record = _build_record(pathlib.Path(path).parent)
+            if record is not None:
+                entry["build"] = record.get("libraries", {}).get(platform)
+        out[platform] = entry
+    for platform, entry in out.items():
+        if entry["path"] is not None:
+            continue
+        for other in out.values():
+            record = other["path"] and _build_record(pathlib.Path(other["path"]).parent)
+            if record:
+                entry["not_built"] = record.get("not_built", {}).get(platform)
+                break
+    return out
 
 
 def _register(platform: str) -> str | None:

@@ -166,6 +166,15 @@ class Engine:
                 f"prompts[{i}] must hold token ids in [0, {self.cfg.vocab_size}), got "
                 f"{list(prompt)[:16]}"
             )
+        # As vLLM's max_model_len: the prompt and every token drawn must fit the positions the
+        # model was built for (RoPE beyond them is extrapolation nobody asked for).
+        limit = self.cfg.max_position_embeddings
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompts[{i}] ({len(prompt)} tokens) with max_new_tokens={max_new_tokens} "
+                f"needs {len(prompt) + max_new_tokens} positions, more than the model's "
+                f"max_position_embeddings={limit}"
+            )
         need = self.scheduler.pages_for(len(prompt) + max_new_tokens - 1)
         if need > self.num_pages:
             raise ValueError(

@@ -5,7 +5,20 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["ProgressBar"]
+__all__ = ["ProgressBar", "end_line"]
+
+# Streams on which a bar was drawn and not yet closed: the cursor is at the end of its line.
+_open: set[int] = set()
+
+
+def end_line(stream=None) -> None:
+    """Move to a new line if a bar is drawn on ``stream`` (default stderr), so that a message
+    printed while it runs (an interrupt, an error) starts a line of its own."""
+    stream = stream if stream is not None else sys.stderr
+    if id(stream) in _open:
+        _open.discard(id(stream))
+        stream.write("\n")
+        stream.flush()
 
 
 class ProgressBar:
@@ -34,11 +47,13 @@ class ProgressBar:
         self._width = len(line)
         self.stream.write("\r" + line + " " * pad)
         self.stream.flush()
+        _open.add(id(self.stream))
 
     def close(self, done: int | None = None, **info) -> None:
         if not self.enabled:
             return
         if done is not None:
             self.update(done, force=True, **info)
+        _open.discard(id(self.stream))
         self.stream.write("\n")
         self.stream.flush()

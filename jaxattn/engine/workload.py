@@ -33,6 +33,17 @@ class Workload:
     def num_requests(self) -> int:
         return len(self.questions) + sum(len(c) for c in self.chats)
 
+    def longest_request(self, max_new_tokens: int) -> int:
+        """The most tokens one request can reach, its answer included: the last turn of a
+        chat whose earlier answers all ran to ``max_new_tokens`` (0 without requests)."""
+        shots = [len(self.system) + len(self.examples) + len(q) for q in self.questions]
+        turns = [
+            len(self.system) + sum(len(m) for m in msgs) + (len(msgs) - 1) * max_new_tokens
+            for msgs in self.chats
+            if msgs
+        ]
+        return max(shots + turns, default=-max_new_tokens) + max_new_tokens
+
 
 @dataclasses.dataclass
 class Record:
