@@ -1,39 +1,29 @@
-"""A radix tree over KV slots for cross-request prefix reuse (SGLang RadixAttention).
+"""The radix tree in Python: the spec of :class:`~jaxattn.radix.RadixCache`.
 
-Each edge holds a run of token ids (``key``) and the pool slots holding their KV
-(``value``), both numpy arrays; the concatenated values along a root-to-node path are the
-KV slots of that token prefix. A request matches its prompt against the tree, locks the
-matched node (``inc_lock_ref`` pins the whole path), computes only the rest, and inserts
-its tokens when done, handing its new slots over to the tree. When the pool runs dry,
-``evict`` frees unlocked leaves, least recently used first, shrinking the tree from the
-leaves inwards: an internal node is never evicted under its children.
+numpy only. The C++ tree (``native_tree.py``) must return what this one returns; the
+module docstring of ``radix_cache.py`` states the semantics both keep.
 
-Invariants (checked by :meth:`RadixCache.check_invariants`):
-
-* every slot is held by at most one node, and every held slot is allocated in the pool;
-* a node's ``lock_ref`` is at least the sum of its children's (locks pin whole paths);
-* ``evictable_size`` / ``protected_size`` count the slots of unlocked / locked nodes;
-* with ``page_size > 1`` every edge length is a multiple of ``page_size``.
-
-Different ``namespace`` keys (a LoRA adapter id, a per-tenant cache salt) get separate
-trees, so equal tokens under different namespaces never share KV.
+Eviction keeps its candidates incrementally: every unlocked leaf has one live entry in a
+binary heap (``_heap``), tagged with a stamp that the node also holds. Touching, locking,
+unlocking or giving a child to a leaf re-stamps or clears the node, which makes its old
+entry stale; stale entries are skipped when they reach the top and dropped in bulk once they
+outnumber live ones. ``evict`` therefore pops only the k leaves it frees (O(k log n)) instead
+of heapifying every leaf on each call.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import numbers
 from collections.abc import Hashable
-from typing import NamedTuple
 
 import numpy as np
 
+from jaxattn.radix.radix_cache import MatchResult, RadixCache, as_tokens
 from jaxattn.radix.token_pool import TokenPool, as_slots, last_occurrences
 
-__all__ = ["MatchResult", "RadixCache", "TreeNode"]
+__all__ = ["PythonRadixCache", "TreeNode"]
 
-_EVICTION_POLICIES = ("lru", "lfu")
 _cache_ids = itertools.count()
 
 
@@ -54,6 +44,7 @@ class TreeNode:
         "hit_count",
         "id",
         "alive",
+        "_stamp",
         "_cache_id",
         "_namespace",
     )
@@ -70,6 +61,7 @@ class TreeNode:
         self.hit_count = 0
         self.id = next(TreeNode._ids)
         self.alive = True
+        self._stamp = 0  # its live heap entry while it is an evictable leaf, else 0
         self._cache_id = cache_id
         self._namespace: Hashable = None
 
@@ -84,66 +76,20 @@ class TreeNode:
         )
 
 
-class MatchResult(NamedTuple):
-    """``indices``: i32[length] slots of the matched prefix; ``node``: where it ends."""
+class PythonRadixCache(RadixCache):
+    """The spec: :class:`~jaxattn.radix.RadixCache` in Python (``impl="python"``)."""
 
-    indices: np.ndarray
-    node: TreeNode
-    length: int
+    impl = "python"
 
-
-def _as_tokens(name: str, tokens: object) -> np.ndarray:
-    arr = np.asarray(tokens)
-    if arr.size == 0:
-        return np.zeros((0,), np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-class RadixCache:
-    """Prefix cache over the slots of ``pool``.
-
-    Args:
-      pool: the :class:`TokenPool` whose slots the tree holds; evicted slots go back to it.
-      page_size: match and insert whole pages only. Keys are cut to a multiple of
-        ``page_size`` (the partial last page of a request is never cached: it stays with
-        the caller) and edges split only at page boundaries, so a node's slots are whole
-        pages and can be freed without touching another node's KV. The pool's own
-        ``page_size`` must be 1 or equal to this one.
-      eviction: ``"lru"`` (least recently matched first) or ``"lfu"`` (fewest hits first,
-        ties broken by recency).
-
-    Typical request life::
-
-        m = cache.match_prefix(prompt)            # m.indices: KV already computed
-        cache.inc_lock_ref(m.node)                # pin it while the request runs
-        new = pool.alloc(len(prompt) - m.length)  # (evict first if this returns None)
-        ... prefill prompt[m.length:] into `new`, decode ...
-        n = cache.insert(tokens, np.concatenate([m.indices, new_and_decoded]))
-        pool.free(own_slots[m.length:n])          # cached meanwhile by another request
-        cache.dec_lock_ref(m.node)
-    """
-
-    def __init__(self, pool: TokenPool, *, page_size: int = 1, eviction: str = "lru"):
-        if not isinstance(pool, TokenPool):
-            raise TypeError(f"pool must be a TokenPool, got {type(pool).__name__}")
-        if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
-            raise TypeError(f"page_size must be an int, got {page_size!r}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if pool.page_size not in (1, page_size):
-            raise ValueError(
-                f"pool.page_size={pool.page_size} must be 1 or equal to {page_size=}: "
-                "freeing a node must free whole pages that no other node uses"
-            )
-        if eviction not in _EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {_EVICTION_POLICIES}, got {eviction!r}")
-        self.pool = pool
-        self.page_size = int(page_size)
-        self.eviction = eviction
+    def __init__(
+        self,
+        pool: TokenPool,
+        *,
+        page_size: int = 1,
+        eviction: str = "lru",
+        impl: str | None = None,
+    ):
+        super().__init__(pool, page_size=page_size, eviction=eviction, impl=impl)
         self._id = next(_cache_ids)
         self._init_tree()
 
@@ -154,6 +100,8 @@ class RadixCache:
         self._owned = np.zeros(self.pool.num_slots, dtype=bool)
         self._scratch = np.empty(self.pool.num_slots, dtype=np.int64)
         self._evictable_leaves: set[TreeNode] = set()
+        self._heap: list[tuple[tuple, int, TreeNode]] = []  # (priority, stamp, node)
+        self._stamps = itertools.count(1)
         self._evictable_size = 0
         self._protected_size = 0
         self._num_nodes = 0
@@ -175,10 +123,6 @@ class RadixCache:
     def protected_size(self) -> int:
         """Cached tokens pinned by a lock."""
         return self._protected_size
-
-    @property
-    def total_size(self) -> int:
-        return self._evictable_size + self._protected_size
 
     @property
     def num_nodes(self) -> int:
@@ -227,7 +171,7 @@ class RadixCache:
 
     def prefix_len(self, tokens: object, *, namespace: Hashable = None) -> int:
         """Length of the cached prefix of ``tokens``; changes nothing (for scheduling)."""
-        key = self._aligned(_as_tokens("tokens", tokens))
+        key = self._aligned(as_tokens("tokens", tokens))
         root = self._roots.get(namespace)
         if root is None:
             return 0
@@ -241,7 +185,7 @@ class RadixCache:
         ends exactly at the match and can be locked on its own. Every node on the path
         counts as accessed (recency for LRU, a hit for LFU).
         """
-        key = self._aligned(_as_tokens("tokens", tokens))
+        key = self._aligned(as_tokens("tokens", tokens))
         root = self._roots.get(namespace)
         if root is None:
             return MatchResult(np.zeros((0,), np.int32), self._root, 0)
@@ -265,7 +209,7 @@ class RadixCache:
         still owns, and must eventually free, every other slot of ``indices`` that it
         allocated itself.
         """
-        key = _as_tokens("tokens", tokens)
+        key = as_tokens("tokens", tokens)
         vals = as_slots("indices", indices)
         if len(vals) != len(key):
             raise ValueError(f"indices has {len(vals)} slots for {len(key)} tokens")
@@ -295,8 +239,7 @@ class RadixCache:
             self._num_nodes += 1
             self._owned[new_vals] = True
             self._evictable_size += len(new_vals)
-            self._evictable_leaves.discard(parent)
-            self._evictable_leaves.add(leaf)
+            self._update_candidate(parent)  # no longer a leaf
             path.append(leaf)
         self._touch(path)
         return cached
@@ -315,13 +258,18 @@ class RadixCache:
             raise ValueError("indices contains slots that are free in the pool")
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut ``child``'s edge after ``m`` tokens; return the new upper node."""
+        """Cut ``child``'s edge after ``m`` tokens; return the new upper node.
+
+        Both halves get their own arrays: views would keep the whole original edge alive
+        for as long as either half lives (16x the memory of a short half of a long edge).
+        The lower part keeps its access time and hits: see the module's recency rule.
+        """
         parent = child.parent
-        upper = TreeNode(child.key[:m], child.value[:m], parent, self._id)
+        upper = TreeNode(child.key[:m].copy(), child.value[:m].copy(), parent, self._id)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
-        child.key, child.value = child.key[m:], child.value[m:]
+        child.key, child.value = child.key[m:].copy(), child.value[m:].copy()
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper
@@ -333,6 +281,25 @@ class RadixCache:
         for node in path:
             node.last_access = self._clock
             node.hit_count += 1
+        # Only the path's end can be a leaf; its priority changed, so its entry is renewed.
+        if not path[-1].is_root:
+            self._update_candidate(path[-1])
+
+    def _update_candidate(self, node: TreeNode) -> None:
+        """Bring ``node``'s heap entry in line with its state: a fresh one (its priority may
+        have changed) when it is an unlocked leaf, none otherwise."""
+        if node.lock_ref or node.children or node.is_root:
+            if node._stamp:
+                node._stamp = 0
+                self._evictable_leaves.discard(node)
+            return
+        node._stamp = next(self._stamps)
+        self._evictable_leaves.add(node)
+        heapq.heappush(self._heap, (self._priority(node), node._stamp, node))
+        # Stale entries are garbage; once they outnumber live ones, rebuild (amortized O(1)).
+        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
+            self._heap = [e for e in self._heap if e[2]._stamp == e[1]]
+            heapq.heapify(self._heap)
 
     # -- locks -----------------------------------------------------------------------------
 
@@ -357,8 +324,10 @@ class RadixCache:
                 self._evictable_size -= n
                 self._protected_size += n
                 delta += n
-                self._evictable_leaves.discard(node)
-            node.lock_ref += 1
+                node.lock_ref = 1
+                self._update_candidate(node)
+            else:
+                node.lock_ref += 1
             node = node.parent
         return delta
 
@@ -379,7 +348,7 @@ class RadixCache:
                 self._protected_size -= n
                 delta -= n
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._update_candidate(node)
             node = node.parent
         return delta
 
@@ -397,18 +366,26 @@ class RadixCache:
         its last child is gone and it is unlocked. Whole nodes are freed, so the result may
         exceed ``num_tokens``; it is smaller only when nothing evictable is left.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
-            raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        heap = [(self._priority(n), n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
-        # Plan first, free after: a failure in the pool then leaves the tree untouched.
+        self._check_evict_arg(num_tokens)
+        heap = self._heap
+        # Plan first, free after: a failure in the pool then leaves the tree untouched (the
+        # popped entries go back). Parents exposed by the plan wait in their own heap.
         plan: list[TreeNode] = []
+        popped: list[tuple] = []
+        exposed: list[tuple] = []
         children_left: dict[TreeNode, int] = {}
         evicted = 0
-        while evicted < num_tokens and heap:
-            _, node = heapq.heappop(heap)
+        while evicted < num_tokens:
+            while heap and heap[0][2]._stamp != heap[0][1]:
+                heapq.heappop(heap)  # stale
+            if heap and (not exposed or heap[0][0] < exposed[0][0]):
+                entry = heapq.heappop(heap)
+                popped.append(entry)
+            elif exposed:
+                entry = heapq.heappop(exposed)
+            else:
+                break
+            node = entry[2]
             plan.append(node)
             evicted += len(node.value)
             parent = node.parent
@@ -417,17 +394,23 @@ class RadixCache:
             left = children_left.get(parent, len(parent.children)) - 1
             children_left[parent] = left
             if left == 0 and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent))
+                heapq.heappush(exposed, (self._priority(parent), 0, parent))
         if not plan:
             return 0
         slots = np.concatenate([n.value for n in plan])
-        self.pool.free(slots)
+        try:
+            self.pool.free(slots)
+        except BaseException:
+            for entry in popped:
+                heapq.heappush(heap, entry)
+            raise
         self._owned[slots] = False
         self._evictable_size -= evicted
         self._num_nodes -= len(plan)
         for node in plan:
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
+            node._stamp = 0
             self._evictable_leaves.discard(node)
             node.alive = False
             if parent.is_root:
@@ -435,19 +418,17 @@ class RadixCache:
                     del self._roots[parent._namespace]
                     parent.alive = False
             elif not parent.children and parent.lock_ref == 0:
-                self._evictable_leaves.add(parent)
+                self._update_candidate(parent)
         return evicted
 
     def reset(self) -> None:
         """Drop every cached prefix and free its slots; refused while any node is locked."""
-        if self._protected_size:
-            raise RuntimeError(
-                f"cannot reset: {self._protected_size} cached tokens are locked by requests"
-            )
+        self._check_reset()
         slots = np.flatnonzero(self._owned)
         self.pool.free(slots)
         for node in self._iter_nodes():
             node.alive = False
+            node._stamp = 0
         self._init_tree()
 
     # -- inspection ------------------------------------------------------------------------
@@ -509,3 +490,9 @@ class RadixCache:
         assert np.array_equal(owned, self._owned), "slot ownership mask out of date"
         assert self.pool.is_allocated(np.flatnonzero(owned)).all(), "tree holds a free slot"
         assert leaves == self._evictable_leaves, "evictable leaf set out of date"
+        live = {e[1]: e for e in self._heap if e[2]._stamp == e[1]}
+        assert len(live) == len(leaves), "an evictable leaf has no live heap entry"
+        for node in leaves:
+            entry = live.get(node._stamp)
+            assert entry is not None and entry[2] is node, "heap entry lost"
+            assert entry[0] == self._priority(node), "heap entry priority stale"
