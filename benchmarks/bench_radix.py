@@ -407,43 +407,56 @@ def ops_rows(trace, page, times, extra):
 # --- eviction scaling -----------------------------------------------------------------
 
 
-def grown_sequences(rng, target_nodes, impl):
-    """Sequences whose insertion grows a tree of ``target_nodes`` nodes from shared
-    prefixes: 64 system prompts, then short branches off earlier sequences, so that leaves
-    are many (the shape behind slow evictions in a scheduler)."""
-    tree = Jaxattn(impl, 64 * 256 + 24 * target_nodes, 1)
-    seqs = [rng.integers(0, VOCAB, 256) for _ in range(64)]
-    for s in seqs:
-        tree.insert(s, tree.pool.alloc(len(s)))
-    while tree.num_nodes() < target_nodes:
-        base = seqs[rng.integers(len(seqs))]
-        seq = np.concatenate(
-            [base[: rng.integers(1, len(base) + 1)], rng.integers(0, VOCAB, rng.integers(4, 17))]
-        )
+def grown_sequences(seed):
+    """Endless sequences that grow a tree from shared prefixes: 64 system prompts, then
+    short branches off earlier sequences, so that leaves are many (the shape behind slow
+    evictions in a scheduler). Each inserts at most 16 new tokens. The same seed gives the
+    same sequences; only a bounded sample of earlier ones is kept, so a 1M-node tree needs
+    no list of its sequences."""
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, VOCAB, 256) for _ in range(64)]
+    yield from bases
+    while True:
+        base = bases[rng.integers(len(bases))]
+        tail = rng.integers(0, VOCAB, rng.integers(4, 17))
+        seq = np.concatenate([base[: rng.integers(1, len(base) + 1)], tail])
+        if len(bases) < 8192:
+            bases.append(seq)
+        else:
+            bases[rng.integers(len(bases))] = seq
+        yield seq
+
+
+def build(tree, sequences, count=None, target_nodes=None):
+    """Insert sequences until ``count`` of them or ``target_nodes`` nodes; return count."""
+    n = 0
+    for seq in sequences:
+        if n == count or (target_nodes is not None and tree.num_nodes() >= target_nodes):
+            break
         slots = tree.pool.alloc(len(seq))
-        tree.pool.free(slots[: tree.insert(seq, slots)])
-        seqs.append(seq)
-    return seqs
+        tree.pool.free(slots[: tree.insert(tree.key(seq), slots)])
+        n += 1
+    return n
 
 
 def evict_scaling(impls, sglang_mod, sizes, slow_limit, calls, seed):
     rows = []
     for size in sizes:
-        seqs = grown_sequences(np.random.default_rng(seed), size, impls[-1])
-        num_slots = sum(len(s) for s in seqs)
-        for name in [*impls, *(["sglang"] if sglang_mod else [])]:
+        num_slots = 64 * 256 + 16 * size
+        count = None
+        names = sorted(impls, key=lambda i: i != "native") + (["sglang"] if sglang_mod else [])
+        for name in names:
             if name != "native" and size > slow_limit:
                 continue
-            tree = (
-                SGLang(sglang_mod, num_slots, 1)
-                if name == "sglang"
-                else Jaxattn(name, num_slots, 1)
-            )
+            if name == "sglang":
+                tree = SGLang(sglang_mod, num_slots, 1)
+            else:
+                tree = Jaxattn(name, num_slots, 1)
             t0 = time.perf_counter()
-            for seq in seqs:
-                key = tree.key(seq)
-                slots = tree.pool.alloc(len(seq))
-                tree.pool.free(slots[: tree.insert(key, slots)])
+            if count is None:  # the first tree finds how many sequences reach `size` nodes
+                count = build(tree, grown_sequences(seed), target_nodes=size)
+            else:
+                build(tree, grown_sequences(seed), count=count)
             built = time.perf_counter() - t0
             nodes, tokens = tree.num_nodes(), tree.cached_tokens()
             gc.collect()

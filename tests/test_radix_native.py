@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+from array import array
 
 import numpy as np
 import pytest
@@ -252,6 +253,30 @@ def test_stale_handles_and_wrong_caches():
         cache.inc_lock_ref(NativeRadixCache(TokenPool(8)).match_prefix([1]).node)
     with pytest.raises(ValueError, match="int32"):
         cache.insert([1 << 40], pool.alloc(1))
+
+
+def test_token_containers():
+    """Every container the spec takes gives the spec's answer."""
+    spec, nat = PythonRadixCache(TokenPool(64)), NativeRadixCache(TokenPool(64))
+    base = np.arange(40, dtype=np.int64)
+    for cache in (spec, nat):
+        cache.insert(base[::2], cache.pool.alloc(20))  # strided: not a contiguous buffer
+    for tokens in (
+        base[::2],
+        base[::2].astype(np.int32),
+        base[::2].astype(np.uint16),
+        base[::2].tolist(),
+        tuple(base[::2].tolist()),
+        array("q", base[::2].tolist()),
+        [np.int64(0), 2, 4],
+        np.zeros((0, 3), np.int64),
+    ):
+        a, b = spec.match_prefix(tokens), nat.match_prefix(tokens)
+        assert a.length == b.length and a.indices.tolist() == b.indices.tolist(), tokens
+    for bad, exc in (([True, False], TypeError), ([[1]], ValueError), ([1.5], TypeError)):
+        for cache in (spec, nat):
+            with pytest.raises(exc, match="tokens"):
+                cache.prefix_len(bad)
 
 
 def test_pool_refusal_leaves_the_tree_unchanged():

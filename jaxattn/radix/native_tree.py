@@ -73,6 +73,10 @@ def require() -> None:
         raise RuntimeError(f"the native radix tree is not available: {LOAD_ERROR}")
 
 
+def _tokens(tokens: object) -> np.ndarray:
+    return np.ascontiguousarray(as_tokens("tokens", tokens))
+
+
 class NativeNode:
     """A handle on a node of a :class:`NativeRadixCache`: (cache, index, generation).
 
@@ -215,9 +219,9 @@ class NativeRadixCache(RadixCache):
         return self._tree.memory_bytes()
 
     # -- lookup and insertion --------------------------------------------------------------
-    # The C++ side reads int64 buffers in place and converts int32 buffers and lists of
-    # ints; anything else raises TypeError there, and the spec's own conversion (with its
-    # error messages) runs before a second try.
+    # The C++ side reads contiguous int64 buffers in place and converts int32 buffers and
+    # lists of ints; anything else raises TypeError there, and the spec's own conversion
+    # (with its error messages) runs before a second try.
 
     def prefix_len(self, tokens: object, *, namespace: Hashable = None) -> int:
         """Length of the cached prefix of ``tokens``; changes nothing (for scheduling)."""
@@ -225,7 +229,7 @@ class NativeRadixCache(RadixCache):
         try:
             return self._tree.prefix_len(ns, tokens)
         except TypeError:
-            return self._tree.prefix_len(ns, as_tokens("tokens", tokens))
+            return self._tree.prefix_len(ns, _tokens(tokens))
 
     def match_prefix(self, tokens: object, *, namespace: Hashable = None) -> MatchResult:
         """Slots of the longest cached prefix of ``tokens`` (see ``PythonRadixCache``)."""
@@ -233,8 +237,7 @@ class NativeRadixCache(RadixCache):
         try:
             indices, idx, gen, length = self._tree.match_prefix(ns, tokens)
         except TypeError:
-            tokens = as_tokens("tokens", tokens)
-            indices, idx, gen, length = self._tree.match_prefix(ns, tokens)
+            indices, idx, gen, length = self._tree.match_prefix(ns, _tokens(tokens))
         # Edges are never empty, so the match ends at a root exactly when it is empty.
         return MatchResult(indices, NativeNode(self, idx, gen, length == 0), length)
 
@@ -256,8 +259,8 @@ class NativeRadixCache(RadixCache):
         try:
             return self._tree.insert(ns, tokens, indices, used, pool_page, check)
         except TypeError:
-            tokens = as_tokens("tokens", tokens)
-            indices = as_slots("indices", indices)
+            tokens = _tokens(tokens)
+            indices = np.ascontiguousarray(as_slots("indices", indices))
             return self._tree.insert(ns, tokens, indices, used, pool_page, check)
 
     # -- locks -----------------------------------------------------------------------------
