@@ -394,11 +394,11 @@ def ops_rows(trace, page, times, extra):
         for name in names:
             s = stats(times[name].get(op, []))
             row[f"{name}_us"], row[f"{name}_p90_us"] = s["median"], s["p90"]
-        if row.get("native_us") is None:
-            continue
-        if row.get("sglang_us"):
+        if all(row[f"{name}_us"] is None for name in names):
+            continue  # an op this trace does not run
+        if row.get("native_us") and row.get("sglang_us"):
             row["sglang_over_native"] = row["sglang_us"] / row["native_us"]
-        if row.get("python_us"):
+        if row.get("native_us") and row.get("python_us"):
             row["python_over_native"] = row["python_us"] / row["native_us"]
         rows.append(row)
     return rows
@@ -621,8 +621,9 @@ def main() -> None:
     cols = [("trace", "trace", ""), ("page", "page", "d"), ("op", "op", "")]
     for name in [*impls, *(["sglang"] if sglang_mod else [])]:
         cols += [(f"{name}_us", f"{name} µs", ".2f"), (f"{name}_p90_us", "p90", ".2f")]
-    cols += [("python_over_native", "python / native", ".1f")]
-    if sglang_mod:
+    if "native" in impls:
+        cols += [("python_over_native", "python / native", ".1f")]
+    if sglang_mod and "native" in impls:
         cols += [("sglang_over_native", "sglang / native", ".1f")]
     print()
     print(table(out["ops"], cols))
