@@ -182,6 +182,22 @@ def test_evicts_leaves_before_parents_and_parents_once_they_become_leaves(impl):
     cache.check_invariants()
 
 
+def test_eviction_heap_stays_bounded_and_copies_on_split():
+    """Every touch of a leaf leaves a stale heap entry behind; they are dropped in bulk, so
+    the heap stays within twice the candidates (plus a constant). Split halves own their
+    arrays, so an evicted half frees its memory."""
+    pool, cache = cache_with([[1, 2, 3, 4], [5, 6]], num_slots=64)
+    for _ in range(1000):
+        cache.match_prefix([1, 2, 3, 4])
+        cache.match_prefix([5, 6])
+    assert len(cache._heap) <= 2 * len(cache._evictable_leaves) + 64
+    m = cache.match_prefix([1, 2, 9])
+    lower = m.node.children[3]
+    assert m.node.key.base is None and lower.key.base is None
+    assert m.node.value.base is None and lower.value.base is None
+    cache.check_invariants()
+
+
 def test_locked_nodes_are_never_evicted(impl):
     pool, cache = cache_with([[1, 2, 3, 4], [1, 2, 7, 8], [9]], impl=impl)
     m = cache.match_prefix([1, 2, 3])
