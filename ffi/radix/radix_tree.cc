@@ -458,8 +458,7 @@ class Tree {
   nb::tuple node_fields(i32 node, u32 gen) const {
     check_handle(node, gen);
     const Node& nd = nodes_[node];
-    return nb::make_tuple(nd.lock_ref, nd.last_access, nd.hit_count, nd.id, nd.len,
-                          nd.kids.size());
+    return nb::make_tuple(nd.lock_ref, nd.last_access, nd.hit_count, nd.id, nd.len, nd.kids.size());
   }
 
   Array1<i64> node_key(i32 node, u32 gen) const {
@@ -551,8 +550,8 @@ class Tree {
     std::vector<uint8_t> owned(owned_.size(), 0);
     std::unordered_map<u64, Priority> live;  // stamp -> priority of heap entries
     for (const Entry& e : heap_) {
-      if (e.node >= 0 && static_cast<size_t>(e.node) < nodes_.size() &&
-          nodes_[e.node].alive && nodes_[e.node].stamp == e.stamp) {
+      if (e.node >= 0 && static_cast<size_t>(e.node) < nodes_.size() && nodes_[e.node].alive &&
+          nodes_[e.node].stamp == e.stamp) {
         live.emplace(e.stamp, e.prio);
       }
     }
@@ -864,7 +863,8 @@ class Tree {
     i64 num_slots = static_cast<i64>(owned_.size());
     for (i64 i = 0; i < n; ++i) {
       if (s[i] < 0 || s[i] >= num_slots) {
-        throw nb::value_error(("indices must lie in [0, " + std::to_string(num_slots) + ")").c_str());
+        throw nb::value_error(
+            ("indices must lie in [0, " + std::to_string(num_slots) + ")").c_str());
       }
     }
     // Mark with a second bit of the ownership mask, cleared on every way out.
@@ -888,7 +888,8 @@ class Tree {
         held += (shown++ ? ", " : "") + std::to_string(s[j]);
       }
     }
-    if (shown) throw nb::value_error(("indices [" + held + "] are already held by the cache").c_str());
+    if (shown)
+      throw nb::value_error(("indices [" + held + "] are already held by the cache").c_str());
     bool allocated = true;
     if (!used_pages.is_none()) {
       Py_buffer v{};
