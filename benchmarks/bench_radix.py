@@ -1,280 +1,662 @@
-"""Host cost of the radix prefix cache: microseconds per ``match_prefix`` / ``insert``.
+"""Host cost of the radix prefix cache: the Python spec, the C++ tree and SGLang's tree.
 
-Two parts:
+Three parts, each run for page sizes 1 and 16:
 
-* **grid**: prompt length (128 ... 32k tokens) x tree size (10 ... 100k nodes). The bulk of
-  the tree is chat-like: sequences under 16 shared system prompts, half of them continuing
-  an earlier sequence by 32 tokens. A probe document of 32768 tokens is added with a
-  16-token branch every 1024 tokens (64 more nodes), so a match of ``L`` probe tokens walks
-  ``L / 1024 + 1`` nodes whatever the tree size; timing it shows the cost of the length
-  (vectorized comparison along edges) and of the tree size (child lookups) separately.
-  ``match_hit``: the cached prefix ``doc[:L]``; ``match_miss``: ``L`` fresh tokens;
-  ``insert_ext``: ``doc[:L]`` + 16 new tokens (one new leaf at depth ``L / 1024 + 1``);
-  ``insert_new``: ``L`` fresh tokens (one new leaf of ``L`` tokens under the root).
-* **traces**: a shared-system-prompt workload and a multi-turn chat workload run through
-  the full request cycle (match, lock, allocate with eviction, insert, unlock), timing every
-  call.
+* **ops**: per-call medians and p90s of ``match_prefix``, ``insert``, ``inc_lock_ref`` and
+  ``dec_lock_ref`` on two traces, with every implementation fed the same calls in turn
+  (request i goes to each in a rotating order, so machine noise falls on all alike) and
+  the matched and cached lengths asserted equal across them:
 
-Every figure is the median over single calls timed with ``perf_counter_ns``.
+  - ``chat``: interleaved multi-turn conversations behind one long shared system prompt,
+    each request a full cycle (match, lock, allocate, insert prompt + reply, unlock);
+  - ``random``: a random tree grown to ``--random-nodes`` nodes by inserting a random
+    prefix of an earlier sequence plus a random tail (the inserts are timed as it grows),
+    then matched with random prefixes of its sequences.
 
-    python benchmarks/bench_radix.py --json benchmarks/results/radix.json
+* **evict**: ``evict`` on trees of 10k, 100k and 1M nodes grown from shared prefixes:
+  the cost of calls that free one leaf, and per leaf of one call that frees 1% of the
+  tokens. With candidates kept incrementally the cost per freed leaf stays flat as the
+  tree grows; a tree that rebuilds a heap over every leaf per call grows linearly.
+
+* **memory**: bytes per node, the resident-set growth of a fresh process while it builds
+  the random tree, divided by its node count (one process per implementation).
+
+SGLang's ``RadixCache`` comes from its published wheel, unpacked outside this repository;
+``--sglang-dir`` names the folder that holds ``sglang/srt/mem_cache/`` with
+``radix_cache.py``, ``base_prefix_cache.py``, ``evict_policy.py``, ``cache_init_params.py``
+and ``unified_cache/component_type.py`` (the modules those import are replaced by small
+stand-ins below). Its tensors are numpy arrays behind a ``torch`` stand-in, which makes
+each of its slicing and copying calls cheaper than torch's, so its times here are a lower
+bound. Its ``match_prefix`` does not gather the slots of the match (``path_device_indices``
+does, untimed here); jaxattn's does. Without ``--sglang-dir`` its columns stay empty.
+
+    python benchmarks/bench_radix.py --sglang-dir DIR --json benchmarks/results/radix.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+import types
+from array import array
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, table, write_json  # noqa: E402
-
-from jaxattn.radix import RadixCache, TokenPool  # noqa: E402
+from jaxattn.radix import RadixCache, TokenPool, native_tree  # noqa: E402
 
 VOCAB = 32000
-DOC_LEN = 32768
-BRANCH_EVERY = 1024
+
+# --- SGLang's tree behind stand-ins for its imports ------------------------------------
 
 
-def timed(fn, *args, **kwargs):
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+class _Tensor(np.ndarray):
+    """What SGLang's tree calls on its value tensors."""
+
+    def clone(self):
+        return self.copy()
+
+    def to(self, dtype=None, copy=False):
+        return self.astype(dtype or self.dtype, copy=copy)
+
+
+def load_sglang(folder: Path):
+    """Import SGLang's ``radix_cache`` from ``folder`` with stand-ins for what it imports."""
+    src = folder / "sglang" / "srt" / "mem_cache"
+    if not (src / "radix_cache.py").is_file():
+        raise SystemExit(f"--sglang-dir: {src / 'radix_cache.py'} not found")
+
+    def as_tensor(x, dtype=np.int64, device=None):
+        return np.asarray(x, dtype=dtype).view(_Tensor)
+
+    torch = _module(
+        "torch",
+        Tensor=_Tensor,
+        int64=np.int64,
+        int32=np.int32,
+        iinfo=np.iinfo,
+        device=lambda d="cpu": str(d),
+        tensor=as_tensor,
+        empty=lambda shape, dtype=np.int64, device=None: np.empty(shape, dtype).view(_Tensor),
+        cat=lambda xs: np.concatenate(xs).view(_Tensor),
+    )
+    torch.distributed = _module("torch.distributed", ProcessGroup=object)
+    for pkg in ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.utils"):
+        _module(pkg, __path__=[])
+    sys.modules["sglang.srt.mem_cache"].__path__ = [str(src)]
+    _module("sglang.srt.mem_cache.unified_cache", __path__=[str(src / "unified_cache")])
+
+    class EventRecorder:  # KV events are off in SGLang by default: every record is a no-op
+        def __init__(self, **kwargs):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    _module(
+        "sglang.srt.mem_cache.events",
+        KVCacheEventRecorder=EventRecorder,
+        KvEventLoraNames=dict,
+        LoRANameTable=dict,
+    )
+    _module("sglang.srt.mem_cache.allocator", BaseTokenToKVPoolAllocator=object)
+    _module("sglang.srt.mem_cache.memory_pool", ReqToTokenPool=object)
+    _module(
+        "sglang.srt.observability.metrics_collector",
+        STAT_LOGGER_ROLE_RADIX_CACHE="radix",
+        RadixCacheMetricsCollector=object,
+        radix_cache_metric_labels=lambda *a, **k: {},
+        resolve_collector_class=lambda *a, **k: object,
+    )
+    _module("sglang.srt.observability", __path__=[])
+    _module("sglang.srt.runtime_context", get_observability=None, get_parallel=None)
+    _module("sglang.srt.utils.common", ceil_align=lambda x, y: -(-x // y) * y)
+    policy = importlib.import_module("sglang.srt.mem_cache.evict_policy")
+    strategies = {"lru": policy.LRUStrategy, "lfu": policy.LFUStrategy}
+
+    def split_hashes(hashes, split_len, page_size):
+        if hashes is None:
+            return None, None
+        k = split_len // page_size
+        return hashes[:k], hashes[k:]
+
+    _module(
+        "sglang.srt.mem_cache.utils",
+        get_eviction_strategy=lambda name, config=None: strategies[name](),
+        split_node_hash_value=split_hashes,
+    )
+    return importlib.import_module("sglang.srt.mem_cache.radix_cache")
+
+
+# --- one interface over the three trees -----------------------------------------------
+
+
+class Jaxattn:
+    def __init__(self, impl: str, num_slots: int, page: int, eviction: str = "lru"):
+        self.name = impl
+        self.pool = TokenPool(num_slots, page_size=page)
+        self.cache = RadixCache(self.pool, page_size=page, eviction=eviction, impl=impl)
+
+    def key(self, tokens: np.ndarray):
+        return tokens
+
+    def match(self, key):
+        m = self.cache.match_prefix(key)
+        return m.length, m.node, m.indices
+
+    def insert(self, key, slots):
+        return self.cache.insert(key, slots)
+
+    def lock(self, node):
+        self.cache.inc_lock_ref(node)
+
+    def unlock(self, node):
+        self.cache.dec_lock_ref(node)
+
+    def evict(self, n):
+        return self.cache.evict(n)
+
+    def evict_nodes(self, n):
+        """``evict(n)``; returns the number of nodes it freed (untimed bookkeeping aside)."""
+        before = self.cache.num_nodes
+        self.cache.evict(n)
+        return before - self.cache.num_nodes
+
+    def num_nodes(self):
+        return self.cache.num_nodes
+
+    def cached_tokens(self):
+        return self.cache.total_size
+
+
+class SGLang:
+    name = "sglang"
+
+    def __init__(self, mod, num_slots: int, page: int):
+        self.mod = mod
+        self.pool = TokenPool(num_slots, page_size=page)
+        self.freed_nodes = 0
+        pool, outer = self.pool, self
+
+        class Allocator:  # SGLang's tree frees each evicted node's slots through this
+            device = "cpu"
+
+            def free_segment(self, value, start_pos=0):
+                outer.freed_nodes += 1
+                pool.free(value)
+
+        self.cache = mod.RadixCache.create_simulated(mock_allocator=Allocator(), page_size=page)
+        base = sys.modules["sglang.srt.mem_cache.base_prefix_cache"]
+        self.MatchPrefixParams = base.MatchPrefixParams
+        self.InsertParams = base.InsertParams
+        self.EvictParams = base.EvictParams
+
+    def key(self, tokens: np.ndarray):
+        return array("q", tokens.tolist())
+
+    def match(self, key):
+        r = self.cache.match_prefix(self.MatchPrefixParams(key=self.mod.RadixKey(key)))
+        return r.device_prefix_len, r.last_device_node, None
+
+    def gather(self, node, length):
+        """The slots of a match (SGLang's match_prefix leaves this to a second call)."""
+        if length == 0:
+            return np.zeros((0,), np.int32)
+        return np.asarray(self.cache.path_device_indices(node), np.int32)
+
+    def insert(self, key, slots):
+        value = slots.astype(np.int64).view(_Tensor)
+        return self.cache.insert(
+            self.InsertParams(key=self.mod.RadixKey(key), value=value)
+        ).prefix_len
+
+    def lock(self, node):
+        self.cache.inc_lock_ref(node)
+
+    def unlock(self, node):
+        self.cache.dec_lock_ref(node)
+
+    def evict(self, n):
+        return self.cache.evict(self.EvictParams(num_tokens=n)).num_tokens_evicted
+
+    def evict_nodes(self, n):
+        before = self.freed_nodes
+        self.evict(n)
+        return self.freed_nodes - before
+
+    def cached_tokens(self):
+        return self.cache.total_size()
+
+    def num_nodes(self):
+        """O(nodes): SGLang's tree keeps no count."""
+        count, stack = 0, [self.cache.root_node]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count - 1
+
+
+def make_trees(impls, sglang_mod, num_slots, page):
+    trees = [Jaxattn(i, num_slots, page) for i in impls]
+    if sglang_mod is not None:
+        trees.append(SGLang(sglang_mod, num_slots, page))
+    return trees
+
+
+def timed(fn, *args):
     t0 = time.perf_counter_ns()
-    out = fn(*args, **kwargs)
+    out = fn(*args)
     return out, (time.perf_counter_ns() - t0) / 1e3
 
 
-def median(xs) -> float | None:
-    return float(statistics.median(xs)) if xs else None  # None: valid JSON, "-" in tables
+def stats(xs) -> dict:
+    if not xs:
+        return dict(median=None, p90=None, n=0)
+    return dict(median=float(statistics.median(xs)), p90=float(np.percentile(xs, 90)), n=len(xs))
 
 
-def cache_tokens(cache: RadixCache, pool: TokenPool, tokens: np.ndarray) -> tuple[int, float]:
-    """One request's cache cycle without a model: match, allocate the rest, insert."""
-    m = cache.match_prefix(tokens)
-    need = len(tokens) - m.length
-    if pool.available < need:
-        cache.evict(need - pool.available)
-    new = pool.alloc(need)
-    n, t = timed(cache.insert, tokens, np.concatenate([m.indices, new]))
-    pool.free(new[: n - m.length])
-    return n, t
+# --- traces ---------------------------------------------------------------------------
 
 
-# --- grid ----------------------------------------------------------------------------
-
-
-def build_tree(num_nodes: int, spare: int, rng) -> tuple[RadixCache, TokenPool, list]:
-    # Room for the tree and `spare` more slots, so that timing never has to evict.
-    pool = TokenPool(2 * DOC_LEN + 64 * num_nodes + spare)
-    cache = RadixCache(pool)
-    systems = [rng.integers(0, VOCAB, 256) for _ in range(16)]
-    recent: list[np.ndarray] = []
-    k = 0
-    while cache.num_nodes < num_nodes:
-        if recent and rng.random() < 0.5:
-            base = recent[rng.integers(len(recent))]
-        else:
-            base = systems[k % 16]
-        tokens = np.concatenate([base, rng.integers(0, VOCAB, 32)])
-        cache_tokens(cache, pool, tokens)
-        if len(tokens) < 2048:  # keep chains, and this list, bounded
-            if len(recent) < 4096:
-                recent.append(tokens)
-            else:
-                recent[rng.integers(len(recent))] = tokens
-        k += 1
-    docs = [rng.integers(0, VOCAB, DOC_LEN)]
-    for doc in docs:
-        cache_tokens(cache, pool, doc)
-        for at in range(BRANCH_EVERY // 2, DOC_LEN, BRANCH_EVERY):
-            cache_tokens(cache, pool, np.concatenate([doc[:at], rng.integers(0, VOCAB, 16)]))
-    return cache, pool, docs
-
-
-def grid(tree_sizes, lengths, reps, rng) -> list[dict]:
-    rows = []
-    for num_nodes in tree_sizes:
-        t0 = time.perf_counter()
-        cache, pool, docs = build_tree(num_nodes, reps * (sum(lengths) + 16 * len(lengths)), rng)
-        built = time.perf_counter() - t0
-        actual = cache.num_nodes
-        print(f"  tree of {actual} nodes built in {built:.1f} s", flush=True)
-        for length in lengths:
-            res = dict(match_hit=[], match_miss=[], insert_ext=[], insert_new=[])
-            for i in range(reps):
-                doc = docs[i % len(docs)]
-                m, t = timed(cache.match_prefix, doc[:length])
-                assert m.length == length
-                res["match_hit"].append(t)
-                # Ids above the vocabulary with a unique first token: never cached before.
-                fresh = rng.integers(VOCAB, 2 * VOCAB, length)
-                fresh[0] = 2 * VOCAB + len(rows) * reps + i
-                m0, t = timed(cache.match_prefix, fresh)
-                assert m0.length == 0
-                res["match_miss"].append(t)
-                tail = rng.integers(VOCAB, 2 * VOCAB, 16)
-                tail[0] = fresh[0]
-                new = pool.alloc(16)
-                n, t = timed(
-                    cache.insert,
-                    np.concatenate([doc[:length], tail]),
-                    np.concatenate([m.indices, new]),
-                )
-                assert n == length
-                res["insert_ext"].append(t)
-                slots = pool.alloc(length)
-                n, t = timed(cache.insert, fresh, slots)
-                assert n == 0
-                res["insert_new"].append(t)
-            rows.append(
-                dict(
-                    tree_nodes=actual,
-                    prompt_len=length,
-                    path_nodes=length // BRANCH_EVERY + 1,
-                    **{f"{k}_us": median(v) for k, v in res.items()},
-                )
-            )
-        cache.check_invariants()
-    return rows
-
-
-# --- traces --------------------------------------------------------------------------
-
-
-def run_requests(name, requests, pool_slots) -> dict:
-    """Serve ``requests`` (prompt, output) token arrays through the cache cycle."""
-    pool = TokenPool(pool_slots)
-    cache = RadixCache(pool)
-    t_match, t_insert, t_evict = [], [], []
-    hit = total = 0
-    for prompt, output in requests:
-        m, t = timed(cache.match_prefix, prompt)
-        t_match.append(t)
-        hit += m.length
-        total += len(prompt)
-        cache.inc_lock_ref(m.node)
-        full = np.concatenate([prompt, output])
-        need = len(full) - m.length
-        if pool.available < need:
-            _, t = timed(cache.evict, need - pool.available)
-            t_evict.append(t)
-        new = pool.alloc(need)
-        if new is None:
-            raise RuntimeError(f"{name}: pool of {pool_slots} slots too small for a request")
-        n, t = timed(cache.insert, full, np.concatenate([m.indices, new]))
-        t_insert.append(t)
-        pool.free(new[: n - m.length])  # slots of tokens cached meanwhile (none here)
-        cache.dec_lock_ref(m.node)
-    cache.check_invariants()
-    return dict(
-        trace=name,
-        requests=len(requests),
-        mean_prompt=float(np.mean([len(p) for p, _ in requests])),
-        hit_rate=hit / total,
-        final_nodes=cache.num_nodes,
-        match_us=median(t_match),
-        match_p90_us=float(np.percentile(t_match, 90)),
-        insert_us=median(t_insert),
-        insert_p90_us=float(np.percentile(t_insert, 90)),
-        evictions=len(t_evict),
-        evict_us=median(t_evict),
-    )
-
-
-def system_prompt_trace(rng, num_requests, num_systems=4, system_len=2048):
-    systems = [rng.integers(0, VOCAB, system_len) for _ in range(num_systems)]
-    out = []
-    for _ in range(num_requests):
-        question = rng.integers(0, VOCAB, int(rng.lognormal(np.log(128), 0.6)) + 1)
-        answer = rng.integers(0, VOCAB, int(rng.lognormal(np.log(200), 0.6)) + 1)
-        out.append((np.concatenate([systems[rng.integers(num_systems)], question]), answer))
-    return out
-
-
-def chat_trace(rng, num_conversations, turns):
-    """Interleaved conversations; turn t's prompt is the whole history plus a new message."""
-    system = rng.integers(0, VOCAB, 512)
-    histories = [system.copy() for _ in range(num_conversations)]
-    schedule = np.repeat(np.arange(num_conversations), turns)
+def chat_trace(rng, conversations, turns, system_len):
+    """Interleaved conversations; turn t's prompt is the whole history plus a message."""
+    system = rng.integers(0, VOCAB, system_len)
+    histories = [system.copy() for _ in range(conversations)]
+    schedule = np.repeat(np.arange(conversations), turns)
     rng.shuffle(schedule)
     out = []
     for c in schedule:
         user = rng.integers(0, VOCAB, int(rng.lognormal(np.log(100), 0.6)) + 1)
         reply = rng.integers(0, VOCAB, int(rng.lognormal(np.log(250), 0.6)) + 1)
         prompt = np.concatenate([histories[c], user])
-        out.append((prompt, reply))
-        histories[c] = np.concatenate([prompt, reply])
+        out.append((prompt, np.concatenate([prompt, reply])))
+        histories[c] = out[-1][1]
     return out
+
+
+def next_sequence(rng, seqs, *, tail=(16, 96), max_len=4096):
+    """A random prefix of an earlier sequence (or nothing) plus a random tail."""
+    base = np.zeros((0,), np.int64)
+    if seqs and rng.random() < 0.95:
+        base = seqs[rng.integers(len(seqs))]
+        base = base[: rng.integers(0, len(base) + 1)][:max_len]
+    return np.concatenate([base, rng.integers(0, VOCAB, rng.integers(*tail))])
+
+
+def serve(tree, prompt, full, times):
+    """One request's cache cycle; returns (matched, cached before the insert)."""
+    page = tree.pool.page_size
+    prompt_key, full_key = tree.key(prompt), tree.key(full)
+    (length, node, indices), t = timed(tree.match, prompt_key)
+    times["match_prefix"].append(t)
+    if indices is None:
+        indices, t_gather = timed(tree.gather, node, length)
+        t += t_gather
+    times["match_prefix+slots"].append(t)
+    _, t = timed(tree.lock, node)
+    times["inc_lock_ref"].append(t)
+    need = len(full) - length
+    if tree.pool.available < need:
+        _, t = timed(tree.evict, need - tree.pool.available)
+        times["evict"].append(t)
+    new = tree.pool.alloc(need)
+    if new is None:
+        raise RuntimeError(f"{tree.name}: pool too small for one request")
+    n, t = timed(tree.insert, full_key, np.concatenate([indices, new]))
+    times["insert"].append(t)
+    aligned = len(full) - len(full) % page
+    tree.pool.free(new[: n - length])  # cached meanwhile by another request
+    tree.pool.free(new[aligned - length :])  # the partial last page stays with its owner
+    _, t = timed(tree.unlock, node)
+    times["dec_lock_ref"].append(t)
+    return length, n
+
+
+def run_chat(trees, requests):
+    times = {t.name: {k: [] for k in OPS} for t in trees}
+    hits = total = 0
+    for i, (prompt, full) in enumerate(requests):
+        results = set()
+        order = trees[i % len(trees) :] + trees[: i % len(trees)]
+        for tree in order:
+            results.add(serve(tree, prompt, full, times[tree.name]))
+        assert len(results) == 1, f"request {i}: trees disagree {results}"
+        hits += next(iter(results))[0]
+        total += len(prompt)
+    return times, hits / total, trees[0].num_nodes()
+
+
+def run_random(trees, rng, target_nodes, queries):
+    times = {t.name: {"insert": [], "match_prefix": [], "match_prefix+slots": []} for t in trees}
+    seqs = []
+    i = 0
+    while trees[0].num_nodes() < target_nodes:
+        seq = next_sequence(rng, seqs)
+        seqs.append(seq)
+        results = set()
+        order = trees[i % len(trees) :] + trees[: i % len(trees)]
+        for tree in order:
+            key = tree.key(seq)
+            slots = tree.pool.alloc(len(seq))
+            n, t = timed(tree.insert, key, slots)
+            times[tree.name]["insert"].append(t)
+            aligned = len(seq) - len(seq) % tree.pool.page_size
+            tree.pool.free(slots[:n])
+            tree.pool.free(slots[aligned:])
+            results.add(n)
+        assert len(results) == 1, f"insert {i}: trees disagree {results}"
+        i += 1
+    nodes = trees[0].num_nodes()
+    for q in range(queries):
+        seq = seqs[rng.integers(len(seqs))]
+        probe = np.concatenate([seq[: rng.integers(1, len(seq) + 1)], [VOCAB + q]])
+        results = set()
+        order = trees[q % len(trees) :] + trees[: q % len(trees)]
+        for tree in order:
+            (length, node, indices), t = timed(tree.match, tree.key(probe))
+            times[tree.name]["match_prefix"].append(t)
+            if indices is None:
+                _, t_gather = timed(tree.gather, node, length)
+                t += t_gather
+            times[tree.name]["match_prefix+slots"].append(t)
+            results.add(length)
+        assert len(results) == 1, f"query {q}: trees disagree {results}"
+    return times, nodes
+
+
+# match_prefix+slots: the match and the slots of the matched prefix, which jaxattn's
+# match_prefix returns and SGLang's needs a second call for (path_device_indices).
+OPS = ("match_prefix", "match_prefix+slots", "insert", "inc_lock_ref", "dec_lock_ref", "evict")
+
+
+def ops_rows(trace, page, times, extra):
+    rows = []
+    names = list(times)
+    for op in OPS:
+        row = dict(trace=trace, page=page, op=op, **extra)
+        for name in names:
+            s = stats(times[name].get(op, []))
+            row[f"{name}_us"], row[f"{name}_p90_us"] = s["median"], s["p90"]
+        if all(row[f"{name}_us"] is None for name in names):
+            continue  # an op this trace does not run
+        if row.get("native_us") and row.get("sglang_us"):
+            row["sglang_over_native"] = row["sglang_us"] / row["native_us"]
+        if row.get("native_us") and row.get("python_us"):
+            row["python_over_native"] = row["python_us"] / row["native_us"]
+        rows.append(row)
+    return rows
+
+
+# --- eviction scaling -----------------------------------------------------------------
+
+
+def grown_sequences(seed):
+    """Endless sequences that grow a tree from shared prefixes: 64 system prompts, then
+    short branches off earlier sequences, so that leaves are many (the shape behind slow
+    evictions in a scheduler). Each inserts at most 16 new tokens. The same seed gives the
+    same sequences; only a bounded sample of earlier ones is kept, so a 1M-node tree needs
+    no list of its sequences."""
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, VOCAB, 256) for _ in range(64)]
+    yield from bases
+    while True:
+        base = bases[rng.integers(len(bases))]
+        tail = rng.integers(0, VOCAB, rng.integers(4, 17))
+        seq = np.concatenate([base[: rng.integers(1, len(base) + 1)], tail])
+        if len(bases) < 8192:
+            bases.append(seq)
+        else:
+            bases[rng.integers(len(bases))] = seq
+        yield seq
+
+
+def build(tree, sequences, count=None, target_nodes=None):
+    """Insert sequences until ``count`` of them or ``target_nodes`` nodes; return count."""
+    n = 0
+    for seq in sequences:
+        if n == count or (target_nodes is not None and tree.num_nodes() >= target_nodes):
+            break
+        slots = tree.pool.alloc(len(seq))
+        tree.pool.free(slots[: tree.insert(tree.key(seq), slots)])
+        n += 1
+    return n
+
+
+def evict_scaling(impls, sglang_mod, sizes, slow_limit, calls, seed):
+    rows = []
+    for size in sizes:
+        num_slots = 64 * 256 + 16 * size
+        count = None
+        names = sorted(impls, key=lambda i: i != "native") + (["sglang"] if sglang_mod else [])
+        for name in names:
+            if name != "native" and size > slow_limit:
+                continue
+            if name == "sglang":
+                tree = SGLang(sglang_mod, num_slots, 1)
+            else:
+                tree = Jaxattn(name, num_slots, 1)
+            t0 = time.perf_counter()
+            if count is None:  # the first tree finds how many sequences reach `size` nodes
+                count = build(tree, grown_sequences(seed), target_nodes=size)
+            else:
+                build(tree, grown_sequences(seed), count=count)
+            built = time.perf_counter() - t0
+            nodes, tokens = tree.num_nodes(), tree.cached_tokens()
+            gc.collect()
+            per_call, per_leaf = [], []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                freed = tree.evict_nodes(1)
+                t = (time.perf_counter_ns() - t0) / 1e3
+                per_call.append(t)
+                per_leaf.append(t / max(1, freed))
+            t0 = time.perf_counter_ns()
+            leaves_big = tree.evict_nodes(tokens // 100)
+            t_big = (time.perf_counter_ns() - t0) / 1e3
+            rows.append(
+                dict(
+                    impl=name,
+                    nodes=nodes,
+                    build_s=built,
+                    evict_one_us=stats(per_call)["median"],
+                    evict_one_p90_us=stats(per_call)["p90"],
+                    per_leaf_us=stats(per_leaf)["median"],
+                    evict_1pct_leaves=leaves_big,
+                    evict_1pct_ms=t_big / 1e3,
+                    evict_1pct_per_leaf_us=t_big / max(1, leaves_big),
+                )
+            )
+            print(
+                f"  evict {name:7s} {nodes:8d} nodes (built in {built:5.1f} s): "
+                f"{rows[-1]['evict_one_us']:8.1f} µs / call of one leaf, "
+                f"{rows[-1]['evict_1pct_per_leaf_us']:6.2f} µs / leaf freeing 1%",
+                flush=True,
+            )
+            del tree
+            gc.collect()
+    return rows
+
+
+# --- memory ---------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(impl, page, num_seqs, seed, sglang_dir):
+    """Runs in its own process: the growth of its resident set while a tree is built."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(num_seqs):
+        seqs.append(next_sequence(rng, seqs))
+    num_slots = sum(len(s) for s in seqs) + page
+    num_slots -= num_slots % page
+    mod = load_sglang(Path(sglang_dir)) if impl == "sglang" else None
+    tree = SGLang(mod, num_slots, page) if mod else Jaxattn(impl, num_slots, page)
+    keys = [tree.key(s) for s in seqs]
+    # Arrays sized by the pool (its free list, the trees' slot masks) are filled lazily by
+    # the kernel; one sequence over every slot, evicted again, faults them all in first, so
+    # the growth below is the nodes' alone.
+    warm = np.arange(VOCAB, VOCAB + num_slots)
+    tree.insert(tree.key(warm), tree.pool.alloc(num_slots))
+    tree.evict(num_slots)
+    assert tree.cached_tokens() == 0 and tree.pool.available == num_slots
+    gc.collect()
+    before = rss_bytes()
+    for seq, key in zip(seqs, keys, strict=True):
+        slots = tree.pool.alloc(len(seq))
+        n = tree.insert(key, slots)
+        tree.pool.free(slots[:n])
+        tree.pool.free(slots[len(seq) - len(seq) % page :])
+    gc.collect()
+    grown = rss_bytes() - before
+    info = dict(impl=impl, page=page, nodes=tree.num_nodes(), tokens=tree.cached_tokens())
+    if impl == "native":  # the C++ tree's own count of its structures, for comparison
+        info["self_reported_bytes"] = tree.cache.memory_bytes()
+    print(json.dumps(dict(**info, bytes=grown)))
+
+
+def memory(impls, sglang_dir, pages, num_seqs, seed):
+    rows = []
+    for page in pages:
+        for impl in [*impls, *(["sglang"] if sglang_dir else [])]:
+            cmd = [sys.executable, __file__, "--memory-child", impl, str(page), str(num_seqs)]
+            cmd += ["--seed", str(seed)] + (["--sglang-dir", str(sglang_dir)] if sglang_dir else [])
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            r["bytes_per_node"] = r["bytes"] / r["nodes"]
+            r["bytes_per_token"] = r["bytes"] / r["tokens"]
+            if "self_reported_bytes" in r:
+                r["self_reported_per_node"] = r["self_reported_bytes"] / r["nodes"]
+            rows.append(r)
+            print(
+                f"  memory {impl:7s} page {page:2d}: {r['bytes_per_node']:.0f} B/node", flush=True
+            )
+    return rows
+
+
+# --- main -----------------------------------------------------------------------------
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree-sizes", default="10,100,1000,10000,100000")
-    p.add_argument("--lengths", default="128,512,2048,8192,32768")
-    p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--sglang-dir", type=Path, default=None, help="unpacked SGLang wheel")
+    p.add_argument("--pages", default="1,16")
+    p.add_argument("--conversations", type=int, default=100)
     p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=4096)
+    p.add_argument("--random-nodes", type=int, default=100_000)
+    p.add_argument("--queries", type=int, default=2000)
+    p.add_argument("--evict-sizes", default="10000,100000,1000000")
+    p.add_argument("--evict-calls", type=int, default=200)
+    p.add_argument(
+        "--slow-limit", type=int, default=100_000, help="largest tree for the Python trees"
+    )
+    p.add_argument(
+        "--memory-seqs", type=int, default=60_000, help="sequences inserted (~100k nodes)"
+    )
+    p.add_argument("--parts", default="ops,evict,memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    rng = np.random.default_rng(args.seed)
+    if args.memory_child:
+        impl, page, num_seqs = args.memory_child
+        memory_child(impl, int(page), int(num_seqs), args.seed, args.sglang_dir)
+        return
 
-    grid_rows = grid(
-        [int(x) for x in args.tree_sizes.split(",")],
-        [int(x) for x in args.lengths.split(",")],
-        args.reps,
-        rng,
-    )
-    sys_trace = system_prompt_trace(rng, args.requests)
-    chat = chat_trace(rng, args.conversations, args.turns)
-    trace_rows = [
-        # A pool that holds ~1/4 of the distinct tokens, so eviction runs too.
-        run_requests("system-prompt", sys_trace, 4 * 2048 + 150_000),
-        run_requests("multi-turn-chat", chat, 1_000_000),
-        run_requests("multi-turn-chat-small-pool", chat, 150_000),
-    ]
+    from common import environment, table, write_json
 
+    impls = ["python", *(["native"] if native_tree.is_available() else [])]
+    if "native" not in impls:
+        print(f"native tree not available: {native_tree.LOAD_ERROR}")
+    sglang_mod = load_sglang(args.sglang_dir) if args.sglang_dir else None
+    pages = [int(x) for x in args.pages.split(",")]
+    parts = set(args.parts.split(","))
+    out = dict(env=environment(), args=vars(args), ops=[], evict=[], memory=[])
+
+    if "ops" in parts:
+        for page in pages:
+            rng = np.random.default_rng(args.seed)
+            requests = chat_trace(rng, args.conversations, args.turns, args.system_len)
+            slots = 2 * sum(len(f) for _, f in requests) + 64 * page
+            trees = make_trees(impls, sglang_mod, slots - slots % page, page)
+            times, hit, nodes = run_chat(trees, requests)
+            print(f"  chat page {page}: {len(requests)} requests, hit {hit:.1%}, {nodes} nodes")
+            extra = dict(requests=len(requests), hit_rate=hit, nodes=nodes)
+            out["ops"] += ops_rows("chat", page, times, extra)
+            trees = make_trees(impls, sglang_mod, 40_000_000 - 40_000_000 % page, page)
+            times, nodes = run_random(trees, rng, args.random_nodes, args.queries)
+            print(f"  random page {page}: {nodes} nodes")
+            out["ops"] += ops_rows("random", page, times, dict(nodes=nodes))
+            del trees
+            gc.collect()
+    if "evict" in parts:
+        sizes = [int(x) for x in args.evict_sizes.split(",")]
+        out["evict"] = evict_scaling(
+            impls, sglang_mod, sizes, args.slow_limit, args.evict_calls, args.seed
+        )
+    if "memory" in parts:
+        out["memory"] = memory(impls, args.sglang_dir, pages, args.memory_seqs, args.seed)
+
+    cols = [("trace", "trace", ""), ("page", "page", "d"), ("op", "op", "")]
+    for name in [*impls, *(["sglang"] if sglang_mod else [])]:
+        cols += [(f"{name}_us", f"{name} µs", ".2f"), (f"{name}_p90_us", "p90", ".2f")]
+    if "native" in impls:
+        cols += [("python_over_native", "python / native", ".1f")]
+    if sglang_mod and "native" in impls:
+        cols += [("sglang_over_native", "sglang / native", ".1f")]
+    print()
+    print(table(out["ops"], cols))
     print()
     print(
         table(
-            grid_rows,
+            out["evict"],
             [
-                ("tree_nodes", "tree nodes", "d"),
-                ("prompt_len", "prompt len", "d"),
-                ("path_nodes", "path nodes", "d"),
-                ("match_hit_us", "match hit µs", ".1f"),
-                ("match_miss_us", "match miss µs", ".1f"),
-                ("insert_ext_us", "insert +16 µs", ".1f"),
-                ("insert_new_us", "insert new µs", ".1f"),
+                ("impl", "impl", ""),
+                ("nodes", "nodes", "d"),
+                ("evict_one_us", "evict 1 leaf µs", ".1f"),
+                ("evict_one_p90_us", "p90", ".1f"),
+                ("evict_1pct_leaves", "1% of tokens: leaves", "d"),
+                ("evict_1pct_ms", "ms", ".2f"),
+                ("evict_1pct_per_leaf_us", "µs / leaf", ".2f"),
             ],
         )
     )
     print()
     print(
         table(
-            trace_rows,
+            out["memory"],
             [
-                ("trace", "trace", ""),
-                ("requests", "requests", "d"),
-                ("mean_prompt", "mean prompt", ".0f"),
-                ("hit_rate", "prefix hit", ".1%"),
-                ("final_nodes", "nodes", "d"),
-                ("match_us", "match µs", ".1f"),
-                ("match_p90_us", "match p90", ".1f"),
-                ("insert_us", "insert µs", ".1f"),
-                ("insert_p90_us", "insert p90", ".1f"),
-                ("evictions", "evictions", "d"),
-                ("evict_us", "evict µs", ".1f"),
+                ("impl", "impl", ""),
+                ("page", "page", "d"),
+                ("nodes", "nodes", "d"),
+                ("bytes_per_node", "B / node", ".0f"),
+                ("bytes_per_token", "B / cached token", ".1f"),
+                ("self_reported_per_node", "C++ self-count B / node", ".0f"),
             ],
         )
     )
-    write_json(
-        args.json, dict(env=environment(), args=vars(args), grid=grid_rows, traces=trace_rows)
-    )
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,36 @@
-"""jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX."""
+"""jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX.
 
-from . import backend, env, kv, layout, ops, paging, radix, reference
-from .backend import checked
-from .kv import copy_blocks, write_kv
-from .ops import (
-    BACKENDS,
-    available_backends,
-    default_implementations,
-    extend_attention,
-    merge_states,
-    paged_attention,
-    prefix_prefill,
-)
+
+Names are resolved on first use (PEP 562), so the host structures (``jaxattn.radix``,
+``jaxattn.paging.BlockManager``) import with numpy alone: a scheduler process that only
+manages memory never pays for importing jax.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+# Public name -> (module, attribute or None for the module itself).
+_LAZY = {
+    "backend": ("jaxattn.backend", None),
+    "env": ("jaxattn.env", None),
+    "kv": ("jaxattn.kv", None),
+    "ops": ("jaxattn.ops", None),
+    "layout": ("jaxattn.layout", None),
+    "paging": ("jaxattn.paging", None),
+    "radix": ("jaxattn.radix", None),
+    "reference": ("jaxattn.reference", None),
+    "copy_blocks": ("jaxattn.kv", "copy_blocks"),
+    "write_kv": ("jaxattn.kv", "write_kv"),
+    "checked": ("jaxattn.backend", "checked"),
+    "BACKENDS": ("jaxattn.ops", "BACKENDS"),
+    "available_backends": ("jaxattn.ops", "available_backends"),
+    "default_implementations": ("jaxattn.ops", "default_implementations"),
+    "extend_attention": ("jaxattn.ops", "extend_attention"),
+    "merge_states": ("jaxattn.ops", "merge_states"),
+    "paged_attention": ("jaxattn.ops", "paged_attention"),
+    "prefix_prefill": ("jaxattn.ops", "prefix_prefill"),
+}
 
 __all__ = [
     "BACKENDS",
@@ -35,3 +52,23 @@ __all__ = [
     "reference",
     "write_kv",
 ]
+
+
+def __getattr__(name: str):
+    # Any submodule resolves too (``jaxattn.ops``, ``jaxattn.native``...), as it did when
+    # this package imported them eagerly.
+    module, attr = _LAZY.get(name, (f"jaxattn.{name}", None))
+    try:
+        value = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise AttributeError(f"module 'jaxattn' has no attribute {name!r}") from None
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -1,7 +1,12 @@
 """TokenPool / RadixCache: unit cases and a stateful property test against a token-level
-model (a dict from every cached prefix to the slot of its last token)."""
+model (a dict from every cached prefix to the slot of its last token), run on both
+implementations (the Python spec and the C++ tree)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import hypothesis.strategies as st
 import numpy as np
@@ -9,7 +14,44 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxattn.radix import RadixCache, TokenPool
+from jaxattn.radix import RadixCache, TokenPool, default_impl, native_tree
+
+NATIVE = native_tree.is_available()
+if not NATIVE and os.environ.get("JAXATTN_REQUIRE_NATIVE") == "1":
+    raise RuntimeError(f"JAXATTN_REQUIRE_NATIVE=1 but {native_tree.LOAD_ERROR}")
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native radix tree is not built")
+IMPLS = ["python", pytest.param("native", marks=needs_native)]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+def test_host_structures_import_without_jax():
+    code = (
+        "import sys; import jaxattn.radix; from jaxattn.paging import BlockManager; "
+        "import jaxattn; jaxattn.radix.RadixCache(jaxattn.radix.TokenPool(8)); "
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lazy_public_names_still_resolve():
+    import jaxattn
+
+    for name in jaxattn.__all__:
+        assert getattr(jaxattn, name) is not None, name
+    assert jaxattn.paging.PageTable is not None and jaxattn.ops is not None
+
+
+def test_default_impl_is_visible():
+    cache = RadixCache(TokenPool(8))
+    assert cache.impl == default_impl() == ("native" if NATIVE else "python")
+    assert RadixCache(TokenPool(8), impl="python").impl == "python"
+    with pytest.raises(ValueError, match="impl"):
+        RadixCache(TokenPool(8), impl="rust")
+
 
 # --- TokenPool -----------------------------------------------------------------------
 
@@ -65,9 +107,9 @@ def test_token_pool_pages():
 # --- RadixCache unit cases -----------------------------------------------------------
 
 
-def cache_with(tokens_list, *, num_slots=64, page_size=1, **kw):
+def cache_with(tokens_list, *, num_slots=64, page_size=1, impl="python", **kw):
     pool = TokenPool(num_slots, page_size=page_size)
-    cache = RadixCache(pool, page_size=page_size, **kw)
+    cache = RadixCache(pool, page_size=page_size, impl=impl, **kw)
     for tokens in tokens_list:
         slots = pool.alloc(len(tokens))
         n = cache.insert(tokens, slots)
@@ -76,10 +118,10 @@ def cache_with(tokens_list, *, num_slots=64, page_size=1, **kw):
     return pool, cache
 
 
-def test_split_inside_an_edge():
+def test_split_inside_an_edge(impl):
     """Design notes part 2.2: "ABCDEF" cached, "ABCXYZ" arrives."""
     A, B, C, D, E, F, X, Y, Z = range(1, 10)
-    pool, cache = cache_with([[A, B, C, D, E, F]])
+    pool, cache = cache_with([[A, B, C, D, E, F]], impl=impl)
     assert cache.num_nodes == 1
     full = cache.match_prefix([A, B, C, D, E, F]).indices
     m = cache.match_prefix([A, B, C, X, Y, Z])
@@ -94,8 +136,8 @@ def test_split_inside_an_edge():
     cache.check_invariants()
 
 
-def test_insert_returns_already_cached_length_and_caller_frees_duplicates():
-    pool, cache = cache_with([[1, 2, 3, 4]])
+def test_insert_returns_already_cached_length_and_caller_frees_duplicates(impl):
+    pool, cache = cache_with([[1, 2, 3, 4]], impl=impl)
     mine = pool.alloc(6)
     n = cache.insert([1, 2, 3, 4, 5, 6], mine)
     assert n == 4
@@ -108,16 +150,16 @@ def test_insert_returns_already_cached_length_and_caller_frees_duplicates():
     cache.check_invariants()
 
 
-def test_match_refreshes_recency_for_lru():
-    pool, cache = cache_with([[1, 1, 1], [2, 2, 2]])
+def test_match_refreshes_recency_for_lru(impl):
+    pool, cache = cache_with([[1, 1, 1], [2, 2, 2]], impl=impl)
     cache.match_prefix([1, 1, 1])  # [2,2,2] is now the least recently used
     assert cache.evict(1) == 3
     assert cache.prefix_len([2, 2, 2]) == 0 and cache.prefix_len([1, 1, 1]) == 3
 
 
-def test_lfu_evicts_fewest_hits_first():
+def test_lfu_evicts_fewest_hits_first(impl):
     for policy, survivor in [("lru", [1, 1]), ("lfu", [2, 2])]:
-        pool, cache = cache_with([[1, 1], [2, 2]], eviction=policy)
+        pool, cache = cache_with([[1, 1], [2, 2]], eviction=policy, impl=impl)
         for _ in range(3):
             cache.match_prefix([2, 2])
         cache.match_prefix([1, 1])  # most recent, but fewer hits
@@ -126,8 +168,8 @@ def test_lfu_evicts_fewest_hits_first():
         cache.check_invariants()
 
 
-def test_evicts_leaves_before_parents_and_parents_once_they_become_leaves():
-    pool, cache = cache_with([[1, 2, 3], [1, 2, 4], [1, 5]])
+def test_evicts_leaves_before_parents_and_parents_once_they_become_leaves(impl):
+    pool, cache = cache_with([[1, 2, 3], [1, 2, 4], [1, 5]], impl=impl)
     # Tree: [1] -> {[2] -> {[3], [4]}, [5]}; touch the shared branch so [5] is oldest.
     cache.match_prefix([1, 2, 3])
     cache.match_prefix([1, 2, 4])
@@ -140,8 +182,24 @@ def test_evicts_leaves_before_parents_and_parents_once_they_become_leaves():
     cache.check_invariants()
 
 
-def test_locked_nodes_are_never_evicted():
-    pool, cache = cache_with([[1, 2, 3, 4], [1, 2, 7, 8], [9]])
+def test_eviction_heap_stays_bounded_and_copies_on_split():
+    """Every touch of a leaf leaves a stale heap entry behind; they are dropped in bulk, so
+    the heap stays within twice the candidates (plus a constant). Split halves own their
+    arrays, so an evicted half frees its memory."""
+    pool, cache = cache_with([[1, 2, 3, 4], [5, 6]], num_slots=64)
+    for _ in range(1000):
+        cache.match_prefix([1, 2, 3, 4])
+        cache.match_prefix([5, 6])
+    assert len(cache._heap) <= 2 * len(cache._evictable_leaves) + 64
+    m = cache.match_prefix([1, 2, 9])
+    lower = m.node.children[3]
+    assert m.node.key.base is None and lower.key.base is None
+    assert m.node.value.base is None and lower.value.base is None
+    cache.check_invariants()
+
+
+def test_locked_nodes_are_never_evicted(impl):
+    pool, cache = cache_with([[1, 2, 3, 4], [1, 2, 7, 8], [9]], impl=impl)
     m = cache.match_prefix([1, 2, 3])
     assert cache.inc_lock_ref(m.node) == 3
     assert cache.protected_size == 3 and cache.evictable_size == 1 + 2 + 1
@@ -154,8 +212,8 @@ def test_locked_nodes_are_never_evicted():
     cache.check_invariants()
 
 
-def test_namespaces_never_share_kv():
-    pool, cache = cache_with([[1, 2, 3]])
+def test_namespaces_never_share_kv(impl):
+    pool, cache = cache_with([[1, 2, 3]], impl=impl)
     slots = pool.alloc(3)
     assert cache.insert([1, 2, 3], slots, namespace="lora-7") == 0
     assert cache.match_prefix([1, 2, 3], namespace="lora-7").indices.tolist() == slots.tolist()
@@ -169,8 +227,8 @@ def test_namespaces_never_share_kv():
     cache.check_invariants()
 
 
-def test_page_aligned_matching_and_insertion():
-    pool, cache = cache_with([[1, 2, 3, 4, 5]], page_size=2)
+def test_page_aligned_matching_and_insertion(impl):
+    pool, cache = cache_with([[1, 2, 3, 4, 5]], page_size=2, impl=impl)
     assert cache.total_size == 4  # the partial last page stays with the caller
     assert pool.available == 64 - 4
     assert cache.match_prefix([1, 2, 3, 4, 5]).length == 4
@@ -185,13 +243,13 @@ def test_page_aligned_matching_and_insertion():
     assert cache.total_size == 8
     cache.check_invariants()
     with pytest.raises(ValueError, match="page_size"):
-        RadixCache(TokenPool(8, page_size=4), page_size=2)
+        RadixCache(TokenPool(8, page_size=4), page_size=2, impl=impl)
 
 
-def test_long_edges():
+def test_long_edges(impl):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 32000, 32768)
-    pool, cache = cache_with([tokens], num_slots=65536)
+    pool, cache = cache_with([tokens], num_slots=65536, impl=impl)
     other = tokens.copy()
     other[-1] += 1
     assert cache.match_prefix(other).length == 32767
@@ -199,15 +257,15 @@ def test_long_edges():
     assert cache.prefix_len(other) == 12345
 
 
-def test_prefix_len_changes_nothing():
-    pool, cache = cache_with([[1, 2, 3, 4]])
+def test_prefix_len_changes_nothing(impl):
+    pool, cache = cache_with([[1, 2, 3, 4]], impl=impl)
     nodes, clock = cache.num_nodes, cache._clock
     assert cache.prefix_len([1, 2, 9]) == 2
     assert (cache.num_nodes, cache._clock) == (nodes, clock)
 
 
-def test_reset():
-    pool, cache = cache_with([[1, 2, 3], [4, 5]])
+def test_reset(impl):
+    pool, cache = cache_with([[1, 2, 3], [4, 5]], impl=impl)
     m = cache.match_prefix([1, 2])
     cache.inc_lock_ref(m.node)
     with pytest.raises(RuntimeError, match="locked"):
@@ -221,8 +279,8 @@ def test_reset():
     cache.check_invariants()
 
 
-def test_misuse_raises_and_changes_nothing():
-    pool, cache = cache_with([[1, 2, 3]])
+def test_misuse_raises_and_changes_nothing(impl):
+    pool, cache = cache_with([[1, 2, 3]], impl=impl)
     held = cache.match_prefix([1, 2, 3]).indices
     spare = pool.alloc(2)
     free_slot = int(np.flatnonzero(~pool._used)[0])
@@ -240,7 +298,7 @@ def test_misuse_raises_and_changes_nothing():
         (lambda: cache.inc_lock_ref("node"), TypeError, "node"),
         (lambda: cache.evict(-1), ValueError, "num_tokens"),
     ]
-    other_pool, other = cache_with([[1]])
+    other_pool, other = cache_with([[1]], impl=impl)
     cases.append((lambda: cache.inc_lock_ref(other.match_prefix([1]).node), ValueError, "another"))
     for fn, exc, msg in cases:
         with pytest.raises(exc, match=msg):
@@ -250,7 +308,7 @@ def test_misuse_raises_and_changes_nothing():
         assert after[:2] == before[:2], msg
         cache.check_invariants()
     with pytest.raises(ValueError, match="eviction"):
-        RadixCache(pool, eviction="fifo")
+        RadixCache(pool, eviction="fifo", impl=impl)
 
 
 # --- stateful property test ----------------------------------------------------------
@@ -268,11 +326,14 @@ class RadixMachine(RuleBasedStateMachine):
     NUM_SLOTS = 40
     PAGE = 1
     POLICY = "lru"
+    IMPL = "python"
 
     def __init__(self):
         super().__init__()
         self.pool = TokenPool(self.NUM_SLOTS, page_size=self.PAGE)
-        self.cache = RadixCache(self.pool, page_size=self.PAGE, eviction=self.POLICY)
+        self.cache = RadixCache(
+            self.pool, page_size=self.PAGE, eviction=self.POLICY, impl=self.IMPL
+        )
         self.slots: dict[tuple, tuple] = {}  # (namespace, *tokens[:k * PAGE]) -> last page
         self.lock: dict[tuple, int] = {}
         self.time: dict[tuple, int] = {}
@@ -386,14 +447,24 @@ class RadixMachine(RuleBasedStateMachine):
             assert not any(r[: len(key)] == key for r in remaining if len(r) > len(key))
         freed = [x for key in evicted for x in self.slots[key]]
         assert not self.pool.is_allocated(freed).any()
-        leaves = [
-            k
-            for k in remaining
-            if self.lock[k] == 0
-            and not any(len(r) > len(k) and r[: len(k)] == k for r in remaining)
-        ]
-        if evicted and leaves:  # eviction order: everything freed ranks before what stays
-            assert max(map(self.priority, evicted)) <= min(map(self.priority, leaves))
+        # Eviction order: the naive policy, freeing one page at a time (the unlocked page
+        # with no cached extension and the lowest priority first), frees exactly the same
+        # pages when it frees as many. Pages of one node share their priority, and distinct
+        # leaves never do (one access touches one root-to-node path), so no tie is broken
+        # differently.
+        live = set(self.slots)
+        expect = set()
+        for _ in range(got // self.PAGE):
+            leaves = [
+                k
+                for k in live
+                if self.lock[k] == 0
+                and not any(len(r) == len(k) + self.PAGE and r[: len(k)] == k for r in live)
+            ]
+            pick = min(leaves, key=lambda k: (self.priority(k), -len(k)))
+            live.discard(pick)
+            expect.add(pick)
+        assert evicted == expect, "eviction order differs from the naive policy's"
         for key in evicted:
             del self.slots[key], self.lock[key], self.time[key], self.hits[key]
 
@@ -427,6 +498,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
         assert self.cache.total_size == len(self.slots) * self.PAGE
         assert self.cache.protected_size == self.PAGE * sum(1 for c in self.lock.values() if c)
+        assert self.cache.evictable_size == self.PAGE * sum(1 for c in self.lock.values() if not c)
         assert self.pool.available + self.cache.total_size == self.NUM_SLOTS
         seen = {}
         for ns, toks, slots in self.cache.cached_sequences():
@@ -435,11 +507,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert seen == self.slots
 
 
-TestRadixLRU = RadixMachine.TestCase
-
-
-class RadixPagedLFU(RadixMachine):
-    PAGE = 2
+class RadixLFU(RadixMachine):
     POLICY = "lfu"
 
 
@@ -447,12 +515,31 @@ class RadixPagedLRU(RadixMachine):
     PAGE = 2
 
 
-class RadixLFU(RadixMachine):
+class RadixPagedLFU(RadixMachine):
+    PAGE = 2
     POLICY = "lfu"
 
 
-TestRadixPagedLFU = RadixPagedLFU.TestCase
-TestRadixPagedLRU = RadixPagedLRU.TestCase
+class NativeRadixLRU(RadixMachine):
+    IMPL = "native"
+
+
+class NativeRadixPagedLFU(RadixPagedLFU):
+    IMPL = "native"
+
+
+TestRadixLRU = RadixMachine.TestCase
 TestRadixLFU = RadixLFU.TestCase
-for _case in (TestRadixLRU, TestRadixPagedLFU, TestRadixPagedLRU, TestRadixLFU):
+TestRadixPagedLRU = RadixPagedLRU.TestCase
+TestRadixPagedLFU = RadixPagedLFU.TestCase
+TestNativeRadixLRU = needs_native(NativeRadixLRU.TestCase)
+TestNativeRadixPagedLFU = needs_native(NativeRadixPagedLFU.TestCase)
+for _case in (
+    TestRadixLRU,
+    TestRadixLFU,
+    TestRadixPagedLRU,
+    TestRadixPagedLFU,
+    TestNativeRadixLRU,
+    TestNativeRadixPagedLFU,
+):
     _case.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)

@@ -1,19 +1,38 @@
 """A radix tree over KV slots for cross-request prefix reuse (SGLang RadixAttention).
 
 Each edge holds a run of token ids (``key``) and the pool slots holding their KV
-(``value``), both numpy arrays; the concatenated values along a root-to-node path are the
-KV slots of that token prefix. A request matches its prompt against the tree, locks the
-matched node (``inc_lock_ref`` pins the whole path), computes only the rest, and inserts
-its tokens when done, handing its new slots over to the tree. When the pool runs dry,
-``evict`` frees unlocked leaves, least recently used first, shrinking the tree from the
-leaves inwards: an internal node is never evicted under its children.
+(``value``); the concatenated values along a root-to-node path are the KV slots of that
+token prefix. A request matches its prompt against the tree, locks the matched node
+(``inc_lock_ref`` pins the whole path), computes only the rest, and inserts its tokens when
+done, handing its new slots over to the tree. When the pool runs dry, ``evict`` frees
+unlocked leaves, least recently used first, shrinking the tree from the leaves inwards: an
+internal node is never evicted under its children.
 
-Invariants (checked by :meth:`RadixCache.check_invariants`):
+Two implementations keep one behaviour, result for result and eviction for eviction:
+
+* ``"python"`` (:class:`~jaxattn.radix.python_tree.PythonRadixCache`): the spec, numpy
+  only, short enough to read in one sitting;
+* ``"native"`` (:class:`~jaxattn.radix.native_tree.NativeRadixCache`): the same tree in C++
+  (the ``_radix_tree`` extension module), several times faster per call; a differential
+  fuzz test runs random operation scripts through both and compares every result.
+
+``RadixCache(pool, ...)`` builds ``impl=`` (``None``: :func:`default_impl`, the native tree
+when its module is built, else the spec); ``cache.impl`` says which one it got.
+
+Recency is exact per token. Every node on a matched or inserted path counts as accessed
+(recency for LRU, a hit for LFU), and nothing else does: when a match ends inside an edge,
+the edge is split and only its matched upper part is refreshed, while the split-off lower
+part keeps its old access time and hit count, because no request used those tokens.
+(SGLang's tree also stamps the lower part, since it updates a child's time before it splits
+it; here the tail of a long answer that nobody re-reads ages out first.)
+
+Invariants (checked by ``check_invariants``):
 
 * every slot is held by at most one node, and every held slot is allocated in the pool;
 * a node's ``lock_ref`` is at least the sum of its children's (locks pin whole paths);
 * ``evictable_size`` / ``protected_size`` count the slots of unlocked / locked nodes;
-* with ``page_size > 1`` every edge length is a multiple of ``page_size``.
+* with ``page_size > 1`` every edge length is a multiple of ``page_size``;
+* every unlocked leaf, and nothing else, is an eviction candidate, at its current priority.
 
 Different ``namespace`` keys (a LoRA adapter id, a per-tenant cache salt) get separate
 trees, so equal tokens under different namespaces never share KV.
@@ -21,78 +40,29 @@ trees, so equal tokens under different namespaces never share KV.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import numbers
-from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxattn.radix.token_pool import TokenPool, as_slots, last_occurrences
+from jaxattn.radix.token_pool import TokenPool
 
-__all__ = ["MatchResult", "RadixCache", "TreeNode"]
+__all__ = ["IMPLEMENTATIONS", "MatchResult", "RadixCache", "default_impl"]
 
+IMPLEMENTATIONS = ("python", "native")
 _EVICTION_POLICIES = ("lru", "lfu")
-_cache_ids = itertools.count()
-
-
-class TreeNode:
-    """One edge of the tree and the node it leads to.
-
-    ``key``: i64[n] token ids of the edge; ``value``: i32[n] their pool slots;
-    ``lock_ref``: requests currently using the path through this node.
-    """
-
-    __slots__ = (
-        "key",
-        "value",
-        "children",
-        "parent",
-        "lock_ref",
-        "last_access",
-        "hit_count",
-        "id",
-        "alive",
-        "_cache_id",
-        "_namespace",
-    )
-
-    _ids = itertools.count()
-
-    def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None, cache_id):
-        self.key = key
-        self.value = value
-        self.children: dict[object, TreeNode] = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
-        self.id = next(TreeNode._ids)
-        self.alive = True
-        self._cache_id = cache_id
-        self._namespace: Hashable = None
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
-            f"children={len(self.children)}, alive={self.alive})"
-        )
 
 
 class MatchResult(NamedTuple):
     """``indices``: i32[length] slots of the matched prefix; ``node``: where it ends."""
 
     indices: np.ndarray
-    node: TreeNode
+    node: Any  # TreeNode (python) or NativeNode (native)
     length: int
 
 
-def _as_tokens(name: str, tokens: object) -> np.ndarray:
+def as_tokens(name: str, tokens: object) -> np.ndarray:
+    """Coerce ``tokens`` to a 1-D int64 array or raise naming the argument."""
     arr = np.asarray(tokens)
     if arr.size == 0:
         return np.zeros((0,), np.int64)
@@ -101,6 +71,28 @@ def _as_tokens(name: str, tokens: object) -> np.ndarray:
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+def default_impl() -> str:
+    """``"native"`` when the C++ tree's module loads, else ``"python"``."""
+    from jaxattn.radix import native_tree
+
+    return "native" if native_tree.is_available() else "python"
+
+
+def _implementation(impl: str | None) -> type[RadixCache]:
+    if impl is None:
+        impl = default_impl()
+    if impl == "python":
+        from jaxattn.radix.python_tree import PythonRadixCache
+
+        return PythonRadixCache
+    if impl == "native":
+        from jaxattn.radix import native_tree
+
+        native_tree.require()
+        return native_tree.NativeRadixCache
+    raise ValueError(f"impl must be None or one of {IMPLEMENTATIONS}, got {impl!r}")
 
 
 class RadixCache:
@@ -115,6 +107,7 @@ class RadixCache:
         ``page_size`` must be 1 or equal to this one.
       eviction: ``"lru"`` (least recently matched first) or ``"lfu"`` (fewest hits first,
         ties broken by recency).
+      impl: ``"python"`` (the spec), ``"native"`` (C++) or None (:func:`default_impl`).
 
     Typical request life::
 
@@ -125,9 +118,33 @@ class RadixCache:
         n = cache.insert(tokens, np.concatenate([m.indices, new_and_decoded]))
         pool.free(own_slots[m.length:n])          # cached meanwhile by another request
         cache.dec_lock_ref(m.node)
+
+    Methods (each implementation's docstrings give the details):
+      ``match_prefix(tokens, *, namespace=None) -> MatchResult``,
+      ``prefix_len(tokens, *, namespace=None) -> int`` (changes nothing),
+      ``insert(tokens, indices, *, namespace=None) -> int`` (tokens cached before the call),
+      ``inc_lock_ref(node)`` / ``dec_lock_ref(node)`` (the change of ``protected_size``),
+      ``evict(num_tokens) -> int``, ``reset()``, ``cached_sequences()``,
+      ``check_invariants()``, and the sizes below.
     """
 
-    def __init__(self, pool: TokenPool, *, page_size: int = 1, eviction: str = "lru"):
+    impl: str = ""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is RadixCache:
+            cls = _implementation(kwargs.get("impl"))
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        pool: TokenPool,
+        *,
+        page_size: int = 1,
+        eviction: str = "lru",
+        impl: str | None = None,
+    ):
+        if impl is not None and impl != self.impl:
+            raise ValueError(f"{type(self).__name__} is impl={self.impl!r}, not {impl!r}")
         if not isinstance(pool, TokenPool):
             raise TypeError(f"pool must be a TokenPool, got {type(pool).__name__}")
         if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
@@ -144,368 +161,37 @@ class RadixCache:
         self.pool = pool
         self.page_size = int(page_size)
         self.eviction = eviction
-        self._id = next(_cache_ids)
-        self._init_tree()
-
-    def _init_tree(self) -> None:
-        self._root = self._new_root(None)
-        self._roots: dict[Hashable, TreeNode] = {None: self._root}
-        # Which pool slots the tree holds: catches a caller handing one slot over twice.
-        self._owned = np.zeros(self.pool.num_slots, dtype=bool)
-        self._scratch = np.empty(self.pool.num_slots, dtype=np.int64)
-        self._evictable_leaves: set[TreeNode] = set()
-        self._evictable_size = 0
-        self._protected_size = 0
-        self._num_nodes = 0
-        self._clock = 0
-
-    def _new_root(self, namespace: Hashable) -> TreeNode:
-        root = TreeNode(np.zeros((0,), np.int64), np.zeros((0,), np.int32), None, self._id)
-        root._namespace = namespace
-        return root
-
-    # -- sizes -----------------------------------------------------------------------------
 
     @property
     def evictable_size(self) -> int:
-        """Cached tokens that :meth:`evict` may free (no running request uses them)."""
-        return self._evictable_size
+        """Cached tokens that ``evict`` may free (no running request uses them)."""
+        raise NotImplementedError
 
     @property
     def protected_size(self) -> int:
         """Cached tokens pinned by a lock."""
-        return self._protected_size
+        raise NotImplementedError
 
     @property
     def total_size(self) -> int:
-        return self._evictable_size + self._protected_size
+        return self.evictable_size + self.protected_size
 
-    @property
-    def num_nodes(self) -> int:
-        """Nodes below the roots."""
-        return self._num_nodes
-
-    # -- lookup ----------------------------------------------------------------------------
-
-    def _child_key(self, key: np.ndarray, pos: int) -> object:
-        if self.page_size == 1:
-            return int(key[pos])
-        return key[pos : pos + self.page_size].tobytes()
-
-    def _common_len(self, edge: np.ndarray, key: np.ndarray, pos: int) -> int:
-        n = min(len(edge), len(key) - pos)
-        equal = edge[:n] == key[pos : pos + n]
-        # argmin of a bool array is the first False (0 when all are True); one C pass,
-        # cheaper per node than flatnonzero, which allocates the list of every mismatch.
-        m = int(equal.argmin())
-        if equal[m]:
-            m = n
-        return m - m % self.page_size
-
-    def _descend(self, root: TreeNode, key: np.ndarray):
-        """Walk without changing anything.
-
-        Returns ``(path, pos, child, m)``: ``path`` the fully matched nodes from ``root``,
-        ``pos`` the tokens they cover, and, when the match goes on ``m`` tokens into the
-        edge of ``child`` but not to its end, that child (else None).
-        """
-        path, node, pos = [root], root, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            # The child key already proved the first token (page) equal, so m >= page_size.
-            m = self._common_len(child.key, key, pos)
-            if m < len(child.key):
-                return path, pos, child, m
-            path.append(child)
-            node, pos = child, pos + m
-        return path, pos, None, 0
-
-    def _aligned(self, key: np.ndarray) -> np.ndarray:
-        return key[: len(key) - len(key) % self.page_size]
-
-    def prefix_len(self, tokens: object, *, namespace: Hashable = None) -> int:
-        """Length of the cached prefix of ``tokens``; changes nothing (for scheduling)."""
-        key = self._aligned(_as_tokens("tokens", tokens))
-        root = self._roots.get(namespace)
-        if root is None:
-            return 0
-        _, pos, child, m = self._descend(root, key)
-        return pos + (m if child is not None else 0)
-
-    def match_prefix(self, tokens: object, *, namespace: Hashable = None) -> MatchResult:
-        """Slots of the longest cached prefix of ``tokens``.
-
-        When the match ends inside an edge, that edge is split so that the returned node
-        ends exactly at the match and can be locked on its own. Every node on the path
-        counts as accessed (recency for LRU, a hit for LFU).
-        """
-        key = self._aligned(_as_tokens("tokens", tokens))
-        root = self._roots.get(namespace)
-        if root is None:
-            return MatchResult(np.zeros((0,), np.int32), self._root, 0)
-        path, pos, child, m = self._descend(root, key)
-        if child is not None:
-            path.append(self._split(child, m))
-            pos += m
-        self._touch(path)
-        values = [n.value for n in path[1:]]
-        indices = np.concatenate(values) if values else np.zeros((0,), np.int32)
-        return MatchResult(indices, path[-1], pos)
-
-    # -- insertion -------------------------------------------------------------------------
-
-    def insert(self, tokens: object, indices: object, *, namespace: Hashable = None) -> int:
-        """Cache ``tokens`` whose KV sits in slots ``indices``; return the cached length.
-
-        Returns how many leading tokens were already cached before the call. The tree
-        keeps its own slots for those and takes over ``indices[returned:aligned_len]``
-        (``aligned_len`` = ``len(tokens)`` cut to a multiple of ``page_size``). The caller
-        still owns, and must eventually free, every other slot of ``indices`` that it
-        allocated itself.
-        """
-        key = _as_tokens("tokens", tokens)
-        vals = as_slots("indices", indices)
-        if len(vals) != len(key):
-            raise ValueError(f"indices has {len(vals)} slots for {len(key)} tokens")
-        key, vals = self._aligned(key), vals[: len(key) - len(key) % self.page_size]
-        root = self._roots.get(namespace)
-        if root is None:
-            path, pos, child, m = [None], 0, None, 0
-        else:
-            path, pos, child, m = self._descend(root, key)
-        cached = pos + (m if child is not None else 0)
-        new_vals = vals[cached:]
-        self._check_new_slots(new_vals)
-
-        if root is None:
-            if not len(new_vals):
-                return cached
-            root = self._roots[namespace] = self._new_root(namespace)
-            path = [root]
-        if child is not None:
-            # Split even when nothing new follows, so that access times stay exact per
-            # token: the matched upper part is fresh, the unmatched lower part is not.
-            path.append(self._split(child, m))
-        if len(new_vals):
-            parent = path[-1]
-            leaf = TreeNode(key[cached:].copy(), new_vals.astype(np.int32), parent, self._id)
-            parent.children[self._child_key(leaf.key, 0)] = leaf
-            self._num_nodes += 1
-            self._owned[new_vals] = True
-            self._evictable_size += len(new_vals)
-            self._evictable_leaves.discard(parent)
-            self._evictable_leaves.add(leaf)
-            path.append(leaf)
-        self._touch(path)
-        return cached
-
-    def _check_new_slots(self, slots: np.ndarray) -> None:
-        if not slots.size:
-            return
-        if slots.min() < 0 or slots.max() >= self.pool.num_slots:
-            raise ValueError(f"indices must lie in [0, {self.pool.num_slots})")
-        if not last_occurrences(slots, self._scratch).all():
-            raise ValueError("indices lists a slot twice")
-        if self._owned[slots].any():
-            bad = slots[self._owned[slots]][:8].tolist()
-            raise ValueError(f"indices {bad} are already held by the cache")
-        if not self.pool.is_allocated(slots).all():
-            raise ValueError("indices contains slots that are free in the pool")
-
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut ``child``'s edge after ``m`` tokens; return the new upper node."""
-        parent = child.parent
-        upper = TreeNode(child.key[:m], child.value[:m], parent, self._id)
-        upper.lock_ref = child.lock_ref
-        upper.last_access = child.last_access
-        upper.hit_count = child.hit_count
-        child.key, child.value = child.key[m:], child.value[m:]
-        child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
-        parent.children[self._child_key(upper.key, 0)] = upper
-        self._num_nodes += 1
-        return upper
-
-    def _touch(self, path: list[TreeNode]) -> None:
-        self._clock += 1
-        for node in path:
-            node.last_access = self._clock
-            node.hit_count += 1
-
-    # -- locks -----------------------------------------------------------------------------
-
-    def _check_node(self, node: object) -> TreeNode:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
-        if node._cache_id != self._id:
-            raise ValueError(f"node={node!r} belongs to another RadixCache")
-        # A root is never evicted in earnest (an emptied namespace root is only dropped from
-        # the index) and locking one is a no-op, so a stale root is harmless.
-        if not node.alive and not node.is_root:
-            raise ValueError(f"node={node!r} was evicted or reset")
-        return node
-
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        """Pin ``node`` and its ancestors; return the change of ``protected_size``."""
-        node = self._check_node(node)
-        delta = 0
-        while not node.is_root:
-            if node.lock_ref == 0:
-                n = len(node.value)
-                self._evictable_size -= n
-                self._protected_size += n
-                delta += n
-                self._evictable_leaves.discard(node)
-            node.lock_ref += 1
-            node = node.parent
-        return delta
-
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        """Undo one :meth:`inc_lock_ref`; return the change of ``protected_size``."""
-        node = self._check_node(node)
-        walk = node
-        while not walk.is_root:
-            if walk.lock_ref == 0:
-                raise ValueError(f"node={node!r} is not locked (unbalanced dec_lock_ref)")
-            walk = walk.parent
-        delta = 0
-        while not node.is_root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                n = len(node.value)
-                self._evictable_size += n
-                self._protected_size -= n
-                delta -= n
-                if not node.children:
-                    self._evictable_leaves.add(node)
-            node = node.parent
-        return delta
-
-    # -- eviction --------------------------------------------------------------------------
-
-    def _priority(self, node: TreeNode) -> tuple:
-        if self.eviction == "lfu":
-            return (node.hit_count, node.last_access, node.id)
-        return (node.last_access, node.id)
-
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` cached tokens if possible; return how many were freed.
-
-        Only unlocked leaves are freed, in policy order; a parent joins the candidates once
-        its last child is gone and it is unlocked. Whole nodes are freed, so the result may
-        exceed ``num_tokens``; it is smaller only when nothing evictable is left.
-        """
+    @staticmethod
+    def _check_evict_arg(num_tokens: object) -> None:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral):
             raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        heap = [(self._priority(n), n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
-        # Plan first, free after: a failure in the pool then leaves the tree untouched.
-        plan: list[TreeNode] = []
-        children_left: dict[TreeNode, int] = {}
-        evicted = 0
-        while evicted < num_tokens and heap:
-            _, node = heapq.heappop(heap)
-            plan.append(node)
-            evicted += len(node.value)
-            parent = node.parent
-            if parent.is_root:
-                continue
-            left = children_left.get(parent, len(parent.children)) - 1
-            children_left[parent] = left
-            if left == 0 and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent))
-        if not plan:
-            return 0
-        slots = np.concatenate([n.value for n in plan])
-        self.pool.free(slots)
-        self._owned[slots] = False
-        self._evictable_size -= evicted
-        self._num_nodes -= len(plan)
-        for node in plan:
-            parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
-            self._evictable_leaves.discard(node)
-            node.alive = False
-            if parent.is_root:
-                if not parent.children and parent._namespace is not None:
-                    del self._roots[parent._namespace]
-                    parent.alive = False
-            elif not parent.children and parent.lock_ref == 0:
-                self._evictable_leaves.add(parent)
-        return evicted
 
-    def reset(self) -> None:
-        """Drop every cached prefix and free its slots; refused while any node is locked."""
-        if self._protected_size:
+    def _check_reset(self) -> None:
+        if self.protected_size:
             raise RuntimeError(
-                f"cannot reset: {self._protected_size} cached tokens are locked by requests"
+                f"cannot reset: {self.protected_size} cached tokens are locked by requests"
             )
-        slots = np.flatnonzero(self._owned)
-        self.pool.free(slots)
-        for node in self._iter_nodes():
-            node.alive = False
-        self._init_tree()
 
-    # -- inspection ------------------------------------------------------------------------
-
-    def _iter_nodes(self, *, include_roots: bool = True):
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            if include_roots or not node.is_root:
-                yield node
-            stack.extend(node.children.values())
-
-    def cached_sequences(self) -> list[tuple[Hashable, np.ndarray, np.ndarray]]:
-        """``(namespace, tokens, slots)`` of every root-to-leaf path (for tests and debugging)."""
-        out = []
-        for namespace, root in self._roots.items():
-            stack = [(root, [], [])]
-            while stack:
-                node, keys, vals = stack.pop()
-                keys, vals = [*keys, node.key], [*vals, node.value]
-                if not node.children and not node.is_root:
-                    out.append((namespace, np.concatenate(keys), np.concatenate(vals)))
-                stack.extend((c, keys, vals) for c in node.children.values())
-        return out
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the tree's bookkeeping is inconsistent."""
-        evictable = protected = nodes = 0
-        owned = np.zeros_like(self._owned)
-        leaves = set()
-        for node in self._iter_nodes():
-            assert node.alive and node._cache_id == self._id
-            for ck, child in node.children.items():
-                assert child.parent is node, "broken parent link"
-                assert ck == self._child_key(child.key, 0), "child stored under a wrong key"
-                assert len(child.key) == len(child.value) > 0, "empty or ragged edge"
-                assert len(child.key) % self.page_size == 0, "edge not page aligned"
-            if node.is_root:
-                assert node.lock_ref == 0
-                assert node._namespace is None or node.children, "empty namespace root kept"
-                continue
-            nodes += 1
-            for child in node.children.values():
-                # Every access to a child passes through its parent, so eviction order
-                # (by recency or by hits) always reaches a child before its parent.
-                assert node.last_access >= child.last_access
-                assert node.hit_count >= child.hit_count
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values())
-            assert not owned[node.value].any(), "a slot is held by two nodes"
-            owned[node.value] = True
-            if node.lock_ref:
-                protected += len(node.value)
-            else:
-                evictable += len(node.value)
-                if not node.children:
-                    leaves.add(node)
-        assert (evictable, protected) == (self._evictable_size, self._protected_size)
-        assert nodes == self._num_nodes
-        assert np.array_equal(owned, self._owned), "slot ownership mask out of date"
-        assert self.pool.is_allocated(np.flatnonzero(owned)).all(), "tree holds a free slot"
-        assert leaves == self._evictable_leaves, "evictable leaf set out of date"
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(impl={self.impl!r}, page_size={self.page_size}, "
+            f"eviction={self.eviction!r}, total_size={self.total_size}, "
+            f"protected_size={self.protected_size})"
+        )
