@@ -1,6 +1,5 @@
 """jaxattn: paged / radix KV-cache memory management and paged attention kernels for JAX.
 
-
 Names are resolved on first use (PEP 562), so the host structures (``jaxattn.radix``,
 ``jaxattn.paging.BlockManager``) import with numpy alone: a scheduler process that only
 manages memory never pays for importing jax.
