@@ -327,7 +327,7 @@ class PagedSeqs:
             positions=jnp.asarray(_pad(pos, b_pad, 0)),
             slot_mapping=jnp.asarray(_pad(slot, b_pad, -1)),
             block_tables=jnp.asarray(np.stack(tables)),
-            seq_lens=jnp.asarray(_pad(lens, b_pad, 1)),
+            seq_lens=jnp.asarray(_pad(lens, b_pad, 0)),
         )
 
 

@@ -397,7 +397,9 @@ class ModelRunner:
             positions=jnp.asarray(_pad([it.position for it in items], b, 0)),
             slot_mapping=jnp.asarray(_pad(slots, b, -1)),
             block_tables=jnp.asarray(tables),
-            seq_lens=jnp.asarray(_pad([it.position + 1 for it in items], b, 1)),
+            # Padding rows attend to nothing (length 0 gives zeros): a length of 1 would
+            # read whatever slot 0 of page 0 holds, NaN included.
+            seq_lens=jnp.asarray(_pad([it.position + 1 for it in items], b, 0)),
         )
         rows = [(it.seed, it.uid, it.position + 1, it.temperature, it.top_p) for it in items]
         return batch, self._sample_batch(rows, b)
