@@ -50,8 +50,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd"):
       k_cache, v_cache: the paged cache in ``layout`` (see :mod:`jaxattn.layout`).
       k, v: ``[T, Hkv, D]``; cast to the cache dtype.
       slot_mapping: ``i32[T]``, slot ``page * P + offset`` of each token. Negative entries
-        are padding and write nothing, so a batch can be padded to a fixed ``T``. Valid
-        entries must be distinct and below ``num_pages * P``.
+        are padding and write nothing, so a batch can be padded to a fixed ``T``; entries at
+        or past ``num_pages * P`` are dropped too (never wrapped or clamped). Valid entries
+        must be distinct.
 
     Returns:
       ``(k_cache, v_cache)`` with the tokens written; everything else is unchanged.
@@ -80,8 +81,9 @@ def copy_blocks(k_cache, v_cache, src, dst, *, layout: str = "bshd"):
     Args:
       src, dst: ``i32[N]`` page ids, e.g. the ``(src, dst)`` pairs returned by
         :meth:`jaxattn.paging.BlockManager.append_slot`. A negative ``dst`` is padding and
-        copies nothing. Every read sees the cache as it was before the call; the ``dst``
-        entries must be distinct.
+        copies nothing, and so does a ``src`` or ``dst`` outside ``[0, num_pages)`` (dropped,
+        never wrapped or clamped). Every read sees the cache as it was before the call;
+        the ``dst`` entries must be distinct.
 
     The page axis is axis 0 in every layout, so this is one gather and one scatter of
     whole pages per cache.
@@ -94,9 +96,12 @@ def copy_blocks(k_cache, v_cache, src, dst, *, layout: str = "bshd"):
     num_pages = k_cache.shape[0]
     src = src.astype(jnp.int32)
     dst = dst.astype(jnp.int32)
-    # Send padding to an out-of-range page so that mode="drop" discards it (a plain -1
-    # would wrap around to the last page); its source is clamped to a harmless read.
-    dst = jnp.where(dst >= 0, dst, num_pages)
+    # Send padding, and any copy whose source is outside the pool, to an out-of-range page
+    # so that mode="drop" discards it (a plain -1 would wrap around to the last page; a
+    # clamped source would copy a wrong page that looks plausible); the dropped copy's
+    # source is clamped to a harmless read.
+    keep = (dst >= 0) & (src >= 0) & (src < num_pages)
+    dst = jnp.where(keep, dst, num_pages)
     src = jnp.clip(src, 0, num_pages - 1)
     return (
         k_cache.at[dst].set(k_cache[src], mode="drop"),

@@ -194,6 +194,16 @@ def init_state(rows: int, head_dim: int):
 
 
 def finalize(acc, l_sum):
-    """acc / l_sum, with 0 (not NaN) for a row that saw no key."""
-    safe = jnp.where(l_sum > 0, l_sum, 1.0)
-    return jnp.where((l_sum > 0)[:, None], acc / safe[:, None], 0.0)
+    """acc / l_sum, with 0 for a row that saw no key (l_sum == 0); a NaN l_sum (NaN in q or
+    in a key or value the row attends to) stays NaN."""
+    safe = jnp.where(l_sum == 0, 1.0, l_sum)
+    return jnp.where((l_sum == 0)[:, None], 0.0, acc / safe[:, None])
+
+
+def checked_pages(page, valid, num_pages: int, bad):
+    """Page ids a tile reads, made safe: an id outside ``[0, num_pages)`` in a lane that is
+    read is replaced by page 0 (so no load leaves the pool) and raises the ``bad`` flag
+    (int32 0/1), which poisons the sequence (the memory-safety contract)."""
+    in_pool = (page >= 0) & (page < num_pages)
+    bad = jnp.maximum(bad, jnp.max(jnp.where(valid & ~in_pool, 1, 0)))
+    return jnp.where(in_pool, page, 0), bad

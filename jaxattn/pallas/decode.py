@@ -118,6 +118,12 @@ def _decode_kernel(
 ):
     kv_head, b, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[b]
+    # The memory-safety contract (jaxattn.reference.validity): a length outside
+    # [0, capacity] or a page id outside the pool poisons the sequence; reads stay inside
+    # the block table (lengths clipped to it) and inside the pool (bad page ids read page 0).
+    capacity = block_tables_ref.shape[1] * geom.page_size
+    bad_len = (seq_len < 0) | (seq_len > capacity)
+    seq_len = jnp.clip(seq_len, 0, capacity)
     start = part * partition_size
     end = jnp.minimum(seq_len, start + partition_size)
 
@@ -128,19 +134,23 @@ def _decode_kernel(
     q = q_ref[b, q_heads[:, None], d[None, :]]
 
     def body(i, carry):
+        *state, bad = carry
         t = start + i * block_n + jnp.arange(block_n)
         valid = t < end
         page_size = geom.page_size
         page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
+        page, bad = C.checked_pages(page, valid, geom.num_pages, bad)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
         k = C.load_rows(k_ref, rows, valid, head_dim)
         s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         v = C.load_rows(v_ref, rows, valid, head_dim)
-        return C.online_softmax_step(carry, s, v)
+        return (*C.online_softmax_step(tuple(state), s, v), bad)
 
     num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
-    acc, m, l_sum = lax.fori_loop(0, num_steps, body, C.init_state(group_pad, head_dim))
+    init = (*C.init_state(group_pad, head_dim), bad_len.astype(jnp.int32))
+    acc, m, l_sum, bad = lax.fori_loop(0, num_steps, body, init)
+    poisoned = bad > 0
 
     # Unpadded head ids for the stores: padding lanes are masked off (and, being
     # distinct from the real ones, cannot collide with them in interpret mode).
@@ -148,9 +158,13 @@ def _decode_kernel(
     row_ok = g < group
     if not split:
         (o_ref,) = out_refs
-        out = C.finalize(acc, l_sum).astype(o_ref.dtype)
+        out = jnp.where(poisoned, jnp.nan, C.finalize(acc, l_sum)).astype(o_ref.dtype)
         plgpu.store(o_ref.at[b, out_heads[:, None], d[None, :]], out, mask=row_ok[:, None])
     else:
+        # A poisoned partition poisons the combine (NaN propagates through it).
+        acc = jnp.where(poisoned, jnp.nan, acc)
+        m = jnp.where(poisoned, jnp.nan, m)
+        l_sum = jnp.where(poisoned, jnp.nan, l_sum)
         acc_ref, m_ref, l_ref = out_refs
         plgpu.store(acc_ref.at[b, part, out_heads[:, None], d[None, :]], acc, mask=row_ok[:, None])
         plgpu.store(m_ref.at[b, part, out_heads], m, mask=row_ok)
@@ -159,13 +173,15 @@ def _decode_kernel(
 
 def combine(acc, m, l_sum, dtype):
     """Exact merge of partitions along axis 1: acc f32[B, P, Hq, D], m, l_sum f32[B, P, Hq]
-    (m in base 2) -> [B, Hq, D]."""
+    (m in base 2) -> [B, Hq, D]. A NaN partition (NaN input, or a poisoned sequence) gives
+    NaN: ``jnp.max`` and the sums propagate it; only an all-empty row (denominator 0) is 0.
+    """
     m_max = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp2(m - m_max)
     denom = jnp.sum(w * l_sum, axis=1)
     numer = jnp.sum(w[..., None] * acc, axis=1)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jnp.where((denom > 0)[..., None], numer / safe[..., None], 0.0).astype(dtype)
+    safe = jnp.where(denom == 0, 1.0, denom)
+    return jnp.where((denom == 0)[..., None], 0.0, numer / safe[..., None]).astype(dtype)
 
 
 @functools.partial(

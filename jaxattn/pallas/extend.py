@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import layout as L
 from .._compat import match_varying, out_struct
+from ..reference import validity as _validity
 from . import _common as C
 
 
@@ -97,6 +98,7 @@ def _extend_kernel(
     tile_req_ref,
     tile_local_ref,
     q_bounds_ref,
+    req_ok_ref,
     kv_meta_ref,
     kv_index_ref,
     q_ref,
@@ -136,6 +138,10 @@ def _extend_kernel(
         else:
             lk = jnp.where(real, kv_meta_ref[req_c], 0)
         lp = jnp.where(real, lk - lq, 0)
+        # An invalid request (jaxattn.reference.validity, checked before the launch) reads
+        # nothing: its loops run no step and its rows are NaN. Valid requests' indices are
+        # all in range, so the unmasked loads of stage 1 stay inside every buffer.
+        ok = req_ok_ref[req] > 0
 
         tokens = block_q // heads_per_tile
         t0 = local * tokens
@@ -176,7 +182,7 @@ def _extend_kernel(
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
         shared = jnp.clip(lp + t0, 0, lk)
-        n1 = shared // block_n
+        n1 = jnp.where(ok, shared // block_n, 0)
         carry = lax.fori_loop(0, n1, stage1, C.init_state(block_q, head_dim))
 
         k_end = jnp.clip(lp + t1, 0, lk)
@@ -192,9 +198,9 @@ def _extend_kernel(
             v = C.load_rows(v_ref, rows, valid, head_dim)
             return C.online_softmax_step(carry, s, v)
 
-        n2 = pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n)
+        n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
         acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
-        out = C.finalize(acc, l_sum).astype(o_ref.dtype)
+        out = jnp.where(ok, C.finalize(acc, l_sum), jnp.nan).astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
         )
@@ -207,6 +213,7 @@ def _run(
     q_bounds_in,
     kv_meta,
     kv_index,
+    problems,
     *,
     mode,
     geom,
@@ -221,8 +228,17 @@ def _run(
     group = num_q_heads // geom.num_kv_heads
     gh = _pick_heads_per_tile(config, group)
     tokens = config.block_q // gh
-    # Segment `batch` holds the rows of q after the last request (padding).
+    # The memory-safety contract: with a broken indptr every row belongs to one invalid
+    # request (all NaN); otherwise each request's rows are clipped to q and an invalid
+    # request is skipped by the kernel. Segment `batch` holds the rows of q after the last
+    # request (padding, zeros).
+    structural, ok = _validity.ragged_valid(problems, batch)
+    everything = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.full((batch,), num_tokens, jnp.int32)]
+    )
+    q_bounds_in = jnp.where(structural, jnp.clip(q_bounds_in, 0, num_tokens), everything)
     q_bounds = jnp.concatenate([q_bounds_in, jnp.full((1,), num_tokens, jnp.int32)])
+    req_ok = jnp.concatenate([ok, jnp.ones((1,), bool)]).astype(jnp.int32)
     num_tiles = pl.cdiv(num_tokens, tokens) + batch + 1
     tile_req, tile_local = _tile_map(q_bounds, num_tiles, tokens)
     kernel = functools.partial(
@@ -239,7 +255,9 @@ def _run(
         scale=scale,
         soft_cap=soft_cap,
     )
-    inputs = match_varying(tile_req, tile_local, q_bounds, kv_meta, kv_index, q, k_rows, v_rows)
+    inputs = match_varying(
+        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, q, k_rows, v_rows
+    )
     call = pl.pallas_call(
         kernel,
         grid=(num_q_heads // gh, num_tiles),
@@ -260,6 +278,15 @@ _STATIC = ("scale", "soft_cap", "interpret", "config")
 def _extend_pool(
     q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap, interpret, config
 ):
+    problems = _validity.ragged_problems(
+        qo_indptr,
+        q.shape[0],
+        kv_indptr[1:] - kv_indptr[:-1],
+        q_name="qo_indptr",
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        num_slots=k_cache.shape[0],
+    )
     return _run(
         q,
         C.as_rows(k_cache),
@@ -267,6 +294,7 @@ def _extend_pool(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        problems,
         mode="pool",
         geom=L.get(L.POOL, pool=True).geometry(k_cache, v_cache),
         layout=L.POOL,
@@ -292,6 +320,10 @@ def _prefill_paged(
     interpret,
     config,
 ):
+    geom = L.get(layout).geometry(k_cache, v_cache)
+    problems = _validity.ragged_problems(
+        cu_seqlens_q, q.shape[0], seq_lens, q_name="cu_seqlens_q"
+    ) + _validity.paged_problems(block_tables, seq_lens, geom.page_size, geom.num_pages)
     return _run(
         q,
         C.as_rows(k_cache),
@@ -299,8 +331,9 @@ def _prefill_paged(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        problems,
         mode="paged",
-        geom=L.get(layout).geometry(k_cache, v_cache),
+        geom=geom,
         layout=layout,
         scale=scale,
         soft_cap=soft_cap,
