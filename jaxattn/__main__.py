@@ -401,6 +401,13 @@ def demo(args) -> int:
             raise
         raise UsageError(f"--implementation {args.implementation}: {e}") from None
     wall = time.perf_counter() - start
+    failed = [r for r in records if r.finish_reason == "error"]
+    if failed:
+        # Non-finite logits (a NaN in the checkpoint, say): no summary of plausible-looking
+        # tokens, one line saying which request failed and why.
+        more = f" (and {len(failed) - 1} more requests)" if len(failed) > 1 else ""
+        print(f"{PROG} demo: error: {failed[0].kind}{more}: {failed[0].error}", file=sys.stderr)
+        return 1
     s = engine.stats
 
     prompt_tokens = s["prompt_tokens"]

@@ -182,6 +182,17 @@ def test_checkpoint_that_lacks_a_tensor(checkpoint, rng, capsys):
     assert len(err) == 1 and "--checkpoint" in err[0] and "model.norm.weight" in err[0]
 
 
+def test_checkpoint_with_a_nan_fails_instead_of_serving(checkpoint, rng, capsys):
+    """One NaN in the embedding table: the requests that read it end with an error, and the
+    demo says so on one line with status 1, instead of printing plausible tokens."""
+    weights = hf_weights(rng)
+    weights["model.embed_tokens.weight"][:, 3] = np.nan
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    assert main(["demo", "--checkpoint", str(checkpoint), *TINY]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "not finite" in err[0], err
+
+
 # --- interrupts ----------------------------------------------------------------------------
 
 

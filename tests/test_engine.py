@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
 from jaxattn import sharding
-from jaxattn.engine import Buckets, Engine, PagePool, check_outputs
+from jaxattn.engine import Buckets, Engine, PagePool, RequestError, check_outputs
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
 
@@ -167,6 +167,29 @@ def test_stop_tokens():
     assert len(out[0]) <= 3
     assert_verified(prompts, out, 8, stop_ids=[eos])
     assert engine.generate(prompts, 8, ignore_eos=True) == full
+    assert_whole(engine)
+
+
+def test_non_finite_logits_end_the_request_with_an_error():
+    """One NaN in an embedding row: the requests whose tokens use it end with an error that
+    names them (never plausible tokens); the others are served; the pool stays whole."""
+    bad_token = 7
+    params = dict(PARAMS, embed=PARAMS["embed"].at[bad_token, 3].set(float("nan")))
+    engine = Engine(CFG, params, **POOL, max_batch_tokens=32, buckets=BUCKETS, debug=True)
+    prompts = [[1, 2, 3, 4, 5], [9, bad_token, 10], [11, 12]]
+    with pytest.raises(RequestError, match=r"prompts\[1\] failed: .*not finite") as info:
+        engine.generate(prompts, 6, ignore_eos=True)
+    err = info.value
+    assert set(err.failed) == {1} and err.outputs[1] == []
+    clean = make_engine().generate([prompts[0], prompts[2]], 6, ignore_eos=True)
+    assert [err.outputs[0], err.outputs[2]] == clean
+    assert_whole(engine)
+    # Through step(): the status is on the finished sequence.
+    seq = engine.add_request([bad_token], 4)
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    assert done == [seq] and seq.finish_reason == "error" and "not finite" in seq.error
     assert_whole(engine)
 
 

@@ -1,6 +1,6 @@
 """Serving engine: continuous batching over the paged KV pool and the radix prefix cache."""
 
-from .engine import Engine
+from .engine import Engine, RequestError
 from .pool import PagePool
 from .progress import ProgressBar
 from .runner import Buckets, ModelRunner, bucket
@@ -13,6 +13,7 @@ __all__ = [
     "Engine",
     "ModelRunner",
     "PagePool",
+    "RequestError",
     "ProgressBar",
     "Scheduler",
     "Sequence",

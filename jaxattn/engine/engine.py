@@ -31,7 +31,23 @@ from .progress import ProgressBar
 from .runner import Buckets, DecodeItem, ExtendItem, ModelRunner
 from .scheduler import Scheduler, Sequence
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "RequestError"]
+
+
+class RequestError(RuntimeError):
+    """Some requests of a :meth:`Engine.generate` call failed (their logits were not finite).
+
+    ``failed``: output index -> reason; ``outputs``: every output, as :meth:`generate`
+    would have returned them, the failed ones cut where they failed.
+    """
+
+    def __init__(self, failed: dict[int, str], outputs: list[list[int]], n: int = 1):
+        self.failed, self.outputs = failed, outputs
+        first, why = next(iter(failed.items()))
+        where = f"prompts[{first // n}]" + (f" (sample {first % n})" if n > 1 else "")
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        super().__init__(f"{where}{more} failed: {why}")
+
 
 _FROM_CONFIG = object()
 
@@ -328,6 +344,10 @@ class Engine:
         with the stop token when one was drawn. ``max_new_tokens`` is an int or one int per
         prompt. ``temperature=0`` is greedy; output ``k`` draws with keys ``(seed, k,
         position)``, so it does not depend on batching, chunking or preemption.
+
+        A request whose logits are not finite ends without a token from them; once every
+        request is done, :class:`RequestError` names the failed ones (its ``outputs`` hold
+        every output, the failed ones cut where they failed).
         """
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
@@ -363,7 +383,15 @@ class Engine:
                     finished[seq.seq_id] = seq
             bar.update(len(finished), tokens=self._stats["generated_tokens"])
         bar.close(len(finished), tokens=self._stats["generated_tokens"])
-        return [finished[sid].output for sid in order]
+        outputs = [finished[sid].output for sid in order]
+        failed = {
+            k: finished[sid].error
+            for k, sid in enumerate(order)
+            if finished[sid].finish_reason == "error"
+        }
+        if failed:
+            raise RequestError(failed, outputs, n)
+        return outputs
 
     # -- statistics and checks --------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
 
 from .sampling import sample, sample_keys
 
-__all__ = ["Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
+__all__ = ["NON_FINITE", "Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -88,6 +88,10 @@ class DecodeItem(NamedTuple):
     uid: int
     temperature: float
     top_p: float
+
+
+# The token id a step returns for a row whose logits are not finite.
+NON_FINITE = -1
 
 
 class SampleBatch(NamedTuple):
@@ -161,8 +165,12 @@ def _keep_split(tp, layout, k, v):
 
 
 def _draw(logits, samples: SampleBatch, greedy: bool):
+    """The drawn token of every row, or :data:`NON_FINITE` where the row's logits are not all
+    finite (NaN or inf in the weights, the inputs or the cache): such a row yields no token,
+    never a plausible one."""
     keys = sample_keys(samples.seeds, samples.uids, samples.positions)
-    return sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
+    tokens = sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
+    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE)
 
 
 def _counted(kind: str, fn):

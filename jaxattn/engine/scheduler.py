@@ -68,7 +68,8 @@ class Sequence:
     cached_len: int = 0
     lock_node: object = None
     admitted: int = -1
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    error: str | None = None  # why, when finish_reason is "error"
     tag: object = None  # the caller's handle (e.g. the output index)
 
     @property
@@ -326,11 +327,12 @@ class Scheduler:
         self._preempted_in_step = True
 
     def _release(self, seq: Sequence) -> None:
-        """Hand the computed whole pages to the cache, unlock, drop every own reference."""
+        """Hand the computed whole pages to the cache, unlock, drop every own reference.
+        A sequence that failed hands over nothing more."""
         if self.cache is not None:
             n = seq.num_computed
             aligned = n - n % self.page_size
-            if aligned > seq.cached_len:
+            if aligned > seq.cached_len and seq.finish_reason != "error":
                 had = self.cache.insert(seq.tokens[:aligned], self.slots(seq, 0, aligned))
                 # The cache took over this sequence's references on the pages it did not
                 # have yet; give the sequence its own back, dropped with the rest below.
@@ -382,6 +384,19 @@ class Scheduler:
         self.stats["forks"] += 1
         return child
 
+    def _take(self, seq: Sequence, token: int) -> bool:
+        """Append a drawn token; True when the sequence is done. A row whose logits were
+        not finite (token NON_FINITE) ends the sequence with an error instead."""
+        if token < 0:
+            seq.finish_reason = "error"
+            seq.error = (
+                f"the model's logits for position {len(seq.tokens)} are not finite (NaN or "
+                "inf in the weights, the inputs or the KV cache); no token was drawn"
+            )
+            return True
+        seq.tokens.append(int(token))
+        return self._is_done(seq)
+
     def _is_done(self, seq: Sequence) -> bool:
         if seq.tokens[-1] in seq.stop_ids:
             seq.finish_reason = "stop"
@@ -409,14 +424,12 @@ class Scheduler:
                 group.append((self._fork(seq, seq_id, sample_id), next(drawn)))
             seq.fork_ids = []
             for s, token in group:
-                s.tokens.append(int(token))
-                if self._is_done(s):
+                if self._take(s, token):
                     done.append(s)
         for seq, token in zip(plan.decode, np.asarray(decode_tokens).tolist(), strict=False):
             seq.num_computed += 1
-            seq.tokens.append(int(token))
             self.stats["decode_tokens"] += 1
-            if self._is_done(seq):
+            if self._take(seq, token):
                 done.append(seq)
         for seq in done:
             self._release(seq)

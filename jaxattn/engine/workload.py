@@ -51,7 +51,8 @@ class Record:
     prompt: list[int]
     output: list[int]
     seed: int
-    finish_reason: str
+    finish_reason: str  # "stop", "length" or "error"
+    error: str | None = None
 
 
 def make_workload(
@@ -125,7 +126,9 @@ def run_workload(
             kind, extra, req_seed = seq.tag
             prompt = seq.tokens[: seq.prompt_len]
             label = kind if kind == "few-shot" else f"chat {extra[0]} turn {extra[1]}"
-            records.append(Record(label, prompt, seq.output, req_seed, seq.finish_reason))
+            records.append(
+                Record(label, prompt, seq.output, req_seed, seq.finish_reason, seq.error)
+            )
             if kind == "chat":
                 c, t = extra
                 if t + 1 < len(workload.chats[c]):

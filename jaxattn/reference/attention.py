@@ -71,8 +71,15 @@ def attention_states(q, k, v, mask, *, scale, soft_cap=None):
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask[:, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
-    v = jnp.where(mask.any(axis=0)[:, None, None], v, 0)  # unread rows may hold NaN
-    o = _weighted_values(p, v)
+    # One product serves every row, so a masked weight (0) meets every value: 0 * NaN would
+    # put another row's (or another request's) NaN value into this one. Non-finite values
+    # are zeroed in the product and poison exactly the rows that attend to them.
+    bad_v = ~jnp.isfinite(v.astype(jnp.float32))
+    hits = jnp.einsum("ts,skd->tkd", mask.astype(jnp.float32), bad_v.astype(jnp.float32)) > 0
+    o = _weighted_values(p, jnp.where(bad_v, 0, v))
+    t, hq, d = o.shape
+    hits = jnp.repeat(hits, hq // hits.shape[1], axis=1)
+    o = jnp.where(hits, jnp.nan, o)
     # l == 0 only when nothing is visible; a NaN l (NaN in q or in a visible key or value)
     # stays NaN through the division.
     o = jnp.where(l[..., None] == 0, 0.0, o / jnp.where(l == 0, 1.0, l)[..., None])
