@@ -81,7 +81,8 @@ inline bool pages_ok(const int32_t* table, int32_t count, int32_t num_pages) {
 
 template <typename T>
 void fill_rows(T* out, int64_t first, int64_t last, int64_t row_elems, float value) {
-  if (last > first) std::fill(out + first * row_elems, out + last * row_elems, from_float<T>(value));
+  if (last > first)
+    std::fill(out + first * row_elems, out + last * row_elems, from_float<T>(value));
 }
 
 template <typename T>
@@ -99,7 +100,7 @@ void paged_decode(const DecodeParams& p) {
   for (int b = 0; b < p.batch; ++b) {
     const int L = p.seq_lens[b];
     const int32_t* bt = p.block_tables + int64_t(b) * p.block_table_stride;
-    if (!decode_length_ok(L, p.block_table_stride, g.page_size) ||
+    if (!decode_bounds_ok(L, p.block_table_stride, g.page_size, g.num_pages) ||
         !pages_ok(bt, pages_for(L, g.page_size), g.num_pages)) {
       fill_rows(out, b, b + 1, int64_t(p.num_q_heads) * D, quiet_nan());
       continue;

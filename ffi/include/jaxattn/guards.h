@@ -31,9 +31,11 @@ JAXATTN_HD bool index_ok(int32_t i, int32_t n) { return uint32_t(i) < uint32_t(n
 
 JAXATTN_HD float quiet_nan() { return bits_float(0x7fc00000u); }
 
-// A decode sequence of L tokens fits its block-table row.
-JAXATTN_HD bool decode_length_ok(int32_t L, int32_t table_width, int32_t page_size) {
-  return L >= 0 && int64_t(L) <= int64_t(table_width) * page_size;
+// A decode sequence of L tokens fits its block-table row (and, with any token, needs a page:
+// over an empty cache every page id is out of range).
+JAXATTN_HD bool decode_bounds_ok(int32_t L, int32_t table_width, int32_t page_size,
+                                 int32_t num_pages) {
+  return L >= 0 && int64_t(L) <= int64_t(table_width) * page_size && (L == 0 || num_pages > 0);
 }
 
 // Index entries (pages, or slots of a pool) that lk keys use.
