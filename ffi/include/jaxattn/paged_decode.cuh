@@ -537,25 +537,20 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   }
 
   if constexpr (WS == 1) {
-    if (__syncthreads_or(bad)) {
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        m[g] = l[g] = quiet_nan();
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = quiet_nan();
-      }
-    }
+    const bool poisoned = __syncthreads_or(bad);
     if (row == 0) {
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
         const int gh = hc * GC + g;
         if (gh >= group) continue;
+        // A NaN sum makes every element NaN (and, split, the partition's weight).
+        const float mg = poisoned ? quiet_nan() : m[g], lg = poisoned ? quiet_nan() : l[g];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
 #pragma unroll
           for (int v = 0; v < VEC; ++v) {
             decode_write<T>(p, b, kvh * group + gh, (j * TG + col) * VEC + v, acc[g][j * VEC + v],
-                            m[g], l[g]);
+                            mg, lg);
           }
         }
       }
