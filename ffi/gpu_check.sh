@@ -6,8 +6,18 @@
 #   OUT=/tmp/o JAXATTN_NATIVE_LIB_DIR=build/gpu/ffi ffi/gpu_check.sh
 #
 # A prebuilt library in $JAXATTN_NATIVE_LIB_DIR is used when it loads; otherwise the CUDA
-# library is built here for sm_90 first. Knobs (environment):
+# library is built here for sm_90 first (not at all when timings and tests are all skipped).
+# Knobs (environment):
 #   SELFTESTS      "skip": do not build and run ffi/tests_gpu/*_selftest.cu
+#   SANITIZE       run the self-tests' robustness cases (--robust: every kernel, bad indices,
+#                  NaN, and a valid case each) under compute-sanitizer: "1" for --tool memcheck,
+#                  or a list of tools ("memcheck racecheck synccheck initcheck"); each log
+#                  ($OUT/<self-test>.<tool>.log) ends in an ERROR SUMMARY, and the step prints
+#                  exit 99 on any error. $COMPUTE_SANITIZER names the binary (default:
+#                  compute-sanitizer on PATH, else CUDA's bin); SANITIZE_TIMEOUT, seconds.
+#                  Only the sanitizer runs, e.g.:
+#                    SANITIZE=1 DECODE_ARGS=skip PREFILL_ARGS=skip TESTS=skip ffi/gpu_check.sh
+#   TESTS          "skip": do not run tests/test_native.py
 #   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
 #   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
@@ -27,8 +37,12 @@ stamp() { echo "[$(($(date +%s) - t0))s] $*"; }
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
+need_lib=1
+[ "${DECODE_ARGS:-}" = skip ] && [ "${PREFILL_ARGS:-}" = skip ] && [ "${TESTS:-}" = skip ] && need_lib=0
 lib="${JAXATTN_NATIVE_LIB_DIR:-}/libjaxattn_cuda.so"
-if [ -n "${JAXATTN_NATIVE_LIB_DIR:-}" ] && python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$lib"; then
+if [ "$need_lib" = 0 ]; then
+  stamp "no timings or tests: the CUDA library is not needed"
+elif [ -n "${JAXATTN_NATIVE_LIB_DIR:-}" ] && python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$lib"; then
   export JAXATTN_NATIVE_LIB_DIR="$(cd "$JAXATTN_NATIVE_LIB_DIR" && pwd)"
   stamp "using the prebuilt $lib"
 else
@@ -41,7 +55,7 @@ else
   export JAXATTN_NATIVE_LIB_DIR="$PWD/build/gpu/ffi"
   stamp "built"
 fi
-lib="$JAXATTN_NATIVE_LIB_DIR/libjaxattn_cuda.so"
+lib="${JAXATTN_NATIVE_LIB_DIR:-}/libjaxattn_cuda.so"
 
 selftest() {  # name, nvcc arguments...
   local name="$1"
@@ -55,6 +69,21 @@ selftest() {  # name, nvcc arguments...
   else
     tail -20 "$out/$name.build.log"
   fi
+}
+
+sanitizer="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
+sanitize() {  # name (a self-test built by selftest)
+  local name="$1" tool tools="${SANITIZE:-}"
+  [ "$tools" = 1 ] && tools=memcheck
+  [ -x "$out/$name" ] || { echo "no $out/$name to run under compute-sanitizer"; return; }
+  for tool in $tools; do
+    stamp "compute-sanitizer --tool $tool: $name --robust"
+    timeout "${SANITIZE_TIMEOUT:-600}" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+      "$out/$name" --robust > "$out/$name.$tool.log" 2>&1
+    echo "exit $? (99: the sanitizer found errors)"
+    grep -E "ERROR SUMMARY|robustness:" "$out/$name.$tool.log"
+    grep -E "^=========" "$out/$name.$tool.log" | grep -v "ERROR SUMMARY" | head -20
+  done
 }
 
 bench() {  # name, env assignment, bench_native.py args...
@@ -82,6 +111,10 @@ if [ "${SELFTESTS:-}" != skip ]; then
   selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
     ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_sm90.cu
+  if [ -n "${SANITIZE:-}" ]; then
+    sanitize decode_selftest
+    sanitize prefill_selftest
+  fi
 fi
 [ "${DECODE_ARGS:-}" = skip ] || bench decode "" --skip-prefill ${DECODE_ARGS:-}
 if [ "${PREFILL_ARGS:-}" != skip ]; then
@@ -89,12 +122,14 @@ if [ "${PREFILL_ARGS:-}" != skip ]; then
     bench "prefill_$k" "JAXATTN_PREFILL_KERNEL=$k" --skip-decode ${PREFILL_ARGS:-}
   done
 fi
-tests decode_tests "" "${DECODE_K:-decode}"
-tests prefill_tests "" "${PREFILL_K:-not decode}"
-tests prefill_tests_mma "JAXATTN_PREFILL_KERNEL=mma" "${PREFILL_K:-not decode}"
+if [ "${TESTS:-}" != skip ]; then
+  tests decode_tests "" "${DECODE_K:-decode}"
+  tests prefill_tests "" "${PREFILL_K:-not decode}"
+  tests prefill_tests_mma "JAXATTN_PREFILL_KERNEL=mma" "${PREFILL_K:-not decode}"
+fi
 
 stamp "SASS summary"
-if command -v cuobjdump > /dev/null; then
+if [ -f "$lib" ] && command -v cuobjdump > /dev/null; then
   cuobjdump --dump-sass "$lib" > "$out/sass.txt" 2>/dev/null
   python3 - "$out/sass.txt" <<'PY' | tee "$out/sass_summary.txt"
 import collections, re, sys

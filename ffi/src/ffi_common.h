@@ -1,6 +1,8 @@
 // Shape checks and argument blocks for the XLA FFI handlers, shared by the CPU and GPU
 // bindings. The Python wrapper validates first; these checks keep a bad call from reaching a
-// kernel when the targets are used directly.
+// kernel when the targets are used directly. Only shapes are checked here: the values of the
+// index arrays are checked by the kernels next to the reads they protect (jaxattn/guards.h);
+// a GPU handler holds only device pointers.
 #pragma once
 
 #include <cstdint>
@@ -149,6 +151,7 @@ inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi:
   p->k = k.untyped_data();
   p->v = v.untyped_data();
   p->page_table = bt.typed_data();
+  p->page_table_len = static_cast<int64_t>(bt.element_count());
   p->page_table_stride = static_cast<int32_t>(bd[1]);
   p->page_indptr = nullptr;
   p->seq_lens = seq_lens.typed_data();
@@ -175,6 +178,9 @@ inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
   p->k = k.untyped_data();
   p->v = v.untyped_data();
   p->page_table = kv_indices.typed_data();
+  // kv_indices need not be kv_indptr[batch] long: the kernels check every request's keys
+  // against this length.
+  p->page_table_len = static_cast<int64_t>(kv_indices.element_count());
   p->page_table_stride = 0;
   p->page_indptr = kv_indptr.typed_data();
   p->seq_lens = nullptr;

@@ -2,8 +2,9 @@
 // no Python or XLA needed:
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o /tmp/decode_selftest
-//   /tmp/decode_selftest            # correctness cases, then timing
-//   /tmp/decode_selftest --check    # correctness only        (--perf: timing only)
+//   /tmp/decode_selftest            # correctness and robustness cases, then timing
+//   /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing only)
+//   /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -11,6 +12,15 @@
 // sizes 1..128, both layouts, one pass and split partitions, with and without a soft cap.
 // Outputs and the split workspace start as NaN, so anything unwritten shows. A case passes
 // when |out - ref| <= atol + rtol |ref| everywhere (the tolerances of tests/helpers.py).
+//
+// Robustness (the index contract of jaxattn/guards.h and the NaN rules): page ids num_pages,
+// 10^6, -1 and INT_MIN inside a sequence's pages, garbage past its length, lengths past the
+// table and negative, NaN in q, in an attended K or V element, in unattended slots (every
+// unused slot is NaN anyway), on every kernel variant, one pass and split. The reference
+// applies the same contract: NaN rows for an invalid sequence, NaN where exact arithmetic
+// puts it, exact values elsewhere, exact zeros for an empty sequence. Buffers are allocated
+// at their exact sizes, so that a run under compute-sanitizer --tool memcheck reports any
+// access outside them (ffi/gpu_check.sh: SANITIZE=1).
 //
 // Timing: bf16, head_dim 128, page 16, bshd, Hq/Hkv 32/8 and 32/32; the K/V pool holds enough
 // copies of each case's cache (separate pages, separate block tables, used in rotation) to
@@ -150,116 +160,159 @@ std::string describe(const Case& c) {
   return buf;
 }
 
-bool run_case(const Case& c, Rng& rng) {
-  const int B = int(c.lens.size()), D = c.d, P = c.page, hkv = c.hkv, hq = c.hq;
-  const int group = hq / hkv;
+// One decode problem on the host: the cache storage, block tables, lengths and q, as the
+// kernel sees them. The robustness cases edit these arrays before the run.
+struct Problem {
+  Case c;
+  int B = 0, width = 0, num_pages = 0;
+  KvGeometry g;
+  std::vector<unsigned char> kc, vc, qh;
+  std::vector<int32_t> table, lens;
+
+  size_t q_elems() const { return size_t(B) * c.hq * c.d; }
+  // Element index of (sequence b, token t, KV head h, element e) through the table.
+  size_t kv_index(int b, int t, int h, int e) const {
+    const int page = table[size_t(b) * width + t / c.page];
+    return size_t(page) * g.page_stride + size_t(t % c.page) * g.token_stride +
+           size_t(h) * g.head_stride + e;
+  }
+};
+
+Problem make_problem(const Case& c, Rng& rng) {
+  Problem P;
+  P.c = c;
+  P.B = int(c.lens.size());
+  const int B = P.B, D = c.d, page = c.page, hkv = c.hkv;
   const size_t es = dt_size(c.dt);
 
   // Pages: a random permutation; the used ones first, then spares (NaN).
   std::vector<int> pages_per(B);
   int used = 0, max_pages = 1;
   for (int b = 0; b < B; ++b) {
-    pages_per[b] = (c.lens[b] + P - 1) / P;
+    pages_per[b] = (c.lens[b] + page - 1) / page;
     used += pages_per[b];
     max_pages = std::max(max_pages, pages_per[b]);
   }
-  const int num_pages = used + 4;
-  const int width = max_pages + 2;  // padded block tables
-  std::vector<int> perm(num_pages);
-  for (int i = 0; i < num_pages; ++i) perm[i] = i;
+  P.num_pages = used + 4;
+  P.width = max_pages + 2;  // padded block tables
+  std::vector<int> perm(P.num_pages);
+  for (int i = 0; i < P.num_pages; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), rng);
-  const int nan_pages = num_pages - used;
+  const int nan_pages = P.num_pages - used;
 
-  const size_t page_elems = size_t(P) * hkv * D;
-  const size_t cache_elems = size_t(num_pages) * page_elems;
-  std::vector<unsigned char> kc(cache_elems * es), vc(cache_elems * es);
+  const size_t cache_elems = size_t(P.num_pages) * page * hkv * D;
+  P.kc.resize(cache_elems * es);
+  P.vc.resize(cache_elems * es);
   for (size_t i = 0; i < cache_elems; ++i) {
-    store_nan(c.dt, kc.data(), i);
-    store_nan(c.dt, vc.data(), i);
+    store_nan(c.dt, P.kc.data(), i);
+    store_nan(c.dt, P.vc.data(), i);
   }
-  const KvGeometry g = c.layout == Layout::kBSHD ? make_geometry(c.layout, num_pages, P, hkv, D)
-                                                 : make_geometry(c.layout, num_pages, hkv, P, D);
-  std::vector<int32_t> table(size_t(B) * width);
-  // Dense copies of the valid K/V (rounded), [b][t][h][d].
-  std::vector<std::vector<double>> dk(B), dv(B);
+  P.g = c.layout == Layout::kBSHD ? make_geometry(c.layout, P.num_pages, page, hkv, D)
+                                  : make_geometry(c.layout, P.num_pages, hkv, page, D);
+  P.table.resize(size_t(B) * P.width);
+  P.lens = c.lens;
   int at = 0;
   for (int b = 0; b < B; ++b) {
-    const int L = c.lens[b];
-    dk[b].resize(size_t(L) * hkv * D);
-    dv[b].resize(size_t(L) * hkv * D);
-    for (int j = 0; j < width; ++j)
-      table[size_t(b) * width + j] = perm[used + int(rng() % uint64_t(nan_pages))];
-    for (int j = 0; j < pages_per[b]; ++j) table[size_t(b) * width + j] = perm[at++];
-    for (int t = 0; t < L; ++t) {
-      const int page = table[size_t(b) * width + t / P];
+    for (int j = 0; j < P.width; ++j)
+      P.table[size_t(b) * P.width + j] = perm[used + int(rng() % uint64_t(nan_pages))];
+    for (int j = 0; j < pages_per[b]; ++j) P.table[size_t(b) * P.width + j] = perm[at++];
+    for (int t = 0; t < c.lens[b]; ++t)
       for (int h = 0; h < hkv; ++h)
         for (int e = 0; e < D; ++e) {
-          const size_t idx =
-              size_t(page) * g.page_stride + size_t(t % P) * g.token_stride + h * g.head_stride + e;
-          dk[b][(size_t(t) * hkv + h) * D + e] = store_elem(c.dt, kc.data(), idx, rng.normal());
-          dv[b][(size_t(t) * hkv + h) * D + e] = store_elem(c.dt, vc.data(), idx, rng.normal());
+          store_elem(c.dt, P.kc.data(), P.kv_index(b, t, h, e), rng.normal());
+          store_elem(c.dt, P.vc.data(), P.kv_index(b, t, h, e), rng.normal());
         }
+  }
+  P.qh.resize(P.q_elems() * es);
+  for (size_t i = 0; i < P.q_elems(); ++i) store_elem(c.dt, P.qh.data(), i, rng.normal());
+  return P;
+}
+
+// float64 reference with the kernels' contract (jaxattn/guards.h): NaN rows for a sequence
+// whose length does not fit its table row or that uses a page id outside the cache; otherwise
+// exact softmax attention over the stored (rounded) values, read through the table, in which
+// a NaN propagates as it does in exact arithmetic (a NaN logit: the whole row; a NaN value:
+// that element).
+std::vector<double> reference(const Problem& P) {
+  const Case& c = P.c;
+  const int D = c.d, hq = c.hq, hkv = c.hkv, group = hq / hkv;
+  std::vector<double> ref(P.q_elems(), 0.0);
+  for (int b = 0; b < P.B; ++b) {
+    const int L = P.lens[b];
+    bool valid = L >= 0 && int64_t(L) <= int64_t(P.width) * c.page;
+    for (int t = 0; valid && t < L; t += c.page) {
+      const int page = P.table[size_t(b) * P.width + t / c.page];
+      valid = page >= 0 && page < P.num_pages;
+    }
+    if (!valid) {
+      std::fill(ref.begin() + size_t(b) * hq * D, ref.begin() + size_t(b + 1) * hq * D, NAN);
+      continue;
+    }
+    std::vector<double> s(L), kd(size_t(L) * D), vd(size_t(L) * D), qv(D);
+    for (int kh = 0; kh < hkv; ++kh) {
+      for (int t = 0; t < L; ++t)  // this head's keys and values, decoded once
+        for (int e = 0; e < D; ++e) {
+          kd[size_t(t) * D + e] = load_elem(c.dt, P.kc.data(), P.kv_index(b, t, kh, e));
+          vd[size_t(t) * D + e] = load_elem(c.dt, P.vc.data(), P.kv_index(b, t, kh, e));
+        }
+      for (int h = kh * group; h < (kh + 1) * group; ++h) {
+        const size_t qrow = (size_t(b) * hq + h) * D;
+        for (int e = 0; e < D; ++e) qv[e] = load_elem(c.dt, P.qh.data(), qrow + e);
+        double mx = -INFINITY;
+        for (int t = 0; t < L; ++t) {
+          double dot = 0;
+          for (int e = 0; e < D; ++e) dot += qv[e] * kd[size_t(t) * D + e];
+          dot *= c.scale;
+          if (c.cap > 0) dot = c.cap * std::tanh(dot / c.cap);
+          s[t] = dot;
+          mx = std::fmax(mx, dot);  // NaN logits stay in s and make the sum NaN below
+        }
+        double sum = 0;
+        for (int t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - mx));
+        double* o = &ref[qrow];
+        for (int t = 0; t < L; ++t)
+          for (int e = 0; e < D; ++e) o[e] += s[t] / sum * vd[size_t(t) * D + e];
+      }
     }
   }
-  const size_t q_elems = size_t(B) * hq * D;
-  std::vector<unsigned char> qh(q_elems * es);
-  std::vector<double> qd(q_elems);
-  for (size_t i = 0; i < q_elems; ++i) qd[i] = store_elem(c.dt, qh.data(), i, rng.normal());
+  return ref;
+}
 
-  // float64 reference.
-  std::vector<double> ref(q_elems, 0.0);
-  for (int b = 0; b < B; ++b) {
-    const int L = c.lens[b];
-    std::vector<double> s(L);
-    for (int h = 0; h < hq; ++h) {
-      const int kh = h / group;
-      const double* qv = &qd[(size_t(b) * hq + h) * D];
-      double mx = -INFINITY;
-      for (int t = 0; t < L; ++t) {
-        const double* kv = &dk[b][(size_t(t) * hkv + kh) * D];
-        double dot = 0;
-        for (int e = 0; e < D; ++e) dot += qv[e] * kv[e];
-        dot *= c.scale;
-        if (c.cap > 0) dot = c.cap * std::tanh(dot / c.cap);
-        s[t] = dot;
-        mx = std::max(mx, dot);
-      }
-      double sum = 0;
-      for (int t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - mx));
-      double* o = &ref[(size_t(b) * hq + h) * D];
-      for (int t = 0; t < L; ++t) {
-        const double* vv = &dv[b][(size_t(t) * hkv + kh) * D];
-        for (int e = 0; e < D; ++e) o[e] += s[t] / sum * vv[e];
-      }
-    }
-  }
+// Runs the dispatcher on P and compares with the reference: a NaN expected must be NaN, an
+// infinity non-finite, a zero (an empty sequence) exactly zero, anything else within
+// atol + rtol |ref|. Returns false on a mismatch or a launch error.
+bool run_problem(const Problem& P, const std::string& label) {
+  const Case& c = P.c;
+  const int B = P.B, D = c.d, hq = c.hq;
+  const size_t es = dt_size(c.dt), q_elems = P.q_elems();
+  const std::vector<double> ref = reference(P);
 
-  // Device run.
   DecodeParams p;
   p.batch = B;
   p.num_q_heads = hq;
-  p.block_table_stride = width;
+  p.block_table_stride = P.width;
   p.partition_size = c.part;
-  const int64_t capacity = int64_t(width) * P;
+  const int64_t capacity = int64_t(P.width) * c.page;
   p.max_parts = c.part > 0 ? int32_t((capacity + c.part - 1) / c.part) : 1;
-  p.kv = g;
+  p.kv = P.g;
   p.ls = make_logit_scale(c.scale, c.cap);
   const size_t ws_floats = size_t(decode_workspace_floats(B, hq, p.max_parts, D));
   void *dq, *dkc, *dvc, *dout;
   int32_t *dtab, *dlens;
   float* dws;
-  CUDA_OK(cudaMalloc(&dq, qh.size()));
-  CUDA_OK(cudaMalloc(&dkc, kc.size()));
-  CUDA_OK(cudaMalloc(&dvc, vc.size()));
-  CUDA_OK(cudaMalloc(&dout, q_elems * es));
-  CUDA_OK(cudaMalloc(&dtab, table.size() * 4));
-  CUDA_OK(cudaMalloc(&dlens, B * 4));
-  CUDA_OK(cudaMalloc(&dws, ws_floats * 4));
-  CUDA_OK(cudaMemcpy(dq, qh.data(), qh.size(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dkc, kc.data(), kc.size(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dvc, vc.data(), vc.size(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dtab, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dlens, c.lens.data(), B * 4, cudaMemcpyHostToDevice));
+  // Exact-size buffers (at least one element) so that compute-sanitizer sees any overrun.
+  CUDA_OK(cudaMalloc(&dq, std::max<size_t>(P.qh.size(), 1)));
+  CUDA_OK(cudaMalloc(&dkc, std::max<size_t>(P.kc.size(), 1)));
+  CUDA_OK(cudaMalloc(&dvc, std::max<size_t>(P.vc.size(), 1)));
+  CUDA_OK(cudaMalloc(&dout, std::max<size_t>(q_elems * es, 1)));
+  CUDA_OK(cudaMalloc(&dtab, std::max<size_t>(P.table.size(), 1) * 4));
+  CUDA_OK(cudaMalloc(&dlens, std::max(B, 1) * 4));
+  CUDA_OK(cudaMalloc(&dws, std::max<size_t>(ws_floats, 1) * 4));
+  CUDA_OK(cudaMemcpy(dq, P.qh.data(), P.qh.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dkc, P.kc.data(), P.kc.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dvc, P.vc.data(), P.vc.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dtab, P.table.data(), P.table.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dlens, P.lens.data(), B * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(dout, 0xff, q_elems * es));  // NaN in every dtype
   CUDA_OK(cudaMemset(dws, 0xff, ws_floats * 4));
   p.q = dq;
@@ -277,8 +330,8 @@ bool run_case(const Case& c, Rng& rng) {
                     static_cast<void*>(dws)})
     cudaFree(ptr);
   if (err || sync != cudaSuccess) {
-    std::printf("FAIL  %s: launch: %s / %s\n", describe(c).c_str(), err ? err : "ok",
-                cudaGetErrorString(sync));
+    std::printf("FAIL  %s%s: launch: %s / %s\n", label.c_str(), describe(c).c_str(),
+                err ? err : "ok", cudaGetErrorString(sync));
     if (sync != cudaSuccess) std::exit(3);  // the context is gone
     return false;
   }
@@ -286,11 +339,24 @@ bool run_case(const Case& c, Rng& rng) {
   const double atol = c.dt == DT::kF32 ? 1e-4 : (c.dt == DT::kBF16 ? 2e-2 : 5e-3);
   const double rtol = atol;
   double max_abs = 0, max_rel = 0, worst = 0;
-  size_t nans = 0;
+  size_t nans = 0, mismatched = 0;
   for (size_t i = 0; i < q_elems; ++i) {
     const double o = load_elem(c.dt, oh.data(), i), r = ref[i];
-    if (std::isnan(o)) {
-      ++nans;
+    if (std::isnan(o)) ++nans;
+    if (std::isnan(r)) {
+      mismatched += !std::isnan(o);
+      continue;
+    }
+    if (std::isinf(r)) {
+      mismatched += std::isfinite(o);
+      continue;
+    }
+    if (r == 0.0) {
+      mismatched += o != 0.0;
+      continue;
+    }
+    if (!std::isfinite(o)) {
+      ++mismatched;
       continue;
     }
     const double e = std::fabs(o - r);
@@ -298,11 +364,100 @@ bool run_case(const Case& c, Rng& rng) {
     max_rel = std::max(max_rel, e / std::max(std::fabs(r), 1e-3));
     worst = std::max(worst, e / (atol + rtol * std::fabs(r)));
   }
-  const bool ok = nans == 0 && worst <= 1.0;
-  std::printf("%s  %s  max_abs=%.2e max_rel=%.2e tol_ratio=%.3f%s\n", ok ? "PASS" : "FAIL",
-              describe(c).c_str(), max_abs, max_rel, worst,
-              nans ? (" NaN x" + std::to_string(nans)).c_str() : "");
+  const bool ok = mismatched == 0 && worst <= 1.0;
+  std::printf("%s  %s%s  max_abs=%.2e max_rel=%.2e tol_ratio=%.3f NaN=%zu mismatched=%zu\n",
+              ok ? "PASS" : "FAIL", label.c_str(), describe(c).c_str(), max_abs, max_rel, worst,
+              nans, mismatched);
   return ok;
+}
+
+bool run_case(const Case& c, Rng& rng) { return run_problem(make_problem(c, rng), ""); }
+
+// Index and NaN robustness: each edit of a valid problem, run on every kernel variant the
+// dispatcher has (one pass and split): the direct kernel (1 query head per KV head), the
+// tensor-core kernel (bf16/f16, 2..8), the pipelined SIMT kernel (f32; bf16 with 16 heads,
+// whose warps split the heads; 32 heads, whose warps write without the shared merge). The
+// reference applies the same contract, so a case passes only with NaN exactly where the
+// contract puts it and exact values everywhere else.
+int run_robustness(Rng& rng) {
+  // Sequence lengths: 1 spans pages 0..8 (9 x 16 = 144 >= 130), 3 spans pages 0..12; 2 is
+  // empty (its whole table row is padding).
+  const std::vector<int> lens = {37, 130, 0, 200};
+  struct Edit {
+    const char* name;
+    void (*apply)(Problem&);
+  };
+  const Edit edits[] = {
+      {"valid", [](Problem&) {}},
+      {"page id = num_pages (seq 1, page 3)",
+       [](Problem& P) { P.table[1 * size_t(P.width) + 3] = P.num_pages; }},
+      {"page id = 10^6 (seq 3, last page)",
+       [](Problem& P) { P.table[3 * size_t(P.width) + 12] = 1000000; }},
+      {"page id = -1 (seq 0, first page)", [](Problem& P) { P.table[0] = -1; }},
+      {"page id = INT_MIN (seq 3, page 9: one partition of 64)",
+       [](Problem& P) { P.table[3 * size_t(P.width) + 9] = INT32_MIN; }},
+      {"garbage past each length (never read)",
+       [](Problem& P) {
+         for (int b = 0; b < P.B; ++b)
+           for (int j = (P.lens[b] + P.c.page - 1) / P.c.page; j < P.width; ++j)
+             P.table[size_t(b) * P.width + j] = (j % 2) ? -1 : 1000000 + j;
+       }},
+      {"seq_len = width * page + 1 (seq 1)",
+       [](Problem& P) { P.lens[1] = P.width * P.c.page + 1; }},
+      {"seq_len = INT_MAX (seq 3)", [](Problem& P) { P.lens[3] = INT32_MAX; }},
+      {"seq_len = -1 (seq 1)", [](Problem& P) { P.lens[1] = -1; }},
+      {"seq_len = INT_MIN (seq 0)", [](Problem& P) { P.lens[0] = INT32_MIN; }},
+      {"NaN in q (seq 1, head 1, element 5)",
+       [](Problem& P) { store_nan(P.c.dt, P.qh.data(), (size_t(1) * P.c.hq + 1) * P.c.d + 5); }},
+      {"NaN in an attended K element (seq 3, token 77, KV head 1)",
+       [](Problem& P) { store_nan(P.c.dt, P.kc.data(), P.kv_index(3, 77, 1, 9)); }},
+      {"NaN in an attended V element (seq 3, token 199, KV head 0)",
+       [](Problem& P) { store_nan(P.c.dt, P.vc.data(), P.kv_index(3, 199, 0, 6)); }},
+      {"empty cache (num_pages = 0: every sequence with a token is invalid)",
+       [](Problem& P) {
+         P.num_pages = P.g.num_pages = 0;
+         P.kc.clear();
+         P.vc.clear();
+       }},
+      {"NaN in K and V of seq 0's first token (every head of KV head 0)",
+       [](Problem& P) {
+         for (int e = 0; e < P.c.d; ++e) {
+           store_nan(P.c.dt, P.kc.data(), P.kv_index(0, 0, 0, e));
+           store_nan(P.c.dt, P.vc.data(), P.kv_index(0, 0, 0, e));
+         }
+       }},
+  };
+  struct Variant {
+    DT dt;
+    int hq, hkv;
+    const char* kernel;
+  };
+  const Variant variants[] = {
+      {DT::kBF16, 2, 2, "direct"},  {DT::kF16, 4, 4, "direct"},   {DT::kBF16, 8, 2, "mma"},
+      {DT::kF16, 16, 2, "mma"},     {DT::kF32, 8, 2, "simt"},     {DT::kBF16, 32, 2, "simt"},
+      {DT::kBF16, 64, 2, "simt32"}, {DT::kF32, 2, 2, "direct32"},
+  };
+  int failed = 0, total = 0;
+  for (const Variant& v : variants)
+    for (int part : {0, 64})
+      for (const Edit& e : edits) {
+        Case c;
+        c.dt = v.dt;
+        c.lens = lens;
+        c.hq = v.hq;
+        c.hkv = v.hkv;
+        c.part = part;
+        Problem P = make_problem(c, rng);
+        e.apply(P);
+        ++total;
+        failed += run_problem(P, std::string("[") + v.kernel + "] " + e.name + ": ") ? 0 : 1;
+      }
+  // No sequences at all: nothing to launch, nothing to write, no error.
+  const Case empty;  // no lengths
+  ++total;
+  failed += run_problem(make_problem(empty, rng), "[empty batch] ") ? 0 : 1;
+  std::printf("robustness: %d cases, %d failed\n", total, failed);
+  return failed;
 }
 
 int run_checks() {
@@ -371,7 +526,7 @@ int run_checks() {
   int failed = 0;
   for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;
   std::printf("correctness: %zu cases, %d failed\n", cases.size(), failed);
-  return failed;
+  return failed + run_robustness(rng);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -618,17 +773,25 @@ void run_perf() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = true, perf = true;
+  bool check = true, perf = true, robust_only = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--check")) perf = false;
-    else if (!std::strcmp(argv[i], "--perf")) check = false;
-    else {
-      std::fprintf(stderr, "usage: %s [--check | --perf]\n", argv[0]);
+    if (!std::strcmp(argv[i], "--check")) {
+      perf = false;
+    } else if (!std::strcmp(argv[i], "--perf")) {
+      check = false;
+    } else if (!std::strcmp(argv[i], "--robust")) {
+      perf = false;
+      robust_only = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--check | --robust | --perf]\n", argv[0]);
       return 2;
     }
   }
   int failed = 0;
-  if (check) failed = run_checks();
+  if (check) {
+    Rng rng(4321);
+    failed = robust_only ? run_robustness(rng) : run_checks();
+  }
   if (perf) run_perf();
   if (check) std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
   return failed ? 1 : 0;

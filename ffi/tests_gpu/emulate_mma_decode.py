@@ -6,7 +6,9 @@ on the PTX semantics of ldmatrix(.trans) and mma.m16n8k16 (fragment layouts as t
 documents them), against a float64 reference, for head_dim 32/64, page sizes 1..128, both
 layouts, 2..4 stages, groups 2..8, one pass and split partitions. cp.async copies land either
 at issue ("early": catches a copy overwriting a stage still being read) or only when a
-wait_group forces them ("late": catches reading a stage before it landed).
+wait_group forces them ("late": catches reading a stage before it landed). The index guard is
+emulated too: a page id outside the cache among a sequence's pages must make every head of it
+NaN (one pass and through the combine), garbage past its length must change nothing.
 
 Keep it in step with the kernel when either changes. Run: python3 emulate_mma_decode.py [--full]
 """
@@ -73,7 +75,7 @@ def mma(c, a, b):
 
 def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap):
     """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}."""
-    page_size, page_stride, token_stride = geo
+    page_size, page_stride, token_stride, num_pages = geo
     rs, ch, kd = d + 8, d // 8, d // 16
     off = np.full((ns, TILE), 12345678, np.int64)
     ks = np.full((ns, TILE, rs), np.nan, np.float32)  # padding columns stay NaN
@@ -84,12 +86,14 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
         t = start + n * TILE + tid
         return table[t // page_size] if (tid < TILE and t < end) else 0
 
-    def store_offset(n, tid, page):
+    def store_offset(n, tid, page):  # True: a page id outside the cache
         t = start + n * TILE + tid
-        if tid < TILE:
-            off[n % ns, tid] = (
-                page * page_stride + (t % page_size) * token_stride if t < end else -1
-            )
+        if tid >= TILE:
+            return False
+        live = t < end
+        ok = live and 0 <= page < num_pages
+        off[n % ns, tid] = page * page_stride + (t % page_size) * token_stride if ok else -1
+        return live and not ok
 
     def land_copy(op):
         s, r, c, o = op
@@ -118,9 +122,10 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
                 land_copy(op)
 
     ntiles = (end - start + TILE - 1) // TILE
+    bad = False  # the block-wide OR of every thread's flag (__syncthreads_or)
     for n in range(ns):
         for tid in range(NT):
-            store_offset(n, tid, page_of(n, tid))
+            bad |= store_offset(n, tid, page_of(n, tid))
     for n in range(ns - 1):
         if n < ntiles:
             issue(n)
@@ -186,7 +191,7 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
                 vf = ldmatrix_x4(vs[s], [x + j * 32 for x in lane_off], rs, True)
                 o[warp, :, j] = mma(o[warp, :, j], vf, b)
         for tid in range(NT):
-            store_offset(n + ns, tid, pages[tid])
+            bad |= store_offset(n + ns, tid, pages[tid])
     wait(0)
 
     red = np.full((WARPS, 8, d + 2), np.nan)
@@ -207,11 +212,16 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
         wt = 2.0 ** (red[:, g, d] - m_use)
         ls = (wt * red[:, g, d + 1]).sum()
         out = (wt[:, None] * red[:, g, :d]).sum(0)
-        res[g] = (out / ls if ls > 0 else np.zeros(d), mx, ls)
+        if bad:
+            out, mx, ls = np.full(d, np.nan), np.nan, np.nan
+        res[g] = (np.zeros(d) if ls == 0 else out / ls, mx, ls)
     return res
 
 
-def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2):
+def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=None):
+    """Largest error against float64; edit "bad": a page id outside the cache at the last
+    token's page (every output must be NaN: returns 0 if so, inf if not); "garbage": entries
+    past the length outside the cache (the result must not change)."""
     npages = max(1, -(-length // page_size)) + 3
     table = rng.permutation(npages)  # entries past the sequence point at NaN pages
     shape = (npages, page_size, hkv, d) if layout == "bshd" else (npages, hkv, page_size, d)
@@ -224,8 +234,13 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2):
             kc[pg, slot], vc[pg, slot] = dk[t], dv[t]
         else:
             kc[pg, :, slot], vc[pg, :, slot] = dk[t], dv[t]
+    if edit == "bad":
+        table[(length - 1) // page_size] = npages
+    elif edit == "garbage":
+        used = -(-length // page_size)
+        table[used:] = [-1 if i % 2 else 10**6 for i in range(npages - used)]
     token_stride, head_stride = (hkv * d, d) if layout == "bshd" else (d, page_size * d)
-    geo = (page_size, page_size * hkv * d, token_stride)
+    geo = (page_size, page_size * hkv * d, token_stride, npages)
     q = bf16_round(rng.standard_normal((hkv * group, d)))
     scale, cap = 0.3, (4.0 if d == 64 else 0.0)
     if cap:
@@ -247,11 +262,15 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2):
             if part == 0:
                 out = res[0][g][0]
             else:  # decode_combine_kernel
-                mx = max((r[g][1] for r in res), default=NEG_INF)
+                mx = np.fmax.reduce([r[g][1] for r in res], initial=NEG_INF)  # fmaxf
                 m_use = 0.0 if mx == NEG_INF else mx
                 w = np.array([r[g][2] * 2.0 ** (r[g][1] - m_use) for r in res])
                 out = sum(wi * r[g][0] for wi, r in zip(w, res, strict=True))
-                out = out / w.sum() if w.sum() > 0 else np.zeros(d)
+                out = np.zeros(d) if w.sum() == 0 else out / w.sum()
+            if edit == "bad":
+                if not np.isnan(out).all():
+                    return math.inf
+                continue
             ref = np.zeros(d)
             if length:
                 s = dk[:, kvh].astype(np.float64) @ qh[g].astype(np.float64) * scale
@@ -285,16 +304,16 @@ def main(full):
     for d, (page, ns), layout, land, group in itertools.product(
         dims, configs, ("bshd", "bhsd"), ("early", "late"), groups
     ):
-        for length, part in lengths:
-            if d == 64 and length > 300:
+        for (length, part), edit in itertools.product(lengths, (None, "bad", "garbage")):
+            if (d == 64 and length > 300) or (edit and (length == 0 or land == "late")):
                 continue
-            err = check(rng, d, page, layout, ns, land, group, length, part)
+            err = check(rng, d, page, layout, ns, land, group, length, part, edit=edit)
             cases += 1
             if not err < 2e-2:
                 fails += 1
                 print(
                     f"FAIL d={d} page={page} {layout} stages={ns} {land} group={group} "
-                    f"len={length} part={part}: max error {err}"
+                    f"len={length} part={part} edit={edit}: max error {err}"
                 )
     print(f"{cases} cases, {fails} failed")
     return 1 if fails else 0

@@ -7,7 +7,7 @@
 //
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
-// skips the checks.
+// skips the checks, --robust runs the robustness cases alone (small: for compute-sanitizer).
 //
 // Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
 // the whole cache NaN before the requests' keys are written, so unused pages and the slots
@@ -15,6 +15,15 @@
 // past the last request, which must come back as zeros. A case passes when every valid
 // output element is within 2 eps (1 + |ref|) of the reference (eps = 2^-8 bf16, 2^-11 f16:
 // the rounding of P and of the output) and every padding row is zero.
+//
+// Robustness (run_robustness): the index contract of jaxattn/guards.h and the NaN rules, on
+// every kernel, paged and pool forms: broken indptr (decreasing, first entry not 0), requests
+// past q, index entries num_pages / 10^6 / -1 / INT_MIN (one at a request's last key, which
+// the first tiles of that request never load), garbage past the keys, lengths past the table
+// or below lq, kv_indptr past kv_indices, NaN in q, NaN / inf in K or V at keys some rows of
+// a tile see and others do not, no requests at all. The reference applies the same contract
+// to the edited arrays. Every buffer has its exact size, so compute-sanitizer --tool memcheck
+// sees any access outside one (ffi/gpu_check.sh: SANITIZE=1).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,6 +57,7 @@ namespace {
 uint16_t enc(float f, bool f16) { return f16 ? jaxattn::float_to_f16(f) : jaxattn::float_to_bf16(f); }
 float dec(uint16_t h, bool f16) { return f16 ? jaxattn::f16_to_float(h) : jaxattn::bf16_to_float(h); }
 constexpr uint16_t kNaN16 = 0xffff;  // a NaN in both bf16 and f16
+constexpr uint16_t kInfBf16 = 0x7f80, kInfF16 = 0x7c00;
 
 struct Case {
   std::string name;
@@ -144,29 +154,62 @@ Problem make_problem(const Case& c, std::mt19937& rng, bool fill_values = true) 
   return P;
 }
 
-// out[nq][hq][d] in float64.
+// out[total_q][hq][d] in float64, with the kernels' contract (jaxattn/guards.h) applied to the
+// index arrays as they are (the robustness cases edit them after make_problem): every row NaN
+// when the indptr structure is broken; NaN rows (inside q) for an invalid request; zeros past
+// qo[batch]; otherwise exact attention over the stored values, read through the request's
+// index entries, in which a NaN propagates as it does in exact arithmetic.
 std::vector<double> reference(const Problem& P) {
   const Case& c = P.c;
-  const int group = c.hq / c.hkv;
-  std::vector<double> out(int64_t(P.nq) * c.hq * c.d, 0.0);
+  const int group = c.hq / c.hkv, ps = c.pool ? 1 : c.page_size;
+  const int64_t row_elems = int64_t(c.hq) * c.d;
+  std::vector<double> out(int64_t(P.total_q) * row_elems, 0.0);
+  auto sound = [&](const std::vector<int32_t>& ptr) {
+    if (ptr.empty() || ptr[0] != 0) return false;
+    for (size_t i = 1; i < ptr.size(); ++i)
+      if (ptr[i] < ptr[i - 1]) return false;
+    return true;
+  };
+  if (!sound(P.cu_q) || (c.pool && !sound(P.indptr))) {
+    std::fill(out.begin(), out.end(), NAN);
+    return out;
+  }
   std::vector<double> qrow(c.d), logit, acc(c.d);
-  std::vector<float> kf, vf;
+  std::vector<double> kf, vf;
+  std::vector<int64_t> key_off;
   for (int b = 0; b < P.batch; ++b) {
-    const int lk = P.lk[b], lq = c.lq[b];
+    const int q0 = P.cu_q[b], q1 = P.cu_q[b + 1], lq = q1 - q0;
+    const int lk = c.pool ? P.indptr[b + 1] - P.indptr[b] : P.seq_lens[b];
+    const int32_t* entries =
+        c.pool ? P.table.data() + P.indptr[b] : P.table.data() + int64_t(b) * P.table_stride;
+    bool valid = q1 <= P.total_q && lk >= lq;
+    valid = valid && (c.pool ? int64_t(P.indptr[b + 1]) <= int64_t(P.table.size())
+                             : int64_t(lk) <= int64_t(P.table_stride) * ps);
+    for (int j = 0; valid && j < lk; j += ps)
+      valid = entries[j / ps] >= 0 && entries[j / ps] < P.geo.num_pages;
+    if (!valid) {
+      std::fill(out.begin() + std::min(q0, P.total_q) * row_elems,
+                out.begin() + std::min(q1, P.total_q) * row_elems, NAN);
+      continue;
+    }
+    key_off.resize(lk);
+    for (int j = 0; j < lk; ++j)
+      key_off[j] =
+          int64_t(entries[j / ps]) * P.geo.page_stride + int64_t(j % ps) * P.geo.token_stride;
     for (int kvh = 0; kvh < c.hkv; ++kvh) {
       // This request's keys of this head, decoded once.
-      kf.assign(int64_t(lk) * c.d, 0.f);
-      vf.assign(int64_t(lk) * c.d, 0.f);
+      kf.assign(int64_t(lk) * c.d, 0.0);
+      vf.assign(int64_t(lk) * c.d, 0.0);
       for (int j = 0; j < lk; ++j) {
         for (int dd = 0; dd < c.d; ++dd) {
-          const int64_t e = P.key_off[b][j] + kvh * P.geo.head_stride + dd;
+          const int64_t e = key_off[j] + kvh * P.geo.head_stride + dd;
           kf[int64_t(j) * c.d + dd] = dec(P.k[e], c.f16);
           vf[int64_t(j) * c.d + dd] = dec(P.v[e], c.f16);
         }
       }
       for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
         for (int i = 0; i < lq; ++i) {
-          const int row = P.cu_q[b] + i;
+          const int row = q0 + i;
           for (int dd = 0; dd < c.d; ++dd)
             qrow[dd] = dec(P.q[(int64_t(row) * c.hq + h) * c.d + dd], c.f16);
           const int last = std::min(lk - 1, i + lk - lq);
@@ -174,23 +217,23 @@ std::vector<double> reference(const Problem& P) {
           logit.assign(std::max(last + 1, 0), 0.0);
           for (int j = 0; j <= last; ++j) {
             double sdot = 0.0;
-            const float* kr = &kf[int64_t(j) * c.d];
+            const double* kr = &kf[int64_t(j) * c.d];
             for (int dd = 0; dd < c.d; ++dd) sdot += qrow[dd] * kr[dd];
             sdot *= P.scale;
             if (c.cap > 0.f) sdot = c.cap * std::tanh(sdot / c.cap);
             logit[j] = sdot;
-            mx = std::max(mx, sdot);
+            mx = std::fmax(mx, sdot);  // NaN logits stay and make l NaN below
           }
           std::fill(acc.begin(), acc.end(), 0.0);
           double l = 0.0;
           for (int j = 0; j <= last; ++j) {
             const double pj = std::exp(logit[j] - mx);
             l += pj;
-            const float* vr = &vf[int64_t(j) * c.d];
+            const double* vr = &vf[int64_t(j) * c.d];
             for (int dd = 0; dd < c.d; ++dd) acc[dd] += pj * vr[dd];
           }
           for (int dd = 0; dd < c.d; ++dd)
-            out[(int64_t(row) * c.hq + h) * c.d + dd] = l > 0.0 ? acc[dd] / l : 0.0;
+            out[(int64_t(row) * c.hq + h) * c.d + dd] = l == 0.0 ? 0.0 : acc[dd] / l;
         }
       }
     }
@@ -234,6 +277,7 @@ struct Device {
     p.total_q = P.total_q;
     p.num_q_heads = P.c.hq;
     p.page_table_stride = P.table_stride;
+    p.page_table_len = int64_t(P.table.size());
     p.kv = P.geo;
     p.ls = jaxattn::make_logit_scale(P.scale, P.c.cap);
   }
@@ -265,9 +309,12 @@ const char* kernel_name(PrefillKernel k) {
 
 bool g_sm90_expected = false;  // compute capability 9.0: the sm90 path must run
 
-// 0 pass, 1 fail, 2 skipped.
-int check_case(const Case& c, std::mt19937& rng) {
-  const Problem P = make_problem(c, rng);
+// Runs every kernel on P and compares all total_q rows with the reference: a NaN expected
+// must be NaN, an infinity non-finite, a zero (a padding row) exactly zero, anything else
+// within 2 eps (1 + |ref|) (eps = 2^-8 bf16, 2^-11 f16: the rounding of P and of the output).
+// 0 pass, 1 fail.
+int check_problem(const Problem& P, const std::string& name) {
+  const Case& c = P.c;
   const std::vector<double> ref = reference(P);
   Device dev(P);
   const double eps = c.f16 ? 1.0 / 2048 : 1.0 / 256;
@@ -277,37 +324,166 @@ int check_case(const Case& c, std::mt19937& rng) {
     const char* err = dev.launch(c.f16, which);
     if (err != nullptr) {
       const bool fail = which != PrefillKernel::kSm90 || g_sm90_expected;
-      std::printf("  %-44s %-5s %s: %s\n", c.name.c_str(), kernel_name(which),
-                  fail ? "FAIL" : "SKIP", err);
+      std::printf("  %-60s %-5s %s: %s\n", name.c_str(), kernel_name(which), fail ? "FAIL" : "SKIP",
+                  err);
       cudaGetLastError();
       worst = std::max(worst, fail ? 1 : 0);
       continue;
     }
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> out(P.q.size());
-    CK(cudaMemcpy(out.data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
+    if (dev.out_bytes) CK(cudaMemcpy(out.data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
     double max_abs = 0.0, max_ref = 0.0, worst_ratio = 0.0;
-    int64_t bad = 0, nonzero_pad = 0;
-    const int64_t valid = int64_t(P.nq) * c.hq * c.d;
-    for (int64_t i = 0; i < valid; ++i) {
+    int64_t bad = 0, nans = 0;
+    for (int64_t i = 0; i < int64_t(out.size()); ++i) {
       const double o = dec(out[i], c.f16), r = ref[i];
-      const double e = std::fabs(o - r);  // NaN compares false below: counted as bad
-      const double tol = 2 * eps * (1.0 + std::fabs(r));
-      if (!(e <= tol)) ++bad;
-      if (!(e <= max_abs)) max_abs = e;
-      max_ref = std::max(max_ref, std::fabs(r));
-      worst_ratio = std::max(worst_ratio, e / tol);
+      nans += std::isnan(o);
+      if (std::isnan(r)) {
+        bad += !std::isnan(o);
+      } else if (std::isinf(r)) {
+        bad += std::isfinite(o);
+      } else if (r == 0.0) {
+        bad += (out[i] & 0x7fff) != 0;
+      } else {
+        const double e = std::fabs(o - r);  // NaN compares false below: counted as bad
+        const double tol = 2 * eps * (1.0 + std::fabs(r));
+        if (!(e <= tol)) ++bad;
+        if (!(e <= max_abs)) max_abs = e;
+        max_ref = std::max(max_ref, std::fabs(r));
+        worst_ratio = std::max(worst_ratio, e / tol);
+      }
     }
-    for (int64_t i = valid; i < int64_t(out.size()); ++i)
-      if ((out[i] & 0x7fff) != 0) ++nonzero_pad;
-    const bool ok = bad == 0 && nonzero_pad == 0;
-    std::printf("  %-44s %-5s max_abs_err %.3e  max_rel_err %.3e  err/tol %.2f  bad %lld  "
-                "bad_pad %lld  %s\n",
-                c.name.c_str(), kernel_name(which), max_abs, max_abs / std::max(max_ref, 1e-30),
-                worst_ratio, (long long)bad, (long long)nonzero_pad, ok ? "PASS" : "FAIL");
+    const bool ok = bad == 0;
+    std::printf(
+        "  %-60s %-5s max_abs_err %.3e  max_rel_err %.3e  err/tol %.2f  NaN %lld  "
+        "bad %lld  %s\n",
+        name.c_str(), kernel_name(which), max_abs, max_abs / std::max(max_ref, 1e-30), worst_ratio,
+        (long long)nans, (long long)bad, ok ? "PASS" : "FAIL");
     if (!ok) worst = 1;
   }
   return worst;
+}
+
+int check_case(const Case& c, std::mt19937& rng) {
+  return check_problem(make_problem(c, rng), c.name);
+}
+
+// Element index of (request b, key j, KV head h, element e) as generated.
+int64_t kv_elem(const Problem& P, int b, int j, int h, int e) {
+  return P.key_off[b][j] + h * P.geo.head_stride + e;
+}
+
+// The index entry of request b's key j (a page id, or a pool slot).
+int32_t& entry_of(Problem& P, int b, int j) {
+  if (P.c.pool) return P.table[P.indptr[b] + j];
+  return P.table[int64_t(b) * P.table_stride + j / P.c.page_size];
+}
+
+// Index and NaN robustness on every kernel: edits of a valid problem (paged bf16 D=128 and
+// pool f16 D=64), against the reference with the same contract. Requests: lq 3/17/255/1/130
+// with prefixes 5/64/0/1000/200 (lk 8/81/255/1001/330), then 5 padding rows. The edits that
+// matter most for tiles: a bad entry at request 2's last key (its first tiles' causal range
+// stops long before it, yet all its rows must be NaN), and NaN / inf in K or V at keys that
+// some rows of a tile see and others do not (those rows must stay exact).
+int run_robustness(std::mt19937& rng) {
+  using Edit = void (*)(Problem&);
+  struct Named {
+    const char* name;
+    bool paged, pool;
+    Edit edit;
+  };
+  const Named edits[] = {
+      {"valid", true, true, [](Problem&) {}},
+      {"qo decreasing", true, true, [](Problem& P) { P.cu_q[2] = P.cu_q[1] - 1; }},
+      {"qo[0] = 1", true, true, [](Problem& P) { P.cu_q[0] = 1; }},
+      {"qo[B] = total_q + 7 (last request overlong)", true, true,
+       [](Problem& P) { P.cu_q[P.batch] = P.total_q + 7; }},
+      {"qo[3..5] = total_q + 100 (request 2 overlong, 3 and 4 past q)", true, true,
+       [](Problem& P) {
+         for (int b = 3; b <= P.batch; ++b) P.cu_q[b] = P.total_q + 100;
+       }},
+      {"entry = num_pages at request 3's first key", true, true,
+       [](Problem& P) { entry_of(P, 3, 0) = P.geo.num_pages; }},
+      {"entry = 10^6 at request 2's last key", true, true,
+       [](Problem& P) { entry_of(P, 2, 254) = 1000000; }},
+      {"entry = -1 at request 4's key 100", true, true,
+       [](Problem& P) { entry_of(P, 4, 100) = -1; }},
+      {"entry = INT_MIN at request 1's last key", true, true,
+       [](Problem& P) { entry_of(P, 1, 80) = INT32_MIN; }},
+      {"garbage past every request's keys (never read)", true, true,
+       [](Problem& P) {
+         if (P.c.pool) {
+           for (int i = 0; i < 9; ++i) P.table.push_back(i % 2 ? -1 : 1000000 + i);
+           return;
+         }
+         for (int b = 0; b < P.batch; ++b)
+           for (int j = (P.lk[b] + P.c.page_size - 1) / P.c.page_size; j < P.table_stride; ++j)
+             P.table[int64_t(b) * P.table_stride + j] = j % 2 ? -1 : 1000000 + j;
+       }},
+      {"seq_len past the table (request 1)", true, false,
+       [](Problem& P) { P.seq_lens[1] = P.table_stride * P.c.page_size + 1; }},
+      {"seq_len < lq (request 4)", true, false, [](Problem& P) { P.seq_lens[4] = 129; }},
+      {"seq_len = -1 (request 0)", true, false, [](Problem& P) { P.seq_lens[0] = -1; }},
+      {"kv_indptr[B] past kv_indices (request 4)", false, true,
+       [](Problem& P) { P.indptr[P.batch] = int32_t(P.table.size()) + 1; }},
+      {"kv_indptr: request 1 lk < lq", false, true,
+       [](Problem& P) { P.indptr[2] = P.indptr[1] + 10; }},
+      {"kv_indptr decreasing", false, true, [](Problem& P) { P.indptr[3] = P.indptr[2] - 1; }},
+      {"kv_indptr[0] = 1", false, true, [](Problem& P) { P.indptr[0] = 1; }},
+      {"empty cache (num_pages = 0: every request is invalid)", true, true,
+       [](Problem& P) {
+         P.geo.num_pages = 0;
+         P.k.clear();
+         P.v.clear();
+       }},
+      {"NaN in q (row qo[1] + 5, head 3)", true, true,
+       [](Problem& P) { P.q[(int64_t(P.cu_q[1] + 5) * P.c.hq + 3) * P.c.d] = kNaN16; }},
+      {"NaN in K of a prefix key (request 1, key 10, KV head 0)", true, true,
+       [](Problem& P) { P.k[kv_elem(P, 1, 10, 0, 3)] = kNaN16; }},
+      {"NaN in K at a diagonal key (request 2, key 100, KV head 1)", true, true,
+       [](Problem& P) { P.k[kv_elem(P, 2, 100, 1, 7)] = kNaN16; }},
+      {"NaN in V at a diagonal key (request 2, key 100, KV head 1)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 2, 100, 1, 7)] = kNaN16; }},
+      {"NaN in V at request 2's last key", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 2, 254, 0, 1)] = kNaN16; }},
+      {"NaN in V at request 4's first new key", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 4, 200, 1, 60)] = kNaN16; }},
+      {"inf in V at a diagonal key (request 4, key 260, KV head 0)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 4, 260, 0, 2)] = P.c.f16 ? kInfF16 : kInfBf16; }},
+  };
+  const Layout bshd = Layout::kBSHD;
+  // name, lq, prefix, hq, hkv, d, page_size, layout, pool, cap, f16, pad_rows
+  const Case paged = {
+      "paged", {3, 17, 255, 1, 130}, {5, 64, 0, 1000, 200}, 8, 2, 128, 16, bshd, false, 0.f, false,
+      5};
+  const Case pool = {
+      "pool", {3, 17, 255, 1, 130}, {5, 64, 0, 1000, 200}, 8, 2, 64, 1, bshd, true, 0.f, true, 5};
+  int failed = 0, total = 0;
+  for (const Case* base : {&paged, &pool}) {
+    for (const Named& e : edits) {
+      if (!(base->pool ? e.pool : e.paged)) continue;
+      Problem P = make_problem(*base, rng);
+      e.edit(P);
+      ++total;
+      failed += check_problem(P, base->name + ": " + e.name);
+    }
+  }
+  // No requests: every row is padding (zeros), or NaN when qo[0] != 0.
+  for (int first : {0, 2}) {
+    for (const Case* base : {&paged, &pool}) {
+      Case c = *base;
+      c.lq.clear();
+      c.prefix.clear();
+      c.pad_rows = 9;
+      Problem P = make_problem(c, rng);
+      P.cu_q[0] = first;
+      ++total;
+      failed +=
+          check_problem(P, base->name + ": no requests, qo = {" + std::to_string(first) + "}");
+    }
+  }
+  std::printf("robustness: %d of %d cases failed\n", failed, total);
+  return failed;
 }
 
 double useful_flops(const std::vector<int>& lq, const std::vector<int>& prefix, int hq, int d) {
@@ -378,10 +554,18 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool checks = true, bench = true;
+  bool checks = true, bench = true, robust = true;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--no-bench") == 0) bench = false;
-    if (std::strcmp(argv[i], "--bench-only") == 0) checks = false;
+    if (std::strcmp(argv[i], "--no-bench") == 0) {
+      bench = false;
+    } else if (std::strcmp(argv[i], "--bench-only") == 0) {
+      checks = robust = false;
+    } else if (std::strcmp(argv[i], "--robust") == 0) {
+      checks = bench = false;
+    } else {
+      std::fprintf(stderr, "usage: %s [--no-bench | --bench-only | --robust]\n", argv[0]);
+      return 2;
+    }
   }
   int dev = 0, major = 0, minor = 0;
   CK(cudaGetDevice(&dev));
@@ -434,6 +618,10 @@ int main(int argc, char** argv) {
       if (r == 1) ++failed;
     }
     std::printf("checks: %d of %d cases failed\n", failed, total);
+  }
+  if (robust) {
+    std::printf("robustness (index contract and NaN rules, vs the same reference):\n");
+    failed += run_robustness(rng);
   }
   if (bench) {
     std::printf("timings (bf16, D=128, 32/8, page 16, bshd; median of 10 after warm-up):\n");

@@ -1,5 +1,6 @@
 // Plain C++ implementations of every op: the math of the GPU kernels (base-2 logits, split-KV
-// partials merged by their (max, sum) pairs), float32 accumulation, one thread.
+// partials merged by their (max, sum) pairs), float32 accumulation, one thread. The index
+// contract of jaxattn/guards.h is checked per sequence / request before any key is read.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "jaxattn/dtypes.h"
+#include "jaxattn/guards.h"
 #include "jaxattn/params.h"
 
 namespace jaxattn {
@@ -19,23 +21,33 @@ struct Partial {
   float l = 0.f;
 };
 
-// Running softmax over keys, in base 2; `acc` holds the unnormalised output.
+// The maximum used to shift exponents: -inf (nothing seen yet) shifts by 0, so that
+// exp2(-inf - shift) is 0 rather than NaN.
+inline float shift_of(float m) { return m == -std::numeric_limits<float>::infinity() ? 0.f : m; }
+
+// Normalised output: 0 when the row saw nothing (l == 0); NaN in acc or l stays NaN.
+inline float normalise(float acc, float l) { return l == 0.f ? 0.f : acc / l; }
+
+// Running softmax over keys, in base 2; `acc` holds the unnormalised output. A NaN logit or
+// value makes l or acc NaN and nothing later turns it back into a number (std::fmax ignores
+// NaN, so the maximum stays a number and every product below keeps the NaN).
 class OnlineSoftmax {
  public:
   explicit OnlineSoftmax(int head_dim) : acc_(head_dim, 0.f) {}
 
   template <typename T>
   void add(float logit, const T* v) {
-    const float m_new = std::max(st_.m, logit);
-    const float alpha = std::exp2(st_.m - m_new);  // exp2(-inf) == 0 on the first key
-    const float p = std::exp2(logit - m_new);
+    const float m_new = std::fmax(st_.m, logit);
+    const float shift = shift_of(m_new);
+    const float alpha = std::exp2(st_.m - shift);  // 0 on the first key
+    const float p = std::exp2(logit - shift);
     st_.l = st_.l * alpha + p;
     for (size_t d = 0; d < acc_.size(); ++d) acc_[d] = acc_[d] * alpha + p * to_float(v[d]);
     st_.m = m_new;
   }
 
   const Partial& state() const { return st_; }
-  float normalised(size_t d) const { return st_.l > 0.f ? acc_[d] / st_.l : 0.f; }
+  float normalised(size_t d) const { return normalise(acc_[d], st_.l); }
 
  private:
   Partial st_;
@@ -60,6 +72,19 @@ inline int64_t kv_offset(const KvGeometry& g, int32_t page, int32_t t, int32_t h
          int64_t(h) * g.head_stride;
 }
 
+// Every page id of the first `count` entries of a table row lies in [0, num_pages).
+inline bool pages_ok(const int32_t* table, int32_t count, int32_t num_pages) {
+  for (int32_t i = 0; i < count; ++i)
+    if (!index_ok(table[i], num_pages)) return false;
+  return true;
+}
+
+template <typename T>
+void fill_rows(T* out, int64_t first, int64_t last, int64_t row_elems, float value) {
+  if (last > first)
+    std::fill(out + first * row_elems, out + last * row_elems, from_float<T>(value));
+}
+
 template <typename T>
 void paged_decode(const DecodeParams& p) {
   const KvGeometry& g = p.kv;
@@ -73,8 +98,13 @@ void paged_decode(const DecodeParams& p) {
   std::vector<float> parts_out;
   std::vector<Partial> parts;
   for (int b = 0; b < p.batch; ++b) {
-    const int L = std::max(p.seq_lens[b], 0);
+    const int L = p.seq_lens[b];
     const int32_t* bt = p.block_tables + int64_t(b) * p.block_table_stride;
+    if (!decode_bounds_ok(L, p.block_table_stride, g.page_size, g.num_pages) ||
+        !pages_ok(bt, pages_for(L, g.page_size), g.num_pages)) {
+      fill_rows(out, b, b + 1, int64_t(p.num_q_heads) * D, quiet_nan());
+      continue;
+    }
     const int ps = p.partition_size > 0 ? p.partition_size : std::max(L, 1);
     const int nparts = (L + ps - 1) / ps;
     for (int h = 0; h < p.num_q_heads; ++h) {
@@ -92,22 +122,35 @@ void paged_decode(const DecodeParams& p) {
         for (int d = 0; d < D; ++d) parts_out[size_t(part) * D + d] = sm.normalised(d);
       }
       // The split-KV combine: rescale each partition's normalised output by l_p * 2^(m_p - M).
+      // A NaN l_p makes its weight NaN, and so the row.
       float m_max = -std::numeric_limits<float>::infinity();
-      for (const Partial& pt : parts) m_max = std::max(m_max, pt.m);
+      for (const Partial& pt : parts) m_max = std::fmax(m_max, pt.m);
+      const float shift = shift_of(m_max);
       float l_tot = 0.f;
       std::vector<float> w(nparts);
       for (int i = 0; i < nparts; ++i) {
-        w[i] = parts[i].l * std::exp2(parts[i].m - m_max);
+        w[i] = parts[i].l * std::exp2(parts[i].m - shift);
         l_tot += w[i];
       }
       T* o = out + (int64_t(b) * p.num_q_heads + h) * D;
       for (int d = 0; d < D; ++d) {
         float acc = 0.f;
         for (int i = 0; i < nparts; ++i) acc += w[i] * parts_out[size_t(i) * D + d];
-        o[d] = from_float<T>(l_tot > 0.f ? acc / l_tot : 0.f);
+        o[d] = from_float<T>(normalise(acc, l_tot));
       }
     }
   }
+}
+
+// qo_indptr (and kv_indptr) start at 0 and never decrease.
+inline bool prefill_structure_ok(const PrefillParams& p) {
+  for (const int32_t* ptr : {p.cu_seqlens_q, p.page_indptr}) {
+    if (ptr == nullptr) continue;
+    if (ptr[0] != 0) return false;
+    for (int b = 0; b < p.batch; ++b)
+      if (ptr[b + 1] < ptr[b]) return false;
+  }
+  return true;
 }
 
 template <typename T>
@@ -115,18 +158,30 @@ void prefill(const PrefillParams& p) {
   const KvGeometry& g = p.kv;
   const int D = g.head_dim;
   const int group = p.num_q_heads / g.num_kv_heads;
+  const int64_t row_elems = int64_t(p.num_q_heads) * D;
   const T* q = static_cast<const T*>(p.q);
   const T* kc = static_cast<const T*>(p.k);
   const T* vc = static_cast<const T*>(p.v);
   T* out = static_cast<T*>(p.out);
-  std::fill(out, out + int64_t(p.total_q) * p.num_q_heads * D, from_float<T>(0.f));
+  if (!prefill_structure_ok(p)) {
+    fill_rows(out, 0, p.total_q, row_elems, quiet_nan());
+    return;
+  }
+  fill_rows(out, 0, p.total_q, row_elems, 0.f);
   std::vector<float> qs;
   for (int b = 0; b < p.batch; ++b) {
     const int q0 = p.cu_seqlens_q[b];
-    const int lq = p.cu_seqlens_q[b + 1] - q0;
+    const int q1 = p.cu_seqlens_q[b + 1];
+    const int lq = q1 - q0;
     const int32_t* table = p.page_table + (p.page_indptr ? int64_t(p.page_indptr[b])
                                                          : int64_t(b) * p.page_table_stride);
     const int lk = p.seq_lens ? p.seq_lens[b] : p.page_indptr[b + 1] - p.page_indptr[b];
+    const int k1 = p.page_indptr ? p.page_indptr[b + 1] : 0;
+    if (!prefill_bounds_ok(p, q0, q1, lk, k1) ||
+        !pages_ok(table, pages_for(lk, g.page_size), g.num_pages)) {
+      fill_rows(out, std::min(q0, p.total_q), std::min(q1, p.total_q), row_elems, quiet_nan());
+      continue;
+    }
     for (int i = 0; i < lq; ++i) {
       // Shifted causal mask: row i sees key j iff j <= i + (Lk - Lq).
       const int visible = std::min(lk, i + lk - lq + 1);

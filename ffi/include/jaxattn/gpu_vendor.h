@@ -70,6 +70,14 @@ __device__ __forceinline__ float shfl(float v, int src_lane, int width = WARP_SI
 #endif
 }
 
+__device__ __forceinline__ int shfl_up(int v, int delta) {
+#if defined(JAXATTN_HIP)
+  return __shfl_up(v, static_cast<unsigned>(delta));
+#else
+  return __shfl_up_sync(0xffffffffu, v, static_cast<unsigned>(delta));
+#endif
+}
+
 // 2^x on the special-function unit; the kernels fold log2(e) into their scale so that this is
 // the only exponential they need.
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -52,12 +52,33 @@
 // Split-KV (partition_size > 0): each block writes its partition's normalised output and
 // (max, sum) to the workspace and a combine kernel weighs the partitions by
 // sum_p * 2^(max_p - max) -- the exact merge, since the maxima are in the same base 2.
+//
+// Index guards (the contract of jaxattn/guards.h). A block checks seq_lens[b] against the
+// block-table width before anything else (uniform: one scalar). Page ids are checked where
+// they become row offsets, so the per-token compute is untouched: the pipelined kernels when a
+// tile's row offsets are stored one tile ahead (KvRing::store_offset), the direct kernel when
+// it computes a row's address. A row with a bad page id is never read. In the pipelined
+// kernels it is zero-filled and the thread that saw it sets a flag that the block ORs into its
+// existing final barrier (__syncthreads_or); a poisoned block writes NaN for every head it owns
+// -- or, split, NaN output, max and sum for its partition. In the direct kernel the thread sets
+// its running sums to NaN instead, which poisons every head of the block through the merges
+// with no flag carried through the loop. The combine turns a NaN partition into a NaN row.
+// Only the first ceil(L / P) entries of a table row are read, so entries past them may hold
+// anything.
+//
+// NaN: a NaN logit (NaN in q or in an attended key) makes p and so the sum l NaN; a NaN value
+// makes that element of the accumulator NaN. fmaxf ignores NaN, so the running maxima stay
+// numbers and every rescale (x * 2^(m - m_new), 0 for an empty state) keeps the NaN of l and
+// of the accumulator; the finalisers divide unless l == 0 (nothing attended: 0), so a NaN
+// never comes back as 0. Rows past the end are zero-filled copies and get probability 0:
+// nothing outside [0, L) reaches a product.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
+#include "jaxattn/guards.h"
 #include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/params.h"
 
@@ -121,10 +142,18 @@ struct DecodeShape {
       kTokenSplit > 1 ? kWarps * kHeadsPerWarp * (D + 2) * int(sizeof(float)) : 0;
   static constexpr int kSmemBytes = cmax(kRingBytes, kMergeBytes);
   static_assert(kSmemBytes <= 48 * 1024, "SIMT decode shared memory must fit the default limit");
-  // __launch_bounds__ minimum blocks per SM: 0 (none) keeps ptxas's own register target for
-  // the direct kernel (64 registers at 1 head: 8 blocks an SM); for the pipelined one that
-  // target spilled a few bytes at 2 heads, and shared memory bounds its occupancy anyway.
+  // __launch_bounds__ minimum blocks per SM. The direct kernel runs at 64 registers with
+  // 16-bit data (8 blocks an SM, which keeps memory saturated); ptxas's own target (0: none)
+  // drifted to 72 for f16 with the page-id guard, so nvcc is held to 8 blocks there (no
+  // spills). f32 keeps ptxas's target (56 registers: 9 blocks; forcing that spilled). hipcc
+  // reads the second bound as waves per execution unit, not blocks, so HIP keeps 0. For the
+  // pipelined kernel ptxas's target spilled a few bytes at 2 heads, and shared memory bounds
+  // its occupancy anyway.
+#if defined(JAXATTN_CUDA)
+  static constexpr int kMinBlocks = kStaged ? 1 : (sizeof(T) == 2 && kVecsPerLane == 1 ? 8 : 0);
+#else
   static constexpr int kMinBlocks = kStaged ? 1 : 0;
+#endif
 };
 
 __device__ __forceinline__ uint4 load16(const void* p) {
@@ -141,10 +170,23 @@ struct DecodeRange {
   int end;
 };
 
-// False when the block has no tokens of a split sequence (the combine reads only partitions
-// that hold tokens, so such a block writes nothing).
-__device__ __forceinline__ bool decode_range(const DecodeParams& p, DecodeRange* r) {
-  const int L = max(p.seq_lens[blockIdx.y], 0);
+// The block's tokens [start, end). False when the block has nothing to compute: a split
+// partition past the sequence's end (the combine reads only partitions that hold tokens, so
+// such a block writes nothing), or a sequence whose length does not fit its block-table row,
+// whose rows are NaN (written here in one pass, by the combine when split).
+template <typename T>
+__device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int group,
+                                             DecodeRange* r) {
+  const int L = p.seq_lens[blockIdx.y];
+  if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) {
+    if (p.partition_size == 0) {
+      const int D = p.kv.head_dim;
+      T* out =
+          static_cast<T*>(p.out) + (int64_t(blockIdx.y) * p.num_q_heads + int64_t(kvh) * group) * D;
+      for (int i = threadIdx.x; i < group * D; i += blockDim.x) out[i] = from_float<T>(quiet_nan());
+    }
+    return false;
+  }
   r->start = 0;
   r->end = L;
   if (p.partition_size > 0) {
@@ -156,12 +198,12 @@ __device__ __forceinline__ bool decode_range(const DecodeParams& p, DecodeRange*
 }
 
 // Writes one element of a finished (head, d): the output itself in one pass, or the
-// partition's normalised output and its (max, sum) for the combine.
+// partition's normalised output and its (max, sum) for the combine. l == 0: nothing attended.
 template <typename T>
 __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int head, int d, float o,
                                              float m, float l) {
   const int D = p.kv.head_dim;
-  const float v = l > 0.f ? o / l : 0.f;
+  const float v = l == 0.f ? 0.f : o / l;
   const int64_t bh = int64_t(b) * p.num_q_heads + head;
   if (p.partition_size == 0) {
     static_cast<T*>(p.out)[bh * D + d] = from_float<T>(v);
@@ -177,12 +219,12 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
 }
 
 // Merges the (max, sum, output) states that WS warps left in shared memory for each of the
-// block's HC x GC heads and writes the results, in a fixed order. red holds, for warp
-// w = ws * HC + hc and its head g, D output floats then the max and the sum, at
-// red + (w * GC + g) * (D + 2).
+// block's HC x GC heads and writes the results, in a fixed order; NaN for all of them when
+// the block is poisoned. red holds, for warp w = ws * HC + hc and its head g, D output floats
+// then the max and the sum, at red + (w * GC + g) * (D + 2).
 template <typename T, int D, int HC, int GC, int WS, int NT>
 __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, const float* red,
-                                                      int b, int kvh, int group) {
+                                                      int b, int kvh, int group, bool poisoned) {
   constexpr float kNegInf = -__builtin_huge_valf();
   for (int i = threadIdx.x; i < HC * GC * D; i += NT) {
     const int hci = i / (GC * D), g = (i / D) % GC, d = i % D;
@@ -200,6 +242,7 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
       ls += wt * r[D + 1];
       o += wt * r[d];
     }
+    if (poisoned) o = mx = ls = quiet_nan();
     decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls);
   }
 }
@@ -237,12 +280,17 @@ struct KvRing {
     const int t = start + n * TILE + int(threadIdx.x);
     return (int(threadIdx.x) < TILE && t < end) ? table[t / kv.page_size] : 0;
   }
-  __device__ __forceinline__ void store_offset(int n, int page) const {
-    if (int(threadIdx.x) >= TILE) return;
+  // True when the row's page id lies outside the cache: the row is then zero-filled like a
+  // row past the end, and the caller poisons the block.
+  __device__ __forceinline__ bool store_offset(int n, int page) const {
+    if (int(threadIdx.x) >= TILE) return false;
     const int t = start + n * TILE + int(threadIdx.x);
+    const bool live = t < end;
+    const bool ok = live && index_ok(page, kv.num_pages);
     offsets(n % STAGES)[threadIdx.x] =
-        t < end ? int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride
-                : int64_t(-1);
+        ok ? int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride
+           : int64_t(-1);
+    return live && !ok;
   }
 
   // Starts the copies of tile n (its offsets must be visible: stored before a barrier).
@@ -267,16 +315,19 @@ struct KvRing {
   }
 
   // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
-  // commit group each (empty groups past the last tile keep the group count uniform).
-  __device__ __forceinline__ void prologue(int ntiles) const {
+  // commit group each (empty groups past the last tile keep the group count uniform). Returns
+  // whether this thread saw a bad page id.
+  __device__ __forceinline__ bool prologue(int ntiles) const {
+    bool bad = false;
 #pragma unroll
-    for (int n = 0; n < STAGES; ++n) store_offset(n, page_of(n));
+    for (int n = 0; n < STAGES; ++n) bad |= store_offset(n, page_of(n));
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
       if (n < ntiles) issue(n);
       async_copy_commit();
     }
+    return bad;
   }
 };
 
@@ -298,7 +349,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
-  if (!decode_range(p, &range)) return;
+  if (!decode_range<T>(p, kvh, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int hc = warp % HC, ws = warp / HC;
@@ -312,7 +363,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   using Ring = KvRing<T, D, S::kTile, S::kRingStages, S::kRowStride, S::kThreads>;
   [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
   [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
-  if constexpr (S::kStaged) ring.prologue(ntiles);  // the copies overlap the q loads below
+  bool bad = false;  // this thread met a page id outside the cache (pipelined kernel)
+  if constexpr (S::kStaged) bad = ring.prologue(ntiles);  // the copies overlap the q loads below
 
   float q[GC][EPL];
 #pragma unroll
@@ -408,7 +460,16 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
         const int t = tb + (u * WS + ws) * TPW + row;
         ok[u] = t < end;
         if (ok[u]) {
-          const int64_t off = int64_t(bt[t / kv.page_size]) * kv.page_stride +
+          int page = bt[t / kv.page_size];
+          if (!index_ok(page, kv.num_pages)) {
+            // A page id outside the cache: the row reads page 0 instead (num_pages > 0 here:
+            // decode_range) and a NaN sum poisons every head of the block through the merges
+            // (every head lives in every warp here), with no flag live through the loop.
+            page = 0;
+#pragma unroll
+            for (int g = 0; g < GC; ++g) l[g] = quiet_nan();
+          }
+          const int64_t off = int64_t(page) * kv.page_stride +
                               int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
 #pragma unroll
           for (int j = 0; j < NV; ++j) {
@@ -450,7 +511,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
         }
         consume(kr, vr, ok);
       }
-      ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+      bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
     }
     async_copy_wait<0>();
   }
@@ -476,17 +537,20 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   }
 
   if constexpr (WS == 1) {
+    const bool poisoned = __syncthreads_or(bad);
     if (row == 0) {
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
         const int gh = hc * GC + g;
         if (gh >= group) continue;
+        // A NaN sum makes every element NaN (and, split, the partition's weight).
+        const float mg = poisoned ? quiet_nan() : m[g], lg = poisoned ? quiet_nan() : l[g];
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
 #pragma unroll
           for (int v = 0; v < VEC; ++v) {
             decode_write<T>(p, b, kvh * group + gh, (j * TG + col) * VEC + v, acc[g][j * VEC + v],
-                            m[g], l[g]);
+                            mg, lg);
           }
         }
       }
@@ -494,7 +558,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   } else {
     // Merge the warps that split the rows, through shared memory, in a fixed order.
     float* red = reinterpret_cast<float*>(smem);
-    __syncthreads();  // the ring (if any) is no longer read
+    const bool poisoned = __syncthreads_or(bad);  // and the ring (if any) is no longer read
     if (row == 0) {
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
@@ -511,7 +575,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
       }
     }
     __syncthreads();
-    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group);
+    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group, poisoned);
   }
 }
 
@@ -565,7 +629,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
-  if (!decode_range(p, &range)) return;
+  if (!decode_range<T>(p, kvh, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -577,7 +641,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const Ring ring{smem,  kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
                   kv,    start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
-  ring.prologue(ntiles);
+  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
 
   // Q as the A operand, unscaled (16-bit, exact); the scale is applied to S in f32.
   uint32_t qa[KD][2];
@@ -667,14 +731,14 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
-    ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
   l = group_sum<4>(l);
 
   // Per-warp states to shared memory (over the ring), then the fixed-order merge.
   float* red = reinterpret_cast<float*>(smem);
-  __syncthreads();
+  const bool poisoned = __syncthreads_or(bad);
 #pragma unroll
   for (int j = 0; j < KD; ++j) {
     float* r0 = red + (warp * H + 2 * tq) * (D + 2) + j * 16 + g;
@@ -689,7 +753,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     red[(warp * H + g) * (D + 2) + D + 1] = l;
   }
   __syncthreads();
-  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group);
+  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned);
 #endif
 }
 
@@ -701,7 +765,9 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
 
 // Exact merge of the partitions of one (sequence, query head): the maximum of the partition
 // maxima first, then each warp sums its share of the partitions (their loads independent),
-// then the warps' sums in a fixed order.
+// then the warps' sums in a fixed order. A poisoned partition (NaN max and sum) has a NaN
+// weight, so the row is NaN; a length that does not fit the block table gives a NaN row
+// without reading the workspace (its partitions wrote nothing).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams p) {
   constexpr int kThreads = 256, kWarps = kThreads / WARP_SIZE;
@@ -711,7 +777,12 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   __shared__ float red_x[2][kWarps];
   const int h = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int L = max(p.seq_lens[b], 0);
+  T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + h) * D;
+  const int L = p.seq_lens[b];
+  if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) {
+    for (int d = threadIdx.x; d < D; d += kThreads) out[d] = from_float<T>(quiet_nan());
+    return;
+  }
   const int nparts = (L + p.partition_size - 1) / p.partition_size;
   const int64_t slot0 = (int64_t(b) * p.num_q_heads + h) * p.max_parts;
   const float* part_out = p.workspace + slot0 * D;
@@ -754,8 +825,7 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
       od += red_o[w][d];
       l += red_x[1][w];
     }
-    static_cast<T*>(p.out)[(int64_t(b) * p.num_q_heads + h) * D + d] =
-        from_float<T>(l > 0.f ? od / l : 0.f);
+    out[d] = from_float<T>(l == 0.f ? 0.f : od / l);
   }
 }
 
@@ -932,7 +1002,11 @@ const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
 
 template <typename T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream) {
-  switch (p.kv.head_dim) {
+  const int D = p.kv.head_dim;
+  if (D != 32 && D != 64 && D != 128 && D != 256)
+    return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+  if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
+  switch (D) {
     case 32:
       return launch_paged_decode_dim<T, 32>(p, stream);
     case 64:

@@ -96,7 +96,8 @@ inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64
 // Prefix prefill (paged, block tables) and SGLang extend (token pool, kv_indptr/kv_indices)
 // share one argument block: request b reads its page table row at
 // page_table + (page_indptr ? page_indptr[b] : b * page_table_stride) and has
-// seq_lens ? seq_lens[b] : page_indptr[b + 1] - page_indptr[b] keys.
+// seq_lens ? seq_lens[b] : page_indptr[b + 1] - page_indptr[b] keys. The index values are
+// checked by the kernels (jaxattn/guards.h); the sizes here are the buffers' own.
 struct PrefillParams {
   const void* q = nullptr;  // [total_q, num_q_heads, head_dim]
   const void* k = nullptr;
@@ -105,7 +106,8 @@ struct PrefillParams {
   const int32_t* page_table = nullptr;
   const int32_t* page_indptr = nullptr;
   const int32_t* seq_lens = nullptr;
-  void* out = nullptr;  // [total_q, num_q_heads, head_dim]
+  int64_t page_table_len = 0;  // elements of page_table (kv_indices of a pool)
+  void* out = nullptr;         // [total_q, num_q_heads, head_dim]
   int32_t batch = 0;
   int32_t total_q = 0;
   int32_t num_q_heads = 0;

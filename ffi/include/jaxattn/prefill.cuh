@@ -39,6 +39,7 @@
 #include <type_traits>
 
 #include "jaxattn/gpu_vendor.h"
+#include "jaxattn/guards.h"
 #include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/params.h"
 
@@ -52,44 +53,139 @@ struct PrefillTile {
   int q0 = 0;  // the request's first row in q
   int lq = 0;
   int lk = 0;
-  const int32_t* table = nullptr;
+  const int32_t* table = nullptr;  // the request's index entries (pages, or pool slots)
 };
 
-// Finds the tile of block x (heaviest tiles of a request first: they see the most keys).
-// Returns false for blocks past the last tile, after zeroing their share of padding rows.
+// Shared-memory state of a prefill block's guards. find_prefill_tile fills it (its scratch
+// for the tile search, and the flags' initial values before its last barrier); the kernels
+// then only raise the flags (atomically: any number of threads may, and a race checker stays
+// quiet) and read them after their final barrier.
+//   poison: an index entry of the request lies outside the cache (RowCursor, check_entries).
+//   first_bad[d]: the smallest key of a masked key tile whose V element d was not finite;
+//     those elements are zeroed in shared memory before P V (sanitize_v16), because a row
+//     that does not see the key multiplies it by a probability of 0 inside the MMA, and
+//     0 * NaN would poison it. Row i of the request gets NaN in element d iff it sees that
+//     key (first_bad[d] <= i + Lk - Lq): the same NaN the multiply-add gives in the tiles
+//     every row sees in full (a non-finite V element there is NaN in the attending rows, which
+//     may differ from the infinity an exact sum of an infinite value would give).
+template <int D, int NT>
+struct PrefillGuards {
+  int warp_tiles[NT / WARP_SIZE];
+  int hit[6];  // request, tile within it, q0, q1, lk, pool k1 -- of the block's tile
+  int poison;
+  int first_bad[D];
+};
+
+constexpr int kNoBadKey = 0x7fffffff;
+
+// Rows [r0, r1) of one head of the output, every element `value`.
 template <typename T>
-__device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head, PrefillTile* t) {
-  for (int b = 0; b < p.batch; ++b) {
-    const int q0 = p.cu_seqlens_q[b];
-    const int lq = p.cu_seqlens_q[b + 1] - q0;
-    const int ntiles = lq > 0 ? (lq + bm - 1) / bm : 0;
-    if (x < ntiles) {
-      t->b = b;
-      t->m0 = (ntiles - 1 - x) * bm;
-      t->rows = min(bm, lq - t->m0);
-      t->q0 = q0;
-      t->lq = lq;
-      if (p.page_indptr) {
-        t->table = p.page_table + p.page_indptr[b];
-        t->lk = p.page_indptr[b + 1] - p.page_indptr[b];
-      } else {
-        t->table = p.page_table + int64_t(b) * p.page_table_stride;
-        t->lk = p.seq_lens[b];
-      }
-      t->lk = max(t->lk, 0);
-      return true;
-    }
-    x -= ntiles;
-  }
+__device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int r1, float value) {
   const int D = p.kv.head_dim;
-  const int r0 = p.cu_seqlens_q[p.batch] + x * bm;
-  const int r1 = min(p.total_q, r0 + bm);
   T* out = static_cast<T*>(p.out);
+  const T v = from_float<T>(value);
   for (int i = threadIdx.x; i < (r1 - r0) * D; i += blockDim.x) {
     const int r = r0 + i / D;
-    out[(int64_t(r) * p.num_q_heads + head) * D + i % D] = from_float<T>(0.f);
+    out[(int64_t(r) * p.num_q_heads + head) * D + i % D] = v;
   }
-  return false;
+}
+
+// Finds the tile of block x (heaviest tiles of a request first: they see the most keys) with
+// one coalesced pass of the block over the indptr arrays and a block-wide scan of the
+// requests' tile counts; the same pass checks the indptr structure (first entry 0, no
+// decrease), so the check costs no extra load latency. A request owns the tiles of its rows
+// that lie inside q, so the tiles always fit the grid (ceil(total_q / bm) + batch blocks).
+// Returns true when the block has a tile of a valid request to compute. Otherwise the block
+// has written the rows it owns: all NaN when the structure is broken (no row can be assigned
+// to a request: block x then owns rows [x bm, x bm + bm), so the grid covers every row); NaN
+// for a tile of an invalid request (prefill_bounds_ok); zeros for padding rows past
+// qo[batch]. All threads of the block must call it.
+template <typename T, int D, int NT>
+__device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head,
+                                  PrefillGuards<D, NT>& g, PrefillTile* t) {
+  constexpr int kWarps = NT / WARP_SIZE;
+  const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+  const int32_t* qo = p.cu_seqlens_q;
+  const int32_t* kvp = p.page_indptr;
+  if (tid == 0) {
+    g.hit[0] = -1;
+    g.poison = 0;
+  }
+  for (int d = tid; d < D; d += NT) g.first_bad[d] = kNoBadKey;
+  bool bad = tid == 0 && (qo[0] != 0 || (kvp != nullptr && kvp[0] != 0));
+  int before = 0;  // tiles of the requests of earlier chunks
+  for (int c0 = 0; c0 < p.batch; c0 += NT) {
+    const int b = c0 + tid;
+    int tiles = 0, q0 = 0, q1 = 0, lk = 0, k1 = 0;
+    if (b < p.batch) {
+      q0 = qo[b];
+      q1 = qo[b + 1];
+      bool ordered = q0 <= q1;
+      if (kvp != nullptr) {
+        const int k0 = kvp[b];
+        k1 = kvp[b + 1];
+        ordered = ordered && k0 <= k1;
+        lk = ordered ? k1 - k0 : 0;
+      } else {
+        lk = p.seq_lens[b];
+      }
+      bad = bad || !ordered;
+      // With qo[0] == 0 and no decrease q0 >= 0; testing it keeps the sums below in range
+      // whatever the indptr holds (they are only used when the structure is sound).
+      if (ordered && q0 >= 0) tiles = (max(0, min(q1, p.total_q) - q0) + bm - 1) / bm;
+    }
+    int incl = tiles;  // inclusive scan over the block
+#pragma unroll
+    for (int o = 1; o < WARP_SIZE; o *= 2) {
+      const int n = shfl_up(incl, o);
+      if (lane >= o) incl += n;
+    }
+    if (lane == WARP_SIZE - 1) g.warp_tiles[warp] = incl;
+    __syncthreads();
+    int total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int s = g.warp_tiles[w];
+      total += s;
+      if (w < warp) incl += s;
+    }
+    const int first = before + incl - tiles;
+    if (tiles > 0 && x >= first && x < first + tiles) {
+      g.hit[0] = b;
+      g.hit[1] = x - first;
+      g.hit[2] = q0;
+      g.hit[3] = q1;
+      g.hit[4] = lk;
+      g.hit[5] = k1;
+    }
+    before += total;
+    __syncthreads();  // warp_tiles is rewritten by the next chunk
+  }
+  if (__syncthreads_or(bad)) {
+    fill_prefill_rows<T>(p, head, min(x * bm, p.total_q), min(x * bm + bm, p.total_q), quiet_nan());
+    return false;
+  }
+  const int b = g.hit[0];
+  if (b < 0) {
+    const int r0 = min(qo[p.batch], p.total_q) + (x - before) * bm;
+    fill_prefill_rows<T>(p, head, r0, min(r0 + bm, p.total_q), 0.f);
+    return false;
+  }
+  const int q0 = g.hit[2], q1 = g.hit[3];
+  const int in_q = min(q1, p.total_q) - q0;  // the request's rows inside q
+  t->b = b;
+  t->m0 = ((in_q + bm - 1) / bm - 1 - g.hit[1]) * bm;
+  t->rows = min(bm, in_q - t->m0);
+  t->q0 = q0;
+  t->lq = q1 - q0;
+  t->lk = g.hit[4];
+  t->table = p.page_table +
+             (kvp != nullptr ? int64_t(g.hit[5]) - t->lk : int64_t(b) * p.page_table_stride);
+  if (!prefill_bounds_ok(p, q0, q1, t->lk, g.hit[5])) {
+    fill_prefill_rows<T>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan());
+    return false;
+  }
+  return true;
 }
 
 // Keys [0, end) are loaded for the tile; tiles wholly below full_end need no mask.
@@ -106,33 +202,93 @@ __device__ __forceinline__ KeyRange key_range(const PrefillTile& t) {
   return r;
 }
 
-// Offset of one row of a key tile, advanced tile by tile from page-table differences.
+// Offset of one row of a key tile, advanced tile by tile from page-table differences. Keys at
+// or past `lim` (the tile's KeyRange::end: no row of the tile sees them) are zero-filled and
+// never read, so their index entries are not used either. A page id outside the cache raises
+// the block's poison flag and ends the cursor (zero-filled from there on: the rows are NaN
+// anyway). This is where every index entry a tile reads is checked: once per row and key tile,
+// next to the load of the entry.
 struct RowCursor {
-  int64_t off = -1;  // element offset in the cache; -1 past the last key
+  int64_t off = -1;  // element offset in the cache; -1: zero-fill
   int page = 0;
 
-  __device__ __forceinline__ void init(const KvGeometry& kv, const int32_t* table, int t, int lk) {
-    if (t < lk) {
+  __device__ __forceinline__ void init(const KvGeometry& kv, const int32_t* table, int t, int lim,
+                                       int* poison) {
+    off = -1;
+    if (t < lim) {
       page = table[t / kv.page_size];
-      off = int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride;
-    } else {
-      off = -1;
+      if (index_ok(page, kv.num_pages)) {
+        off = int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride;
+      } else {
+        atomicOr(poison, 1);
+      }
     }
   }
 
   __device__ __forceinline__ void advance(const KvGeometry& kv, const int32_t* table, int t,
-                                          int step, int lk) {
+                                          int step, int lim, int* poison) {
     const int tn = t + step;
-    if (tn >= lk || off < 0) {
+    if (tn >= lim || off < 0) {
       off = -1;
       return;
     }
     const int next = table[tn / kv.page_size];
+    if (!index_ok(next, kv.num_pages)) {
+      atomicOr(poison, 1);
+      off = -1;
+      return;
+    }
     off += int64_t(next - page) * kv.page_stride +
            int64_t(tn % kv.page_size - t % kv.page_size) * kv.token_stride;
     page = next;
   }
 };
+
+// The index entries of the request that no cursor of this tile reads (those of keys at or past
+// KeyRange::end): checked once, coalesced, so that every tile of a request poisons its rows for
+// a bad entry anywhere in [0, Lk), even past its own causal range. Issued right after a
+// kernel's first copies, whose wait hides its latency.
+template <int NT>
+__device__ __forceinline__ void check_entries(const PrefillTile& t, const KvGeometry& kv, int end,
+                                              int* poison) {
+  const int last = pages_for(t.lk, kv.page_size);
+  for (int i = pages_for(end, kv.page_size) + int(threadIdx.x); i < last; i += NT)
+    if (!index_ok(t.table[i], kv.num_pages)) atomicOr(poison, 1);
+}
+
+// Whether element d of query row `row` (within the request) is NaN by the guards: a poisoned
+// request, or a sanitised non-finite V element of a key the row sees.
+template <int D, int NT>
+__device__ __forceinline__ bool guard_nan(const PrefillGuards<D, NT>& g, bool poisoned, int d,
+                                          int row, int shift) {
+  return poisoned || g.first_bad[d] <= row + shift;
+}
+
+// Sanitises one 16-byte chunk (8 elements, head-dim elements d0 .. d0 + 7) of V row `key` in
+// shared memory: non-finite elements become 0 and lower first_bad. Nearly always a load and
+// a few integer tests (16-bit exponent all ones: infinity or NaN).
+template <typename T, int D, int NT>
+__device__ __forceinline__ void sanitize_v16(uint4* chunk, int key, int d0,
+                                             PrefillGuards<D, NT>& g) {
+  constexpr uint32_t kExp = std::is_same_v<T, bf16_t> ? 0x7f80u : 0x7c00u;
+  uint4 v = *chunk;
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) any = any || (w[i] & kExp) == kExp || ((w[i] >> 16) & kExp) == kExp;
+  if (!any) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (((w[i] >> (16 * h)) & kExp) == kExp) {
+        atomicMin(&g.first_bad[d0 + 2 * i + h], key);
+        w[i] &= h ? 0x0000ffffu : 0xffff0000u;
+      }
+    }
+  }
+  *chunk = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // ------------------------------------------------------------------------------------------
 // Portable SIMT kernel.
@@ -166,9 +322,10 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   float* vs = ks + BN * LD;
   float* ps = vs + BN * LD;
 
+  __shared__ PrefillGuards<D, S::kThreads> guards;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T>(p, BM, blockIdx.x, head, &t)) return;
+  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x;
@@ -184,7 +341,8 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
     qs[rr * LD + d] = v * p.ls.q_scale;
   }
   RowCursor cur;
-  if (tid < BN) cur.init(kv, t.table, tid, t.lk);
+  if (tid < BN) cur.init(kv, t.table, tid, range.end, &guards.poison);
+  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);
 
   float m = kNegInf, l = 0.f, acc[S::kDimsPerLane];
 #pragma unroll
@@ -194,18 +352,23 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   const int qi = t.m0 + r;  // this lane's query row within the request
 
   for (int n0 = 0; n0 < range.end; n0 += BN) {
+    const bool masked = n0 + BN > range.full_end;
     if (tid < BN) rowoff[tid] = cur.off;
     __syncthreads();  // offsets published; the previous tile's K/V/P are no longer read
     for (int i = tid; i < BN * D; i += S::kThreads) {
       const int rr = i / D, d = i % D;
       const int64_t off = rowoff[rr];
       ks[rr * LD + d] = off >= 0 ? to_float(kg[off + d]) : 0.f;
-      vs[rr * LD + d] = off >= 0 ? to_float(vg[off + d]) : 0.f;
+      float v = off >= 0 ? to_float(vg[off + d]) : 0.f;
+      if (masked && !isfinite(v)) {  // some rows do not see this key: see PrefillGuards
+        atomicMin(&guards.first_bad[d], n0 + rr);
+        v = 0.f;
+      }
+      vs[rr * LD + d] = v;
     }
-    if (tid < BN) cur.advance(kv, t.table, n0 + tid, BN, t.lk);
+    if (tid < BN) cur.advance(kv, t.table, n0 + tid, BN, range.end, &guards.poison);
     __syncthreads();
 
-    const bool masked = n0 + BN > range.full_end;
     float s[S::kKeysPerLane];
     float mx = kNegInf;
 #pragma unroll
@@ -242,11 +405,17 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
     }
   }
 
+  // The guards' flags were last written before the last tile's second barrier.
   if (r < t.rows) {
     T* out = static_cast<T*>(p.out) + (int64_t(t.q0 + qi) * p.num_q_heads + head) * D;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const bool poisoned = guards.poison != 0;
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN in l stays NaN
 #pragma unroll
-    for (int i = 0; i < S::kDimsPerLane; ++i) out[c + i * TPR] = from_float<T>(acc[i] * inv);
+    for (int i = 0; i < S::kDimsPerLane; ++i) {
+      const int d = c + i * TPR;
+      out[d] =
+          from_float<T>(guard_nan(guards, poisoned, d, qi, shift) ? quiet_nan() : acc[i] * inv);
+    }
   }
 }
 
@@ -277,6 +446,40 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return uint32_t((r * MmaShape<D>::kChunks + (c ^ (r & 7))) * 16);
 }
 
+// Writes a warp's 16 rows of a tensor-core tile, lr0 and lr0 + 8 (within the tile), from the
+// accumulator fragments: o[4 i + e] is element i * 8 + 2 tq + (e & 1) of row lr0 (e < 2) or
+// lr0 + 8 -- the m16n8 layout of the mma kernel and the m64nN layout of the sm90 kernel alike.
+// Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN), with the
+// guards' NaN.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void prefill_mma_store(const PrefillParams& p,
+                                                  const PrefillGuards<D, NT>& guards,
+                                                  const PrefillTile& t, int head, int lr0, int tq,
+                                                  int shift, float l0, float l1, const float* o) {
+  const bool poisoned = guards.poison != 0;
+  const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+  const float nan = quiet_nan();
+  const int lr1 = lr0 + 8;
+  const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int d = i * 8 + 2 * tq;
+    if (lr0 < t.rows) {
+      const float a = guard_nan(guards, poisoned, d, row0, shift) ? nan : o[4 * i] * inv0;
+      const float b = guard_nan(guards, poisoned, d + 1, row0, shift) ? nan : o[4 * i + 1] * inv0;
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
+          pack2<T>(a, b);
+    }
+    if (lr1 < t.rows) {
+      const float a = guard_nan(guards, poisoned, d, row1, shift) ? nan : o[4 * i + 2] * inv1;
+      const float b = guard_nan(guards, poisoned, d + 1, row1, shift) ? nan : o[4 * i + 3] * inv1;
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
+          pack2<T>(a, b);
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     prefill_mma_kernel(const PrefillParams p) {
@@ -290,9 +493,10 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   unsigned char* v_s = k_s + 2 * S::kTileBytes;                           // [2][BN][D]
   int64_t* rowoff = reinterpret_cast<int64_t*>(v_s + 2 * S::kTileBytes);  // [2][BN]
 
+  __shared__ PrefillGuards<D, S::kThreads> guards;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T>(p, BM, blockIdx.x, head, &t)) return;
+  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -303,9 +507,9 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, t.lk);
+    cur.init(kv, t.table, tid, range.end, &guards.poison);
     rowoff[tid] = cur.off;
-    cur.advance(kv, t.table, tid, BN, t.lk);
+    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
     rowoff[BN + tid] = cur.off;
   }
   __syncthreads();
@@ -334,6 +538,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   };
   if (ntiles > 0) load_kv(0);
   async_copy_commit();
+  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
 
   uint32_t qf[D / 16][4];
   float o[D / 8][4];
@@ -349,6 +554,17 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     async_copy_commit();
     async_copy_wait<1>();
     __syncthreads();
+    const int n0 = n * BN;
+    const bool masked = n0 + BN > range.full_end;
+    if (masked) {  // rows that do not see a key must not multiply its V by 0: PrefillGuards
+#pragma unroll 1
+      for (int i = tid; i < BN * CH; i += S::kThreads) {
+        const int r = i / CH, cc = i % CH;
+        uint4* chunk = reinterpret_cast<uint4*>(v_s + buf * S::kTileBytes + swz<D>(r, cc));
+        sanitize_v16<T>(chunk, n0 + r, cc * 8, guards);
+      }
+      __syncthreads();
+    }
     if (n == 0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -374,8 +590,6 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
       }
     }
 
-    const int n0 = n * BN;
-    const bool masked = n0 + BN > range.full_end;
     float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -439,30 +653,17 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 
     if (tid < BN) {
       // Row offsets of tile n + 2 go where tile n's were: those loads were issued already.
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, t.lk);
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, &guards.poison);
       rowoff[buf * BN + tid] = cur.off;
     }
     __syncthreads();  // tile n's buffers are free for tile n + 2
   }
   async_copy_wait<0>();
 
+  // The guards' flags were last written before the last tile's final barrier.
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  T* out = static_cast<T*>(p.out);
-  const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // rows within the tile
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    const int d = i * 8 + 2 * tq;
-    if (lr0 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
-          pack2<T>(o[i][0] * inv0, o[i][1] * inv0);
-    }
-    if (lr1 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
-          pack2<T>(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  }
+  prefill_mma_store<T, D>(p, guards, t, head, warp * 16 + g, tq, shift, l0, l1, &o[0][0]);
 #endif
 }
 
@@ -524,7 +725,8 @@ template <typename T>
 const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
   if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
   const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
-  if (p.total_q == 0 || p.batch == 0) return nullptr;
+  // batch 0 still launches: its rows are padding (zeros), or NaN when qo[0] != 0.
+  if (p.total_q == 0 || p.num_q_heads == 0) return nullptr;
   if (p.num_q_heads > 65535) return "jaxattn: more than 65535 query heads";
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {

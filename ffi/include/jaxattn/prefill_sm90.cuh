@@ -223,9 +223,10 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   uint32_t* rowoff =
       reinterpret_cast<uint32_t*>(sm90_smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
 
+  __shared__ PrefillGuards<D, S::kThreads> guards;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T>(p, BM, blockIdx.x, head, &t)) return;
+  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x;
@@ -238,9 +239,9 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, t.lk);
+    cur.init(kv, t.table, tid, range.end, &guards.poison);
     rowoff[tid] = sm90_pack_off(cur.off);
-    cur.advance(kv, t.table, tid, BN, t.lk);
+    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
     rowoff[BN + tid] = sm90_pack_off(cur.off);
   }
   __syncthreads();
@@ -272,6 +273,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   };
   if (ntiles > 0) load_kv(0, 0);
   async_copy_commit();
+  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
 
   // Descriptors. Q (A) and K (B of S): K-major, 8-row groups 1024 bytes apart (SBO), the
   // leading offset unused (1); k step kk is column block kk / 4 and 32 bytes per kk % 4.
@@ -313,8 +315,24 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     if (n + 1 < ntiles) load_kv((n + 1) % NS, (n + 1) % 2);
     async_copy_commit();
     if (tid < BN) {
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, t.lk);
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, &guards.poison);
       rowoff[(n % 2) * BN + tid] = sm90_pack_off(cur.off);
+    }
+  };
+  // V of a tile that crosses the diagonal (or the last key), in shared memory, with its
+  // non-finite elements zeroed (PrefillGuards). Runs while the tile's S and the previous P V
+  // are computed; P V of this tile is issued after the next tile_ready (or the fence and
+  // barrier after the loop), whose fence.proxy.async publishes these generic-proxy stores to
+  // the wgmma reads.
+  unsigned char* v_gen = sm90_smem + (kv_s - raw) + S::kTileBytes;
+  auto sanitize_v = [&](int n) {
+    if (n * BN + BN <= range.full_end) return;
+    unsigned char* vt = v_gen + (n % NS) * S::kStageBytes;
+#pragma unroll 1
+    for (int i = tid; i < BN * CH; i += S::kThreads) {
+      const int r = i / CH, cc = i % CH;
+      sanitize_v16<T>(reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, cc)), n * BN + r, cc * 8,
+                      guards);
     }
   };
   auto issue_s = [&](int n) {
@@ -432,6 +450,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     sm90_wgmma_fence();
     issue_s(0);
     next_loads(0);
+    sanitize_v(0);
     sm90_wgmma_wait<0>();
     sm90_pin(s);
     softmax_tile(0);
@@ -443,6 +462,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     issue_s(n);       // group 1: S = Q K_n^T
     issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
     next_loads(n);
+    sanitize_v(n);
     sm90_wgmma_wait<1>();  // S done; P_{n-1} V_{n-1} may still run
     sm90_pin(s);
     softmax_tile(n);
@@ -453,6 +473,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   }
 
   if (ntiles > 0) {
+    sm90_fence_proxy_async();  // the last tile's sanitised V (and the guards' flags)
+    __syncthreads();
     sm90_wgmma_fence();
     issue_pv(ntiles - 1);
     sm90_wgmma_wait<0>();
@@ -463,21 +485,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  T* out = static_cast<T*>(p.out);
-  const int lr0 = wg * 64 + wl * 16 + g, lr1 = lr0 + 8;  // rows within the tile
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    const int d = i * 8 + 2 * tq;
-    if (lr0 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
-          pack2<T>(o[4 * i] * inv0, o[4 * i + 1] * inv0);
-    }
-    if (lr1 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
-          pack2<T>(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
-    }
-  }
+  prefill_mma_store<T, D>(p, guards, t, head, wg * 64 + wl * 16 + g, tq, shift, l0, l1, o);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
