@@ -37,8 +37,11 @@ class Problem(NamedTuple):
     message: str
 
 
-def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> list[Problem]:
-    """The checks of paged sequences (see the module docstring)."""
+def paged_problems(
+    block_tables, seq_lens, page_size: int, num_pages: int, *, check_pages: bool = True
+) -> list[Problem]:
+    """The checks of paged sequences (see the module docstring). ``check_pages=False``
+    leaves out the page ids (a kernel that checks them where it loads them)."""
     width = block_tables.shape[1]
     capacity = width * page_size
     lens_ok = (seq_lens >= 0) & (seq_lens <= capacity)
@@ -48,11 +51,15 @@ def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> li
     )
     in_range = (block_tables >= 0) & (block_tables < num_pages)
     pages_ok = jnp.all(in_range | ~used, axis=1)
-    return [
+    problems = [
         Problem(
             lens_ok,
             f"seq_lens[{{index}}] must lie in [0, max_pages * page_size = {capacity}]",
-        ),
+        )
+    ]
+    if not check_pages:
+        return problems
+    return problems + [
         Problem(
             pages_ok,
             f"block_tables[{{index}}] holds a page outside [0, {num_pages}) within its first "
@@ -72,10 +79,19 @@ def indptr_ok(indptr):
 
 
 def ragged_problems(
-    q_indptr, num_rows: int, lk, *, q_name: str, kv_indptr=None, kv_indices=None, num_slots=None
+    q_indptr,
+    num_rows: int,
+    lk,
+    *,
+    q_name: str,
+    kv_indptr=None,
+    kv_indices=None,
+    num_slots=None,
+    check_slots: bool = True,
 ) -> list[Problem]:
     """The checks of a ragged batch: q rows by ``q_indptr`` (named ``q_name``), ``lk`` keys
-    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``."""
+    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``
+    (``check_slots=False`` leaves out the slot values, for a kernel that checks them)."""
     lq = q_indptr[1:] - q_indptr[:-1]
     problems = [
         Problem(indptr_ok(q_indptr), f"{q_name} must start at 0 and be non-decreasing"),
@@ -93,6 +109,8 @@ def ragged_problems(
                 f"kv_indptr[{{index}} + 1] exceeds the length of kv_indices ({n})",
             ),
         ]
+    if kv_indptr is not None and check_slots:
+        n = kv_indices.shape[0]
         # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: count the
         # out-of-pool entries in that range with one prefix sum (one pass, no search).
         out_of_pool = (kv_indices < 0) | (kv_indices >= num_slots)
