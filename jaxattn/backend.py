@@ -320,6 +320,45 @@ def split_kv_partition(
     return size
 
 
+def cascade_prefix_tiles(*, batch: int, num_prefixes: int, per_tile: int) -> int:
+    """Upper bound on the prefix tiles of a cascade batch: tile = up to ``per_tile``
+    requests that continue one prefix. Prefix g with n_g requests takes ceil(n_g /
+    per_tile) tiles, so B requests over at most min(G, B) prefixes take at most
+    ceil(B / per_tile) + min(G, B) - 1, and never more than B."""
+    if batch == 0 or num_prefixes == 0:
+        return 0
+    return min(batch, -(-batch // per_tile) + min(num_prefixes, batch) - 1)
+
+
+def cascade_prefix_chunk(
+    *,
+    prefix_capacity: int,
+    num_kv_heads: int,
+    tiles: int,
+    own_blocks: int,
+    slots: int,
+    step: int,
+    min_chunk: int = 256,
+) -> int:
+    """Tokens per prefix partition of cascade decode (a multiple of ``step``, the kernel's
+    key tile): the one rule of both kernel backends.
+
+    The prefix level has ``num_kv_heads * tiles`` (KV head, tile) pairs, each a dot of many
+    query rows that is compute bound, while the own level's ``own_blocks`` are memory
+    bound. The prefix is split into as many partitions as give the prefix level about one
+    resident block per multiprocessor beside the own level (``slots`` resident blocks in
+    all, two per multiprocessor), more when the own level leaves slots empty; a partition
+    keeps at least ``min_chunk`` tokens, since each one adds a state per query row to
+    the merge.
+    """
+    pairs = max(1, num_kv_heads * tiles)
+    target = max(slots // 2, slots - own_blocks)
+    splits = max(1, round(target / pairs))
+    splits = min(splits, max(1, prefix_capacity // min_chunk))
+    chunk = -(-prefix_capacity // splits)
+    return max(step, -(-chunk // step) * step)
+
+
 def replace(args, **changes):
     """A copy of an argument record with some fields replaced (e.g. a shard's arrays)."""
     return dataclasses.replace(args, **changes)
