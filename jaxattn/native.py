@@ -45,12 +45,20 @@ import numpy as np
 
 from . import env as _env
 from . import layout as L
-from .backend import Implementation, split_kv_partition
+from .backend import (
+    Implementation,
+    cascade_prefix_chunk,
+    cascade_prefix_tiles,
+    split_kv_partition,
+)
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "CascadeConfig",
     "DecodeConfig",
     "PrefillConfig",
+    "cascade_attention",
+    "cascade_tile",
     "choose_partition_size",
     "decode_occupancy",
     "extend_attention",
@@ -72,6 +80,7 @@ _TARGETS = {
     "jaxattn_paged_attention": "JaxattnPagedAttention",
     "jaxattn_prefix_prefill": "JaxattnPrefixPrefill",
     "jaxattn_extend_attention": "JaxattnExtendAttention",
+    "jaxattn_cascade_attention": "JaxattnCascadeAttention",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -504,6 +513,149 @@ def extend_attention(
     )
 
 
+# --- cascade decode ---------------------------------------------------------------------------
+
+# GPU cascade kernels serve GQA groups up to this (the own level keeps a group's heads as the
+# n = 8 side of its tensor-core products, the SIMT kernel 8 rows a block).
+_CASCADE_MAX_GROUP = 8
+# Prefix splits are multiples of the kernels' 64-token key tiles.
+_CASCADE_STEP = 64
+
+
+@functools.cache
+def cascade_tile(platform: str, dtype, head_dim: int, group: int) -> tuple[int, int, int]:
+    """(query rows of a prefix tile, resident blocks per multiprocessor, multiprocessors) of
+    the cascade kernel the GPU launcher picks for this dtype, head_dim and group, on the
+    current device (asked of the library, like :func:`decode_occupancy`)."""
+    lib = _lib_handles[platform]
+    rows, blocks, sms = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    err = lib.jaxattn_cascade_tile(
+        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(head_dim),
+        ctypes.c_int(group),
+        ctypes.byref(rows),
+        ctypes.byref(blocks),
+        ctypes.byref(sms),
+    )
+    if err != 0 or min(rows.value, blocks.value, sms.value) <= 0:
+        raise RuntimeError(
+            f"the native library could not describe its cascade kernel (dtype "
+            f"{np.dtype(dtype)}, head_dim {head_dim}, group {group}): error {err}"
+        )
+    return rows.value, blocks.value, sms.value
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeConfig:
+    """Native cascade decode. ``prefix_chunk``: prefix tokens per split (each split of each
+    prefix tile is one block); ``partition_size``: own tokens per split-KV partition, 0 for
+    one pass. None: the heuristic's choice for the call's shapes (:func:`_cascade_config`)."""
+
+    prefix_chunk: int | None = None
+    partition_size: int | None = None
+
+    def __post_init__(self):
+        for name, least in (("prefix_chunk", 1), ("partition_size", 0)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int or None, got {v!r}")
+            if v < least:
+                raise ValueError(f"{name} must be >= {least}, got {v}")
+
+
+def _cascade_config(platform, q, geom, prefix_tables, block_tables, config=None) -> CascadeConfig:
+    """The configuration with every field set: given fields kept, the others from the
+    shared rules (:func:`jaxattn.backend.split_kv_partition` for the own level,
+    :func:`jaxattn.backend.cascade_prefix_chunk` for the prefix split) with the kernel's
+    tile and occupancy asked of the library. On the CPU: one pass, one split."""
+    config = config or CascadeConfig()
+    batch = q.shape[0]
+    group = q.shape[1] // geom.num_kv_heads
+    own_capacity = block_tables.shape[1] * geom.page_size
+    prefix_capacity = max(1, prefix_tables.shape[1] * geom.page_size)
+    if platform == "cpu":
+        return CascadeConfig(
+            config.prefix_chunk or prefix_capacity,
+            0 if config.partition_size is None else config.partition_size,
+        )
+    rows, blocks_per_sm, sms = cascade_tile(platform, q.dtype, geom.head_dim, group)
+    ps = config.partition_size
+    if ps is None:
+        ps = choose_partition_size(
+            None,
+            platform=platform,
+            batch=batch,
+            num_kv_heads=geom.num_kv_heads,
+            group=group,
+            capacity=own_capacity,
+            occupancy=(blocks_per_sm, sms),
+        )
+    chunk = config.prefix_chunk
+    if chunk is None:
+        own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
+        chunk = cascade_prefix_chunk(
+            prefix_capacity=prefix_capacity,
+            num_kv_heads=geom.num_kv_heads,
+            tiles=cascade_prefix_tiles(
+                batch=batch, num_prefixes=prefix_tables.shape[0], per_tile=max(1, rows // group)
+            ),
+            own_blocks=batch * geom.num_kv_heads * own_parts,
+            slots=blocks_per_sm * sms,
+            step=_CASCADE_STEP,
+        )
+    return CascadeConfig(chunk, ps)
+
+
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap=None,
+    config: CascadeConfig | None = None,
+):
+    """Cascade decode (arguments validated by ``ops``, zero-size inputs answered there):
+    q [B, Hq, D] -> [B, Hq, D] in q's dtype. One kernel computes the prefix tiles and the own
+    partitions into a workspace of partial states, a second merges them."""
+    platform = _ensure_registered()
+    geom = _require(platform, q, k_cache, v_cache, layout)
+    cfg = _cascade_config(platform, q, geom, prefix_tables, block_tables, config)
+    batch, num_q_heads, head_dim = q.shape
+    own_capacity = block_tables.shape[1] * geom.page_size
+    own_parts = max(1, math.ceil(own_capacity / cfg.partition_size)) if cfg.partition_size else 1
+    prefix_parts = max(1, math.ceil(prefix_tables.shape[1] * geom.page_size / cfg.prefix_chunk))
+    ws = batch * num_q_heads * (own_parts + prefix_parts) * (head_dim + 2)
+    call = jax.ffi.ffi_call(
+        "jaxattn_cascade_attention",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, _ = call(
+        q,
+        k_cache,
+        v_cache,
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        **_attrs(scale, soft_cap),
+        layout=np.int32(_layout_id(layout)),
+        prefix_chunk=np.int32(cfg.prefix_chunk),
+        partition_size=np.int32(cfg.partition_size),
+    )
+    return out
+
+
 # --- the backend contract (jaxattn.backend) ---------------------------------------------------
 
 
@@ -587,8 +739,42 @@ class _ExtendAttention(_Prefill):
         )
 
 
+class _CascadeAttention(_Native):
+    config_cls = CascadeConfig
+
+    def supports(self, a):
+        reason = super().supports(a)
+        if reason is None and _platform() != "cpu" and a.group > _CASCADE_MAX_GROUP:
+            reason = (
+                f"native GPU cascade decode serves up to {_CASCADE_MAX_GROUP} query heads per "
+                f"KV head, got {a.group}"
+            )
+        return reason
+
+    def heuristic_config(self, a):
+        platform = _ensure_registered()
+        return _cascade_config(platform, a.q, a.geometry, a.prefix_tables, a.block_tables)
+
+    def run(self, a, config):
+        return cascade_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.prefix_tables,
+            a.prefix_lens,
+            a.prefix_of,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            config=config,
+        )
+
+
 IMPLEMENTATIONS = {
     "paged_attention": _PagedAttention(),
     "prefix_prefill": _PrefixPrefill(),
     "extend_attention": _ExtendAttention(),
+    "cascade_attention": _CascadeAttention(),
 }

@@ -1,7 +1,9 @@
 // XLA FFI handlers for the CPU platform: shape checks, dtype dispatch, then the plain C++
 // implementation in jaxattn/cpu_attention.h.
+#include "cascade_ffi.h"
 #include "ffi_common.h"
 #include "jaxattn/cpu_attention.h"
+#include "jaxattn/cpu_cascade.h"
 
 namespace ffi = xla::ffi;
 
@@ -66,6 +68,23 @@ ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
   return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });
 }
 
+ffi::Error CascadeAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> prefix_tables,
+                               ffi::Buffer<ffi::S32> prefix_lens, ffi::Buffer<ffi::S32> prefix_of,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
+                               float soft_cap, int32_t layout, int32_t prefix_chunk,
+                               int32_t partition_size) {
+  CascadeParams p;
+  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
+                                               block_tables, seq_lens, *out, *workspace, scale,
+                                               soft_cap, layout, prefix_chunk, partition_size, &p);
+      e.failure())
+    return e;
+  return dispatch(q.element_type(), [&](auto tag) { cpu::cascade_decode<decltype(tag)>(p); });
+}
+
 }  // namespace
 }  // namespace jaxattn
 
@@ -77,3 +96,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillCpu, jaxattn::PrefixPrefillCpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionCpu, jaxattn::ExtendAttentionCpu,
                               jaxattn::ffi_common::bind_extend_attention(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionCpu, jaxattn::CascadeAttentionCpu,
+                              jaxattn::ffi_common::bind_cascade_attention(ffi::Ffi::Bind()));
