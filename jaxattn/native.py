@@ -45,12 +45,7 @@ import numpy as np
 
 from . import env as _env
 from . import layout as L
-from .backend import (
-    Implementation,
-    cascade_prefix_chunk,
-    cascade_prefix_tiles,
-    split_kv_partition,
-)
+from .backend import CascadeGrid, Implementation, cascade_grid, split_kv_partition
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -518,8 +513,6 @@ def extend_attention(
 # GPU cascade kernels serve GQA groups up to this (the own level keeps a group's heads as the
 # n = 8 side of its tensor-core products, the SIMT kernel 8 rows a block).
 _CASCADE_MAX_GROUP = 8
-# Prefix splits are multiples of the kernels' 64-token key tiles.
-_CASCADE_STEP = 64
 
 
 @functools.cache
@@ -547,15 +540,15 @@ def cascade_tile(platform: str, dtype, head_dim: int, group: int) -> tuple[int, 
 
 @dataclasses.dataclass(frozen=True)
 class CascadeConfig:
-    """Native cascade decode. ``prefix_chunk``: prefix tokens per split (each split of each
-    prefix tile is one block); ``partition_size``: own tokens per split-KV partition, 0 for
-    one pass. None: the heuristic's choice for the call's shapes (:func:`_cascade_config`)."""
+    """Native cascade decode. ``prefix_blocks``: the prefix blocks the device's split aims
+    at (:func:`jaxattn.backend.cascade_grid`); ``partition_size``: own tokens per split-KV
+    partition, 0 for one pass. None: the rule's choice for the call's shapes."""
 
-    prefix_chunk: int | None = None
+    prefix_blocks: int | None = None
     partition_size: int | None = None
 
     def __post_init__(self):
-        for name, least in (("prefix_chunk", 1), ("partition_size", 0)):
+        for name, least in (("prefix_blocks", 1), ("partition_size", 0)):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -565,47 +558,46 @@ class CascadeConfig:
                 raise ValueError(f"{name} must be >= {least}, got {v}")
 
 
-def _cascade_config(platform, q, geom, prefix_tables, block_tables, config=None) -> CascadeConfig:
-    """The configuration with every field set: given fields kept, the others from the
-    shared rules (:func:`jaxattn.backend.split_kv_partition` for the own level,
-    :func:`jaxattn.backend.cascade_prefix_chunk` for the prefix split) with the kernel's
-    tile and occupancy asked of the library. On the CPU: one pass, one split."""
+def _cascade_plan(
+    platform, q, geom, prefix_tables, block_tables, config=None
+) -> tuple[CascadeConfig, CascadeGrid]:
+    """The configuration with every field set (given fields kept, the others from the shared
+    rules: :func:`jaxattn.backend.split_kv_partition` for the own level,
+    :func:`jaxattn.backend.cascade_grid` for the prefix level, with the kernel's tile and
+    occupancy asked of the library), and the prefix grid it implies. The CPU handler runs
+    one pass over each level."""
     config = config or CascadeConfig()
     batch = q.shape[0]
     group = q.shape[1] // geom.num_kv_heads
     own_capacity = block_tables.shape[1] * geom.page_size
-    prefix_capacity = max(1, prefix_tables.shape[1] * geom.page_size)
     if platform == "cpu":
-        return CascadeConfig(
-            config.prefix_chunk or prefix_capacity,
-            0 if config.partition_size is None else config.partition_size,
-        )
-    rows, blocks_per_sm, sms = cascade_tile(platform, q.dtype, geom.head_dim, group)
-    ps = config.partition_size
-    if ps is None:
-        ps = choose_partition_size(
-            None,
-            platform=platform,
-            batch=batch,
-            num_kv_heads=geom.num_kv_heads,
-            group=group,
-            capacity=own_capacity,
-            occupancy=(blocks_per_sm, sms),
-        )
-    chunk = config.prefix_chunk
-    if chunk is None:
-        own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
-        chunk = cascade_prefix_chunk(
-            prefix_capacity=prefix_capacity,
-            num_kv_heads=geom.num_kv_heads,
-            tiles=cascade_prefix_tiles(
-                batch=batch, num_prefixes=prefix_tables.shape[0], per_tile=max(1, rows // group)
-            ),
-            own_blocks=batch * geom.num_kv_heads * own_parts,
-            slots=blocks_per_sm * sms,
-            step=_CASCADE_STEP,
-        )
-    return CascadeConfig(chunk, ps)
+        rows, blocks_per_sm, sms = 1, 1, 1
+        ps = config.partition_size or 0
+    else:
+        rows, blocks_per_sm, sms = cascade_tile(platform, q.dtype, geom.head_dim, group)
+        ps = config.partition_size
+        if ps is None:
+            ps = choose_partition_size(
+                None,
+                platform=platform,
+                batch=batch,
+                num_kv_heads=geom.num_kv_heads,
+                group=group,
+                capacity=own_capacity,
+                occupancy=(blocks_per_sm, sms),
+            )
+    own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
+    grid = cascade_grid(
+        batch=batch,
+        num_prefixes=prefix_tables.shape[0],
+        per_tile=max(1, rows // group),
+        num_kv_heads=geom.num_kv_heads,
+        prefix_capacity=prefix_tables.shape[1] * geom.page_size,
+        own_blocks=batch * geom.num_kv_heads * own_parts,
+        slots=blocks_per_sm * sms,
+        target=config.prefix_blocks,
+    )
+    return CascadeConfig(grid.target, ps), grid
 
 
 def cascade_attention(
@@ -628,12 +620,13 @@ def cascade_attention(
     partitions into a workspace of partial states, a second merges them."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout)
-    cfg = _cascade_config(platform, q, geom, prefix_tables, block_tables, config)
+    cfg, grid = _cascade_plan(platform, q, geom, prefix_tables, block_tables, config)
     batch, num_q_heads, head_dim = q.shape
     own_capacity = block_tables.shape[1] * geom.page_size
-    own_parts = max(1, math.ceil(own_capacity / cfg.partition_size)) if cfg.partition_size else 1
-    prefix_parts = max(1, math.ceil(prefix_tables.shape[1] * geom.page_size / cfg.prefix_chunk))
-    ws = batch * num_q_heads * (own_parts + prefix_parts) * (head_dim + 2)
+    ps = cfg.partition_size
+    own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
+    # Partial states of every (request, head, part), then the split the kernel chose.
+    ws = batch * num_q_heads * (own_parts + grid.max_splits) * (head_dim + 2) + 1
     call = jax.ffi.ffi_call(
         "jaxattn_cascade_attention",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32)),
@@ -650,8 +643,9 @@ def cascade_attention(
         seq_lens,
         **_attrs(scale, soft_cap),
         layout=np.int32(_layout_id(layout)),
-        prefix_chunk=np.int32(cfg.prefix_chunk),
-        partition_size=np.int32(cfg.partition_size),
+        prefix_target=np.int32(grid.target),
+        prefix_splits=np.int32(grid.max_splits),
+        partition_size=np.int32(ps),
     )
     return out
 
@@ -753,7 +747,7 @@ class _CascadeAttention(_Native):
 
     def heuristic_config(self, a):
         platform = _ensure_registered()
-        return _cascade_config(platform, a.q, a.geometry, a.prefix_tables, a.block_tables)
+        return _cascade_plan(platform, a.q, a.geometry, a.prefix_tables, a.block_tables)[0]
 
     def run(self, a, config):
         return cascade_attention(

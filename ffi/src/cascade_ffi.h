@@ -17,8 +17,8 @@ inline ffi::Error make_cascade_params(
     const ffi::Buffer<ffi::S32>& prefix_tables, const ffi::Buffer<ffi::S32>& prefix_lens,
     const ffi::Buffer<ffi::S32>& prefix_of, const ffi::Buffer<ffi::S32>& bt,
     const ffi::Buffer<ffi::S32>& seq_lens, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> workspace,
-    float scale, float soft_cap, int32_t layout, int32_t prefix_chunk, int32_t partition_size,
-    CascadeParams* p) {
+    float scale, float soft_cap, int32_t layout, int32_t prefix_target, int32_t prefix_splits,
+    int32_t partition_size, CascadeParams* p) {
   if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
   if (auto e = check_query(q, p->kv); e.failure()) return e;
@@ -34,7 +34,8 @@ inline ffi::Error make_cascade_params(
     return invalid("block_tables must be [batch, max_pages], got " + dims_str(bd));
   if (seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != qd[0])
     return invalid("seq_lens must be [batch]");
-  if (prefix_chunk <= 0) return invalid("prefix_chunk must be positive");
+  if (prefix_target <= 0 || prefix_splits <= 0)
+    return invalid("prefix_target and prefix_splits must be positive");
   if (partition_size < 0) return invalid("partition_size must be >= 0");
   p->q = q.untyped_data();
   p->k = k.untyped_data();
@@ -51,19 +52,17 @@ inline ffi::Error make_cascade_params(
   p->num_prefixes = static_cast<int32_t>(pd[0]);
   p->prefix_table_stride = static_cast<int32_t>(pd[1]);
   p->block_table_stride = static_cast<int32_t>(bd[1]);
-  p->prefix_chunk = prefix_chunk;
+  p->prefix_target = prefix_target;
   p->partition_size = partition_size;
   const int64_t own_capacity = bd[1] * int64_t(p->kv.page_size);
-  const int64_t prefix_capacity = pd[1] * int64_t(p->kv.page_size);
   p->own_parts = partition_size > 0
                      ? static_cast<int32_t>((own_capacity + partition_size - 1) / partition_size)
                      : 1;
   p->own_parts = p->own_parts < 1 ? 1 : p->own_parts;
-  p->prefix_parts = static_cast<int32_t>((prefix_capacity + prefix_chunk - 1) / prefix_chunk);
-  p->prefix_parts = p->prefix_parts < 1 ? 1 : p->prefix_parts;
+  p->prefix_parts = prefix_splits;
   if (int64_t(workspace.element_count()) <
       cascade_workspace_floats(p->batch, p->num_q_heads, p->parts(), p->kv.head_dim))
-    return invalid("workspace too small for the prefix_chunk and partition_size");
+    return invalid("workspace too small for prefix_splits and partition_size");
   p->ls = make_logit_scale(scale, soft_cap);
   return ffi::Error::Success();
 }
@@ -86,7 +85,8 @@ auto bind_cascade_attention(B&& b) {
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("layout")
-      .template Attr<int32_t>("prefix_chunk")
+      .template Attr<int32_t>("prefix_target")
+      .template Attr<int32_t>("prefix_splits")
       .template Attr<int32_t>("partition_size");
 }
 

@@ -74,12 +74,12 @@ ffi::Error CascadeAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                               float soft_cap, int32_t layout, int32_t prefix_chunk,
-                               int32_t partition_size) {
+                               float soft_cap, int32_t layout, int32_t prefix_target,
+                               int32_t prefix_splits, int32_t partition_size) {
   CascadeParams p;
-  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
-                                               block_tables, seq_lens, *out, *workspace, scale,
-                                               soft_cap, layout, prefix_chunk, partition_size, &p);
+  if (auto e = ffi_common::make_cascade_params(
+          q, k, v, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, *out, *workspace,
+          scale, soft_cap, layout, prefix_target, prefix_splits, partition_size, &p);
       e.failure())
     return e;
   return dispatch(q.element_type(), [&](auto tag) { cpu::cascade_decode<decltype(tag)>(p); });

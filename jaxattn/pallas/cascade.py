@@ -9,7 +9,9 @@ One ``pallas_call`` computes both levels, then an exact merge:
   tile of a prefix is so loaded once per (KV head, tile, split) instead of once per
   request: B requests on one prefix take ceil(B * group / block_m) tiles. Split ``s`` covers
   prefix tokens ``[s * chunk, (s + 1) * chunk)``, so a long prefix spreads over many
-  programs.
+  programs; how many splits depends on how many tiles the batch really has, so it is
+  decided on the device (:func:`jaxattn.backend.cascade_splits`), and the programs of
+  the grid past tiles x splits do nothing.
 * **own programs**, items ``(request, KV head, partition)``: the paged decode program of
   :mod:`jaxattn.pallas.decode` over the request's own pages (its GQA heads as the rows of
   one dot).
@@ -40,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import layout as L
 from .._compat import match_varying, out_struct
-from ..backend import cascade_prefix_chunk, cascade_prefix_tiles
+from ..backend import CascadeGrid, cascade_chunk, cascade_grid, cascade_splits
 from ..reference import validity as _validity
 from . import _common as C
 from .decode import DecodeConfig, choose_partition_size, combine
@@ -51,17 +53,18 @@ class CascadeConfig:
     """Tiling of the cascade kernel.
 
     block_m: query rows of a prefix tile (requests x the group's heads); a power of two
-      >= 16 and >= the group. block_n: keys per inner step (None: 64, fewer for wide heads
-      or float32 so that the stages fit in shared memory). prefix_chunk: prefix tokens per
-      split (None: :func:`jaxattn.backend.cascade_prefix_chunk`); a multiple of block_n.
-      partition_size: own tokens per partition (None: the decode kernel's rule).
+      >= 16 (raised to the group when smaller). block_n: keys per inner step (None: 64,
+      fewer for wide heads or float32 so that the stages fit in shared memory).
+    prefix_blocks: prefix programs the split aims at (None: the rule of
+      :func:`jaxattn.backend.cascade_grid`). partition_size: own tokens per partition (None:
+      the decode kernel's rule).
     num_warps, num_stages: Triton launch and pipelining depth (one kernel serves both
       levels: four warps for the prefix level's 64-row dots).
     """
 
     block_m: int = 64
     block_n: int | None = None
-    prefix_chunk: int | None = None
+    prefix_blocks: int | None = None
     partition_size: int | None = None
     num_warps: int = 4
     num_stages: int = 2
@@ -71,7 +74,7 @@ class CascadeConfig:
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
                 raise ValueError(f"{name}={v} must be a power of two >= 16")
-        for name in ("prefix_chunk", "partition_size"):
+        for name in ("prefix_blocks", "partition_size"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{name}={v} must be positive")
@@ -84,9 +87,7 @@ class _Plan:
     block_m: int
     block_n: int
     per_tile: int  # requests per prefix tile
-    tiles: int  # prefix tiles (upper bound)
-    chunk: int  # prefix tokens per split
-    splits: int
+    grid: CascadeGrid  # the prefix level's grid and workspace
     own_size: int  # own tokens per partition
     own_parts: int
 
@@ -97,10 +98,6 @@ def _plan(q, geom, prefix_tables, block_tables, config: CascadeConfig) -> _Plan:
     block_m = max(config.block_m, pl.next_power_of_2(group))
     block_n = config.block_n or C.kv_tile_rows(
         head_dim, q.dtype.itemsize, stage_bytes=32 * 1024, cap=64
-    )
-    per_tile = block_m // group
-    tiles = cascade_prefix_tiles(
-        batch=batch, num_prefixes=prefix_tables.shape[0], per_tile=per_tile
     )
     own_capacity = block_tables.shape[1] * geom.page_size
     own_size = choose_partition_size(
@@ -113,19 +110,17 @@ def _plan(q, geom, prefix_tables, block_tables, config: CascadeConfig) -> _Plan:
     )
     own_size = own_size or own_capacity
     own_parts = pl.cdiv(own_capacity, own_size)
-    prefix_capacity = prefix_tables.shape[1] * geom.page_size
-    chunk = config.prefix_chunk or cascade_prefix_chunk(
-        prefix_capacity=prefix_capacity,
+    grid = cascade_grid(
+        batch=batch,
+        num_prefixes=prefix_tables.shape[0],
+        per_tile=block_m // group,
         num_kv_heads=geom.num_kv_heads,
-        tiles=tiles,
+        prefix_capacity=prefix_tables.shape[1] * geom.page_size,
         own_blocks=batch * geom.num_kv_heads * own_parts,
         slots=2 * C.num_sms(),
-        step=block_n,
+        target=config.prefix_blocks,
     )
-    if chunk % block_n:
-        raise ValueError(f"prefix_chunk={chunk} must be a multiple of block_n={block_n}")
-    splits = max(1, pl.cdiv(prefix_capacity, chunk))
-    return _Plan(block_m, block_n, per_tile, tiles, chunk, splits, own_size, own_parts)
+    return _Plan(block_m, block_n, block_m // group, grid, own_size, own_parts)
 
 
 def plan_tiles(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: int):
@@ -133,7 +128,8 @@ def plan_tiles(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: i
     ``members[first[t] : first[t] + count[t]]`` that all continue prefix ``prefix[t]``
     (-1: no tile). ``active``: the requests that take part (valid, with a non-empty
     prefix). Tiles enumerate the prefixes in order, ceil(n_g / per_tile) each; requests
-    within a prefix keep their batch order (a stable sort)."""
+    within a prefix keep their batch order (a stable sort). Also returns the number of
+    tiles."""
     key = jnp.where(active, prefix_of, num_prefixes)
     members = jnp.argsort(key, stable=True).astype(jnp.int32)
     counts = jnp.zeros((num_prefixes + 1,), jnp.int32).at[key].add(1)[:num_prefixes]
@@ -147,7 +143,7 @@ def plan_tiles(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: i
     j = t - (ends[gc] - tiles_of[gc])
     first = jnp.where(live, first_of[gc] + j * per_tile, 0)
     count = jnp.where(live, jnp.minimum(per_tile, counts[gc] - j * per_tile), 0)
-    return jnp.where(live, g, -1), first, count, members
+    return jnp.where(live, g, -1), first, count, members, ends[-1]
 
 
 def _attend(
@@ -188,11 +184,13 @@ def _attend(
 
 
 def _cascade_kernel(
+    splits_ref,
     tile_prefix_ref,
     tile_first_ref,
     tile_count_ref,
     members_ref,
     prefix_lens_ref,
+    prefix_chunk_ref,
     prefix_tables_ref,
     seq_lens_ref,
     block_tables_ref,
@@ -214,7 +212,7 @@ def _cascade_kernel(
 ):
     hkv = geom.num_kv_heads
     item = pl.program_id(0)
-    prefix_items = plan.splits * hkv * plan.tiles
+    prefix_items = plan.grid.blocks_per_head * hkv
     d = jnp.arange(head_dim)
     attend = functools.partial(
         _attend,
@@ -238,15 +236,21 @@ def _cascade_kernel(
 
     @pl.when(item < prefix_items)
     def _prefix():
-        t = item % plan.tiles
-        kv_head = (item // plan.tiles) % hkv
-        split = item // (plan.tiles * hkv)
-        g = tile_prefix_ref[t]
-        count = tile_count_ref[t]
+        # KV head fastest, so the programs that get a tile come first; program k of a KV
+        # head takes tile k % tiles, split k // tiles (splits_ref: [tiles, splits]).
+        kv_head = item % hkv
+        k = item // hkv
+        tiles = jnp.maximum(splits_ref[0], 1)
+        t = jnp.minimum(k % tiles, plan.grid.tiles - 1)
+        split = jnp.minimum(k // tiles, plan.grid.max_splits - 1)
+        live = k < tiles * splits_ref[1]
+        g = jnp.where(live, tile_prefix_ref[t], -1)
+        count = jnp.where(g >= 0, tile_count_ref[t], 0)
         g_safe = jnp.maximum(g, 0)
         length = jnp.where(g >= 0, prefix_lens_ref[g_safe], 0)
-        start = split * plan.chunk
-        end = jnp.minimum(length, start + plan.chunk)
+        chunk = prefix_chunk_ref[g_safe]
+        start = split * chunk
+        end = jnp.minimum(length, start + chunk)
         r = jnp.arange(plan.block_m)
         slot = r // group
         heads = kv_head * group + r % group
@@ -258,13 +262,8 @@ def _cascade_kernel(
         )
         state = attend(q, prefix_tables_ref, g_safe, start, end, kv_head=kv_head)
         # Padding rows store to the spare row `batch`.
-        store(
-            jnp.where(row_ok, req, batch),
-            plan.own_parts + split,
-            heads,
-            row_ok & (start < end),
-            state,
-        )
+        ok = row_ok & (start < end)
+        store(jnp.where(row_ok, req, batch), plan.own_parts + split, heads, ok, state)
 
     @pl.when(item >= prefix_items)
     def _own():
@@ -329,9 +328,18 @@ def _cascade_attention(
     own_len = jnp.where(own_ok, seq_lens, 0)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
     req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
-    tile_prefix, tile_first, tile_count, members = plan_tiles(
-        prefix_of, req_prefix_len > 0, num_prefixes, plan.per_tile, plan.tiles
+    grid = plan.grid
+    tile_prefix, tile_first, tile_count, members, num_tiles = plan_tiles(
+        prefix_of, req_prefix_len > 0, num_prefixes, plan.per_tile, max(grid.tiles, 1)
     )
+    splits = cascade_splits(
+        num_tiles,
+        target=grid.target,
+        num_kv_heads=hkv,
+        blocks_per_head=grid.blocks_per_head,
+        max_splits=grid.max_splits,
+    )
+    prefix_chunk = cascade_chunk(prefix_len, splits)
 
     kernel = functools.partial(
         _cascade_kernel,
@@ -345,11 +353,13 @@ def _cascade_attention(
         soft_cap=soft_cap,
     )
     inputs = match_varying(
+        jnp.stack([num_tiles, splits]).astype(jnp.int32),
         tile_prefix,
         tile_first,
         tile_count,
         members,
         prefix_len,
+        prefix_chunk,
         prefix_tables,
         own_len,
         block_tables,
@@ -357,13 +367,13 @@ def _cascade_attention(
         C.as_rows(k_cache),
         C.as_rows(v_cache),
     )
-    parts = plan.own_parts + plan.splits
+    parts = plan.own_parts + grid.max_splits
     out_shape = (
         out_struct((batch + 1, parts, num_q_heads, head_dim), jnp.float32, *inputs),
         out_struct((batch + 1, parts, num_q_heads), jnp.float32, *inputs),
         out_struct((batch + 1, parts, num_q_heads), jnp.float32, *inputs),
     )
-    items = plan.splits * hkv * plan.tiles + batch * hkv * plan.own_parts
+    items = grid.blocks_per_head * hkv + batch * hkv * plan.own_parts
     acc, m, l_sum = pl.pallas_call(
         kernel,
         grid=(items,),
@@ -376,18 +386,21 @@ def _cascade_attention(
     )(*inputs)
 
     own_written = jnp.arange(plan.own_parts)[None, :] * plan.own_size < own_len[:, None]
-    prefix_written = jnp.arange(plan.splits)[None, :] * plan.chunk < req_prefix_len[:, None]
+    req_chunk = prefix_chunk[g]
+    prefix_written = (
+        jnp.arange(grid.max_splits)[None, :] * req_chunk[:, None] < req_prefix_len[:, None]
+    )
     written = jnp.concatenate([own_written, prefix_written], axis=1)
     out = merge(acc[:batch], m[:batch], l_sum[:batch], written, q.dtype)
     return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
 
 
 def heuristic_config(q, geom: L.CacheGeometry, prefix_tables, block_tables) -> CascadeConfig:
-    """The default tiles with the prefix split and own partition of these shapes filled
-    in (see :func:`jaxattn.backend.cascade_prefix_chunk`)."""
+    """The default tiles with the prefix level's target and the own partition of these
+    shapes filled in (see :func:`jaxattn.backend.cascade_grid`)."""
     plan = _plan(q, geom, prefix_tables, block_tables, CascadeConfig())
     return CascadeConfig(
-        block_n=plan.block_n, prefix_chunk=plan.chunk, partition_size=plan.own_size
+        block_n=plan.block_n, prefix_blocks=plan.grid.target, partition_size=plan.own_size
     )
 
 

@@ -1,7 +1,7 @@
-// Cascade decode in plain C++ (the CPU handler): the math of the GPU kernels -- each prefix split
-// and each own partition an online softmax in base 2 over its tokens, the parts merged by their
-// (max, sum) pairs -- with float32 accumulation, one thread. The index contract of
-// jaxattn/cascade.h is checked per request before any key is read.
+// Cascade decode in plain C++ (the CPU handler): the math of the GPU kernels -- the prefix and
+// each own partition an online softmax in base 2 over its tokens, the parts merged by their
+// (max, sum) pairs -- with float32 accumulation, one thread, so the prefix in one part. The
+// index contract of jaxattn/cascade.h is checked per request before any key is read.
 #pragma once
 
 #include <algorithm>
@@ -50,8 +50,7 @@ void cascade_decode(const CascadeParams& p) {
     const int32_t span = p.own_span();
     for (int32_t i = 0; i < cascade_own_parts(p, L); ++i)
       ranges.push_back({own, i * span, std::min(L, i * span + span)});
-    for (int32_t s = 0; s < cascade_prefix_parts(p, lp); ++s)
-      ranges.push_back({pre, s * p.prefix_chunk, std::min(lp, (s + 1) * p.prefix_chunk)});
+    if (lp > 0) ranges.push_back({pre, 0, lp});
     const int n = int(ranges.size());
     for (int h = 0; h < p.num_q_heads; ++h) {
       const int kvh = h / group;
