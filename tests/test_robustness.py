@@ -103,6 +103,54 @@ def test_checked_extend_names_the_request(rng):
         f(*args[:3], e.qo_indptr.at[1].set(9), *args[4:])
 
 
+def test_checked_cascade_names_the_prefix_and_request(rng):
+    from helpers import call_cascade, make_cascade
+
+    c = make_cascade(
+        rng,
+        [3, 2],
+        [0, 1, 0, -1],
+        [5, 0, 17, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+    )
+    f = jaxattn.checked(lambda *a: jaxattn.cascade_attention(*a))
+    args = [
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.prefix_tables,
+        c.prefix_lens,
+        c.prefix_of,
+        c.block_tables,
+        c.seq_lens,
+    ]
+    np.testing.assert_allclose(
+        f(*args), call_cascade(jaxattn.reference.cascade_attention, c), rtol=1e-6
+    )
+
+    def swap(i, x):
+        return f(*args[:i], x, *args[i + 1 :])
+
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_tables\[1\] holds a page"):
+        swap(3, c.prefix_tables.at[1, 1].set(-1))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_lens\[0\] must be a multiple"):
+        swap(4, c.prefix_lens.at[0].set(5))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_of\[2\] must lie in \[-1, 2\)"):
+        swap(5, c.prefix_of.at[2].set(2))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"block_tables\[2\] holds a page"):
+        swap(6, c.block_tables.at[2, 4].set(10**5))
+    # A prefix nobody continues is never read: its metadata may be anything.
+    f(*args[:4], c.prefix_lens.at[1].set(-3), c.prefix_of.at[1].set(-1), *args[6:])
+    # Eagerly, the same checks raise ValueError naming the prefix.
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\] must be a multiple"):
+        jaxattn.cascade_attention(*args[:4], c.prefix_lens.at[0].set(5), *args[5:])
+    with pytest.raises(ValueError, match="prefix_of must lie in"):
+        jaxattn.cascade_attention(*args[:5], c.prefix_of.at[0].set(7), *args[6:])
+
+
 # --- empty inputs ---------------------------------------------------------------------------
 
 
