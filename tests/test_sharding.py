@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, make_extend, make_paged_decode, make_prefix_prefill
+from helpers import (
+    assert_close,
+    make_cascade,
+    make_extend,
+    make_paged_decode,
+    make_prefix_prefill,
+)
 from jax.sharding import PartitionSpec as P
 
 import jaxattn
@@ -40,6 +46,7 @@ PLAN = {  # op -> backend -> (mesh size, layout); vllm is read by the reference 
     "paged": {"reference": (8, "vllm"), "pallas": (2, "bshd"), "native": (4, "bhsd")},
     "prefill": {"reference": (4, "vllm"), "pallas": (8, "bhsd"), "native": (2, "bshd")},
     "extend": {"reference": (2, "pool"), "pallas": (4, "pool"), "native": (8, "pool")},
+    "cascade": {"reference": (4, "bhsd"), "pallas": (8, "bshd"), "native": (2, "bhsd")},
 }
 
 
@@ -214,6 +221,39 @@ def test_extend_attention(rng, impl, n, hq, hkv, layout):
         e.q, k, v, *args[3:]
     )
     assert_same(sharded[:-1], single[:-1], impl)
+    assert_head_split(sharded, n)
+
+
+@pytest.mark.parametrize("impl,n,hq,hkv,layout", list(_cases("cascade")))
+def test_cascade_attention(rng, impl, n, hq, hkv, layout):
+    mesh = _mesh(n)
+    c = make_cascade(
+        rng,
+        [3, 1],
+        [0, 1, 0, -1, 0],
+        [2, 9, 0, 5, 17],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        layout=layout,
+    )
+    args = (
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.prefix_tables,
+        c.prefix_lens,
+        c.prefix_of,
+        c.block_tables,
+        c.seq_lens,
+    )
+    kw = dict(layout=layout, implementation=impl)
+    single = _jit(jaxattn.cascade_attention, **kw)(*args)
+    k, v = S.shard_kv_cache(c.k_cache, c.v_cache, mesh, layout=layout)
+    tp = S.TensorParallel(mesh)
+    sharded = jax.jit(functools.partial(tp.cascade_attention, **kw))(c.q, k, v, *args[3:])
+    assert_same(sharded, single, impl)
     assert_head_split(sharded, n)
 
 
