@@ -36,6 +36,7 @@ import numpy as np
 from . import layout as _layout
 from . import reference as _reference
 from .backend import BACKENDS, Implementation, Op, checked, default_implementations
+from .cascade_cost import CascadeCostModel, cascade_pays_off
 from .reference import validity as _validity
 
 __all__ = [
@@ -48,8 +49,10 @@ __all__ = [
     "PagedArgs",
     "PrefillArgs",
     "CascadeArgs",
+    "CascadeCostModel",
     "available_backends",
     "cascade_attention",
+    "cascade_pays_off",
     "checked",
     "default_implementations",
     "extend_attention",
