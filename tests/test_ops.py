@@ -1,5 +1,6 @@
 """Public ops: input validation (errors name the argument) and backend dispatch."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -430,3 +431,18 @@ def test_cascade_split_rule_matches_the_kernels():
         want = emu.cascade_chunk(length, splits)
         assert B.cascade_chunk(length, splits) == want
         assert int(B.cascade_chunk(jnp.int32(length), jnp.int32(splits))) == want
+
+
+def test_cascade_switch_rule():
+    """The engine's switch: shared long prefixes pay off, a batch with nothing shared never
+    does, and a model written by the benchmark reads back."""
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    assert jaxattn.cascade_pays_off([4096], [0] * 64, [256] * 64, **kw)
+    assert not jaxattn.cascade_pays_off([4096] * 64, list(range(64)), [256] * 64, **kw)
+    assert not jaxattn.cascade_pays_off([], [-1] * 8, [100] * 8, **kw)
+    # Two requests on a short prefix with long own parts: nothing worth the second launch.
+    assert not jaxattn.cascade_pays_off([64], [0, 0], [4000, 4000], **kw)
+    cascade, paged = jaxattn.cascade_cost.cascade_cost([4096], [0] * 64, [256] * 64, **kw)
+    assert cascade < paged / 5
+    model = ops.CascadeCostModel(paged_fixed_us=1.0, cascade_fixed_us=2.0, margin=0.2)
+    assert ops.CascadeCostModel.from_json({"cost_model": dataclasses.asdict(model)}) == model
