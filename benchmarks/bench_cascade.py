@@ -15,9 +15,10 @@ B=64, a 4096-token prefix, 256 own tokens each, bf16, 32/8, D=128, page 16):
 For each batch, each implementation of ``--impl`` runs ``jaxattn.cascade_attention`` and
 ``jaxattn.paged_attention`` over the joined tables (prefix pages, then own pages), in the same
 run, on the same inputs (rotated over enough copies to pass the L2; ``benchmarks/common.py``).
-The floor is the time to read each prefix once and every own token once at the read ceiling,
-a jitted ``jnp.sum`` over 4 GiB measured in the same run. The table shows each time, its
-ratio to the floor, and the speedup of cascade over paged decode of the same implementation.
+The floor is the time to read each prefix once and every own token once at the read ceiling, a
+jitted ``jnp.sum`` over 4 GiB measured in the same run (``common.read_bandwidth``). The table
+shows each time, its ratio to the floor, and the speedup of cascade over paged decode of the
+same implementation.
 
 ``--fit`` also times both ops (``--fit-impl``, default native) over a grid of batches (prefix
 length, requests per prefix, own length, batch size), fits the constants of
@@ -28,6 +29,7 @@ JSON's ``cost_model`` is what an engine loads (``CascadeCostModel.from_json``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -106,14 +108,6 @@ def build_inputs(seed, batch: Batch, *, hq, hkv, d, page, layout, dtype):
     return cascade_args, (q, k, v, jnp.asarray(joined), joined_lens)
 
 
-def read_ceiling(nbytes: int) -> dict:
-    """Read-only ceiling: a jitted jnp.sum over nbytes of uint32."""
-    x = jax.random.bits(jax.random.key(3), (nbytes // 4,), jnp.uint32)
-    t = common.time_calls(lambda a: jnp.sum(a, dtype=jnp.uint32), [(x,)], samples=10)
-    del x
-    return dict(bytes=nbytes, seconds=t["median_s"], gbps=nbytes / t["median_s"] / 1e9)
-
-
 def features(batch: Batch, hq, hkv, d, itemsize) -> dict:
     return cc.cascade_features(
         batch.prefix_lens,
@@ -150,12 +144,14 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         )
     rows = []
     for impl in impls:
-        for op, fn, inputs in (
-            ("cascade", jaxattn.cascade_attention, casc),
-            ("paged", jaxattn.paged_attention, paged),
+        for op, fn, obj, inputs in (
+            ("cascade", jaxattn.cascade_attention, jaxattn.ops.CASCADE_ATTENTION, casc),
+            ("paged", jaxattn.paged_attention, jaxattn.ops.PAGED_ATTENTION, paged),
         ):
             run = functools.partial(fn, layout=args.layout, implementation=impl)
             row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
+            with contextlib.suppress(NotImplementedError):  # measure() reports a refusal
+                row["config"] = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
             row |= common.measure(
                 run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
             )
@@ -276,7 +272,7 @@ def main(argv=None):
     if not args.no_ceilings:
         nbytes = 2**24 if args.small else 4 * 2**30
         result["ceilings"] = dict(
-            read=read_ceiling(nbytes), copy=common.copy_bandwidth(nbytes // 2)
+            read=common.read_bandwidth(nbytes), copy=common.copy_bandwidth(nbytes // 2)
         )
         gbps = result["ceilings"]["read"]["gbps"]
         print(f"read ceiling {gbps:.0f} GB/s (jnp.sum over {nbytes / 2**30:.2f} GiB)", flush=True)
@@ -353,6 +349,7 @@ def main(argv=None):
                 ("batch", "batch", ""),
                 ("impl", "impl", ""),
                 ("op", "op", ""),
+                ("config", "config", ""),
                 ("us", "time (us)", ".1f"),
                 ("floor_us", "floor (us)", ".1f"),
                 ("x_floor", "x floor", ".2f"),

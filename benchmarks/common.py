@@ -267,6 +267,8 @@ def config_label(cfg) -> str:
         "min_programs": "progs",
         "partition_size": "split",
         "kernel": "kernel",
+        "block_m": "bm",
+        "prefix_blocks": "prefix",
     }
     parts = []
     for f in dataclasses.fields(cfg):
