@@ -93,7 +93,8 @@ def cascade_features(
     prefix_of = np.asarray(prefix_of, np.int64)
     own = np.asarray(own_lens, np.int64)
     has = prefix_of >= 0
-    lens_of = prefix_lens[np.where(has, prefix_of, 0)] if len(prefix_lens) else 0 * prefix_of
+    idx = np.clip(prefix_of, 0, max(len(prefix_lens) - 1, 0))
+    lens_of = prefix_lens[idx] if len(prefix_lens) else 0 * prefix_of
     per_request = np.where(has, lens_of, 0)
     token_bytes = 2 * num_kv_heads * head_dim * itemsize
     used = np.unique(prefix_of[has])
