@@ -262,6 +262,8 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
         s, n0 = n % ns, start + n * TILE
         tail = n0 + TILE > end
         for warp in range(WARPS):
+            if all(qrows[warp * 16 + r] is None for r in range(16)):
+                continue  # warp_live: rows are request-major, so a padding warp has no row
             sc = np.zeros((TILE // 8, 32, 4))
             for kk, npp in itertools.product(range(kd), range(TILE // 16)):
                 bfr = ldmatrix_x4(

@@ -160,6 +160,7 @@ __device__ bool plan_prefix_block(const CascadeParams& p, int k, int per_tile, i
 
   // Its members: the prefix's requests of ranks [first, first + count) in batch order.
   const int g = plan.g, first = plan.first, last = plan.first + plan.count;
+  if (g < 0) return false;  // unreachable: both passes count the same bins
   int seen = 0;
   for (int b0 = 0; b0 < p.batch && seen < last; b0 += NT) {
     const int b = b0 + tid;
@@ -550,12 +551,19 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   const uint32_t lane_k = uint32_t(((lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
   const uint32_t lane_v = uint32_t(((lane % 8 + ((lane / 8) % 2) * 8) * RS + (lane / 16) * 8) * 2);
 
+  // A warp whose 16 rows are all padding (a tile of few requests) only helps with the copies.
+  const bool warp_live = warp * 16 < plan.count * group;
+
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+    if (!warp_live) {
+      bad |= ring.store_offset(n + NS, page);
+      continue;
+    }
 
     const int s = n % NS, n0 = start + n * TILE;
     const uint32_t kb = smem_u32(ring.k_rows(s)) + lane_k;
