@@ -1,10 +1,12 @@
 // Standalone GPU self-test and timing of the cascade decode kernels (jaxattn/cascade.cuh), no
 // Python or XLA needed:
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/cascade_selftest.cu -o
-//   /tmp/cascade_selftest /tmp/cascade_selftest            # correctness and robustness cases, then
-//   timing /tmp/cascade_selftest --check    # correctness and robustness only   (--perf: timing
-//   only) /tmp/cascade_selftest --robust   # robustness only: small, for compute-sanitizer
+// clang-format off
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/cascade_selftest.cu -o /tmp/cascade_selftest
+//   /tmp/cascade_selftest            # correctness and robustness cases, then timing
+//   /tmp/cascade_selftest --check    # correctness and robustness only   (--perf: timing only)
+//   /tmp/cascade_selftest --robust   # robustness only: small, for compute-sanitizer
+// clang-format on
 //
 // Correctness: random batches of requests over G prefixes (pages a random permutation, every
 // slot no request reads NaN, both kinds of table padded with entries that point at NaN pages),
