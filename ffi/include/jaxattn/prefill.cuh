@@ -724,7 +724,8 @@ constexpr int kSm90MinRowsPerRequest = 64;
 template <typename T>
 const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
   if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
-  const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
+  // Unused where the SIMT kernel is the only one (HIP).
+  [[maybe_unused]] const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
   // batch 0 still launches: its rows are padding (zeros), or NaN when qo[0] != 0.
   if (p.total_q == 0 || p.num_q_heads == 0) return nullptr;
   if (p.num_q_heads > 65535) return "jaxattn: more than 65535 query heads";
