@@ -723,21 +723,41 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     }
 
     float mx0 = kNegInf, mx1 = kNegInf;
+    // Logits and row maxima. The soft cap and the mask are compile-time variants, so the
+    // common tile (no cap, no mask) runs straight through: left to the compiler, they came out
+    // as a test around every tanhf and mask selects on every tile once the loop grew.
+    auto logits = [&](auto cap_tag, auto mask_tag) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+      for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[j][e] * p.ls.q_scale;
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        if (masked) {
-          const int key = n0 + j * 8 + 2 * tq + (e & 1);
-          const int qi = e < 2 ? row0 : row1;
-          if (key >= t.lk || key > qi + shift) v = kNegInf;
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * p.ls.q_scale;
+          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
+          if constexpr (decltype(mask_tag)::value) {
+            const int key = n0 + j * 8 + 2 * tq + (e & 1);
+            const int qi = e < 2 ? row0 : row1;
+            if (key >= t.lk || key > qi + shift) v = kNegInf;
+          }
+          s[j][e] = v;
         }
-        s[j][e] = v;
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
       }
-      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    if (p.ls.cap_log2e > 0.f) {
+      if (masked) {
+        logits(True{}, True{});
+      } else {
+        logits(True{}, False{});
+      }
+    } else {
+      if (masked) {
+        logits(False{}, True{});
+      } else {
+        logits(False{}, False{});
+      }
     }
     mx0 = group_max<4>(mx0);
     mx1 = group_max<4>(mx1);
