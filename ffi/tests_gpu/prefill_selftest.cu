@@ -450,6 +450,22 @@ int run_robustness(std::mt19937& rng) {
        [](Problem& P) { P.v[kv_elem(P, 4, 200, 1, 60)] = kNaN16; }},
       {"inf in V at a diagonal key (request 4, key 260, KV head 0)", true, true,
        [](Problem& P) { P.v[kv_elem(P, 4, 260, 0, 2)] = P.c.f16 ? kInfF16 : kInfBf16; }},
+      // Key 7 of request 0 (lq 3, lk 8) is hidden from rows 0 and 1 in the first key tile.
+      {"NaN in V at request 0's last key (the first key tile)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 0, 7, 1, 9)] = kNaN16; }},
+      // Key 195 of request 4 (lq 130, lk 330): every row of its tiles sees it, also in the
+      // first tile (rows 0.., keys from 201 hidden), where it shares a key tile with keys
+      // the mask hides; not sanitised, the product gives the row's non-finite value.
+      {"inf in V at request 4's key 195 (seen by every row, in a masked key tile)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 4, 195, 1, 4)] = P.c.f16 ? kInfF16 : kInfBf16; }},
+      // Keys 210 and 260 of request 4: hidden from the first rows of its first tile, in two
+      // key tiles of one block; element 5 sees both (the smaller decides), element 6 one.
+      {"NaN in V at request 4's keys 210 and 260 (two masked key tiles of a block)", true, true,
+       [](Problem& P) {
+         P.v[kv_elem(P, 4, 210, 1, 5)] = kNaN16;
+         P.v[kv_elem(P, 4, 260, 1, 5)] = kNaN16;
+         P.v[kv_elem(P, 4, 260, 1, 6)] = kNaN16;
+       }},
   };
   const Layout bshd = Layout::kBSHD;
   // name, lq, prefix, hq, hkv, d, page_size, layout, pool, cap, f16, pad_rows
