@@ -640,12 +640,17 @@ int main(int argc, char** argv) {
     failed += run_robustness(rng);
   }
   if (bench) {
-    std::printf("timings (bf16, D=128, 32/8, page 16, bshd; median of 10 after warm-up):\n");
+    std::printf("timings (bf16, D=128, 32/8, bshd, page 16 / pool; median of 10 after warm-up):\n");
     const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
                       bshd, false, 0.f, false, 0};
     if (bench_case("8 x (2048 + 512)", big, rng)) ++failed;
     const Case longq = {"", {8192}, {0}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
     if (bench_case("1 x (0 + 8192)", longq, rng)) ++failed;
+    // A short extend over a token pool: the mma kernel's case (auto picks it below 64 new
+    // tokens a request).
+    const Case extend = {"", std::vector<int>(32, 24), std::vector<int>(32, 1000), 32, 8, 128, 1,
+                         bshd, true, 0.f, false, 0};
+    if (bench_case("32 x (1000 + 24), pool", extend, rng)) ++failed;
   }
   std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
   return failed ? 1 : 0;
