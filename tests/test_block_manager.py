@@ -16,7 +16,7 @@ from jaxattn.paging import BlockAllocator, BlockManager, NoFreeBlocksError
 
 def snapshot(m: BlockManager):
     a = m.allocator
-    return copy.deepcopy((m._tables, m._lens, a._ref, a._free))
+    return copy.deepcopy((m._tables, m._lens, a.ref_counts.tolist(), a.free_stack().tolist()))
 
 
 # --- BlockAllocator ------------------------------------------------------------------
@@ -39,7 +39,7 @@ def test_allocator_misuse_raises_and_changes_nothing():
     a = BlockAllocator(2)
     b = a.allocate()
     a.free(b)
-    state = (list(a._ref), list(a._free))
+    state = (a.ref_counts.tolist(), a.free_stack().tolist())
     with pytest.raises(ValueError, match="double free"):
         a.free(b)
     with pytest.raises(ValueError, match="free"):
@@ -52,7 +52,7 @@ def test_allocator_misuse_raises_and_changes_nothing():
         a.free(1.0)
     with pytest.raises(TypeError, match="block"):
         a.incref(True)
-    assert (list(a._ref), list(a._free)) == state
+    assert (a.ref_counts.tolist(), a.free_stack().tolist()) == state
     a.allocate(), a.allocate()
     with pytest.raises(NoFreeBlocksError):
         a.allocate()

@@ -159,7 +159,7 @@ class HostModel:
             table = bm.block_table(seq)
             tables[seq, : len(table)] = table
             lens[seq], active[seq] = bm.seq_len(seq), True
-        free = bm.allocator._free  # the order decides which block is handed out next
+        free = bm.allocator.free_stack().tolist()  # its order decides the next block
         return dict(
             ref_counts=np.array([bm.ref_count(b) for b in range(N)], np.int32),
             free_stack=np.array(free + [-1] * (N - len(free)), np.int32),

@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.paging.slots import token_slots
+
 __all__ = ["PageTable", "Status", "check_invariants"]
 
 
@@ -239,9 +241,8 @@ class PageTable:
         row, _, active = self._seq(seq)
         pos = _i32(start) + jnp.arange(length, dtype=jnp.int32)
         valid = active & (pos >= 0) & (pos < self.lens[row])
-        col = jnp.clip(pos // self.block_size, 0, self.max_blocks_per_seq - 1)
-        slots = self.tables[row, col] * self.block_size + pos % self.block_size
-        return jnp.where(valid, slots, -1)
+        inside = jnp.clip(pos, 0, self.max_blocks_per_seq * self.block_size - 1)
+        return jnp.where(valid, token_slots(self.tables[row], inside, self.block_size), -1)
 
     # -- operations ------------------------------------------------------------------------
 
