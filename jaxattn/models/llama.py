@@ -58,6 +58,7 @@ __all__ = [
     "params_from_hf",
     "rms_norm",
     "rope_frequencies",
+    "serving_params",
 ]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -169,6 +170,25 @@ class LlamaConfig:
         itemsize = np.dtype(self.jnp_dtype).itemsize
         return 2 * self.num_hidden_layers * self.kv_size * itemsize
 
+    # The serving engine's model protocol (jaxattn.engine.CausalLM): the config names the
+    # model, and these bind it to the module's functions.
+
+    def init_kv_cache(self, num_pages: int, page_size: int, *, layout: str = "bshd"):
+        """:func:`init_kv_cache` of this model."""
+        return init_kv_cache(self, num_pages, page_size, layout=layout)
+
+    def serving_params(self, params: dict) -> dict:
+        """:func:`serving_params` of this model."""
+        return serving_params(self, params)
+
+    def forward_extend(self, params, k_cache, v_cache, batch, **options):
+        """:func:`forward_extend` of this model."""
+        return forward_extend(params, self, k_cache, v_cache, batch, **options)
+
+    def forward_decode(self, params, k_cache, v_cache, batch, **options):
+        """:func:`forward_decode` of this model."""
+        return forward_decode(params, self, k_cache, v_cache, batch, **options)
+
 
 # --- parameters ----------------------------------------------------------------------
 
@@ -265,13 +285,7 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 def apply_rope(x, positions, inv_freq):
     """Rotate-half RoPE. x ``[T, H, D]``, positions ``i32[T]``, inv_freq ``f32[D // 2]``."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return _rotate(x, *_rope_table(positions, inv_freq))
 
 
 def _linear(x, w):
@@ -284,32 +298,81 @@ def lm_head(params: dict, cfg: LlamaConfig, h):
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
 
+def _rope_table(positions, inv_freq):
+    """(cos, sin) ``f32[T, 1, D // 2]`` of every position, shared by all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def _rotate(x, cos, sin):
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def serving_params(cfg: LlamaConfig, params: dict) -> dict:
+    """The parameters with one dict of weights per layer (``params["layers"]`` a tuple)
+    instead of stacked ``[num_layers, ...]`` arrays.
+
+    The forward passes then run the layers as straight-line code, each matmul reading its
+    own weight buffer. Over stacked weights a ``lax.scan`` slices one layer per iteration,
+    and on GPUs XLA materialises each slice that feeds a GEMM as a copy: every step would
+    move the weights three times (read, write, read) in a pass that is bound by reading
+    them once. The price is compile time, which grows with the depth. Already split
+    parameters are returned as they are.
+    """
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"params has {len(layers)} layers, the config {cfg.num_hidden_layers}")
+        return params
+    n = cfg.num_hidden_layers
+    for name, w in layers.items():
+        if w.shape[0] != n:
+            raise ValueError(f"params['layers'][{name!r}] has {w.shape[0]} layers, not {n}")
+    split = tuple({name: w[i] for name, w in layers.items()} for i in range(n))
+    return dict(params, layers=split)
+
+
 def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
     ``attend(q, k, v, layer, state) -> (out [T, Hq, D], state)`` is the only thing that
-    differs between the dense and the cached forward passes.
+    differs between the dense and the cached forward passes. Stacked layer weights run as
+    one ``lax.scan`` (one compiled layer body whatever the depth); split ones
+    (:func:`serving_params`) as straight-line code with a Python int ``layer``.
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    inv_freq = jnp.asarray(rope_frequencies(cfg))
+    cos, sin = _rope_table(positions, jnp.asarray(rope_frequencies(cfg)))
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens]
 
-    def layer_body(carry, lp):
-        x, layer, state = carry
+    def layer_body(x, layer, state, lp):
         h = rms_norm(x, lp["attn_norm"], eps)
-        q = apply_rope(_linear(h, lp["wq"]).reshape(t, hq, d), positions, inv_freq)
-        k = apply_rope(_linear(h, lp["wk"]).reshape(t, hkv, d), positions, inv_freq)
+        q = _rotate(_linear(h, lp["wq"]).reshape(t, hq, d), cos, sin)
+        k = _rotate(_linear(h, lp["wk"]).reshape(t, hkv, d), cos, sin)
         v = _linear(h, lp["wv"]).reshape(t, hkv, d)
         o, state = attend(q, k, v, layer, state)
         x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], eps)
         gate = jax.nn.silu(_linear(h, lp["w_gate"]))
         x = x + _linear(gate * _linear(h, lp["w_up"]), lp["w_down"])
-        return (x, layer + 1, state), None
+        return x, state
 
-    (x, _, state), _ = jax.lax.scan(layer_body, (x, jnp.int32(0), state), params["layers"])
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        for layer, lp in enumerate(layers):
+            x, state = layer_body(x, layer, state, lp)
+    else:
+
+        def scan_body(carry, lp):
+            x, layer, state = carry
+            x, state = layer_body(x, layer, state, lp)
+            return (x, layer + 1, state), None
+
+        (x, _, state), _ = jax.lax.scan(scan_body, (x, jnp.int32(0), state), layers)
     return rms_norm(x, params["norm"], eps), state
 
 
@@ -392,9 +455,12 @@ class ExtendBatch(NamedTuple):
 class DecodeBatch(NamedTuple):
     """Metadata of a decode batch: one new token per sequence (layer-0 ids).
 
-    tokens, positions, slot_mapping: ``i32[B]`` (padding rows: slot -1); block_tables
-    ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token (padding
-    rows: 1, reading page 0, whose output is discarded).
+    tokens, positions, slot_mapping: ``i32[B]`` (padding rows: slot -1, nothing written);
+    block_tables ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token
+    (padding rows: 0, attending to nothing).
+
+    A new attention variant or quantised pool adds its fields here (with defaults), and the
+    engine's runner fills them: the record is the whole interface of a decode step.
     """
 
     tokens: jax.Array
