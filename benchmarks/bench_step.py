@@ -1,28 +1,37 @@
 """One engine decode step, taken apart: where the time goes, against the hardware floor.
 
-For each batch size, ``B`` requests of ``--context`` random tokens are prefilled, then the
-engine decodes; after a warm-up (compilation), ``--steps`` decode steps are timed through
-``Engine.step()`` with a timer around each phase:
+For each batch size ``B`` and engine mode, ``B`` requests of ``--context`` random tokens
+are prefilled, the engine decodes until every program is compiled, and then ``--steps``
+engine steps are timed through ``Engine.step()``. Per decode step (a dispatch of ``k``
+steps counts ``k``):
 
-* schedule: the scheduler's plan (page reservations, copy-on-write orders);
-* metadata: building the step's index arrays on the host and copying them to the device;
-* dispatch: the jitted step call until it returns (asynchronous: device work not included);
-* wait: blocking on the drawn tokens (the device time not hidden behind host work);
-* commit: appending the tokens, stop checks, releases.
+* ``wall``: the engine's wall time, what a caller sees;
+* ``schedule``: the scheduler's plan (admission, page reservations, copy-on-write);
+* ``launch``: turning the plan into device work and enqueueing it, of which ``h2d`` sends
+  metadata to the device (``h2d B``: bytes sent) and ``dispatch`` is the time in the
+  jitted calls (which return before the device is done);
+* ``wait``: blocking on a step's tokens (device time not hidden behind host work);
+* ``commit``: appending tokens, stop checks, releases;
+* ``device``: the decode program alone, enqueued back to back on the rows as they are
+  (``--device-steps`` steps a call), the device's own time per step;
+* ``floor``: what a decode step must read - the weights (all but the embedding table, of
+  which it gathers ``B`` rows, unless the LM head is tied to it) plus the KV of every
+  sequence - at the read ceiling measured in the same run (a jitted ``jnp.sum`` over a
+  large array).
 
-``device`` is the jitted decode program alone, run back to back on its last inputs (already
-on the device). ``floor`` is the time to read what a decode step must read, the weights
-(all but the embedding table, whose B rows are negligible) plus the KV of every sequence,
-at the read ceiling measured in the same run (a jitted ``jnp.sum`` over a large array).
+Modes: ``sync`` (one step per dispatch, the host waits for every step: the engine's loop
+before the overlap scheduler), ``overlap`` (one step per dispatch, step t + 1 planned while
+step t runs) and ``multistep`` (overlap, and up to ``--decode-steps`` steps per dispatch).
 
     python benchmarks/bench_step.py --preset 1b --batch 1,16,64 --json step_1b.json
-    python benchmarks/bench_step.py --preset tiny --context 128 --steps 20   # CPU smoke run
+    python benchmarks/bench_step.py --preset 8b --batch 1,16,64 --json step_8b.json
+    python benchmarks/bench_step.py --preset tiny --context 128 --steps 16   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import math
 import statistics
 import sys
 import time
@@ -34,12 +43,18 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_engine import PRESETS, build_model  # noqa: E402
+from bench_engine import PRESETS  # noqa: E402
 from common import environment, table, time_calls, write_json  # noqa: E402
 
-from jaxattn.engine import Engine  # noqa: E402
+from jaxattn.engine import Buckets, Engine  # noqa: E402
+from jaxattn.models import llama  # noqa: E402
 
-PHASES = ("schedule", "metadata", "dispatch", "wait", "commit")
+MODES = {
+    "sync": dict(overlap=False, decode_steps=1),
+    "overlap": dict(overlap=True, decode_steps=1),
+    "multistep": dict(overlap=True),  # decode_steps from --decode-steps
+}
+PHASES = ("schedule", "launch", "h2d", "dispatch", "wait", "commit")
 
 
 def parse_args(argv=None):
@@ -47,14 +62,16 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama instead")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--layers", type=int)
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", default="1,16,64", help="batch sizes, comma separated")
+    p.add_argument("--modes", default="sync,overlap,multistep", help=f"of {sorted(MODES)}")
+    p.add_argument("--decode-steps", type=int, default=8, help="steps per dispatch (multistep)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps")
+    p.add_argument("--steps", type=int, default=32, help="timed engine steps")
+    p.add_argument("--device-steps", type=int, default=8, help="steps per timed device call")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="tokens per prefill step")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--implementation", choices=["reference", "pallas", "native"])
     p.add_argument(
         "--ceiling-gib",
@@ -63,6 +80,56 @@ def parse_args(argv=None):
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
+
+
+def model_config(args) -> tuple[llama.LlamaConfig, str]:
+    if args.checkpoint:
+        cfg, _ = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        return cfg, f"checkpoint {args.checkpoint}"
+    layers, hidden, inter, hq, hkv, d, vocab, dtype = PRESETS[args.preset]
+    cfg = llama.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=args.layers or layers,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        dtype=args.dtype or dtype,
+        max_position_embeddings=max(4096, 2 * args.context),
+    )
+    return cfg, f"preset {args.preset}"
+
+
+def device_params(cfg: llama.LlamaConfig, seed: int) -> dict:
+    """Random weights drawn on the device, with :func:`llama.init_params`' shapes and
+    scales: the values do not change a step's time, and an 8B model is drawn in seconds
+    instead of minutes on the host."""
+    n, h, i, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    linear = {  # name: (shape, fan_in)
+        "wq": ((n, h, cfg.q_size), h),
+        "wk": ((n, h, cfg.kv_size), h),
+        "wv": ((n, h, cfg.kv_size), h),
+        "wo": ((n, cfg.q_size, h), cfg.q_size),
+        "w_gate": ((n, h, i), h),
+        "w_up": ((n, h, i), h),
+        "w_down": ((n, i, h), i),
+    }
+    dt = cfg.jnp_dtype
+
+    def draw(key):
+        keys = iter(jax.random.split(key, len(linear) + 2))
+        normal = lambda shape, fan_in: (
+            jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)
+        ).astype(dt)
+        layers = {name: normal(shape, fan_in) for name, (shape, fan_in) in linear.items()}
+        layers["attn_norm"] = layers["mlp_norm"] = jnp.ones((n, h), dt)
+        params = {"embed": normal((v, h), 1), "layers": layers, "norm": jnp.ones((h,), dt)}
+        if not cfg.tie_word_embeddings:
+            params["lm_head"] = normal((h, v), h)
+        return params
+
+    return jax.jit(draw)(jax.random.key(seed))
 
 
 def read_ceiling(nbytes: int) -> dict:
@@ -82,92 +149,60 @@ def weight_bytes(params, cfg) -> int:
     return total
 
 
-class PhaseTimer:
-    """Wraps the engine's methods with timers; ``laps`` holds one dict per step."""
+def device_time(engine, batch: int, steps: int, reps: int = 5) -> float:
+    """Seconds per decode step of the decode program alone: ``steps`` steps a call,
+    calls enqueued back to back on the engine's rows (a copy whose budgets never run
+    out; the rows keep their positions, so every call reads the same KV)."""
+    from jaxattn.engine import runner as R
 
-    def __init__(self, engine):
-        self.engine, self.laps, self.current = engine, [], None
-        self.last_decode = None
-        sched, runner = engine.scheduler, engine.runner
-        self._wrap(sched, "schedule", "schedule")
-        self._wrap(runner, "_decode_args", "metadata")
-        orig_run = runner._run
-
-        def run(kind, program, batch, samples, greedy):
-            if kind == "decode":
-                self.last_decode = (program, batch, samples, greedy)
-            t0 = time.perf_counter()
-            out = orig_run(kind, program, batch, samples, greedy)
-            self._add("dispatch", time.perf_counter() - t0)
-            return out
-
-        runner._run = run
-        orig_commit = sched.commit
-
-        def commit(plan, extend_tokens, decode_tokens):
-            t0 = time.perf_counter()
-            jax.block_until_ready((extend_tokens, decode_tokens))
-            t1 = time.perf_counter()
-            out = orig_commit(plan, extend_tokens, decode_tokens)
-            self._add("wait", t1 - t0)
-            self._add("commit", time.perf_counter() - t1)
-            return out
-
-        sched.commit = commit
-
-    def _wrap(self, obj, name, phase):
-        orig = getattr(obj, name)
-
-        @functools.wraps(orig)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = orig(*args, **kwargs)
-            self._add(phase, time.perf_counter() - t0)
-            return out
-
-        setattr(obj, name, timed)
-
-    def _add(self, phase, seconds):
-        if self.current is not None:
-            self.current[phase] = self.current.get(phase, 0.0) + seconds
-
-    def step(self):
-        self.current = {}
-        t0 = time.perf_counter()
-        done = self.engine.step()
-        self.current["step"] = time.perf_counter() - t0
-        self.laps.append(self.current)
-        self.current = None
-        return done
-
-
-def device_time(engine, captured, reps: int) -> float:
-    """Seconds per call of the captured decode program, back to back on device inputs."""
-    program, batch, samples, greedy = captured
     runner = engine.runner
-    statics = runner._statics["decode"]
-    k, v = runner.k_cache, runner.v_cache
+    rows = [s.row for s in engine.scheduler.running if s.row is not None]
+    num_rows = max(rows) + 1
+    state = runner.state._replace(remaining=jnp.full_like(runner.state.remaining, 1 << 30))
+    control = np.zeros(num_rows + 1, np.int32)
+    control[0] = steps
+    control[1 + np.asarray(rows)] = 1
+    control = jnp.asarray(control)
+    last = max(int(p) for p in np.asarray(state.positions)[rows]) + steps
+    width = min(R.bucket(-(-last // runner.page_size), runner.buckets.pages), runner.table_width)
+    statics = dict(
+        model=runner.model,
+        options=runner._options["decode"],
+        num_rows=num_rows,
+        width=width,
+        max_steps=steps,
+        page_size=runner.page_size,
+        greedy=True,
+        tp=runner.tp,
+    )
 
     def run(n):
-        nonlocal k, v
         out = None
         for _ in range(n):
-            out, k, v = program(runner.params, k, v, batch, samples, greedy=greedy, **statics)
+            out, runner.k_cache, runner.v_cache, _ = R._DECODE(
+                runner.params, runner.k_cache, runner.v_cache, state, control, **statics
+            )
         return out
 
     jax.block_until_ready(run(2))
+    calls = 4
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(calls))
+    # Enough calls per sample for ~50 ms of device work.
+    calls = max(4, min(200, int(0.05 / max((time.perf_counter() - t0) / calls, 1e-6))))
     times = []
-    for _ in range(5):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(run(reps))
-        times.append((time.perf_counter() - t0) / reps)
-    runner.k_cache, runner.v_cache = k, v
+        jax.block_until_ready(run(calls))
+        times.append((time.perf_counter() - t0) / (calls * steps))
     return statistics.median(times)
 
 
-def run_batch(cfg, params, args, batch: int, ceiling_bps: float) -> dict:
+def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> dict:
     p = args.page_size
-    max_new = args.warmup + args.steps + 2
+    decode_steps = MODES[mode].get("decode_steps", args.decode_steps)
+    # Enough tokens for the warm-up and the timed steps, each dispatch up to decode_steps.
+    max_new = (args.steps + 4) * decode_steps + 2 * p + args.device_steps + 4
     pages = batch * -(-(args.context + max_new) // p) + 8
     engine = Engine(
         cfg,
@@ -175,50 +210,72 @@ def run_batch(cfg, params, args, batch: int, ceiling_bps: float) -> dict:
         num_pages=pages,
         page_size=p,
         max_batch_tokens=max(args.prefill_tokens, batch),
-        max_running=max(batch, 1),
+        max_running=batch,
         radix_cache=False,
         implementation=args.implementation,
         eos_token_id=None,
+        decode_steps=decode_steps,
+        overlap=MODES[mode]["overlap"],
+        # One row bucket and one table width for the whole run: no compile in the timed part.
+        buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )
     rng = np.random.default_rng(args.seed + batch)
     for _ in range(batch):
         engine.add_request(rng.integers(0, cfg.vocab_size, args.context).tolist(), max_new)
-    timer = PhaseTimer(engine)
     sched = engine.scheduler
-    while any(s.remaining > 1 for s in sched.running) or sched.waiting:
-        timer.step()  # prefill
-    for _ in range(args.warmup):
-        timer.step()
-    timer.laps.clear()
-    compiles = sum(engine.runner.trace_counts.values())
+    while sched.waiting or any(s.prefilling for s in sched.running):
+        engine.step()
+    # Compile every program the timed steps run: the decode variants, and the row updates
+    # of steps where all rows cross a page boundary at once.
+    engine.reset_stats()
+    while engine.stats["decode_steps"] < 2 * p + 2 * decode_steps:
+        engine.step()
+    engine.reset_stats()
+    compiled = sum(engine.runner.trace_counts.values())
     lens = []
+    t0 = time.perf_counter()
     for _ in range(args.steps):
-        lens.append(sum(s.num_computed + 1 for s in sched.running))
-        timer.step()
-    assert sum(engine.runner.trace_counts.values()) == compiles, "a timed step compiled"
-    laps = timer.laps
-    med = {k: statistics.median(lap.get(k, 0.0) for lap in laps) for k in (*PHASES, "step")}
-    dev = device_time(engine, timer.last_decode, reps=max(4, min(args.steps, 32)))
-    kv = statistics.median(lens) * cfg.kv_bytes_per_token()
-    wb = weight_bytes(params, cfg)
-    floor = (wb + kv) / ceiling_bps
-    row = dict(batch=batch, context=args.context, tokens_per_step=batch)
-    row.update({f"{k}_ms": v * 1e3 for k, v in med.items()})
-    row.update(
-        device_ms=dev * 1e3,
+        lens.append(sum(s.num_scheduled for s in sched.running))
+        engine.step()
+    wall = time.perf_counter() - t0
+    s = engine.stats
+    if sum(engine.runner.trace_counts.values()) != compiled:
+        print(f"  warning: {mode} B={batch} compiled during the timed steps", file=sys.stderr)
+    n = max(s["decode_steps"], 1)
+    kv_read = statistics.median(lens) * cfg.kv_bytes_per_token()
+    wb = weight_bytes(engine.runner.params, cfg)
+    floor = (wb + kv_read) / ceiling_bps
+    device = device_time(engine, batch, args.device_steps)
+    row = dict(
+        mode=mode,
+        batch=batch,
+        decode_steps_per_dispatch=s["decode_steps"] / max(s["decode_calls"], 1),
+        wall_ms=wall / n * 1e3,
+        schedule_ms=s["schedule_s"] / n * 1e3,
+        launch_ms=s["launch_s"] / n * 1e3,
+        h2d_ms=s["h2d_s"] / n * 1e3,
+        h2d_bytes=s["h2d_bytes"] / n,
+        dispatch_ms=s["dispatch_s"] / n * 1e3,
+        wait_ms=s["wait_s"] / n * 1e3,
+        commit_ms=s["commit_s"] / n * 1e3,
+        device_ms=device * 1e3,
         floor_ms=floor * 1e3,
         weight_bytes=wb,
-        kv_bytes=int(kv),
-        step_over_floor=med["step"] / floor,
-        device_over_floor=dev / floor,
-        backend=engine.stats["attention_backend"]["decode"],
+        kv_bytes=int(kv_read),
+        wall_over_floor=wall / n / floor,
+        device_over_floor=device / floor,
+        backend=s["attention_backend"]["decode"],
     )
     return row
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg, params, name = build_model(args)
+    cfg, name = model_config(args)
+    if args.checkpoint:
+        _, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
+    else:
+        params = device_params(cfg, args.seed)
     on_gpu = jax.default_backend() != "cpu"
     gib = args.ceiling_gib if args.ceiling_gib else (4.0 if on_gpu else 0.25)
     ceiling = read_ceiling(int(gib * 2**30))
@@ -228,17 +285,29 @@ def main(argv=None) -> int:
         f"{ceiling['gbps']:.0f} GB/s",
         file=sys.stderr,
     )
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes must list some of {sorted(MODES)}, got {args.modes!r}")
     rows = []
     for b in [int(x) for x in args.batch.split(",") if x.strip()]:
-        rows.append(run_batch(cfg, params, args, b, ceiling["gbps"] * 1e9))
-        print(f"  batch {b}: {rows[-1]['step_ms']:.2f} ms a step", file=sys.stderr)
+        for mode in modes:
+            rows.append(run_case(cfg, params, args, b, mode, ceiling["gbps"] * 1e9))
+            r = rows[-1]
+            print(
+                f"  B={b} {mode}: {r['wall_ms']:.3f} ms a step, device {r['device_ms']:.3f}, "
+                f"floor {r['floor_ms']:.3f}",
+                file=sys.stderr,
+            )
     columns = [
+        ("mode", "mode", ""),
         ("batch", "B", "d"),
-        ("step_ms", "step ms", ".3f"),
+        ("decode_steps_per_dispatch", "steps/disp", ".1f"),
+        ("wall_ms", "wall ms", ".3f"),
         *[(f"{k}_ms", k, ".3f") for k in PHASES],
+        ("h2d_bytes", "h2d B", ".0f"),
         ("device_ms", "device ms", ".3f"),
         ("floor_ms", "floor ms", ".3f"),
-        ("step_over_floor", "step/floor", ".2f"),
+        ("wall_over_floor", "wall/floor", ".2f"),
         ("device_over_floor", "device/floor", ".2f"),
     ]
     print(table(rows, columns))

@@ -400,10 +400,12 @@ class Engine:
                     remaining=seq.budget + steps,
                     table=kv.table(seq.seq_id),
                 )
-        for seq_id in kv.take_changed():
-            seq = self._running_by_id(seq_id)
-            if seq is not None and seq.row is not None:
-                rows.sync_table(seq, kv.table(seq_id))
+        changed = kv.take_changed()
+        if changed:
+            for row in range(rows.capacity):
+                seq = rows.seq(row)
+                if seq is not None and seq.seq_id in changed:
+                    rows.sync_table(seq, kv.table(seq.seq_id), changed[seq.seq_id])
         decode = None
         if plan.decode:
             row_ids = np.asarray([d.seq.row for d in plan.decode], np.int32)
@@ -414,13 +416,6 @@ class Engine:
             greedy = all(d.seq.temperature == 0 for d in plan.decode)
             decode = DecodeWork(row_ids, num_rows, width, steps, greedy)
         return StepWork(plan.copies, rows.take_updates(), extend, decode)
-
-    def _running_by_id(self, seq_id):
-        # The scheduler keeps a list; the few sequences changed per step make a scan cheap.
-        for seq in self.scheduler.running:
-            if seq.seq_id == seq_id:
-                return seq
-        return None
 
     def _commit(self, inflight: _InFlight) -> list[Sequence]:
         stats = self.collector

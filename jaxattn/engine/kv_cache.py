@@ -65,9 +65,9 @@ class KVCacheManager:
         self.stats = stats
         self._locks: dict[Hashable, Any] = {}
         self._cached: dict[Hashable, int] = {}
-        # Sequences whose table changed since take_changed(): a device copy of the table
-        # (the decode rows) must follow.
-        self._changed: set[Hashable] = set()
+        # Sequences whose table changed since take_changed(), with the first entry that
+        # changed: a device copy of the table (the decode rows) must follow.
+        self._changed: dict[Hashable, int] = {}
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -103,10 +103,13 @@ class KVCacheManager:
     def cached_len(self, seq_id: Hashable) -> int:
         return self._cached.get(seq_id, 0)
 
-    def take_changed(self) -> set[Hashable]:
-        """Sequence ids whose table changed since the last call."""
-        changed, self._changed = self._changed, set()
+    def take_changed(self) -> dict[Hashable, int]:
+        """Sequence id -> first table entry that changed, since the last call."""
+        changed, self._changed = self._changed, {}
         return changed
+
+    def _touch(self, seq_id: Hashable, index: int) -> None:
+        self._changed[seq_id] = min(index, self._changed.get(seq_id, index))
 
     # -- admission -------------------------------------------------------------------------
 
@@ -131,7 +134,7 @@ class KVCacheManager:
         self._cached[seq_id] = match.length
         if match.node is not None:
             self._locks[seq_id] = match.node
-        self._changed.add(seq_id)
+        self._touch(seq_id, 0)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -147,17 +150,27 @@ class KVCacheManager:
 
     def pages_to_reserve(self, seq_id: Hashable, num_tokens: int) -> int:
         """Fresh pages :meth:`reserve` takes to give the table ``num_tokens`` slots."""
-        return self.blocks.blocks_to_append(seq_id, max(num_tokens - self.reserved(seq_id), 0))
+        have = self.blocks.seq_len(seq_id)
+        if num_tokens <= have:
+            return 0
+        return self.blocks.blocks_to_append(seq_id, self._whole(num_tokens) - have)
+
+    def _whole(self, num_tokens: int) -> int:
+        # Slots are reserved up to the end of the last page: the page is taken anyway, and
+        # the next steps then find their slots without a call here.
+        return -(-num_tokens // self.page_size) * self.page_size
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
-        """Grow the table to at least ``num_tokens`` slots; return the copy-on-write orders
-        ``(src, dst)`` to run before anything is written (the caller made room)."""
-        grow = num_tokens - self.reserved(seq_id)
-        if grow <= 0:
+        """Grow the table to at least ``num_tokens`` slots (to the end of their last page);
+        return the copy-on-write orders ``(src, dst)`` to run before anything is written
+        (the caller made room)."""
+        have = self.blocks.seq_len(seq_id)
+        if num_tokens <= have:
             return []
-        copies = self.blocks.append_slots(seq_id, grow)
+        copies = self.blocks.append_slots(seq_id, self._whole(num_tokens) - have)
         self.stats.count("cow_copies", len(copies))
-        self._changed.add(seq_id)
+        # The tail entry changes on a copy; new entries follow it.
+        self._touch(seq_id, max(self.pages_for(have) - 1, 0))
         return copies
 
     # -- progress --------------------------------------------------------------------------
@@ -192,7 +205,7 @@ class KVCacheManager:
             if table[i] != tree[i]:
                 self.blocks.replace_blocks(seq_id, i, [tree[i]])
                 self.stats.count("deduplicated_pages")
-                self._changed.add(seq_id)
+                self._touch(seq_id, i)
         self.cache.inc_lock_ref(m.node)
         if seq_id in self._locks:
             self.cache.dec_lock_ref(self._locks[seq_id])
@@ -207,7 +220,7 @@ class KVCacheManager:
         if node is not None:
             self.cache.inc_lock_ref(node)
             self._locks[child_id] = node
-        self._changed.add(child_id)
+        self._touch(child_id, 0)
 
     def release(self, seq_id: Hashable, tokens, num_computed: int, *, keep: bool) -> None:
         """Drop the sequence: with ``keep``, its computed whole pages go into the cache
@@ -221,7 +234,7 @@ class KVCacheManager:
         if node is not None:
             self.cache.dec_lock_ref(node)
         self.blocks.free(seq_id)
-        self._changed.discard(seq_id)
+        self._changed.pop(seq_id, None)
 
     # -- inspection and checks -------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from jaxattn.kv import copy_blocks
 from jaxattn.models.llama import DecodeBatch, ExtendBatch
 from jaxattn.paging import token_slots
 
+from . import scheduler
 from .config import Buckets, bucket
 from .sampling import sample, sample_keys
 
@@ -74,7 +75,7 @@ __all__ = [
 # The token id a step returns for a row whose logits are not finite.
 NON_FINITE = -1
 # What a decode step returns for a row that did not run (inactive or already stopped).
-NO_TOKEN = -2
+NO_TOKEN = scheduler.NO_TOKEN
 
 
 # --- host-side records ---------------------------------------------------------------
@@ -191,15 +192,20 @@ class DecodeRows:
         seq.row = None
         heapq.heappush(self._free, row)
 
-    def sync_table(self, seq, table) -> None:
-        """Queue the table entries of ``seq``'s row that differ from the device's."""
+    def seq(self, row: int):
+        return self._seq[row]
+
+    def sync_table(self, seq, table, start: int = 0) -> None:
+        """Queue the entries from ``start`` on of ``seq``'s row that differ from the
+        device's (the entries before ``start`` are known to be unchanged)."""
         row = seq.row
         if row is None:
             return
         if len(table) > self.width:
             raise ValueError(f"a table of {len(table)} pages exceeds the rows' {self.width}")
         have = self._uploaded[row]
-        for col, page in enumerate(table):
+        for col in range(start, len(table)):
+            page = table[col]
             if col >= len(have) or have[col] != page:
                 self._cells.append((row, col, int(page)))
         self._uploaded[row] = list(table)

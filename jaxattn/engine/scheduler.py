@@ -46,6 +46,9 @@ from .stats import StatsCollector
 
 __all__ = ["Chunk", "Decode", "Scheduler", "Sequence", "StepPlan"]
 
+# What the decode program reports for a step a row did not run (see runner.NO_TOKEN).
+NO_TOKEN = -2
+
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
@@ -206,7 +209,7 @@ class Scheduler:
                 break
             if seq.prefilling:
                 budget -= self._plan_chunk(seq, plan, budget)
-        if not plan.preempted:
+        if self.waiting and not plan.preempted:
             self._admit(plan, budget)
         if plan:
             self._uncommitted.append(plan)
@@ -387,6 +390,29 @@ class Scheduler:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
+    def _take_many(self, seq: Sequence, tokens: np.ndarray) -> int:
+        """:meth:`_take` for the tokens of consecutive decode steps, up to the first that
+        ends the sequence; return the steps consumed (each wrote one token's KV)."""
+        room = seq.max_new_tokens - seq.num_generated
+        tokens = tokens[:room]
+        ends = tokens < 0
+        if seq.stop_ids:
+            ends |= np.isin(tokens, list(seq.stop_ids))
+        if ends.any():
+            last = int(np.argmax(ends))
+            tokens = tokens[: last + 1]
+        elif len(tokens) < room:
+            self._append(seq, tokens)
+            return len(tokens)
+        assert tokens.size and tokens[-1] != NO_TOKEN, f"seq {seq.seq_id}: a step did not run"
+        self._append(seq, tokens[:-1])
+        self._take(seq, int(tokens[-1]))
+        return len(tokens)
+
+    def _append(self, seq: Sequence, tokens: np.ndarray) -> None:
+        seq.tokens.extend(tokens.tolist())
+        self.stats.count("generated_tokens", len(tokens))
+
     def commit(self, plan: StepPlan, extend_tokens, decode_tokens) -> list[Sequence]:
         """Apply a step's drawn tokens; return the sequences that finished (released).
 
@@ -413,16 +439,19 @@ class Scheduler:
                 if self._take(s, token):
                     done.append(s)
         steps = plan.decode_steps
-        for (seq, _), tokens in zip(plan.decode, decode_tokens, strict=True):
-            if seq.finish_reason is not None:
-                continue
-            seq.pending -= steps
-            for token in np.asarray(tokens)[:steps].tolist():
-                seq.num_computed += 1
-                self.stats.count("decode_tokens")
-                if self._take(seq, token):
+        if plan.decode:
+            decode_tokens = np.asarray(decode_tokens)[:, :steps]
+            computed = 0
+            for (seq, _), tokens in zip(plan.decode, decode_tokens, strict=True):
+                if seq.finish_reason is not None:
+                    continue
+                seq.pending -= steps
+                n = self._take_many(seq, tokens)
+                seq.num_computed += n
+                computed += n
+                if seq.finish_reason is not None:
                     done.append(seq)
-                    break
+            self.stats.count("decode_tokens", computed)
         for seq in done:
             self.kv.release(
                 seq.seq_id, seq.tokens, seq.num_computed, keep=seq.finish_reason != "error"
@@ -444,9 +473,8 @@ class Scheduler:
                 f"scheduled, {reserved} slots"
             )
             assert n == self.pages_for(reserved), f"seq {seq.seq_id}: {n} pages"
-            assert reserved <= max(seq.length, seq.num_scheduled), (
-                f"seq {seq.seq_id}: {reserved} slots for {seq.length} tokens"
-            )
+            upto = self.pages_for(max(seq.length, seq.num_scheduled)) * self.page_size
+            assert reserved <= upto, f"seq {seq.seq_id}: {reserved} slots for {seq.length}"
         for seq in self.waiting:
             assert seq.seq_id not in kv.blocks, f"waiting seq {seq.seq_id} holds a table"
         kv.check_invariants([s.seq_id for s in self.running])
