@@ -290,16 +290,18 @@ def test_tensor_parallel_engine_matches_one_device(layout):
         assert cache.sharding.is_equivalent_to(
             sharding.kv_cache_sharding(mesh, layout, kind), cache.ndim
         )
-    # The weights are split per layer (straight-line layers), each keeping its split.
+    # The weights are split per layer (straight-line layers), the fused projections into
+    # one block per device (its q, k, v heads; its gate and up columns), the row-parallel
+    # ones by their input features.
     layers = runner.params["layers"]
     assert len(layers) == CFG.num_hidden_layers
+    by_block = NamedSharding(mesh, PartitionSpec(None, sharding.AXIS, None))
+    by_row = NamedSharding(mesh, PartitionSpec(sharding.AXIS, None))
     for lp in layers:
-        assert lp["wq"].sharding.is_equivalent_to(
-            NamedSharding(mesh, PartitionSpec(None, sharding.AXIS)), 2
-        )
-        assert lp["wo"].sharding.is_equivalent_to(
-            NamedSharding(mesh, PartitionSpec(sharding.AXIS, None)), 2
-        )
+        assert lp["wqkv"].shape[1] == 2 and lp["wqkv"].sharding.is_equivalent_to(by_block, 3)
+        assert lp["w_gate_up"].sharding.is_equivalent_to(by_block, 3)
+        assert lp["wo"].sharding.is_equivalent_to(by_row, 2)
+        assert lp["w_down"].sharding.is_equivalent_to(by_row, 2)
     assert_whole(engine)
     with pytest.raises(ValueError, match=r"KV heads \(2\) must be a multiple"):
         make_engine(mesh=sharding.make_mesh(4))

@@ -520,7 +520,9 @@ class ModelRunner:
             self.params = model.serving_params(params)
             self.k_cache, self.v_cache = init()
         else:
-            self.params = model.serving_params(self.tp.shard_params(params, model))
+            self.params = model.serving_params(
+                self.tp.shard_params(params, model), shards=self.tp.size
+            )
             # Built split, so that no device ever holds the whole pool.
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
             state = jax.device_put(state, self.tp.replicated())

@@ -177,9 +177,9 @@ class LlamaConfig:
         """:func:`init_kv_cache` of this model."""
         return init_kv_cache(self, num_pages, page_size, layout=layout)
 
-    def serving_params(self, params: dict) -> dict:
+    def serving_params(self, params: dict, *, shards: int = 1) -> dict:
         """:func:`serving_params` of this model."""
-        return serving_params(self, params)
+        return serving_params(self, params, shards=shards)
 
     def forward_extend(self, params, k_cache, v_cache, batch, **options):
         """:func:`forward_extend` of this model."""
@@ -311,16 +311,25 @@ def _rotate(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def serving_params(cfg: LlamaConfig, params: dict) -> dict:
-    """The parameters with one dict of weights per layer (``params["layers"]`` a tuple)
-    instead of stacked ``[num_layers, ...]`` arrays.
+def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1) -> dict:
+    """The parameters as the serving engine runs them: one dict of weights per layer
+    (``params["layers"]`` a tuple) with the projections that read the same input fused.
 
-    The forward passes then run the layers as straight-line code, each matmul reading its
-    own weight buffer. Over stacked weights a ``lax.scan`` slices one layer per iteration,
-    and on GPUs XLA materialises each slice that feeds a GEMM as a copy: every step would
-    move the weights three times (read, write, read) in a pass that is bound by reading
-    them once. The price is compile time, which grows with the depth. Already split
-    parameters are returned as they are.
+    * Straight-line layers: over stacked ``[num_layers, ...]`` weights a ``lax.scan``
+      slices one layer per iteration, and on GPUs XLA materialises each slice that feeds a
+      GEMM as a copy, so every step would move the weights three times (read, write, read)
+      in a pass bound by reading them once. The price is compile time, which grows with
+      the depth.
+    * Fused projections (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``):
+      ``wqkv`` ``[hidden, shards, (q + 2 kv) / shards]`` and ``w_gate_up`` ``[hidden,
+      shards, 2 intermediate / shards]``, one GEMM each instead of three and two: fewer
+      kernels per layer, and no GEMM as narrow as one K or V projection, in a decode step
+      whose many small kernels otherwise cost as much as its weight reads.
+
+    ``shards``: the tensor-parallel split of the output features: each of the ``shards``
+    blocks holds that device's q, k and v heads (gate and up columns) side by side, so the
+    fused weight splits over the mesh like the unfused ones (shard the unfused parameters
+    first, then call this). Split parameters are returned as they are.
     """
     layers = params["layers"]
     if isinstance(layers, list | tuple):
@@ -331,8 +340,37 @@ def serving_params(cfg: LlamaConfig, params: dict) -> dict:
     for name, w in layers.items():
         if w.shape[0] != n:
             raise ValueError(f"params['layers'][{name!r}] has {w.shape[0]} layers, not {n}")
-    split = tuple({name: w[i] for name, w in layers.items()} for i in range(n))
+    for name, size in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", cfg.num_key_value_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if size % shards:
+            raise ValueError(f"{name}={size} is not a multiple of shards={shards}")
+
+    def fuse(*ws):
+        # [L, in, out_i] -> [L, in, shards, sum(out_i) / shards], each shard its parts.
+        return jnp.concatenate([w.reshape(*w.shape[:2], shards, -1) for w in ws], axis=-1)
+
+    wqkv = fuse(layers["wq"], layers["wk"], layers["wv"])
+    w_gate_up = fuse(layers["w_gate"], layers["w_up"])
+    split = tuple(
+        {
+            "attn_norm": layers["attn_norm"][i],
+            "wqkv": wqkv[i],
+            "wo": layers["wo"][i],
+            "mlp_norm": layers["mlp_norm"][i],
+            "w_gate_up": w_gate_up[i],
+            "w_down": layers["w_down"][i],
+        }
+        for i in range(n)
+    )
     return dict(params, layers=split)
+
+
+def _fused(x, w):
+    """``x [T, in]`` through a fused projection ``w [in, shards, c]``: ``[T, shards, c]``."""
+    return jnp.einsum("ti,isc->tsc", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
@@ -351,14 +389,27 @@ def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
 
     def layer_body(x, layer, state, lp):
         h = rms_norm(x, lp["attn_norm"], eps)
-        q = _rotate(_linear(h, lp["wq"]).reshape(t, hq, d), cos, sin)
-        k = _rotate(_linear(h, lp["wk"]).reshape(t, hkv, d), cos, sin)
-        v = _linear(h, lp["wv"]).reshape(t, hkv, d)
-        o, state = attend(q, k, v, layer, state)
+        if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
+            shards = lp["wqkv"].shape[1]
+            q, k, v = jnp.split(
+                _fused(h, lp["wqkv"]),
+                [cfg.q_size // shards, (cfg.q_size + cfg.kv_size) // shards],
+                -1,
+            )
+            q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        else:
+            q = _linear(h, lp["wq"]).reshape(t, hq, d)
+            k = _linear(h, lp["wk"]).reshape(t, hkv, d)
+            v = _linear(h, lp["wv"]).reshape(t, hkv, d)
+        o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
         x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], eps)
-        gate = jax.nn.silu(_linear(h, lp["w_gate"]))
-        x = x + _linear(gate * _linear(h, lp["w_up"]), lp["w_down"])
+        if "w_gate_up" in lp:
+            gate, up = jnp.split(_fused(h, lp["w_gate_up"]), 2, -1)
+            act = (jax.nn.silu(gate) * up).reshape(t, cfg.intermediate_size)
+        else:
+            act = jax.nn.silu(_linear(h, lp["w_gate"])) * _linear(h, lp["w_up"])
+        x = x + _linear(act, lp["w_down"])
         return x, state
 
     layers = params["layers"]
