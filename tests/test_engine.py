@@ -4,12 +4,18 @@ Two kinds of tests:
 
 * with the real model: greedy outputs equal the dense no-cache forward token for token
   (prefix hits, chunked prefill, preemption, n > 1, batch order, layouts), sampled
-  outputs equal a redraw from the dense logits with the same keys, the number of
-  compiled programs stays bounded, and the pool is whole afterwards;
+  outputs equal a redraw from the dense logits with the same keys, one step per dispatch
+  or several, planned ahead or not, the number of compiled programs stays bounded, and
+  the pool is whole afterwards;
 * with a stand-in model over a simulated pool (no JAX): random workloads from
-  hypothesis (tiny pools, odd page sizes, chunk budgets, forks, stop tokens) where the
-  stand-in checks every position it reads and derives the next token from what it read,
-  so a lost, misplaced or overwritten slot changes the outputs.
+  hypothesis (tiny pools, odd page sizes, chunk budgets, forks, stop tokens, steps per
+  dispatch, overlap) where the stand-in keeps the decode rows as the device does, checks
+  every position it reads and derives the next token from what it read, so a lost,
+  misplaced or overwritten slot, or a row the engine forgot to update, changes the
+  outputs.
+
+Every engine here runs with ``debug=True``: each step checks every page reference, that no
+written page is shared, and that the device's decode rows hold the host's block tables.
 """
 
 from __future__ import annotations
@@ -25,7 +31,17 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxattn import sharding
-from jaxattn.engine import Buckets, Engine, RequestError, StepOutput, bucket, check_outputs
+from jaxattn.engine import (
+    Buckets,
+    CacheConfig,
+    Engine,
+    ExecutionConfig,
+    RequestError,
+    SchedulerConfig,
+    StepOutput,
+    bucket,
+    check_outputs,
+)
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
 
@@ -125,6 +141,8 @@ def test_preemption_under_a_tiny_pool_loses_nothing():
     out = engine.generate(prompts, 24)  # 8 * ~40 tokens in a 192-slot pool
     stats = engine.stats
     assert stats["preemptions"] > 0 and stats["evicted_tokens"] > 0
+    # A preemption needs the exact state: the dispatch in flight is read first.
+    assert stats["syncs"] > 0
     assert stats["peak_pages_in_use"] == POOL["num_pages"]
     assert_verified(prompts, out, 24)
     assert_whole(engine)
@@ -155,6 +173,82 @@ def test_parallel_sampling_forks_and_copies_on_write():
     assert other.generate(prompts, 8, **kw) == sampled
     assert_whole(engine)
     assert_whole(other)
+
+
+MODES = {
+    "sync": dict(overlap=False, decode_steps=1),
+    "overlap": dict(overlap=True, decode_steps=1),
+    "multistep": dict(overlap=True, decode_steps=4),
+    "multistep-sync": dict(overlap=False, decode_steps=8),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_modes_give_the_same_tokens(mode):
+    """Greedy and sampled outputs (forks, stop tokens included) do not depend on how many
+    steps a dispatch runs or on planning a step while the previous one runs."""
+    prompts = workload(8, num=5, system=10, suffix=(1, 9))
+    stop = 17
+    base = make_engine(**MODES["sync"], eos_token_id=stop, max_batch_tokens=24)
+    engine = make_engine(**MODES[mode], eos_token_id=stop, max_batch_tokens=24)
+    for kw in (dict(n=1), dict(n=2, temperature=0.9, top_p=0.8, seed=3)):
+        want = base.generate(prompts, 14, **kw)
+        assert engine.generate(prompts, 14, **kw) == want
+        assert_verified(prompts, want, 14, stop_ids=[stop], **kw)
+        assert_whole(engine)
+    stats = engine.stats
+    steps = MODES[mode]["decode_steps"]
+    if steps > 1:  # several steps per dispatch where nothing needed the host
+        assert stats["decode_steps"] > stats["decode_calls"]
+    else:
+        assert stats["decode_steps"] == stats["decode_calls"]
+    assert stats["decode_tokens"] == base.stats["decode_tokens"]
+
+
+def test_config_records_and_keywords_are_the_same_engine():
+    prompts = workload(9, num=4)
+    flat = make_engine(max_running=4, decode_steps=2, overlap=False)
+    records = Engine(
+        CFG,
+        PARAMS,
+        cache=CacheConfig(num_pages=POOL["num_pages"], page_size=POOL["page_size"]),
+        scheduler=SchedulerConfig(
+            max_batch_tokens=32, max_running=4, dedup_tokens=4, decode_steps=2, overlap=False
+        ),
+        execution=ExecutionConfig(buckets=BUCKETS),
+        debug=True,
+    )
+    assert records.cache_config == flat.cache_config
+    assert records.scheduler_config == flat.scheduler_config
+    assert records.execution_config == flat.execution_config
+    assert records.generate(prompts, 6) == flat.generate(prompts, 6)
+    assert records.stats["steps"] == flat.stats["steps"]
+
+
+def test_one_memory_model():
+    """Block tables and the radix cache hold pages of one ref-counted allocator: the cache
+    frees through the allocator's slot view, and a page returns to the free list only when
+    its last holder (table or cache) lets go."""
+    engine = make_engine()
+    kv = engine.kv
+    assert kv.cache.pool is kv.allocator.slots and kv.blocks.allocator is kv.allocator
+    prompts = workload(10, num=4, system=16, suffix=(1, 6))
+    engine.add_request(prompts[0], 40, tag="long")
+    for _ in range(3):
+        engine.step()  # its prompt is in the cache and its table holds the same pages
+    (seq,) = engine.scheduler.running
+    shared = kv.table(seq.seq_id)[:4]
+    assert set(shared) <= kv.cached_pages()
+    assert all(kv.allocator.ref_count(p) == 2 for p in shared)
+    freed = kv.cache.evict(10**6)  # the locked path stays
+    assert freed == 0 and all(kv.allocator.ref_count(p) == 2 for p in shared)
+    while engine.has_work():
+        engine.step()
+    assert all(kv.allocator.ref_count(p) == 1 for p in shared)  # the cache's alone
+    assert kv.cache.evict(10**6) > 0
+    assert all(kv.allocator.ref_count(p) == 0 for p in shared)
+    assert kv.allocator.num_free == POOL["num_pages"]
+    assert_whole(engine)
 
 
 def test_stop_tokens():
@@ -258,6 +352,14 @@ def test_bad_arguments():
         (lambda: make_engine(policy="random"), ValueError, "policy"),
         (lambda: make_engine(layout="bhsd", extend_attention="extend"), ValueError, "bshd"),
         (lambda: Engine({"vocab_size": 3}, PARAMS, num_pages=4), TypeError, "cfg"),
+        (lambda: engine.generate([[1]], 4, n=65), ValueError, "max_running=64"),
+        (lambda: make_engine(decode_steps=0), ValueError, "decode_steps"),
+        (lambda: make_engine(cache=CacheConfig(num_pages=8)), TypeError, "num_pages= inside"),
+        (lambda: make_engine(num_page=8), TypeError, "unexpected keyword argument 'num_page'"),
+        (lambda: Engine(CFG, PARAMS), TypeError, "num_pages"),
+        (lambda: make_engine(scheduler=dict(max_running=4)), TypeError, "SchedulerConfig"),
+        (lambda: CacheConfig(num_pages=4, layout="thd"), ValueError, "layout"),
+        (lambda: ExecutionConfig(extend_attention="flash"), ValueError, "extend_attention"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
