@@ -13,8 +13,9 @@ Step modes (``--step-modes``): ``multistep`` (the default engine: up to
 ``--decode-steps`` decode steps per dispatch, the next step planned while the device
 runs the current one), ``overlap`` (one step per dispatch, planned ahead), ``sync`` (one
 step per dispatch, the host waits for each: the engine loop before the overlap
-scheduler). Greedy outputs are compared across all the runs of one radix mode: they must
-be identical.
+scheduler), ``device-paging`` (multistep, the block tables grown by a page table on the
+device). Greedy outputs are compared across all the runs of one radix mode: they must be
+identical.
 
     python benchmarks/bench_engine.py                      # small random model (CPU)
     python benchmarks/bench_engine.py --preset 1b --num-pages 8192 --max-batch-tokens 2048
@@ -71,7 +72,9 @@ def parse_args(argv=None):
     e.add_argument(
         "--modes", default="on,off", help="radix cache modes to run, comma separated (on,off)"
     )
-    e.add_argument("--step-modes", default="multistep", help="of multistep,overlap,sync")
+    e.add_argument(
+        "--step-modes", default="multistep", help="of multistep,overlap,sync,device-paging"
+    )
     e.add_argument("--decode-steps", type=int, default=8, help="steps per dispatch (multistep)")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
@@ -99,6 +102,7 @@ STEP_MODES = {
     "multistep": dict(overlap=True),
     "overlap": dict(overlap=True, decode_steps=1),
     "sync": dict(overlap=False, decode_steps=1),
+    "device-paging": dict(overlap=True, device_paging=True),
 }
 
 

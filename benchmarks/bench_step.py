@@ -21,7 +21,8 @@ steps counts ``k``):
 
 Modes: ``sync`` (one step per dispatch, the host waits for every step: the engine's loop
 before the overlap scheduler), ``overlap`` (one step per dispatch, step t + 1 planned while
-step t runs) and ``multistep`` (overlap, and up to ``--decode-steps`` steps per dispatch).
+step t runs), ``multistep`` (overlap, and up to ``--decode-steps`` steps per dispatch) and
+``device-paging`` (multistep, the block tables grown by a page table on the device).
 
     python benchmarks/bench_step.py --preset 1b --batch 1,16,64 --json step_1b.json
     python benchmarks/bench_step.py --preset 8b --batch 1,16,64 --json step_8b.json
@@ -53,6 +54,7 @@ MODES = {
     "sync": dict(overlap=False, decode_steps=1),
     "overlap": dict(overlap=True, decode_steps=1),
     "multistep": dict(overlap=True),  # decode_steps from --decode-steps
+    "device-paging": dict(overlap=True, device_paging=True),
 }
 PHASES = ("schedule", "launch", "h2d", "dispatch", "wait", "commit")
 
@@ -179,8 +181,8 @@ def device_time(engine, batch: int, steps: int, reps: int = 5) -> float:
     def run(n):
         out = None
         for _ in range(n):
-            out, runner.k_cache, runner.v_cache, _ = R._DECODE(
-                runner.params, runner.k_cache, runner.v_cache, state, control, **statics
+            out, runner.k_cache, runner.v_cache, _, _ = R._DECODE(
+                runner.params, runner.k_cache, runner.v_cache, state, control, None, None, **statics
             )
         return out
 
@@ -216,6 +218,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         eos_token_id=None,
         decode_steps=decode_steps,
         overlap=MODES[mode]["overlap"],
+        device_paging=MODES[mode].get("device_paging", False),
         # One row bucket and one table width for the whole run: no compile in the timed part.
         buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )

@@ -24,6 +24,7 @@ import collections
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,6 +45,7 @@ from jaxattn.engine import (
 )
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
+from jaxattn.paging import PageTable
 
 CFG = LlamaConfig(
     vocab_size=128,
@@ -180,6 +182,7 @@ MODES = {
     "overlap": dict(overlap=True, decode_steps=1),
     "multistep": dict(overlap=True, decode_steps=4),
     "multistep-sync": dict(overlap=False, decode_steps=8),
+    "device-paging": dict(overlap=True, decode_steps=4, device_paging=True),
 }
 
 
@@ -428,6 +431,7 @@ class PoolModel:
     slot changes the outputs."""
 
     def __init__(self, num_pages, page_size, vocab, *, rows=64, stop_width=1, decode_steps=8):
+        self.pages = None  # device paging: the page table the engine sends and grows
         self.tok = np.full((num_pages, page_size), -1, np.int64)
         self.pos = np.full((num_pages, page_size), -1, np.int64)
         self.p, self.vocab, self.k = page_size, vocab, decode_steps
@@ -491,9 +495,28 @@ class PoolModel:
                     row["tokens"][r] = token
                     if self._stops(r, token):
                         row["remaining"][r] = 0
+        if work.pages is not None:
+            self.pages = PageTable(
+                *(jnp.asarray(x) for x in work.pages),
+                status=jnp.int32(0),
+                block_size=self.p,
+            )
         out = None
         if work.decode is not None:
             d = work.decode
+            if d.counts is not None:
+                # Device paging: the tables grow as on the device, copies included.
+                rows = np.full(len(row["tokens"]), len(row["tokens"]), np.int32)
+                counts = np.zeros_like(rows)
+                rows[: len(d.rows)], counts[: len(d.rows)] = d.rows, d.counts
+                self.pages, cow, status = GROW(self.pages, rows, counts)
+                assert (np.asarray(status)[: len(d.rows)] == 0).all(), "a row did not grow"
+                for src, dst in np.asarray(cow):
+                    if dst >= 0:
+                        self.tok[dst], self.pos[dst] = self.tok[src].copy(), self.pos[src].copy()
+                row["tables"][:, : self.pages.max_blocks_per_seq] = np.asarray(
+                    self.pages.block_tables(np.arange(len(rows)))
+                )
             out = np.full((self.k, d.num_rows), -2, np.int64)
             active = set(np.asarray(d.rows).tolist())
             for i in range(d.steps):
@@ -520,6 +543,9 @@ class PoolModel:
 
     def collect(self, handle):
         return StepOutput(*handle)
+
+
+GROW = jax.jit(PageTable.append_slots_batch)
 
 
 def expected(prompts, max_new, n, temperature, seed, stop, vocab):
@@ -576,6 +602,7 @@ def workloads(draw):
             eos_token_id=draw(st.sampled_from([None, 0, 5])),
             decode_steps=draw(st.sampled_from([1, 3, 8])),
             overlap=draw(st.booleans()),
+            device_paging=draw(st.booleans()),
         ),
     )
 

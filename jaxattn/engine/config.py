@@ -147,6 +147,13 @@ class ExecutionConfig:
       heads, MLP and the pool's KV heads split over its devices, while pages, block tables
       and the radix cache stay global, so scheduling and outputs are those of one device.
       None: one device.
+    device_paging: grow the decode rows' block tables on the device: the decode program
+      runs :meth:`~jaxattn.paging.PageTable.append_slots_batch` (copy-on-write included)
+      on a :class:`~jaxattn.paging.PageTable` that lives there, while the host applies the
+      same ops to its :class:`~jaxattn.paging.BlockManager`; the two agree op for op, so
+      nothing is sent as long as only decode steps change the pages, and the whole table
+      is sent when anything else did (an admission, a finish, an eviction). False: the
+      host sends the table entries that changed.
     """
 
     extend_attention: str | None = None
@@ -154,6 +161,7 @@ class ExecutionConfig:
     partition_size: int | None = None
     buckets: Buckets = dataclasses.field(default_factory=Buckets)
     mesh: Any = None
+    device_paging: bool = False
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -167,6 +175,7 @@ class ExecutionConfig:
                 "partition_size",
                 _int("ExecutionConfig", "partition_size", self.partition_size, 1),
             )
+        object.__setattr__(self, "device_paging", bool(self.device_paging))
         if self.buckets is None:
             object.__setattr__(self, "buckets", Buckets())
         elif not isinstance(self.buckets, Buckets):

@@ -36,7 +36,7 @@ from .config import CacheConfig, ExecutionConfig, SchedulerConfig, bucket, split
 from .kv_cache import KVCacheManager
 from .model import check_model
 from .progress import ProgressBar
-from .runner import DecodeRows, DecodeWork, ExtendItem, ModelRunner, StepWork
+from .runner import DecodeRows, DecodeWork, ExtendItem, ModelRunner, PageUpload, StepWork
 from .scheduler import Scheduler, Sequence, StepPlan
 from .stats import StatsCollector
 
@@ -180,11 +180,15 @@ class Engine:
             decode_steps=scheduler.decode_steps,
         )
         max_pos = model.max_position_embeddings
+        self.device_paging = execution.device_paging
+        self.scheduler.defer_reservations = self.device_paging
         self.rows = DecodeRows(
             rows,
             min(cache.num_pages, -(-max_pos // cache.page_size)),
             max(1, len(self.stop_ids)),
+            tables=not self.device_paging,
         )
+        self._pages_synced = None
         self._buckets = execution.buckets
         self._inflight: _InFlight | None = None
         self._seq_ids = itertools.count()
@@ -316,10 +320,10 @@ class Engine:
                 plan = sched.schedule(in_flight=False)
         launched = None
         if plan:
-            if self.debug:
-                self._check_writes(plan)
             with stats.timer("launch_s"):
                 work = self._work(plan)
+                if self.debug:
+                    self._check_writes(plan)
                 launched = _InFlight(plan, work, self.runner.launch(work))
             if self.debug:
                 self._check_rows()
@@ -400,6 +404,13 @@ class Engine:
                     remaining=seq.budget + steps,
                     table=kv.table(seq.seq_id),
                 )
+        copies, pages, counts = plan.copies, None, None
+        if self.device_paging and plan.decode:
+            pages, counts = self._page_work(plan)
+        elif plan.deferred:
+            for seq, position in plan.decode:
+                copies = copies + kv.reserve(seq.seq_id, position + steps)
+            kv.promised = 0
         changed = kv.take_changed()
         if changed:
             for row in range(rows.capacity):
@@ -414,8 +425,51 @@ class Engine:
             width = min(bucket(kv.pages_for(last), bk.pages), rows.width)
             num_rows = min(bucket(int(row_ids.max()) + 1, bk.decode_batch), rows.capacity)
             greedy = all(d.seq.temperature == 0 for d in plan.decode)
-            decode = DecodeWork(row_ids, num_rows, width, steps, greedy)
-        return StepWork(plan.copies, rows.take_updates(), extend, decode)
+            decode = DecodeWork(row_ids, num_rows, width, steps, greedy, counts)
+        return StepWork(copies, rows.take_updates(), extend, decode, pages)
+
+    def _page_work(self, plan: StepPlan):
+        """Device paging: the host's pages to send (None when the device's page table is
+        current) and the slots each decode row grows by. The host makes the same
+        reservations on its block tables, in the same order, after the snapshot: the
+        device's ``append_slots_batch`` then reproduces them op for op."""
+        kv, rows = self.kv, self.rows
+        current = (kv.allocator.version, rows.version) == self._pages_synced
+        upload = None
+        if not plan.deferred:
+            # The scheduler reserved already (one sequence at a time, to preempt between
+            # them): the snapshot includes the reservations, the device grows nothing.
+            counts = np.zeros(len(plan.decode), np.int32)
+            if not current:
+                upload = self._page_snapshot()
+        else:
+            upload = None if current else self._page_snapshot()
+            counts = np.zeros(len(plan.decode), np.int32)
+            for i, (seq, position) in enumerate(plan.decode):
+                have = kv.reserved(seq.seq_id)
+                kv.reserve(seq.seq_id, position + plan.decode_steps)  # copies: the device's
+                counts[i] = kv.reserved(seq.seq_id) - have
+            kv.promised = 0
+        self._pages_synced = (kv.allocator.version, rows.version)
+        return upload, counts
+
+    def _page_snapshot(self) -> PageUpload:
+        kv, rows = self.kv, self.rows
+        a = kv.allocator
+        free = a.free_stack()
+        stack = np.full(a.num_blocks, -1, np.int32)
+        stack[: len(free)] = free
+        tables = np.full((rows.capacity, rows.width), -1, np.int32)
+        lens = np.zeros(rows.capacity, np.int32)
+        active = np.zeros(rows.capacity, bool)
+        for row in range(rows.capacity):
+            seq = rows.seq(row)
+            if seq is not None:
+                table = kv.table(seq.seq_id)
+                tables[row, : len(table)] = table
+                lens[row] = kv.reserved(seq.seq_id)
+                active[row] = True
+        return PageUpload(a.ref_counts.copy(), stack, a.num_free, tables, lens, active)
 
     def _commit(self, inflight: _InFlight) -> list[Sequence]:
         stats = self.collector
@@ -539,7 +593,11 @@ class Engine:
     def _check_rows(self) -> None:
         """The decode rows just launched hold the host's block tables (reads the device).
         A table that changes when a step's results are committed (the cache's copy of a
-        page adopted) is sent with the next launch."""
+        page adopted) is sent with the next launch. With device paging, the device's page
+        table equals the host's pages op for op."""
+        if self.device_paging:
+            self._check_pages()
+            return
         state = getattr(self.runner, "state", None)
         if state is None:
             return
@@ -552,6 +610,19 @@ class Engine:
             assert tables[seq.row, : len(table)].tolist() == table, (
                 f"seq {seq.seq_id}: the device row holds another table"
             )
+
+    def _check_pages(self) -> None:
+        pages = getattr(self.runner, "pages", None)
+        if pages is None or (self.kv.allocator.version, self.rows.version) != self._pages_synced:
+            return  # not sent yet, or the host changed its pages since the last decode step
+        want = self._page_snapshot()
+        for name in ("ref_counts", "free_stack", "num_free", "lens", "active"):
+            got = np.asarray(getattr(pages, name))
+            assert np.array_equal(got, getattr(want, name)), f"device page table: {name}"
+        tables = np.asarray(pages.tables)
+        for row in np.flatnonzero(want.active):
+            n = -(-int(want.lens[row]) // self.page_size)
+            assert tables[row, :n].tolist() == want.tables[row, :n].tolist(), f"row {row}"
 
     def check_idle(self) -> None:
         """Raise AssertionError unless nothing runs and every page not held by the radix

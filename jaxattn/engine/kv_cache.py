@@ -68,6 +68,9 @@ class KVCacheManager:
         # Sequences whose table changed since take_changed(), with the first entry that
         # changed: a device copy of the table (the decode rows) must follow.
         self._changed: dict[Hashable, int] = {}
+        # Pages set aside for reservations the caller makes later (reserve); nothing else
+        # may take them meanwhile.
+        self.promised = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -83,8 +86,8 @@ class KVCacheManager:
         return self.cache.evictable_size // self.page_size if self.cache else 0
 
     def available_pages(self) -> int:
-        """Free pages plus the pages eviction could free now."""
-        return self.free_pages + self.evictable_pages
+        """Free pages plus the pages eviction could free now, less those promised."""
+        return self.free_pages + self.evictable_pages - self.promised
 
     def prefix_len(self, tokens) -> int:
         """Tokens of ``tokens`` the cache holds (changes nothing; 0 without a cache)."""
@@ -139,8 +142,9 @@ class KVCacheManager:
     # -- memory ----------------------------------------------------------------------------
 
     def evict_for(self, pages: int) -> bool:
-        """Evict unlocked cache leaves (LRU) until ``pages`` pages are free; False when
-        even an empty cache leaves too few."""
+        """Evict unlocked cache leaves (LRU) until ``pages`` pages (beyond those promised)
+        are free; False when even an empty cache leaves too few."""
+        pages += self.promised
         while self.allocator.num_free < pages:
             if self.cache is None or not self.cache.evictable_size:
                 return False

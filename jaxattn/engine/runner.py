@@ -63,6 +63,7 @@ __all__ = [
     "NON_FINITE",
     "NO_TOKEN",
     "DecodeRows",
+    "PageUpload",
     "DecodeState",
     "DecodeWork",
     "ExtendItem",
@@ -122,16 +123,31 @@ class DecodeWork(NamedTuple):
     width: int
     steps: int
     greedy: bool
+    counts: np.ndarray | None = None  # device paging: slots each row's table grows by
+
+
+class PageUpload(NamedTuple):
+    """The host's pages as a :class:`~jaxattn.paging.PageTable` over the decode rows
+    (device paging): the allocator's ref counts and free stack, each row's table."""
+
+    ref_counts: np.ndarray  # i32[N]
+    free_stack: np.ndarray  # i32[N], -1 above the top
+    num_free: int
+    tables: np.ndarray  # i32[R, W], -1 past each table
+    lens: np.ndarray  # i32[R] slots each row's table provides
+    active: np.ndarray  # bool[R]
 
 
 @dataclasses.dataclass
 class StepWork:
-    """Everything one step runs, in order: copies, row updates, extend, decode."""
+    """Everything one step runs, in order: copies, row updates, extend, decode (with the
+    page table sent first when ``pages`` is set)."""
 
     copies: list = dataclasses.field(default_factory=list)
     updates: RowUpdates | None = None
     extend: list = dataclasses.field(default_factory=list)
     decode: DecodeWork | None = None
+    pages: PageUpload | None = None
 
 
 class StepOutput(NamedTuple):
@@ -150,13 +166,15 @@ class DecodeRows:
     step runs over as few rows as its sequences need.
     """
 
-    def __init__(self, capacity: int, width: int, stop_width: int):
+    def __init__(self, capacity: int, width: int, stop_width: int, *, tables: bool = True):
         self.capacity, self.width, self.stop_width = capacity, width, stop_width
+        self.tables = tables  # False: the device grows the tables itself (device paging)
         self._free = list(range(capacity))
         self._seq: list[Any] = [None] * capacity
         self._uploaded: dict[int, list[int]] = {}
         self._inits: dict[int, tuple] = {}
         self._cells: list[tuple[int, int, int]] = []
+        self.version = 0  # counts assignments and releases
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -179,6 +197,7 @@ class DecodeRows:
         self._inits[row] = (ints + tuple(stop), (float(seq.temperature), float(seq.top_p)))
         self._uploaded[row] = []
         self.sync_table(seq, table)
+        self.version += 1
         return row
 
     def release(self, seq) -> None:
@@ -191,6 +210,7 @@ class DecodeRows:
         self._uploaded.pop(row, None)
         seq.row = None
         heapq.heappush(self._free, row)
+        self.version += 1
 
     def seq(self, row: int):
         return self._seq[row]
@@ -203,6 +223,9 @@ class DecodeRows:
             return
         if len(table) > self.width:
             raise ValueError(f"a table of {len(table)} pages exceeds the rows' {self.width}")
+        if not self.tables:
+            self._uploaded[row] = list(table)
+            return
         have = self._uploaded[row]
         for col in range(start, len(table)):
             page = table[col]
@@ -318,12 +341,26 @@ def _extend_fn(params, k, v, state, batch, samples, sample_rows, *, model, optio
     return tokens, *_keep_split(tp, options["layout"], k, v), state
 
 
+def _grow_tables(k, v, pages, entries, *, num_layers, num_pages, layout, tp):
+    """Device paging: grow the listed rows' tables (``entries``: rows, then slot counts)
+    and copy the shared tails they write to, in every layer."""
+    pages, cow, _ = pages.append_slots_batch(entries[0], entries[1])
+    offsets = (jnp.arange(num_layers, dtype=jnp.int32) * num_pages)[:, None]
+    src = jnp.where(cow[None, :, 0] >= 0, cow[None, :, 0] + offsets, 0).reshape(-1)
+    dst = jnp.where(cow[None, :, 1] >= 0, cow[None, :, 1] + offsets, -1).reshape(-1)
+    copy = copy_blocks if tp is None else tp.copy_blocks
+    k, v = copy(k, v, src, dst, layout=layout)
+    return k, v, pages
+
+
 def _decode_fn(
     params,
     k,
     v,
     state,
     control,
+    pages,
+    entries,
     *,
     model,
     options,
@@ -337,10 +374,27 @@ def _decode_fn(
     """Up to ``control[0]`` decode steps of the rows ``control[1:] != 0`` among the first
     ``num_rows``; a row stops at a stop token, a non-finite row or its last allowed token,
     and the loop when every row stopped. Returns the tokens ``i32[max_steps, num_rows]``
-    (:data:`NO_TOKEN` where a row did not run), the caches and the state."""
+    (:data:`NO_TOKEN` where a row did not run), the caches, the state and the page table.
+
+    With device paging (``pages`` a :class:`~jaxattn.paging.PageTable` over the rows) the
+    tables grow here first and are read from it; otherwise from the rows' own tables.
+    """
     steps, active = control[0], control[1:] != 0
     rows = jax.tree.map(lambda x: x[:num_rows], state)
-    tables = rows.tables[:, :width]
+    if pages is None:
+        tables = rows.tables[:, :width]
+    else:
+        k, v, pages = _grow_tables(
+            k,
+            v,
+            pages,
+            entries,
+            num_layers=model.num_hidden_layers,
+            num_pages=pages.num_blocks,
+            layout=options["layout"],
+            tp=tp,
+        )
+        tables = pages.block_tables(jnp.arange(num_rows, dtype=jnp.int32))[:, :width]
     capacity = width * page_size
 
     def cond(carry):
@@ -378,7 +432,7 @@ def _decode_fn(
         state,
         rows,
     )
-    return out, *_keep_split(tp, options["layout"], k, v), state
+    return out, *_keep_split(tp, options["layout"], k, v), state, pages
 
 
 def _update_fn(state, rows, ints, floats, cells):
@@ -527,6 +581,9 @@ class ModelRunner:
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
             state = jax.device_put(state, self.tp.replicated())
         self.state = state
+        # Device paging: the pages as a PageTable over the decode rows (sent by the host
+        # whenever something other than a decode step changed them).
+        self.pages = None
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
         self.backends = {
@@ -694,6 +751,8 @@ class ModelRunner:
         if work.updates is not None:
             self.apply_updates(work.updates)
         ext = self.extend(work.extend) if work.extend else None
+        if work.pages is not None:
+            self.upload_pages(work.pages)
         dec = self.decode(work.decode) if work.decode is not None else None
         for out in (ext, dec):
             if out is not None:
@@ -746,6 +805,21 @@ class ModelRunner:
         )
         return tokens
 
+    def upload_pages(self, pages: PageUpload) -> None:
+        """Replace the device's page table by the host's."""
+        from jaxattn.paging import PageTable, Status
+
+        arrays = self._put(
+            np.asarray(pages.ref_counts, np.int32),
+            np.asarray(pages.free_stack, np.int32),
+            np.asarray(pages.num_free, np.int32),
+            np.asarray(pages.tables, np.int32),
+            np.asarray(pages.lens, np.int32),
+            np.asarray(pages.active, bool),
+            np.asarray(int(Status.OK), np.int32),
+        )
+        self.pages = PageTable(*arrays, block_size=self.page_size)
+
     def decode(self, work: DecodeWork) -> jax.Array:
         """Run up to ``work.steps`` decode steps; return the tokens
         ``i32[decode_steps, work.num_rows]`` (device)."""
@@ -754,13 +828,28 @@ class ModelRunner:
         control = np.zeros(work.num_rows + 1, np.int32)
         control[0] = work.steps
         control[1 + np.asarray(work.rows, np.int64)] = 1
-        (control,) = self._put(control)
-        return self.decode_call(control, work.num_rows, work.width, work.greedy)
+        if work.counts is None:
+            (control,) = self._put(control)
+            return self.decode_call(control, work.num_rows, work.width, work.greedy)
+        if self.pages is None:
+            raise RuntimeError("device paging needs the host's pages sent first")
+        # Entries in plan order (the host reserved in that order); padding rows are ids
+        # past the rows, which the page table leaves alone.
+        entries = np.full((2, work.num_rows), self.max_rows, np.int32)
+        entries[0, : len(work.rows)] = work.rows
+        entries[1] = 0
+        entries[1, : len(work.rows)] = work.counts
+        control, entries = self._put(control, entries)
+        return self.decode_call(control, work.num_rows, work.width, work.greedy, entries)
 
-    def decode_call(self, control, num_rows: int, width: int, greedy: bool) -> jax.Array:
+    def decode_call(
+        self, control, num_rows: int, width: int, greedy: bool, entries=None
+    ) -> jax.Array:
         """The decode program on the current rows (``control``: the step count, then one
-        flag per row); for benchmarks that time it alone."""
-        out, self.k_cache, self.v_cache, self.state = self._call(
+        flag per row; ``entries``: device paging's rows and slot counts); for benchmarks
+        that time it alone."""
+        pages = self.pages if entries is not None else None
+        out, self.k_cache, self.v_cache, self.state, pages = self._call(
             "decode",
             _DECODE,
             self.params,
@@ -768,6 +857,8 @@ class ModelRunner:
             self.v_cache,
             self.state,
             control,
+            pages,
+            entries,
             model=self.model,
             options=self._options["decode"],
             num_rows=num_rows,
@@ -777,6 +868,8 @@ class ModelRunner:
             greedy=greedy,
             tp=self.tp,
         )
+        if entries is not None:
+            self.pages = pages
         return out
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:

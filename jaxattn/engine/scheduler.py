@@ -132,6 +132,9 @@ class StepPlan:
     decode_steps: int = 1
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # The decode slots are promised, not reserved yet: whoever runs the plan reserves them
+    # (``kv.reserve(seq, position + decode_steps)`` in plan order).
+    deferred: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.extend or self.decode)
@@ -163,6 +166,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self._admissions = itertools.count()
         self._uncommitted: list[StepPlan] = []  # planned, results not committed yet
+        # Leave the decode reservations to the caller (device paging: it snapshots the
+        # pages before them and the device makes the same reservations).
+        self.defer_reservations = False
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -190,6 +196,7 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan()
         budget = cfg.max_batch_tokens
+        self.kv.promised = 0
         ready = [s for s in self.running if s.decode_ready]
         host_needed = any(s.prefilling for s in self.running) or (
             self.waiting and sum(1 + len(s.fork_ids) for s in self.running) < cfg.max_running
@@ -241,6 +248,14 @@ class Scheduler:
                 return self._reserve_one_by_one(ready, plan)
             steps = 1
         plan.decode_steps = steps
+        if self.defer_reservations:
+            kv.promised = need
+            plan.deferred = True
+            for seq in ready:
+                plan.decode.append(Decode(seq, seq.num_scheduled))
+                seq.num_scheduled += steps
+                seq.pending += steps
+            return ready
         for seq in ready:
             self._plan_decode(seq, steps, plan)
         return ready

@@ -141,6 +141,9 @@ class BlockAllocator:
         self._ref_view = self._ref.view()
         self._ref_view.flags.writeable = False
         self._slots: SlotView | None = None
+        # Counts the changes: a copy of the state elsewhere (a device page table) is
+        # current while the version it was taken at is.
+        self.version = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -193,6 +196,7 @@ class BlockAllocator:
         self._top -= 1
         block = int(self._stack[self._top])
         self._ref[block] = 1
+        self.version += 1
         return block
 
     def free(self, block: int) -> None:
@@ -204,6 +208,7 @@ class BlockAllocator:
         if self._ref[block] == 0:
             self._stack[self._top] = block
             self._top += 1
+        self.version += 1
 
     def incref(self, block: int) -> None:
         """Add a reference to an allocated block (sharing it with one more holder)."""
@@ -211,6 +216,7 @@ class BlockAllocator:
         if self._ref[block] == 0:
             raise ValueError(f"block={block} is free; only an allocated block can be shared")
         self._ref[block] += 1
+        self.version += 1
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -224,6 +230,7 @@ class BlockAllocator:
         blocks = self._stack[top - count : top][::-1].copy()
         self._top = top - count
         self._ref[blocks] = 1
+        self.version += 1
         return blocks
 
     def free_blocks(self, blocks: Iterable[int]) -> None:
@@ -253,6 +260,7 @@ class BlockAllocator:
         n = released.size
         self._stack[self._top : self._top + n] = released
         self._top += n
+        self.version += 1
 
     def incref_blocks(self, blocks: Iterable[int]) -> None:
         """Add one reference per listed block; every block must be allocated."""
@@ -264,6 +272,7 @@ class BlockAllocator:
             b = int(ids[free][0])
             raise ValueError(f"block={b} is free; only an allocated block can be shared")
         np.add.at(self._ref, ids, 1)
+        self.version += 1
 
     # -- checks ----------------------------------------------------------------------------
 
