@@ -183,6 +183,8 @@ MODES = {
     "multistep": dict(overlap=True, decode_steps=4),
     "multistep-sync": dict(overlap=False, decode_steps=8),
     "device-paging": dict(overlap=True, decode_steps=4, device_paging=True),
+    # The GPU's form of the layers (straight-line, per-layer weights); the CPU's is a scan.
+    "unrolled": dict(overlap=True, decode_steps=4, unroll_layers=True),
 }
 
 
@@ -379,7 +381,7 @@ def test_tensor_parallel_engine_matches_one_device(layout):
     one = make_engine(layout=layout)
     single = one.generate(prompts, 6, n=2)
     assert one.stats["tp"] == 1
-    engine = make_engine(layout=layout, mesh=sharding.make_mesh(2))
+    engine = make_engine(layout=layout, mesh=sharding.make_mesh(2), unroll_layers=True)
     out = engine.generate(prompts, 6, n=2)
     assert out == single
     assert_verified(prompts, out, 6, n=2)

@@ -339,17 +339,20 @@ class PagedSeqs:
         ("bhsd", "prefix_prefill", "stacked"),
         ("bshd", "extend", "serving"),
         ("vllm", "prefix_prefill", "serving-2"),
+        ("bhsd", "prefix_prefill", "serving-scan"),
     ],
 )
 def test_cached_paths_match_dense(layout, attention, form):
-    """Stacked weights (a scan over layers) and the serving form (straight-line layers,
-    fused projections, one block per shard) give the dense oracle's logits."""
+    """Stacked weights (a scan over layers) and the serving forms (fused projections, one
+    block per shard; straight-line layers or a scan) give the dense oracle's logits."""
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
     dense_params = params
     if form != "stacked":
-        params = llama.serving_params(CFG, params, shards=2 if form == "serving-2" else 1)
-        assert isinstance(params["layers"], tuple) and len(params["layers"]) == 2
+        unroll = form != "serving-scan"
+        shards = 2 if form == "serving-2" else 1
+        params = llama.serving_params(CFG, params, shards=shards, unroll=unroll)
+        assert isinstance(params["layers"], tuple) == unroll
         assert llama.serving_params(CFG, params) is params
     num_pages, page = 24, 4
     k_cache, v_cache = llama.init_kv_cache(CFG, num_pages, page, layout=layout)

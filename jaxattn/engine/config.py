@@ -154,6 +154,10 @@ class ExecutionConfig:
       nothing is sent as long as only decode steps change the pages, and the whole table
       is sent when anything else did (an admission, a finish, an eviction). False: the
       host sends the table entries that changed.
+    unroll_layers: run the layers as straight-line code over per-layer weights (the GPU's
+      fast form: no weight slice copied per layer, at a compile time that grows with the
+      depth) or as one ``lax.scan`` over stacked weights (one compiled layer body). None:
+      unrolled on GPUs, a scan on the CPU.
     """
 
     extend_attention: str | None = None
@@ -162,6 +166,7 @@ class ExecutionConfig:
     buckets: Buckets = dataclasses.field(default_factory=Buckets)
     mesh: Any = None
     device_paging: bool = False
+    unroll_layers: bool | None = None
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -176,6 +181,8 @@ class ExecutionConfig:
                 _int("ExecutionConfig", "partition_size", self.partition_size, 1),
             )
         object.__setattr__(self, "device_paging", bool(self.device_paging))
+        if self.unroll_layers is not None:
+            object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
         if self.buckets is None:
             object.__setattr__(self, "buckets", Buckets())
         elif not isinstance(self.buckets, Buckets):

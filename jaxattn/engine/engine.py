@@ -178,6 +178,7 @@ class Engine:
             max_rows=rows,
             stop_width=len(self.stop_ids),
             decode_steps=scheduler.decode_steps,
+            unroll_layers=execution.unroll_layers,
         )
         max_pos = model.max_position_embeddings
         self.device_paging = execution.device_paging

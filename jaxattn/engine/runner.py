@@ -521,6 +521,8 @@ class ModelRunner:
       max_rows: decode rows (sequences decoding at once).
       stop_width: stop ids a row can hold.
       decode_steps: the most decode steps one dispatch runs.
+      unroll_layers: straight-line layers (None: on GPUs; see
+        :class:`~jaxattn.engine.ExecutionConfig`).
 
     :attr:`trace_counts` counts the programs this runner's calls compiled (a program
     another runner of the same model compiled already is reused, not counted).
@@ -542,6 +544,7 @@ class ModelRunner:
         max_rows: int = 64,
         stop_width: int = 1,
         decode_steps: int = 8,
+        unroll_layers: bool | None = None,
     ):
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
@@ -570,12 +573,14 @@ class ModelRunner:
         self.table_width = min(num_pages, -(-max_pos // page_size))
         init = functools.partial(model.init_kv_cache, num_pages, page_size, layout=layout)
         state = init_decode_state(self.max_rows, self.table_width, self.stop_width)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self.unroll_layers = platform != "cpu" if unroll_layers is None else unroll_layers
         if self.tp is None:
-            self.params = model.serving_params(params)
+            self.params = model.serving_params(params, unroll=self.unroll_layers)
             self.k_cache, self.v_cache = init()
         else:
             self.params = model.serving_params(
-                self.tp.shard_params(params, model), shards=self.tp.size
+                self.tp.shard_params(params, model), shards=self.tp.size, unroll=self.unroll_layers
             )
             # Built split, so that no device ever holds the whole pool.
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)

@@ -177,9 +177,9 @@ class LlamaConfig:
         """:func:`init_kv_cache` of this model."""
         return init_kv_cache(self, num_pages, page_size, layout=layout)
 
-    def serving_params(self, params: dict, *, shards: int = 1) -> dict:
+    def serving_params(self, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
         """:func:`serving_params` of this model."""
-        return serving_params(self, params, shards=shards)
+        return serving_params(self, params, shards=shards, unroll=unroll)
 
     def forward_extend(self, params, k_cache, v_cache, batch, **options):
         """:func:`forward_extend` of this model."""
@@ -311,15 +311,16 @@ def _rotate(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1) -> dict:
-    """The parameters as the serving engine runs them: one dict of weights per layer
-    (``params["layers"]`` a tuple) with the projections that read the same input fused.
+def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
+    """The parameters as the serving engine runs them: with the projections that read the
+    same input fused, and (``unroll``) one dict of weights per layer.
 
-    * Straight-line layers: over stacked ``[num_layers, ...]`` weights a ``lax.scan``
-      slices one layer per iteration, and on GPUs XLA materialises each slice that feeds a
-      GEMM as a copy, so every step would move the weights three times (read, write, read)
-      in a pass bound by reading them once. The price is compile time, which grows with
-      the depth.
+    * Straight-line layers (``unroll=True``, ``params["layers"]`` a tuple): over stacked
+      ``[num_layers, ...]`` weights a ``lax.scan`` slices one layer per iteration, and on
+      GPUs XLA materialises each slice that feeds a GEMM as a copy, so every step would
+      move the weights three times (read, write, read) in a pass bound by reading them
+      once. The price is compile time, which grows with the depth; ``unroll=False`` keeps
+      the stacked form and the scan (one compiled layer body).
     * Fused projections (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``):
       ``wqkv`` ``[hidden, shards, (q + 2 kv) / shards]`` and ``w_gate_up`` ``[hidden,
       shards, 2 intermediate / shards]``, one GEMM each instead of three and two: fewer
@@ -335,6 +336,8 @@ def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1) -> dict:
     if isinstance(layers, list | tuple):
         if len(layers) != cfg.num_hidden_layers:
             raise ValueError(f"params has {len(layers)} layers, the config {cfg.num_hidden_layers}")
+        return params
+    if "wqkv" in layers:
         return params
     n = cfg.num_hidden_layers
     for name, w in layers.items():
@@ -354,6 +357,9 @@ def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1) -> dict:
 
     wqkv = fuse(layers["wq"], layers["wk"], layers["wv"])
     w_gate_up = fuse(layers["w_gate"], layers["w_up"])
+    if not unroll:
+        fused = {k: layers[k] for k in ("attn_norm", "wo", "mlp_norm", "w_down")}
+        return dict(params, layers=dict(fused, wqkv=wqkv, w_gate_up=w_gate_up))
     split = tuple(
         {
             "attn_norm": layers["attn_norm"][i],
