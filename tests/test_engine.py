@@ -414,6 +414,40 @@ def test_tensor_parallel_engine_matches_one_device(layout):
         make_engine(mesh=sharding.make_mesh(4))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["native", "pallas"])
+@pytest.mark.parametrize("device_paging", [False, True])
+def test_engine_on_the_gpu(implementation, device_paging):
+    """The GPU's engine: bf16, straight-line layers, multi-step decode planned ahead, the
+    compiled kernels; outputs within the verifier's bf16 tolerance of the dense oracle."""
+    import jaxattn
+
+    if implementation not in jaxattn.available_backends():
+        pytest.skip(f"{implementation} is not built here")
+    cfg = LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16", "head_dim": 64})
+    params = llama.init_params(cfg, jax.random.key(1))
+    prompts = workload(11, num=8, system=40, suffix=(3, 30))
+    engine = Engine(
+        cfg,
+        params,
+        num_pages=256,
+        page_size=16,
+        max_batch_tokens=128,
+        implementation=implementation,
+        device_paging=device_paging,
+        debug=True,
+    )
+    assert engine.runner.unroll_layers
+    for kw in (dict(n=2), dict(n=2, temperature=0.7, seed=5)):
+        out = engine.generate(prompts, 24, **kw)
+        report = check_outputs(params, cfg, prompts, out, max_new_tokens=24, **kw)
+        assert report.ok, report.problems[:5]
+        assert_whole(engine)
+    stats = engine.stats
+    assert stats["attention_backend"] == {"extend": implementation, "decode": implementation}
+    assert stats["decode_steps"] > stats["decode_calls"] and stats["prefix_hit_tokens"] > 0
+
+
 # --- a stand-in model over a simulated pool ------------------------------------------
 
 
