@@ -178,11 +178,25 @@ def device_time(engine, batch: int, steps: int, reps: int = 5) -> float:
         tp=runner.tp,
     )
 
+    # With device paging the rows' tables are the page table's (grown by nothing here).
+    pages, entries = runner.pages, None
+    if pages is not None:
+        entries = np.full((2, num_rows), runner.max_rows, np.int32)
+        entries[1] = 0
+        entries = jnp.asarray(entries)
+
     def run(n):
         out = None
         for _ in range(n):
             out, runner.k_cache, runner.v_cache, _, _ = R._DECODE(
-                runner.params, runner.k_cache, runner.v_cache, state, control, None, None, **statics
+                runner.params,
+                runner.k_cache,
+                runner.v_cache,
+                state,
+                control,
+                pages,
+                entries,
+                **statics,
             )
         return out
 
