@@ -70,6 +70,12 @@ def parse_args(argv=None):
     e.add_argument("--max-running", type=int, default=64)
     e.add_argument("--implementation", choices=["reference", "pallas", "native"])
     e.add_argument(
+        "--layer-form",
+        choices=["auto", "unrolled", "scan"],
+        default="auto",
+        help="straight-line layers or a scan (auto: unrolled on GPUs)",
+    )
+    e.add_argument(
         "--modes", default="on,off", help="radix cache modes to run, comma separated (on,off)"
     )
     e.add_argument(
@@ -120,6 +126,7 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
             radix_cache=radix,
             implementation=args.implementation,
             **settings,
+            unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         )
         t0 = time.perf_counter()
         records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -76,6 +76,13 @@ def parse_args(argv=None):
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--implementation", choices=["reference", "pallas", "native"])
     p.add_argument(
+        "--layer-form",
+        dest="layer_form",
+        choices=["auto", "unrolled", "scan"],
+        default="auto",
+        help="straight-line layers or a scan (auto: unrolled on GPUs)",
+    )
+    p.add_argument(
         "--ceiling-gib",
         type=float,
         help="read-ceiling array size (default: 4 GiB on a GPU, 256 MiB on the CPU)",
@@ -233,6 +240,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         decode_steps=decode_steps,
         overlap=MODES[mode]["overlap"],
         device_paging=MODES[mode].get("device_paging", False),
+        unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         # One row bucket and one table width for the whole run: no compile in the timed part.
         buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )
