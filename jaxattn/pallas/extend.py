@@ -94,6 +94,12 @@ def _tile_map(q_bounds, num_tiles: int, tokens_per_tile: int):
     return req, local.astype(jnp.int32)
 
 
+# Where the index entries (slots, page ids) of the memory-safety contract are checked:
+# "kernel": each where a tile loads it (a lane-wise flag, folded once after the loops) plus a
+# pass over the entries past the tile's causal range; "launch": one fused reduction over the
+# entries before the launch, after which every entry a valid request reads is in range.
+_INDEX_CHECKS = "kernel"
+
 # Index entries checked per step of the pass over a tile's unread entries: int32 loads are
 # cheap next to a K/V tile, so a wide step keeps that loop short.
 _TAIL_ENTRIES = 256
@@ -178,7 +184,12 @@ def _extend_kernel(
 
         def key_rows(j, valid, bad):
             e = entries(j, valid)
-            e, bad = C.checked_pages(e, True if valid is None else valid, num_entries, bad)
+            if _INDEX_CHECKS == "kernel":
+                # Lane-wise: no reduction inside the loop, one after it.
+                in_pool = (e >= 0) & (e < num_entries)
+                read = in_pool if valid is None else in_pool | ~valid
+                bad = bad | jnp.where(read, 0, 1)
+                e = jnp.where(in_pool, e, 0)
             off = 0 if mode == "pool" else lax.rem(j, page_size)
             return lay.row(e, off, kv_head, geom), bad
 
@@ -195,7 +206,7 @@ def _extend_kernel(
         # Keys [0, Lp + t0) are visible to every row of the tile.
         shared = jnp.clip(lp + t0, 0, lk)
         n1 = jnp.where(ok, shared // block_n, 0)
-        init = (*C.init_state(block_q, head_dim), jnp.int32(0))
+        init = (*C.init_state(block_q, head_dim), jnp.zeros((block_n,), jnp.int32))
         carry = lax.fori_loop(0, n1, stage1, init)
 
         k_end = jnp.clip(lp + t1, 0, lk)
@@ -213,7 +224,8 @@ def _extend_kernel(
             return (*C.online_softmax_step(tuple(state), s, v), bad)
 
         n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
-        acc, _, l_sum, bad = lax.fori_loop(0, n2, stage2, carry)
+        acc, _, l_sum, bad_lanes = lax.fori_loop(0, n2, stage2, carry)
+        bad = jnp.max(bad_lanes)
 
         # The entries of keys [k_end, Lk), which no row of this tile sees: for a paged cache
         # one entry per page, so the pass walks pages (from the page of k_end), not keys.
@@ -227,8 +239,9 @@ def _extend_kernel(
             _, bad = C.checked_pages(entries(j, live), live, num_entries, bad)
             return bad
 
-        n3 = jnp.where(ok, pl.cdiv(jnp.maximum(lk - first, 0), step), 0)
-        bad = lax.fori_loop(0, n3, tail, bad)
+        if _INDEX_CHECKS == "kernel":
+            n3 = jnp.where(ok, pl.cdiv(jnp.maximum(lk - first, 0), step), 0)
+            bad = lax.fori_loop(0, n3, tail, bad)
         out = jnp.where(ok & (bad == 0), C.finalize(acc, l_sum), jnp.nan).astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
@@ -317,7 +330,7 @@ def _extend_pool(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         num_slots=k_cache.shape[0],
-        check_slots=False,
+        check_slots=_INDEX_CHECKS == "launch",
     )
     return _run(
         q,
@@ -356,7 +369,11 @@ def _prefill_paged(
     problems = _validity.ragged_problems(
         cu_seqlens_q, q.shape[0], seq_lens, q_name="cu_seqlens_q"
     ) + _validity.paged_problems(
-        block_tables, seq_lens, geom.page_size, geom.num_pages, check_pages=False
+        block_tables,
+        seq_lens,
+        geom.page_size,
+        geom.num_pages,
+        check_pages=_INDEX_CHECKS == "launch",
     )
     return _run(
         q,

@@ -117,17 +117,16 @@ def ragged_problems(
         ]
     if kv_indptr is not None and check_slots:
         n = kv_indices.shape[0]
-        # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: count the
-        # out-of-pool entries in that range with one prefix sum (one pass, no search).
+        # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: one masked
+        # reduction over [B, N] (a single fused kernel on a GPU, where a prefix sum is a
+        # chain of them).
         out_of_pool = (kv_indices < 0) | (kv_indices >= num_slots)
-        count = jnp.concatenate(
-            [jnp.zeros((1,), jnp.int32), jnp.cumsum(out_of_pool, dtype=jnp.int32)]
-        )
-        lo = jnp.clip(kv_indptr[:-1], 0, n)
-        hi = jnp.clip(kv_indptr[1:], lo, n)
+        pos = jnp.arange(n, dtype=jnp.int32)[None, :]
+        owned = (pos >= kv_indptr[:-1, None]) & (pos < kv_indptr[1:, None])
+        slots_ok = ~jnp.any(owned & out_of_pool[None, :], axis=1)
         problems.append(
             Problem(
-                count[hi] == count[lo],
+                slots_ok,
                 f"kv_indices of request {{index}} hold a slot outside [0, {num_slots})",
             )
         )
