@@ -70,14 +70,18 @@ def grid(names: str, cases, *, heavy=(), backends=BACKENDS):
     return pytest.mark.parametrize(["backend", *names], params)
 
 
-def _run(op, call, fn, backend, case, config=None, **kw):
-    """The public op on ``case`` with ``implementation=backend``; skipped with the
-    backend's reason when it does not serve the case."""
-    args = call(op.bind, case, **{k: v for k, v in kw.items()})
+def _skip_unless_served(op, call, backend, case, **kw):
+    args = call(op.bind, case, **kw)
     impl = op.implementation(backend)
     reason = impl.available(jax.default_backend()) or impl.supports(args)
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
+
+
+def _run(op, call, fn, backend, case, config=None, **kw):
+    """The public op on ``case`` with ``implementation=backend``; skipped with the
+    backend's reason when it does not serve the case."""
+    _skip_unless_served(op, call, backend, case, **kw)
     if backend != "pallas":
         config = None
     return call(fn, case, implementation=backend, config=config, **kw)
@@ -540,6 +544,279 @@ def test_extend_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
     )
     out = extend(backend, c, scale=0.1)
     assert_close(out, want_extend(backend, c, scale=0.1), dtype)
+
+
+# --- FP8 KV caches ---------------------------------------------------------------------------
+#
+# The kernels are compared with the spec on the same stored FP8 values and per-head scales
+# (the heads' magnitudes are drawn a few times apart, so a kernel applying the wrong head's
+# scale fails); the reference is compared with float64 attention over the dequantised values.
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+@grid(
+    "kv_dtype, dtype, layout, heads, partition_size, soft_cap",
+    [
+        (E4M3, jnp.bfloat16, "bshd", (8, 2), None, None),
+        (E5M2, jnp.bfloat16, "bhsd", (8, 2), 128, None),
+        (E4M3, jnp.float16, "bhsd", (4, 4), None, 4.0),
+        (E5M2, jnp.float16, "bshd", (16, 1), 128, None),
+        (E4M3, jnp.float32, "bshd", (4, 2), 128, None),
+        (E4M3, jnp.bfloat16, "bshd", (32, 2), None, None),
+        (E5M2, jnp.bfloat16, "vllm", (8, 2), None, None),
+    ],
+    heavy=(3, 5),
+)
+def test_decode_fp8(rng, backend, kv_dtype, dtype, layout, heads, partition_size, soft_cap):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [1, 3, 17, 255, 513],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=0.3, partition_size=partition_size, soft_cap=soft_cap)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert_close(out, want_decode(backend, case, scale=0.3, soft_cap=soft_cap), dtype)
+
+
+@grid("kv_dtype", [E4M3, E5M2])
+def test_decode_fp8_unscaled_and_head_dim_64(rng, backend, kv_dtype):
+    # No scales: a stored element is its own value (1.0).
+    case = make_paged_decode(
+        rng,
+        [40, 300],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=32,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+        scaled=False,
+    )
+    assert case.k_scale is None
+    out = decode(backend, case, scale=0.125)
+    assert_close(out, want_decode(backend, case, scale=0.125), jnp.bfloat16)
+
+
+@grid(
+    "kv_dtype, dtype, heads, q_fp8",
+    [
+        (E4M3, jnp.bfloat16, (8, 2), False),
+        (E5M2, jnp.float16, (4, 4), False),
+        (E4M3, jnp.float32, (8, 1), False),
+        (E4M3, jnp.bfloat16, (8, 2), True),
+        (E5M2, jnp.float16, (4, 1), True),
+    ],
+    heavy=(1, 2, 4),
+)
+def test_extend_fp8(rng, backend, kv_dtype, dtype, heads, q_fp8):
+    hq, hkv = heads
+    c = make_extend(
+        rng,
+        [40, 0, 130],
+        [20, 70, 3],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=64,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=3,
+    )
+    kw = dict(scale=0.3)
+    if q_fp8:
+        # The mixed mode: an FP8 q with its scale; the output dtype is stated.
+        q_scale = float(jnp.max(jnp.abs(c.q.astype(jnp.float32)))) / 448.0
+        c.q = (c.q.astype(jnp.float32) / q_scale).astype(E4M3)
+        kw.update(q_scale=q_scale, out_dtype=dtype)
+    cfg = P.ExtendConfig(block_q=32, block_n=32)
+    out = extend(backend, c, cfg, **kw)
+    assert out.dtype == dtype
+    if backend == "reference":
+        want = expected_ragged(
+            c.q, c.qo_indptr, c.dense_k, c.dense_v, scale=0.3, q_scale=kw.get("q_scale")
+        )
+    else:
+        want = spec_extend(c, **kw)
+    assert_close(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)
+
+
+@grid(
+    "kv_dtype, dtype, layout, page_size, q_fp8",
+    [
+        (E4M3, jnp.bfloat16, "bshd", 16, False),
+        (E5M2, jnp.bfloat16, "bhsd", 1, False),
+        (E4M3, jnp.float16, "bhsd", 64, True),
+        (E5M2, jnp.float32, "bshd", 16, False),
+        (E4M3, jnp.bfloat16, "vllm", 16, False),
+    ],
+    heavy=(1, 2, 3),
+)
+def test_prefill_fp8(rng, backend, kv_dtype, dtype, layout, page_size, q_fp8):
+    c = make_prefix_prefill(
+        rng,
+        [0, 200, 33],
+        [17, 1, 130],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=2,
+    )
+    kw = dict(scale=0.3)
+    if q_fp8:
+        kw.update(q_scale=0.02)
+        c.q = (c.q.astype(jnp.float32) / 0.02).astype(E5M2)  # out_dtype: bfloat16 by default
+        dtype = jnp.bfloat16
+    out = prefill(backend, c, P.ExtendConfig(block_q=32, block_n=32), **kw)
+    assert out.dtype == dtype
+    if backend == "reference":
+        want = expected_ragged(
+            c.q, c.cu_seqlens_q, c.dense_k, c.dense_v, scale=0.3, q_scale=kw.get("q_scale")
+        )
+    else:
+        want = spec_prefill(c, **kw)
+    assert_close(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0.0)
+
+
+@grid("dummy", [0])
+def test_fp8_decode_jitted_with_traced_scales(rng, backend, dummy):
+    case = make_paged_decode(
+        rng,
+        [300, 77],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=E4M3,
+    )
+    _skip_unless_served(ops.PAGED_ATTENTION, call_decode, backend, case)
+    f = jax.jit(
+        lambda q, k, v, t, n, ks, vs: jaxattn.paged_attention(
+            q, k, v, t, n, k_scale=ks, v_scale=vs, partition_size=64, implementation=backend
+        )
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    if backend == "native":
+        assert "jaxattn_paged_attention" in f.lower(*args, case.k_scale, case.v_scale).as_text()
+    a = f(*args, case.k_scale, case.v_scale)
+    assert_close(a, want_decode(backend, case, scale=32**-0.5), jnp.bfloat16)
+    # New scale values: the same executable, the new values' result.
+    b = f(*args, 4 * case.k_scale, 0.5 * case.v_scale)
+    want = spec_decode(case, k_scale=4 * case.k_scale, v_scale=0.5 * case.v_scale)
+    assert_close(b, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, heads",
+    [
+        (kv, dt, h)
+        for kv in (E4M3, E5M2)
+        for dt in (jnp.bfloat16, jnp.float16)
+        for h in ((32, 8), (32, 32), (64, 4), (128, 8))
+    ],
+    backends=("pallas", "native"),
+)
+def test_decode_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [4097, 1, 1000, 8191, 255],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=128**-0.5)
+    assert_close(out, want_decode(backend, case, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, head_dim",
+    [(E4M3, jnp.bfloat16, 64), (E5M2, jnp.float16, 256), (E4M3, jnp.bfloat16, 256)],
+    backends=("pallas", "native"),
+)
+def test_decode_fp8_head_dims(rng, backend, kv_dtype, dtype, head_dim):
+    case = make_paged_decode(
+        rng,
+        [700, 33, 4100],
+        num_q_heads=16,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=0.1)
+    assert_close(out, want_decode(backend, case, scale=0.1), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, layout",
+    [
+        (E4M3, jnp.bfloat16, "bshd"),
+        (E5M2, jnp.bfloat16, "bhsd"),
+        (E4M3, jnp.float16, "bhsd"),
+        (E5M2, jnp.float16, "bshd"),
+    ],
+    backends=("pallas", "native"),
+)
+def test_prefill_fp8_serving_shapes(rng, backend, kv_dtype, dtype, layout):
+    c = make_prefix_prefill(
+        rng,
+        [2048, 1000, 0],
+        [512, 24, 300],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=4,
+    )
+    out = prefill(backend, c, scale=128**-0.5)
+    assert_close(out, want_prefill(backend, c, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, heads",
+    [(E4M3, jnp.bfloat16, (32, 8)), (E5M2, jnp.float16, (64, 4)), (E4M3, jnp.bfloat16, (32, 32))],
+    backends=("pallas", "native"),
+)
+def test_extend_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
+    hq, hkv = heads
+    c = make_extend(
+        rng,
+        [2048, 0, 1000, 4097],
+        [512, 1000, 24, 1],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=5,
+    )
+    out = extend(backend, c, scale=128**-0.5)
+    assert_close(out, want_extend(backend, c, scale=128**-0.5), dtype)
 
 
 # --- what each backend refuses ----------------------------------------------------------------

@@ -7,6 +7,7 @@ from .attention import (
     extend_attention,
     masked_attention,
     merge_states,
+    output_dtype,
     paged_attention,
     prefix_prefill,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "extend_attention",
     "masked_attention",
     "merge_states",
+    "output_dtype",
     "paged_attention",
     "prefix_prefill",
 ]
