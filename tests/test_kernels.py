@@ -35,6 +35,7 @@ from helpers import (
     make_paged_decode,
     make_prefix_prefill,
     prefill_as_extend,
+    random_normal,
     spec_decode,
     spec_extend,
     spec_prefill,
@@ -717,6 +718,90 @@ def test_fp8_decode_jitted_with_traced_scales(rng, backend, dummy):
     b = f(*args, 4 * case.k_scale, 0.5 * case.v_scale)
     want = spec_decode(case, k_scale=4 * case.k_scale, v_scale=0.5 * case.v_scale)
     assert_close(b, want, jnp.bfloat16)
+
+
+def _every_code(kv_dtype, finite_only: bool):
+    """Every code of the format (finite ones only, or with NaN) as an array of kv_dtype."""
+    codes = np.arange(256, dtype=np.uint8).view(np.dtype(kv_dtype))
+    if finite_only:
+        codes = codes[np.isfinite(codes.astype(np.float32))]
+    return codes
+
+
+@grid("kv_dtype, dtype", [(E4M3, jnp.bfloat16), (E5M2, jnp.float16), (E4M3, jnp.float32)])
+def test_fp8_every_code_is_widened_exactly(rng, backend, kv_dtype, dtype):
+    """One key whose V row holds all 256 codes: its softmax weight is exactly 1, so the
+    output is V itself -- every code widened exactly (NaN codes give NaN in their element
+    only), in decode, prefix prefill and extend. Infinities (e5m2) are left out: the spec
+    turns a non-finite value into NaN, which a multiply by 1 does not."""
+    codes = _every_code(kv_dtype, finite_only=False)
+    codes = codes[~np.isinf(codes.astype(np.float32))]
+    v_row = np.zeros(256, codes.dtype)
+    v_row[: codes.size] = codes
+    hkv, d = 2, 128
+    v = np.asarray(rng.permutation(v_row)).reshape(1, 1, hkv, d)  # bshd, page size 1
+    k = np.asarray(rng.permutation(_every_code(kv_dtype, True)))[: hkv * d // 2]
+    k = np.concatenate([k, k]).reshape(1, 1, hkv, d)
+    k_cache, v_cache = jnp.asarray(k), jnp.asarray(v)
+    want = np.repeat(v.astype(np.float32).reshape(1, hkv, d), 4, axis=1)  # 8 / 2 query heads
+    q = random_normal(rng, (1, 8, d), dtype) * 0.01
+    one = jnp.zeros((1, 1), jnp.int32)  # block table: page 0
+    k_scale = 1.0 / float(jnp.finfo(kv_dtype).max)  # logits stay small; V's scale stays 1
+
+    outs = {}
+    args = (q, k_cache, v_cache, one, jnp.ones((1,), jnp.int32))
+    bound = ops.PAGED_ATTENTION.bind(*args, k_scale=k_scale)
+    impl = ops.PAGED_ATTENTION.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["decode"] = jaxattn.paged_attention(*args, k_scale=k_scale, implementation=backend)
+    cu = jnp.asarray([0, 1], jnp.int32)
+    args = (q, k_cache, v_cache, cu, one, jnp.ones((1,), jnp.int32))
+    bound = ops.PREFIX_PREFILL.bind(*args, k_scale=k_scale)
+    impl = ops.PREFIX_PREFILL.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["prefill"] = jaxattn.prefix_prefill(*args, k_scale=k_scale, implementation=backend)
+    pool = (k_cache.reshape(1, hkv, d), v_cache.reshape(1, hkv, d))
+    args = (q, *pool, cu, cu, jnp.zeros((1,), jnp.int32))
+    bound = ops.EXTEND_ATTENTION.bind(*args, k_scale=k_scale)
+    impl = ops.EXTEND_ATTENTION.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["extend"] = jaxattn.extend_attention(*args, k_scale=k_scale, implementation=backend)
+    if not outs:
+        pytest.skip(f"{backend} serves none of the ops with {np.dtype(kv_dtype)}")
+    for name, out in outs.items():
+        got = np.asarray(out, np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)], err_msg=name)
+
+
+@grid("kv_dtype", [E4M3, E5M2], heavy=(0, 1))
+def test_fp8_every_finite_code_in_k_and_v(rng, backend, kv_dtype):
+    """Every finite code in K and in V of a real decode (and prefill), against the spec."""
+    codes = _every_code(kv_dtype, finite_only=True)
+    case = make_paged_decode(
+        rng,
+        [300, 70],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.float32,
+        kv_dtype=kv_dtype,
+    )
+    big = float(jnp.finfo(kv_dtype).max)
+
+    def fill(cache):
+        c = np.asarray(cache).copy()
+        live = ~np.isnan(c.astype(np.float32))
+        c[live] = np.resize(rng.permutation(codes), int(live.sum()))
+        return jnp.asarray(c)
+
+    case.k_cache, case.v_cache = fill(case.k_cache), fill(case.v_cache)
+    # Scales that bring the format's range to about 1, different per head.
+    case.k_scale = jnp.asarray([1.0 / big, 3.0 / big], jnp.float32)
+    case.v_scale = jnp.asarray([2.0 / big, 0.5 / big], jnp.float32)
+    out = decode(backend, case, scale=0.5, partition_size=128)
+    assert_close(out, spec_decode(case, scale=0.5), jnp.float32)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 namespace jaxattn {
 namespace gpu {
 
-const char* launch_paged_decode(DType dtype, const DecodeParams& p, gpuStream_t stream) {
+const char* launch_paged_decode(DType dtype, KvType kv, const DecodeParams& p, gpuStream_t stream) {
+  if (kv != KvType::kSame) return "jaxattn: FP8 caches are not built into the GPU decode yet";
   switch (dtype) {
     case DType::kF32:
       return launch_paged_decode_typed<float>(p, stream);
@@ -15,7 +16,8 @@ const char* launch_paged_decode(DType dtype, const DecodeParams& p, gpuStream_t 
   return "jaxattn: unsupported dtype";
 }
 
-const char* decode_occupancy(DType dtype, int head_dim, int group, int* blocks) {
+const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, int* blocks) {
+  if (kv != KvType::kSame) return "jaxattn: FP8 caches are not built into the GPU decode yet";
   switch (dtype) {
     case DType::kF32:
       return decode_occupancy_typed<float>(head_dim, group, blocks);

@@ -4,7 +4,8 @@
 namespace jaxattn {
 namespace gpu {
 
-const char* launch_prefill(DType dtype, const PrefillParams& p, gpuStream_t stream) {
+const char* launch_prefill(DType dtype, KvType kv, const PrefillParams& p, gpuStream_t stream) {
+  if (kv != KvType::kSame) return "jaxattn: FP8 caches are not built into the GPU prefill yet";
   switch (dtype) {
     case DType::kF32:
       return launch_prefill_typed<float>(p, stream);
