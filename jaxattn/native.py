@@ -266,8 +266,6 @@ def _unsupported(platform, q, k_cache, v_cache, num_kv_heads, head_dim) -> str |
         return f"native kernels need k_cache and v_cache in one dtype, got {kv} and {v_cache.dtype}"
     if kv != dt and not _quant.is_fp8(kv):
         return f"native kernels need the KV cache in q's dtype or an FP8 format, got {dt} and {kv}"
-    if _quant.is_fp8(kv) and platform != "cpu":
-        return "the native GPU kernels do not read FP8 caches yet"
     if _quant.is_fp8(kv) and platform != "cpu" and dt not in _GPU_FP8_Q:
         return (
             f"native GPU kernels read an FP8 ({kv}) cache under a bfloat16 or float16 q, got {dt}"
@@ -612,6 +610,11 @@ class _PagedAttention(_Native):
 
 class _Prefill(_Native):
     config_cls = PrefillConfig
+
+    def supports(self, a):
+        if a.fp8_cache and _platform() != "cpu":
+            return "the native GPU prefill kernels do not read FP8 caches yet"
+        return super().supports(a)
 
     def heuristic_config(self, a):
         return _prefill_config(None)
