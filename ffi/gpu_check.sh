@@ -110,7 +110,8 @@ tests() {  # name, env assignment, pytest -k expression
 if [ "${SELFTESTS:-}" != skip ]; then
   selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_sm90.cu
+    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
+    ffi/src/prefill_sm90.cu
   if [ -n "${SANITIZE:-}" ]; then
     sanitize decode_selftest
     sanitize prefill_selftest

@@ -611,11 +611,6 @@ class _PagedAttention(_Native):
 class _Prefill(_Native):
     config_cls = PrefillConfig
 
-    def supports(self, a):
-        if a.fp8_cache and _platform() != "cpu":
-            return "the native GPU prefill kernels do not read FP8 caches yet"
-        return super().supports(a)
-
     def heuristic_config(self, a):
         return _prefill_config(None)
 

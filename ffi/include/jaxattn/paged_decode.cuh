@@ -132,9 +132,10 @@ struct DecodeShape {
   static constexpr bool kStaged = !DIRECT;
   static_assert(kStaged || kHeadChunks == 1, "the direct kernel keeps every head in each warp");
   // Rows each lane group has in flight per step: from global memory (direct) enough
-  // independent loads to cover memory latency (as many bytes with 8-byte FP8 loads as with
-  // 16-byte ones); from shared memory fewer registers.
-  static constexpr int kUnroll = kStaged ? 2 : (sizeof(KvVec) == 8 ? 8 : 4);
+  // independent loads to cover memory latency (with 8-byte FP8 loads, 6 rows: 3/4 of the
+  // 16-bit kernel's bytes, the most that fits its 64 registers without spilling on sm_80 and
+  // sm_90); from shared memory fewer registers.
+  static constexpr int kUnroll = kStaged ? 2 : (sizeof(KvVec) == 8 ? 6 : 4);
   static constexpr int kStep = kTokenSplit * kRowsPerWarp * kUnroll;
 
   // Pipelined: a ring of kStages stages of kTile rows (K then V, each row padded by 16 bytes
