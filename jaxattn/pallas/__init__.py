@@ -64,7 +64,7 @@ class _Pallas(Implementation):
         return None
 
     def supports(self, a):
-        return C.unsupported(a.q, a.k_cache, a.v_cache, a.layout)
+        return C.unsupported(a.kernel_q, a.k_cache, a.v_cache, a.layout)
 
 
 class _PagedAttention(_Pallas):
@@ -84,6 +84,8 @@ class _PagedAttention(_Pallas):
             layout=a.layout.name,
             partition_size=a.partition_size,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -92,11 +94,11 @@ class _ExtendAttention(_Pallas):
     config_cls = ExtendConfig
 
     def heuristic_config(self, a):
-        return _extend.heuristic_config(a.q, a.group, a.qo_indptr)
+        return _extend.heuristic_config(a.kernel_q, a.group, a.qo_indptr)
 
     def run(self, a, config):
         return extend_attention(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.qo_indptr,
@@ -104,6 +106,8 @@ class _ExtendAttention(_Pallas):
             a.kv_indices,
             scale=a.scale,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -112,11 +116,11 @@ class _PrefixPrefill(_Pallas):
     config_cls = ExtendConfig
 
     def heuristic_config(self, a):
-        return _extend.heuristic_config(a.q, a.group, a.cu_seqlens_q)
+        return _extend.heuristic_config(a.kernel_q, a.group, a.cu_seqlens_q)
 
     def run(self, a, config):
         return prefix_prefill(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.cu_seqlens_q,
@@ -125,6 +129,8 @@ class _PrefixPrefill(_Pallas):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 

@@ -18,6 +18,9 @@ Per tile with new tokens ``[t0, t1)`` the key loop runs in two stages (seed 3.4)
   the tile (the cached prefix and the new tokens before the tile), so no mask at all;
 * stage 2, from there up to ``Lp + t1``: the causal triangle, masked per element. The
   loop stops at the tile's last row, so blocks above the diagonal are never loaded.
+
+FP8 caches: the key tiles are widened to q's dtype (exact) as they are loaded; the per-KV-head
+scales are an operand (f32 [2, Hkv]): k_scale multiplies the raw scores, v_scale the output.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def _extend_kernel(
     req_ok_ref,
     kv_meta_ref,
     kv_index_ref,
+    scales_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -152,6 +156,7 @@ def _extend_kernel(
         q_rows = q_start + t_rel
         heads = head_block * heads_per_tile + r % heads_per_tile
         kv_head = (head_block * heads_per_tile) // group
+        k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
         d = jnp.arange(head_dim)
         q = plgpu.load(
             q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
@@ -175,9 +180,9 @@ def _extend_kernel(
             j = i * block_n + jnp.arange(block_n)
             rows = key_rows(j, None)
             d_ = d[None, :]
-            k = k_ref[rows[:, None], d_]
-            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
-            v = v_ref[rows[:, None], d_]
+            k = C.widen(k_ref[rows[:, None], d_], q.dtype)
+            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
+            v = C.widen(v_ref[rows[:, None], d_], q.dtype)
             return C.online_softmax_step(carry, s, v)
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
@@ -192,15 +197,15 @@ def _extend_kernel(
             j = n1 * block_n + i * block_n + jnp.arange(block_n)
             valid = j < k_end
             rows = key_rows(j, valid)
-            k = C.load_rows(k_ref, rows, valid, head_dim)
-            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+            k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
             s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
-            v = C.load_rows(v_ref, rows, valid, head_dim)
+            v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
             return C.online_softmax_step(carry, s, v)
 
         n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
         acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
-        out = jnp.where(ok, C.finalize(acc, l_sum), jnp.nan).astype(o_ref.dtype)
+        out = jnp.where(ok, C.finalize(acc * v_scale, l_sum), jnp.nan).astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
         )
@@ -213,6 +218,7 @@ def _run(
     q_bounds_in,
     kv_meta,
     kv_index,
+    scales,
     problems,
     *,
     mode,
@@ -256,7 +262,7 @@ def _run(
         soft_cap=soft_cap,
     )
     inputs = match_varying(
-        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, q, k_rows, v_rows
+        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, scales, q, k_rows, v_rows
     )
     call = pl.pallas_call(
         kernel,
@@ -276,7 +282,18 @@ _STATIC = ("scale", "soft_cap", "interpret", "config")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _extend_pool(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap, interpret, config
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    scales,
+    *,
+    scale,
+    soft_cap,
+    interpret,
+    config,
 ):
     problems = _validity.ragged_problems(
         qo_indptr,
@@ -294,6 +311,7 @@ def _extend_pool(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        scales,
         problems,
         mode="pool",
         geom=L.get(L.POOL, pool=True).geometry(k_cache, v_cache),
@@ -313,6 +331,7 @@ def _prefill_paged(
     cu_seqlens_q,
     block_tables,
     seq_lens,
+    scales,
     *,
     scale,
     layout,
@@ -331,6 +350,7 @@ def _prefill_paged(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        scales,
         problems,
         mode="paged",
         geom=geom,
@@ -400,6 +420,8 @@ def extend_attention(
     *,
     scale,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: ExtendConfig | None = None,
 ):
@@ -417,6 +439,7 @@ def extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        C.head_scales(k_scale, v_scale, k_cache.shape[1]),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
@@ -435,6 +458,8 @@ def prefix_prefill(
     scale,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: ExtendConfig | None = None,
 ):
@@ -453,6 +478,7 @@ def prefix_prefill(
         cu_seqlens_q,
         block_tables,
         seq_lens,
+        C.head_scales(k_scale, v_scale, num_kv_heads),
         scale=float(scale),
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
