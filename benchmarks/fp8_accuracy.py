@@ -15,9 +15,10 @@ each implementation, for decode (``paged_attention``) and prefix prefill (``pref
 * the same two numbers for the bfloat16 cache, for scale.
 
 Errors are ||out - want|| / ||want|| over the valid rows, and the largest |out - want| over
-max |want|. Two data sets: ``normal`` (unit normal K/V, the heads' magnitudes 0.25..4 apart)
-and ``outliers`` (the same with a few K channels 20x larger, as in LLM key caches, where a
-per-head scale leaves the other channels fewer of the format's steps).
+max |want|. Two data sets (``make_data``): ``normal`` (normal K/V, each head's logit spread
+0.5..2.5, V heads 0.25..4 in magnitude) and ``outliers`` (the same with a few K channels 10x
+the others at the same logit spread, as in LLM key caches: a per-head scale then leaves the
+other channels fewer of the format's steps).
 """
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ FORMATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def make_data(rng, num_tokens, hkv, d, kind):
-    """float32 K, V [T, Hkv, D] as a model would produce them."""
-    mag = rng.uniform(0.25, 4.0, size=(1, hkv, 1)).astype(np.float32)
-    k = rng.standard_normal((num_tokens, hkv, d), dtype=np.float32) * mag
-    v = rng.standard_normal((num_tokens, hkv, d), dtype=np.float32) * mag[:, ::-1]
+    """float32 K, V [T, Hkv, D] as a model would produce them, for a unit-normal q: each
+    head's logits ``q.k / sqrt(D)`` have a standard deviation between 0.5 and 2.5 (as in
+    trained models: softmax neither flat nor one-hot), V heads 0.25..4 in magnitude.
+    ``outliers``: a few K channels 10x the others, at the same logit spread."""
+    k_mag = rng.uniform(0.5, 2.5, size=(1, hkv, 1)).astype(np.float32)
+    v_mag = rng.uniform(0.25, 4.0, size=(1, hkv, 1)).astype(np.float32)
+    k = rng.standard_normal((num_tokens, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((num_tokens, hkv, d), dtype=np.float32) * v_mag
     if kind == "outliers":
         chans = rng.choice(d, size=max(1, d // 32), replace=False)
-        k[:, :, chans] *= 20.0
-    return k, v
+        k[:, :, chans] *= 10.0
+        k /= np.sqrt((d - chans.size + 100.0 * chans.size) / d)  # the same logit spread
+    return k * k_mag, v
 
 
 def written_cache(k, v, fmt, num_pages, page_size, layout):
