@@ -3,8 +3,8 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
 //     -Iffi/include -Iffi/src ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu \
-//     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest &&
-//     /tmp/prefill_selftest
+//     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest \
+//     && /tmp/prefill_selftest
 //
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
