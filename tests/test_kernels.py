@@ -925,6 +925,14 @@ def test_refusals(rng, backend):
         case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=48, page_size=16)
         with pytest.raises(NotImplementedError, match="head_dim"):
             call_decode(jaxattn.paged_attention, case, implementation=backend)
+    if backend == "native" and ON_GPU:
+        # An fp8 cache under a float32 q: the CPU handlers serve it, the GPU kernels do not.
+        case = make_paged_decode(
+            rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16, kv_dtype=E4M3
+        )
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+            call_decode(jaxattn.paged_attention, case, implementation=backend)
+        assert_close(call_decode(jaxattn.paged_attention, case), spec_decode(case))
     q = jnp.zeros((1, 4, 32), jnp.bfloat16)
     case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
     with pytest.raises(NotImplementedError, match="dtype"):
