@@ -109,9 +109,12 @@ __device__ __forceinline__ void fp8x4_to_f16x2<e5m2_t>(uint32_t w, uint32_t& lo,
   hi = fp8_hi_bytes_hi(w);
 }
 
+// JAXATTN_FP8_SOFTWARE_CVT (compile-time, e.g. on ffi/tests_gpu/decode_selftest.cu) selects
+// the bit trick on sm_89+ as well, to time the cvt instruction's pipe against the integer and
+// half-precision pipes.
 template <>
 __device__ __forceinline__ void fp8x4_to_f16x2<e4m3_t>(uint32_t w, uint32_t& lo, uint32_t& hi) {
-#if __CUDA_ARCH__ >= 890
+#if __CUDA_ARCH__ >= 890 && !defined(JAXATTN_FP8_SOFTWARE_CVT)
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"(uint16_t(w & 0xffffu)));
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"(uint16_t(w >> 16)));
 #else
