@@ -195,7 +195,10 @@ def main(argv=None):
             fn = common.with_scales(
                 jaxattn.paged_attention, layout=args.layout, implementation=impl
             )
-            record(impl, fn, copies)
+            label = common.resolved_label(
+                jaxattn.ops.PAGED_ATTENTION, copies[0], impl, layout=args.layout
+            )
+            record(impl, fn, copies, dict(config=label))
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(
@@ -214,10 +217,12 @@ def main(argv=None):
     if not args.no_ceilings:
         result["ceilings"] = common.ceilings(small=args.small)
         copy_gbps = result["ceilings"]["copy"]["gbps"]
+        read_gbps = result["ceilings"]["read"]["gbps"]
         print(common.ceilings_line(result["ceilings"]), flush=True)
         for row in result["rows"]:
             if "gbps" in row:
                 row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+                row["pct_read"] = 100 * row["gbps"] / read_gbps
     common.write_json(args.json, result)
     rows = [r for r in result["rows"] if "us" in r]
     print()
@@ -233,6 +238,7 @@ def main(argv=None):
                 ("config", "config", ""),
                 ("us", "time (us)", ".1f"),
                 ("gbps", "KV GB/s", ".0f"),
+                ("pct_read", "% of read", ".0f"),
                 ("pct_copy", "% of copy", ".0f"),
                 ("x_first", "x first", ".2f"),
                 ("rel_err", "rel err", ".1e"),

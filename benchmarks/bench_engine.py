@@ -6,11 +6,20 @@ carries the whole conversation. For each mode the workload runs twice on fresh e
 of the same configuration: the first run compiles every program the schedule needs (the
 jitted step programs are shared by engines of one model), the second is timed. Reported
 per mode: prompt tokens served from the radix cache, prefill tokens computed, generated
-tokens, wall time, generated tokens/s, and all tokens (prompt + generated) served per
-second.
+tokens, dispatches and the decode steps they ran, wall time, generated tokens/s, all
+tokens (prompt + generated) served per second, and where the host's time went.
+
+Step modes (``--step-modes``): ``multistep`` (the default engine: up to
+``--decode-steps`` decode steps per dispatch, the next step planned while the device
+runs the current one), ``overlap`` (one step per dispatch, planned ahead), ``sync`` (one
+step per dispatch, the host waits for each: the engine loop before the overlap
+scheduler), ``device-paging`` (multistep, the block tables grown by a page table on the
+device). Greedy outputs are compared across all the runs of one radix mode: they must be
+identical.
 
     python benchmarks/bench_engine.py                      # small random model (CPU)
-    python benchmarks/bench_engine.py --preset 1b --json benchmarks/results/engine.json
+    python benchmarks/bench_engine.py --preset 1b --num-pages 8192 --max-batch-tokens 2048
+    python benchmarks/bench_engine.py --preset 1b --step-modes multistep,sync --modes on
 """
 
 from __future__ import annotations
@@ -61,8 +70,18 @@ def parse_args(argv=None):
     e.add_argument("--max-running", type=int, default=64)
     e.add_argument("--implementation", choices=["reference", "pallas", "native"])
     e.add_argument(
+        "--layer-form",
+        choices=["auto", "unrolled", "scan"],
+        default="auto",
+        help="straight-line layers or a scan (auto: unrolled on GPUs)",
+    )
+    e.add_argument(
         "--modes", default="on,off", help="radix cache modes to run, comma separated (on,off)"
     )
+    e.add_argument(
+        "--step-modes", default="multistep", help="of multistep,overlap,sync,device-paging"
+    )
+    e.add_argument("--decode-steps", type=int, default=8, help="steps per dispatch (multistep)")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -85,7 +104,17 @@ def build_model(args):
     return cfg, llama.init_params(cfg, jax.random.key(args.seed)), f"preset {args.preset}"
 
 
-def run_mode(cfg, params, workload, args, radix: bool) -> dict:
+STEP_MODES = {
+    "multistep": dict(overlap=True),
+    "overlap": dict(overlap=True, decode_steps=1),
+    "sync": dict(overlap=False, decode_steps=1),
+    "device-paging": dict(overlap=True, device_paging=True),
+}
+
+
+def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
+    settings = dict(decode_steps=args.decode_steps) | STEP_MODES[step_mode]
+
     def once():
         engine = Engine(
             cfg,
@@ -96,6 +125,8 @@ def run_mode(cfg, params, workload, args, radix: bool) -> dict:
             max_running=args.max_running,
             radix_cache=radix,
             implementation=args.implementation,
+            **settings,
+            unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         )
         t0 = time.perf_counter()
         records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -105,8 +136,10 @@ def run_mode(cfg, params, workload, args, radix: bool) -> dict:
     engine, records, wall = once()
     s = engine.stats
     served = s["prompt_tokens"] + s["generated_tokens"]
+    outputs = {(r.kind, tuple(r.prompt)): r.output for r in records}
     return dict(
-        mode="radix on" if radix else "radix off",
+        mode=("radix on" if radix else "radix off") + f", {step_mode}",
+        outputs=outputs,
         requests=len(records),
         prompt_tokens=s["prompt_tokens"],
         cache_hit_tokens=s["prefix_hit_tokens"],
@@ -114,7 +147,12 @@ def run_mode(cfg, params, workload, args, radix: bool) -> dict:
         prefill_tokens=s["prefill_tokens"],
         generated_tokens=s["generated_tokens"],
         steps=s["steps"],
+        decode_steps=s["decode_steps"],
         wall_s=wall,
+        schedule_s=s["schedule_s"],
+        launch_s=s["launch_s"],
+        wait_s=s["wait_s"],
+        commit_s=s["commit_s"],
         gen_tok_s=s["generated_tokens"] / wall,
         served_tok_s=served / wall,
         peak_pages=s["peak_pages_in_use"],
@@ -147,10 +185,19 @@ def main(argv=None) -> int:
         f"{cfg.dtype}) on {jax.devices()[0].device_kind}; {workload.num_requests} requests",
         file=sys.stderr,
     )
+    step_modes = [m.strip() for m in args.step_modes.split(",") if m.strip()]
+    if not step_modes or any(m not in STEP_MODES for m in step_modes):
+        raise SystemExit(f"--step-modes must list some of {sorted(STEP_MODES)}")
     rows = []
     for m in modes:
-        rows.append(run_mode(cfg, params, workload, args, radix=m == "on"))
-        print(f"  {rows[-1]['mode']}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr)
+        first = None
+        for step_mode in step_modes:
+            rows.append(run_mode(cfg, params, workload, args, m == "on", step_mode))
+            print(f"  {rows[-1]['mode']}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr)
+            outputs = rows[-1].pop("outputs")
+            if first is None:
+                first = outputs
+            rows[-1]["same_outputs"] = outputs == first
     columns = [
         ("mode", "mode", ""),
         ("requests", "requests", "d"),
@@ -158,21 +205,34 @@ def main(argv=None) -> int:
         ("cache_hit_pct", "cache hit %", ".1f"),
         ("prefill_tokens", "prefill computed", "d"),
         ("generated_tokens", "generated", "d"),
-        ("steps", "steps", "d"),
-        ("wall_s", "wall s", ".2f"),
+        ("steps", "dispatches", "d"),
+        ("decode_steps", "decode steps", "d"),
+        ("wall_s", "wall s", ".3f"),
         ("gen_tok_s", "gen tok/s", ".1f"),
         ("served_tok_s", "served tok/s", ".1f"),
         ("peak_pages", "peak pages", "d"),
         ("preemptions", "preempt", "d"),
         ("compiles_in_timed_run", "compiles (timed)", "d"),
+        ("same_outputs", "same outputs", ""),
     ]
     print(table(rows, columns))
-    if len(rows) == 2:
-        on, off = rows
-        print(
-            f"\nradix on vs off: {on['gen_tok_s'] / off['gen_tok_s']:.2f}x generated tok/s, "
-            f"{off['prefill_tokens'] / max(on['prefill_tokens'], 1):.2f}x fewer prefill tokens"
-        )
+    host = [
+        ("mode", "mode", ""),
+        ("schedule_s", "schedule s", ".3f"),
+        ("launch_s", "launch s", ".3f"),
+        ("wait_s", "wait s", ".3f"),
+        ("commit_s", "commit s", ".3f"),
+    ]
+    print("\nhost time (wait: blocked on the device)\n" + table(rows, host))
+    by_mode = {r["mode"]: r for r in rows}
+    for step_mode in step_modes:
+        on, off = by_mode.get(f"radix on, {step_mode}"), by_mode.get(f"radix off, {step_mode}")
+        if on and off:
+            print(
+                f"\nradix on vs off ({step_mode}): {on['gen_tok_s'] / off['gen_tok_s']:.2f}x "
+                "generated tok/s, "
+                f"{off['prefill_tokens'] / max(on['prefill_tokens'], 1):.2f}x fewer prefill tokens"
+            )
     payload = dict(
         environment=environment(),
         model=dict(name=name, **{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}),

@@ -315,7 +315,11 @@ def main(argv=None):
             return row
 
         for impl in impls:
-            record(impl, common.with_scales(op, implementation=impl, **kw), copies)
+            ops_op = jaxattn.ops.OPS[op.__name__]
+            label = common.resolved_label(ops_op, copies[0], impl, **kw)
+            record(
+                impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
+            )
         if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(kernel, scale=scale, config=cfg, **kw)

@@ -61,15 +61,21 @@ def random_cache(key_k, key_v, layout, geom, *, dtype, kv_dtype):
     return kq, vq, (ks, vs)
 
 
+def split_scales(args: tuple) -> tuple[tuple, dict]:
+    """An input tuple that may end with (k_scale, v_scale) (the benchmark builders append
+    them for an FP8 cache) as (the op's positional inputs, those scales as keywords)."""
+    if len(args) in (7, 8):  # decode (5 + 2) or prefill / extend (6 + 2)
+        return args[:-2], dict(k_scale=args[-2], v_scale=args[-1])
+    return args, {}
+
+
 def with_scales(op, **kw):
     """``op`` called on an input tuple that may end with (k_scale, v_scale): those become
-    the keyword arguments (the benchmark builders append them for an FP8 cache)."""
+    the keyword arguments."""
 
     def run(*args):
-        n = len(args)
-        if n in (7, 8):  # decode (5 + 2) or prefill / extend (6 + 2)
-            return op(*args[:-2], k_scale=args[-2], v_scale=args[-1], **kw)
-        return op(*args, **kw)
+        inputs, scales = split_scales(args)
+        return op(*inputs, **scales, **kw)
 
     return run
 
@@ -164,6 +170,15 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     return dict(bytes_moved=moved, seconds=t["median_s"], gbps=moved / t["median_s"] / 1e9)
 
 
+def read_bandwidth(nbytes: int = 4 * 2**30) -> dict:
+    """Read ceiling: a jitted ``jnp.sum`` over nbytes of uint32 (bytes read; the result is
+    one scalar). Decode reads its KV once and writes little, so this is its floor."""
+    n = nbytes // 4
+    x = jax.random.bits(jax.random.key(2), (n,), jnp.uint32)
+    t = time_calls(lambda a: jnp.sum(a, dtype=jnp.uint32), [(x,)], samples=10)
+    return dict(bytes_read=n * 4, seconds=t["median_s"], gbps=n * 4 / t["median_s"] / 1e9)
+
+
 def matmul_rate(n: int = 8192, dtype=jnp.bfloat16) -> dict:
     """Dense matmul ceiling: n x n x n in dtype on random data, float32 accumulation."""
     ka, kb = jax.random.split(jax.random.key(1))
@@ -183,13 +198,14 @@ def matmul_rate(n: int = 8192, dtype=jnp.bfloat16) -> dict:
 def ceilings(*, small: bool = False) -> dict:
     """small: sizes for a smoke run on the CPU (the figures then mean nothing)."""
     if small:
-        return dict(copy=copy_bandwidth(2**24), matmul=matmul_rate(256))
-    return dict(copy=copy_bandwidth(), matmul=matmul_rate())
+        return dict(copy=copy_bandwidth(2**24), read=read_bandwidth(2**24), matmul=matmul_rate(256))
+    return dict(copy=copy_bandwidth(), read=read_bandwidth(), matmul=matmul_rate())
 
 
 def ceilings_line(c: dict) -> str:
+    read = f"read {c['read']['gbps']:.0f} GB/s, " if "read" in c else ""
     return (
-        f"ceilings: copy {c['copy']['gbps']:.0f} GB/s (read+write), "
+        f"ceilings: {read}copy {c['copy']['gbps']:.0f} GB/s (read+write), "
         f"bf16 matmul {c['matmul']['tflops']:.0f} TFLOP/s"
     )
 
@@ -290,14 +306,27 @@ def status_line(name: str, row: dict, metric: str) -> str:
     return f"  {name}: {row['us']:.1f} us, {metric}{err}"
 
 
+def resolved_label(op, args: tuple, impl: str, **kw) -> str:
+    """The configuration the backend ``impl`` picks for these arguments (its heuristic):
+    what a table row was timed with."""
+    inputs, scales = split_scales(args)
+    resolved = op.resolve(op.bind(*inputs, **scales, **kw), impl)
+    return "" if resolved.config is None else config_label(resolved.config)
+
+
 def config_label(cfg) -> str:
-    """Compact 'field=value' text of a tile-config dataclass (None fields left out)."""
+    """Compact 'field=value' text of a backend config dataclass (None fields left out)."""
     short = {
         "block_q": "bq",
         "block_n": "bn",
         "num_warps": "w",
         "num_stages": "s",
         "heads_per_tile": "gh",
+        "min_programs": "progs",
+        "partition_size": "split",
+        "kernel": "kernel",
+        "block_m": "bm",
+        "prefix_blocks": "prefix",
     }
     parts = []
     for f in dataclasses.fields(cfg):

@@ -21,7 +21,8 @@
 #   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
 #   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
-#   DECODE_K, PREFILL_K   pytest -k expressions for the decode / prefill tests
+#   DECODE_K, PREFILL_K, CASCADE_K   pytest -k expressions for the decode / prefill / cascade tests
+#                  (the cascade ones run from the shared suite: test_kernels, test_robustness)
 #   TEST_TIMEOUT, BENCH_TIMEOUT   seconds per step
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -97,11 +98,11 @@ bench() {  # name, env assignment, bench_native.py args...
   sed -n '/^| op/,$p' "$out/$name.log"
 }
 
-tests() {  # name, env assignment, pytest -k expression
-  local name="$1" envset="$2" expr="$3"
+tests() {  # name, env assignment, pytest -k expression[, test files (default test_native.py)]
+  local name="$1" envset="$2" expr="$3" files="${4:-tests/test_native.py}"
   stamp "tests: $name"
   env $envset timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider \
-    tests/test_native.py ${expr:+-k "$expr"} > "$out/$name.log" 2>&1
+    $files ${expr:+-k "$expr"} > "$out/$name.log" 2>&1
   echo "pytest exit: $?"
   grep -E "passed|failed|error" "$out/$name.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
@@ -112,9 +113,11 @@ if [ "${SELFTESTS:-}" != skip ]; then
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
     ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
     ffi/src/prefill_sm90.cu
+  selftest cascade_selftest -arch=sm_90 ffi/tests_gpu/cascade_selftest.cu
   if [ -n "${SANITIZE:-}" ]; then
     sanitize decode_selftest
     sanitize prefill_selftest
+    sanitize cascade_selftest
   fi
 fi
 [ "${DECODE_ARGS:-}" = skip ] || bench decode "" --skip-prefill ${DECODE_ARGS:-}
@@ -127,6 +130,8 @@ if [ "${TESTS:-}" != skip ]; then
   tests decode_tests "" "${DECODE_K:-decode}"
   tests prefill_tests "" "${PREFILL_K:-not decode}"
   tests prefill_tests_mma "JAXATTN_PREFILL_KERNEL=mma" "${PREFILL_K:-not decode}"
+  tests cascade_tests "" "${CASCADE_K:-cascade}" \
+    "tests/test_kernels.py tests/test_robustness.py tests/test_ops.py"
 fi
 
 stamp "SASS summary"
@@ -144,7 +149,7 @@ for line in open(sys.argv[1], errors="replace"):
     if m and func:
         counts[func][m.group(1)] += 1
 keep = ("paged_decode_mma_kernelINS_6bf16_tELi128E", "prefill_mma_kernelINS_6bf16_tELi128E",
-        "prefill_sm90_kernelINS_6bf16_tELi128E")
+        "prefill_sm90_kernelINS_6bf16_tELi128E", "cascade_mma_kernelINS_6bf16_tELi128E")
 for f, c in counts.items():
     if any(k in f for k in keep):
         ops = {k: v for k, v in c.items() if re.match(r"(LDG|LDGSTS|LDSM|HMMA|HGMMA|MUFU|SHFL|LDL|STL|BAR)", k)}

@@ -459,7 +459,11 @@ def demo(args) -> int:
             "live token",
         ),
         ("preemptions / evicted tokens", f"{s['preemptions']} / {s['evicted_tokens']}"),
-        ("steps", f"{s['steps']} ({s['extend_calls']} extend, {s['decode_calls']} decode calls)"),
+        (
+            "steps",
+            f"{s['steps']} dispatches ({s['extend_calls']} extend, {s['decode_calls']} decode "
+            f"running {s['decode_steps']} decode steps)",
+        ),
         (
             "time",
             f"{wall:.1f} s wall, {s['compile_steps_time_s']:.1f} s of it in steps that "

@@ -320,6 +320,101 @@ def split_kv_partition(
     return size
 
 
+# --- cascade decode: how the prefix level is cut into blocks ---------------------------------
+#
+# A prefix *tile* holds up to ``per_tile`` requests that continue one prefix (their query heads
+# of one KV head are the rows of the kernel's dots); prefix g with n_g requests takes
+# ceil(n_g / per_tile) tiles. Each tile's prefix is further split into partitions of about
+# equal length, one block each. The split depends on how many tiles the batch really has, a
+# value only the device knows (``prefix_of`` is traced), so it is decided there, by the same
+# integer rule in both kernel backends (:func:`cascade_splits`, :func:`cascade_chunk`; the
+# native kernels repeat it in ``ffi/include/jaxattn/cascade.h``); the host fixes only the grid
+# and the workspace (:func:`cascade_grid`). Partitions are multiples of CASCADE_STEP tokens
+# (the kernels' key tile) and, unless the prefix is shorter, at least CASCADE_MIN_CHUNK: each
+# one adds a state per query row to the merge.
+
+CASCADE_STEP = 64
+CASCADE_MIN_CHUNK = 256
+
+
+def cascade_prefix_tiles(*, batch: int, num_prefixes: int, per_tile: int) -> int:
+    """Upper bound on the prefix tiles of a batch: B requests over at most min(G, B) prefixes
+    take at most ceil(B / per_tile) + min(G, B) - 1 tiles, and never more than B."""
+    if batch == 0 or num_prefixes == 0:
+        return 0
+    return min(batch, -(-batch // per_tile) + min(num_prefixes, batch) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeGrid:
+    """The static side of a cascade call's prefix level.
+
+    tiles: upper bound on the prefix tiles (:func:`cascade_prefix_tiles`);
+    target: prefix blocks wanted in all (the split aims at it);
+    blocks_per_head: prefix blocks per KV head in the grid, enough for every tile unsplit
+      and for ``target``; blocks past the tiles x splits the device picks exit at once;
+    max_splits: workspace parts reserved per query row for prefix partitions.
+    """
+
+    tiles: int
+    target: int
+    blocks_per_head: int
+    max_splits: int
+
+
+def cascade_grid(
+    *,
+    batch: int,
+    num_prefixes: int,
+    per_tile: int,
+    num_kv_heads: int,
+    prefix_capacity: int,
+    own_blocks: int,
+    slots: int,
+    target: int | None = None,
+) -> CascadeGrid:
+    """The prefix level's grid for a kernel whose tiles take ``per_tile`` requests.
+
+    The own level's ``own_blocks`` are memory bound; a prefix block is a dot of many query
+    rows, compute bound. Unless ``target`` is given, the prefix level aims at one block per
+    multiprocessor beside the own level (``slots``: resident blocks of the kernel, two per
+    multiprocessor), and at all the slots the own level leaves empty.
+    """
+    tiles = cascade_prefix_tiles(batch=batch, num_prefixes=num_prefixes, per_tile=per_tile)
+    if target is None:
+        target = max(1, slots // 2, slots - own_blocks)
+    per_head = max(tiles, -(-target // num_kv_heads)) if tiles else 0
+    max_splits = max(1, min(-(-prefix_capacity // CASCADE_MIN_CHUNK), max(per_head, 1)))
+    return CascadeGrid(tiles, target, per_head, max_splits)
+
+
+def cascade_splits(tiles, *, target: int, num_kv_heads: int, blocks_per_head: int, max_splits: int):
+    """Partitions per prefix for a batch of ``tiles`` real tiles (an int, or a traced int32
+    array): ``target / (num_kv_heads * tiles)`` rounded half up, within [1, max_splits] and
+    within the grid's ``blocks_per_head // tiles``."""
+    if isinstance(tiles, jax.Array):
+        t = jnp.maximum(tiles, 1)
+        s = (2 * target + num_kv_heads * t) // (2 * num_kv_heads * t)
+        return jnp.clip(jnp.minimum(s, blocks_per_head // t), 1, max_splits).astype(jnp.int32)
+    t = max(tiles, 1)
+    s = (2 * target + num_kv_heads * t) // (2 * num_kv_heads * t)
+    return max(1, min(s, blocks_per_head // t, max_splits))
+
+
+def cascade_chunk(prefix_len, splits):
+    """Tokens per partition of a prefix of ``prefix_len`` tokens cut into up to ``splits``
+    (ints or int32 arrays): equal parts rounded up to CASCADE_STEP, none shorter than
+    CASCADE_MIN_CHUNK unless the prefix is. The prefix then has ceil(len / chunk) partitions
+    (0 for an empty one)."""
+    if isinstance(prefix_len, jax.Array) or isinstance(splits, jax.Array):
+        s = jnp.clip(jnp.minimum(splits, prefix_len // CASCADE_MIN_CHUNK), 1, None)
+        chunk = (prefix_len + s - 1) // s
+        return jnp.maximum(CASCADE_STEP, (chunk + CASCADE_STEP - 1) // CASCADE_STEP * CASCADE_STEP)
+    s = max(1, min(splits, prefix_len // CASCADE_MIN_CHUNK))
+    chunk = -(-prefix_len // s)
+    return max(CASCADE_STEP, -(-chunk // CASCADE_STEP) * CASCADE_STEP)
+
+
 def replace(args, **changes):
     """A copy of an argument record with some fields replaced (e.g. a shard's arrays)."""
     return dataclasses.replace(args, **changes)

@@ -53,12 +53,15 @@ import numpy as np
 from . import env as _env
 from . import layout as L
 from . import quant as _quant
-from .backend import Implementation, split_kv_partition
+from .backend import CascadeGrid, Implementation, cascade_grid, split_kv_partition
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "CascadeConfig",
     "DecodeConfig",
     "PrefillConfig",
+    "cascade_attention",
+    "cascade_tile",
     "choose_partition_size",
     "decode_occupancy",
     "extend_attention",
@@ -80,6 +83,7 @@ _TARGETS = {
     "jaxattn_paged_attention": "JaxattnPagedAttention",
     "jaxattn_prefix_prefill": "JaxattnPrefixPrefill",
     "jaxattn_extend_attention": "JaxattnExtendAttention",
+    "jaxattn_cascade_attention": "JaxattnCascadeAttention",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -91,7 +95,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 2
+_FFI_ABI = 3
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -554,6 +558,155 @@ def extend_attention(
     )
 
 
+# --- cascade decode ---------------------------------------------------------------------------
+
+# GPU cascade kernels serve GQA groups up to this (the own level keeps a group's heads as the
+# n = 8 side of its tensor-core products, the SIMT kernel 8 rows a block).
+_CASCADE_MAX_GROUP = 8
+
+
+@functools.cache
+def cascade_tile(platform: str, dtype, head_dim: int, group: int) -> tuple[int, int, int]:
+    """(query rows of a prefix tile, resident blocks per multiprocessor, multiprocessors) of
+    the cascade kernel the GPU launcher picks for this dtype, head_dim and group, on the
+    current device (asked of the library, like :func:`decode_occupancy`)."""
+    lib = _lib_handles[platform]
+    rows, blocks, sms = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    err = lib.jaxattn_cascade_tile(
+        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(head_dim),
+        ctypes.c_int(group),
+        ctypes.byref(rows),
+        ctypes.byref(blocks),
+        ctypes.byref(sms),
+    )
+    if err != 0 or min(rows.value, blocks.value, sms.value) <= 0:
+        raise RuntimeError(
+            f"the native library could not describe its cascade kernel (dtype "
+            f"{np.dtype(dtype)}, head_dim {head_dim}, group {group}): error {err}"
+        )
+    return rows.value, blocks.value, sms.value
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeConfig:
+    """Native cascade decode. ``prefix_blocks``: the prefix blocks the device's split aims
+    at (:func:`jaxattn.backend.cascade_grid`); ``partition_size``: own tokens per split-KV
+    partition, 0 for one pass. None: the rule's choice for the call's shapes."""
+
+    prefix_blocks: int | None = None
+    partition_size: int | None = None
+
+    def __post_init__(self):
+        for name, least in (("prefix_blocks", 1), ("partition_size", 0)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int or None, got {v!r}")
+            if v < least:
+                raise ValueError(f"{name} must be >= {least}, got {v}")
+
+
+def _cascade_plan(
+    platform, q, geom, prefix_tables, block_tables, config=None
+) -> tuple[CascadeConfig, CascadeGrid]:
+    """The configuration with every field set (given fields kept, the others from the shared
+    rules: :func:`jaxattn.backend.split_kv_partition` for the own level,
+    :func:`jaxattn.backend.cascade_grid` for the prefix level, with the kernel's tile and
+    occupancy asked of the library), and the prefix grid it implies. The CPU handler runs
+    one pass over each level."""
+    config = config or CascadeConfig()
+    batch = q.shape[0]
+    group = q.shape[1] // geom.num_kv_heads
+    own_capacity = block_tables.shape[1] * geom.page_size
+    if platform == "cpu":
+        rows, blocks_per_sm, sms = 1, 1, 1
+        ps = config.partition_size or 0
+    else:
+        rows, blocks_per_sm, sms = cascade_tile(platform, q.dtype, geom.head_dim, group)
+        ps = config.partition_size
+        if ps is None:
+            ps = choose_partition_size(
+                None,
+                platform=platform,
+                batch=batch,
+                num_kv_heads=geom.num_kv_heads,
+                group=group,
+                capacity=own_capacity,
+                occupancy=(blocks_per_sm, sms),
+            )
+    own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
+    grid = cascade_grid(
+        batch=batch,
+        num_prefixes=prefix_tables.shape[0],
+        per_tile=max(1, rows // group),
+        num_kv_heads=geom.num_kv_heads,
+        prefix_capacity=prefix_tables.shape[1] * geom.page_size,
+        own_blocks=batch * geom.num_kv_heads * own_parts,
+        slots=blocks_per_sm * sms,
+        target=config.prefix_blocks,
+    )
+    return CascadeConfig(grid.target, ps), grid
+
+
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    config: CascadeConfig | None = None,
+):
+    """Cascade decode (arguments validated by ``ops``, zero-size inputs answered there):
+    q [B, Hq, D] -> [B, Hq, D] in q's dtype. One kernel computes the prefix tiles and the own
+    partitions into a workspace of partial states, a second merges them. k_scale, v_scale:
+    float32 [Hkv] (or None) of a scaled cache: k_scale joins both levels' logit factor,
+    v_scale the merged output. The CPU handler also reads an FP8 cache; the GPU kernels read
+    16-bit or float32 caches only."""
+    platform = _ensure_registered()
+    geom = _require(platform, q, k_cache, v_cache, layout)
+    cfg, grid = _cascade_plan(platform, q, geom, prefix_tables, block_tables, config)
+    batch, num_q_heads, head_dim = q.shape
+    own_capacity = block_tables.shape[1] * geom.page_size
+    ps = cfg.partition_size
+    own_parts = max(1, math.ceil(own_capacity / ps)) if ps else 1
+    # Partial states of every (request, head, part), then the split the kernel chose.
+    ws = batch * num_q_heads * (own_parts + grid.max_splits) * (head_dim + 2) + 1
+    call = jax.ffi.ffi_call(
+        "jaxattn_cascade_attention",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((ws,), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, _ = call(
+        q,
+        k_cache,
+        v_cache,
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
+        **_attrs(scale, soft_cap),
+        layout=np.int32(_layout_id(layout)),
+        prefix_target=np.int32(grid.target),
+        prefix_splits=np.int32(grid.max_splits),
+        partition_size=np.int32(ps),
+    )
+    return out
+
+
 # --- the backend contract (jaxattn.backend) ---------------------------------------------------
 
 
@@ -650,8 +803,52 @@ class _ExtendAttention(_Prefill):
         )
 
 
+class _CascadeAttention(_Native):
+    config_cls = CascadeConfig
+
+    def supports(self, a):
+        reason = super().supports(a)
+        if reason is None and _platform() != "cpu" and a.fp8_cache:
+            # Per-head scales on a 16-bit / float32 cache are served exactly (folded into
+            # the logit factor and the merged output); FP8 elements would need widening in
+            # every ring the cascade kernels share with the 16-bit decode loop.
+            reason = (
+                f"native GPU cascade decode reads 16-bit or float32 K/V (ldmatrix / mma.sync "
+                f"fragments, the SIMT kernel's vectors), not a {a.kv_dtype} cache"
+            )
+        if reason is None and _platform() != "cpu" and a.group > _CASCADE_MAX_GROUP:
+            reason = (
+                f"native GPU cascade decode serves up to {_CASCADE_MAX_GROUP} query heads per "
+                f"KV head, got {a.group}"
+            )
+        return reason
+
+    def heuristic_config(self, a):
+        platform = _ensure_registered()
+        return _cascade_plan(platform, a.q, a.geometry, a.prefix_tables, a.block_tables)[0]
+
+    def run(self, a, config):
+        return cascade_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.prefix_tables,
+            a.prefix_lens,
+            a.prefix_of,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+            config=config,
+        )
+
+
 IMPLEMENTATIONS = {
     "paged_attention": _PagedAttention(),
     "prefix_prefill": _PrefixPrefill(),
     "extend_attention": _ExtendAttention(),
+    "cascade_attention": _CascadeAttention(),
 }

@@ -1,14 +1,14 @@
 """Public attention ops: validate the arguments, then run one backend.
 
 Each op is an :class:`~jaxattn.backend.Op` object (:data:`PAGED_ATTENTION`,
-:data:`EXTEND_ATTENTION`, :data:`PREFIX_PREFILL`) and a function of the public signature
-that calls it. ``implementation=`` takes ``None``, a backend name (``"reference"``,
-``"pallas"``, ``"native"``) or a sequence of names tried in order; ``config=`` a backend's
-frozen configuration (e.g. :class:`jaxattn.pallas.ExtendConfig`), which also selects that
-backend when ``implementation`` is None. A backend that cannot serve the platform or the
-arguments is skipped with its reason; a single explicitly named backend raises
-``NotImplementedError`` instead (it is never silently replaced). ``None`` tries the fast
-backends for the current platform and always ends with the reference, which serves
+:data:`EXTEND_ATTENTION`, :data:`PREFIX_PREFILL`, :data:`CASCADE_ATTENTION`) and a function of
+the public signature that calls it. ``implementation=`` takes ``None``, a backend name
+(``"reference"``, ``"pallas"``, ``"native"``) or a sequence of names tried in order;
+``config=`` a backend's frozen configuration (e.g. :class:`jaxattn.pallas.ExtendConfig`),
+which also selects that backend when ``implementation`` is None. A backend that cannot serve
+the platform or the arguments is skipped with its reason; a single explicitly named backend
+raises ``NotImplementedError`` instead (it is never silently replaced). ``None`` tries the
+fast backends for the current platform and always ends with the reference, which serves
 everything. See :mod:`jaxattn.backend` for the contract.
 
 FP8 KV caches (:mod:`jaxattn.quant`): ``k_cache`` / ``v_cache`` may be ``float8_e4m3fn`` or
@@ -47,17 +47,23 @@ from . import layout as _layout
 from . import quant as _quant
 from . import reference as _reference
 from .backend import BACKENDS, Implementation, Op, checked, default_implementations
+from .cascade_cost import CascadeCostModel, cascade_pays_off
 from .reference import validity as _validity
 
 __all__ = [
     "BACKENDS",
+    "CASCADE_ATTENTION",
     "EXTEND_ATTENTION",
     "PAGED_ATTENTION",
     "PREFIX_PREFILL",
     "ExtendArgs",
     "PagedArgs",
     "PrefillArgs",
+    "CascadeArgs",
+    "CascadeCostModel",
     "available_backends",
+    "cascade_attention",
+    "cascade_pays_off",
     "checked",
     "default_implementations",
     "extend_attention",
@@ -250,6 +256,37 @@ def _check_seq_lens_values(seq_lens, block_tables, page_size, num_pages):
             )
 
 
+def _check_prefix_values(prefix_tables, prefix_lens, prefix_of, page_size, num_pages):
+    """Eager checks of the prefix metadata: prefix_of in [-1, G); every prefix a request
+    continues has a length that is a multiple of the page size within its table row, and
+    pages inside the pool. Prefixes no request continues are never read, so not checked."""
+    of = _concrete(prefix_of)
+    if of is None:
+        return
+    num_prefixes = prefix_tables.shape[0]
+    if np.any(of < -1) or np.any(of >= num_prefixes):
+        raise ValueError(
+            f"prefix_of must lie in [-1, {num_prefixes}) (-1: no prefix), got {of.tolist()}"
+        )
+    lens, tables = _concrete(prefix_lens), _concrete(prefix_tables)
+    if lens is None:
+        return
+    capacity = prefix_tables.shape[1] * page_size
+    for g in sorted(set(of[of >= 0].tolist())):
+        n = int(lens[g])
+        if n < 0 or n > capacity or n % page_size:
+            raise ValueError(
+                f"prefix_lens[{g}] must be a multiple of page_size = {page_size} in "
+                f"[0, max_prefix_pages * page_size = {capacity}], got {n}"
+            )
+        used = None if tables is None else tables[g, : n // page_size]
+        if used is not None and (np.any(used < 0) or np.any(used >= num_pages)):
+            raise ValueError(
+                f"prefix_tables[{g}] holds a page outside [0, {num_pages}) within its first "
+                f"prefix_lens[{g}] / page_size entries: {used.tolist()}"
+            )
+
+
 # --- argument records -------------------------------------------------------------------
 
 
@@ -356,6 +393,32 @@ class PrefillArgs(_Args):
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CascadeArgs(_Args):
+    """:func:`cascade_attention`: q [B, Hq, D]; prefix_tables i32[G, Wp], prefix_lens i32[G],
+    prefix_of i32[B]; block_tables i32[B, W], seq_lens i32[B] (each request's own part)."""
+
+    prefix_tables: Any = None
+    prefix_lens: Any = None
+    prefix_of: Any = None
+    block_tables: Any = None
+    seq_lens: Any = None
+
+    @property
+    def num_prefixes(self) -> int:
+        return self.prefix_tables.shape[0]
+
+    @property
+    def prefix_capacity(self) -> int:
+        """Tokens a prefix-table row can address."""
+        return self.prefix_tables.shape[1] * self.geometry.page_size
+
+    @property
+    def capacity(self) -> int:
+        """Tokens an own block-table row can address."""
+        return self.block_tables.shape[1] * self.geometry.page_size
 
 
 # --- the ops ------------------------------------------------------------------------------
@@ -594,10 +657,92 @@ class PrefixPrefill(Op):
         return _ReferencePrefill().run(a, None)
 
 
+class CascadeAttention(Op):
+    name = "cascade_attention"
+    roles = ("q", "k", "v", None, None, None, None, None)
+
+    def bind(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        *,
+        scale=None,
+        layout="bshd",
+        soft_cap=None,
+        k_scale=None,
+        v_scale=None,
+    ) -> CascadeArgs:
+        lay = _layout.get(layout)
+        _check_float("q", q)
+        _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
+        _check_kv_dtypes(k_cache, v_cache)
+        geom = lay.geometry(k_cache, v_cache)
+        _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        b = q.shape[0]
+        _check_int32("prefix_tables", prefix_tables, 2, "[num_prefixes, max_prefix_pages]")
+        g = prefix_tables.shape[0]
+        _check_int32("prefix_lens", prefix_lens, 1, f"[num_prefixes={g}]")
+        if prefix_lens.shape[0] != g:
+            raise ValueError(
+                f"prefix_lens must be int32 [num_prefixes={g}] like prefix_tables, got "
+                f"{_shape_str(prefix_lens)}"
+            )
+        _check_int32("prefix_of", prefix_of, 1, f"[batch={b}]")
+        if prefix_of.shape[0] != b:
+            raise ValueError(f"prefix_of must be int32 [batch={b}], got {_shape_str(prefix_of)}")
+        _check_tables(b, block_tables, seq_lens)
+        _check_prefix_values(prefix_tables, prefix_lens, prefix_of, geom.page_size, geom.num_pages)
+        _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
+        return CascadeArgs(
+            q,
+            k_cache,
+            v_cache,
+            scale=_resolve_scale(scale, geom.head_dim),
+            soft_cap=_check_soft_cap(soft_cap),
+            layout=lay,
+            geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            prefix_tables=prefix_tables,
+            prefix_lens=prefix_lens,
+            prefix_of=prefix_of,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+        )
+
+    def problems(self, a: CascadeArgs):
+        g = a.geometry
+        return _validity.cascade_problems(
+            a.prefix_tables,
+            a.prefix_lens,
+            a.prefix_of,
+            a.block_tables,
+            a.seq_lens,
+            g.page_size,
+            g.num_pages,
+        )
+
+    def trivial(self, a: CascadeArgs):
+        if a.q.shape[0] and all(a.prefix_tables.shape) and a.block_tables.shape[1]:
+            return None
+        # No requests, no prefixes, or tables that address no page: nothing for a kernel
+        # to tile (and nothing a prefix could share).
+        return _ReferenceCascade().run(a, None)
+
+
 PAGED_ATTENTION = PagedAttention()
 EXTEND_ATTENTION = ExtendAttention()
 PREFIX_PREFILL = PrefixPrefill()
-OPS = {op.name: op for op in (PAGED_ATTENTION, EXTEND_ATTENTION, PREFIX_PREFILL)}
+CASCADE_ATTENTION = CascadeAttention()
+OPS = {op.name: op for op in (PAGED_ATTENTION, EXTEND_ATTENTION, PREFIX_PREFILL, CASCADE_ATTENTION)}
 
 
 # --- the reference backend -------------------------------------------------------------
@@ -663,10 +808,32 @@ class _ReferencePrefill(Implementation):
         )
 
 
+class _ReferenceCascade(Implementation):
+    backend = "reference"
+
+    def run(self, a: CascadeArgs, config):
+        return _reference.cascade_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.prefix_tables,
+            a.prefix_lens,
+            a.prefix_of,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+        )
+
+
 IMPLEMENTATIONS = {
     "paged_attention": _ReferencePaged(),
     "extend_attention": _ReferenceExtend(),
     "prefix_prefill": _ReferencePrefill(),
+    "cascade_attention": _ReferenceCascade(),
 }
 
 
@@ -817,6 +984,62 @@ def prefix_prefill(
         v_scale=v_scale,
         q_scale=q_scale,
         out_dtype=out_dtype,
+        implementation=implementation,
+        config=config,
+        debug_checks=debug_checks,
+    )
+
+
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    implementation=None,
+    config=None,
+    debug_checks=None,
+):
+    """Decode attention where requests continue shared prefixes (cascade decode).
+
+    q: [B, Hq, D]; prefix_tables: i32[G, max_prefix_pages] and prefix_lens: i32[G]
+    (multiples of the page size) describe G shared prefixes; prefix_of: i32[B] names the
+    prefix request b continues (-1: none); block_tables: i32[B, max_pages] and
+    seq_lens: i32[B] are each request's own pages and token count after its prefix.
+    Returns [B, Hq, D] in q's dtype: :func:`paged_attention` over the joined table (the
+    prefix's pages, then the request's own). The kernel backends read a prefix once per
+    batch and KV head for all the requests that continue it, instead of once per request;
+    :func:`cascade_pays_off` says when that beats :func:`paged_attention`.
+    k_scale, v_scale: per-KV-head scales of a scaled (FP8) cache, as in
+    :func:`paged_attention`; prefix and own pages share them (one cache).
+
+    An invalid prefix (a length that is not a multiple of the page size or runs past its
+    table row, a page outside the pool) poisons every request that continues it; a
+    ``prefix_of`` outside ``[-1, G)`` or an invalid own table poisons the request.
+    """
+    return CASCADE_ATTENTION(
+        q,
+        k_cache,
+        v_cache,
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        layout=layout,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         implementation=implementation,
         config=config,
         debug_checks=debug_checks,

@@ -8,8 +8,9 @@ slot lists) stay global and replicated: the host-side paging and radix structure
 the same page ids and slots on 1 or N devices.
 
 * :func:`make_mesh` builds the mesh.
-* :func:`paged_attention`, :func:`extend_attention`, :func:`prefix_prefill` (and the KV
-  writers :func:`write_kv`, :func:`copy_blocks`) are the public ops with a ``mesh=``
+* :func:`paged_attention`, :func:`extend_attention`, :func:`prefix_prefill`,
+  :func:`cascade_attention` (and the KV writers :func:`write_kv`, :func:`copy_blocks`) are
+  the public ops with a ``mesh=``
   argument: they run the op of :mod:`jaxattn.ops` (any ``implementation=``, the native FFI
   call included) inside ``shard_map`` on each device's heads. The arguments are first
   validated on their global shapes, exactly as the single-device op validates them.
@@ -53,6 +54,7 @@ __all__ = [
     "TOKEN_POOL",
     "TensorParallel",
     "bytes_per_device",
+    "cascade_attention",
     "check_heads",
     "copy_blocks",
     "extend_attention",
@@ -328,6 +330,32 @@ def prefix_prefill(
     return _shard_op(_ops.PREFIX_PREFILL, args, dict(kwargs, layout=layout), mesh, axis_name)
 
 
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    layout: str = "bshd",
+    **kwargs,
+):
+    """:func:`jaxattn.cascade_attention` with heads split over ``mesh``.
+
+    q: [B, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis (and
+    ``k_scale`` / ``v_scale`` with them); the prefix tables and lengths, prefix_of,
+    block_tables and seq_lens replicated (page ids are global). Returns [B, Hq, D] split on
+    axis 1.
+    """
+    args = (q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens)
+    return _shard_op(_ops.CASCADE_ATTENTION, args, dict(kwargs, layout=layout), mesh, axis_name)
+
+
 def write_kv(
     k_cache,
     v_cache,
@@ -430,6 +458,9 @@ class TensorParallel:
 
     def prefix_prefill(self, *args, **kwargs):
         return self._bound(prefix_prefill, *args, **kwargs)
+
+    def cascade_attention(self, *args, **kwargs):
+        return self._bound(cascade_attention, *args, **kwargs)
 
     def write_kv(self, *args, **kwargs):
         return self._bound(write_kv, *args, **kwargs)

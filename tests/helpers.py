@@ -492,3 +492,186 @@ def spec_extend(case: ExtendCase, **kw):
 
 def spec_prefill(case: PrefillCase, **kw):
     return call_prefill(spec_prefix_prefill, case, **kw)
+
+
+# --- cascade decode inputs ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CascadeCase:
+    q: jnp.ndarray  # [B, Hq, D]
+    k_cache: jnp.ndarray
+    v_cache: jnp.ndarray
+    prefix_tables: jnp.ndarray  # int32 [G, max_prefix_pages]
+    prefix_lens: jnp.ndarray  # int32 [G]
+    prefix_of: jnp.ndarray  # int32 [B]
+    block_tables: jnp.ndarray  # int32 [B, max_pages]: each request's own pages
+    seq_lens: jnp.ndarray  # int32 [B]: own tokens
+    layout: str
+    page_size: int
+    joined_tables: jnp.ndarray  # int32 [B, max_prefix_pages + max_pages]: prefix then own
+    joined_lens: jnp.ndarray  # int32 [B]
+    dense_k: list  # per request [prefix + own tokens, Hkv, D] (the values stored)
+    dense_v: list
+    k_scale: jnp.ndarray | None = None  # f32 [Hkv] of an FP8 cache
+    v_scale: jnp.ndarray | None = None
+
+    @property
+    def scales(self) -> dict:
+        return _scales(self)
+
+
+def make_cascade(
+    rng,
+    prefix_pages,
+    prefix_of,
+    own_lens,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    layout="bshd",
+    dtype=jnp.float32,
+    kv_dtype=None,
+    scaled=True,
+    spare_pages=3,
+    pad_pages=2,
+) -> CascadeCase:
+    """A NaN-poisoned paged cache holding G prefixes of ``prefix_pages[g]`` full pages and,
+    per request, ``own_lens[b]`` own tokens after the prefix ``prefix_of[b]`` (-1: none).
+
+    Pages are a random permutation of the pool; every slot that no request reads (spare
+    pages, slots past an own length) holds NaN, and both tables carry ``pad_pages`` extra
+    entries pointing at NaN pages. The joined tables (prefix pages, then own pages) give
+    the same problem to :func:`jaxattn.paged_attention`. ``kv_dtype`` / ``scaled``: as in
+    :func:`make_paged_kv` (dense_k / dense_v are the values stored).
+    """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    prefix_pages = [int(n) for n in prefix_pages]
+    own_lens = [int(n) for n in own_lens]
+    prefix_of = [int(g) for g in prefix_of]
+    if len(prefix_of) != len(own_lens):
+        raise ValueError("prefix_of and own_lens must have one entry per request")
+    own_pages = [-(-n // page_size) for n in own_lens]
+    used = sum(prefix_pages) + sum(own_pages)
+    num_pages = used + spare_pages + 1
+    perm = rng.permutation(num_pages)
+    data_pages, nan_pages = list(perm[:used]), perm[used:]
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = np.full(shape, np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+
+    def fill(n):
+        """n tokens on fresh pages: their (page id, tokens on it) chunks."""
+        pages = [data_pages.pop() for _ in range(-(-n // page_size))]
+        kb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
+        vb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
+        chunks = []
+        for j, page in enumerate(pages):
+            chunk = slice(j * page_size, min(n, (j + 1) * page_size))
+            k[page, : chunk.stop - chunk.start] = kb[chunk]
+            v[page, : chunk.stop - chunk.start] = vb[chunk]
+            chunks.append((page, chunk.stop - chunk.start))
+        return chunks
+
+    g_count, b_count = len(prefix_pages), len(own_lens)
+    wp = max([*prefix_pages, 1]) + pad_pages
+    w = max([*own_pages, 1]) + pad_pages
+    prefix_tables = rng.choice(nan_pages, size=(g_count, wp)).astype(np.int32)
+    tables = rng.choice(nan_pages, size=(b_count, w)).astype(np.int32)
+    joined = rng.choice(nan_pages, size=(b_count, wp + w)).astype(np.int32)
+    prefixes = []
+    for g, n in enumerate(prefix_pages):
+        chunks = fill(n * page_size)
+        prefix_tables[g, :n] = [page for page, _ in chunks]
+        prefixes.append(chunks)
+    requests = []  # each request's joined (page, tokens) chunks
+    for b, n in enumerate(own_lens):
+        chunks = fill(n)
+        tables[b, : len(chunks)] = [page for page, _ in chunks]
+        chunks = (prefixes[prefix_of[b]] if prefix_of[b] >= 0 else []) + chunks
+        joined[b, : len(chunks)] = [page for page, _ in chunks]
+        requests.append(chunks)
+    ks, kvals, k_scale = _stored(rng, k, kv_dtype, num_kv_heads, scaled)
+    vs, vvals, v_scale = _stored(rng, v, kv_dtype, num_kv_heads, scaled)
+    kvals, vvals = np.asarray(kvals, np.float32), np.asarray(vvals, np.float32)
+    empty = np.zeros((0, num_kv_heads, head_dim), np.float32)
+    dense = kv_dtype if not Q.is_fp8(kv_dtype) else jnp.float32
+    dense_k = [
+        jnp.asarray(np.concatenate([empty, *(kvals[p, :m] for p, m in c)]), dense) for c in requests
+    ]
+    dense_v = [
+        jnp.asarray(np.concatenate([empty, *(vvals[p, :m] for p, m in c)]), dense) for c in requests
+    ]
+    kc, vc = L.convert(ks, vs, "bshd", layout)
+    lp = [prefix_pages[g] * page_size if g >= 0 else 0 for g in prefix_of]
+    return CascadeCase(
+        q=random_normal(rng, (b_count, num_q_heads, head_dim), dtype),
+        k_cache=kc,
+        v_cache=vc,
+        prefix_tables=jnp.asarray(prefix_tables),
+        prefix_lens=jnp.asarray([n * page_size for n in prefix_pages], jnp.int32),
+        prefix_of=jnp.asarray(prefix_of, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(own_lens, jnp.int32),
+        layout=layout,
+        page_size=page_size,
+        joined_tables=jnp.asarray(joined),
+        joined_lens=jnp.asarray([a + b for a, b in zip(lp, own_lens, strict=True)], jnp.int32),
+        dense_k=dense_k,
+        dense_v=dense_v,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def call_cascade(fn, case: CascadeCase, **kw):
+    """``fn(q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_of, block_tables,
+    seq_lens, layout=..., **kw)`` on a case."""
+    return fn(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.prefix_tables,
+        case.prefix_lens,
+        case.prefix_of,
+        case.block_tables,
+        case.seq_lens,
+        layout=case.layout,
+        **{**case.scales, **kw},
+    )
+
+
+def expected_cascade(case: CascadeCase, *, scale=None, soft_cap=None):
+    """float64 [B, Hq, D] from each request's joined dense K/V."""
+    return np.stack(
+        [
+            naive_attention(
+                case.q[b][None], case.dense_k[b], case.dense_v[b], scale=scale, soft_cap=soft_cap
+            )[0]
+            for b in range(case.q.shape[0])
+        ]
+    )
+
+
+spec_cascade_attention = jax.jit(
+    ref.cascade_attention, static_argnames=("scale", "layout", "soft_cap")
+)
+
+
+def spec_cascade(case: CascadeCase, **kw):
+    return call_cascade(spec_cascade_attention, case, **kw)
+
+
+def spec_joined(case: CascadeCase, **kw):
+    """The spec's paged_attention over the joined tables."""
+    return spec_paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.joined_tables,
+        case.joined_lens,
+        layout=case.layout,
+        **{**case.scales, **kw},
+    )

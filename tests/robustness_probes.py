@@ -21,7 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import make_extend, make_paged_decode, make_prefix_prefill
+from helpers import make_cascade, make_extend, make_paged_decode, make_prefix_prefill
 
 import jaxattn
 
@@ -185,6 +185,84 @@ def prefill_probe(name, backend, rng, **kv):
     return out, nan_rows, run("reference")
 
 
+def cascade_probe(name, backend, rng):
+    """A bad prefix poisons every request that continues it (and no other); a bad prefix_of
+    or own page the request alone; entries past every length are never read."""
+    case = make_cascade(
+        rng,
+        [3, 2, 4],
+        [0, 1, 0, -1, 2, 0, 1],
+        [5, 0, 17, 9, 3, 30, 1],
+        **HEADS,
+        head_dim=32,
+        page_size=8,
+        layout="bshd",
+    )
+    n = case.k_cache.shape[0]
+    ptab, plens, pof, tabs, lens = (
+        np.asarray(x).copy()
+        for x in (
+            case.prefix_tables,
+            case.prefix_lens,
+            case.prefix_of,
+            case.block_tables,
+            case.seq_lens,
+        )
+    )
+    users = lambda g: {b for b, x in enumerate(pof) if x == g}
+    if name == "prefix_page_out_of_pool":
+        ptab[0, 2] = n  # the last page of prefix 0
+        bad = users(0)
+    elif name == "prefix_page_negative":
+        ptab[2, 0] = -1
+        bad = users(2)
+    elif name == "prefix_len_not_whole_pages":
+        plens[1] -= 3
+        bad = users(1)
+    elif name == "prefix_len_over_table":
+        plens[2] = ptab.shape[1] * 8 + 8
+        bad = users(2)
+    elif name == "prefix_of_out_of_range":
+        pof[4] = 3
+        bad = {4}
+    elif name == "prefix_of_below_minus_one":
+        pof[1] = -2
+        bad = {1}
+    elif name == "own_page_out_of_pool":
+        tabs[5, 3] = 10**6  # the last own page of request 5 (30 tokens)
+        bad = {5}
+    elif name == "own_len_over_table":
+        lens[6] = tabs.shape[1] * 8 + 1
+        bad = {6}
+    elif name == "garbage_past_lengths":
+        for g, length in enumerate(plens):
+            ptab[g, length // 8 :] = 10**6
+        for b, length in enumerate(lens):
+            tabs[b, -(-length // 8) :] = -5
+        bad = set()
+    elif name == "unused_prefix_garbage":
+        pof[pof == 1] = -1  # nobody continues prefix 1, whose metadata is then garbage
+        plens[1] = -9
+        ptab[1] = 10**6
+        bad = set()
+    elif name in ("nan_in_q", "nan_in_prefix_k"):
+        bad = set()
+    else:
+        raise ValueError(name)
+    q, k = np.asarray(case.q).copy(), np.asarray(case.k_cache).copy()
+    want_nan = np.zeros(q.shape[:2], bool)
+    want_nan[sorted(bad)] = True
+    if name == "nan_in_q":
+        q[2, 1, 5] = np.nan
+        want_nan[2, 1] = True
+    elif name == "nan_in_prefix_k":  # token 10 of prefix 0, KV head 1: heads 2 and 3 of its users
+        k[ptab[0, 1], 2, 1, 7] = np.nan
+        want_nan[sorted(users(0)), 2:4] = True
+    arrays = (q, k, case.v_cache, ptab, plens, pof, tabs, lens)
+    args = tuple(map(jnp.asarray, arrays))
+    run = lambda b: jax.jit(lambda *a: jaxattn.cascade_attention(*a, implementation=b))(*args)
+    return run(backend), want_nan, run("reference")
+
 _DECODE_PROBES = (
     "page_at_num_pages",
     "page_huge",
@@ -224,6 +302,23 @@ PROBES = {
     **{
         f"fp8_prefill/{n}": functools.partial(prefill_probe, **FP8)
         for n in ("page_out_of_pool", "len_over_table", "cu_decreasing", "nan_in_v")
+    },
+    **{
+        f"cascade/{n}": cascade_probe
+        for n in (
+            "prefix_page_out_of_pool",
+            "prefix_page_negative",
+            "prefix_len_not_whole_pages",
+            "prefix_len_over_table",
+            "prefix_of_out_of_range",
+            "prefix_of_below_minus_one",
+            "own_page_out_of_pool",
+            "own_len_over_table",
+            "garbage_past_lengths",
+            "unused_prefix_garbage",
+            "nan_in_q",
+            "nan_in_prefix_k",
+        )
     },
 }
 

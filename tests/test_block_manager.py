@@ -11,12 +11,18 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxattn.paging import BlockAllocator, BlockManager, NoFreeBlocksError
+from jaxattn.paging import (
+    BlockAllocator,
+    BlockManager,
+    NoFreeBlocksError,
+    PageAllocator,
+    SlotAllocator,
+)
 
 
 def snapshot(m: BlockManager):
     a = m.allocator
-    return copy.deepcopy((m._tables, m._lens, a._ref, a._free))
+    return copy.deepcopy((m._tables, m._lens, a.ref_counts.tolist(), a.free_stack().tolist()))
 
 
 # --- BlockAllocator ------------------------------------------------------------------
@@ -39,7 +45,7 @@ def test_allocator_misuse_raises_and_changes_nothing():
     a = BlockAllocator(2)
     b = a.allocate()
     a.free(b)
-    state = (list(a._ref), list(a._free))
+    state = (a.ref_counts.tolist(), a.free_stack().tolist())
     with pytest.raises(ValueError, match="double free"):
         a.free(b)
     with pytest.raises(ValueError, match="free"):
@@ -52,12 +58,73 @@ def test_allocator_misuse_raises_and_changes_nothing():
         a.free(1.0)
     with pytest.raises(TypeError, match="block"):
         a.incref(True)
-    assert (list(a._ref), list(a._free)) == state
+    assert (a.ref_counts.tolist(), a.free_stack().tolist()) == state
     a.allocate(), a.allocate()
     with pytest.raises(NoFreeBlocksError):
         a.allocate()
     with pytest.raises(ValueError, match="num_blocks"):
         BlockAllocator(0)
+
+
+def test_allocator_batches_act_as_their_loops():
+    a, b = BlockAllocator(8), BlockAllocator(8)
+    got = a.allocate_many(3)
+    assert got.dtype == np.int32 and got.tolist() == [b.allocate() for _ in range(3)]
+    a.incref_blocks([got[0], got[0]])
+    b.incref(int(got[0]))
+    b.incref(int(got[0]))
+    a.free_blocks([got[1], got[0], got[2]])
+    for x in (got[1], got[0], got[2]):
+        b.free(int(x))
+    assert a.ref_counts.tolist() == b.ref_counts.tolist()
+    assert a.free_stack().tolist() == b.free_stack().tolist()
+    # A block listed twice loses two references and is released at its second mention.
+    a.free_blocks([got[0], got[0]])
+    b.free(int(got[0]))
+    b.free(int(got[0]))
+    assert a.free_stack().tolist() == b.free_stack().tolist()
+    a.check_invariants()
+
+
+def test_allocator_batch_misuse_changes_nothing():
+    a = BlockAllocator(4)
+    blocks = a.allocate_many(2)
+    state = (a.ref_counts.tolist(), a.free_stack().tolist())
+    cases = [
+        (lambda: a.allocate_many(3), NoFreeBlocksError, "3 blocks wanted"),
+        (lambda: a.free_blocks([blocks[0], blocks[0]]), ValueError, "double free"),
+        (lambda: a.free_blocks([blocks[0], 7]), ValueError, "outside"),
+        (lambda: a.incref_blocks([blocks[0], 3]), ValueError, "is free"),
+        (lambda: a.incref_blocks([[1]]), ValueError, "1-D"),
+        (lambda: a.free_blocks([0.5]), TypeError, "ints"),
+    ]
+    for fn, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            fn()
+        assert (a.ref_counts.tolist(), a.free_stack().tolist()) == state, msg
+    with pytest.raises(ValueError):
+        a.ref_counts[0] = 5  # a read-only view
+
+
+def test_slot_view_is_the_allocator_in_slots():
+    """The slot protocol over the same ref counts: what the radix cache frees drops only
+    its own reference."""
+    a = BlockAllocator(4, block_size=3)
+    view = a.slots
+    assert isinstance(view, SlotAllocator) and isinstance(a, PageAllocator)
+    assert view is a.slots and view.num_slots == 12 and view.available == 12
+    slots = view.alloc(5)
+    assert slots.tolist() == [0, 1, 2, 3, 4] and a.num_free == 2
+    a.incref(0)  # a second holder of page 0
+    view.free(slots)  # one reference per page touched
+    assert a.ref_count(0) == 1 and a.ref_count(1) == 0 and view.available == 9
+    assert view.is_allocated([0, 2, 3, 11]).tolist() == [True, True, False, False]
+    assert view.alloc(10) is None and a.num_free == 3
+    with pytest.raises(ValueError, match="double free"):
+        view.free([3])
+    with pytest.raises(ValueError, match="lie in"):
+        view.free([12])
+    view.check_invariants()
 
 
 # --- BlockManager --------------------------------------------------------------------
@@ -213,32 +280,135 @@ def test_beam_fork_scenario(block_size):
     assert m.num_free_blocks == 256
 
 
+def test_allocate_after_a_shared_prefix_and_replace_blocks():
+    """A table may start with blocks another holder owns (a prefix-cache hit), and swap
+    its own blocks for another holder's copy of the same tokens."""
+    a = BlockAllocator(8, block_size=2)
+    cache_pages = a.allocate_many(2).tolist()  # held by a cache
+    m = BlockManager(allocator=a)
+    assert m.block_size == 2 and m.num_blocks == 8
+    table = m.allocate("s", 7, prefix=cache_pages)
+    assert table[:2] == cache_pages and len(table) == 4
+    assert [a.ref_count(b) for b in table] == [2, 2, 1, 1]
+    m.check_invariants(other_holders={b: 1 for b in cache_pages})
+    other = a.allocate()  # e.g. the cache's copy of tokens 4-5
+    m.replace_blocks("s", 2, [other])
+    assert m.block_table("s")[2] == other and a.ref_count(table[2]) == 0
+    assert a.ref_count(other) == 2
+    m.check_invariants(other_holders={**{b: 1 for b in cache_pages}, other: 1})
+    m.free("s")
+    assert a.num_free == 8 - 3  # the cache's pages stay
+    cases = [
+        (lambda: m.allocate("t", 3, prefix=cache_pages), ValueError, "holds more"),
+        (lambda: m.allocate("t", 4, prefix=[0, 0]), ValueError, "twice"),
+        (lambda: m.allocate("t", 4, prefix=[5]), ValueError, "is free"),
+        (lambda: m.replace_blocks("t", 0, [1]), ValueError, "not allocated"),
+        (lambda: BlockManager(9, allocator=a), ValueError, "num_blocks=9"),
+        (lambda: BlockManager(), TypeError, "allocator"),
+    ]
+    for fn, exc, msg in cases:
+        before = (a.ref_counts.tolist(), a.free_stack().tolist())
+        with pytest.raises(exc, match=msg):
+            fn()
+        assert (a.ref_counts.tolist(), a.free_stack().tolist()) == before, msg
+    m.allocate("t", 6, prefix=cache_pages)
+    with pytest.raises(ValueError, match="past the table"):
+        m.replace_blocks("t", 2, [other, 1])
+    with pytest.raises(ValueError, match="twice"):
+        m.replace_blocks("t", 2, [cache_pages[0]])
+
+
 # --- stateful property test ----------------------------------------------------------
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives a BlockManager with random ops against plain-Python tables and a simulated
     pool: each token gets a unique value written to its slot, copy-on-write orders are
-    applied as `copy_blocks` would, and every sequence must read back exactly its tokens."""
+    applied as `copy_blocks` would, and every sequence must read back exactly its tokens.
+
+    A second holder shares the allocator, as a prefix cache does: it takes references on
+    full blocks of the tables, drops them, and lends them to new tables (``prefix=``) or
+    swaps them into a table (``replace_blocks``)."""
 
     NUM_BLOCKS, BLOCK_SIZE = 12, 3
 
     def __init__(self):
         super().__init__()
-        self.m = BlockManager(self.NUM_BLOCKS, self.BLOCK_SIZE)
+        self.allocator = BlockAllocator(self.NUM_BLOCKS, block_size=self.BLOCK_SIZE)
+        self.m = BlockManager(allocator=self.allocator)
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
+        self.cached: dict[int, int] = {}  # block -> references the other holder has
         self.memory = np.full(self.NUM_BLOCKS * self.BLOCK_SIZE, -1, np.int64)
         self.next_seq = 0
         self.next_value = 0
 
     # model helpers
     def holders(self, block):
-        return sum(block in t for t in self.tables.values())
+        return sum(block in t for t in self.tables.values()) + self.cached.get(block, 0)
 
     def model_free(self):
         used = set().union(*self.tables.values()) if self.tables else set()
-        return set(range(self.NUM_BLOCKS)) - used
+        return set(range(self.NUM_BLOCKS)) - used - set(self.cached)
+
+    def contents(self, block):
+        b = self.BLOCK_SIZE
+        return self.memory[block * b : (block + 1) * b].tolist()
+
+    def full_blocks(self, seq):
+        n = len(self.tokens[seq]) // self.BLOCK_SIZE
+        return self.tables[seq][:n]
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100))
+    def cache_take(self, idx):
+        seq = self.pick(idx)
+        blocks = [b for b in self.full_blocks(seq) if b not in self.cached]
+        self.allocator.incref_blocks(blocks)
+        for b in blocks:
+            self.cached[b] = 1
+
+    @precondition(lambda self: self.cached)
+    @rule(data=st.data())
+    def cache_drop(self, data):
+        blocks = data.draw(st.lists(st.sampled_from(sorted(self.cached)), unique=True))
+        self.allocator.free_blocks(blocks)
+        for b in blocks:
+            del self.cached[b]
+
+    @precondition(lambda self: self.cached)
+    @rule(data=st.data(), extra=st.integers(0, 5))
+    def allocate_after_prefix(self, data, extra):
+        prefix = data.draw(st.lists(st.sampled_from(sorted(self.cached)), unique=True))
+        n = len(prefix) * self.BLOCK_SIZE + extra
+        seq = self.next_seq
+        need = -(-extra // self.BLOCK_SIZE)
+        if need > len(self.model_free()):
+            before = snapshot(self.m)
+            with pytest.raises(NoFreeBlocksError):
+                self.m.allocate(seq, n, prefix=prefix)
+            assert snapshot(self.m) == before
+            return
+        table = self.m.allocate(seq, n, prefix=prefix)
+        assert table[: len(prefix)] == prefix and len(table) == len(prefix) + need
+        self.next_seq += 1
+        self.tables[seq] = list(table)
+        self.tokens[seq] = [v for b in prefix for v in self.contents(b)]
+        self.write(seq, len(self.tokens[seq]), n)
+
+    @precondition(lambda self: self.cached and any(self.full_blocks(s) for s in self.tables))
+    @rule(data=st.data())
+    def replace(self, data):
+        seq = data.draw(st.sampled_from([s for s in sorted(self.tables) if self.full_blocks(s)]))
+        i = data.draw(st.integers(0, len(self.full_blocks(seq)) - 1))
+        options = sorted(set(self.cached) - set(self.tables[seq]))
+        if not options:
+            return
+        block = data.draw(st.sampled_from(options))
+        self.m.replace_blocks(seq, i, [block])
+        self.tables[seq][i] = block
+        b = self.BLOCK_SIZE
+        self.tokens[seq][i * b : (i + 1) * b] = self.contents(block)
 
     def write(self, seq, start, end):
         slots = self.m.slot_mapping(seq, start, end)
@@ -364,7 +534,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_model(self):
-        self.m.check_invariants()
+        self.m.check_invariants(other_holders=self.cached)
         assert self.m.num_free_blocks == len(self.model_free())
         for block in range(self.NUM_BLOCKS):
             assert self.m.ref_count(block) == self.holders(block)

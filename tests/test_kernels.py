@@ -17,6 +17,7 @@ interpreter carry the ``slow`` mark for that backend on the CPU only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -26,18 +27,23 @@ import pytest
 from helpers import (
     DTYPES,
     assert_close,
+    call_cascade,
     call_decode,
     call_extend,
     call_prefill,
+    expected_cascade,
     expected_decode,
     expected_ragged,
+    make_cascade,
     make_extend,
     make_paged_decode,
     make_prefix_prefill,
     prefill_as_extend,
     random_normal,
+    spec_cascade,
     spec_decode,
     spec_extend,
+    spec_joined,
     spec_prefill,
 )
 
@@ -904,6 +910,386 @@ def test_extend_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
     assert_close(out, want_extend(backend, c, scale=128**-0.5), dtype)
 
 
+# --- cascade decode -------------------------------------------------------------------------
+
+# Small tiles and splits for the kernels, so that small cases still have several prefix
+# tiles, several partitions of a prefix and several own partitions (the defaults take the
+# heuristic's, usually one of each here).
+SMALL_CASCADE = {
+    "pallas": P.CascadeConfig(block_m=16, block_n=16, prefix_blocks=64, partition_size=32),
+    "native": native.CascadeConfig(prefix_blocks=64, partition_size=32),
+}
+
+
+def cascade(backend, case, config=None, **kw):
+    """The public op on a cascade case; ``config`` "small" takes SMALL_CASCADE."""
+    args = call_cascade(ops.CASCADE_ATTENTION.bind, case, **kw)
+    impl = ops.CASCADE_ATTENTION.implementation(backend)
+    reason = impl.available(jax.default_backend()) or impl.supports(args)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    if config == "small":
+        config = SMALL_CASCADE.get(backend)
+    return call_cascade(
+        jaxattn.cascade_attention, case, implementation=backend, config=config, **kw
+    )
+
+
+def want_cascade(backend, case, **kw):
+    """float64 for the reference, which must also equal paged_attention over the joined
+    tables; the spec for a kernel backend."""
+    if backend == "reference":
+        assert_close(spec_cascade(case, **kw), spec_joined(case, **kw), case.q.dtype)
+        return expected_cascade(case, **kw)
+    return spec_cascade(case, **kw)
+
+
+CASCADE_BATCHES = {
+    # (prefix pages per prefix, prefix_of per request, own tokens per request)
+    "mixed": ([5, 0, 3], [0, -1, 2, 0, 1, 0, -1, 2], [1, 17, 0, 33, 255, 3, 0, 64]),
+    # 21 requests on one prefix: several tiles of it (block_m 16, GQA 4: 4 requests a tile)
+    "shared": (
+        [9],
+        [0] * 21,
+        [13, 0, 1, 7, 40, 2, 2, 9, 31, 5, 0, 16, 3, 8, 1, 1, 0, 29, 6, 4, 11],
+    ),
+    # no request shares a prefix, and one continues an empty prefix
+    "private": ([2, 4, 0, 1], [3, 0, 2, 1], [5, 129, 0, 66]),
+}
+
+
+@grid(
+    "layout, page_size, heads, batch, config",
+    [
+        ("bshd", 16, (8, 2), "mixed", "small"),
+        ("bhsd", 16, (8, 2), "shared", "small"),
+        ("bshd", 8, (8, 8), "mixed", None),
+        ("bhsd", 1, (16, 2), "private", "small"),
+        ("bshd", 32, (4, 1), "shared", None),
+        ("bhsd", 16, (8, 1), "mixed", "small"),
+        ("vllm", 16, (8, 2), "mixed", None),
+    ],
+    heavy=(2, 3, 4, 5),
+)
+def test_cascade_layout_page_group(rng, backend, layout, page_size, heads, batch, config):
+    hq, hkv = heads
+    prefixes, prefix_of, own = CASCADE_BATCHES[batch]
+    # A prefix is whole pages: keep the token counts of one page size for every page size.
+    prefixes = [-(-n * 16 // page_size) for n in prefixes]
+    case = make_cascade(
+        rng,
+        prefixes,
+        prefix_of,
+        own,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=page_size,
+        layout=layout,
+    )
+    out = cascade(backend, case, config, scale=0.3)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, want_cascade(backend, case, scale=0.3))
+    # Requests with nothing to attend to (no prefix, no own token) give exact zeros.
+    for b in np.flatnonzero(np.asarray(case.joined_lens) == 0):
+        np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
+
+
+@grid(
+    "dtype, soft_cap, head_dim",
+    [
+        (jnp.float32, None, 64),
+        (jnp.bfloat16, 4.0, 64),
+        (jnp.float16, None, 128),
+        (jnp.bfloat16, None, 128),
+        (jnp.float32, 4.0, 128),
+    ],
+    heavy=(2, 3, 4),
+)
+def test_cascade_dtype_soft_cap(rng, backend, dtype, soft_cap, head_dim):
+    case = make_cascade(
+        rng,
+        [6, 2],
+        [0, 1, 0, 0, -1, 1],
+        [3, 40, 0, 17, 9, 1],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+    )
+    out = cascade(backend, case, "small", scale=0.5, soft_cap=soft_cap)
+    assert out.dtype == dtype
+    assert_close(out, want_cascade(backend, case, scale=0.5, soft_cap=soft_cap), dtype)
+
+
+@grid("dummy", [0])
+def test_cascade_padded_prefix_table(rng, backend, dummy):
+    """Prefixes no request continues (with NaN pages, garbage lengths and pages outside the
+    pool) are never read and poison nothing: an engine pads G for static shapes."""
+    case = make_cascade(
+        rng,
+        [4, 3, 2],
+        [2, 0, 0, -1, 2],
+        [5, 0, 20, 3, 1],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=8,
+    )
+    case.prefix_lens = case.prefix_lens.at[1].set(13)  # not whole pages, but unused
+    case.prefix_tables = case.prefix_tables.at[1].set(-7)
+    out = cascade(backend, case, "small", scale=0.2)
+    assert_close(out, want_cascade(backend, case, scale=0.2))
+
+
+@grid("dummy", [0])
+def test_cascade_matches_paged_attention_of_the_same_backend(rng, backend, dummy):
+    case = make_cascade(
+        rng,
+        [7, 1],
+        [0, 0, 1, 0, -1],
+        [30, 1, 0, 12, 50],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+    )
+    out = cascade(backend, case, "small", scale=0.25)
+    joined = jaxattn.paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.joined_tables,
+        case.joined_lens,
+        scale=0.25,
+        implementation=backend,
+    )
+    assert_close(out, joined, jnp.bfloat16)
+
+
+@grid("dummy", [0])
+def test_cascade_deterministic_and_jitted(rng, backend, dummy):
+    case = make_cascade(
+        rng,
+        [5, 2],
+        [0, 1, 0, -1, 0],
+        [3, 0, 77, 12, 20],
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+    )
+    f = jax.jit(
+        lambda *a: jaxattn.cascade_attention(
+            *a, layout=case.layout, scale=0.2, implementation=backend
+        )
+    )
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.prefix_tables,
+        case.prefix_lens,
+        case.prefix_of,
+        case.block_tables,
+        case.seq_lens,
+    )
+    if backend == "native":
+        assert "jaxattn_cascade_attention" in f.lower(*args).as_text()
+    a, b = f(*args), f(*args)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_close(a, want_cascade(backend, case, scale=0.2), jnp.bfloat16)
+
+
+# FP8 and scaled caches in cascade decode: both levels read one cache, so the per-KV-head
+# scales apply to the prefix and the own pages alike (the heads' magnitudes are drawn a few
+# times apart, so a wrong head's scale fails). The native GPU kernels read 16-bit / f32 K/V
+# only: their supports() refuses an FP8 cache (test_cascade_native_gpu_refuses_fp8).
+
+
+@grid(
+    "kv_dtype, dtype, layout, heads, soft_cap",
+    [
+        (E4M3, jnp.bfloat16, "bshd", (8, 2), None),
+        (E5M2, jnp.float16, "bhsd", (4, 1), None),
+        (E4M3, jnp.float32, "bshd", (8, 4), 4.0),
+        (E5M2, jnp.bfloat16, "vllm", (4, 2), None),
+    ],
+    heavy=(2,),
+)
+def test_cascade_fp8(rng, backend, kv_dtype, dtype, layout, heads, soft_cap):
+    hq, hkv = heads
+    case = make_cascade(
+        rng,
+        [5, 2],
+        [0, 1, 0, -1, 0, 1],
+        [3, 40, 0, 17, 9, 1],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=8,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    assert case.k_scale is not None
+    out = cascade(backend, case, "small", scale=0.3, soft_cap=soft_cap)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert_close(out, want_cascade(backend, case, scale=0.3, soft_cap=soft_cap), dtype)
+
+
+@grid("kv_dtype", [E4M3, E5M2])
+def test_cascade_fp8_unscaled(rng, backend, kv_dtype):
+    """No scales: a stored element is its own value."""
+    case = make_cascade(
+        rng,
+        [3],
+        [0, 0, -1],
+        [20, 1, 6],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+        scaled=False,
+    )
+    assert case.k_scale is None
+    out = cascade(backend, case, "small", scale=0.125)
+    assert_close(out, want_cascade(backend, case, scale=0.125), jnp.bfloat16)
+
+
+@grid("dtype", [jnp.bfloat16, jnp.float32])
+def test_cascade_scaled_16bit_cache(rng, backend, dtype):
+    """A bfloat16 / float32 cache with per-head scales != 1 (every backend, the native GPU
+    kernels included, applies k_scale to both levels' logits and v_scale to the merged
+    output): the values are the stored elements times the scales."""
+    case = make_cascade(
+        rng,
+        [4, 1],
+        [1, 0, -1, 0, 0],
+        [7, 0, 33, 2, 18],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=dtype,
+    )
+    ks = jnp.asarray([0.5, 3.0], jnp.float32)
+    vs = jnp.asarray([2.0, 0.25], jnp.float32)
+    out = cascade(backend, case, "small", scale=0.3, k_scale=ks, v_scale=vs)
+    if backend == "reference":
+        # float64 over the dequantised values (each KV head's elements times its scale).
+        scaled = dataclasses.replace(
+            case,
+            dense_k=[d.astype(jnp.float32) * ks[None, :, None] for d in case.dense_k],
+            dense_v=[d.astype(jnp.float32) * vs[None, :, None] for d in case.dense_v],
+        )
+        want = expected_cascade(scaled, scale=0.3)
+        assert_close(spec_joined(case, scale=0.3, k_scale=ks, v_scale=vs), want, dtype)
+    else:
+        want = spec_cascade(case, scale=0.3, k_scale=ks, v_scale=vs)
+    assert_close(out, want, dtype)
+    # The scales change the result: a backend that dropped them would match the unscaled op.
+    plain = spec_cascade(case, scale=0.3)
+    assert not np.allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+@grid("kv_dtype", [E4M3, jnp.bfloat16])
+def test_cascade_jitted_with_traced_scales(rng, backend, kv_dtype):
+    """Scales are operands: new values reuse the compiled call and give the new result."""
+    case = make_cascade(
+        rng,
+        [4],
+        [0, 0, -1, 0],
+        [5, 30, 12, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+    )
+    ks = case.k_scale if case.k_scale is not None else jnp.asarray([0.5, 2.0], jnp.float32)
+    vs = case.v_scale if case.v_scale is not None else jnp.asarray([1.5, 0.75], jnp.float32)
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.prefix_tables,
+        case.prefix_lens,
+        case.prefix_of,
+        case.block_tables,
+        case.seq_lens,
+    )
+    _skip_unless_served(ops.CASCADE_ATTENTION, call_cascade, backend, case, k_scale=ks)
+    traces = []
+
+    def run(*a):
+        traces.append(1)
+        *a, k_scale, v_scale = a
+        return jaxattn.cascade_attention(
+            *a, scale=0.2, k_scale=k_scale, v_scale=v_scale, implementation=backend
+        )
+
+    f = jax.jit(run)
+    if backend == "native":
+        assert "jaxattn_cascade_attention" in f.lower(*args, ks, vs).as_text()
+    for k_scale, v_scale in ((ks, vs), (4 * ks, 0.5 * vs)):
+        out = f(*args, k_scale, v_scale)
+        want = spec_cascade(
+            dataclasses.replace(case, k_scale=None, v_scale=None),
+            scale=0.2,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        assert_close(out, want, jnp.bfloat16)
+    assert len(traces) == 1
+
+
+@pytest.mark.gpu
+@grid(
+    "dtype, heads, batch",
+    [
+        (jnp.bfloat16, (32, 8), "one"),
+        (jnp.float16, (32, 8), "mixed"),
+        (jnp.bfloat16, (32, 32), "mixed"),
+        (jnp.bfloat16, (64, 8), "one"),
+        (jnp.bfloat16, (32, 4), "private"),
+        (jnp.float32, (32, 8), "mixed"),
+    ],
+    backends=("pallas", "native"),
+)
+def test_cascade_serving_shapes(rng, backend, dtype, heads, batch):
+    """Serving shapes with the backend's own choices: the issue's batch (requests on one
+    long prefix, a few hundred own tokens each), a mix, and no sharing at all."""
+    hq, hkv = heads
+    b = 64 if hkv <= 8 else 16
+    if batch == "one":
+        prefixes, prefix_of = [128], [0] * b
+    elif batch == "mixed":
+        prefixes, prefix_of = [128, 31, 64], [i % 4 - 1 for i in range(b)]
+    else:
+        prefixes, prefix_of = [20 + i for i in range(b)], list(range(b))
+    own = [256 - (7 * i) % 61 for i in range(b)]
+    case = make_cascade(
+        rng,
+        prefixes,
+        prefix_of,
+        own,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=16,
+        dtype=dtype,
+    )
+    out = cascade(backend, case, scale=128**-0.5)
+    assert_close(out, spec_cascade(case, scale=128**-0.5), dtype)
+
+
 # --- what each backend refuses ----------------------------------------------------------------
 
 
@@ -944,6 +1330,44 @@ def test_refusals(rng, backend):
             case.seq_lens,
             implementation=backend,
         )
+
+
+def test_cascade_native_gpu_refuses_fp8(rng, monkeypatch):
+    """The native GPU cascade kernels read 16-bit / f32 K/V: their supports() names an FP8
+    cache (asked as on a GPU, so that a CPU run checks the rule too), accepts per-head scales
+    on a 16-bit cache, and implementation=None serves the FP8 case elsewhere, exactly."""
+    case = make_cascade(
+        rng,
+        [2],
+        [0, -1, 0],
+        [4, 9, 0],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=E4M3,
+    )
+    impl = ops.CASCADE_ATTENTION.implementation("native")
+    bound = call_cascade(ops.CASCADE_ATTENTION.bind, case)
+    with monkeypatch.context() as m:
+        m.setattr(native, "_platform", lambda: "cuda")
+        reason = impl.supports(bound)
+        assert reason is not None and "float8_e4m3fn" in reason and "cascade" in reason
+        plain = dataclasses.replace(
+            case,
+            k_cache=case.k_cache.astype(jnp.bfloat16),
+            v_cache=case.v_cache.astype(jnp.bfloat16),
+        )
+        assert impl.supports(call_cascade(ops.CASCADE_ATTENTION.bind, plain)) is None
+    if ON_GPU and NATIVE:
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+            call_cascade(jaxattn.cascade_attention, case, implementation="native")
+    # None: the first backend that serves it (never the refusing kernel reported as run).
+    resolved = ops.CASCADE_ATTENTION.resolve(bound, None)
+    if ON_GPU:
+        assert resolved.backend != "native"
+    assert_close(call_cascade(jaxattn.cascade_attention, case), spec_cascade(case), jnp.bfloat16)
 
 
 @pytest.mark.skipif(ON_GPU or not NATIVE, reason="the CPU handlers take any head_dim")

@@ -332,12 +332,28 @@ class PagedSeqs:
 
 
 @pytest.mark.parametrize(
-    "layout, attention",
-    [("bshd", "extend"), ("vllm", "prefix_prefill"), ("bhsd", "prefix_prefill")],
+    "layout, attention, form",
+    [
+        ("bshd", "extend", "stacked"),
+        ("vllm", "prefix_prefill", "stacked"),
+        ("bhsd", "prefix_prefill", "stacked"),
+        ("bshd", "extend", "serving"),
+        ("vllm", "prefix_prefill", "serving-2"),
+        ("bhsd", "prefix_prefill", "serving-scan"),
+    ],
 )
-def test_cached_paths_match_dense(layout, attention):
+def test_cached_paths_match_dense(layout, attention, form):
+    """Stacked weights (a scan over layers) and the serving forms (fused projections, one
+    block per shard; straight-line layers or a scan) give the dense oracle's logits."""
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
+    dense_params = params
+    if form != "stacked":
+        unroll = form != "serving-scan"
+        shards = 2 if form == "serving-2" else 1
+        params = llama.serving_params(CFG, params, shards=shards, unroll=unroll)
+        assert isinstance(params["layers"], tuple) == unroll
+        assert llama.serving_params(CFG, params) is params
     num_pages, page = 24, 4
     k_cache, v_cache = llama.init_kv_cache(CFG, num_pages, page, layout=layout)
     # NaN in every slot: a read of anything not written by this test shows up.
@@ -346,7 +362,7 @@ def test_cached_paths_match_dense(layout, attention):
     full = {0: list(rng.integers(0, 96, 14)), 1: list(rng.integers(0, 96, 6)), 2: [5]}
     padded = np.stack([_pad(t, 16, 0) for t in full.values()])
     lens = jnp.asarray([len(t) for t in full.values()], jnp.int32)
-    dense = np.asarray(llama.forward_dense(params, CFG, jnp.asarray(padded), lens))
+    dense = np.asarray(llama.forward_dense(dense_params, CFG, jnp.asarray(padded), lens))
 
     extend = jax.jit(
         lambda p, k, v, b: llama.forward_extend(
@@ -373,6 +389,26 @@ def test_cached_paths_match_dense(layout, attention):
         logits, k_cache, v_cache = decode(params, k_cache, v_cache, b)
         np.testing.assert_allclose(logits[:2], [dense[0][n0 - 1], dense[1][5]], atol=1e-4)
         assert not np.isnan(np.asarray(logits)).any()
+
+
+def test_serving_params_layout_and_errors():
+    params = llama.init_params(CFG, jax.random.key(0))
+    two = llama.serving_params(CFG, params, shards=2)
+    lp = two["layers"][1]
+    q, kv, i = CFG.q_size, CFG.kv_size, CFG.intermediate_size
+    assert lp["wqkv"].shape == (CFG.hidden_size, 2, (q + 2 * kv) // 2)
+    assert lp["w_gate_up"].shape == (CFG.hidden_size, 2, i)
+    # Shard 1 holds the second half of the q heads, then of k, then of v.
+    np.testing.assert_array_equal(
+        lp["wqkv"][:, 1, : q // 2], params["layers"]["wq"][1][:, q // 2 :]
+    )
+    np.testing.assert_array_equal(
+        lp["wqkv"][:, 1, q // 2 + kv // 2 :], params["layers"]["wv"][1][:, kv // 2 :]
+    )
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not a multiple of shards=3"):
+        llama.serving_params(CFG, params, shards=3)
+    with pytest.raises(ValueError, match="params has 1 layers"):
+        llama.serving_params(CFG, dict(params, layers=two["layers"][:1]))
 
 
 def test_decode_updates_the_donated_pool_in_place():

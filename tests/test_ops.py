@@ -1,5 +1,8 @@
 """Public ops: input validation (errors name the argument) and backend dispatch."""
 
+import dataclasses
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +10,7 @@ import pytest
 from helpers import assert_close, expected_decode, make_extend, make_paged_decode
 
 import jaxattn
-from jaxattn import ops
+from jaxattn import native, ops
 from jaxattn import pallas as P
 from jaxattn.backend import Implementation
 
@@ -396,3 +399,177 @@ def test_bind_takes_abstract_scales(fp8):
     assert args.fp8_cache and args.k_scale.shape == (2,)
     with pytest.raises(ValueError, match="k_scale"):
         ops.PAGED_ATTENTION.bind(*structs, k_scale=jax.ShapeDtypeStruct((3,), jnp.float32))
+
+
+# --- cascade decode ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def casc():
+    from helpers import make_cascade
+
+    rng = np.random.default_rng(2)
+    return make_cascade(
+        rng,
+        [3, 2],
+        [0, 1, -1, 0],
+        [5, 0, 9, 17],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+    )
+
+
+def _cascade_args(c):
+    return dict(
+        q=c.q,
+        k_cache=c.k_cache,
+        v_cache=c.v_cache,
+        prefix_tables=c.prefix_tables,
+        prefix_lens=c.prefix_lens,
+        prefix_of=c.prefix_of,
+        block_tables=c.block_tables,
+        seq_lens=c.seq_lens,
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda a: {**a, "q": a["q"][0]}, ValueError, "q must be"),
+        (lambda a: {**a, "prefix_tables": a["prefix_tables"][0]}, ValueError, "prefix_tables"),
+        (
+            lambda a: {**a, "prefix_tables": a["prefix_tables"].astype(jnp.float32)},
+            TypeError,
+            "prefix_tables must be int32",
+        ),
+        (lambda a: {**a, "prefix_lens": a["prefix_lens"][:1]}, ValueError, "prefix_lens must"),
+        (lambda a: {**a, "prefix_of": a["prefix_of"][:3]}, ValueError, "prefix_of must"),
+        (lambda a: {**a, "block_tables": a["block_tables"][:2]}, ValueError, "block_tables"),
+        (lambda a: {**a, "seq_lens": a["seq_lens"][:2]}, ValueError, "seq_lens"),
+        (lambda a: {**a, "prefix_of": a["prefix_of"].at[2].set(2)}, ValueError, r"\[-1, 2\)"),
+        (lambda a: {**a, "prefix_of": a["prefix_of"].at[2].set(-3)}, ValueError, "prefix_of"),
+        (
+            lambda a: {**a, "prefix_lens": a["prefix_lens"].at[1].set(6)},
+            ValueError,
+            r"prefix_lens\[1\] must be a multiple of page_size = 4",
+        ),
+        (
+            lambda a: {**a, "prefix_lens": a["prefix_lens"].at[0].set(400)},
+            ValueError,
+            r"prefix_lens\[0\]",
+        ),
+        (
+            lambda a: {**a, "prefix_tables": a["prefix_tables"].at[0, 2].set(-1)},
+            ValueError,
+            r"prefix_tables\[0\] holds a page",
+        ),
+        (
+            lambda a: {**a, "block_tables": a["block_tables"].at[3, 0].set(10**6)},
+            ValueError,
+            r"block_tables\[3\]",
+        ),
+        (lambda a: {**a, "layout": "nhd"}, ValueError, "layout"),
+    ],
+)
+def test_cascade_attention_bad_inputs(casc, mutate, exc, match):
+    with pytest.raises(exc, match=match):
+        jaxattn.cascade_attention(**mutate(_cascade_args(casc)))
+
+
+def test_cascade_unused_prefix_is_not_checked(casc):
+    """A prefix no request continues is never read, eagerly or under jit."""
+    a = _cascade_args(casc)
+    a["prefix_of"] = a["prefix_of"].at[1].set(-1)
+    a["prefix_lens"] = a["prefix_lens"].at[1].set(7)
+    a["prefix_tables"] = a["prefix_tables"].at[1].set(-1)
+    out = jaxattn.cascade_attention(**a)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas", "native"])
+def test_cascade_empty_dimensions(casc, backend):
+    """No requests, no prefixes, empty tables: answered without a kernel, as the spec."""
+    if backend == "native" and not native.is_available():
+        pytest.skip("native library not built")
+    a = _cascade_args(casc)
+    run = lambda **kw: jaxattn.cascade_attention(**{**a, **kw}, implementation=backend)
+    out = run(
+        q=a["q"][:0],
+        prefix_of=a["prefix_of"][:0],
+        block_tables=a["block_tables"][:0],
+        seq_lens=a["seq_lens"][:0],
+    )
+    assert out.shape == (0, 8, 16)
+    # No prefixes: every request must have prefix_of -1, and then it is paged decode.
+    no_prefix = dict(
+        prefix_tables=a["prefix_tables"][:0],
+        prefix_lens=a["prefix_lens"][:0],
+        prefix_of=jnp.full((4,), -1, jnp.int32),
+    )
+    want = jaxattn.reference.paged_attention(
+        a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"]
+    )
+    assert_close(run(**no_prefix), want)
+    # Prefix tables of width 0 address no page: only empty prefixes.
+    out = run(prefix_tables=a["prefix_tables"][:, :0], prefix_lens=jnp.zeros(2, jnp.int32))
+    assert_close(out, want)
+
+
+def test_cascade_split_rule_matches_the_kernels():
+    """backend.cascade_* (Pallas, the native wrapper) and the integer rule of
+    ffi/include/jaxattn/cascade.h (as the kernel emulator transcribes it) agree, on ints and
+    on traced int32 arrays."""
+    import importlib.util
+    import pathlib
+
+    from jaxattn import backend as B
+
+    path = pathlib.Path(__file__).parents[1] / "ffi" / "tests_gpu" / "emulate_cascade.py"
+    spec = importlib.util.spec_from_file_location("emulate_cascade", path)
+    emu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emu)
+    for batch, g, per_tile in [(64, 1, 16), (64, 64, 16), (7, 3, 2), (1, 9, 64), (300, 5, 8)]:
+        assert B.cascade_prefix_tiles(batch=batch, num_prefixes=g, per_tile=per_tile) == (
+            emu.cascade_tiles(batch, g, per_tile)
+        )
+    grid = B.cascade_grid(
+        batch=64,
+        num_prefixes=64,
+        per_tile=16,
+        num_kv_heads=8,
+        prefix_capacity=4096,
+        own_blocks=512,
+        slots=264,
+    )
+    assert grid.blocks_per_head == emu.cascade_blocks_per_head(grid.tiles, grid.target, 8)
+    kw = dict(
+        target=grid.target,
+        num_kv_heads=8,
+        blocks_per_head=grid.blocks_per_head,
+        max_splits=grid.max_splits,
+    )
+    for tiles in (0, 1, 2, 3, 4, 9, 33, 64):
+        want = emu.cascade_splits(tiles, grid.target, 8, grid.blocks_per_head, grid.max_splits)
+        assert B.cascade_splits(tiles, **kw) == want
+        assert int(jax.jit(lambda t: B.cascade_splits(t, **kw))(jnp.int32(tiles))) == want
+    for length, splits in itertools.product((0, 16, 64, 255, 256, 1000, 4096, 8192), (1, 3, 16)):
+        want = emu.cascade_chunk(length, splits)
+        assert B.cascade_chunk(length, splits) == want
+        assert int(B.cascade_chunk(jnp.int32(length), jnp.int32(splits))) == want
+
+
+def test_cascade_switch_rule():
+    """The engine's switch: shared long prefixes pay off, a batch with nothing shared never
+    does, and a model written by the benchmark reads back."""
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    assert jaxattn.cascade_pays_off([4096], [0] * 64, [256] * 64, **kw)
+    assert not jaxattn.cascade_pays_off([4096] * 64, list(range(64)), [256] * 64, **kw)
+    assert not jaxattn.cascade_pays_off([], [-1] * 8, [100] * 8, **kw)
+    # Two requests on a short prefix with long own parts: nothing worth the second launch.
+    assert not jaxattn.cascade_pays_off([64], [0, 0], [4000, 4000], **kw)
+    cascade, paged = jaxattn.cascade_cost.cascade_cost([4096], [0] * 64, [256] * 64, **kw)
+    assert cascade < paged / 5
+    model = ops.CascadeCostModel(paged_fixed_us=1.0, cascade_fixed_us=2.0, margin=0.2)
+    assert ops.CascadeCostModel.from_json({"cost_model": dataclasses.asdict(model)}) == model

@@ -4,6 +4,7 @@ the same step driven by the host."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -40,6 +41,7 @@ JIT = {
     "allocate": _traced_once(PageTable.allocate),
     "append_slot": _traced_once(PageTable.append_slot),
     "append_slot_batch": _traced_once(PageTable.append_slot_batch),
+    "append_slots_batch": _traced_once(PageTable.append_slots_batch),
     "fork": _traced_once(PageTable.fork),
     "free": _traced_once(PageTable.free),
     "slot_mapping": _traced_once(PageTable.slot_mapping, static_argnames="length"),
@@ -49,6 +51,7 @@ EAGER = {
     "allocate": PageTable.allocate,
     "append_slot": PageTable.append_slot,
     "append_slot_batch": PageTable.append_slot_batch,
+    "append_slots_batch": PageTable.append_slots_batch,
     "fork": PageTable.fork,
     "free": PageTable.free,
     "slot_mapping": PageTable.slot_mapping,
@@ -132,6 +135,40 @@ class HostModel:
             pairs.append(pair)
         return statuses, pairs
 
+    def append_slots_batch(self, seqs, counts):
+        """The host's append_slots in batch order, all or nothing over the entries that
+        pass the per-entry checks."""
+        bm, statuses, valid, seen = self.bm, [], [], set()
+        for seq, count in zip(seqs, counts, strict=True):
+            if not known(seq):
+                status = Status.UNKNOWN_SEQ
+            elif seq not in bm:
+                status = Status.INACTIVE_SEQ
+            elif seq in seen or count < 0:
+                status = Status.INVALID_ARGUMENT
+            elif bm.blocks_needed(bm.seq_len(seq) + count) > M:
+                status = Status.TABLE_FULL
+            else:
+                status = Status.OK
+                valid.append((len(statuses), seq, count))
+            seen.add(seq)
+            statuses.append(status)
+        pairs = [(-1, -1)] * len(statuses)
+        trial = copy.deepcopy(bm)
+        try:
+            for _, seq, count in valid:
+                trial.append_slots(seq, count)
+        except NoFreeBlocksError:
+            for i, _, count in valid:
+                if count > 0:
+                    statuses[i] = Status.NO_FREE_BLOCKS
+            return statuses, pairs
+        for i, seq, count in valid:
+            orders = bm.append_slots(seq, count)
+            if orders:
+                pairs[i] = orders[0]
+        return statuses, pairs
+
     def fork(self, parent, child):
         if not (known(parent) and known(child)):
             return Status.UNKNOWN_SEQ, None
@@ -159,7 +196,7 @@ class HostModel:
             table = bm.block_table(seq)
             tables[seq, : len(table)] = table
             lens[seq], active[seq] = bm.seq_len(seq), True
-        free = bm.allocator._free  # the order decides which block is handed out next
+        free = bm.allocator.free_stack().tolist()  # its order decides the next block
         return dict(
             ref_counts=np.array([bm.ref_count(b) for b in range(N)], np.int32),
             free_stack=np.array(free + [-1] * (N - len(free)), np.int32),
@@ -176,6 +213,7 @@ class HostModel:
 # (and free ids for allocate / fork children) and programs reach a full pool, shared
 # tails and full tables; any id, out of range ones included, is still drawn now and then.
 OP_NAMES = ["allocate"] * 3 + ["append_slot"] * 2 + ["append_slot_batch"] * 4 + ["fork"] * 3
+OP_NAMES += ["append_slots_batch"] * 3
 OP_NAMES += ["free", "slot_mapping", "can_allocate"]
 any_seq = st.sampled_from([*range(S), -1, S])
 # Mostly short prompts, which leave room to fork and grow; sometimes any count.
@@ -209,6 +247,13 @@ def draw_op(data, bm: BlockManager, name=None):
         # Mostly distinct live sequences, so that a parent and its forks copy in one step.
         first = data.draw(st.permutations(live)) if data.draw(st.integers(0, 9)) < 8 else []
         return name, [*first, *(draw_seq(data, live) for _ in range(BATCH))][:BATCH]
+    if name == "append_slots_batch":
+        first = data.draw(st.permutations(live)) if data.draw(st.integers(0, 9)) < 8 else []
+        seqs = [*first, *(draw_seq(data, live) for _ in range(BATCH))][:BATCH]
+        counts = [
+            data.draw(st.one_of(st.integers(0, 2 * P + 1), st.integers(-1, M * P))) for _ in seqs
+        ]
+        return name, seqs, counts
     if name == "fork":
         return name, draw_seq(data, live), draw_seq(data, idle)
     if name == "slot_mapping":
@@ -228,6 +273,10 @@ def apply(fns, state, op):
     if name == "append_slot_batch":
         state, pairs, statuses = fns[name](state, np.asarray(args[0], np.int32))
         return state, statuses, pairs
+    if name == "append_slots_batch":
+        seqs, counts = (np.asarray(a, np.int32) for a in args)
+        state, pairs, statuses = fns[name](state, seqs, counts)
+        return state, statuses, pairs
     if name == "append_slot":
         state, pair = fns[name](state, *args)
         return state, None, pair
@@ -242,8 +291,8 @@ def check_against_host(host: HostModel, op, state, statuses, extra):
         np.testing.assert_array_equal(extra, host.slot_mapping(*args), err_msg=where)
     elif name == "can_allocate":
         assert bool(extra) == (args[0] >= 0 and host.bm.can_allocate(args[0])), where
-    elif name == "append_slot_batch":
-        want, pairs = host.append_slot_batch(*args)
+    elif name in ("append_slot_batch", "append_slots_batch"):
+        want, pairs = getattr(host, name)(*args)
         assert [Status(int(s)) for s in statuses] == want, where
         assert np.asarray(extra).tolist() == [list(p) for p in pairs], where
         first = next((s for s in want if s != Status.OK), Status.OK)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_paged_decode, tol
+from helpers import assert_close, make_paged_decode, tol
 from jax.experimental import checkify
 from robustness_probes import PROBES, run
 
@@ -75,10 +75,10 @@ def test_contract(probe, backend, tmp_path):
 
 
 def test_checked_names_the_argument_and_sequence(rng):
-    c = make_paged_decode(rng, [5, 17, 3], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    c = make_paged_decode(rng, [5, 17, 3], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4)
     f = jaxattn.checked(lambda q, k, v, t, s: jaxattn.paged_attention(q, k, v, t, s))
     args = [c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens]
-    np.testing.assert_allclose(f(*args), jaxattn.reference.paged_attention(*args), rtol=1e-6)
+    assert_close(f(*args), jaxattn.reference.paged_attention(*args))
     with pytest.raises(checkify.JaxRuntimeError, match=r"block_tables\[1\] holds a page"):
         f(*args[:3], c.block_tables.at[1, 3].set(-1), c.seq_lens)
     with pytest.raises(checkify.JaxRuntimeError, match=r"seq_lens\[2\] must lie in"):
@@ -95,7 +95,7 @@ def test_checked_names_the_argument_and_sequence(rng):
 def test_checked_extend_names_the_request(rng):
     from helpers import make_extend
 
-    e = make_extend(rng, [3, 0], [2, 4], num_q_heads=4, num_kv_heads=2, head_dim=16)
+    e = make_extend(rng, [3, 0], [2, 4], num_q_heads=4, num_kv_heads=2, head_dim=32)
     f = jaxattn.checked(lambda *a: jaxattn.extend_attention(*a))
     args = [e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices]
     f(*args)
@@ -105,16 +105,64 @@ def test_checked_extend_names_the_request(rng):
         f(*args[:3], e.qo_indptr.at[1].set(9), *args[4:])
 
 
+def test_checked_cascade_names_the_prefix_and_request(rng):
+    from helpers import call_cascade, make_cascade
+
+    c = make_cascade(
+        rng,
+        [3, 2],
+        [0, 1, 0, -1],
+        [5, 0, 17, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+    )
+    f = jaxattn.checked(lambda *a: jaxattn.cascade_attention(*a))
+    args = [
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.prefix_tables,
+        c.prefix_lens,
+        c.prefix_of,
+        c.block_tables,
+        c.seq_lens,
+    ]
+    np.testing.assert_allclose(
+        f(*args), call_cascade(jaxattn.reference.cascade_attention, c), rtol=1e-6
+    )
+
+    def swap(i, x):
+        return f(*args[:i], x, *args[i + 1 :])
+
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_tables\[1\] holds a page"):
+        swap(3, c.prefix_tables.at[1, 1].set(-1))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_lens\[0\] must be a multiple"):
+        swap(4, c.prefix_lens.at[0].set(5))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"prefix_of\[2\] must lie in \[-1, 2\)"):
+        swap(5, c.prefix_of.at[2].set(2))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"block_tables\[2\] holds a page"):
+        swap(6, c.block_tables.at[2, 4].set(10**5))
+    # A prefix nobody continues is never read: its metadata may be anything.
+    f(*args[:4], c.prefix_lens.at[1].set(-3), c.prefix_of.at[1].set(-1), *args[6:])
+    # Eagerly, the same checks raise ValueError naming the prefix.
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\] must be a multiple"):
+        jaxattn.cascade_attention(*args[:4], c.prefix_lens.at[0].set(5), *args[5:])
+    with pytest.raises(ValueError, match="prefix_of must lie in"):
+        jaxattn.cascade_attention(*args[:5], c.prefix_of.at[0].set(7), *args[6:])
+
+
 # --- empty inputs ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_empty_inputs_agree(rng, backend):
-    c = make_paged_decode(rng, [5, 0], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    c = make_paged_decode(rng, [5, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4)
     out = jaxattn.paged_attention(
         c.q[:0], c.k_cache, c.v_cache, c.block_tables[:0], c.seq_lens[:0], implementation=backend
     )
-    assert out.shape == (0, 4, 16)
+    assert out.shape == (0, 4, 32)
     # A table of width 0 addresses nothing: length 0 gives zeros, any other length is out of
     # range (NaN under jit; eagerly it is a ValueError).
     f = jax.jit(lambda *a: jaxattn.paged_attention(*a, implementation=backend))
@@ -125,8 +173,8 @@ def test_empty_inputs_agree(rng, backend):
         jaxattn.paged_attention(
             c.q, c.k_cache, c.v_cache, c.block_tables[:, :0], jnp.array([0, 3], jnp.int32)
         )
-    q = jnp.zeros((0, 4, 16), jnp.float32)
-    pool = jnp.zeros((8, 2, 16), jnp.float32)
+    q = jnp.zeros((0, 4, 32), jnp.float32)
+    pool = jnp.zeros((8, 2, 32), jnp.float32)
     out = jaxattn.extend_attention(
         q,
         pool,
@@ -136,7 +184,7 @@ def test_empty_inputs_agree(rng, backend):
         jnp.zeros(0, jnp.int32),
         implementation=backend,
     )
-    assert out.shape == (0, 4, 16)
+    assert out.shape == (0, 4, 32)
 
 
 def test_merge_states_propagates_nan_and_inf():

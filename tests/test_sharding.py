@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, make_extend, make_paged_decode, make_prefix_prefill
+from helpers import (
+    assert_close,
+    make_cascade,
+    make_extend,
+    make_paged_decode,
+    make_prefix_prefill,
+)
 from jax.sharding import PartitionSpec as P
 
 import jaxattn
@@ -40,6 +46,7 @@ PLAN = {  # op -> backend -> (mesh size, layout); vllm is read by the reference 
     "paged": {"reference": (8, "vllm"), "pallas": (2, "bshd"), "native": (4, "bhsd")},
     "prefill": {"reference": (4, "vllm"), "pallas": (8, "bhsd"), "native": (2, "bshd")},
     "extend": {"reference": (2, "pool"), "pallas": (4, "pool"), "native": (8, "pool")},
+    "cascade": {"reference": (4, "bhsd"), "pallas": (8, "bshd"), "native": (2, "bhsd")},
 }
 
 
@@ -92,9 +99,10 @@ def assert_head_split(out, n):
 
 
 def test_make_mesh():
-    mesh = S.make_mesh(4)
-    assert mesh.shape == {S.AXIS: 4} and mesh.axis_names == (S.AXIS,)
-    assert list(mesh.devices) == jax.devices()[:4]
+    n = min(4, jax.device_count())
+    mesh = S.make_mesh(n)
+    assert mesh.shape == {S.AXIS: n} and mesh.axis_names == (S.AXIS,)
+    assert list(mesh.devices) == jax.devices()[:n]
     assert S.make_mesh().size == jax.device_count()
     with pytest.raises(ValueError, match="exceeds"):
         S.make_mesh(jax.device_count() + 1)
@@ -216,6 +224,39 @@ def test_extend_attention(rng, impl, n, hq, hkv, layout):
     assert_head_split(sharded, n)
 
 
+@pytest.mark.parametrize("impl,n,hq,hkv,layout", list(_cases("cascade")))
+def test_cascade_attention(rng, impl, n, hq, hkv, layout):
+    mesh = _mesh(n)
+    c = make_cascade(
+        rng,
+        [3, 1],
+        [0, 1, 0, -1, 0],
+        [2, 9, 0, 5, 17],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        layout=layout,
+    )
+    args = (
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.prefix_tables,
+        c.prefix_lens,
+        c.prefix_of,
+        c.block_tables,
+        c.seq_lens,
+    )
+    kw = dict(layout=layout, implementation=impl)
+    single = _jit(jaxattn.cascade_attention, **kw)(*args)
+    k, v = S.shard_kv_cache(c.k_cache, c.v_cache, mesh, layout=layout)
+    tp = S.TensorParallel(mesh)
+    sharded = jax.jit(functools.partial(tp.cascade_attention, **kw))(c.q, k, v, *args[3:])
+    assert_same(sharded, single, impl)
+    assert_head_split(sharded, n)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize(
     "impl",
@@ -234,8 +275,8 @@ def test_ops_inside_a_users_shard_map(rng, impl, check_vma):
     path) refuses with a reason under the check, and runs without it."""
     n = 4 if jax.device_count() >= 4 else jax.device_count()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("x",))
-    c = make_paged_decode(rng, [5, 17], num_q_heads=8, num_kv_heads=4, head_dim=16, page_size=4)
-    e = make_extend(rng, [3, 0], [2, 5], num_q_heads=8, num_kv_heads=4, head_dim=16)
+    c = make_paged_decode(rng, [5, 17], num_q_heads=8, num_kv_heads=4, head_dim=32, page_size=4)
+    e = make_extend(rng, [3, 0], [2, 5], num_q_heads=8, num_kv_heads=4, head_dim=32)
     heads, rep = P(None, "x"), P()
 
     def decode(q, k, v, t, s):

@@ -17,10 +17,10 @@ namespace ffi_common {
 
 namespace ffi = xla::ffi;
 
-// The version of the operand lists below. jaxattn/native.py refuses a library that reports
-// another (a stale build), instead of letting XLA fail on an operand count. 2: the per-head
-// scale operands and FP8 caches.
-constexpr int kFfiAbi = 2;
+// The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
+// a library that reports another (a stale build), instead of letting XLA fail on an operand
+// count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them.
+constexpr int kFfiAbi = 3;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 

@@ -1,7 +1,9 @@
 // XLA FFI handlers for the CPU platform: shape checks, dtype dispatch, then the plain C++
 // implementation in jaxattn/cpu_attention.h.
+#include "cascade_ffi.h"
 #include "ffi_common.h"
 #include "jaxattn/cpu_attention.h"
+#include "jaxattn/cpu_cascade.h"
 
 namespace ffi = xla::ffi;
 
@@ -91,6 +93,27 @@ ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
                   [&](auto t, auto c) { cpu::prefill<decltype(t), decltype(c)>(p); });
 }
 
+ffi::Error CascadeAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> prefix_tables,
+                               ffi::Buffer<ffi::S32> prefix_lens, ffi::Buffer<ffi::S32> prefix_of,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
+                               float soft_cap, int32_t layout, int32_t prefix_target,
+                               int32_t prefix_splits, int32_t partition_size) {
+  CascadeParams p;
+  KvType kv;
+  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
+                                               block_tables, seq_lens, k_scale, v_scale, *out,
+                                               *workspace, scale, soft_cap, layout, prefix_target,
+                                               prefix_splits, partition_size, &p, &kv);
+      e.failure())
+    return e;
+  return dispatch(q.element_type(), kv,
+                  [&](auto t, auto c) { cpu::cascade_decode<decltype(t), decltype(c)>(p); });
+}
+
 }  // namespace
 }  // namespace jaxattn
 
@@ -102,6 +125,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillCpu, jaxattn::PrefixPrefillCpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionCpu, jaxattn::ExtendAttentionCpu,
                               jaxattn::ffi_common::bind_extend_attention(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionCpu, jaxattn::CascadeAttentionCpu,
+                              jaxattn::ffi_common::bind_cascade_attention(ffi::Ffi::Bind()));
 
 // The operand-list version of these handlers (ffi_common::kFfiAbi), checked by jaxattn/native.py.
 extern "C" int jaxattn_ffi_abi() { return jaxattn::ffi_common::kFfiAbi; }

@@ -2,6 +2,8 @@
 // stream type coming from jaxattn/gpu_vendor.h.
 #include <string>
 
+#include "cascade_ffi.h"
+#include "cascade_launch.h"
 #include "ffi_common.h"
 #include "gpu_launch.h"
 
@@ -108,6 +110,33 @@ ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   return launched("extend attention", gpu::launch_prefill(dt, kt, p, stream));
 }
 
+ffi::Error CascadeAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> prefix_tables,
+                               ffi::Buffer<ffi::S32> prefix_lens, ffi::Buffer<ffi::S32> prefix_of,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
+                               float soft_cap, int32_t layout, int32_t prefix_target,
+                               int32_t prefix_splits, int32_t partition_size) {
+  CascadeParams p;
+  ffi_common::KvType kv;
+  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
+                                               block_tables, seq_lens, k_scale, v_scale, *out,
+                                               *workspace, scale, soft_cap, layout, prefix_target,
+                                               prefix_splits, partition_size, &p, &kv);
+      e.failure())
+    return e;
+  // The GPU cascade kernels read 16-bit (or f32) K/V through ldmatrix / mma.sync and the SIMT
+  // kernel's 16-byte vectors: an FP8 cache is refused here, as jaxattn/native.py's supports()
+  // refuses it before any call.
+  if (kv != ffi_common::KvType::kSame)
+    return ffi_common::invalid("the GPU cascade kernels read a KV cache in q's dtype, not FP8");
+  gpu::DType dt;
+  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
+  return launched("cascade decode", gpu::launch_cascade(dt, p, stream));
+}
+
 }  // namespace
 }  // namespace jaxattn
 
@@ -121,6 +150,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillGpu, jaxattn::PrefixPrefillGpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionGpu, jaxattn::ExtendAttentionGpu,
                               jaxattn::ffi_common::bind_extend_attention(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionGpu, jaxattn::CascadeAttentionGpu,
+                              jaxattn::ffi_common::bind_cascade_attention(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
 
 // The operand-list version of these handlers (ffi_common::kFfiAbi), checked by jaxattn/native.py.
@@ -146,4 +179,24 @@ extern "C" int jaxattn_decode_occupancy(int dtype, int kv, int head_dim, int gro
     return 2;
   }
   return jaxattn::gpu::decode_occupancy(dt, kt, head_dim, group, blocks_per_sm) == nullptr ? 0 : 3;
+}
+
+// Host query for jaxattn/native.py's cascade grid: the query rows of a prefix tile and the
+// resident blocks per multiprocessor of the cascade kernel the launcher runs for dtype (0
+// float32, 1 bfloat16, 2 float16) and head_dim on the current device, and that device's
+// multiprocessor count. group is checked against what the kernels serve. Returns 0 on success.
+extern "C" int jaxattn_cascade_tile(int dtype, int head_dim, int group, int* rows,
+                                    int* blocks_per_sm, int* num_sms) {
+  using jaxattn::gpu::DType;
+  if (dtype < 0 || dtype > 2 || group < 1 || group > 8 || rows == nullptr ||
+      blocks_per_sm == nullptr || num_sms == nullptr)
+    return 1;
+  const DType dt = dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kBF16 : DType::kF16;
+  int dev = 0;
+  if (gpuGetDevice(&dev) != gpuSuccess ||
+      gpuDeviceGetAttribute(num_sms, gpuDevAttrMultiProcessorCount, dev) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 2;
+  }
+  return jaxattn::gpu::cascade_tile(dt, head_dim, rows, blocks_per_sm) == nullptr ? 0 : 3;
 }

@@ -510,6 +510,22 @@ int run_robustness(std::mt19937& rng) {
        [](Problem& P) { P.v[kv_elem(P, 4, 200, 1, 60)] = kNaN16; }},
       {"inf in V at a diagonal key (request 4, key 260, KV head 0)", true, true,
        [](Problem& P) { P.v[kv_elem(P, 4, 260, 0, 2)] = P.c.f16 ? kInfF16 : kInfBf16; }},
+      // Key 7 of request 0 (lq 3, lk 8) is hidden from rows 0 and 1 in the first key tile.
+      {"NaN in V at request 0's last key (the first key tile)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 0, 7, 1, 9)] = kNaN16; }},
+      // Key 195 of request 4 (lq 130, lk 330): every row of its tiles sees it, also in the
+      // first tile (rows 0.., keys from 201 hidden), where it shares a key tile with keys
+      // the mask hides; not sanitised, the product gives the row's non-finite value.
+      {"inf in V at request 4's key 195 (seen by every row, in a masked key tile)", true, true,
+       [](Problem& P) { P.v[kv_elem(P, 4, 195, 1, 4)] = P.c.f16 ? kInfF16 : kInfBf16; }},
+      // Keys 210 and 260 of request 4: hidden from the first rows of its first tile, in two
+      // key tiles of one block; element 5 sees both (the smaller decides), element 6 one.
+      {"NaN in V at request 4's keys 210 and 260 (two masked key tiles of a block)", true, true,
+       [](Problem& P) {
+         P.v[kv_elem(P, 4, 210, 1, 5)] = kNaN16;
+         P.v[kv_elem(P, 4, 260, 1, 5)] = kNaN16;
+         P.v[kv_elem(P, 4, 260, 1, 6)] = kNaN16;
+       }},
   };
   const Layout bshd = Layout::kBSHD;
   // name, lq, prefix, hq, hkv, d, page_size, layout, pool, cap, f16, pad_rows
@@ -734,18 +750,24 @@ int main(int argc, char** argv) {
     failed += run_robustness(rng);
   }
   if (bench) {
-    std::printf("timings (bf16, D=128, 32/8, page 16, bshd; median of 10 after warm-up):\n");
+    std::printf("timings (bf16, D=128, 32/8, bshd, page 16 / pool; median of 10 after warm-up):\n");
     const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
                       bshd, false, 0.f, false, 0};
     if (bench_case("8 x (2048 + 512)", big, rng)) ++failed;
     const Case longq = {"", {8192}, {0}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
     if (bench_case("1 x (0 + 8192)", longq, rng)) ++failed;
+    // A short extend over a token pool: the mma kernel's case (auto picks it below 64 new
+    // tokens a request).
+    const Case extend = {"", std::vector<int>(32, 24), std::vector<int>(32, 1000), 32, 8, 128, 1,
+                         bshd, true, 0.f, false, 0};
+    if (bench_case("32 x (1000 + 24), pool", extend, rng)) ++failed;
     std::printf("timings over an e4m3 cache with per-head scales (bf16 q, the rest as above):\n");
-    Case big8 = big, longq8 = longq;
-    big8.kv8 = longq8.kv8 = 1;
-    big8.scaled = longq8.scaled = true;
+    Case big8 = big, longq8 = longq, extend8 = extend;
+    big8.kv8 = longq8.kv8 = extend8.kv8 = 1;
+    big8.scaled = longq8.scaled = extend8.scaled = true;
     if (bench_case("8 x (2048 + 512) e4m3", big8, rng)) ++failed;
     if (bench_case("1 x (0 + 8192) e4m3", longq8, rng)) ++failed;
+    if (bench_case("32 x (1000 + 24), pool, e4m3", extend8, rng)) ++failed;
   }
   std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
   return failed ? 1 : 0;

@@ -1,23 +1,37 @@
 """Serving engine: continuous batching over the paged KV pool and the radix prefix cache."""
 
+from .config import Buckets, CacheConfig, ExecutionConfig, SchedulerConfig, bucket
 from .engine import Engine, RequestError
-from .pool import PagePool
+from .kv_cache import KVCacheManager, PrefixMatch
+from .model import CausalLM
 from .progress import ProgressBar
-from .runner import Buckets, ModelRunner, bucket
+from .runner import DecodeRows, ModelRunner, StepOutput, StepWork
 from .sampling import sample, sample_keys
-from .scheduler import Scheduler, Sequence, StepPlan
+from .scheduler import Chunk, Decode, Scheduler, Sequence, StepPlan
+from .stats import StatsCollector
 from .verify import VerifyReport, check_outputs, dense_logits
 
 __all__ = [
     "Buckets",
+    "CacheConfig",
+    "CausalLM",
+    "Chunk",
+    "Decode",
+    "DecodeRows",
     "Engine",
+    "ExecutionConfig",
+    "KVCacheManager",
     "ModelRunner",
-    "PagePool",
-    "RequestError",
+    "PrefixMatch",
     "ProgressBar",
+    "RequestError",
     "Scheduler",
+    "SchedulerConfig",
     "Sequence",
+    "StatsCollector",
+    "StepOutput",
     "StepPlan",
+    "StepWork",
     "VerifyReport",
     "bucket",
     "check_outputs",

@@ -3,17 +3,23 @@
 Each :meth:`Engine.step`:
 
 1. the :class:`~jaxattn.engine.scheduler.Scheduler` plans the step on the host: decode
-   slots for every running sequence (evicting cache leaves or preempting the newest
-   sequence when the pool runs dry), the next chunk of every prompt being prefilled, and
-   new requests admitted longest-cached-prefix first while memory and the token budget
-   allow;
-2. the :class:`~jaxattn.engine.runner.ModelRunner` applies copy-on-write page copies,
-   runs the extend chunks (``extend_attention`` / ``prefix_prefill`` over the pool) and
-   the decode batch (``paged_attention``), each drawing its tokens on the device;
-3. the scheduler commits the tokens: prompts that ended fork into their ``n`` samples,
-   finished sequences go into the cache and release their pages.
+   slots for every running sequence (``decode_steps`` of them when no request needs the
+   host in between), the next chunk of every prompt being prefilled, and new requests
+   admitted longest-cached-prefix first while memory and the token budget allow;
+2. the engine turns the plan into device work (decode rows to start, table entries that
+   changed, extend chunks) and the :class:`~jaxattn.engine.runner.ModelRunner` enqueues
+   it: copy-on-write copies, the extend chunks (``extend_attention`` / ``prefix_prefill``
+   over the pool) and the decode steps (``paged_attention``), sampling on the device;
+3. the scheduler commits the tokens of a step once they are read: prompts that ended
+   fork into their ``n`` samples, finished sequences go into the cache and release their
+   pages.
 
-See :mod:`jaxattn.engine.scheduler` for the memory model.
+With ``overlap`` (the default) step 3 of step ``t`` runs after steps 1-2 of step ``t + 1``:
+the host plans and enqueues the next step while the device runs the current one, and a
+step's results are read one :meth:`step` later. The outputs are the same token for token;
+only the step in which a finished sequence is reported moves.
+
+Memory: :mod:`jaxattn.engine.kv_cache`. Settings: :mod:`jaxattn.engine.config`.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ import itertools
 import numbers
 import time
 from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
 import numpy as np
 
-from jaxattn.models.llama import LlamaConfig
-
+from .config import CacheConfig, ExecutionConfig, SchedulerConfig, bucket, split_engine_kwargs
+from .kv_cache import KVCacheManager
+from .model import check_model
 from .progress import ProgressBar
-from .runner import Buckets, DecodeItem, ExtendItem, ModelRunner
-from .scheduler import Scheduler, Sequence
+from .runner import DecodeRows, DecodeWork, ExtendItem, ModelRunner, PageUpload, StepWork
+from .scheduler import Scheduler, Sequence, StepPlan
+from .stats import StatsCollector
 
 __all__ = ["Engine", "RequestError"]
 
@@ -51,6 +60,27 @@ class RequestError(RuntimeError):
 
 _FROM_CONFIG = object()
 
+_COUNTERS = (
+    "requests",
+    "prompt_tokens",
+    "generated_tokens",
+    "steps",
+    "extend_calls",
+    "decode_calls",
+    "decode_steps",
+    "prefix_hit_tokens",
+    "prefill_tokens",
+    "decode_tokens",
+    "preemptions",
+    "evicted_tokens",
+    "cow_copies",
+    "forks",
+    "deduplicated_pages",
+    "admissions",
+    "syncs",
+)
+_TIMERS = ("time_s", "compile_steps_time_s", "schedule_s", "launch_s", "commit_s", "wait_s")
+
 
 def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
@@ -58,110 +88,113 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
+class _InFlight(NamedTuple):
+    plan: StepPlan
+    work: StepWork
+    handle: object
+
+
 class Engine:
-    """Serve a Llama model from a paged KV pool of ``num_pages`` pages of ``page_size``
-    tokens (per layer).
+    """Serve a causal LM from a paged KV pool.
 
     Args:
-      cfg, params: the model (:mod:`jaxattn.models.llama`).
-      num_pages, page_size: the KV pool; it takes ``num_pages * page_size *
-        cfg.kv_bytes_per_token()`` bytes.
-      max_batch_tokens: tokens computed per step, decode tokens included; longer prompts
-        are prefilled in chunks over several steps.
-      max_running: sequences decoding at once.
-      radix_cache: reuse KV across requests through the radix prefix cache.
-      policy: admission order, ``"lpm"`` (longest cached prefix first) or ``"fcfs"``.
-      new_token_ratio, dedup_tokens: admission tuning (see
-        :class:`~jaxattn.engine.scheduler.Scheduler`).
-      layout: KV pool layout (``"bshd"``, ``"bhsd"``, ``"vllm"``).
-      extend_attention: ``"extend"`` or ``"prefix_prefill"`` (None: ``"extend"`` for bshd).
-      implementation: attention backend (None: the fastest that serves the platform).
-      partition_size: split-KV partition size for decode.
-      buckets: shape bucket floors (:class:`~jaxattn.engine.runner.Buckets`).
-      mesh: serve tensor-parallel over this 1-D mesh (:func:`jaxattn.sharding.make_mesh`):
-        heads, MLP and the pool's KV heads split over its devices, while pages, block
-        tables and the radix cache stay global, so scheduling and outputs are those of one
-        device. None: one device.
+      cfg: the model: anything with the engine's model protocol
+        (:class:`~jaxattn.engine.model.CausalLM`), e.g. a
+        :class:`~jaxattn.models.llama.LlamaConfig`.
+      params: its parameters.
+      cache: the pool and the prefix cache (:class:`~jaxattn.engine.CacheConfig`); it takes
+        ``num_pages * page_size * cfg.kv_bytes_per_token()`` bytes.
+      scheduler: admission, chunking, multi-step decode and overlap
+        (:class:`~jaxattn.engine.SchedulerConfig`).
+      execution: attention backends, shape buckets, tensor parallelism
+        (:class:`~jaxattn.engine.ExecutionConfig`).
       eos_token_id: stop token(s); default ``cfg.eos_token_id``; None or () for none.
-      debug: check every page reference and that no shared page is written, each step.
+      debug: check every page reference, that no shared page is written and that the
+        device's decode rows hold the host's tables, each step.
       track_waste: measure, every step, the KV slots allocated but not holding a token,
         paged against a contiguous preallocation (``kv_waste_*`` in :attr:`stats`).
       runner: run the steps on this object instead of a new
-        :class:`~jaxattn.engine.runner.ModelRunner` (anything with its ``extend``,
-        ``decode``, ``copy_pages``, ``trace_counts``, ``backends`` and ``kv_bytes``; e.g. a
-        stand-in that checks the memory traffic in tests). ``params`` and ``mesh`` are
-        then unused.
+        :class:`~jaxattn.engine.runner.ModelRunner` (anything with its ``launch``,
+        ``collect``, ``trace_counts``, ``backends`` and ``kv_bytes``; e.g. a stand-in that
+        checks the memory traffic in tests). ``params`` and ``execution.mesh`` are then
+        unused.
+      **kwargs: the fields of the three records as keywords (``num_pages=``,
+        ``page_size=``, ``max_batch_tokens=``, ``mesh=`` ...), for a record not passed.
     """
 
     def __init__(
         self,
-        cfg: LlamaConfig,
-        params: dict,
+        cfg,
+        params,
         *,
-        num_pages: int,
-        page_size: int = 16,
-        max_batch_tokens: int = 512,
-        max_running: int = 64,
-        radix_cache: bool = True,
-        policy: str = "lpm",
-        new_token_ratio: float = 0.3,
-        dedup_tokens: int | None = None,
-        layout: str = "bshd",
-        extend_attention: str | None = None,
-        implementation: str | None = None,
-        partition_size: int | None = None,
-        buckets: Buckets | None = None,
-        mesh=None,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        execution: ExecutionConfig | None = None,
         eos_token_id=_FROM_CONFIG,
         debug: bool = False,
         track_waste: bool = False,
         runner=None,
+        **kwargs,
     ):
-        if not isinstance(cfg, LlamaConfig):
-            raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
-        num_pages = _check_int("num_pages", num_pages, 1)
-        page_size = _check_int("page_size", page_size, 1)
-        max_batch_tokens = _check_int("max_batch_tokens", max_batch_tokens, 1)
-        max_running = _check_int("max_running", max_running, 1)
+        model = check_model(cfg)
+        cache, scheduler, execution = split_engine_kwargs(cache, scheduler, execution, kwargs)
         if eos_token_id is _FROM_CONFIG:
-            stop = cfg.eos_token_id
+            stop = model.eos_token_id
         elif eos_token_id is None:
             stop = ()
         elif isinstance(eos_token_id, numbers.Integral):
             stop = (eos_token_id,)
         else:
             stop = tuple(eos_token_id)
-        if not all(isinstance(t, numbers.Integral) and 0 <= t < cfg.vocab_size for t in stop):
+        if not all(isinstance(t, numbers.Integral) and 0 <= t < model.vocab_size for t in stop):
             raise ValueError(f"eos_token_id must be token ids below vocab_size, got {stop!r}")
         self.stop_ids = frozenset(int(t) for t in stop)
-        self.cfg = cfg
+        self.cfg = model
+        self.cache_config, self.scheduler_config, self.execution_config = (
+            cache,
+            scheduler,
+            execution,
+        )
         self.debug = debug
         self.track_waste = track_waste
+        self.num_pages, self.page_size = cache.num_pages, cache.page_size
+        self.collector = StatsCollector(_COUNTERS, _TIMERS)
+        self.kv = KVCacheManager(
+            cache.num_pages, cache.page_size, radix_cache=cache.radix_cache, stats=self.collector
+        )
+        self.scheduler = Scheduler(self.kv, scheduler, self.collector)
+        rows = bucket(scheduler.max_running)
         self.runner = runner or ModelRunner(
-            cfg,
+            model,
             params,
-            num_pages=num_pages,
-            page_size=page_size,
-            layout=layout,
-            extend_attention=extend_attention,
-            implementation=implementation,
-            partition_size=partition_size,
-            buckets=buckets,
-            mesh=mesh,
+            num_pages=cache.num_pages,
+            page_size=cache.page_size,
+            layout=cache.layout,
+            extend_attention=execution.extend_attention,
+            implementation=execution.implementation,
+            partition_size=execution.partition_size,
+            buckets=execution.buckets,
+            mesh=execution.mesh,
+            max_rows=rows,
+            stop_width=len(self.stop_ids),
+            decode_steps=scheduler.decode_steps,
+            unroll_layers=execution.unroll_layers,
         )
-        self.scheduler = Scheduler(
-            num_pages,
-            page_size,
-            max_batch_tokens=max_batch_tokens,
-            max_running=max_running,
-            radix_cache=radix_cache,
-            policy=policy,
-            new_token_ratio=new_token_ratio,
-            dedup_tokens=dedup_tokens,
+        max_pos = model.max_position_embeddings
+        self.device_paging = execution.device_paging
+        self.scheduler.defer_reservations = self.device_paging
+        self.rows = DecodeRows(
+            rows,
+            min(cache.num_pages, -(-max_pos // cache.page_size)),
+            max(1, len(self.stop_ids)),
+            tables=not self.device_paging,
         )
-        self.num_pages, self.page_size = num_pages, page_size
+        self._pages_synced = None
+        self._buckets = execution.buckets
+        self._inflight: _InFlight | None = None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        self.collector.add_source(self._gauges)
         self.reset_stats()
 
     # -- requests ---------------------------------------------------------------------------
@@ -191,7 +224,7 @@ class Engine:
                 f"needs {len(prompt) + max_new_tokens} positions, more than the model's "
                 f"max_position_embeddings={limit}"
             )
-        need = self.scheduler.pages_for(len(prompt) + max_new_tokens - 1)
+        need = self.kv.pages_for(len(prompt) + max_new_tokens - 1)
         if need > self.num_pages:
             raise ValueError(
                 f"prompts[{i}] ({len(prompt)} tokens) with max_new_tokens={max_new_tokens} "
@@ -224,9 +257,13 @@ class Engine:
         prompt = self._check_prompt(0, prompt, max_new_tokens)
         return self._queue(prompt, max_new_tokens, temperature, top_p, n, seed, ignore_eos, tag, 0)
 
-    @staticmethod
-    def _check_sampling(n, seed, temperature, top_p) -> None:
+    def _check_sampling(self, n, seed, temperature, top_p) -> None:
         _check_int("n", n, 1)
+        if n > self.scheduler_config.max_running:
+            raise ValueError(
+                f"n={n} parallel samples exceed max_running="
+                f"{self.scheduler_config.max_running}: they decode at once"
+            )
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
         if not 0 <= seed < 2**31:
@@ -255,75 +292,354 @@ class Engine:
             tag=tag,
         )
         self.scheduler.add(seq)
-        self._stats["requests"] += 1
-        self._stats["prompt_tokens"] += len(prompt)
+        self.collector.count("requests")
+        self.collector.count("prompt_tokens", len(prompt))
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one scheduler step; return the sequences that finished in it."""
+        """Run one scheduler step; return the sequences whose results were read in it and
+        that finished (with ``overlap``, those of the previous step's dispatch)."""
         t0 = time.perf_counter()
-        compiled_before = sum(self.runner.trace_counts.values())
-        sched = self.scheduler
-        plan = sched.schedule()
-        if not plan:
+        trace_counts = getattr(self.runner, "trace_counts", {})
+        compiled_before = sum(trace_counts.values())
+        sched, stats = self.scheduler, self.collector
+        done: list[Sequence] = []
+        with stats.timer("schedule_s"):
+            plan = sched.schedule(in_flight=self._inflight is not None)
+        if plan is None:
+            # Only a preemption makes room, and that needs the exact state: read the
+            # dispatch in flight first.
+            stats.count("syncs")
+            done += self._commit(self._inflight)
+            self._inflight = None
+            with stats.timer("schedule_s"):
+                plan = sched.schedule(in_flight=False)
+        launched = None
+        if plan:
+            with stats.timer("launch_s"):
+                work = self._work(plan)
+                if self.debug:
+                    self._check_writes(plan)
+                launched = _InFlight(plan, work, self.runner.launch(work))
+            if self.debug:
+                self._check_rows()
+            stats.count("steps")
+            stats.count("extend_calls", bool(work.extend))
+            stats.count("decode_calls", work.decode is not None)
+            stats.count("decode_steps", plan.decode_steps if work.decode is not None else 0)
+            self._track_memory()
+        else:
+            for seq in plan.preempted:
+                self.rows.release(seq)
+        if self._inflight is not None:
+            done += self._commit(self._inflight)
+        self._inflight = launched
+        if self._inflight is not None and (
+            not self.scheduler_config.overlap or not sched.has_work()
+        ):
+            # Without overlap every step is read at once; with it, a dispatch whose
+            # sequences all finished meanwhile holds only void work: read it, so that an
+            # engine with nothing to do is idle.
+            done += self._commit(self._inflight)
+            self._inflight = None
+        if launched is None and not done:
             self._idle_steps += 1
-            if self._idle_steps > 2 and sched.has_work():
+            if self._idle_steps > 2 and self.has_work():
                 raise RuntimeError(
                     f"no progress: {len(sched.waiting)} waiting and {len(sched.running)} "
                     "running sequences, none schedulable"
                 )
-            return []
-        self._idle_steps = 0
+        else:
+            self._idle_steps = 0
+        spent = time.perf_counter() - t0
+        stats.add_time("time_s", spent)
+        if sum(trace_counts.values()) != compiled_before:
+            stats.add_time("compile_steps_time_s", spent)
         if self.debug:
-            self._check_writes(plan)
-        if plan.copies:
-            self.runner.copy_pages(plan.copies)
-        extend_tokens = decode_tokens = ()
-        if plan.extend:
-            items = [
+            sched.check_invariants()
+        return done
+
+    def _work(self, plan: StepPlan) -> StepWork:
+        """The device work of a plan: decode rows to start, table entries that changed,
+        extend chunks, the decode dispatch."""
+        kv, rows = self.kv, self.rows
+        for seq in plan.preempted:
+            rows.release(seq)
+        extend = []
+        for seq, start, end, draws in plan.extend:
+            samples, targets = (), ()
+            if draws:
+                samples = tuple(self.scheduler.draws(seq))
+                # A prompt that ends here and decodes on (no forks to make first) starts
+                # from its row, where the extend writes the drawn token.
+                if not seq.fork_ids and seq.budget > 0:
+                    rows.assign(
+                        seq, token=0, position=end, remaining=seq.budget, table=kv.table(seq.seq_id)
+                    )
+                    targets = (seq.row,)
+            extend.append(
                 ExtendItem(
                     np.asarray(seq.tokens[start:end], np.int32),
                     start,
                     end,
-                    np.asarray(seq.table, np.int32),
-                    tuple(sched.draws(seq)) if draws else (),
+                    np.asarray(kv.table(seq.seq_id), np.int32),
+                    samples,
+                    targets,
                 )
-                for seq, start, end, draws in plan.extend
-            ]
-            extend_tokens = self.runner.extend(items)
-            self._stats["extend_calls"] += 1
+            )
+        steps = plan.decode_steps
+        for seq, position in plan.decode:
+            if seq.row is None:
+                # Its last token is known here (a fork, or a sequence that decoded before
+                # its row was needed): the row starts from the host.
+                assert seq.pending == steps, f"seq {seq.seq_id} has tokens in flight"
+                rows.assign(
+                    seq,
+                    token=seq.tokens[-1],
+                    position=position,
+                    remaining=seq.budget + steps,
+                    table=kv.table(seq.seq_id),
+                )
+        copies, pages, counts = plan.copies, None, None
+        if self.device_paging and plan.decode:
+            pages, counts = self._page_work(plan)
+        elif plan.deferred:
+            for seq, position in plan.decode:
+                copies = copies + kv.reserve(seq.seq_id, position + steps)
+            kv.promised = 0
+        changed = kv.take_changed()
+        if changed:
+            for row in range(rows.capacity):
+                seq = rows.seq(row)
+                if seq is not None and seq.seq_id in changed:
+                    rows.sync_table(seq, kv.table(seq.seq_id), changed[seq.seq_id])
+        decode = None
         if plan.decode:
-            items = [
-                DecodeItem(
-                    seq.tokens[-1],
-                    seq.num_computed,
-                    np.asarray(seq.table, np.int32),
-                    seq.seed,
-                    seq.sample_id,
-                    seq.temperature,
-                    seq.top_p,
-                )
-                for seq in plan.decode
-            ]
-            decode_tokens = self.runner.decode(items)
-            self._stats["decode_calls"] += 1
-        self._track_memory()
-        drawn = len(plan.decode) + sum(1 + len(q.fork_ids) for q, _, _, d in plan.extend if d)
-        done = sched.commit(plan, extend_tokens, decode_tokens)
-        self._stats["steps"] += 1
-        self._stats["generated_tokens"] += drawn
-        spent = time.perf_counter() - t0
-        self._stats["time_s"] += spent
-        if sum(self.runner.trace_counts.values()) != compiled_before:
-            self._stats["compile_steps_time_s"] += spent
-        if self.debug:
-            sched.check_invariants()
+            row_ids = np.asarray([d.seq.row for d in plan.decode], np.int32)
+            bk = self._buckets
+            last = max(d.position + steps for d in plan.decode)
+            width = min(bucket(kv.pages_for(last), bk.pages), rows.width)
+            num_rows = min(bucket(int(row_ids.max()) + 1, bk.decode_batch), rows.capacity)
+            greedy = all(d.seq.temperature == 0 for d in plan.decode)
+            decode = DecodeWork(row_ids, num_rows, width, steps, greedy, counts)
+        return StepWork(copies, rows.take_updates(), extend, decode, pages)
+
+    def _page_work(self, plan: StepPlan):
+        """Device paging: the host's pages to send (None when the device's page table is
+        current) and the slots each decode row grows by. The host makes the same
+        reservations on its block tables, in the same order, after the snapshot: the
+        device's ``append_slots_batch`` then reproduces them op for op."""
+        kv, rows = self.kv, self.rows
+        current = (kv.allocator.version, rows.version) == self._pages_synced
+        upload = None
+        if not plan.deferred:
+            # The scheduler reserved already (one sequence at a time, to preempt between
+            # them): the snapshot includes the reservations, the device grows nothing.
+            counts = np.zeros(len(plan.decode), np.int32)
+            if not current:
+                upload = self._page_snapshot()
+        else:
+            upload = None if current else self._page_snapshot()
+            counts = np.zeros(len(plan.decode), np.int32)
+            for i, (seq, position) in enumerate(plan.decode):
+                have = kv.reserved(seq.seq_id)
+                kv.reserve(seq.seq_id, position + plan.decode_steps)  # copies: the device's
+                counts[i] = kv.reserved(seq.seq_id) - have
+            kv.promised = 0
+        self._pages_synced = (kv.allocator.version, rows.version)
+        return upload, counts
+
+    def _page_snapshot(self) -> PageUpload:
+        kv, rows = self.kv, self.rows
+        a = kv.allocator
+        free = a.free_stack()
+        stack = np.full(a.num_blocks, -1, np.int32)
+        stack[: len(free)] = free
+        tables = np.full((rows.capacity, rows.width), -1, np.int32)
+        lens = np.zeros(rows.capacity, np.int32)
+        active = np.zeros(rows.capacity, bool)
+        for row in range(rows.capacity):
+            seq = rows.seq(row)
+            if seq is not None:
+                table = kv.table(seq.seq_id)
+                tables[row, : len(table)] = table
+                lens[row] = kv.reserved(seq.seq_id)
+                active[row] = True
+        return PageUpload(a.ref_counts.copy(), stack, a.num_free, tables, lens, active)
+
+    def _commit(self, inflight: _InFlight) -> list[Sequence]:
+        stats = self.collector
+        t0 = time.perf_counter()
+        out = self.runner.collect(inflight.handle)
+        stats.add_time("wait_s", time.perf_counter() - t0)
+        with stats.timer("commit_s"):
+            plan, work = inflight.plan, inflight.work
+            decode_tokens = []
+            if work.decode is not None:
+                decode_tokens = out.decode_tokens[:, work.decode.rows].T
+            done = self.scheduler.commit(plan, out.extend_tokens, decode_tokens)
+            for seq in done:
+                self.rows.release(seq)
         return done
+
+    # -- statistics and checks --------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        """Zero the counters (the pool, the cache and compiled programs stay)."""
+        self.collector.reset()
+        timing = getattr(self.runner, "timing", None)
+        if timing is not None:
+            for key in timing:
+                timing[key] = 0
+        self._idle_steps = 0
+        self._waste = np.zeros(4)  # paged waste, paged slots, contiguous waste, contiguous
+
+    def _track_memory(self) -> None:
+        stats, sched = self.collector, self.scheduler
+        stats.peak("peak_pages_in_use", self.kv.allocator.num_used)
+        running = sched.running
+        contiguous = sum(q.prompt_len + q.max_new_tokens for q in running)
+        stats.peak("peak_kv_slots_contiguous", contiguous)
+        stats.peak("peak_live_tokens", sum(q.length for q in running))
+        if not self.track_waste:
+            return
+        p = self.page_size
+        fill: dict[int, int] = {}
+        for q in running:
+            n = q.length
+            for i, page in enumerate(self.kv.table(q.seq_id)):
+                fill[page] = max(fill.get(page, 0), min(p, max(n - i * p, 0)))
+        # Distinct live tokens: a page shared by several sequences (a cached prefix, a
+        # forked prompt) counts once; a contiguous layout would hold a copy per sequence.
+        distinct = sum(fill.values())
+        paged = len(fill) * p
+        self._waste += (paged - distinct, paged, contiguous - distinct, contiguous)
+
+    def _gauges(self) -> dict:
+        runner, sched = self.runner, self.scheduler
+        out = dict(
+            peak_pages_in_use=0,
+            peak_kv_slots_contiguous=0,
+            peak_live_tokens=0,
+        )
+        out.update(self.collector.peaks)
+        out.update(self.kv.usage())
+        out.update(running=len(sched.running), waiting=len(sched.waiting))
+        if self.track_waste:
+            w = self._waste
+            out["kv_waste_paged"] = float(w[0] / w[1]) if w[1] else 0.0
+            out["kv_waste_contiguous"] = float(w[2] / w[3]) if w[3] else 0.0
+        out.update(
+            compiles=dict(getattr(runner, "trace_counts", {})),
+            attention_backend=dict(getattr(runner, "backends", {})),
+            kv_pool_bytes=getattr(runner, "kv_bytes", 0),
+            kv_pool_bytes_per_device=getattr(
+                runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
+            ),
+            tp=getattr(runner, "tp_size", 1),
+        )
+        timing = getattr(runner, "timing", None)
+        if timing is not None:
+            out.update(h2d_bytes=int(timing["h2d_bytes"]), h2d_s=timing["h2d_s"])
+            out.update(dispatch_s=timing["dispatch_s"])
+        return out
+
+    @property
+    def stats(self) -> dict:
+        """Counters since construction or :meth:`reset_stats`.
+
+        prefix_hit_tokens: prompt tokens served from the radix cache at admission;
+        prefill_tokens: tokens computed by extend steps; decode_tokens: by decode steps;
+        generated_tokens: tokens drawn (read); steps: dispatches, decode_steps: decode
+        steps they ran (several per dispatch with multi-step decode), syncs: steps that
+        read a dispatch early to preempt; pages_in_use / peak_pages_in_use: pool pages
+        referenced (cache included); cached_pages: pages the radix cache holds;
+        peak_kv_slots_contiguous: the most KV slots a contiguous preallocation (prompt +
+        max_new_tokens per running sequence) would have held at once; peak_live_tokens:
+        the most tokens running sequences needed KV for at once (shared prefixes counted
+        per sequence); compiles: programs traced per step kind; attention_backend: what
+        the extend and decode steps run; tp: devices the model is split over (1 without a
+        mesh); kv_pool_bytes: the pool over all devices, kv_pool_bytes_per_device: what
+        one device holds of it; time_s: wall time in :meth:`step`, compile_steps_time_s:
+        the part spent in steps that compiled a program; schedule_s, launch_s (building
+        and enqueueing device work), wait_s (blocked on results), commit_s: where that
+        time went on the host; h2d_bytes / h2d_s: metadata sent to the device and the
+        time spent sending it; dispatch_s: time in the jitted calls; kv_waste_paged /
+        kv_waste_contiguous (with ``track_waste``): summed over steps, the fraction of the
+        KV slots reserved for running sequences that hold no distinct live token - for
+        pages, the empty tail of each sequence's last page; for a contiguous
+        preallocation of prompt + max_new_tokens per sequence, the unused reservation
+        plus every duplicate copy of a shared prefix.
+        """
+        return self.collector.snapshot()
+
+    def _check_writes(self, plan: StepPlan) -> None:
+        """Every slot this step writes lies on a page with a single reference."""
+        kv = self.kv
+        cached = kv.cached_pages()
+        writes = [(c.seq, c.start, c.end) for c in plan.extend]
+        writes += [(d.seq, d.position, d.position + plan.decode_steps) for d in plan.decode]
+        refs = kv.allocator.ref_counts
+        for seq, start, end in writes:
+            slots = kv.slots(seq.seq_id, start, end)
+            for page in set((slots // self.page_size).tolist()):
+                assert refs[page] == 1, f"seq {seq.seq_id} writes page {page} held {refs[page]}x"
+                assert page not in cached, f"seq {seq.seq_id} writes page {page} of the cache"
+
+    def _check_rows(self) -> None:
+        """The decode rows just launched hold the host's block tables (reads the device).
+        A table that changes when a step's results are committed (the cache's copy of a
+        page adopted) is sent with the next launch. With device paging, the device's page
+        table equals the host's pages op for op."""
+        if self.device_paging:
+            self._check_pages()
+            return
+        state = getattr(self.runner, "state", None)
+        if state is None:
+            return
+        tables = np.asarray(state.tables)
+        for seq in self.scheduler.running:
+            if seq.row is None:
+                continue
+            table = self.kv.table(seq.seq_id)
+            assert self.rows.table(seq.row) == table, f"seq {seq.seq_id}: stale row record"
+            assert tables[seq.row, : len(table)].tolist() == table, (
+                f"seq {seq.seq_id}: the device row holds another table"
+            )
+
+    def _check_pages(self) -> None:
+        pages = getattr(self.runner, "pages", None)
+        if pages is None or (self.kv.allocator.version, self.rows.version) != self._pages_synced:
+            return  # not sent yet, or the host changed its pages since the last decode step
+        want = self._page_snapshot()
+        for name in ("ref_counts", "free_stack", "num_free", "lens", "active"):
+            got = np.asarray(getattr(pages, name))
+            assert np.array_equal(got, getattr(want, name)), f"device page table: {name}"
+        tables = np.asarray(pages.tables)
+        for row in np.flatnonzero(want.active):
+            n = -(-int(want.lens[row]) // self.page_size)
+            assert tables[row, :n].tolist() == want.tables[row, :n].tolist(), f"row {row}"
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless nothing runs and every page not held by the radix
+        cache is free (the pool is whole)."""
+        sched = self.scheduler
+        assert not sched.running and not sched.waiting, "requests are still queued"
+        assert self._inflight is None, "a dispatch is still in flight"
+        assert len(self.rows) == 0, "decode rows are still assigned"
+        sched.check_invariants()
+        cached = self.kv.cached_pages()
+        refs = self.kv.allocator.ref_counts
+        for page in range(self.num_pages):
+            want = 1 if page in cached else 0
+            assert refs[page] == want, f"page {page} has {refs[page]} references, want {want}"
+
+    # -- generate ---------------------------------------------------------------------------
 
     def generate(
         self,
@@ -381,8 +697,8 @@ class Engine:
             for seq in self.step():
                 if seq.seq_id in wanted:
                     finished[seq.seq_id] = seq
-            bar.update(len(finished), tokens=self._stats["generated_tokens"])
-        bar.close(len(finished), tokens=self._stats["generated_tokens"])
+            bar.update(len(finished), tokens=self.collector.counters["generated_tokens"])
+        bar.close(len(finished), tokens=self.collector.counters["generated_tokens"])
         outputs = [finished[sid].output for sid in order]
         failed = {
             k: finished[sid].error
@@ -392,126 +708,3 @@ class Engine:
         if failed:
             raise RequestError(failed, outputs, n)
         return outputs
-
-    # -- statistics and checks --------------------------------------------------------------
-
-    def reset_stats(self) -> None:
-        """Zero the counters (the pool, the cache and compiled programs stay)."""
-        self._stats = {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "generated_tokens": 0,
-            "steps": 0,
-            "extend_calls": 0,
-            "decode_calls": 0,
-            "time_s": 0.0,
-            "compile_steps_time_s": 0.0,
-            "peak_pages_in_use": 0,
-            "peak_kv_slots_contiguous": 0,
-            "peak_live_tokens": 0,
-        }
-        self.scheduler.stats.clear()
-        self._idle_steps = 0
-        self._waste = np.zeros(4)  # paged waste, paged slots, contiguous waste, contiguous
-
-    def _track_memory(self) -> None:
-        s, sched = self._stats, self.scheduler
-        s["peak_pages_in_use"] = max(s["peak_pages_in_use"], sched.pool.num_used_pages)
-        running = sched.running
-        contiguous = sum(q.prompt_len + q.max_new_tokens for q in running)
-        s["peak_kv_slots_contiguous"] = max(s["peak_kv_slots_contiguous"], contiguous)
-        s["peak_live_tokens"] = max(s["peak_live_tokens"], sum(len(q.tokens) for q in running))
-        if not self.track_waste:
-            return
-        p = self.page_size
-        fill: dict[int, int] = {}
-        for q in running:
-            n = len(q.tokens)
-            for i, page in enumerate(q.table):
-                fill[page] = max(fill.get(page, 0), min(p, max(n - i * p, 0)))
-        # Distinct live tokens: a page shared by several sequences (a cached prefix, a
-        # forked prompt) counts once; a contiguous layout would hold a copy per sequence.
-        distinct = sum(fill.values())
-        paged = len(fill) * p
-        self._waste += (paged - distinct, paged, contiguous - distinct, contiguous)
-
-    @property
-    def stats(self) -> dict:
-        """Counters since construction or :meth:`reset_stats`.
-
-        prefix_hit_tokens: prompt tokens served from the radix cache at admission;
-        prefill_tokens: tokens computed by extend steps; decode_tokens: by decode steps;
-        pages_in_use / peak_pages_in_use: pool pages referenced (cache included);
-        cached_pages: pages the radix cache holds; peak_kv_slots_contiguous: the most KV
-        slots a contiguous preallocation (prompt + max_new_tokens per running sequence)
-        would have held at once; peak_live_tokens: the most tokens running sequences
-        needed KV for at once (shared prefixes counted per sequence); compiles: programs
-        traced per step kind; attention_backend: what the extend and decode steps run;
-        tp: devices the model is split over (1 without a mesh); kv_pool_bytes: the pool
-        over all devices, kv_pool_bytes_per_device: what one device holds of it;
-        time_s: wall time in :meth:`step`, compile_steps_time_s: the part spent in steps
-        that compiled a program; kv_waste_paged / kv_waste_contiguous (with
-        ``track_waste``): summed over steps, the fraction of the KV slots reserved for
-        running sequences that hold no distinct live token - for pages, the empty tail of
-        each sequence's last page; for a contiguous preallocation of prompt +
-        max_new_tokens per sequence, the unused reservation plus every duplicate copy of
-        a shared prefix.
-        """
-        sched = self.scheduler
-        out = dict(self._stats)
-        for key in (
-            "prefix_hit_tokens",
-            "prefill_tokens",
-            "decode_tokens",
-            "preemptions",
-            "evicted_tokens",
-            "cow_copies",
-            "forks",
-            "deduplicated_pages",
-            "admissions",
-        ):
-            out[key] = int(sched.stats.get(key, 0))
-        if self.track_waste:
-            w = self._waste
-            out["kv_waste_paged"] = float(w[0] / w[1]) if w[1] else 0.0
-            out["kv_waste_contiguous"] = float(w[2] / w[3]) if w[3] else 0.0
-        out.update(
-            num_pages=self.num_pages,
-            page_size=self.page_size,
-            pages_in_use=sched.pool.num_used_pages,
-            cached_pages=(sched.cache.total_size // self.page_size) if sched.cache else 0,
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            compiles=dict(self.runner.trace_counts),
-            attention_backend=dict(self.runner.backends),
-            kv_pool_bytes=self.runner.kv_bytes,
-            kv_pool_bytes_per_device=getattr(
-                self.runner, "kv_bytes_per_device", self.runner.kv_bytes
-            ),
-            tp=getattr(self.runner, "tp_size", 1),
-        )
-        return out
-
-    def _check_writes(self, plan) -> None:
-        """Every slot written this step lies on a page with a single reference."""
-        sched = self.scheduler
-        cached = sched.cached_pages()
-        writes = [(seq, start, end) for seq, start, end, _ in plan.extend]
-        writes += [(seq, seq.num_computed, seq.num_computed + 1) for seq in plan.decode]
-        for seq, start, end in writes:
-            for page in set((sched.slots(seq, start, end) // self.page_size).tolist()):
-                refs = sched.pool.ref_count(page)
-                assert refs == 1, f"seq {seq.seq_id} writes page {page} held {refs} times"
-                assert page not in cached, f"seq {seq.seq_id} writes page {page} of the cache"
-
-    def check_idle(self) -> None:
-        """Raise AssertionError unless nothing runs and every page not held by the radix
-        cache is free (the pool is whole)."""
-        sched = self.scheduler
-        assert not sched.running and not sched.waiting, "requests are still queued"
-        sched.check_invariants()
-        cached = sched.cached_pages()
-        refs = sched.pool.ref_counts()
-        for page in range(self.num_pages):
-            want = 1 if page in cached else 0
-            assert refs[page] == want, f"page {page} has {refs[page]} references, want {want}"

@@ -1,26 +1,38 @@
-"""The model runner: owns the KV pool and the jitted step functions.
+"""The model runner: the KV pool, the decode rows and the jitted programs, on the device.
 
-One scheduler step runs at most three programs, each over bucketed shapes:
+A step (:class:`StepWork`, built by the engine from the scheduler's plan) runs up to four
+programs, enqueued back to back without waiting for any of them:
 
-* ``copy_pages`` - copy-on-write page copies (only after a fork), every layer at once;
-* ``extend``     - prefill chunks of any number of requests, each after its cached prefix;
-* ``decode``     - one token for each decoding sequence.
+* ``copy``   - copy-on-write page copies (after a fork), every layer at once;
+* ``update`` - decode rows (re)initialised and block-table entries sent (only what changed);
+* ``extend`` - prefill chunks of any number of requests, each after its cached prefix; a
+  chunk that ends a prompt writes its drawn token into the sequence's decode row;
+* ``decode`` - up to ``decode_steps`` decode steps of every active row in one
+  ``lax.while_loop``: KV write, paged attention, sampling and stop checks on the device.
+
+Decode rows are metadata that lives on the device (:class:`DecodeState`): per row the
+token to feed next, its position, the tokens it may still draw, its sampling parameters,
+stop ids and block table. A decode step reads nothing from the host but the row mask and
+the step count; the tokens come back only as the program's output, copied to the host
+asynchronously, so the host can plan the next step while this one runs. A row stops on
+the device when it draws a stop token, a non-finite row (:data:`NON_FINITE`) or its last
+allowed token; it then writes nothing and attends to nothing.
 
 Extend and decode are separate programs rather than one mixed batch: their shapes vary
-independently (new tokens, KV length and requests for one; batch and block-table width for
-the other), so two programs compile ``|extend shapes| + |decode shapes|`` variants where a
-fused one would compile their product. Every shape is rounded up to a power of two (with
-a floor), so a long generation compiles O(log) programs; :attr:`ModelRunner.trace_counts`
-counts them. Sampling runs inside the step, so only the drawn token ids leave the device.
-The caches are donated to every program and updated in place. The jitted programs are
-module level, keyed on the model config and the attention choices, so every engine of one
-model reuses the programs another engine compiled.
+independently (new tokens, KV length and requests for one; rows and table width for the
+other), so two programs compile ``|extend shapes| + |decode shapes|`` variants where a
+fused one would compile their product. Every shape is rounded up to a power of two (with a
+floor), so a long generation compiles O(log) programs; :attr:`ModelRunner.trace_counts`
+counts them. The caches are donated to every program and updated in place. The jitted
+programs are module level, keyed on the model and the attention choices, so every engine
+of one model reuses the programs another engine compiled.
 
 Tensor parallelism (``mesh=``): the parameters are placed Megatron-style and the pool is
 created split by KV head (:mod:`jaxattn.sharding`); the programs take the
 :class:`~jaxattn.sharding.TensorParallel` as one more static argument and hand it to the
 model as its ``kernels``, so attention and KV writes run per device on its own heads. The
-metadata (block tables, slots, indptrs) is the same on 1 or N devices.
+metadata (block tables, slots, indptrs, decode rows) is replicated, the same on 1 or N
+devices.
 """
 
 from __future__ import annotations
@@ -28,7 +40,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import NamedTuple
+import heapq
+import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,31 +52,34 @@ from jaxattn import layout as _layout
 from jaxattn import ops
 from jaxattn import sharding as _sharding
 from jaxattn.kv import copy_blocks
-from jaxattn.models import llama
-from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
+from jaxattn.models.llama import DecodeBatch, ExtendBatch
+from jaxattn.paging import token_slots
 
+from . import scheduler
+from .config import Buckets, bucket
 from .sampling import sample, sample_keys
 
-__all__ = ["NON_FINITE", "Buckets", "DecodeItem", "ExtendItem", "ModelRunner", "bucket"]
+__all__ = [
+    "NON_FINITE",
+    "NO_TOKEN",
+    "DecodeRows",
+    "PageUpload",
+    "DecodeState",
+    "DecodeWork",
+    "ExtendItem",
+    "ModelRunner",
+    "RowUpdates",
+    "StepOutput",
+    "StepWork",
+]
+
+# The token id a step returns for a row whose logits are not finite.
+NON_FINITE = -1
+# What a decode step returns for a row that did not run (inactive or already stopped).
+NO_TOKEN = scheduler.NO_TOKEN
 
 
-def bucket(n: int, floor: int = 1) -> int:
-    """The smallest power of two >= max(n, floor)."""
-    n = max(int(n), int(floor), 1)
-    return 1 << (n - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Floors of the power-of-two shape buckets. Higher floors mean fewer programs to
-    compile, at the cost of padding work in small steps."""
-
-    tokens: int = 16  # new tokens in an extend step
-    kv: int = 64  # prefix + new tokens over all requests of an extend step
-    extend_batch: int = 2  # requests (or sample rows) of an extend step
-    decode_batch: int = 4  # sequences of a decode step
-    pages: int = 4  # block-table width (pages per sequence)
-    copies: int = 8  # copy-on-write page copies
+# --- host-side records ---------------------------------------------------------------
 
 
 class ExtendItem(NamedTuple):
@@ -70,28 +87,202 @@ class ExtendItem(NamedTuple):
 
     ``samples``: ``(seed, uid, temperature, top_p)`` per token to draw from the logits of
     the chunk's last row (empty for a chunk that does not finish the prompt); the key of a
-    draw is ``(seed, uid, end)`` (see :mod:`jaxattn.engine.sampling`).
+    draw is ``(seed, uid, end)`` (see :mod:`jaxattn.engine.sampling`). ``rows``: per
+    sample, the decode row the drawn token is written to (-1: none).
     """
 
     tokens: np.ndarray  # i32[end - start]
     start: int
     end: int
     table: np.ndarray  # i32 pages holding positions [0, end)
-    samples: tuple
+    samples: tuple = ()
+    rows: tuple = ()
 
 
-class DecodeItem(NamedTuple):
-    token: int
-    position: int  # == tokens cached before this one
-    table: np.ndarray  # pages holding positions [0, position]
-    seed: int
-    uid: int
-    temperature: float
-    top_p: float
+class RowUpdates(NamedTuple):
+    """Decode rows to (re)initialise and block-table entries to set, before anything runs.
+
+    ``rows i32[U]``; ``ints i32[U, 5 + S]``: token, position, tokens it may draw, seed,
+    uid, then ``S`` stop ids (-1 padding); ``floats f32[U, 2]``: temperature, top_p;
+    ``cells i32[C, 3]``: ``(row, column, page)`` table entries.
+    """
+
+    rows: np.ndarray
+    ints: np.ndarray
+    floats: np.ndarray
+    cells: np.ndarray
 
 
-# The token id a step returns for a row whose logits are not finite.
-NON_FINITE = -1
+class DecodeWork(NamedTuple):
+    """A decode dispatch: ``steps`` steps (at most) of ``active`` rows among the first
+    ``num_rows``, with block tables ``width`` pages wide; ``greedy`` when no active row
+    samples."""
+
+    rows: np.ndarray  # i32[n] the row of each decoding sequence, in plan order
+    num_rows: int
+    width: int
+    steps: int
+    greedy: bool
+    counts: np.ndarray | None = None  # device paging: slots each row's table grows by
+
+
+class PageUpload(NamedTuple):
+    """The host's pages as a :class:`~jaxattn.paging.PageTable` over the decode rows
+    (device paging): the allocator's ref counts and free stack, each row's table."""
+
+    ref_counts: np.ndarray  # i32[N]
+    free_stack: np.ndarray  # i32[N], -1 above the top
+    num_free: int
+    tables: np.ndarray  # i32[R, W], -1 past each table
+    lens: np.ndarray  # i32[R] slots each row's table provides
+    active: np.ndarray  # bool[R]
+
+
+@dataclasses.dataclass
+class StepWork:
+    """Everything one step runs, in order: copies, row updates, extend, decode (with the
+    page table sent first when ``pages`` is set)."""
+
+    copies: list = dataclasses.field(default_factory=list)
+    updates: RowUpdates | None = None
+    extend: list = dataclasses.field(default_factory=list)
+    decode: DecodeWork | None = None
+    pages: PageUpload | None = None
+
+
+class StepOutput(NamedTuple):
+    """``extend_tokens i32[>= draws]`` in sample order; ``decode_tokens i32[K, rows]``
+    (row ``r`` of the step in column ``r``; :data:`NO_TOKEN` where it did not run)."""
+
+    extend_tokens: np.ndarray
+    decode_tokens: np.ndarray | None
+
+
+class DecodeRows:
+    """The host's record of the device's decode rows: which sequence each row serves,
+    which table entries the device holds, and the updates the next step must send.
+
+    Rows are handed out lowest first, so the rows in use stay packed at the front and a
+    step runs over as few rows as its sequences need.
+    """
+
+    def __init__(self, capacity: int, width: int, stop_width: int, *, tables: bool = True):
+        self.capacity, self.width, self.stop_width = capacity, width, stop_width
+        self.tables = tables  # False: the device grows the tables itself (device paging)
+        self._free = list(range(capacity))
+        self._seq: list[Any] = [None] * capacity
+        self._uploaded: dict[int, list[int]] = {}
+        self._inits: dict[int, tuple] = {}
+        self._cells: list[tuple[int, int, int]] = []
+        self.version = 0  # counts assignments and releases
+
+    def __len__(self) -> int:
+        return self.capacity - len(self._free)
+
+    def assign(self, seq, *, token: int, position: int, remaining: int, table) -> int:
+        """Give ``seq`` a row starting at ``token`` (at ``position``), allowed
+        ``remaining`` more tokens; its whole table is sent."""
+        if seq.row is not None:
+            raise RuntimeError(f"seq {seq.seq_id} already has row {seq.row}")
+        if not self._free:
+            raise RuntimeError(f"all {self.capacity} decode rows are in use")
+        if len(table) > self.width:
+            raise ValueError(f"a table of {len(table)} pages exceeds the rows' {self.width}")
+        row = heapq.heappop(self._free)
+        self._seq[row] = seq
+        seq.row = row
+        stop = sorted(seq.stop_ids)[: self.stop_width]
+        stop += [-1] * (self.stop_width - len(stop))
+        ints = (int(token), int(position), int(remaining), int(seq.seed), int(seq.sample_id))
+        self._inits[row] = (ints + tuple(stop), (float(seq.temperature), float(seq.top_p)))
+        self._uploaded[row] = []
+        self.sync_table(seq, table)
+        self.version += 1
+        return row
+
+    def release(self, seq) -> None:
+        row = seq.row
+        if row is None:
+            return
+        assert self._seq[row] is seq, f"row {row} does not serve seq {seq.seq_id}"
+        self._seq[row] = None
+        self._inits.pop(row, None)
+        self._uploaded.pop(row, None)
+        seq.row = None
+        heapq.heappush(self._free, row)
+        self.version += 1
+
+    def seq(self, row: int):
+        return self._seq[row]
+
+    def sync_table(self, seq, table, start: int = 0) -> None:
+        """Queue the entries from ``start`` on of ``seq``'s row that differ from the
+        device's (the entries before ``start`` are known to be unchanged)."""
+        row = seq.row
+        if row is None:
+            return
+        if len(table) > self.width:
+            raise ValueError(f"a table of {len(table)} pages exceeds the rows' {self.width}")
+        if not self.tables:
+            self._uploaded[row] = list(table)
+            return
+        have = self._uploaded[row]
+        for col in range(start, len(table)):
+            page = table[col]
+            if col >= len(have) or have[col] != page:
+                self._cells.append((row, col, int(page)))
+        self._uploaded[row] = list(table)
+
+    def table(self, row: int) -> list[int]:
+        """The entries the device holds (after the queued updates)."""
+        return list(self._uploaded[row])
+
+    def take_updates(self) -> RowUpdates | None:
+        if not self._inits and not self._cells:
+            return None
+        rows = np.fromiter(self._inits, np.int32, len(self._inits))
+        ints = np.asarray([v[0] for v in self._inits.values()], np.int32)
+        floats = np.asarray([v[1] for v in self._inits.values()], np.float32)
+        cells = np.asarray(self._cells, np.int32).reshape(-1, 3)
+        self._inits, self._cells = {}, []
+        return RowUpdates(
+            rows,
+            ints.reshape(len(rows), 5 + self.stop_width),
+            floats.reshape(len(rows), 2),
+            cells,
+        )
+
+
+# --- device-side state and programs --------------------------------------------------
+
+
+class DecodeState(NamedTuple):
+    """The decode rows on the device (``R`` rows, tables ``W`` pages wide)."""
+
+    tokens: jax.Array  # i32[R] the token each row feeds next
+    positions: jax.Array  # i32[R] its position
+    remaining: jax.Array  # i32[R] tokens the row may still draw (0: stopped)
+    seeds: jax.Array  # i32[R]
+    uids: jax.Array  # i32[R]
+    temperature: jax.Array  # f32[R]
+    top_p: jax.Array  # f32[R]
+    stop: jax.Array  # i32[R, S] stop ids, -1 padding
+    tables: jax.Array  # i32[R, W] block tables (layer-0 page ids)
+
+
+def init_decode_state(rows: int, width: int, stop_width: int) -> DecodeState:
+    zeros = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
+    return DecodeState(
+        tokens=zeros(rows),
+        positions=zeros(rows),
+        remaining=zeros(rows),
+        seeds=zeros(rows),
+        uids=zeros(rows),
+        temperature=zeros(rows, dt=jnp.float32),
+        top_p=jnp.ones((rows,), jnp.float32),
+        stop=jnp.full((rows, stop_width), -1, jnp.int32),
+        tables=zeros(rows, width),
+    )
 
 
 class SampleBatch(NamedTuple):
@@ -109,50 +300,18 @@ def _pad(values, n: int, fill, dtype=np.int32) -> np.ndarray:
     return out
 
 
-# Traces per program kind, over every runner: the jitted programs are module level, so
-# engines of one model share their compiled programs (the static arguments are the model
-# config and the attention choices; the shapes come from the buckets).
-_TRACES: collections.Counter = collections.Counter()
+def _draw(logits, samples: SampleBatch, greedy: bool):
+    """The drawn token of every row, or :data:`NON_FINITE` where the row's logits are not all
+    finite (NaN or inf in the weights, the inputs or the cache): such a row yields no token,
+    never a plausible one."""
+    keys = sample_keys(samples.seeds, samples.uids, samples.positions)
+    tokens = sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
+    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE)
 
 
-def _extend_fn(
-    params, k, v, batch, samples, *, cfg, layout, attention, implementation, greedy, tp=None
-):
-    logits, k, v = llama.forward_extend(
-        params,
-        cfg,
-        k,
-        v,
-        batch,
-        layout=layout,
-        attention=attention,
-        implementation=implementation,
-        kernels=tp,
-    )
-    return _draw(logits, samples, greedy), *_keep_split(tp, layout, k, v)
-
-
-def _decode_fn(
-    params, k, v, batch, samples, *, cfg, layout, partition_size, implementation, greedy, tp=None
-):
-    logits, k, v = llama.forward_decode(
-        params,
-        cfg,
-        k,
-        v,
-        batch,
-        layout=layout,
-        partition_size=partition_size,
-        implementation=implementation,
-        kernels=tp,
-    )
-    return _draw(logits, samples, greedy), *_keep_split(tp, layout, k, v)
-
-
-def _copy_fn(k, v, src, dst, *, layout, tp=None):
-    if tp is None:
-        return copy_blocks(k, v, src, dst, layout=layout)
-    return _keep_split(tp, layout, *tp.copy_blocks(k, v, src, dst, layout=layout))
+def _stops(tokens, stop_ids):
+    """bool[R]: the row drew one of its stop ids or no token at all."""
+    return jnp.any(tokens[:, None] == stop_ids, axis=1) | (tokens == NON_FINITE)
 
 
 def _keep_split(tp, layout, k, v):
@@ -164,13 +323,143 @@ def _keep_split(tp, layout, k, v):
     return jax.lax.with_sharding_constraint(k, ks), jax.lax.with_sharding_constraint(v, vs)
 
 
-def _draw(logits, samples: SampleBatch, greedy: bool):
-    """The drawn token of every row, or :data:`NON_FINITE` where the row's logits are not all
-    finite (NaN or inf in the weights, the inputs or the cache): such a row yields no token,
-    never a plausible one."""
-    keys = sample_keys(samples.seeds, samples.uids, samples.positions)
-    tokens = sample(logits, keys, samples.temperature, samples.top_p, greedy=greedy)
-    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE)
+def _extend_fn(params, k, v, state, batch, samples, sample_rows, *, model, options, greedy, tp):
+    logits, k, v = model.forward_extend(params, k, v, batch, kernels=tp, **options)
+    tokens = _draw(logits, samples, greedy)
+    # Prompts that end here start decoding from their row: the drawn token (and whether it
+    # already stops the sequence) goes straight into the row, never through the host.
+    num_rows = state.tokens.shape[0]
+    rows = jnp.where(sample_rows >= 0, sample_rows, num_rows)
+    safe = jnp.clip(rows, 0, num_rows - 1)
+    stopped = _stops(tokens, state.stop[safe])
+    state = state._replace(
+        tokens=state.tokens.at[rows].set(tokens, mode="drop"),
+        remaining=state.remaining.at[rows].set(
+            jnp.where(stopped, 0, state.remaining[safe]), mode="drop"
+        ),
+    )
+    return tokens, *_keep_split(tp, options["layout"], k, v), state
+
+
+def _grow_tables(k, v, pages, entries, *, num_layers, num_pages, layout, tp):
+    """Device paging: grow the listed rows' tables (``entries``: rows, then slot counts)
+    and copy the shared tails they write to, in every layer."""
+    pages, cow, _ = pages.append_slots_batch(entries[0], entries[1])
+    offsets = (jnp.arange(num_layers, dtype=jnp.int32) * num_pages)[:, None]
+    src = jnp.where(cow[None, :, 0] >= 0, cow[None, :, 0] + offsets, 0).reshape(-1)
+    dst = jnp.where(cow[None, :, 1] >= 0, cow[None, :, 1] + offsets, -1).reshape(-1)
+    copy = copy_blocks if tp is None else tp.copy_blocks
+    k, v = copy(k, v, src, dst, layout=layout)
+    return k, v, pages
+
+
+def _decode_fn(
+    params,
+    k,
+    v,
+    state,
+    control,
+    pages,
+    entries,
+    *,
+    model,
+    options,
+    num_rows,
+    width,
+    max_steps,
+    page_size,
+    greedy,
+    tp,
+):
+    """Up to ``control[0]`` decode steps of the rows ``control[1:] != 0`` among the first
+    ``num_rows``; a row stops at a stop token, a non-finite row or its last allowed token,
+    and the loop when every row stopped. Returns the tokens ``i32[max_steps, num_rows]``
+    (:data:`NO_TOKEN` where a row did not run), the caches, the state and the page table.
+
+    With device paging (``pages`` a :class:`~jaxattn.paging.PageTable` over the rows) the
+    tables grow here first and are read from it; otherwise from the rows' own tables.
+    """
+    steps, active = control[0], control[1:] != 0
+    rows = jax.tree.map(lambda x: x[:num_rows], state)
+    if pages is None:
+        tables = rows.tables[:, :width]
+    else:
+        k, v, pages = _grow_tables(
+            k,
+            v,
+            pages,
+            entries,
+            num_layers=model.num_hidden_layers,
+            num_pages=pages.num_blocks,
+            layout=options["layout"],
+            tp=tp,
+        )
+        tables = pages.block_tables(jnp.arange(num_rows, dtype=jnp.int32))[:, :width]
+    capacity = width * page_size
+
+    def cond(carry):
+        i, _, _, live_rows, _ = carry
+        return (i < steps) & jnp.any(active & (live_rows.remaining > 0))
+
+    def body(carry):
+        i, k, v, r, out = carry
+        live = active & (r.remaining > 0)
+        pos = r.positions
+        inside = jnp.clip(pos, 0, capacity - 1)
+        batch = DecodeBatch(
+            tokens=r.tokens,
+            positions=pos,
+            slot_mapping=jnp.where(live, token_slots(tables, inside, page_size), -1),
+            block_tables=tables,
+            seq_lens=jnp.where(live, pos + 1, 0),
+        )
+        logits, k, v = model.forward_decode(params, k, v, batch, kernels=tp, **options)
+        samples = SampleBatch(r.seeds, r.uids, pos + 1, r.temperature, r.top_p)
+        tokens = _draw(logits, samples, greedy)
+        stopped = _stops(tokens, r.stop) | (r.remaining <= 1)
+        r = r._replace(
+            tokens=jnp.where(live, tokens, r.tokens),
+            positions=jnp.where(live, pos + 1, pos),
+            remaining=jnp.where(live, jnp.where(stopped, 0, r.remaining - 1), r.remaining),
+        )
+        out = out.at[i].set(jnp.where(live, tokens, NO_TOKEN))
+        return i + 1, k, v, r, out
+
+    out = jnp.full((max_steps, num_rows), NO_TOKEN, jnp.int32)
+    _, k, v, rows, out = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, rows, out))
+    state = jax.tree.map(
+        lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis=0),
+        state,
+        rows,
+    )
+    return out, *_keep_split(tp, options["layout"], k, v), state, pages
+
+
+def _update_fn(state, rows, ints, floats, cells):
+    put = lambda x, values: x.at[rows].set(values, mode="drop")
+    return state._replace(
+        tokens=put(state.tokens, ints[:, 0]),
+        positions=put(state.positions, ints[:, 1]),
+        remaining=put(state.remaining, ints[:, 2]),
+        seeds=put(state.seeds, ints[:, 3]),
+        uids=put(state.uids, ints[:, 4]),
+        stop=put(state.stop, ints[:, 5:]),
+        temperature=put(state.temperature, floats[:, 0]),
+        top_p=put(state.top_p, floats[:, 1]),
+        tables=state.tables.at[cells[:, 0], cells[:, 1]].set(cells[:, 2], mode="drop"),
+    )
+
+
+def _copy_fn(k, v, src, dst, *, layout, tp=None):
+    if tp is None:
+        return copy_blocks(k, v, src, dst, layout=layout)
+    return _keep_split(tp, layout, *tp.copy_blocks(k, v, src, dst, layout=layout))
+
+
+# Traces per program kind, over every runner: the jitted programs are module level, so
+# engines of one model share their compiled programs (the static arguments are the model
+# and the attention choices; the shapes come from the buckets).
+_TRACES: collections.Counter = collections.Counter()
 
 
 def _counted(kind: str, fn):
@@ -185,33 +474,55 @@ def _counted(kind: str, fn):
 _EXTEND = jax.jit(
     _counted("extend", _extend_fn),
     donate_argnums=(1, 2),
-    static_argnames=("cfg", "layout", "attention", "implementation", "greedy", "tp"),
+    static_argnames=("model", "options", "greedy", "tp"),
 )
 _DECODE = jax.jit(
     _counted("decode", _decode_fn),
     donate_argnums=(1, 2),
-    static_argnames=("cfg", "layout", "partition_size", "implementation", "greedy", "tp"),
+    static_argnames=(
+        "model",
+        "options",
+        "num_rows",
+        "width",
+        "max_steps",
+        "page_size",
+        "greedy",
+        "tp",
+    ),
 )
+_UPDATE = jax.jit(_counted("update", _update_fn))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
+class _Options(dict):
+    """Static attention options, hashable so that jit can key programs on them."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
 class ModelRunner:
-    """Runs extend / decode steps of one model over one paged KV pool.
+    """Runs the steps of one model over one paged KV pool and its decode rows.
 
     Args:
-      cfg, params: the model.
+      model: the model (:class:`~jaxattn.engine.model.CausalLM`), e.g. a ``LlamaConfig``.
+      params: its parameters (split per layer with ``model.serving_params``).
       num_pages, page_size: pages per layer and tokens per page.
       layout: pool layout (``"bshd"``, ``"bhsd"`` or ``"vllm"``).
       extend_attention: ``"extend"`` (SGLang token-pool form, bshd only) or
         ``"prefix_prefill"`` (paged form); None picks ``"extend"`` for bshd.
       implementation: attention backend name, or None for the fastest one that serves
-        the platform; resolved once per step kind by tracing, and reported in
-        :attr:`backends`.
+        the platform; resolved once per step kind, and reported in :attr:`backends`.
       partition_size: split-KV partition for decode (None: the backend's choice).
       buckets: shape bucket floors.
       mesh: a 1-D :class:`jax.sharding.Mesh` (axis ``"tp"``, see
         :func:`jaxattn.sharding.make_mesh`) to run tensor-parallel over; None for one
         device. Its size must divide the query and KV head counts and the MLP width.
+      max_rows: decode rows (sequences decoding at once).
+      stop_width: stop ids a row can hold.
+      decode_steps: the most decode steps one dispatch runs.
+      unroll_layers: straight-line layers (None: on GPUs; see
+        :class:`~jaxattn.engine.ExecutionConfig`).
 
     :attr:`trace_counts` counts the programs this runner's calls compiled (a program
     another runner of the same model compiled already is reused, not counted).
@@ -219,8 +530,8 @@ class ModelRunner:
 
     def __init__(
         self,
-        cfg: LlamaConfig,
-        params: dict,
+        model,
+        params,
         *,
         num_pages: int,
         page_size: int,
@@ -230,6 +541,10 @@ class ModelRunner:
         partition_size: int | None = None,
         buckets: Buckets | None = None,
         mesh=None,
+        max_rows: int = 64,
+        stop_width: int = 1,
+        decode_steps: int = 8,
+        unroll_layers: bool | None = None,
     ):
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
@@ -242,43 +557,57 @@ class ModelRunner:
                 f"extend_attention='extend' needs layout='bshd' (a token pool), got {layout!r}"
             )
         self.tp = None if mesh is None else _sharding.TensorParallel(mesh)
-        self.cfg = cfg
+        self.model = model
+        self.cfg = model
         self.num_pages = num_pages
         self.page_size = page_size
         self.layout = layout
         self.extend_attention = extend_attention
         self.partition_size = partition_size
         self.buckets = buckets or Buckets()
-        init = functools.partial(llama.init_kv_cache, cfg, num_pages, page_size, layout=layout)
+        self.max_rows = bucket(max_rows)
+        self.stop_width = max(1, stop_width)
+        self.decode_steps = decode_steps
+        # A sequence never holds more pages than the pool or its positions need.
+        max_pos = int(getattr(model, "max_position_embeddings", num_pages * page_size))
+        self.table_width = min(num_pages, -(-max_pos // page_size))
+        init = functools.partial(model.init_kv_cache, num_pages, page_size, layout=layout)
+        state = init_decode_state(self.max_rows, self.table_width, self.stop_width)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self.unroll_layers = platform != "cpu" if unroll_layers is None else unroll_layers
         if self.tp is None:
-            self.params = params
+            self.params = model.serving_params(params, unroll=self.unroll_layers)
             self.k_cache, self.v_cache = init()
         else:
-            self.params = self.tp.shard_params(params, cfg)
+            self.params = model.serving_params(
+                self.tp.shard_params(params, model), shards=self.tp.size, unroll=self.unroll_layers
+            )
             # Built split, so that no device ever holds the whole pool.
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
+            state = jax.device_put(state, self.tp.replicated())
+        self.state = state
+        # Device paging: the pages as a PageTable over the decode rows (sent by the host
+        # whenever something other than a decode step changed them).
+        self.pages = None
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
         self.backends = {
             "extend": self._resolve("extend", implementation),
             "decode": self._resolve("decode", implementation),
         }
-        self._statics = {
-            "extend": dict(
-                cfg=cfg,
-                layout=layout,
-                attention=extend_attention,
-                implementation=self.backends["extend"],
-                tp=self.tp,
+        self._options = {
+            "extend": _Options(
+                layout=layout, attention=extend_attention, implementation=self.backends["extend"]
             ),
-            "decode": dict(
-                cfg=cfg,
+            "decode": _Options(
                 layout=layout,
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
-                tp=self.tp,
             ),
         }
+        # Host-side costs of launching steps: bytes and time of the metadata sent, time in
+        # the jitted calls (which return before the device is done).
+        self.timing = collections.Counter(h2d_bytes=0, h2d_s=0.0, dispatch_s=0.0)
 
     @property
     def tp_size(self) -> int:
@@ -303,7 +632,7 @@ class ModelRunner:
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own
         resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device sees)."""
-        cfg, tp = self.cfg, self.tp_size
+        cfg, tp = self.model, self.tp_size
         hq, hkv, d = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim
         dt = cfg.jnp_dtype
         sds, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -334,24 +663,31 @@ class ModelRunner:
         platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
         return op.resolve(args, implementation, platform=platform).backend
 
+    # -- transfers and calls ---------------------------------------------------------------
+
+    def _put(self, *arrays):
+        """Send host arrays to the device (replicated over the mesh), timed and counted."""
+        t0 = time.perf_counter()
+        sharding = None if self.tp is None else self.tp.replicated()
+        out = jax.device_put(arrays, sharding)
+        self.timing["h2d_s"] += time.perf_counter() - t0
+        self.timing["h2d_bytes"] += sum(a.nbytes for a in arrays)
+        return out
+
+    def _call(self, kind, program, *args, **statics):
+        before = _TRACES[kind]
+        t0 = time.perf_counter()
+        out = program(*args, **statics)
+        self.timing["dispatch_s"] += time.perf_counter() - t0
+        self.trace_counts[kind] += _TRACES[kind] - before
+        return out
+
     # -- metadata -----------------------------------------------------------------------
 
-    def _slots(self, table: np.ndarray, start: int, end: int) -> np.ndarray:
-        pos = np.arange(start, end)
-        return (table[pos // self.page_size] * self.page_size + pos % self.page_size).astype(
-            np.int32
-        )
-
-    def _sample_batch(self, rows: list, n: int) -> SampleBatch:
-        """rows: (seed, uid, position, temperature, top_p) -> a batch padded to ``n``."""
-        col = lambda i, fill, dt=np.int32: jnp.asarray(_pad([r[i] for r in rows], n, fill, dt))
-        return SampleBatch(
-            seeds=col(0, 0),
-            uids=col(1, 0),
-            positions=col(2, 0),
-            temperature=col(3, 0.0, np.float32),
-            top_p=col(4, 1.0, np.float32),
-        )
+    def _sample_arrays(self, rows: list, n: int):
+        """rows: (seed, uid, position, temperature, top_p) -> padded host arrays."""
+        col = lambda i, fill, dt=np.int32: _pad([r[i] for r in rows], n, fill, dt)
+        return (col(0, 0), col(1, 0), col(2, 0), col(3, 0.0, np.float32), col(4, 1.0, np.float32))
 
     def _extend_args(self, items: list[ExtendItem]):
         bk = self.buckets
@@ -361,102 +697,195 @@ class ModelRunner:
         t = bucket(num_new, bk.tokens)
         b = bucket(max(len(items), num_rows), bk.extend_batch)
         k = bucket(num_kv, max(bk.kv, t))
+        p = self.page_size
         tokens = np.concatenate([it.tokens for it in items])
         positions = np.concatenate([np.arange(it.start, it.end) for it in items])
-        slots = np.concatenate([self._slots(it.table, it.start, it.end) for it in items])
-        indices = np.concatenate([self._slots(it.table, 0, it.end) for it in items])
+        slots = np.concatenate(
+            [token_slots(it.table, np.arange(it.start, it.end), p) for it in items]
+        )
+        indices = np.concatenate([token_slots(it.table, np.arange(it.end), p) for it in items])
         qo = np.cumsum([0] + [it.end - it.start for it in items])
         kv = np.cumsum([0] + [it.end for it in items])
-        rows, sample_rows = [], []
+        rows, sample_rows, targets = [], [], []
         for it, last in zip(items, qo[1:] - 1, strict=True):
-            for seed, uid, temperature, top_p in it.samples:
+            for j, (seed, uid, temperature, top_p) in enumerate(it.samples):
                 rows.append(last)
                 sample_rows.append((seed, uid, it.end, temperature, top_p))
-        tables = seq_lens = None
+                targets.append(it.rows[j] if j < len(it.rows) else -1)
+        arrays = [
+            _pad(tokens, t, 0),
+            _pad(positions, t, 0),
+            _pad(slots, t, -1),
+            _pad(qo, b + 1, qo[-1]),
+            _pad(kv, b + 1, kv[-1]),
+            _pad(indices, k, 0),
+            _pad(rows, b, 0),
+            *self._sample_arrays(sample_rows, b),
+            _pad(targets, b, -1),
+        ]
         if self.extend_attention == "prefix_prefill":
             w = bucket(max(len(it.table) for it in items), bk.pages)
             tables = np.zeros((b, w), np.int32)
             for i, it in enumerate(items):
                 tables[i, : len(it.table)] = it.table
-            tables = jnp.asarray(tables)
-            seq_lens = jnp.asarray(_pad([it.end for it in items], b, 0))
+            arrays += [tables, _pad([it.end for it in items], b, 0)]
+        dev = self._put(*arrays)
+        tables = seq_lens = None
+        if self.extend_attention == "prefix_prefill":
+            tables, seq_lens = dev[13], dev[14]
         batch = ExtendBatch(
-            tokens=jnp.asarray(_pad(tokens, t, 0)),
-            positions=jnp.asarray(_pad(positions, t, 0)),
-            slot_mapping=jnp.asarray(_pad(slots, t, -1)),
-            qo_indptr=jnp.asarray(_pad(qo, b + 1, qo[-1])),
-            kv_indptr=jnp.asarray(_pad(kv, b + 1, kv[-1])),
-            kv_indices=jnp.asarray(_pad(indices, k, 0)),
+            tokens=dev[0],
+            positions=dev[1],
+            slot_mapping=dev[2],
+            qo_indptr=dev[3],
+            kv_indptr=dev[4],
+            kv_indices=dev[5],
             block_tables=tables,
             seq_lens=seq_lens,
-            logit_rows=jnp.asarray(_pad(rows, b, 0)),
+            logit_rows=dev[6],
         )
-        return batch, self._sample_batch(sample_rows, b)
-
-    def _decode_args(self, items: list[DecodeItem]):
-        b = bucket(len(items), self.buckets.decode_batch)
-        w = bucket(max(len(it.table) for it in items), self.buckets.pages)
-        tables = np.zeros((b, w), np.int32)
-        for i, it in enumerate(items):
-            tables[i, : len(it.table)] = it.table
-        slots = [self._slots(it.table, it.position, it.position + 1)[0] for it in items]
-        batch = DecodeBatch(
-            tokens=jnp.asarray(_pad([it.token for it in items], b, 0)),
-            positions=jnp.asarray(_pad([it.position for it in items], b, 0)),
-            slot_mapping=jnp.asarray(_pad(slots, b, -1)),
-            block_tables=jnp.asarray(tables),
-            # Padding rows attend to nothing (length 0 gives zeros): a length of 1 would
-            # read whatever slot 0 of page 0 holds, NaN included.
-            seq_lens=jnp.asarray(_pad([it.position + 1 for it in items], b, 0)),
-        )
-        rows = [(it.seed, it.uid, it.position + 1, it.temperature, it.top_p) for it in items]
-        return batch, self._sample_batch(rows, b)
+        return batch, SampleBatch(*dev[7:12]), dev[12]
 
     # -- running ------------------------------------------------------------------------
 
+    def launch(self, work: StepWork):
+        """Enqueue a step's programs; return a handle for :meth:`collect`. Nothing here
+        waits for the device."""
+        if work.copies:
+            self.copy_pages(work.copies)
+        if work.updates is not None:
+            self.apply_updates(work.updates)
+        ext = self.extend(work.extend) if work.extend else None
+        if work.pages is not None:
+            self.upload_pages(work.pages)
+        dec = self.decode(work.decode) if work.decode is not None else None
+        for out in (ext, dec):
+            if out is not None:
+                out.copy_to_host_async()
+        return ext, dec
+
+    def collect(self, handle) -> StepOutput:
+        """Wait for a launched step; its drawn tokens on the host."""
+        ext, dec = handle
+        return StepOutput(
+            np.asarray(ext) if ext is not None else np.zeros(0, np.int32),
+            np.asarray(dec) if dec is not None else None,
+        )
+
+    def apply_updates(self, updates: RowUpdates) -> None:
+        bk, r = self.buckets, self.max_rows
+        u = bucket(len(updates.rows), bk.updates)
+        c = bucket(len(updates.cells), bk.updates)
+        rows = _pad(updates.rows, u, r)
+        ints = np.zeros((u, 5 + self.stop_width), np.int32)
+        ints[: len(updates.rows)] = updates.ints
+        floats = np.zeros((u, 2), np.float32)
+        floats[: len(updates.rows)] = updates.floats
+        cells = np.full((c, 3), r, np.int32)
+        cells[: len(updates.cells)] = updates.cells
+        args = self._put(rows, ints, floats, cells)
+        self.state = self._call("update", _UPDATE, self.state, *args)
+
     def extend(self, items: list[ExtendItem]) -> jax.Array:
         """Run the chunks; return the drawn tokens ``i32[>= sum(len(samples))]`` (device)."""
-        batch, samples = self._extend_args(items)
+        batch, samples, sample_rows = self._extend_args(items)
         temperatures = [s[2] for it in items for s in it.samples]
         # A step that draws nothing reuses the last variant rather than compiling another.
         greedy = all(t == 0 for t in temperatures) if temperatures else self._last_greedy
-        return self._run("extend", _EXTEND, batch, samples, greedy)
-
-    def decode(self, items: list[DecodeItem]) -> jax.Array:
-        """Decode one token per item; return the drawn tokens ``i32[>= len(items)]``."""
-        batch, samples = self._decode_args(items)
-        greedy = all(it.temperature == 0 for it in items)
-        return self._run("decode", _DECODE, batch, samples, greedy)
-
-    def _run(self, kind, program, batch, samples, greedy):
         self._last_greedy = greedy
-        before = _TRACES[kind]
-        tokens, self.k_cache, self.v_cache = program(
+        tokens, self.k_cache, self.v_cache, self.state = self._call(
+            "extend",
+            _EXTEND,
             self.params,
             self.k_cache,
             self.v_cache,
+            self.state,
             batch,
             samples,
+            sample_rows,
+            model=self.model,
+            options=self._options["extend"],
             greedy=greedy,
-            **self._statics[kind],
+            tp=self.tp,
         )
-        self.trace_counts[kind] += _TRACES[kind] - before
         return tokens
+
+    def upload_pages(self, pages: PageUpload) -> None:
+        """Replace the device's page table by the host's."""
+        from jaxattn.paging import PageTable, Status
+
+        arrays = self._put(
+            np.asarray(pages.ref_counts, np.int32),
+            np.asarray(pages.free_stack, np.int32),
+            np.asarray(pages.num_free, np.int32),
+            np.asarray(pages.tables, np.int32),
+            np.asarray(pages.lens, np.int32),
+            np.asarray(pages.active, bool),
+            np.asarray(int(Status.OK), np.int32),
+        )
+        self.pages = PageTable(*arrays, block_size=self.page_size)
+
+    def decode(self, work: DecodeWork) -> jax.Array:
+        """Run up to ``work.steps`` decode steps; return the tokens
+        ``i32[decode_steps, work.num_rows]`` (device)."""
+        if work.steps > self.decode_steps:
+            raise ValueError(f"{work.steps} steps exceed decode_steps={self.decode_steps}")
+        control = np.zeros(work.num_rows + 1, np.int32)
+        control[0] = work.steps
+        control[1 + np.asarray(work.rows, np.int64)] = 1
+        if work.counts is None:
+            (control,) = self._put(control)
+            return self.decode_call(control, work.num_rows, work.width, work.greedy)
+        if self.pages is None:
+            raise RuntimeError("device paging needs the host's pages sent first")
+        # Entries in plan order (the host reserved in that order); padding rows are ids
+        # past the rows, which the page table leaves alone.
+        entries = np.full((2, work.num_rows), self.max_rows, np.int32)
+        entries[0, : len(work.rows)] = work.rows
+        entries[1] = 0
+        entries[1, : len(work.rows)] = work.counts
+        control, entries = self._put(control, entries)
+        return self.decode_call(control, work.num_rows, work.width, work.greedy, entries)
+
+    def decode_call(
+        self, control, num_rows: int, width: int, greedy: bool, entries=None
+    ) -> jax.Array:
+        """The decode program on the current rows (``control``: the step count, then one
+        flag per row; ``entries``: device paging's rows and slot counts); for benchmarks
+        that time it alone."""
+        pages = self.pages if entries is not None else None
+        out, self.k_cache, self.v_cache, self.state, pages = self._call(
+            "decode",
+            _DECODE,
+            self.params,
+            self.k_cache,
+            self.v_cache,
+            self.state,
+            control,
+            pages,
+            entries,
+            model=self.model,
+            options=self._options["decode"],
+            num_rows=num_rows,
+            width=width,
+            max_steps=self.decode_steps,
+            page_size=self.page_size,
+            greedy=greedy,
+            tp=self.tp,
+        )
+        if entries is not None:
+            self.pages = pages
+        return out
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy page ``src -> dst`` (layer-0 ids) in every layer, before any write."""
         n = len(pairs)
-        m = bucket(n * self.cfg.num_hidden_layers, self.buckets.copies)
-        offsets = np.arange(self.cfg.num_hidden_layers)[:, None] * self.num_pages
+        layers = self.model.num_hidden_layers
+        m = bucket(n * layers, self.buckets.copies)
+        offsets = np.arange(layers)[:, None] * self.num_pages
         src = (np.asarray([p[0] for p in pairs])[None, :] + offsets).reshape(-1)
         dst = (np.asarray([p[1] for p in pairs])[None, :] + offsets).reshape(-1)
-        before = _TRACES["copy"]
-        self.k_cache, self.v_cache = _COPY(
-            self.k_cache,
-            self.v_cache,
-            jnp.asarray(_pad(src, m, 0)),
-            jnp.asarray(_pad(dst, m, -1)),
-            layout=self.layout,
-            tp=self.tp,
+        src, dst = self._put(_pad(src, m, 0), _pad(dst, m, -1))
+        self.k_cache, self.v_cache = self._call(
+            "copy", _COPY, self.k_cache, self.v_cache, src, dst, layout=self.layout, tp=self.tp
         )
-        self.trace_counts["copy"] += _TRACES["copy"] - before

@@ -5,6 +5,14 @@ sample's id within the request (its index among the ``n`` parallel samples) and 
 of the token being drawn. A sequence therefore draws the same tokens whatever else shares
 its batch, however its prompt was chunked, and after a preemption and recompute; an oracle
 can redraw every token from the dense logits with the same keys.
+
+A draw is the Gumbel-max trick: the token with the largest ``logit / temperature +
+noise``, the noise drawn per token id. Logits that differ only by rounding (another kernel,
+a bfloat16 model against a float32 oracle) then draw the same token unless two tokens'
+perturbed scores are within that rounding, as in greedy decoding. (Noise drawn per rank of
+the sorted logits, as ``jax.random.categorical`` over them would, hands two nearly equal
+tokens each other's noise when rounding swaps their order, and changes the draw by far
+more than the rounding.)
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sample", "sample_keys"]
+__all__ = ["nucleus", "sample", "sample_keys"]
 
 
 def sample_keys(seeds, uids, positions):
@@ -38,12 +46,17 @@ def sample(logits, keys, temperature, top_p, *, greedy: bool):
         return best
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p[:, None]
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)
-    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    keep = nucleus(scaled, top_p[:, None])
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], jnp.float32))(keys)
+    drawn = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, best)
+
+
+def nucleus(scaled, top_p):
+    """bool, the shape of ``scaled`` (logits over the last axis): the smallest set of most
+    likely tokens whose probability reaches ``top_p`` (broadcast against ``scaled``)."""
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(keep_sorted, inverse, axis=-1)

@@ -1,56 +1,58 @@
-"""Continuous-batching scheduler over the page pool and the radix cache (host side).
+"""Continuous-batching scheduler: which sequences run in each step (host side, policy only).
 
-Memory model. The KV pool is ``num_pages`` pages of ``page_size`` slots
-(:class:`~jaxattn.engine.pool.PagePool`), each with a reference count. Holders:
+The memory it schedules is the :class:`~jaxattn.engine.kv_cache.KVCacheManager`'s (block
+tables and the radix cache over one ref-counted pool); this module decides, that one
+carries out. A request's life:
 
-* the radix cache (page granular: ``RadixCache(page_size=P)``) holds one reference per
-  page of its nodes;
-* every running sequence holds one reference per page of its block table. The first
-  ``cached_len`` tokens of a table are pages of the cache on the path the sequence has
-  locked (``inc_lock_ref``), the rest are its own, except after a fork, where siblings
-  share the prompt's partial tail page until one of them writes into it (copy-on-write).
-
-So a page that only the cache holds is exactly a page of an unlocked node: eviction
-frees precisely ``evictable_size`` tokens, and no page is freed while anyone reads it.
-A slot is written only when its page has one reference (the writer's): new pages are
-fresh, matched prefix pages are never written (writes start at ``num_computed >=
-cached_len``), and a shared tail page is copied first.
-
-A request's life (seed part 4):
-
-1. admission: ``match_prefix(tokens[:-1])`` and lock; allocate pages for the rest of the
-   prompt (evicting LRU leaves if needed); longest cached prefix first;
-2. extend: the missing tokens, in chunks of at most ``max_batch_tokens`` per step
-   (decode tokens of the same step included); after every chunk the computed whole pages
-   are inserted into the cache and the lock moves down to them, so other requests can
-   hit a long prompt while it is still being prefilled;
+1. admission: ``match(tokens[:-1])`` locks the longest cached prefix; a table for the
+   whole prompt is allocated after it (evicting LRU leaves if needed); longest cached
+   prefix first (``policy="lpm"``), while memory and the token budget allow;
+2. extend: the missing tokens, in chunks of at most ``max_batch_tokens`` per step (decode
+   tokens of the same step included); after every chunk the computed whole pages go into
+   the cache and the lock moves down to them, so other requests can hit a long prompt
+   while it is still being prefilled;
 3. the chunk that ends the prompt draws the first token (``n`` tokens for ``n`` parallel
    samples, after which the sequence is forked ``n - 1`` times, sharing every page);
-4. decode: one token per step; a new page when the tail page is full, a copy when it is
-   shared. When even eviction cannot free a page, the newest running sequence is
-   preempted: its computed pages go into the cache (unlocked, so they are evicted only
-   as far as needed) and it waits to be readmitted, usually with a long prefix hit;
-5. finish (stop token or ``max_new_tokens``): insert, unlock, drop the table.
+4. decode: ``k`` steps per dispatch (:attr:`StepPlan.decode_steps`), their slots reserved
+   up front, a shared tail copied on write. ``k > 1`` only when no request needs the host
+   in between (no prompt to prefill, nobody waiting for a free place) and no sequence
+   reaches its length limit inside the ``k`` steps. When even eviction cannot free a page,
+   the newest running sequence is preempted: its computed pages go into the cache
+   (unlocked, so they are evicted only as far as needed) and it waits to be readmitted,
+   usually with a long prefix hit;
+5. finish (stop token, ``max_new_tokens`` or non-finite logits): insert, unlock, free.
+
+Planning may run ahead of the device (the overlap scheduler): ``num_scheduled`` counts
+the tokens whose KV is computed or in a dispatch whose results were not read yet,
+``pending`` the tokens drawn in such dispatches, and :meth:`Scheduler.commit` applies a
+dispatch's results when they are read. Everything decided ahead is valid whatever those
+results are: a sequence that stops on a stop token in step ``t`` may be planned for step
+``t + 1``, where the device skips it (its row is finished) and the host drops its planned
+tokens. Only a preemption needs the exact state; :meth:`Scheduler.schedule` then asks for
+the results first.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
-from jaxattn.radix import RadixCache
+from .config import SchedulerConfig
+from .kv_cache import KVCacheManager
+from .stats import StatsCollector
 
-from .pool import PagePool
+__all__ = ["Chunk", "Decode", "Scheduler", "Sequence", "StepPlan"]
 
-__all__ = ["Scheduler", "Sequence", "StepPlan"]
+# What the decode program reports for a step a row did not run (see runner.NO_TOKEN).
+NO_TOKEN = -2
 
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One output sequence (one of the ``n`` samples of a request) and its KV state."""
+    """One output sequence (one of the ``n`` samples of a request) and its progress."""
 
     seq_id: int
     tokens: list[int]
@@ -63,14 +65,15 @@ class Sequence:
     stop_ids: frozenset = frozenset()
     arrival: int = 0
     fork_ids: list = dataclasses.field(default_factory=list)  # (seq_id, sample_id) to fork
-    table: list = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    cached_len: int = 0
-    lock_node: object = None
+    num_computed: int = 0  # tokens whose KV is computed (results read)
+    num_scheduled: int = 0  # ... or in a dispatch whose results are not read yet
+    pending: int = 0  # tokens drawn in dispatches whose results are not read yet
+    prefilling: bool = True  # an extend chunk must still end the prompt and draw
     admitted: int = -1
     finish_reason: str | None = None  # "stop", "length" or "error"
     error: str | None = None  # why, when finish_reason is "error"
     tag: object = None  # the caller's handle (e.g. the output index)
+    row: int | None = None  # the device decode row serving this sequence
 
     @property
     def num_generated(self) -> int:
@@ -81,89 +84,99 @@ class Sequence:
         return self.tokens[self.prompt_len :]
 
     @property
-    def remaining(self) -> int:
-        """Tokens whose KV is still to compute (the last token is always among them)."""
-        return len(self.tokens) - self.num_computed
+    def length(self) -> int:
+        """Tokens including those drawn in dispatches not read yet."""
+        return len(self.tokens) + self.pending
+
+    @property
+    def budget(self) -> int:
+        """Tokens the sequence may still draw beyond the planned ones."""
+        return self.max_new_tokens - self.num_generated - self.pending
+
+    @property
+    def decode_ready(self) -> bool:
+        return (
+            not self.prefilling
+            and not self.fork_ids
+            and self.finish_reason is None
+            and self.budget > 0
+        )
+
+
+class Chunk(NamedTuple):
+    """Extend tokens ``[start, end)`` of ``seq``; ``draws``: the chunk ends the prompt, so
+    ``1 + len(seq.fork_ids)`` tokens are drawn from its last row."""
+
+    seq: Sequence
+    start: int
+    end: int
+    draws: bool
+
+
+class Decode(NamedTuple):
+    """``steps`` decode steps of ``seq`` from ``position`` (the position of its last
+    token, whose KV the first step writes)."""
+
+    seq: Sequence
+    position: int
 
 
 @dataclasses.dataclass
 class StepPlan:
-    """What one step runs: extend chunks ``(seq, start, end, draws)`` (``draws``: the
-    chunk ends the prompt, so ``1 + len(seq.fork_ids)`` tokens are drawn from its last
-    row), decode sequences, and copy-on-write page copies to apply before any write."""
+    """What one step runs: extend chunks, decode sequences for ``decode_steps`` steps,
+    copy-on-write page copies to apply before any write, and the sequences preempted
+    while planning."""
 
-    extend: list = dataclasses.field(default_factory=list)
-    decode: list = dataclasses.field(default_factory=list)
-    copies: list = dataclasses.field(default_factory=list)
+    extend: list[Chunk] = dataclasses.field(default_factory=list)
+    decode: list[Decode] = dataclasses.field(default_factory=list)
+    decode_steps: int = 1
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # The decode slots are promised, not reserved yet: whoever runs the plan reserves them
+    # (``kv.reserve(seq, position + decode_steps)`` in plan order).
+    deferred: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.extend or self.decode)
 
+    @property
+    def num_draws(self) -> int:
+        """Tokens the plan draws, forks included."""
+        drawn = sum(1 + len(c.seq.fork_ids) for c in self.extend if c.draws)
+        return drawn + len(self.decode) * self.decode_steps
+
 
 class Scheduler:
-    """Admission, chunking, memory and preemption decisions; no device work.
+    """Admission, chunking, multi-step and preemption decisions over a KV cache manager.
 
     Args:
-      num_pages, page_size: the pool.
-      max_batch_tokens: tokens computed per step (decode tokens + extend chunks).
-      max_running: sequences running at once.
-      radix_cache: share prefixes across requests (False: every request computes its
-        whole prompt and frees its pages at the end).
-      policy: ``"lpm"`` (longest cached prefix first, then arrival) or ``"fcfs"``.
-      new_token_ratio: admission keeps ``ratio * (tokens still to generate)`` worth of
-        pages free for every running sequence, so that admissions do not immediately
-        force preemptions (0: admit while the prompt fits).
-      dedup_tokens: a waiting request that shares at least this many uncached tokens
-        with a prompt being prefilled in the step waits one step and then hits the cache
-        instead of computing them again (None: ``max(page_size, 32)``; 0: off).
+      kv: the memory (block tables, radix cache).
+      config: the policy knobs (:class:`~jaxattn.engine.SchedulerConfig`).
+      stats: where events are counted.
     """
 
-    def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        *,
-        max_batch_tokens: int,
-        max_running: int,
-        radix_cache: bool = True,
-        policy: str = "lpm",
-        new_token_ratio: float = 0.3,
-        dedup_tokens: int | None = None,
-    ):
-        if policy not in ("lpm", "fcfs"):
-            raise ValueError(f"policy must be 'lpm' or 'fcfs', got {policy!r}")
-        if not 0.0 <= new_token_ratio <= 1.0:
-            raise ValueError(f"new_token_ratio must be in [0, 1], got {new_token_ratio!r}")
-        self.pool = PagePool(num_pages, page_size)
-        self.page_size = page_size
-        self.cache = RadixCache(self.pool, page_size=page_size) if radix_cache else None
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running = max_running
-        self.policy = policy
-        self.new_token_ratio = float(new_token_ratio)
-        self.dedup_tokens = max(page_size, 32) if dedup_tokens is None else int(dedup_tokens)
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, stats: StatsCollector):
+        self.kv = kv
+        self.config = config
+        self.page_size = kv.page_size
+        dedup = config.dedup_tokens
+        self.dedup_tokens = max(kv.page_size, 32) if dedup is None else dedup
+        self.stats = stats
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: the newest is last
-        self.stats: collections.Counter = collections.Counter()
         self._admissions = itertools.count()
-        self._preempted_in_step = False
+        self._uncommitted: list[StepPlan] = []  # planned, results not committed yet
+        # Leave the decode reservations to the caller (device paging: it snapshots the
+        # pages before them and the device makes the same reservations).
+        self.defer_reservations = False
 
-    # -- queries ----------------------------------------------------------------------------
+    # -- queries ---------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def cached_pages(self) -> set[int]:
-        """Pages held by the radix cache."""
-        if self.cache is None:
-            return set()
-        pages: set[int] = set()
-        for _, _, slots in self.cache.cached_sequences():
-            pages.update((np.asarray(slots) // self.page_size).tolist())
-        return pages
+        return self.kv.pages_for(num_tokens)
 
     @staticmethod
     def draws(seq: Sequence) -> list[tuple]:
@@ -172,85 +185,123 @@ class Scheduler:
         ids = [seq.sample_id] + [sample_id for _, sample_id in seq.fork_ids]
         return [(seq.seed, i, seq.temperature, seq.top_p) for i in ids]
 
-    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        pos = np.arange(start, end)
-        table = np.asarray(seq.table, np.int64)
-        return (table[pos // self.page_size] * self.page_size + pos % self.page_size).astype(
-            np.int32
-        )
-
     # -- planning ---------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, *, in_flight: bool = False) -> StepPlan | None:
+        """The next step's plan (empty when nothing can run), or None when it needs a
+        preemption while a dispatch is ``in_flight``: commit that one, then ask again."""
+        cfg = self.config
         plan = StepPlan()
-        self._preempted_in_step = False
-        budget = self.max_batch_tokens
+        budget = cfg.max_batch_tokens
+        self.kv.promised = 0
+        ready = [s for s in self.running if s.decode_ready]
+        host_needed = any(s.prefilling for s in self.running) or (
+            self.waiting and sum(1 + len(s.fork_ids) for s in self.running) < cfg.max_running
+        )
+        steps = 1
+        if ready and not host_needed and cfg.decode_steps > 1:
+            steps = min(cfg.decode_steps, min(s.budget for s in ready))
         # Decode first: running sequences are never starved by new arrivals.
-        for seq in list(self.running):
-            if seq.remaining != 1 or seq.fork_ids or seq not in self.running:
-                continue
-            if self._reserve_decode(seq, plan):
-                plan.decode.append(seq)
+        if ready:
+            ready = self._reserve_decode(ready, steps, plan, in_flight)
+            if ready is None:
+                return None
         budget -= len(plan.decode)
         # Chunks of prompts already being prefilled, oldest first.
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.remaining > 1 or seq.fork_ids:
+            if seq.prefilling:
                 budget -= self._plan_chunk(seq, plan, budget)
-        if not self._preempted_in_step:
+        if self.waiting and not plan.preempted:
             self._admit(plan, budget)
+        if plan:
+            self._uncommitted.append(plan)
         return plan
 
     def _plan_chunk(self, seq: Sequence, plan: StepPlan, budget: int) -> int:
-        start = seq.num_computed
-        end = start + min(seq.remaining, budget)
-        plan.extend.append((seq, start, end, end == len(seq.tokens)))
+        start = seq.num_scheduled
+        end = start + min(seq.length - start, budget)
+        draws = end == seq.length
+        plan.extend.append(Chunk(seq, start, end, draws))
+        seq.num_scheduled = end
+        if draws:
+            seq.prefilling = False
+            seq.pending += 1  # forks draw theirs into sequences made at commit
         return end - start
 
-    def _reserve_decode(self, seq: Sequence, plan: StepPlan) -> bool:
-        """Make the page of position ``num_computed`` writable; False if ``seq`` was
-        preempted to find memory."""
-        idx = seq.num_computed // self.page_size
-        if (idx == len(seq.table) or self.pool.ref_count(seq.table[idx]) > 1) and not (
-            self._make_room(1, seq)
-        ):
-            return False
-        if idx == len(seq.table):
-            seq.table.append(self.pool.alloc_pages(1)[0])
-        elif self.pool.ref_count(seq.table[idx]) > 1:
-            # Copy-on-write: the sibling keeps the shared page, this one writes a copy.
-            new = self.pool.alloc_pages(1)[0]
-            plan.copies.append((seq.table[idx], new))
-            self.pool.free_pages([seq.table[idx]])
-            seq.table[idx] = new
-            self.stats["cow_copies"] += 1
-        return True
+    def _reserve_decode(self, ready, steps, plan, in_flight):
+        """Reserve the slots of ``steps`` steps for every ready sequence (fewer steps when
+        the pool is short); return the sequences planned, or None when only a preemption
+        would make room while a dispatch is in flight."""
+        kv = self.kv
+        while True:
+            need = sum(kv.pages_to_reserve(s.seq_id, s.num_scheduled + steps) for s in ready)
+            if kv.evict_for(need):
+                break
+            if steps == 1:
+                if in_flight:
+                    return None
+                return self._reserve_one_by_one(ready, plan)
+            steps = 1
+        plan.decode_steps = steps
+        if self.defer_reservations:
+            kv.promised = need
+            plan.deferred = True
+            for seq in ready:
+                plan.decode.append(Decode(seq, seq.num_scheduled))
+                seq.num_scheduled += steps
+                seq.pending += steps
+            return ready
+        for seq in ready:
+            self._plan_decode(seq, steps, plan)
+        return ready
+
+    def _reserve_one_by_one(self, ready, plan):
+        """One step each, oldest first, preempting the newest running sequence whenever
+        even an empty cache cannot supply the next page."""
+        kv = self.kv
+        planned = []
+        for seq in ready:
+            if seq not in self.running:
+                continue  # preempted for an older sequence
+            need = kv.pages_to_reserve(seq.seq_id, seq.num_scheduled + 1)
+            if not self._make_room(need, seq, plan):
+                continue
+            self._plan_decode(seq, 1, plan)
+            planned.append(seq)
+        return planned
+
+    def _plan_decode(self, seq: Sequence, steps: int, plan: StepPlan) -> None:
+        plan.copies += self.kv.reserve(seq.seq_id, seq.num_scheduled + steps)
+        plan.decode.append(Decode(seq, seq.num_scheduled))
+        seq.num_scheduled += steps
+        seq.pending += steps
 
     def _future_pages(self, seq: Sequence) -> int:
-        left = max(seq.max_new_tokens - max(seq.num_generated, 0), 0)
+        left = max(seq.max_new_tokens - max(seq.num_generated + seq.pending, 0), 0)
         width = 1 + len(seq.fork_ids)
-        return width * self.pages_for(int(np.ceil(left * self.new_token_ratio)))
-
-    def _available_pages(self) -> int:
-        evictable = self.cache.evictable_size // self.page_size if self.cache else 0
-        return self.pool.num_free_pages + evictable
+        return width * self.pages_for(int(np.ceil(left * self.config.new_token_ratio)))
 
     def _candidates(self) -> list[Sequence]:
-        if self.policy == "fcfs" or self.cache is None or len(self.waiting) > 256:
+        if self.config.policy == "fcfs" or self.kv.cache is None or len(self.waiting) > 256:
             return sorted(self.waiting, key=lambda s: s.arrival)
-        hit = {id(s): self.cache.prefix_len(s.tokens[:-1]) for s in self.waiting}
+        hit = {id(s): self.kv.prefix_len(s.tokens[:-1]) for s in self.waiting}
         return sorted(self.waiting, key=lambda s: (-hit[id(s)], s.arrival))
 
     def _shares_inflight(self, seq: Sequence, cached: int, plan: StepPlan) -> bool:
+        """Whether ``seq`` shares ``dedup_tokens`` uncached tokens with a prompt being
+        prefilled in this plan or in one whose results are not committed yet (it then
+        waits until those pages are in the cache)."""
         if not self.dedup_tokens:
             return False
         mine = np.asarray(seq.tokens[:-1])
-        for other, *_ in plan.extend:
-            theirs = np.asarray(other.tokens[: len(mine)])
+        chunks = [c for p in self._uncommitted for c in p.extend] + plan.extend
+        for chunk in chunks:
+            theirs = np.asarray(chunk.seq.tokens[: len(mine)])
             n = min(len(mine), len(theirs))
             diff = np.flatnonzero(mine[:n] != theirs[:n])
             common = int(diff[0]) if diff.size else n
@@ -259,111 +310,65 @@ class Scheduler:
         return False
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
+        kv = self.kv
         reserve = sum(self._future_pages(s) for s in self.running)
+        # Sequences to come from forks count already: they decode in rows of their own.
+        running = sum(1 + len(s.fork_ids) for s in self.running)
         for seq in self._candidates():
             width = 1 + len(seq.fork_ids)
-            if budget <= 0 or (self.running and len(self.running) + width > self.max_running):
+            if budget <= 0 or (running and running + width > self.config.max_running):
                 break
-            cached = self.cache.prefix_len(seq.tokens[:-1]) if self.cache else 0
-            if self._shares_inflight(seq, cached, plan):
+            if self._shares_inflight(seq, kv.prefix_len(seq.tokens[:-1]), plan):
                 continue
-            if self.cache is not None:
-                match = self.cache.match_prefix(seq.tokens[:-1])
-                self.cache.inc_lock_ref(match.node)
-                cached_pages = (match.indices[:: self.page_size] // self.page_size).tolist()
-                cached = match.length
-            else:
-                match, cached_pages, cached = None, [], 0
-            need = self.pages_for(len(seq.tokens)) - len(cached_pages)
+            match = kv.match(seq.tokens[:-1])
+            need = self.pages_for(len(seq.tokens)) - len(match.pages)
             future = self._future_pages(seq)
-            avail = self._available_pages()
+            avail = kv.available_pages()
             if need > avail or (self.running and need + future + reserve > avail):
-                if match is not None:
-                    self.cache.dec_lock_ref(match.node)
+                kv.unlock(match)
                 break
-            made = self._make_room(need, None)
+            made = kv.evict_for(need)
             assert made, "admission never preempts"
-            self.pool.incref_pages(cached_pages)
-            seq.table = cached_pages + self.pool.alloc_pages(need)
-            seq.num_computed = seq.cached_len = cached
-            seq.lock_node = match.node if match is not None else None
+            kv.allocate(seq.seq_id, len(seq.tokens), match)
+            seq.num_computed = seq.num_scheduled = match.length
+            seq.prefilling = True
             seq.admitted = next(self._admissions)
             self.waiting.remove(seq)
             self.running.append(seq)
-            self.stats["admissions"] += 1
-            self.stats["prefix_hit_tokens"] += cached
+            self.stats.count("admissions")
+            self.stats.count("prefix_hit_tokens", match.length)
             reserve += future
+            running += width
             budget -= self._plan_chunk(seq, plan, budget)
 
     # -- memory -----------------------------------------------------------------------------
 
-    def _make_room(self, pages: int, needer: Sequence | None) -> bool:
+    def _make_room(self, pages: int, needer: Sequence, plan: StepPlan) -> bool:
         """Free pages until ``pages`` are free: evict unlocked cache leaves (LRU), then
         preempt the newest running sequence. False when ``needer`` itself was preempted."""
-        while self.pool.num_free_pages < pages:
-            short = pages - self.pool.num_free_pages
-            if self.cache is not None and self.cache.evictable_size:
-                self.stats["evicted_tokens"] += self.cache.evict(short * self.page_size)
-                continue
+        while not self.kv.evict_for(pages):
             if not self.running:
                 raise RuntimeError(
                     f"the KV pool cannot supply {pages} pages with nothing running "
-                    f"({self.pool.num_free_pages} free): a leak, or a request larger "
-                    "than the pool"
+                    f"({self.kv.free_pages} free): a leak, or a request larger than the pool"
                 )
             victim = self.running[-1]
-            self._preempt(victim)
+            self._preempt(victim, plan)
             if victim is needer:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self._release(seq)
-        seq.table, seq.num_computed, seq.cached_len, seq.lock_node = [], 0, 0, None
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Only with nothing in flight: the sequence's state is exact."""
+        assert seq.num_scheduled == seq.num_computed and not seq.pending, "preempted in flight"
+        self.kv.release(seq.seq_id, seq.tokens, seq.num_computed, keep=True)
+        seq.num_computed = seq.num_scheduled = 0
+        seq.prefilling = True
         seq.admitted = -1
         self.running.remove(seq)
         self.waiting.append(seq)
-        self.stats["preemptions"] += 1
-        self._preempted_in_step = True
-
-    def _release(self, seq: Sequence) -> None:
-        """Hand the computed whole pages to the cache, unlock, drop every own reference.
-        A sequence that failed hands over nothing more."""
-        if self.cache is not None:
-            n = seq.num_computed
-            aligned = n - n % self.page_size
-            if aligned > seq.cached_len and seq.finish_reason != "error":
-                had = self.cache.insert(seq.tokens[:aligned], self.slots(seq, 0, aligned))
-                # The cache took over this sequence's references on the pages it did not
-                # have yet; give the sequence its own back, dropped with the rest below.
-                self.pool.incref_pages(seq.table[had // self.page_size : aligned // self.page_size])
-            if seq.lock_node is not None:
-                self.cache.dec_lock_ref(seq.lock_node)
-        self.pool.free_pages(seq.table)
-
-    def _cache_progress(self, seq: Sequence) -> None:
-        """Insert the computed whole pages, adopt the cache's copy of any page another
-        request inserted first (freeing the duplicate) and move the lock down."""
-        p = self.page_size
-        aligned = seq.num_computed - seq.num_computed % p
-        if self.cache is None or aligned <= seq.cached_len:
-            return
-        tokens = seq.tokens[:aligned]
-        had = self.cache.insert(tokens, self.slots(seq, 0, aligned))
-        self.pool.incref_pages(seq.table[had // p : aligned // p])
-        match = self.cache.match_prefix(tokens)
-        assert match.length == aligned
-        tree_pages = (match.indices[::p] // p).tolist()
-        for i in range(seq.cached_len // p, aligned // p):
-            if seq.table[i] != tree_pages[i]:
-                self.pool.incref_pages([tree_pages[i]])
-                self.pool.free_pages([seq.table[i]])
-                seq.table[i] = tree_pages[i]
-                self.stats["deduplicated_pages"] += 1
-        self.cache.inc_lock_ref(match.node)
-        if seq.lock_node is not None:
-            self.cache.dec_lock_ref(seq.lock_node)
-        seq.lock_node, seq.cached_len = match.node, aligned
+        plan.preempted.append(seq)
+        self.stats.count("preemptions")
 
     # -- results ----------------------------------------------------------------------------
 
@@ -373,20 +378,18 @@ class Scheduler:
             seq_id=seq_id,
             sample_id=sample_id,
             tokens=list(parent.tokens),
-            table=list(parent.table),
             fork_ids=[],
             admitted=next(self._admissions),
+            row=None,
         )
-        self.pool.incref_pages(child.table)
-        if self.cache is not None and child.lock_node is not None:
-            self.cache.inc_lock_ref(child.lock_node)
+        self.kv.fork(parent.seq_id, seq_id)
         self.running.append(child)
-        self.stats["forks"] += 1
+        self.stats.count("forks")
         return child
 
     def _take(self, seq: Sequence, token: int) -> bool:
         """Append a drawn token; True when the sequence is done. A row whose logits were
-        not finite (token NON_FINITE) ends the sequence with an error instead."""
+        not finite (a negative token) ends the sequence with an error instead."""
         if token < 0:
             seq.finish_reason = "error"
             seq.error = (
@@ -395,81 +398,98 @@ class Scheduler:
             )
             return True
         seq.tokens.append(int(token))
-        return self._is_done(seq)
-
-    def _is_done(self, seq: Sequence) -> bool:
-        if seq.tokens[-1] in seq.stop_ids:
+        self.stats.count("generated_tokens")
+        if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif seq.num_generated >= seq.max_new_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
+    def _take_many(self, seq: Sequence, tokens: np.ndarray) -> int:
+        """:meth:`_take` for the tokens of consecutive decode steps, up to the first that
+        ends the sequence; return the steps consumed (each wrote one token's KV)."""
+        room = seq.max_new_tokens - seq.num_generated
+        tokens = tokens[:room]
+        ends = tokens < 0
+        if seq.stop_ids:
+            ends |= np.isin(tokens, list(seq.stop_ids))
+        if ends.any():
+            last = int(np.argmax(ends))
+            tokens = tokens[: last + 1]
+        elif len(tokens) < room:
+            self._append(seq, tokens)
+            return len(tokens)
+        assert tokens.size and tokens[-1] != NO_TOKEN, f"seq {seq.seq_id}: a step did not run"
+        self._append(seq, tokens[:-1])
+        self._take(seq, int(tokens[-1]))
+        return len(tokens)
+
+    def _append(self, seq: Sequence, tokens: np.ndarray) -> None:
+        seq.tokens.extend(tokens.tolist())
+        self.stats.count("generated_tokens", len(tokens))
+
     def commit(self, plan: StepPlan, extend_tokens, decode_tokens) -> list[Sequence]:
         """Apply a step's drawn tokens; return the sequences that finished (released).
 
         ``extend_tokens`` lists the draws of every chunk that ends a prompt, in plan
-        order, one per sampler (the sequence first, then each sequence to fork).
+        order, one per sampler (the sequence first, then each sequence to fork);
+        ``decode_tokens[i]`` the ``plan.decode_steps`` tokens of ``plan.decode[i]``.
+        Tokens planned for a sequence that finished in an earlier commit are dropped.
         """
+        self._uncommitted = [p for p in self._uncommitted if p is not plan]
         done: list[Sequence] = []
         drawn = iter(np.asarray(extend_tokens).tolist())
         for seq, start, end, draws in plan.extend:
             seq.num_computed = end
-            self.stats["prefill_tokens"] += end - start
-            self._cache_progress(seq)
+            self.stats.count("prefill_tokens", end - start)
+            self.kv.cache_progress(seq.seq_id, seq.tokens, end)
             if not draws:
                 continue
-            first = next(drawn)
-            group = [(seq, first)]
+            seq.pending -= 1
+            group = [(seq, next(drawn))]
             for seq_id, sample_id in seq.fork_ids:
                 group.append((self._fork(seq, seq_id, sample_id), next(drawn)))
             seq.fork_ids = []
             for s, token in group:
                 if self._take(s, token):
                     done.append(s)
-        for seq, token in zip(plan.decode, np.asarray(decode_tokens).tolist(), strict=False):
-            seq.num_computed += 1
-            self.stats["decode_tokens"] += 1
-            if self._take(seq, token):
-                done.append(seq)
+        steps = plan.decode_steps
+        if plan.decode:
+            decode_tokens = np.asarray(decode_tokens)[:, :steps]
+            computed = 0
+            for (seq, _), tokens in zip(plan.decode, decode_tokens, strict=True):
+                if seq.finish_reason is not None:
+                    continue
+                seq.pending -= steps
+                n = self._take_many(seq, tokens)
+                seq.num_computed += n
+                computed += n
+                if seq.finish_reason is not None:
+                    done.append(seq)
+            self.stats.count("decode_tokens", computed)
         for seq in done:
-            self._release(seq)
-            seq.table, seq.lock_node = [], None
+            self.kv.release(
+                seq.seq_id, seq.tokens, seq.num_computed, keep=seq.finish_reason != "error"
+            )
             self.running.remove(seq)
         return done
 
     # -- checks -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every page reference is accounted for."""
-        holders = collections.Counter()
-        cached = self.cached_pages()
-        holders.update(cached)
+        """Raise AssertionError unless every page reference is accounted for and every
+        running sequence's table covers what it computed and planned."""
+        kv = self.kv
         for seq in self.running:
-            n = len(seq.table)
-            assert self.pages_for(seq.num_computed) <= n <= self.pages_for(len(seq.tokens)), (
-                f"seq {seq.seq_id}: {n} pages for {seq.num_computed} computed tokens"
+            n = len(kv.table(seq.seq_id))
+            reserved = kv.reserved(seq.seq_id)
+            assert seq.num_computed <= seq.num_scheduled <= reserved, (
+                f"seq {seq.seq_id}: {seq.num_computed} computed, {seq.num_scheduled} "
+                f"scheduled, {reserved} slots"
             )
-            assert len(set(seq.table)) == n, f"seq {seq.seq_id} lists a page twice"
-            holders.update(seq.table)
-            if self.cache is not None and seq.cached_len:
-                # Walk up from the locked node (read only: a match would touch the LRU).
-                values, node = [], seq.lock_node
-                while node is not None and node.parent is not None:
-                    assert node.lock_ref > 0, f"seq {seq.seq_id}: its path is not locked"
-                    values.append(node.value)
-                    node = node.parent
-                slots = np.concatenate(values[::-1])
-                assert len(slots) == seq.cached_len, f"seq {seq.seq_id}: cached_len is off"
-                pages = (slots[:: self.page_size] // self.page_size).tolist()
-                assert pages == seq.table[: len(pages)], f"seq {seq.seq_id} left its path"
+            assert n == self.pages_for(reserved), f"seq {seq.seq_id}: {n} pages"
+            upto = self.pages_for(max(seq.length, seq.num_scheduled)) * self.page_size
+            assert reserved <= upto, f"seq {seq.seq_id}: {reserved} slots for {seq.length}"
         for seq in self.waiting:
-            assert not seq.table and seq.lock_node is None
-        refs = self.pool.ref_counts()
-        for page in range(self.pool.num_pages):
-            assert refs[page] == holders.get(page, 0), (
-                f"page {page}: {refs[page]} references, {holders.get(page, 0)} holders"
-            )
-        self.pool.check_invariants()
-        if self.cache is not None:
-            self.cache.check_invariants()
-            assert self.cache.total_size == len(cached) * self.page_size
+            assert seq.seq_id not in kv.blocks, f"waiting seq {seq.seq_id} holds a table"
+        kv.check_invariants([s.seq_id for s in self.running])

@@ -30,7 +30,7 @@ import numpy as np
 from jaxattn.models.llama import LlamaConfig, forward_dense
 
 from .runner import bucket
-from .sampling import sample, sample_keys
+from .sampling import nucleus, sample, sample_keys
 
 __all__ = ["GAP_RTOL", "VerifyReport", "check_outputs", "dense_logits"]
 
@@ -76,18 +76,12 @@ def _redraw(logits, seeds, uids, positions, temperature, top_p, greedy=False):
 @jax.jit
 def _draw_scores(logits, seed, uid, position, temperature, top_p):
     """f32[vocab] score of every token in :func:`~jaxattn.engine.sampling.sample`'s draw
-    (the token drawn has the largest): its scaled logit plus the Gumbel noise of its rank,
-    -inf outside the top-p nucleus. Mirrors ``jax.random.categorical`` over the sorted
-    logits; :func:`check_outputs` checks that the two agree before using it."""
+    (the token drawn has the largest): its scaled logit plus its Gumbel noise, -inf outside
+    the top-p nucleus. :func:`check_outputs` checks that the two agree before using it."""
     key = sample_keys(seed[None], uid[None], position[None])[0]
     scaled = logits / temperature
-    order = jnp.argsort(-scaled, stable=True)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    keep = jnp.cumsum(probs) - probs < top_p
-    noise = jax.random.gumbel(key, sorted_logits.shape, sorted_logits.dtype)
-    scores = jnp.where(keep, sorted_logits + noise, -jnp.inf)
-    return jnp.zeros_like(scaled).at[order].set(scores)
+    noise = jax.random.gumbel(key, scaled.shape, jnp.float32)
+    return jnp.where(nucleus(scaled, top_p), scaled + noise, -jnp.inf)
 
 
 @dataclasses.dataclass

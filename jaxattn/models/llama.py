@@ -58,6 +58,7 @@ __all__ = [
     "params_from_hf",
     "rms_norm",
     "rope_frequencies",
+    "serving_params",
 ]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -169,6 +170,25 @@ class LlamaConfig:
         itemsize = np.dtype(self.jnp_dtype).itemsize
         return 2 * self.num_hidden_layers * self.kv_size * itemsize
 
+    # The serving engine's model protocol (jaxattn.engine.CausalLM): the config names the
+    # model, and these bind it to the module's functions.
+
+    def init_kv_cache(self, num_pages: int, page_size: int, *, layout: str = "bshd"):
+        """:func:`init_kv_cache` of this model."""
+        return init_kv_cache(self, num_pages, page_size, layout=layout)
+
+    def serving_params(self, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
+        """:func:`serving_params` of this model."""
+        return serving_params(self, params, shards=shards, unroll=unroll)
+
+    def forward_extend(self, params, k_cache, v_cache, batch, **options):
+        """:func:`forward_extend` of this model."""
+        return forward_extend(params, self, k_cache, v_cache, batch, **options)
+
+    def forward_decode(self, params, k_cache, v_cache, batch, **options):
+        """:func:`forward_decode` of this model."""
+        return forward_decode(params, self, k_cache, v_cache, batch, **options)
+
 
 # --- parameters ----------------------------------------------------------------------
 
@@ -265,13 +285,7 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 def apply_rope(x, positions, inv_freq):
     """Rotate-half RoPE. x ``[T, H, D]``, positions ``i32[T]``, inv_freq ``f32[D // 2]``."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return _rotate(x, *_rope_table(positions, inv_freq))
 
 
 def _linear(x, w):
@@ -284,32 +298,138 @@ def lm_head(params: dict, cfg: LlamaConfig, h):
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
 
+def _rope_table(positions, inv_freq):
+    """(cos, sin) ``f32[T, 1, D // 2]`` of every position, shared by all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def _rotate(x, cos, sin):
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
+    """The parameters as the serving engine runs them: with the projections that read the
+    same input fused, and (``unroll``) one dict of weights per layer.
+
+    * Straight-line layers (``unroll=True``, ``params["layers"]`` a tuple): over stacked
+      ``[num_layers, ...]`` weights a ``lax.scan`` slices one layer per iteration, and on
+      GPUs XLA materialises each slice that feeds a GEMM as a copy, so every step would
+      move the weights three times (read, write, read) in a pass bound by reading them
+      once. The price is compile time, which grows with the depth; ``unroll=False`` keeps
+      the stacked form and the scan (one compiled layer body).
+    * Fused projections (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``):
+      ``wqkv`` ``[hidden, shards, (q + 2 kv) / shards]`` and ``w_gate_up`` ``[hidden,
+      shards, 2 intermediate / shards]``, one GEMM each instead of three and two: fewer
+      kernels per layer, and no GEMM as narrow as one K or V projection, in a decode step
+      whose many small kernels otherwise cost as much as its weight reads.
+
+    ``shards``: the tensor-parallel split of the output features: each of the ``shards``
+    blocks holds that device's q, k and v heads (gate and up columns) side by side, so the
+    fused weight splits over the mesh like the unfused ones (shard the unfused parameters
+    first, then call this). Split parameters are returned as they are.
+    """
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"params has {len(layers)} layers, the config {cfg.num_hidden_layers}")
+        return params
+    if "wqkv" in layers:
+        return params
+    n = cfg.num_hidden_layers
+    for name, w in layers.items():
+        if w.shape[0] != n:
+            raise ValueError(f"params['layers'][{name!r}] has {w.shape[0]} layers, not {n}")
+    for name, size in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", cfg.num_key_value_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if size % shards:
+            raise ValueError(f"{name}={size} is not a multiple of shards={shards}")
+
+    def fuse(*ws):
+        # [L, in, out_i] -> [L, in, shards, sum(out_i) / shards], each shard its parts.
+        return jnp.concatenate([w.reshape(*w.shape[:2], shards, -1) for w in ws], axis=-1)
+
+    wqkv = fuse(layers["wq"], layers["wk"], layers["wv"])
+    w_gate_up = fuse(layers["w_gate"], layers["w_up"])
+    if not unroll:
+        fused = {k: layers[k] for k in ("attn_norm", "wo", "mlp_norm", "w_down")}
+        return dict(params, layers=dict(fused, wqkv=wqkv, w_gate_up=w_gate_up))
+    split = tuple(
+        {
+            "attn_norm": layers["attn_norm"][i],
+            "wqkv": wqkv[i],
+            "wo": layers["wo"][i],
+            "mlp_norm": layers["mlp_norm"][i],
+            "w_gate_up": w_gate_up[i],
+            "w_down": layers["w_down"][i],
+        }
+        for i in range(n)
+    )
+    return dict(params, layers=split)
+
+
+def _fused(x, w):
+    """``x [T, in]`` through a fused projection ``w [in, shards, c]``: ``[T, shards, c]``."""
+    return jnp.einsum("ti,isc->tsc", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
     ``attend(q, k, v, layer, state) -> (out [T, Hq, D], state)`` is the only thing that
-    differs between the dense and the cached forward passes.
+    differs between the dense and the cached forward passes. Stacked layer weights run as
+    one ``lax.scan`` (one compiled layer body whatever the depth); split ones
+    (:func:`serving_params`) as straight-line code with a Python int ``layer``.
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    inv_freq = jnp.asarray(rope_frequencies(cfg))
+    cos, sin = _rope_table(positions, jnp.asarray(rope_frequencies(cfg)))
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens]
 
-    def layer_body(carry, lp):
-        x, layer, state = carry
+    def layer_body(x, layer, state, lp):
         h = rms_norm(x, lp["attn_norm"], eps)
-        q = apply_rope(_linear(h, lp["wq"]).reshape(t, hq, d), positions, inv_freq)
-        k = apply_rope(_linear(h, lp["wk"]).reshape(t, hkv, d), positions, inv_freq)
-        v = _linear(h, lp["wv"]).reshape(t, hkv, d)
-        o, state = attend(q, k, v, layer, state)
+        if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
+            shards = lp["wqkv"].shape[1]
+            q, k, v = jnp.split(
+                _fused(h, lp["wqkv"]),
+                [cfg.q_size // shards, (cfg.q_size + cfg.kv_size) // shards],
+                -1,
+            )
+            q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        else:
+            q = _linear(h, lp["wq"]).reshape(t, hq, d)
+            k = _linear(h, lp["wk"]).reshape(t, hkv, d)
+            v = _linear(h, lp["wv"]).reshape(t, hkv, d)
+        o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
         x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], eps)
-        gate = jax.nn.silu(_linear(h, lp["w_gate"]))
-        x = x + _linear(gate * _linear(h, lp["w_up"]), lp["w_down"])
-        return (x, layer + 1, state), None
+        if "w_gate_up" in lp:
+            gate, up = jnp.split(_fused(h, lp["w_gate_up"]), 2, -1)
+            act = (jax.nn.silu(gate) * up).reshape(t, cfg.intermediate_size)
+        else:
+            act = jax.nn.silu(_linear(h, lp["w_gate"])) * _linear(h, lp["w_up"])
+        x = x + _linear(act, lp["w_down"])
+        return x, state
 
-    (x, _, state), _ = jax.lax.scan(layer_body, (x, jnp.int32(0), state), params["layers"])
+    layers = params["layers"]
+    if isinstance(layers, list | tuple):
+        for layer, lp in enumerate(layers):
+            x, state = layer_body(x, layer, state, lp)
+    else:
+
+        def scan_body(carry, lp):
+            x, layer, state = carry
+            x, state = layer_body(x, layer, state, lp)
+            return (x, layer + 1, state), None
+
+        (x, _, state), _ = jax.lax.scan(scan_body, (x, jnp.int32(0), state), layers)
     return rms_norm(x, params["norm"], eps), state
 
 
@@ -392,9 +512,12 @@ class ExtendBatch(NamedTuple):
 class DecodeBatch(NamedTuple):
     """Metadata of a decode batch: one new token per sequence (layer-0 ids).
 
-    tokens, positions, slot_mapping: ``i32[B]`` (padding rows: slot -1); block_tables
-    ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token (padding
-    rows: 1, reading page 0, whose output is discarded).
+    tokens, positions, slot_mapping: ``i32[B]`` (padding rows: slot -1, nothing written);
+    block_tables ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token
+    (padding rows: 0, attending to nothing).
+
+    A new attention variant or quantised pool adds its fields here (with defaults), and the
+    engine's runner fills them: the record is the whole interface of a decode step.
     """
 
     tokens: jax.Array

@@ -1,16 +1,37 @@
 """Paged KV memory management (vLLM PagedAttention).
 
-Host side (numpy): :class:`BlockAllocator`, :class:`BlockManager`. Functional side (a pytree
-of arrays with pure jit-able functions, the same semantics op for op): :class:`PageTable`.
-The functional side needs jax and is imported on first use, so the host side imports with
-numpy alone.
+Host side (numpy): :class:`BlockAllocator` (the pool's one ref-counted free list, seen as
+pages through :class:`PageAllocator` or as token slots through :class:`SlotAllocator`),
+:class:`BlockManager` (block tables, copy-on-write, fork, slot mapping). Functional side (a
+pytree of arrays with pure jit-able functions, the same semantics op for op):
+:class:`PageTable`. The functional side needs jax and is imported on first use, so the
+host side imports with numpy alone. :func:`token_slots` is the table-to-slot formula both
+sides use.
 """
 
 import importlib
 
-from jaxattn.paging.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError
+from jaxattn.paging.allocator import (
+    BlockAllocator,
+    NoFreeBlocksError,
+    PageAllocator,
+    SlotAllocator,
+    SlotView,
+)
+from jaxattn.paging.block_manager import BlockManager
+from jaxattn.paging.slots import token_slots
 
-__all__ = ["BlockAllocator", "BlockManager", "NoFreeBlocksError", "PageTable", "Status"]
+__all__ = [
+    "BlockAllocator",
+    "BlockManager",
+    "NoFreeBlocksError",
+    "PageAllocator",
+    "PageTable",
+    "SlotAllocator",
+    "SlotView",
+    "Status",
+    "token_slots",
+]
 
 _LAZY = {"PageTable", "Status"}
 

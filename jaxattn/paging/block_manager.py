@@ -1,11 +1,17 @@
-"""Host-side paged KV memory: a ref-counted block allocator and per-sequence block tables.
+"""Host-side paged KV memory: block tables over the ref-counted block allocator.
 
 This is the vLLM PagedAttention memory manager. A sequence's KV lives in fixed-size
 physical blocks listed by its block table; token ``t`` of a sequence sits in slot
-``table[t // block_size] * block_size + t % block_size`` of the pool. ``fork`` shares
-every block of the parent with the child (ref counts +1, no copy); the first write into a
-shared, partially filled tail block triggers copy-on-write, returned as ``(src, dst)``
-orders for :func:`jaxattn.kv.copy_blocks` to run before the token is written.
+``table[t // block_size] * block_size + t % block_size`` of the pool
+(:func:`~jaxattn.paging.token_slots`). ``fork`` shares every block of the parent with the
+child (ref counts +1, no copy); the first write into a shared, partially filled tail block
+triggers copy-on-write, returned as ``(src, dst)`` orders for :func:`jaxattn.kv.copy_blocks`
+to run before the token is written.
+
+The blocks come from a :class:`~jaxattn.paging.BlockAllocator`, its own or one shared with
+other holders: a radix prefix cache holding blocks through the allocator's slot view, for
+instance. A table may then start with blocks another holder owns (``allocate(...,
+prefix=)``, ``replace_blocks``); each holder drops only its own reference.
 
 Every mutating method validates first and mutates after, so an error leaves every table and
 every ref count exactly as it was.
@@ -13,99 +19,60 @@ every ref count exactly as it was.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Iterable
 
 import numpy as np
 
+from jaxattn.paging.allocator import BlockAllocator, NoFreeBlocksError, check_int
+from jaxattn.paging.slots import token_slots
+
 __all__ = ["BlockAllocator", "BlockManager", "NoFreeBlocksError"]
 
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool holds fewer free blocks than an operation needs."""
-
-
-def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
-    # The exact-type test is the hot path (one call per generated token); numpy integers
-    # take the slower ABC check. bool is an int subclass, but True as a length is a bug.
-    if type(value) is int:
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-class BlockAllocator:
-    """Free list plus per-block ref counts over ``num_blocks`` physical blocks.
-
-    A block is free iff its ref count is 0. Freed blocks are reused last-in first-out, so a
-    block that was just released (and may still be warm in cache) is handed out next.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = _check_int("num_blocks", num_blocks, minimum=1)
-        # Popping from the end hands out block 0 first.
-        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
-        self._ref = [0] * self.num_blocks
-
-    def _check_block(self, block: object) -> int:
-        block = _check_int("block", block)
-        if block >= self.num_blocks:
-            raise ValueError(f"block={block} out of range [0, {self.num_blocks})")
-        return block
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        """Take a free block; its ref count becomes 1."""
-        if not self._free:
-            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
-        block = self._free.pop()
-        self._ref[block] = 1
-        return block
-
-    def free(self, block: int) -> None:
-        """Drop one reference; the block returns to the free list when none is left."""
-        block = self._check_block(block)
-        if self._ref[block] == 0:
-            raise ValueError(f"block={block} is already free (double free)")
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            self._free.append(block)
-
-    def incref(self, block: int) -> None:
-        """Add a reference to an allocated block (sharing it with one more holder)."""
-        block = self._check_block(block)
-        if self._ref[block] == 0:
-            raise ValueError(f"block={block} is free; only an allocated block can be shared")
-        self._ref[block] += 1
-
-    def ref_count(self, block: int) -> int:
-        return self._ref[self._check_block(block)]
+_check_int = check_int
 
 
 class BlockManager:
-    """Block tables of running sequences over one shared :class:`BlockAllocator`.
+    """Block tables of sequences over one :class:`BlockAllocator`.
 
     Args:
-      num_blocks: physical blocks in the KV pool.
-      block_size: tokens per block (``P``).
+      num_blocks: physical blocks in the KV pool (None with ``allocator``: its count).
+      block_size: tokens per block (``P``; None with ``allocator``: its block size).
       watermark: fraction of ``num_blocks`` that :meth:`can_allocate` keeps in reserve when
         admitting a new prompt, so that running sequences can still grow by
         :meth:`append_slot` without being preempted at once. :meth:`allocate` itself only
         fails when the blocks physically do not exist.
+      allocator: share this allocator with other holders instead of owning a new one.
+
+    A sequence's length is the number of token slots its table provides; a serving engine
+    may reserve slots ahead of the tokens it has computed (:meth:`append_slots`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, watermark: float = 0.0):
-        self.allocator = BlockAllocator(num_blocks)
-        self.block_size = _check_int("block_size", block_size, minimum=1)
+    def __init__(
+        self,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        *,
+        watermark: float = 0.0,
+        allocator: BlockAllocator | None = None,
+    ):
+        if allocator is None:
+            if num_blocks is None or block_size is None:
+                raise TypeError("BlockManager needs num_blocks and block_size, or allocator=")
+            block_size = _check_int("block_size", block_size, minimum=1)
+            allocator = BlockAllocator(num_blocks, block_size=block_size)
+            self._shared = False
+        else:
+            if not isinstance(allocator, BlockAllocator):
+                raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator)}")
+            for name, value, have in (
+                ("num_blocks", num_blocks, allocator.num_blocks),
+                ("block_size", block_size, allocator.block_size),
+            ):
+                if value is not None and _check_int(name, value, minimum=1) != have:
+                    raise ValueError(f"{name}={value} differs from the allocator's {have}")
+            self._shared = True
+        self.allocator = allocator
+        self.block_size = allocator.block_size
         if not 0.0 <= float(watermark) < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.watermark = float(watermark)
@@ -135,6 +102,9 @@ class BlockManager:
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._tables
 
+    def __len__(self) -> int:
+        return len(self._tables)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
         num_tokens = _check_int("num_tokens", num_tokens)
@@ -146,12 +116,12 @@ class BlockManager:
 
     def can_append_slot(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether :meth:`append_slots` of ``num_tokens`` would find enough free blocks."""
-        if num_tokens == 1 and type(num_tokens) is int and seq_id in self._tables:
-            length = self._lens[seq_id]
-            if length % self.block_size and self.allocator._ref[self._tables[seq_id][-1]] == 1:
-                return True
-            return bool(self.allocator._free)
-        return self._blocks_to_append(self._check_seq(seq_id), num_tokens) <= self.num_free_blocks
+        return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
+
+    def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
+        """Fresh blocks :meth:`append_slots` of ``num_tokens`` takes (growth plus the
+        copy-on-write of a shared tail)."""
+        return self._blocks_to_append(self._check_seq(seq_id), num_tokens)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._tables[self._check_seq(seq_id)])
@@ -202,25 +172,40 @@ class BlockManager:
         length = self._lens[seq_id]
         if not start <= end <= length:
             raise ValueError(f"need 0 <= start <= end <= seq_len={length}, got [{start}, {end})")
-        positions = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).astype(np.int32)
+        row = self._mat[self._rows[seq_id], : len(table)]
+        return token_slots(row, np.arange(start, end, dtype=np.int64), self.block_size)
 
     # -- mutations -------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Give a new sequence fresh blocks for its ``num_tokens`` prompt tokens."""
+    def allocate(
+        self, seq_id: Hashable, num_tokens: int, *, prefix: Iterable[int] = ()
+    ) -> list[int]:
+        """Give a new sequence a table for its ``num_tokens`` prompt tokens.
+
+        ``prefix``: allocated blocks holding the first ``len(prefix) * block_size`` tokens
+        already (a prefix-cache hit); the table shares them (+1 each, no copy) and takes
+        fresh blocks for the rest.
+        """
         if seq_id in self._tables:
             raise ValueError(f"seq_id={seq_id!r} is already allocated")
-        needed = self.blocks_needed(num_tokens)
+        num_tokens = _check_int("num_tokens", num_tokens)
+        prefix = [_check_int("prefix block", b) for b in prefix]
+        if len(prefix) * self.block_size > num_tokens:
+            raise ValueError(
+                f"prefix of {len(prefix)} blocks holds more than num_tokens={num_tokens}"
+            )
+        if len(set(prefix)) != len(prefix):
+            raise ValueError(f"prefix lists a block twice: {prefix}")
+        needed = self.blocks_needed(num_tokens) - len(prefix)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"seq_id={seq_id!r} needs {needed} blocks for {num_tokens} tokens, "
                 f"{self.num_free_blocks} free"
             )
-        table = [self.allocator.allocate() for _ in range(needed)]
+        self.allocator.incref_blocks(prefix)  # validates: every prefix block is allocated
+        table = prefix + self.allocator.allocate_many(needed).tolist()
         self._tables[seq_id] = table
-        self._lens[seq_id] = int(num_tokens)
+        self._lens[seq_id] = num_tokens
         self._mirror_new(seq_id)
         return list(table)
 
@@ -228,31 +213,31 @@ class BlockManager:
         """Make room for one more token; return the copy-on-write orders to run first.
 
         A full (or missing) tail block gets a fresh block and needs no copy. A partially
-        filled tail that other sequences still share is copied to a fresh block, which
+        filled tail that other holders still share is copied to a fresh block, which
         replaces it in this table only (the shared one loses one reference): the order
         ``(src, dst)`` must be applied to the cache before the new token is written.
         """
-        # Specialised form of append_slots(seq_id, 1): a serving loop calls this once per
-        # sequence per decode step, so it touches the allocator's lists directly.
+        # Specialised form of append_slots(seq_id, 1): a serving loop may call this once per
+        # sequence per decode step.
         table = self._tables.get(seq_id)
         if table is None:
             self._check_seq(seq_id)
         length = self._lens[seq_id]
         allocator = self.allocator
         if length % self.block_size == 0:
-            if not allocator._free:
+            if not allocator.num_free:
                 raise NoFreeBlocksError(f"seq_id={seq_id!r} needs 1 block to grow, 0 free")
             table.append(allocator.allocate())
             self._mirror_entry(seq_id, len(table) - 1)
             orders = []
-        elif allocator._ref[table[-1]] > 1:
-            if not allocator._free:
+        elif allocator.ref_counts[table[-1]] > 1:
+            if not allocator.num_free:
                 raise NoFreeBlocksError(
                     f"seq_id={seq_id!r} needs 1 block for copy-on-write, 0 free"
                 )
             src = table[-1]
             table[-1] = dst = allocator.allocate()
-            allocator._ref[src] -= 1  # still > 0: another table holds it
+            allocator.free(src)  # still held: another holder reads it
             self._mirror_entry(seq_id, len(table) - 1)
             orders = [(src, dst)]
         else:
@@ -279,49 +264,72 @@ class BlockManager:
             table[-1] = dst
             orders.append((src, dst))
         new_len = length + num_tokens
-        for _ in range(self.blocks_needed(new_len) - len(table)):
-            table.append(self.allocator.allocate())
+        grow = self.blocks_needed(new_len) - len(table)
+        if grow > 0:
+            table.extend(self.allocator.allocate_many(grow).tolist())
         self._lens[seq_id] = new_len
         self._mirror_row(seq_id)
         return orders
+
+    def replace_blocks(self, seq_id: Hashable, start: int, blocks: Iterable[int]) -> None:
+        """Point table entries ``[start, start + len(blocks))`` at ``blocks``, allocated
+        blocks with the same contents (another holder's copy of the same tokens, e.g. a
+        prefix cache's): each gains this table's reference, each replaced block loses it."""
+        table = self._tables[self._check_seq(seq_id)]
+        start = _check_int("start", start)
+        blocks = [_check_int("blocks", b) for b in blocks]
+        if start + len(blocks) > len(table):
+            raise ValueError(
+                f"entries [{start}, {start + len(blocks)}) lie past the table's {len(table)}"
+            )
+        keep = set(table[:start] + table[start + len(blocks) :])
+        if len(set(blocks)) != len(blocks) or keep & set(blocks):
+            raise ValueError(f"blocks {blocks} would list a block twice in the table")
+        old = table[start : start + len(blocks)]
+        self.allocator.incref_blocks(blocks)  # validates: every new block is allocated
+        self.allocator.free_blocks(old)
+        table[start : start + len(blocks)] = blocks
+        self._mirror_row(seq_id)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Give ``child_id`` the parent's table; every block is shared, nothing is copied."""
         table = self._tables[self._check_seq(parent_id, "parent_id")]
         if child_id in self._tables:
             raise ValueError(f"child_id={child_id!r} is already allocated")
-        # Blocks of a table are allocated by construction: no per-block checks needed.
-        ref = self.allocator._ref
-        for block in table:
-            ref[block] += 1
+        # Blocks of a table are allocated by construction: the batch incref cannot fail.
+        self.allocator.incref_blocks(table)
         self._tables[child_id] = list(table)
         self._lens[child_id] = self._lens[parent_id]
         self._mirror_new(child_id)
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence; blocks no other table holds return to the free list."""
+        """Drop the sequence; blocks no other holder has return to the free list."""
         table = self._tables.pop(self._check_seq(seq_id))
         del self._lens[seq_id]
         self._free_rows.append(self._rows.pop(seq_id))
         # Tail first: the LIFO free list then hands these blocks out again in table order.
-        ref, free = self.allocator._ref, self.allocator._free
-        for block in reversed(table):
-            ref[block] -= 1
-            if not ref[block]:
-                free.append(block)
+        self.allocator.free_blocks(table[::-1])
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError unless ref counts equal table membership and no block leaks."""
-        holders = [0] * self.num_blocks
+    def check_invariants(self, other_holders: dict[int, int] | None = None) -> None:
+        """Raise AssertionError unless ref counts equal table membership (plus
+        ``other_holders``: block -> references held outside the tables) and no block leaks.
+        With a shared allocator and no ``other_holders``, the counts must only cover the
+        tables."""
+        holders = np.zeros(self.num_blocks, np.int64)
         for seq_id, table in self._tables.items():
             assert len(set(table)) == len(table), f"seq {seq_id!r} lists a block twice"
             assert len(table) == self.blocks_needed(self._lens[seq_id]), f"seq {seq_id!r}"
-            for block in table:
-                holders[block] += 1
-        assert holders == self.allocator._ref, "ref counts differ from table membership"
-        free = self.allocator._free
-        assert len(set(free)) == len(free), "a block is on the free list twice"
-        assert sorted(free) == [b for b in range(self.num_blocks) if holders[b] == 0]
+            np.add.at(holders, table, 1)
+        refs = self.allocator.ref_counts
+        if other_holders is not None:
+            for block, n in other_holders.items():
+                holders[block] += n
+            assert np.array_equal(holders, refs), "ref counts differ from the holders"
+        elif self._shared:
+            assert (refs >= holders).all(), "a block has fewer references than tables"
+        else:
+            assert np.array_equal(holders, refs), "ref counts differ from table membership"
+        self.allocator.check_invariants()
         assert self._rows.keys() == self._tables.keys()
         assert len(set(self._rows.values())) == len(self._rows), "two sequences share a row"
         for seq_id, table in self._tables.items():
@@ -369,7 +377,7 @@ class BlockManager:
 
     def _tail_is_shared(self, table: list[int], length: int) -> bool:
         # Only a partially filled tail is written into; a full shared block stays read-only.
-        return length % self.block_size != 0 and self.allocator.ref_count(table[-1]) > 1
+        return length % self.block_size != 0 and self.allocator.ref_counts[table[-1]] > 1
 
     def _blocks_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
         num_tokens = _check_int("num_tokens", num_tokens)

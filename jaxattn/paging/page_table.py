@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.paging.slots import token_slots
+
 __all__ = ["PageTable", "Status", "check_invariants"]
 
 
@@ -239,9 +241,8 @@ class PageTable:
         row, _, active = self._seq(seq)
         pos = _i32(start) + jnp.arange(length, dtype=jnp.int32)
         valid = active & (pos >= 0) & (pos < self.lens[row])
-        col = jnp.clip(pos // self.block_size, 0, self.max_blocks_per_seq - 1)
-        slots = self.tables[row, col] * self.block_size + pos % self.block_size
-        return jnp.where(valid, slots, -1)
+        inside = jnp.clip(pos, 0, self.max_blocks_per_seq * self.block_size - 1)
+        return jnp.where(valid, token_slots(self.tables[row], inside, self.block_size), -1)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -392,6 +393,89 @@ class PageTable:
         first = jnp.where(jnp.any(failed), status[jnp.argmax(failed)], jnp.int32(Status.OK))
         pairs = jnp.where(cow[:, None], jnp.stack([tail, fresh], axis=1), -1)
         return dataclasses.replace(new, status=first), pairs, status
+
+    def append_slots_batch(self, seqs, counts) -> tuple[PageTable, jax.Array, jax.Array]:
+        """Grow ``seqs[i]`` by ``counts[i]`` slots, in order: the host's
+        ``BlockManager.append_slots(seqs[i], counts[i])`` for each entry in turn, when the
+        pool can supply every entry; otherwise no entry changes.
+
+        A sequence listed twice after its first occurrence, a negative count, an unknown or
+        inactive sequence, or a table that would exceed ``max_blocks_per_seq`` fails that
+        entry alone (``INVALID_ARGUMENT``, ``UNKNOWN_SEQ``, ``INACTIVE_SEQ``,
+        ``TABLE_FULL``). The others take their blocks in batch order - a copy-on-write block
+        first (a shared partial tail, the first ``r - 1`` of its ``r`` holders in batch
+        order, as in :meth:`append_slot_batch`), then the new blocks - all of them or, when
+        fewer are free than they need together, none (``NO_FREE_BLOCKS`` on each).
+
+        Returns ``(state, cow, status)`` as :meth:`append_slot_batch`: ``cow`` ``i32[B, 2]``
+        ``(src, dst)`` per entry, ``(-1, -1)`` where nothing is copied.
+        """
+        seqs, counts = _i32(seqs), _i32(counts)
+        if seqs.ndim != 1 or counts.shape != seqs.shape:
+            raise ValueError(
+                f"seqs and counts must be i32[B] of one length, got {tuple(seqs.shape)} and "
+                f"{tuple(counts.shape)}"
+            )
+        (b,) = seqs.shape
+        nb, s, m, p = self.num_blocks, self.max_seqs, self.max_blocks_per_seq, self.block_size
+        unknown = (seqs < 0) | (seqs >= s)
+        row = jnp.clip(seqs, 0, s - 1)
+        idx = jnp.arange(b, dtype=jnp.int32)
+        before = idx[None, :] < idx[:, None]  # [i, j]: entry j comes before entry i
+        repeated = jnp.any(before & (seqs[None, :] == seqs[:, None]), axis=1)
+        length = self.lens[row]
+        held = _blocks_for(length, p)
+        total = _blocks_for(length + jnp.maximum(counts, 0), p)
+        status = _first_failure(
+            (unknown, Status.UNKNOWN_SEQ),
+            (~(self.active[row] & ~unknown), Status.INACTIVE_SEQ),
+            (repeated | (counts < 0), Status.INVALID_ARGUMENT),
+            (total > m, Status.TABLE_FULL),
+        )
+        live = (status == Status.OK) & (counts > 0)
+        tail = jnp.take_along_axis(self.tables[row], jnp.clip(held - 1, 0, m - 1)[:, None], 1)
+        tail = tail[:, 0]
+        refs = self.ref_counts[jnp.clip(tail, 0, nb - 1)]
+        candidate = live & (length % p != 0) & (refs > 1)
+        same_tail = before & candidate[None, :] & (tail[None, :] == tail[:, None])
+        cow = candidate & (jnp.sum(same_tail, axis=1) < refs - 1)
+        grow = jnp.where(live, total - held, 0)
+        need = cow.astype(jnp.int32) + grow
+        short = jnp.sum(need) > self.num_free
+        status = jnp.where(live & short, jnp.int32(Status.NO_FREE_BLOCKS), status)
+        take = live & ~short
+        cow, grow = cow & take, jnp.where(take, grow, 0)
+        need = cow.astype(jnp.int32) + grow
+        first = jnp.cumsum(need) - need  # blocks taken before this entry
+        # The k-th block taken in the batch sits k below the top of the stack.
+        cow_pos = self.num_free - 1 - first
+        cow_block = self.free_stack[jnp.clip(cow_pos, 0, nb - 1)]
+        j = jnp.arange(m, dtype=jnp.int32)[None, :]
+        new = j < grow[:, None]  # [B, M]: the j-th new block of each entry
+        new_pos = self.num_free - 1 - (first + cow.astype(jnp.int32))[:, None] - j
+        new_block = self.free_stack[jnp.clip(new_pos, 0, nb - 1)]
+        ref = self.ref_counts.at[_masked(cow, cow_block, nb)].set(1, mode="drop")
+        ref = ref.at[_masked(new, new_block, nb)].set(1, mode="drop")
+        ref = ref.at[_masked(cow, tail, nb)].add(-1, mode="drop")
+        used = jnp.sum(need)
+        stack_pos = jnp.arange(nb, dtype=jnp.int32)
+        gone = (stack_pos >= self.num_free - used) & (stack_pos < self.num_free)
+        tables = self.tables.at[_masked(cow, row, s), held - 1].set(cow_block, mode="drop")
+        tables = tables.at[_masked(new, row[:, None], s), held[:, None] + j].set(
+            new_block, mode="drop"
+        )
+        state = dataclasses.replace(
+            self,
+            ref_counts=ref,
+            free_stack=jnp.where(gone, -1, self.free_stack),
+            num_free=self.num_free - used,
+            tables=tables,
+            lens=self.lens.at[_masked(take, row, s)].add(counts, mode="drop"),
+        )
+        failed = status != Status.OK
+        first_fail = jnp.where(jnp.any(failed), status[jnp.argmax(failed)], jnp.int32(Status.OK))
+        pairs = jnp.where(cow[:, None], jnp.stack([tail, cow_block], axis=1), -1)
+        return dataclasses.replace(state, status=first_fail), pairs, status
 
     def fork(self, parent, child) -> PageTable:
         """Give the unallocated ``child`` the parent's blocks; ref counts +1, no copy."""

@@ -1,4 +1,4 @@
-"""Pallas GPU kernels: paged decode, extend and prefix-prefill attention.
+"""Pallas GPU kernels: paged decode, extend, prefix-prefill and cascade attention.
 
 Lowering: the kernels are written for the Pallas *Triton* lowering
 (``jax.experimental.pallas.triton``), not Mosaic GPU. Reasons:
@@ -36,8 +36,10 @@ import jax
 
 from ..backend import Implementation
 from . import _common as C
+from . import cascade as _cascade
 from . import decode as _decode
 from . import extend as _extend
+from .cascade import CascadeConfig, cascade_attention
 from .decode import DecodeConfig, choose_partition_size, paged_attention
 from .extend import ExtendConfig, extend_attention, prefix_prefill
 
@@ -135,16 +137,44 @@ class _PrefixPrefill(_Pallas):
         )
 
 
+class _CascadeAttention(_Pallas):
+    config_cls = CascadeConfig
+
+    def heuristic_config(self, a):
+        return _cascade.heuristic_config(a.q, a.geometry, a.prefix_tables, a.block_tables)
+
+    def run(self, a, config):
+        return cascade_attention(
+            a.q,
+            a.k_cache,
+            a.v_cache,
+            a.prefix_tables,
+            a.prefix_lens,
+            a.prefix_of,
+            a.block_tables,
+            a.seq_lens,
+            scale=a.scale,
+            layout=a.layout.name,
+            soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+            config=config,
+        )
+
+
 IMPLEMENTATIONS = {
     "paged_attention": _PagedAttention(),
     "extend_attention": _ExtendAttention(),
     "prefix_prefill": _PrefixPrefill(),
+    "cascade_attention": _CascadeAttention(),
 }
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "CascadeConfig",
     "DecodeConfig",
     "ExtendConfig",
+    "cascade_attention",
     "choose_partition_size",
     "extend_attention",
     "is_available",

@@ -97,6 +97,11 @@ def _tile_map(q_bounds, num_tiles: int, tokens_per_tile: int):
     return req, local.astype(jnp.int32)
 
 
+# Index entries checked per step of the pass over a tile's unread entries: int32 loads are
+# cheap next to a K/V tile, so a wide step keeps that loop short.
+_TAIL_ENTRIES = 256
+
+
 def _extend_kernel(
     tile_req_ref,
     tile_local_ref,
@@ -142,10 +147,15 @@ def _extend_kernel(
         else:
             lk = jnp.where(real, kv_meta_ref[req_c], 0)
         lp = jnp.where(real, lk - lq, 0)
-        # An invalid request (jaxattn.reference.validity, checked before the launch) reads
-        # nothing: its loops run no step and its rows are NaN. Valid requests' indices are
-        # all in range, so the unmasked loads of stage 1 stay inside every buffer.
+        # The memory-safety contract (jaxattn.reference.validity). The request's scalars
+        # (rows inside q, keys inside kv_indices / the table, Lk >= Lq) and the indptr
+        # structure are checked before the launch (`req_ok`): an invalid request reads
+        # nothing and its rows are NaN. Its index entries are checked here, each where the
+        # tile loads it (an entry outside the pool reads row 0 and poisons the tile), and
+        # the entries past the tile's causal range in one cheap pass over int32 ids, so that
+        # every tile of a request with a bad entry anywhere in [0, Lk) poisons its rows.
         ok = req_ok_ref[req] > 0
+        num_entries = geom.num_pages  # slots of a token pool, pages of a paged cache
 
         tokens = block_q // heads_per_tile
         t0 = local * tokens
@@ -162,50 +172,70 @@ def _extend_kernel(
             q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
         )
 
-        def key_rows(j, valid):
+        def entries(j, valid):
+            """Index entries of keys j (their slots, or the pages holding them); lanes not
+            `valid` read nothing (None: every lane is inside the request's entries)."""
             if mode == "pool":
-                if valid is None:
-                    slot = kv_index_ref[kv_start + j]
-                else:
-                    slot = plgpu.load(kv_index_ref.at[kv_start + j], mask=valid, other=0)
-                return lay.row(slot, 0, kv_head, geom)
-            col = lax.div(j, page_size)
-            if valid is None:
-                page = kv_index_ref[req_c, col]
+                at = kv_index_ref.at[kv_start + j]
             else:
-                page = plgpu.load(kv_index_ref.at[req_c, col], mask=valid, other=0)
-            return lay.row(page, lax.rem(j, page_size), kv_head, geom)
+                at = kv_index_ref.at[req_c, lax.div(j, page_size)]
+            return at[...] if valid is None else plgpu.load(at, mask=valid, other=0)
+
+        def key_rows(j, valid, bad):
+            e = entries(j, valid)
+            e, bad = C.checked_pages(e, True if valid is None else valid, num_entries, bad)
+            off = 0 if mode == "pool" else lax.rem(j, page_size)
+            return lay.row(e, off, kv_head, geom), bad
 
         def stage1(i, carry):
+            *state, bad = carry
             j = i * block_n + jnp.arange(block_n)
-            rows = key_rows(j, None)
+            rows, bad = key_rows(j, None, bad)
             d_ = d[None, :]
             k = C.widen(k_ref[rows[:, None], d_], q.dtype)
             s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
             v = C.widen(v_ref[rows[:, None], d_], q.dtype)
-            return C.online_softmax_step(carry, s, v)
+            return (*C.online_softmax_step(tuple(state), s, v), bad)
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
         shared = jnp.clip(lp + t0, 0, lk)
         n1 = jnp.where(ok, shared // block_n, 0)
-        carry = lax.fori_loop(0, n1, stage1, C.init_state(block_q, head_dim))
+        init = (*C.init_state(block_q, head_dim), jnp.int32(0))
+        carry = lax.fori_loop(0, n1, stage1, init)
 
         k_end = jnp.clip(lp + t1, 0, lk)
         limit = lp + t_rel  # last key each row may see
 
         def stage2(i, carry):
+            *state, bad = carry
             j = n1 * block_n + i * block_n + jnp.arange(block_n)
             valid = j < k_end
-            rows = key_rows(j, valid)
+            rows, bad = key_rows(j, valid, bad)
             k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
             s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
             s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
             v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
-            return C.online_softmax_step(carry, s, v)
+            return (*C.online_softmax_step(tuple(state), s, v), bad)
 
         n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
-        acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
-        out = jnp.where(ok, C.finalize(acc * v_scale, l_sum), jnp.nan).astype(o_ref.dtype)
+        acc, _, l_sum, bad = lax.fori_loop(0, n2, stage2, carry)
+
+        # The entries of keys [k_end, Lk), which no row of this tile sees: for a paged cache
+        # one entry per page, so the pass walks pages (from the page of k_end), not keys.
+        per = 1 if mode == "pool" else page_size
+        first = (k_end // per) * per
+        step = _TAIL_ENTRIES * per
+
+        def tail(i, bad):
+            j = first + i * step + jnp.arange(_TAIL_ENTRIES) * per
+            live = j < lk
+            _, bad = C.checked_pages(entries(j, live), live, num_entries, bad)
+            return bad
+
+        n3 = jnp.where(ok, pl.cdiv(jnp.maximum(lk - first, 0), step), 0)
+        bad = lax.fori_loop(0, n3, tail, bad)
+        out = jnp.where(ok & (bad == 0), C.finalize(acc * v_scale, l_sum), jnp.nan)
+        out = out.astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
         )
@@ -295,6 +325,8 @@ def _extend_pool(
     interpret,
     config,
 ):
+    # Only the per-request scalars here (B-sized work that fuses with the tile map): the
+    # slots themselves are checked in the kernel, where it loads them.
     problems = _validity.ragged_problems(
         qo_indptr,
         q.shape[0],
@@ -303,6 +335,7 @@ def _extend_pool(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         num_slots=k_cache.shape[0],
+        check_slots=False,
     )
     return _run(
         q,
@@ -342,7 +375,9 @@ def _prefill_paged(
     geom = L.get(layout).geometry(k_cache, v_cache)
     problems = _validity.ragged_problems(
         cu_seqlens_q, q.shape[0], seq_lens, q_name="cu_seqlens_q"
-    ) + _validity.paged_problems(block_tables, seq_lens, geom.page_size, geom.num_pages)
+    ) + _validity.paged_problems(
+        block_tables, seq_lens, geom.page_size, geom.num_pages, check_pages=False
+    )
     return _run(
         q,
         C.as_rows(k_cache),

@@ -26,6 +26,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from jaxattn.paging.allocator import SlotAllocator
 from jaxattn.radix.python_tree import TreeNode
 from jaxattn.radix.radix_cache import MatchResult, RadixCache, as_tokens
 from jaxattn.radix.token_pool import TokenPool, as_slots
@@ -164,7 +165,7 @@ class NativeRadixCache(RadixCache):
 
     def __init__(
         self,
-        pool: TokenPool,
+        pool: SlotAllocator,
         *,
         page_size: int = 1,
         eviction: str = "lru",

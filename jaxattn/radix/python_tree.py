@@ -19,8 +19,9 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from jaxattn.paging.allocator import SlotAllocator
 from jaxattn.radix.radix_cache import MatchResult, RadixCache, as_tokens
-from jaxattn.radix.token_pool import TokenPool, as_slots, last_occurrences
+from jaxattn.radix.token_pool import as_slots, last_occurrences
 
 __all__ = ["PythonRadixCache", "TreeNode"]
 
@@ -83,7 +84,7 @@ class PythonRadixCache(RadixCache):
 
     def __init__(
         self,
-        pool: TokenPool,
+        pool: SlotAllocator,
         *,
         page_size: int = 1,
         eviction: str = "lru",

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxattn.radix.token_pool import TokenPool
+from jaxattn.paging.allocator import SlotAllocator
 
 __all__ = ["IMPLEMENTATIONS", "MatchResult", "RadixCache", "default_impl"]
 
@@ -99,7 +99,12 @@ class RadixCache:
     """Prefix cache over the slots of ``pool``.
 
     Args:
-      pool: the :class:`TokenPool` whose slots the tree holds; evicted slots go back to it.
+      pool: the slot allocator whose slots the tree holds, any object with the
+        :class:`~jaxattn.paging.SlotAllocator` protocol (``num_slots``, ``page_size``,
+        ``available``, ``alloc``, ``free``, ``is_allocated``): a
+        :class:`~jaxattn.radix.TokenPool`, or the slot view of a ref-counted
+        :class:`~jaxattn.paging.BlockAllocator` shared with block tables. Evicted slots go
+        back to it through ``free``.
       page_size: match and insert whole pages only. Keys are cut to a multiple of
         ``page_size`` (the partial last page of a request is never cached: it stays with
         the caller) and edges split only at page boundaries, so a node's slots are whole
@@ -137,7 +142,7 @@ class RadixCache:
 
     def __init__(
         self,
-        pool: TokenPool,
+        pool: SlotAllocator,
         *,
         page_size: int = 1,
         eviction: str = "lru",
@@ -145,8 +150,11 @@ class RadixCache:
     ):
         if impl is not None and impl != self.impl:
             raise ValueError(f"{type(self).__name__} is impl={self.impl!r}, not {impl!r}")
-        if not isinstance(pool, TokenPool):
-            raise TypeError(f"pool must be a TokenPool, got {type(pool).__name__}")
+        if not isinstance(pool, SlotAllocator):
+            raise TypeError(
+                "pool must be a slot allocator (jaxattn.paging.SlotAllocator: num_slots, "
+                f"page_size, available, alloc, free, is_allocated), got {type(pool).__name__}"
+            )
         if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
             raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size < 1:

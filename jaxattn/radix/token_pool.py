@@ -1,4 +1,5 @@
-"""A slot allocator over a token-granular KV pool (SGLang's ``TokenToKVPoolAllocator``)."""
+"""A slot allocator over a token-granular KV pool (SGLang's ``TokenToKVPoolAllocator``): one
+owner per page, no reference counts; it implements :class:`jaxattn.paging.SlotAllocator`."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ public ops in :mod:`jaxattn.ops` (without ``implementation=``)."""
 
 from .attention import (
     attention_states,
+    cascade_attention,
     default_scale,
     extend_attention,
     masked_attention,
@@ -14,6 +15,7 @@ from .attention import (
 
 __all__ = [
     "attention_states",
+    "cascade_attention",
     "default_scale",
     "extend_attention",
     "masked_attention",

@@ -252,6 +252,88 @@ def paged_attention(
     return _poison(jax.vmap(one_split)(q, k, v, valid), ~ok).astype(q.dtype)
 
 
+def _paged_states(
+    q, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, k_scale, v_scale
+):
+    """Attention of each sequence over its pages as a mergeable state: (out [B, Hq, D]
+    float32, normalized; lse [B, Hq], the natural-log log-sum-exp of the visible scaled
+    logits, -inf for an empty sequence), over the dequantised keys and values of a scaled
+    cache. An invalid sequence attends to nothing here; the caller poisons it."""
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    slots, valid, _, _ = _sequence_slots(block_tables, seq_lens, geom.page_size, geom.num_pages)
+    k = _layout.gather_tokens(k_cache, slots, layout, "k")  # [B, S, Hkv, D]
+    v = _layout.gather_tokens(v_cache, slots, layout, "v")
+    k = _values(k, _head_scale(k_scale, geom.num_kv_heads))
+    v = _values(v, _head_scale(v_scale, geom.num_kv_heads))
+
+    def one(qb, kb, vb, validb):
+        o, m, l = attention_states(qb[None], kb, vb, validb[None], scale=scale, soft_cap=soft_cap)
+        return o[0], m[0], l[0]
+
+    o, m, l = jax.vmap(one)(q, k, v, valid)
+    # l == 0: nothing visible; a NaN l (NaN in q or a key) stays NaN through the log.
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    return o, lse
+
+
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+):
+    """Decode over a paged cache where requests continue shared prefixes.
+
+    q: [B, Hq, D]; prefix_tables: i32[G, max_prefix_pages] and prefix_lens: i32[G]
+    (multiples of the page size) describe G prefixes; prefix_of: i32[B] names the prefix
+    request b continues (-1: none); block_tables: i32[B, max_pages] and seq_lens: i32[B]
+    are each request's own pages and tokens after its prefix. Returns [B, Hq, D] in q's
+    dtype, equal to :func:`paged_attention` over the joined table (the prefix's pages, then
+    the request's own) of ``prefix_lens[prefix_of[b]] + seq_lens[b]`` tokens. k_scale,
+    v_scale: per-KV-head scales of a scaled (FP8) cache, as in :func:`paged_attention`.
+
+    The composition of two attentions merged by :func:`merge_states`: each request over
+    its prefix, each over its own tokens. Validity (:func:`validity.cascade_valid`): an
+    invalid prefix poisons the requests that continue it, an invalid ``prefix_of`` or own
+    table the request itself.
+    """
+    geom = _layout.cache_geometry(k_cache, v_cache, layout)
+    scale = _resolve_scale(scale, q.shape[-1])
+    num_prefixes = prefix_tables.shape[0]
+    ok = _validity.cascade_valid(
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        geom.page_size,
+        geom.num_pages,
+    )
+    kw = dict(layout=layout, scale=scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    own = _paged_states(q, k_cache, v_cache, block_tables, seq_lens, **kw)
+    if num_prefixes == 0:
+        outs, lses = own[0][None], own[1][None]
+    else:
+        has = (prefix_of >= 0) & (prefix_of < num_prefixes)
+        g = jnp.clip(prefix_of, 0, num_prefixes - 1)
+        # Each request's copy of its prefix's table; a request without one reads nothing.
+        lens = jnp.where(has, prefix_lens[g], 0)
+        pre = _paged_states(q, k_cache, v_cache, prefix_tables[g], lens, **kw)
+        outs, lses = jnp.stack([pre[0], own[0]]), jnp.stack([pre[1], own[1]])
+    out, _ = merge_states(outs, lses)
+    return _poison(out, ~ok).astype(q.dtype)
+
+
 def _ragged_rows(indptr, total_rows):
     """For rows 0..total_rows-1 of a packed batch: (request id, row index within request,
     row is real). Rows past indptr[-1] are padding."""

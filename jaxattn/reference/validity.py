@@ -20,6 +20,12 @@ the requests are then undefined, and every row of the output is NaN. Otherwise r
 fewer keys than queries (``Lk < Lq``), its keys run past ``kv_indices``
 (``kv_indptr[b + 1] > len(kv_indices)``), or a key index it uses lies outside the pool;
 its rows ``[qo_indptr[b], min(qo_indptr[b + 1], num_rows))`` are NaN.
+Cascade decode (``cascade_attention``): request ``b`` is invalid when ``prefix_of[b]`` lies
+outside ``[-1, G)``, its own pages and ``seq_lens[b]`` break the paged rule above, or the prefix
+it continues is invalid. Prefix ``g`` is invalid when ``prefix_lens[g]`` is not a multiple of
+the page size in ``[0, max_prefix_pages * page_size]``, or a page id among its first
+``prefix_lens[g] / page_size`` table entries lies outside ``[0, num_pages)``; it poisons every
+request that continues it, and none other (a prefix no request uses is never read).
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ class Problem(NamedTuple):
     message: str
 
 
-def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> list[Problem]:
-    """The checks of paged sequences (see the module docstring)."""
+def paged_problems(
+    block_tables, seq_lens, page_size: int, num_pages: int, *, check_pages: bool = True
+) -> list[Problem]:
+    """The checks of paged sequences (see the module docstring). ``check_pages=False``
+    leaves out the page ids (a kernel that checks them where it loads them)."""
     width = block_tables.shape[1]
     capacity = width * page_size
     lens_ok = (seq_lens >= 0) & (seq_lens <= capacity)
@@ -48,11 +57,15 @@ def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> li
     )
     in_range = (block_tables >= 0) & (block_tables < num_pages)
     pages_ok = jnp.all(in_range | ~used, axis=1)
-    return [
+    problems = [
         Problem(
             lens_ok,
             f"seq_lens[{{index}}] must lie in [0, max_pages * page_size = {capacity}]",
-        ),
+        )
+    ]
+    if not check_pages:
+        return problems
+    return problems + [
         Problem(
             pages_ok,
             f"block_tables[{{index}}] holds a page outside [0, {num_pages}) within its first "
@@ -72,10 +85,19 @@ def indptr_ok(indptr):
 
 
 def ragged_problems(
-    q_indptr, num_rows: int, lk, *, q_name: str, kv_indptr=None, kv_indices=None, num_slots=None
+    q_indptr,
+    num_rows: int,
+    lk,
+    *,
+    q_name: str,
+    kv_indptr=None,
+    kv_indices=None,
+    num_slots=None,
+    check_slots: bool = True,
 ) -> list[Problem]:
     """The checks of a ragged batch: q rows by ``q_indptr`` (named ``q_name``), ``lk`` keys
-    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``."""
+    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``
+    (``check_slots=False`` leaves out the slot values, for a kernel that checks them)."""
     lq = q_indptr[1:] - q_indptr[:-1]
     problems = [
         Problem(indptr_ok(q_indptr), f"{q_name} must start at 0 and be non-decreasing"),
@@ -93,6 +115,8 @@ def ragged_problems(
                 f"kv_indptr[{{index}} + 1] exceeds the length of kv_indices ({n})",
             ),
         ]
+    if kv_indptr is not None and check_slots:
+        n = kv_indices.shape[0]
         # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: count the
         # out-of-pool entries in that range with one prefix sum (one pass, no search).
         out_of_pool = (kv_indices < 0) | (kv_indices >= num_slots)
@@ -132,3 +156,70 @@ def _all(problems: list[Problem], batch: int):
     for p in problems:
         ok = ok & (p.ok if p.ok.ndim else jnp.broadcast_to(p.ok, (batch,)))
     return ok
+
+
+def _prefix_checks(prefix_tables, prefix_lens, page_size: int, num_pages: int):
+    """(length ok, pages ok), bool[G] each, whether a request uses the prefix or not."""
+    width = prefix_tables.shape[1]
+    capacity = width * page_size
+    lens_ok = (prefix_lens >= 0) & (prefix_lens <= capacity) & (prefix_lens % page_size == 0)
+    pages_used = (
+        jnp.arange(width, dtype=jnp.int32)[None, :]
+        < (jnp.clip(prefix_lens, 0, capacity) // page_size)[:, None]
+    )
+    in_range = (prefix_tables >= 0) & (prefix_tables < num_pages)
+    return lens_ok, jnp.all(in_range | ~pages_used, axis=1)
+
+
+def cascade_problems(
+    prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size: int, num_pages: int
+) -> list[Problem]:
+    """The checks of a cascade batch (see the module docstring). The prefix checks are
+    per prefix (``ok`` bool[G]) and fail only for a prefix some request continues; the
+    others are per request (bool[B])."""
+    num_prefixes = prefix_tables.shape[0]
+    capacity = prefix_tables.shape[1] * page_size
+    # A request with prefix_of outside [0, G) continues no prefix (and is invalid itself).
+    used = (
+        jnp.zeros((num_prefixes,), bool)
+        .at[jnp.where(prefix_of >= 0, prefix_of, num_prefixes)]
+        .set(True, mode="drop")
+    )
+    lens_ok, pages_ok = _prefix_checks(prefix_tables, prefix_lens, page_size, num_pages)
+    return [
+        Problem(
+            (prefix_of >= -1) & (prefix_of < num_prefixes),
+            f"prefix_of[{{index}}] must lie in [-1, {num_prefixes}) (-1: no prefix)",
+        ),
+        Problem(
+            lens_ok | ~used,
+            f"prefix_lens[{{index}}] must be a multiple of page_size = {page_size} in "
+            f"[0, max_prefix_pages * page_size = {capacity}]",
+        ),
+        Problem(
+            pages_ok | ~used,
+            f"prefix_tables[{{index}}] holds a page outside [0, {num_pages}) within its first "
+            "prefix_lens / page_size entries",
+        ),
+        *paged_problems(block_tables, seq_lens, page_size, num_pages),
+    ]
+
+
+def prefix_valid(prefix_tables, prefix_lens, page_size: int, num_pages: int):
+    """bool[G]: the prefixes whose length and pages are valid."""
+    lens_ok, pages_ok = _prefix_checks(prefix_tables, prefix_lens, page_size, num_pages)
+    return lens_ok & pages_ok
+
+
+def cascade_valid(
+    prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size: int, num_pages: int
+):
+    """bool[B]: the requests of a cascade batch whose prefix id, prefix and own pages are
+    all valid."""
+    num_prefixes = prefix_tables.shape[0]
+    ok = (prefix_of >= -1) & (prefix_of < num_prefixes)
+    ok = ok & paged_valid(block_tables, seq_lens, page_size, num_pages)
+    if num_prefixes == 0:
+        return ok
+    good = prefix_valid(prefix_tables, prefix_lens, page_size, num_pages)
+    return ok & ((prefix_of < 0) | good[jnp.clip(prefix_of, 0, num_prefixes - 1)])

@@ -61,27 +61,41 @@ struct PrefillTile {
   const int32_t* table = nullptr;  // the request's index entries (pages, or pool slots)
 };
 
-// Shared-memory state of a prefill block's guards. find_prefill_tile fills it (its scratch
-// for the tile search, and the flags' initial values before its last barrier); the kernels
-// then only raise the flags (atomically: any number of threads may, and a race checker stays
-// quiet) and read them after their final barrier.
-//   poison: an index entry of the request lies outside the cache (RowCursor, check_entries).
-//   first_bad[d]: the smallest key of a masked key tile whose V element d was not finite;
-//     those elements are zeroed in shared memory before P V (sanitize_v16), because a row
-//     that does not see the key multiplies it by a probability of 0 inside the MMA, and
-//     0 * NaN would poison it. Row i of the request gets NaN in element d iff it sees that
-//     key (first_bad[d] <= i + Lk - Lq): the same NaN the multiply-add gives in the tiles
-//     every row sees in full (a non-finite V element there is NaN in the attending rows, which
-//     may differ from the infinity an exact sum of an infinite value would give).
-template <int D, int NT>
-struct PrefillGuards {
-  int warp_tiles[NT / WARP_SIZE];
-  int hit[6];  // request, tile within it, q0, q1, lk, pool k1 -- of the block's tile
-  int poison;
-  int first_bad[D];
-};
-
+// The guards' NaN. A request with an index entry outside the cache (`poisoned`) gets NaN in
+// every row. A V element that is not finite needs care where the causal mask hides its key
+// from some rows of the tile (KeyRange [full_end, end)): those rows multiply it by a
+// probability of 0 inside the MMA, and 0 * NaN would poison them. So the kernels zero such
+// elements in shared memory before P V and keep first_bad[d], the smallest such key of
+// element d: row i of the request gets NaN in element d iff it sees that key (first_bad[d] <=
+// i + Lk - Lq). Keys below full_end are seen by every row of the tile, so the MMA gives them
+// the NaN of exact arithmetic unaided (an infinite V element there may come out NaN rather
+// than infinity, when a probability multiplying it underflows to 0).
+//
+// Cost. The tensor-core kernels' per-tile loops keep the shape and the barriers they had
+// without guards:
+//  - a failed index check sets kGuardIndexBad in the thread's `flags` register (RowCursor,
+//    check_entries), nothing else;
+//  - each thread scans the V chunks it copied itself as soon as its copies have landed, before
+//    the barrier that publishes the tile (sanitize_own_v: the keys the mask hides from some
+//    rows, in the tiles that have them); a hit zeroes the elements, lowers first_bad and sets
+//    kGuardValueBad right there;
+//  - one __syncthreads_or after the loop folds the flags, and only when some thread raised one
+//    does the store read first_bad and fold the index flags (one more barrier, rare).
+// No branch in those loops holds a barrier: ptxas then keeps the loop's uniform datapath (a
+// barrier under a branch it cannot prove uniform moved the wgmma kernel's loop counter and
+// descriptor arithmetic to vector registers). first_bad lives in shared memory initialised
+// before the loop: static in the sm90 kernel; in the mma kernel the q tile, free once q is in
+// registers, since one static byte more costs that kernel its L1 carveout. The SIMT kernel
+// sanitises V as it converts it into shared memory and raises a shared poison word.
 constexpr int kNoBadKey = 0x7fffffff;
+constexpr int kGuardIndexBad = 1;  // this thread saw an index entry outside the cache
+constexpr int kGuardValueBad = 2;  // this thread sanitised a V element
+
+// first_bad[d] = kNoBadKey for d = i, i + step, ... below D.
+template <int D>
+__device__ __forceinline__ void init_first_bad(int* first_bad, int i, int step) {
+  for (int d = i; d < D; d += step) first_bad[d] = kNoBadKey;
+}
 
 // Rows [r0, r1) of one head of the output, every element `value`.
 template <typename T>
@@ -95,6 +109,9 @@ __device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int 
   }
 }
 
+template <int NT>
+constexpr int kPrefillTileScratch = NT / WARP_SIZE + 6;
+
 // Finds the tile of block x (heaviest tiles of a request first: they see the most keys) with
 // one coalesced pass of the block over the indptr arrays and a block-wide scan of the
 // requests' tile counts; the same pass checks the indptr structure (first entry 0, no
@@ -104,19 +121,20 @@ __device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int 
 // has written the rows it owns: all NaN when the structure is broken (no row can be assigned
 // to a request: block x then owns rows [x bm, x bm + bm), so the grid covers every row); NaN
 // for a tile of an invalid request (prefill_bounds_ok); zeros for padding rows past
-// qo[batch]. All threads of the block must call it.
-template <typename T, int D, int NT>
-__device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head,
-                                  PrefillGuards<D, NT>& g, PrefillTile* t) {
+// qo[batch]. All threads of the block must call it. `scratch`: kPrefillTileScratch<NT> ints of
+// shared memory, which the caller may reuse after its next barrier (every thread reads the
+// result out of it after the last barrier here); the kernels lend it memory that their first
+// copies fill later.
+template <typename T, int NT>
+__device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head, int* scratch,
+                                  PrefillTile* t) {
   constexpr int kWarps = NT / WARP_SIZE;
+  int* warp_tiles = scratch;
+  int* hit = scratch + kWarps;  // request, tile within it, q0, q1, lk, pool k1 -- of block x
   const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
   const int32_t* qo = p.cu_seqlens_q;
   const int32_t* kvp = p.page_indptr;
-  if (tid == 0) {
-    g.hit[0] = -1;
-    g.poison = 0;
-  }
-  for (int d = tid; d < D; d += NT) g.first_bad[d] = kNoBadKey;
+  if (tid == 0) hit[0] = -1;
   bool bad = tid == 0 && (qo[0] != 0 || (kvp != nullptr && kvp[0] != 0));
   int before = 0;  // tiles of the requests of earlier chunks
   for (int c0 = 0; c0 < p.batch; c0 += NT) {
@@ -145,48 +163,49 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
       const int n = shfl_up(incl, o);
       if (lane >= o) incl += n;
     }
-    if (lane == WARP_SIZE - 1) g.warp_tiles[warp] = incl;
+    if (lane == WARP_SIZE - 1) warp_tiles[warp] = incl;
     __syncthreads();
     int total = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const int s = g.warp_tiles[w];
+      const int s = warp_tiles[w];
       total += s;
       if (w < warp) incl += s;
     }
     const int first = before + incl - tiles;
     if (tiles > 0 && x >= first && x < first + tiles) {
-      g.hit[0] = b;
-      g.hit[1] = x - first;
-      g.hit[2] = q0;
-      g.hit[3] = q1;
-      g.hit[4] = lk;
-      g.hit[5] = k1;
+      hit[0] = b;
+      hit[1] = x - first;
+      hit[2] = q0;
+      hit[3] = q1;
+      hit[4] = lk;
+      hit[5] = k1;
     }
     before += total;
-    __syncthreads();  // warp_tiles is rewritten by the next chunk
+    if (c0 + NT < p.batch) __syncthreads();  // warp_tiles is rewritten by the next chunk
   }
   if (__syncthreads_or(bad)) {
     fill_prefill_rows<T>(p, head, min(x * bm, p.total_q), min(x * bm + bm, p.total_q), quiet_nan());
     return false;
   }
-  const int b = g.hit[0];
+  const int b = hit[0];
   if (b < 0) {
     const int r0 = min(qo[p.batch], p.total_q) + (x - before) * bm;
     fill_prefill_rows<T>(p, head, r0, min(r0 + bm, p.total_q), 0.f);
     return false;
   }
-  const int q0 = g.hit[2], q1 = g.hit[3];
+  const int q0 = hit[2], q1 = hit[3];
   const int in_q = min(q1, p.total_q) - q0;  // the request's rows inside q
   t->b = b;
-  t->m0 = ((in_q + bm - 1) / bm - 1 - g.hit[1]) * bm;
+  t->m0 = ((in_q + bm - 1) / bm - 1 - hit[1]) * bm;
   t->rows = min(bm, in_q - t->m0);
   t->q0 = q0;
   t->lq = q1 - q0;
-  t->lk = g.hit[4];
-  t->table = p.page_table +
-             (kvp != nullptr ? int64_t(g.hit[5]) - t->lk : int64_t(b) * p.page_table_stride);
-  if (!prefill_bounds_ok(p, q0, q1, t->lk, g.hit[5])) {
+  t->lk = hit[4];
+  const int k1 = hit[5];
+  t->table =
+      p.page_table + (kvp != nullptr ? int64_t(k1) - t->lk : int64_t(b) * p.page_table_stride);
+  if (!prefill_bounds_ok(p, q0, q1, t->lk, k1)) {
     fill_prefill_rows<T>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan());
     return false;
   }
@@ -209,29 +228,30 @@ __device__ __forceinline__ KeyRange key_range(const PrefillTile& t) {
 
 // Offset of one row of a key tile, advanced tile by tile from page-table differences. Keys at
 // or past `lim` (the tile's KeyRange::end: no row of the tile sees them) are zero-filled and
-// never read, so their index entries are not used either. A page id outside the cache raises
-// the block's poison flag and ends the cursor (zero-filled from there on: the rows are NaN
-// anyway). This is where every index entry a tile reads is checked: once per row and key tile,
-// next to the load of the entry.
+// never read, so their index entries are not used either. A page id outside the cache sets
+// kGuardIndexBad in the thread's `flags` and ends the cursor (zero-filled from there on: the
+// rows are NaN anyway). This is where every index entry a tile reads is checked: once per row
+// and key tile, next to the load of the entry, and always before the copies of the tile that
+// uses it, so before that tile's barrier.
 struct RowCursor {
   int64_t off = -1;  // element offset in the cache; -1: zero-fill
   int page = 0;
 
   __device__ __forceinline__ void init(const KvGeometry& kv, const int32_t* table, int t, int lim,
-                                       int* poison) {
+                                       int& flags) {
     off = -1;
     if (t < lim) {
       page = table[t / kv.page_size];
       if (index_ok(page, kv.num_pages)) {
         off = int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride;
       } else {
-        atomicOr(poison, 1);
+        flags |= kGuardIndexBad;
       }
     }
   }
 
   __device__ __forceinline__ void advance(const KvGeometry& kv, const int32_t* table, int t,
-                                          int step, int lim, int* poison) {
+                                          int step, int lim, int& flags) {
     const int tn = t + step;
     if (tn >= lim || off < 0) {
       off = -1;
@@ -239,7 +259,7 @@ struct RowCursor {
     }
     const int next = table[tn / kv.page_size];
     if (!index_ok(next, kv.num_pages)) {
-      atomicOr(poison, 1);
+      flags |= kGuardIndexBad;
       off = -1;
       return;
     }
@@ -252,47 +272,98 @@ struct RowCursor {
 // The index entries of the request that no cursor of this tile reads (those of keys at or past
 // KeyRange::end): checked once, coalesced, so that every tile of a request poisons its rows for
 // a bad entry anywhere in [0, Lk), even past its own causal range. Issued right after a
-// kernel's first copies, whose wait hides its latency.
-template <int NT>
+// kernel's first copies, whose wait hides the first round of loads. The loads of one thread
+// are independent (no early exit, nothing written), so kInFlight of them can be in flight at a
+// time: a tile near the start of a long request checks most of its entries (an 8192-key
+// request: up to 32 per thread of the sm90 kernel, which has no other block on its SM to hide
+// the rounds); the tensor-core kernels take 16. The SIMT kernel, HIP's only one, takes 1:
+// unrolled, hipcc kept registers for the loads into its loop (gfx90a, head_dim 128: 92 -> 112
+// VGPRs, one wave less).
+template <int NT, int kInFlight>
 __device__ __forceinline__ void check_entries(const PrefillTile& t, const KvGeometry& kv, int end,
-                                              int* poison) {
+                                              int& flags) {
   const int last = pages_for(t.lk, kv.page_size);
+  bool ok = true;
+#pragma unroll kInFlight
   for (int i = pages_for(end, kv.page_size) + int(threadIdx.x); i < last; i += NT)
-    if (!index_ok(t.table[i], kv.num_pages)) atomicOr(poison, 1);
+    ok &= index_ok(t.table[i], kv.num_pages);
+  if (!ok) flags |= kGuardIndexBad;
 }
 
 // Whether element d of query row `row` (within the request) is NaN by the guards: a poisoned
-// request, or a sanitised non-finite V element of a key the row sees.
-template <int D, int NT>
-__device__ __forceinline__ bool guard_nan(const PrefillGuards<D, NT>& g, bool poisoned, int d,
-                                          int row, int shift) {
-  return poisoned || g.first_bad[d] <= row + shift;
+// request, or a sanitised non-finite V element of a key the row sees (the guards' NaN, above
+// kNoBadKey).
+__device__ __forceinline__ bool guard_nan(const int* first_bad, bool poisoned, int d, int row,
+                                          int shift) {
+  return poisoned || first_bad[d] <= row + shift;
 }
 
-// Sanitises one 16-byte chunk (8 elements, head-dim elements d0 .. d0 + 7) of V row `key` in
-// shared memory: non-finite elements become 0 and lower first_bad. Nearly always a load and
-// a few integer tests (16-bit exponent all ones: infinity or NaN).
-template <typename T, int D, int NT>
-__device__ __forceinline__ void sanitize_v16(uint4* chunk, int key, int d0,
-                                             PrefillGuards<D, NT>& g) {
+// Non-zero iff a 16-byte chunk of 16-bit V elements holds a non-finite one (exponent all
+// ones: infinity or NaN); callers OR the results of their chunks and test once. Per 32-bit
+// word, both halves at once: |h| + (the exponent's lowest bit) carries into the half's sign
+// bit iff |h| >= the smallest non-finite (0x7f80 bf16, 0x7c00 f16), and no carry crosses into
+// the upper half (0x7fff + 0x400 < 0x10000).
+template <typename T>
+__device__ __forceinline__ uint32_t v16_nonfinite(const uint4& v) {
+  constexpr uint32_t kAdd = std::is_same_v<T, bf16_t> ? 0x00800080u : 0x04000400u;
+  constexpr uint32_t kAbs = 0x7fff7fffu;
+  return (((v.x & kAbs) + kAdd) | ((v.y & kAbs) + kAdd) | ((v.z & kAbs) + kAdd) |
+          ((v.w & kAbs) + kAdd)) &
+         0x80008000u;
+}
+
+// Zeroes the non-finite elements of one 16-byte chunk of V row `key` in shared memory (8
+// head-dim elements) and lowers fb[e], the smallest such key of element e so far.
+template <typename T>
+__device__ __forceinline__ void sanitize_v16(uint4* chunk, int key, int (&fb)[8]) {
   constexpr uint32_t kExp = std::is_same_v<T, bf16_t> ? 0x7f80u : 0x7c00u;
-  uint4 v = *chunk;
+  const uint4 v = *chunk;
   uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool any = false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) any = any || (w[i] & kExp) == kExp || ((w[i] >> 16) & kExp) == kExp;
-  if (!any) return;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (((w[i] >> (16 * h)) & kExp) == kExp) {
-        atomicMin(&g.first_bad[d0 + 2 * i + h], key);
+        fb[2 * i + h] = min(fb[2 * i + h], key);
         w[i] &= h ? 0x0000ffffu : 0xffff0000u;
       }
     }
   }
   *chunk = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The tensor-core kernels' V pass over the kN chunks of one key tile that this thread copied
+// itself (chunk i at chunk0 + i * kStride bytes, of key key0 + i * kKeyStride, head-dim
+// elements d0 .. d0 + 7), run once its copies of the tile have landed and before the barrier
+// that publishes the tile. The chunks of the keys that the mask hides from some rows of the
+// tile, [full_end, end), are scanned; in the rare case of a non-finite element they are
+// sanitised (zeroed, first_bad lowered). Returns whether it found one. The scan loads every
+// chunk and masks the result, so the loads issue back to back; the rare part is a compact loop
+// whose atomics come after it (ptxas gives a loop that holds atomics a yield point, and with it
+// the enclosing loop lost its uniform datapath).
+template <typename T, int kN, int kStride, int kKeyStride>
+__device__ __forceinline__ bool sanitize_own_v(unsigned char* chunk0, int key0, int full_end,
+                                               int end, int d0, int* first_bad) {
+  auto hidden = [&](int i) {
+    return unsigned(key0 + i * kKeyStride - full_end) < unsigned(end - full_end);
+  };
+  auto chunk = [&](int i) { return reinterpret_cast<uint4*>(chunk0 + i * kStride); };
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const uint32_t nf = v16_nonfinite<T>(*chunk(i));
+    bits |= hidden(i) ? nf : 0u;
+  }
+  if (bits == 0) return false;
+  int fb[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) fb[e] = kNoBadKey;
+#pragma unroll 1
+  for (int i = 0; i < kN; ++i)
+    if (hidden(i)) sanitize_v16<T>(chunk(i), key0 + i * kKeyStride, fb);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) atomicMin(&first_bad[d0 + e], fb[e]);
+  return true;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -328,10 +399,19 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   float* vs = ks + BN * LD;
   float* ps = vs + BN * LD;
 
-  __shared__ PrefillGuards<D, S::kThreads> guards;
+  // The guards' state (above kNoBadKey), raised where found: first_bad as V is converted into
+  // shared memory, poison after each index check (a flag register through this loop, or a
+  // __syncthreads_or to fold one, cost hipcc up to 23 VGPRs and a wave). find_prefill_tile's
+  // barriers order the initialisation before any update.
+  __shared__ int first_bad[D];
+  __shared__ int poison;
+  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
+  if (threadIdx.x == 0) poison = 0;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
+  // The tile search's scratch: the K tile, first written after the loop's first barrier.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(ks), &t))
+    return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x;
@@ -348,8 +428,12 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
     qs[rr * LD + d] = v * q_scale;
   }
   RowCursor cur;
-  if (tid < BN) cur.init(kv, t.table, tid, range.end, &guards.poison);
-  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);
+  {
+    int flags = 0;
+    if (tid < BN) cur.init(kv, t.table, tid, range.end, flags);
+    check_entries<S::kThreads, 1>(t, kv, range.end, flags);
+    if (flags) atomicOr(&poison, 1);
+  }
 
   float m = kNegInf, l = 0.f, acc[S::kDimsPerLane];
 #pragma unroll
@@ -367,13 +451,18 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
       const int64_t off = rowoff[rr];
       ks[rr * LD + d] = off >= 0 ? to_float(kg[off + d]) : 0.f;
       float v = off >= 0 ? to_float(vg[off + d]) : 0.f;
-      if (masked && !isfinite(v)) {  // some rows do not see this key: see PrefillGuards
-        atomicMin(&guards.first_bad[d], n0 + rr);
+      // Keys [full_end, end) are not seen by every row (the guards' NaN, above kNoBadKey).
+      if (masked && n0 + rr >= range.full_end && !isfinite(v)) {
+        atomicMin(&first_bad[d], n0 + rr);
         v = 0.f;
       }
       vs[rr * LD + d] = v;
     }
-    if (tid < BN) cur.advance(kv, t.table, n0 + tid, BN, range.end, &guards.poison);
+    if (tid < BN) {
+      int flags = 0;
+      cur.advance(kv, t.table, n0 + tid, BN, range.end, flags);
+      if (flags) atomicOr(&poison, 1);
+    }
     __syncthreads();
 
     float s[S::kKeysPerLane];
@@ -412,17 +501,17 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
     }
   }
 
-  // The guards' flags were last written before the last tile's second barrier.
+  // The guards' state was last written before the last tile's second barrier.
+  const bool poisoned = poison != 0;
   if (r < t.rows) {
     T* out = static_cast<T*>(p.out) + (int64_t(t.q0 + qi) * p.num_q_heads + head) * D;
-    const bool poisoned = guards.poison != 0;
     // NaN in l stays NaN; the value scale joins the normalisation.
     const float inv = l == 0.f ? 0.f : p.scales.v_of(kvh) / l;
 #pragma unroll
     for (int i = 0; i < S::kDimsPerLane; ++i) {
       const int d = c + i * TPR;
       out[d] =
-          from_float<T>(guard_nan(guards, poisoned, d, qi, shift) ? quiet_nan() : acc[i] * inv);
+          from_float<T>(guard_nan(first_bad, poisoned, d, qi, shift) ? quiet_nan() : acc[i] * inv);
     }
   }
 }
@@ -458,34 +547,54 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // accumulator fragments: o[4 i + e] is element i * 8 + 2 tq + (e & 1) of row lr0 (e < 2) or
 // lr0 + 8 -- the m16n8 layout of the mma kernel and the m64nN layout of the sm90 kernel alike.
 // Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN) and scaled by
-// the KV head's value scale vs, with the guards' NaN.
-template <typename T, int D, int NT>
-__device__ __forceinline__ void prefill_mma_store(const PrefillParams& p,
-                                                  const PrefillGuards<D, NT>& guards,
-                                                  const PrefillTile& t, int head, int lr0, int tq,
-                                                  int shift, float l0, float l1, const float* o,
-                                                  float vs) {
-  const bool poisoned = guards.poison != 0;
+// the KV head's value scale vs.
+template <typename T, int D>
+__device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, const PrefillTile& t,
+                                                       int head, int lr0, int tq, float l0,
+                                                       float l1, float vs, const float* o,
+                                                       const int* first_bad, bool poisoned,
+                                                       int shift) {
+  const bool guarded = first_bad != nullptr;
   const float inv0 = l0 == 0.f ? 0.f : vs / l0, inv1 = l1 == 0.f ? 0.f : vs / l1;
-  const float nan = quiet_nan();
   const int lr1 = lr0 + 8;
   const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) {
     const int d = i * 8 + 2 * tq;
+    float a0 = o[4 * i] * inv0, b0 = o[4 * i + 1] * inv0;
+    float a1 = o[4 * i + 2] * inv1, b1 = o[4 * i + 3] * inv1;
+    if (guarded) {
+      const float nan = quiet_nan();
+      if (guard_nan(first_bad, poisoned, d, row0, shift)) a0 = nan;
+      if (guard_nan(first_bad, poisoned, d + 1, row0, shift)) b0 = nan;
+      if (guard_nan(first_bad, poisoned, d, row1, shift)) a1 = nan;
+      if (guard_nan(first_bad, poisoned, d + 1, row1, shift)) b1 = nan;
+    }
     if (lr0 < t.rows) {
-      const float a = guard_nan(guards, poisoned, d, row0, shift) ? nan : o[4 * i] * inv0;
-      const float b = guard_nan(guards, poisoned, d + 1, row0, shift) ? nan : o[4 * i + 1] * inv0;
       *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
-          pack2<T>(a, b);
+          pack2<T>(a0, b0);
     }
     if (lr1 < t.rows) {
-      const float a = guard_nan(guards, poisoned, d, row1, shift) ? nan : o[4 * i + 2] * inv1;
-      const float b = guard_nan(guards, poisoned, d + 1, row1, shift) ? nan : o[4 * i + 3] * inv1;
       *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
-          pack2<T>(a, b);
+          pack2<T>(a1, b1);
     }
+  }
+}
+
+// The end of a tensor-core kernel: its rows, with the guards' NaN when some thread raised a
+// flag (then one more barrier folds the index flags). All threads of the block call it.
+template <typename T, int D>
+__device__ __forceinline__ void prefill_mma_store(const PrefillParams& p, const PrefillTile& t,
+                                                  int head, int lr0, int tq, float l0, float l1,
+                                                  float vs, const float* o, int flags,
+                                                  const int* first_bad) {
+  if (__syncthreads_or(flags)) {  // also orders every update of first_bad before the reads
+    const bool poisoned = __syncthreads_or(flags & kGuardIndexBad);
+    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, first_bad, poisoned,
+                                 t.lk - t.lq);
+  } else {
+    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, nullptr, false, 0);
   }
 }
 
@@ -496,16 +605,28 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   using S = MmaShape<D>;
   constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
   constexpr float kNegInf = -__builtin_huge_valf();
+  // Dynamic shared memory only: two blocks of kSmemBytes (plus the 1 KB the system reserves
+  // per block) fill the 164 KB carveout of D = 128 exactly, and one static byte more makes the
+  // driver take the next carveout, whose L1 is 32 KB smaller (the query heads of one KV head
+  // run as separate blocks and hit each other's K/V in L1).
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* q_s = smem;
   unsigned char* k_s = q_s + BM * D * 2;                                  // [2][BN][D]
   unsigned char* v_s = k_s + 2 * S::kTileBytes;                           // [2][BN][D]
   int64_t* rowoff = reinterpret_cast<int64_t*>(v_s + 2 * S::kTileBytes);  // [2][BN]
+  // The guards' first_bad takes the place of the q tile's first rows, which only warp 0 reads,
+  // once q is in registers (before the loop).
+  int* first_bad = reinterpret_cast<int*>(q_s);
+  static_assert(D * 4 <= 16 * D * 2, "first_bad must fit warp 0's q rows");
+  static_assert(kPrefillTileScratch<S::kThreads> * 4 <= S::kTileBytes, "scratch must fit a tile");
+  static_assert(RP % 8 == 0, "a thread's copy rows must share one swizzle phase");
 
-  __shared__ PrefillGuards<D, S::kThreads> guards;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
+  // The tile search's scratch: the K ring, which the first copies fill after the barrier
+  // that follows the row offsets below.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(k_s), &t))
+    return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -514,11 +635,12 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   const KeyRange range = key_range(t);
   const int ntiles = (range.end + BN - 1) / BN;
 
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, &guards.poison);
+    cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = cur.off;
-    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
     rowoff[BN + tid] = cur.off;
   }
   __syncthreads();
@@ -534,6 +656,8 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
     cp_async16(smem_u32(q_s) + swz<D>(r, c), src, ok);
   }
+  async_copy_commit();
+  // This thread copies chunk c of rows tid / CH + i * RP of every key tile.
   auto load_kv = [&](int buf) {
 #pragma unroll
     for (int i = 0; i < BN / RP; ++i) {
@@ -545,43 +669,53 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
       cp_async16(smem_u32(v_s) + dst, ok ? vg + off + c * 8 : vg, ok);
     }
   };
+  // Copy groups: q, tile 0, tile 1, then one per tile from the loop (tile n + 1 in iteration n
+  // >= 1), so iteration n waits for all but the newest.
   if (ntiles > 0) load_kv(0);
   async_copy_commit();
-  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
+  if (ntiles > 1) load_kv(1);
+  async_copy_commit();
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while the tiles are in flight
 
+  // q into registers before the loop, so that its tile can hold first_bad.
   uint32_t qf[D / 16][4];
+  async_copy_wait<2>();
+  __syncthreads();  // q visible
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    ldmatrix_x4(qf[kk], smem_u32(q_s) + swz<D>(r, 2 * kk + lane / 16));
+  }
+  if (warp == 0) {
+    __syncwarp();  // the warp's q fragments are read
+    init_first_bad<D>(first_bad, lane, 32);
+  }
+  __syncthreads();  // first_bad initialised before any tile can lower it
+
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
   const int row0 = t.m0 + warp * 16 + g;  // query rows of this lane, within the request
   const int row1 = row0 + 8;
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   for (int n = 0; n < ntiles; ++n) {
     const int buf = n & 1;
-    if (n + 1 < ntiles) load_kv(buf ^ 1);
-    async_copy_commit();
+    if (n > 0) {
+      if (n + 1 < ntiles) load_kv(buf ^ 1);
+      async_copy_commit();
+    }
     async_copy_wait<1>();
-    __syncthreads();
     const int n0 = n * BN;
     const bool masked = n0 + BN > range.full_end;
-    if (masked) {  // rows that do not see a key must not multiply its V by 0: PrefillGuards
-#pragma unroll 1
-      for (int i = tid; i < BN * CH; i += S::kThreads) {
-        const int r = i / CH, cc = i % CH;
-        uint4* chunk = reinterpret_cast<uint4*>(v_s + buf * S::kTileBytes + swz<D>(r, cc));
-        sanitize_v16<T>(chunk, n0 + r, cc * 8, guards);
-      }
-      __syncthreads();
-    }
-    if (n == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        ldmatrix_x4(qf[kk], smem_u32(q_s) + swz<D>(r, 2 * kk + lane / 16));
-      }
-    }
+    // This thread's V chunks of the tile: chunk c of rows tid / CH + i * RP, which share their
+    // swizzle phase (RP % 8 == 0), so they lie RP rows apart.
+    if (masked && sanitize_own_v<T, BN / RP, RP * D * 2, RP>(
+                      v_s + buf * S::kTileBytes + swz<D>(tid / CH, c), n0 + tid / CH,
+                      range.full_end, range.end, c * 8, first_bad))
+      flags |= kGuardValueBad;
+    __syncthreads();  // tile n visible
     const uint32_t kb = smem_u32(k_s) + uint32_t(buf * S::kTileBytes);
     const uint32_t vb = smem_u32(v_s) + uint32_t(buf * S::kTileBytes);
 
@@ -601,21 +735,41 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     }
 
     float mx0 = kNegInf, mx1 = kNegInf;
+    // Logits and row maxima. The soft cap and the mask are compile-time variants, so the
+    // common tile (no cap, no mask) runs straight through: left to the compiler, they came out
+    // as a test around every tanhf and mask selects on every tile once the loop grew.
+    auto logits = [&](auto cap_tag, auto mask_tag) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+      for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[j][e] * q_scale;
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        if (masked) {
-          const int key = n0 + j * 8 + 2 * tq + (e & 1);
-          const int qi = e < 2 ? row0 : row1;
-          if (key >= t.lk || key > qi + shift) v = kNegInf;
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * q_scale;
+          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
+          if constexpr (decltype(mask_tag)::value) {
+            const int key = n0 + j * 8 + 2 * tq + (e & 1);
+            const int qi = e < 2 ? row0 : row1;
+            if (key >= t.lk || key > qi + shift) v = kNegInf;
+          }
+          s[j][e] = v;
         }
-        s[j][e] = v;
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
       }
-      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    if (p.ls.cap_log2e > 0.f) {
+      if (masked) {
+        logits(True{}, True{});
+      } else {
+        logits(True{}, False{});
+      }
+    } else {
+      if (masked) {
+        logits(False{}, True{});
+      } else {
+        logits(False{}, False{});
+      }
     }
     mx0 = group_max<4>(mx0);
     mx1 = group_max<4>(mx1);
@@ -663,18 +817,17 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 
     if (tid < BN) {
       // Row offsets of tile n + 2 go where tile n's were: those loads were issued already.
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, &guards.poison);
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, flags);
       rowoff[buf * BN + tid] = cur.off;
     }
     __syncthreads();  // tile n's buffers are free for tile n + 2
   }
   async_copy_wait<0>();
 
-  // The guards' flags were last written before the last tile's final barrier.
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, guards, t, head, warp * 16 + g, tq, shift, l0, l1, &o[0][0],
-                          p.scales.v_of(kvh));
+  prefill_mma_store<T, D>(p, t, head, warp * 16 + g, tq, l0, l1, p.scales.v_of(kvh), &o[0][0],
+                          flags, first_bad);
 #endif
 }
 
@@ -683,9 +836,9 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 // the 16-bit kernel's fragment loads read it: every FP8 value is exact in float16. Each thread
 // widens exactly the chunks it copied, so it needs no barrier to read them (its own copies are
 // visible to it after its wait), and the widened tile needs only one buffer: it is written after
-// the barrier that ends the previous tile. A bf16 q is moved to float16 in shared memory too,
-// each row by the power of two that puts its largest |q| in [2^14, 2^15) (only elements below
-// 2^-24 of the row's largest lose bits), undone in the row's f32 logit factor.
+// the barrier that ends the previous tile. A bf16 q is moved to float16, each row by the power
+// of two that puts its largest |q| in [2^14, 2^15) (only elements below 2^-24 of the row's
+// largest lose bits), undone in the row's f32 logit factor.
 
 // 16 FP8 codes -> 16 float16 (two 16-byte chunks), exact.
 template <typename C>
@@ -696,9 +849,29 @@ __device__ __forceinline__ void fp8x16_to_f16(const uint4& in, uint4& lo, uint4&
   fp8x4_to_f16x2<C>(in.w, hi.z, hi.w);
 }
 
+// The larger of m and the magnitudes of a bf16 pair (fmaxf skips NaN: a NaN q stays NaN when
+// it is scaled).
+__device__ __forceinline__ float bf16x2_absmax(uint32_t w, float m) {
+  return fmaxf(m, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+}
+
+// A bf16 pair times `pre`, as a float16 pair.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float pre) {
+  return pack2<f16_t>(__uint_as_float(w << 16) * pre, __uint_as_float(w & 0xffff0000u) * pre);
+}
+
+// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^14, 2^15) (2^(141 - e),
+// clamped to normal floats), and its inverse `post`.
+__device__ __forceinline__ void f16_row_factors(float qmax, float& pre, float& post) {
+  const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
+  const int biased = min(max(268 - e, 1), 253);
+  pre = __uint_as_float(uint32_t(biased) << 23);
+  post = __uint_as_float(uint32_t(254 - biased) << 23);
+}
+
 // Rows [0, rows) of a q tile in shared memory (bf16, 8-element chunks at chunk_off(r, c)) to
-// float16 in place, each row scaled by a power of two; post[r] gets the inverse. Two threads a
-// row (NT >= 2 * rows), each over half of it.
+// float16 in place, each row scaled by f16_row_factors; post[r] gets the inverse. Two threads a
+// row (NT >= 2 * rows), each over half of it. The sm90 kernel's q is a shared-memory operand.
 template <int D, int NT, typename Off>
 __device__ __forceinline__ void q_bf16_to_f16_rows(unsigned char* tile, int rows, float* post,
                                                    Off chunk_off) {
@@ -711,72 +884,99 @@ __device__ __forceinline__ void q_bf16_to_f16_rows(unsigned char* tile, int rows
   for (int i = 0; i < kHalf; ++i) {
     v[i] = live ? *reinterpret_cast<const uint4*>(tile + chunk_off(r, h * kHalf + i))
                 : make_uint4(0u, 0u, 0u, 0u);
-    const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)  // fmaxf skips NaN: a NaN q stays NaN below
-      qmax = fmaxf(qmax, fmaxf(fabsf(__uint_as_float(w[j] << 16)),
-                               fabsf(__uint_as_float(w[j] & 0xffff0000u))));
+    qmax = bf16x2_absmax(v[i].x, qmax);
+    qmax = bf16x2_absmax(v[i].y, qmax);
+    qmax = bf16x2_absmax(v[i].z, qmax);
+    qmax = bf16x2_absmax(v[i].w, qmax);
   }
   qmax = fmaxf(qmax, shfl_xor(qmax, 1));
-  // 2^(141 - e) for qmax = 1.x * 2^(e - 127).
-  const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
-  const int biased = min(max(268 - e, 1), 253);
-  const float pre = __uint_as_float(uint32_t(biased) << 23);
+  float pre, inv;
+  f16_row_factors(qmax, pre, inv);
   if (live) {
-    if (h == 0) post[r] = __uint_as_float(uint32_t(254 - biased) << 23);
+    if (h == 0) post[r] = inv;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
-      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-      uint32_t o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = pack2<f16_t>(__uint_as_float(w[j] << 16) * pre,
-                            __uint_as_float(w[j] & 0xffff0000u) * pre);
       *reinterpret_cast<uint4*>(tile + chunk_off(r, h * kHalf + i)) =
-          make_uint4(o[0], o[1], o[2], o[3]);
+          make_uint4(bf16x2_to_f16x2(v[i].x, pre), bf16x2_to_f16x2(v[i].y, pre),
+                     bf16x2_to_f16x2(v[i].z, pre), bf16x2_to_f16x2(v[i].w, pre));
     }
   }
 }
 
-template <typename C, int D>
+// A warp's q fragments (ldmatrix of 16 bf16 rows: registers 0 and 2 of every k step hold row g,
+// 1 and 3 row g + 8, and the quad's four lanes the whole row) to float16 in registers, each row
+// scaled by f16_row_factors; post0 / post1 get the inverses of rows g and g + 8. The mma
+// kernel's q never goes back to shared memory, whose q tile then holds first_bad.
+template <int D>
+__device__ __forceinline__ void q_frags_bf16_to_f16(uint32_t (&qf)[D / 16][4], float& post0,
+                                                    float& post1) {
+  float mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    mx0 = bf16x2_absmax(qf[kk][2], bf16x2_absmax(qf[kk][0], mx0));
+    mx1 = bf16x2_absmax(qf[kk][3], bf16x2_absmax(qf[kk][1], mx1));
+  }
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+  float pre0, pre1;
+  f16_row_factors(mx0, pre0, post0);
+  f16_row_factors(mx1, pre1, post1);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qf[kk][0] = bf16x2_to_f16x2(qf[kk][0], pre0);
+    qf[kk][1] = bf16x2_to_f16x2(qf[kk][1], pre1);
+    qf[kk][2] = bf16x2_to_f16x2(qf[kk][2], pre0);
+    qf[kk][3] = bf16x2_to_f16x2(qf[kk][3], pre1);
+  }
+}
+
+template <int D>
 struct MmaFp8Shape {
   static constexpr int kBM = 64;
   static constexpr int kBN = 64;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks of a 16-bit row (q, widened K / V)
+  static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kTileBytes = kBN * D * 2;        // a widened (float16) K or V tile
   static constexpr int kStageBytes = kBN * D;           // an FP8 K or V tile
   static constexpr int kF8Chunks = D / 16;              // 16-byte FP8 chunks a row
   static constexpr int kF8Rows = kThreads / kF8Chunks;  // rows a pass of the block copies
-  // Q, K and V (float16), the FP8 staging of two tiles (K, V), the row offsets of two tiles,
-  // the rows' q factors.
-  static constexpr int kSmemBytes =
-      kBM * D * 2 + 2 * kTileBytes + 4 * kStageBytes + 2 * kBN * 8 + kBM * 4;
+  // Q; the widened K and V (one buffer each); the FP8 staging of two tiles (K and V each); the
+  // row offsets of two tiles. The 16-bit kernel's size exactly, so two blocks still fill the
+  // 164 KB carveout of D = 128 with no static shared memory (prefill_mma_kernel).
+  static constexpr int kSmemBytes = kBM * D * 2 + 2 * kTileBytes + 4 * kStageBytes + 2 * kBN * 8;
   static_assert(D == 64 || D == 128, "the MMA kernel is built for head_dim 64 and 128");
-  static_assert(2 * kBM <= kThreads, "two threads a q row");
+  static_assert(kSmemBytes == MmaShape<D>::kSmemBytes, "the FP8 kernel keeps the carveout");
 };
 
 template <typename T, typename C, int D>
-__global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
+__global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
     prefill_mma_fp8_kernel(const PrefillParams p) {
 #if __CUDA_ARCH__ >= 800
-  using S = MmaFp8Shape<C, D>;
+  using S = MmaFp8Shape<D>;
   using M = f16_t;
-  constexpr int BM = S::kBM, BN = S::kBN, CH = D / 8, RP = S::kThreads / CH;
+  constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
   constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows;
   constexpr float kNegInf = -__builtin_huge_valf();
+  // Dynamic shared memory only, as in prefill_mma_kernel (one static byte costs the carveout).
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* q_s = smem;
   unsigned char* k_s = q_s + BM * D * 2;      // [BN][D] float16
   unsigned char* v_s = k_s + S::kTileBytes;   // [BN][D] float16
   unsigned char* st_s = v_s + S::kTileBytes;  // [2 slots][K, V][BN][D] FP8
   int64_t* rowoff = reinterpret_cast<int64_t*>(st_s + 4 * S::kStageBytes);  // [2][BN]
-  float* qpost = reinterpret_cast<float*>(rowoff + 2 * BN);                 // [BM]
+  // The guards' first_bad over warp 0's q rows once q is in registers, as in prefill_mma_kernel.
+  int* first_bad = reinterpret_cast<int*>(q_s);
+  static_assert(D * 4 <= 16 * D * 2, "first_bad must fit warp 0's q rows");
+  static_assert(kPrefillTileScratch<S::kThreads> * 4 <= S::kTileBytes, "scratch must fit a tile");
+  static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
 
-  __shared__ PrefillGuards<D, S::kThreads> guards;
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
+  // The tile search's scratch: the widened K tile, first written in the loop.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(k_s), &t))
+    return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -785,11 +985,12 @@ __global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
   const KeyRange range = key_range(t);
   const int ntiles = (range.end + BN - 1) / BN;
 
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, &guards.poison);
+    cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = cur.off;
-    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
     rowoff[BN + tid] = cur.off;
   }
   __syncthreads();
@@ -807,81 +1008,97 @@ __global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
       cp_async16(smem_u32(q_s) + swz<D>(r, c), src, ok);
     }
   }
-  // This thread's FP8 chunks of a tile: chunk c8 of rows tid / F8 + i * F8R.
-  const int c8 = tid % F8;
+  async_copy_commit();
+  // This thread's FP8 chunks of every key tile: chunk c8 of rows r8 + i * F8R; it widens them
+  // into chunks 2 c8 and 2 c8 + 1 of the same rows, which share their swizzle phase
+  // (F8R % 8 == 0), so they lie F8R rows apart.
+  const int c8 = tid % F8, r8 = tid / F8;
   auto stage_k = [&](int slot, int r) { return st_s + (2 * slot * BN + r) * D + c8 * 16; };
   auto stage_v = [&](int slot, int r) { return st_s + ((2 * slot + 1) * BN + r) * D + c8 * 16; };
   auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
 #pragma unroll
     for (int i = 0; i < BN / F8R; ++i) {
-      const int r = tid / F8 + i * F8R;
+      const int r = r8 + i * F8R;
       const int64_t off = rowoff[slot * BN + r];
       const bool ok = off >= 0;
       cp_async16(smem_u32(stage_k(slot, r)), ok ? kg + off + c8 * 16 : kg, ok);
       cp_async16(smem_u32(stage_v(slot, r)), ok ? vg + off + c8 * 16 : vg, ok);
     }
   };
-  // Widens this thread's chunks of tile n (staged in slot n % 2) into the float16 K / V tiles;
-  // in a tile that crosses the diagonal, non-finite V elements are zeroed (PrefillGuards).
-  auto widen = [&](int n) {
-    const int slot = n & 1;
-    const bool masked = n * BN + BN > range.full_end;
+  auto widen = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < BN / F8R; ++i) {
-      const int r = tid / F8 + i * F8R;
+      const int r = r8 + i * F8R;
       uint4 lo, hi;
       fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_k(slot, r)), lo, hi);
       *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8)) = lo;
       *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8 + 1)) = hi;
       fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_v(slot, r)), lo, hi);
-      uint4* v0 = reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8));
-      uint4* v1 = reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8 + 1));
-      *v0 = lo;
-      *v1 = hi;
-      if (masked) {
-        sanitize_v16<M>(v0, n * BN + r, c8 * 16, guards);
-        sanitize_v16<M>(v1, n * BN + r, c8 * 16 + 8, guards);
-      }
+      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8 + 1)) = hi;
     }
   };
+  // Copy groups: q, tile 0, tile 1, then one per tile from the loop (tile n + 1 in iteration
+  // n >= 1, into the staging slot of tile n - 1, which only this thread reads and has widened),
+  // so iteration n waits for all but the newest.
   if (ntiles > 0) load_fp8(0);
   async_copy_commit();
-  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
+  if (ntiles > 1) load_fp8(1);
+  async_copy_commit();
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while the tiles are in flight
 
+  // q into registers (as float16) before the loop, so that its tile can hold first_bad.
   uint32_t qf[D / 16][4];
+  async_copy_wait<2>();
+  __syncthreads();  // q visible
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    ldmatrix_x4(qf[kk], smem_u32(q_s) + swz<D>(r, 2 * kk + lane / 16));
+  }
+  // The logit factors of this lane's rows: q_scale with the KV head's key scale, and a bf16
+  // row's inverse power of two.
+  float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    float post0, post1;
+    q_frags_bf16_to_f16<D>(qf, post0, post1);
+    qs0 *= post0;
+    qs1 *= post1;
+  }
+  if (warp == 0) {
+    __syncwarp();  // the warp's q fragments are read
+    init_first_bad<D>(first_bad, lane, 32);
+  }
+  __syncthreads();  // first_bad initialised before any tile can lower it
+
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
   const int row0 = t.m0 + warp * 16 + g;  // query rows of this lane, within the request
   const int row1 = row0 + 8;
-  float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;  // times the rows' q factors
+  const uint32_t kb = smem_u32(k_s), vb = smem_u32(v_s);
 
   for (int n = 0; n < ntiles; ++n) {
-    const int buf = n & 1;
-    if (n + 1 < ntiles) load_fp8(buf ^ 1);
-    async_copy_commit();
-    async_copy_wait<1>();  // this thread's copies of tile n (and, at n == 0, of q) landed
-    if (n == 0 && std::is_same_v<T, bf16_t>) {
-      __syncthreads();  // every thread's q copies
-      q_bf16_to_f16_rows<D, S::kThreads>(q_s, BM, qpost, [](int r, int c) { return swz<D>(r, c); });
+    const int slot = n & 1;
+    if (n > 0) {
+      if (n + 1 < ntiles) load_fp8(slot ^ 1);
+      async_copy_commit();
     }
-    widen(n);
-    __syncthreads();  // the widened tile (and q) visible to every warp
-    if (n == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        ldmatrix_x4(qf[kk], smem_u32(q_s) + swz<D>(r, 2 * kk + lane / 16));
-      }
-      if constexpr (std::is_same_v<T, bf16_t>) {
-        qs0 *= qpost[warp * 16 + g];
-        qs1 *= qpost[warp * 16 + g + 8];
-      }
-    }
-    const bool masked = n * BN + BN > range.full_end;
+    async_copy_wait<1>();  // this thread's copies of tile n landed
     const int n0 = n * BN;
-    const uint32_t kb = smem_u32(k_s), vb = smem_u32(v_s);
+    const bool masked = n0 + BN > range.full_end;
+    widen(slot);
+    // The guards' V pass over the chunks this thread just widened (its own stores, visible to
+    // it), before the barrier that publishes them, as in prefill_mma_kernel.
+    if (masked) {
+      const bool lo = sanitize_own_v<M, BN / F8R, F8R * D * 2, F8R>(
+          v_s + swz<D>(r8, 2 * c8), n0 + r8, range.full_end, range.end, c8 * 16, first_bad);
+      const bool hi = sanitize_own_v<M, BN / F8R, F8R * D * 2, F8R>(
+          v_s + swz<D>(r8, 2 * c8 + 1), n0 + r8, range.full_end, range.end, c8 * 16 + 8, first_bad);
+      if (lo || hi) flags |= kGuardValueBad;
+    }
+    __syncthreads();  // the widened tile visible to every warp
 
     float s[BN / 8][4];
 #pragma unroll
@@ -899,21 +1116,40 @@ __global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
     }
 
     float mx0 = kNegInf, mx1 = kNegInf;
+    // Logits and row maxima, with the soft cap and the mask as compile-time variants (as in
+    // prefill_mma_kernel: the common tile runs straight through).
+    auto logits = [&](auto cap_tag, auto mask_tag) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+      for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[j][e] * (e < 2 ? qs0 : qs1);
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        if (masked) {
-          const int key = n0 + j * 8 + 2 * tq + (e & 1);
-          const int qi = e < 2 ? row0 : row1;
-          if (key >= t.lk || key > qi + shift) v = kNegInf;
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * (e < 2 ? qs0 : qs1);
+          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
+          if constexpr (decltype(mask_tag)::value) {
+            const int key = n0 + j * 8 + 2 * tq + (e & 1);
+            const int qi = e < 2 ? row0 : row1;
+            if (key >= t.lk || key > qi + shift) v = kNegInf;
+          }
+          s[j][e] = v;
         }
-        s[j][e] = v;
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
       }
-      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    if (p.ls.cap_log2e > 0.f) {
+      if (masked) {
+        logits(True{}, True{});
+      } else {
+        logits(True{}, False{});
+      }
+    } else {
+      if (masked) {
+        logits(False{}, True{});
+      } else {
+        logits(False{}, False{});
+      }
     }
     mx0 = group_max<4>(mx0);
     mx1 = group_max<4>(mx1);
@@ -959,8 +1195,8 @@ __global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
 
     if (tid < BN) {
       // Row offsets of tile n + 2 go where tile n's were: those copies were issued already.
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, &guards.poison);
-      rowoff[buf * BN + tid] = cur.off;
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, flags);
+      rowoff[slot * BN + tid] = cur.off;
     }
     __syncthreads();  // the widened tiles are free for tile n + 1
   }
@@ -968,8 +1204,8 @@ __global__ void __launch_bounds__(MmaFp8Shape<C, D>::kThreads, 2)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, guards, t, head, warp * 16 + g, tq, shift, l0, l1, &o[0][0],
-                          p.scales.v_of(kvh));
+  prefill_mma_store<T, D>(p, t, head, warp * 16 + g, tq, l0, l1, p.scales.v_of(kvh), &o[0][0],
+                          flags, first_bad);
 #endif
 }
 
@@ -997,7 +1233,7 @@ const char* launch_prefill_tiles(Kernel kernel, const PrefillParams& p, gpuStrea
 template <typename T, int D, typename C = T>
 const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
   if constexpr (sizeof(C) == 1) {
-    return launch_prefill_tiles<MmaFp8Shape<C, D>>(prefill_mma_fp8_kernel<T, C, D>, p, stream);
+    return launch_prefill_tiles<MmaFp8Shape<D>>(prefill_mma_fp8_kernel<T, C, D>, p, stream);
   } else {
     return launch_prefill_tiles<MmaShape<D>>(prefill_mma_kernel<T, D>, p, stream);
   }
@@ -1036,7 +1272,7 @@ constexpr int kSm90MinRowsPerRequest = 64;
 template <typename T, typename C = T>
 const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
   if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
-  // Read only by the tensor-core choices (CUDA): HIP has the SIMT kernel alone.
+  // Unused in HIP builds, which have the SIMT kernel only.
   [[maybe_unused]] const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
   // batch 0 still launches: its rows are padding (zeros), or NaN when qo[0] != 0.
   if (p.total_q == 0 || p.num_q_heads == 0) return nullptr;

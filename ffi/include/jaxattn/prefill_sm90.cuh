@@ -25,12 +25,15 @@
 // gathered rows (zero-filled past the request's keys, so unread slots and NaN-filled unused
 // pages never enter a product), then two tiles' row offsets (uint32, 16-byte units;
 // launch_prefill_typed falls back to the mma kernel when a cache is too large for them).
-// D = 128: 32 KB Q + 3 x 64 KB K/V + 1 KB offsets + 1 KB alignment slack = 226 KB, one block
-// per SM.
+// D = 128: 32 KB Q + 3 x 64 KB K/V + 1 KB offsets + 1 KB alignment slack = 226 KB, plus the
+// guards' first_bad as static shared memory (padded to 1 KB by the alignment of the dynamic
+// array): 227 KB, the per-block limit, one block per SM.
 //
-// Iteration n >= 1 (one barrier): wait for tile n's copies, fence.proxy.async (cp.async writes
-// are generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q K_n^T (D/16 x
-// m64n128k16, both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x m64nDk16, P from
+// Iteration n >= 1 (one barrier): wait for tile n's copies (in a tile the mask crosses, scan the
+// V chunks this thread copied: the guards, prefill.cuh), fence.proxy.async (cp.async and
+// sanitising writes are generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q
+// K_n^T (D/16 x m64n128k16, both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x
+// m64nDk16, P from
 // registers) as two wgmma groups; issue the copies of tile n + 1 into stage (n + 1) % 3
 // (neither stage n nor stage n - 1 is touched) and advance the row cursors (RowCursor,
 // incremental page addressing) for tile n + 2; wait for S only (wait_group 1); online softmax
@@ -40,10 +43,10 @@
 // P_n to 16-bit A fragments (the m64nNk16 accumulator layout is the A-fragment layout). Tile 0
 // is peeled (S only) and the last P V follows the loop, so every wgmma group in the loop is
 // unconditional (with a conditional P V group ptxas either serialised the wgmma or turned the
-// empty commit into a dummy group that made wait_group 1 wait for P V as well). Key tiles stop at the tile holding the last row's last
-// visible key (key_range), exactly as the mma kernel.
+// empty commit into a dummy group that made wait_group 1 wait for P V as well). Key tiles stop at
+// the tile holding the last row's last visible key (key_range), exactly as the mma kernel.
 //
-// ptxas (nvcc 13.0): 254-255 registers, no spills, one block of 256 threads per SM.
+// ptxas (nvcc 13.0): 247 registers (D = 64: 218), no spills, one block of 256 threads per SM.
 #pragma once
 
 #include <cstdint>
@@ -223,10 +226,18 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   uint32_t* rowoff =
       reinterpret_cast<uint32_t*>(sm90_smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
 
-  __shared__ PrefillGuards<D, S::kThreads> guards;
+  // The guards' first_bad (above kNoBadKey in prefill.cuh): static shared memory costs no
+  // carveout (one block per SM at the per-block limit either way). find_prefill_tile's
+  // barriers order the initialisation before any update.
+  __shared__ int first_bad[D];
+  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
+  // The tile search's scratch: stage 0 of the K/V ring, which the first copies fill after the
+  // barrier that follows the row offsets below.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head,
+                                         reinterpret_cast<int*>(sm90_smem + (kv_s - raw)), &t))
+    return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x;
@@ -236,12 +247,13 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   const KeyRange range = key_range(t);
   const int ntiles = (range.end + BN - 1) / BN;
 
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
   // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, &guards.poison);
+    cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = sm90_pack_off(cur.off);
-    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
     rowoff[BN + tid] = sm90_pack_off(cur.off);
   }
   __syncthreads();
@@ -273,7 +285,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   };
   if (ntiles > 0) load_kv(0, 0);
   async_copy_commit();
-  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
 
   // Descriptors. Q (A) and K (B of S): K-major, 8-row groups 1024 bytes apart (SBO), the
   // leading offset unused (1); k step kk is column block kk / 4 and 32 bytes per kk % 4.
@@ -302,9 +314,17 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   const int row1 = row0 + 8;
   const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
 
+  // This thread's V chunks of tile n: chunk c of rows r0 + i * RP, which share their swizzle
+  // phase (RP % 8 == 0), so they lie RP rows apart. A sanitised chunk is published to wgmma by
+  // tile_ready's fence.proxy.async and barrier.
+  unsigned char* v_own = sm90_smem + (kv_s - raw) + S::kTileBytes + sm90_tile_off<BN>(r0, c);
   // Waits for tile n's copies and publishes them to every warpgroup's wgmma (async proxy).
-  auto tile_ready = [&]() {
+  auto tile_ready = [&](int n) {
     async_copy_wait<0>();  // tile n is the only copy group in flight
+    if (n * BN + BN > range.full_end &&
+        sanitize_own_v<T, BN / RP, RP * 128, RP>(v_own + (n % NS) * S::kStageBytes, n * BN + r0,
+                                                 range.full_end, range.end, c * 8, first_bad))
+      flags |= kGuardValueBad;
     sm90_fence_proxy_async();
     __syncthreads();  // tile n visible; every thread is done with iteration n - 1
   };
@@ -315,24 +335,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     if (n + 1 < ntiles) load_kv((n + 1) % NS, (n + 1) % 2);
     async_copy_commit();
     if (tid < BN) {
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, &guards.poison);
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, flags);
       rowoff[(n % 2) * BN + tid] = sm90_pack_off(cur.off);
-    }
-  };
-  // V of a tile that crosses the diagonal (or the last key), in shared memory, with its
-  // non-finite elements zeroed (PrefillGuards). Runs while the tile's S and the previous P V
-  // are computed; P V of this tile is issued after the next tile_ready (or the fence and
-  // barrier after the loop), whose fence.proxy.async publishes these generic-proxy stores to
-  // the wgmma reads.
-  unsigned char* v_gen = sm90_smem + (kv_s - raw) + S::kTileBytes;
-  auto sanitize_v = [&](int n) {
-    if (n * BN + BN <= range.full_end) return;
-    unsigned char* vt = v_gen + (n % NS) * S::kStageBytes;
-#pragma unroll 1
-    for (int i = tid; i < BN * CH; i += S::kThreads) {
-      const int r = i / CH, cc = i % CH;
-      sanitize_v16<T>(reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, cc)), n * BN + r, cc * 8,
-                      guards);
     }
   };
   auto issue_s = [&](int n) {
@@ -446,23 +450,21 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   if (ntiles > 0) {
     // Tile 0: S only (no P V yet).
-    tile_ready();
+    tile_ready(0);
     sm90_wgmma_fence();
     issue_s(0);
     next_loads(0);
-    sanitize_v(0);
     sm90_wgmma_wait<0>();
     sm90_pin(s);
     softmax_tile(0);
     rescale_pack();
   }
   for (int n = 1; n < ntiles; ++n) {
-    tile_ready();
+    tile_ready(n);
     sm90_wgmma_fence();
     issue_s(n);       // group 1: S = Q K_n^T
     issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
     next_loads(n);
-    sanitize_v(n);
     sm90_wgmma_wait<1>();  // S done; P_{n-1} V_{n-1} may still run
     sm90_pin(s);
     softmax_tile(n);
@@ -473,8 +475,6 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   }
 
   if (ntiles > 0) {
-    sm90_fence_proxy_async();  // the last tile's sanitised V (and the guards' flags)
-    __syncthreads();
     sm90_wgmma_fence();
     issue_pv(ntiles - 1);
     sm90_wgmma_wait<0>();
@@ -485,8 +485,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, guards, t, head, wg * 64 + wl * 16 + g, tq, shift, l0, l1, o,
-                          p.scales.v_of(kvh));
+  prefill_mma_store<T, D>(p, t, head, wg * 64 + wl * 16 + g, tq, l0, l1, p.scales.v_of(kvh), o,
+                          flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
@@ -499,10 +499,14 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 // n + 1. Iteration n: barrier (tile n widened everywhere), S = Q K_n^T and O += P_{n-1} V_{n-1}
 // issued, then -- while the tensor cores run them -- this thread waits for its copies of tile
 // n + 1, widens them into K stage (n + 1) % 2 and V stage (n + 1) % 3 (their last readers, S_{n-1}
-// and P_{n-2} V_{n-2}, finished in iteration n - 1), and issues its copies of tile n + 2; then
-// the softmax as in the 16-bit kernel. Shared memory at D = 128: 32 KB Q + 2 x 32 KB K + 3 x 32
-// KB V + 32 KB staging + 1 KB offsets + 1 KB alignment slack = 226 KB, one block per SM; the
-// rows' q factors live over V stage 2 until the first barrier of the loop has read them.
+// and P_{n-2} V_{n-2}, finished in iteration n - 1), scans the V chunks it widened where the
+// mask hides their keys from some rows (the guards, prefill.cuh), and issues its copies of tile
+// n + 2; then the softmax as in the 16-bit kernel. The next iteration's fence.proxy.async and
+// barrier publish the widened (and sanitised) tile, so nothing follows the loop but the last
+// P V. Shared memory at D = 128: 32 KB Q + 2 x 32 KB K + 3 x 32 KB V + 32 KB staging + 1 KB
+// offsets + 1 KB alignment slack = 226 KB, plus the guards' first_bad as static shared memory
+// (as in the 16-bit kernel): 227 KB, one block per SM; the rows' q factors live over V stage 2
+// until the first barrier of the loop has read them.
 template <int D>
 struct Sm90Fp8Shape {
   static constexpr int kBM = 128;
@@ -547,10 +551,16 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   uint32_t* rowoff = reinterpret_cast<uint32_t*>(st_s + 2 * S::kStageBytes);
   float* qpost = reinterpret_cast<float*>(gen + S::kQBytes + (KS + 2) * S::kTileBytes);
 
-  __shared__ PrefillGuards<D, S::kThreads> guards;
+  // The guards' first_bad, as in prefill_sm90_kernel.
+  __shared__ int first_bad[D];
+  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
   const int head = blockIdx.y;
   PrefillTile t;
-  if (!find_prefill_tile<T, D, S::kThreads>(p, BM, blockIdx.x, head, guards, &t)) return;
+  // The tile search's scratch: the FP8 staging, which the first copies fill after the barrier
+  // that follows the row offsets below.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(st_s),
+                                         &t))
+    return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
   const int tid = threadIdx.x;
@@ -560,12 +570,13 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   const KeyRange range = key_range(t);
   const int ntiles = (range.end + BN - 1) / BN;
 
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
   // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
   RowCursor cur;
   if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, &guards.poison);
+    cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = sm90_pack_off(cur.off);
-    cur.advance(kv, t.table, tid, BN, range.end, &guards.poison);
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
     rowoff[BN + tid] = sm90_pack_off(cur.off);
   }
   __syncthreads();
@@ -583,12 +594,15 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
       cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
     }
   }
-  // This thread's FP8 chunks: chunk c8 of rows tid / F8 + i * F8R, plain rows in the staging.
-  const int c8 = tid % F8;
+  // This thread's FP8 chunks: chunk c8 of rows r8 + i * F8R, plain rows in the staging; it
+  // widens them into chunks 2 c8 and 2 c8 + 1 of the same rows, one column block, in rows that
+  // share their swizzle phase (F8R % 8 == 0), so they lie F8R rows apart.
+  static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
+  const int c8 = tid % F8, r8 = tid / F8;
   auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
 #pragma unroll
     for (int i = 0; i < BN / F8R; ++i) {
-      const int r = tid / F8 + i * F8R;
+      const int r = r8 + i * F8R;
       const uint32_t u = rowoff[slot * BN + r];
       const bool ok = u != kSm90NoRow;
       const int64_t off = int64_t(u) << 3;
@@ -599,30 +613,33 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
     async_copy_commit();
   };
   // Widens this thread's staged chunks of tile n into K stage n % 2 and V stage n % 3; in a tile
-  // that crosses the diagonal (or the last key), non-finite V elements are zeroed
-  // (PrefillGuards). Generic-proxy stores: a fence.proxy.async and a barrier publish them.
+  // the mask crosses, the guards' V pass then scans the V chunks just widened (this thread's
+  // own stores; prefill_mma_kernel's pass, on the widened values). Generic-proxy stores: the
+  // next tile_ready's fence.proxy.async and barrier publish them.
   auto widen = [&](int n) {
     async_copy_wait<0>();  // this thread's copies of tile n (the only group in flight)
     unsigned char* kt = gen + S::kQBytes + (n % KS) * S::kTileBytes;
     unsigned char* vt = gen + S::kQBytes + (KS + n % VS) * S::kTileBytes;
-    const bool masked = n * BN + BN > range.full_end;
 #pragma unroll
     for (int i = 0; i < BN / F8R; ++i) {
-      const int r = tid / F8 + i * F8R;
+      const int r = r8 + i * F8R;
       const unsigned char* src = st_s + r * D + c8 * 16;
       uint4 lo, hi;
       fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src), lo, hi);
       *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
       *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
       fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src + S::kStageBytes), lo, hi);
-      uint4* v0 = reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8));
-      uint4* v1 = reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8 + 1));
-      *v0 = lo;
-      *v1 = hi;
-      if (masked) {
-        sanitize_v16<M>(v0, n * BN + r, c8 * 16, guards);
-        sanitize_v16<M>(v1, n * BN + r, c8 * 16 + 8, guards);
-      }
+      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
+    }
+    if (n * BN + BN > range.full_end) {
+      const bool lo = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
+          vt + sm90_tile_off<BN>(r8, 2 * c8), n * BN + r8, range.full_end, range.end, c8 * 16,
+          first_bad);
+      const bool hi = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
+          vt + sm90_tile_off<BN>(r8, 2 * c8 + 1), n * BN + r8, range.full_end, range.end,
+          c8 * 16 + 8, first_bad);
+      if (lo || hi) flags |= kGuardValueBad;
     }
   };
   // Copies of tile n + 2 (offsets in slot n % 2), then the cursors step to tile n + 3, whose
@@ -630,14 +647,14 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   auto next_copies = [&](int n) {
     if (n + 2 < ntiles) load_fp8(n % 2);
     if (tid < BN) {
-      cur.advance(kv, t.table, (n + 2) * BN + tid, BN, range.end, &guards.poison);
+      cur.advance(kv, t.table, (n + 2) * BN + tid, BN, range.end, flags);
       rowoff[((n + 1) % 2) * BN + tid] = sm90_pack_off(cur.off);
     }
   };
 
   if (ntiles > 0) load_fp8(0);
   if (ntiles == 0) async_copy_commit();
-  check_entries<S::kThreads>(t, kv, range.end, &guards.poison);  // while tile 0 is in flight
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
   async_copy_wait<0>();  // q and this thread's copies of tile 0
   __syncthreads();       // every thread's q (the bf16 rows are scaled across threads)
   if constexpr (std::is_same_v<T, bf16_t>) {
@@ -647,7 +664,7 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   if (ntiles > 0) widen(0);
   if (ntiles > 1) load_fp8(1);
   if (tid < BN) {  // tile 2's offsets into slot 0 (read by every thread before the barrier)
-    cur.advance(kv, t.table, BN + tid, BN, range.end, &guards.poison);
+    cur.advance(kv, t.table, BN + tid, BN, range.end, flags);
     rowoff[tid] = sm90_pack_off(cur.off);
   }
 
@@ -808,8 +825,7 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
     rescale_pack();
   }
 
-  if (ntiles > 0) {
-    tile_ready();  // the guards' flags
+  if (ntiles > 0) {  // the last tile's V was published by the loop's last tile_ready
     sm90_wgmma_fence();
     issue_pv(ntiles - 1);
     sm90_wgmma_wait<0>();
@@ -820,7 +836,7 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, guards, t, head, lr0, tq, shift, l0, l1, o, p.scales.v_of(kvh));
+  prefill_mma_store<T, D>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o, flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

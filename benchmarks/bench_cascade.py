@@ -1,0 +1,366 @@
+"""Cascade decode against plain paged decode of the same batch, and against the read floor.
+
+    python benchmarks/bench_cascade.py --json cascade.json            # the issue's batches
+    python benchmarks/bench_cascade.py --fit --json cascade.json      # + the switch rule's fit
+
+Batches (B requests, Hq/Hkv, D, page size, dtype from the flags; default the issue's case:
+B=64, a 4096-token prefix, 256 own tokens each, bf16, 32/8, D=128, page 16):
+
+* ``shared``: every request continues one prefix;
+* ``mixed``: three prefixes (the length, half, a quarter) shared by 7/8 of the requests in turn,
+  the rest continue none, own lengths spread over [own / 4, 2 own];
+* ``private``: each request has its own prefix (cascade cannot save a byte: its cost over
+  paged decode is what cascade costs when it is not useful).
+
+For each batch, each implementation of ``--impl`` runs ``jaxattn.cascade_attention`` and
+``jaxattn.paged_attention`` over the joined tables (prefix pages, then own pages), in the same
+run, on the same inputs (rotated over enough copies to pass the L2; ``benchmarks/common.py``).
+The floor is the time to read each prefix once and every own token once at the read ceiling, a
+jitted ``jnp.sum`` over 4 GiB measured in the same run (``common.read_bandwidth``). The table
+shows each time, its ratio to the floor, and the speedup of cascade over paged decode of the
+same implementation.
+
+``--fit`` also times both ops (``--fit-impl``, default native) over a grid of batches (prefix
+length, requests per prefix, own length, batch size), fits the constants of
+:class:`jaxattn.cascade_cost.CascadeCostModel` to them, and reports how the fitted switch
+(:func:`jaxattn.cascade_cost.cascade_pays_off`) would have decided every measured batch: the
+JSON's ``cost_model`` is what an engine loads (``CascadeCostModel.from_json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jaxattn  # noqa: E402
+from jaxattn import cascade_cost as cc  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    name: str
+    prefix_lens: tuple[int, ...]  # tokens, whole pages
+    prefix_of: tuple[int, ...]
+    own: tuple[int, ...]
+
+
+def batches(b: int, prefix: int, own: int, page: int) -> list[Batch]:
+    whole = lambda n: max(page, n // page * page)  # noqa: E731
+    mixed_of = tuple(-1 if i % 8 == 7 else i % 3 for i in range(b))
+    mixed_own = tuple(max(1, own // 4 + (i * 53) % (2 * own - own // 4)) for i in range(b))
+    return [
+        Batch("shared", (whole(prefix),), (0,) * b, (own,) * b),
+        Batch(
+            "mixed", (whole(prefix), whole(prefix // 2), whole(prefix // 4)), mixed_of, mixed_own
+        ),
+        Batch("private", (whole(prefix),) * b, tuple(range(b)), (own,) * b),
+    ]
+
+
+def build_inputs(seed, batch: Batch, *, hq, hkv, d, page, layout, dtype):
+    """Random inputs of one batch: the pages of every prefix and own part in a permuted pool.
+    Returns (cascade args, paged args over the joined tables)."""
+    rng = np.random.default_rng(seed)
+    g_count, b_count = len(batch.prefix_lens), len(batch.own)
+    prefix_pages = [n // page for n in batch.prefix_lens]
+    own_pages = [-(-n // page) for n in batch.own]
+    num_pages = sum(prefix_pages) + sum(own_pages) + 1
+    perm = iter(rng.permutation(num_pages).tolist())
+    wp, w = max(prefix_pages), max(own_pages)
+    ptab = np.zeros((g_count, wp), np.int32)
+    tab = np.zeros((b_count, w), np.int32)
+    joined = np.zeros((b_count, wp + w), np.int32)
+    for g, n in enumerate(prefix_pages):
+        ptab[g, :n] = [next(perm) for _ in range(n)]
+    for b, n in enumerate(own_pages):
+        tab[b, :n] = [next(perm) for _ in range(n)]
+        g = batch.prefix_of[b]
+        pre = list(ptab[g, : prefix_pages[g]]) if g >= 0 else []
+        joined[b, : len(pre) + n] = pre + list(tab[b, :n])
+    geom = (num_pages, page, hkv, d)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(kk, jaxattn.layout.cache_shape(layout, "k", *geom, dtype=dtype), dtype)
+    v = jax.random.normal(kv, jaxattn.layout.cache_shape(layout, "v", *geom, dtype=dtype), dtype)
+    q = jax.random.normal(kq, (b_count, hq, d), dtype)
+    lp = [batch.prefix_lens[g] if g >= 0 else 0 for g in batch.prefix_of]
+    cascade_args = (
+        q,
+        k,
+        v,
+        jnp.asarray(ptab),
+        jnp.asarray(batch.prefix_lens, jnp.int32),
+        jnp.asarray(batch.prefix_of, jnp.int32),
+        jnp.asarray(tab),
+        jnp.asarray(batch.own, jnp.int32),
+    )
+    joined_lens = jnp.asarray([a + o for a, o in zip(lp, batch.own, strict=True)], jnp.int32)
+    return cascade_args, (q, k, v, jnp.asarray(joined), joined_lens)
+
+
+def features(batch: Batch, hq, hkv, d, itemsize) -> dict:
+    return cc.cascade_features(
+        batch.prefix_lens,
+        batch.prefix_of,
+        batch.own,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        itemsize=itemsize,
+    )
+
+
+def time_batch(batch: Batch, impls, args, *, check, record):
+    """Times cascade and paged decode of every implementation on one batch."""
+    build = functools.partial(
+        build_inputs,
+        batch=batch,
+        hq=args.hq,
+        hkv=args.hkv,
+        d=args.head_dim,
+        page=args.page_size,
+        layout=args.layout,
+        dtype=args.dtype,
+    )
+    f = features(batch, args.hq, args.hkv, args.head_dim, args.dtype.itemsize)
+    # Each copy is its own pool of pages: a round over them moves 16x the L2 of them.
+    copies = common.make_copies(build, common.num_copies(int(f["unique_bytes"])))
+    casc = [c for c, _ in copies]
+    paged = [p for _, p in copies]
+    expected = None
+    if check:
+        expected = jaxattn.cascade_attention(
+            *casc[0], layout=args.layout, implementation="reference"
+        )
+    rows = []
+    for impl in impls:
+        for op, fn, obj, inputs in (
+            ("cascade", jaxattn.cascade_attention, jaxattn.ops.CASCADE_ATTENTION, casc),
+            ("paged", jaxattn.paged_attention, jaxattn.ops.PAGED_ATTENTION, paged),
+        ):
+            run = functools.partial(fn, layout=args.layout, implementation=impl)
+            row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
+            with contextlib.suppress(NotImplementedError):  # measure() reports a refusal
+                row["config"] = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
+            row |= common.measure(
+                run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
+            )
+            record(row)
+            rows.append(row)
+    del copies, casc, paged
+    return rows
+
+
+def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.CascadeCostModel, dict]:
+    """Least squares of each op's time on its features (non-negative: a feature whose
+    coefficient comes out negative is dropped and the rest refitted)."""
+
+    def nnls(x, y, names):
+        keep = list(range(x.shape[1]))
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if (coef >= 0).all() or len(keep) == 1:
+                out = dict.fromkeys(names, 0.0)
+                out.update({names[i]: max(0.0, float(c)) for i, c in zip(keep, coef, strict=True)})
+                return out
+            keep.pop(int(np.argmin(coef)))
+
+    pg = [p for p in points if "paged_us" in p]
+    cs = [p for p in points if "cascade_us" in p]
+    a = nnls(
+        np.array([[1.0, p["joined_bytes"]] for p in pg]),
+        np.array([p["paged_us"] for p in pg]),
+        ["fixed", "per_byte"],
+    )
+    b = nnls(
+        np.array([[1.0, p["rows"], p["unique_bytes"], p["prefix_flops"]] for p in cs]),
+        np.array([p["cascade_us"] for p in cs]),
+        ["fixed", "per_row", "per_byte", "per_flop"],
+    )
+    inv = lambda c: 1.0 / c if c > 0 else math.inf  # noqa: E731
+    model = dataclasses.replace(
+        base,
+        paged_fixed_us=a["fixed"],
+        paged_bytes_per_us=inv(a["per_byte"]),
+        cascade_fixed_us=b["fixed"],
+        cascade_row_us=b["per_row"],
+        cascade_bytes_per_us=inv(b["per_byte"]),
+        cascade_flops_per_us=inv(b["per_flop"]),
+    )
+    return model, dict(paged=a, cascade=b)
+
+
+def fit_grid(args) -> list[Batch]:
+    out = []
+    page = args.page_size
+    for b, prefix, per, own in [
+        (64, p, n, o) for p in (512, 2048, 4096) for n in (1, 2, 8, 64) for o in (64, 512)
+    ] + [(16, 4096, 1, 256), (16, 4096, 16, 256), (128, 1024, 8, 128)]:
+        groups = b // per
+        out.append(
+            Batch(
+                f"fit B={b} L={prefix} n={per} own={own}",
+                (prefix // page * page,) * groups,
+                tuple(i // per for i in range(b)),
+                (own,) * b,
+            )
+        )
+    return out
+
+
+def main(argv=None):
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.set_defaults(impl="pallas,native")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prefix", type=int, default=4096, help="prefix tokens")
+    p.add_argument("--own", type=int, default=256, help="own tokens per request")
+    p.add_argument("--heads", default="32/8", help="Hq/Hkv")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layout", default="bshd")
+    p.add_argument("--batches", default="shared,mixed,private")
+    p.add_argument("--fit", action="store_true", help="fit the switch rule's cost model")
+    p.add_argument("--fit-impl", default="native")
+    p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
+    args = p.parse_args(argv)
+    if args.small:
+        args.batch, args.prefix, args.own, args.heads, args.head_dim = 6, 64, 16, "8/2", 32
+    args.hq, args.hkv = (int(x) for x in args.heads.split("/"))
+    args.dtype = jnp.dtype(args.dtype)
+    impls = common.parse_impls(args.impl)
+    result = dict(
+        env=common.environment(),
+        params={k: str(v) for k, v in vars(args).items()},
+        rows=[],
+        ceilings=None,
+    )
+
+    def record(row):
+        result["rows"].append(row)
+        metric = f"{row['op']} {row['batch']}"
+        print(common.status_line(f"{row['impl']:>9}", row, metric), flush=True)
+
+    wanted = set(args.batches.split(","))
+    for batch in batches(args.batch, args.prefix, args.own, args.page_size):
+        if batch.name in wanted:
+            print(
+                f"batch {batch.name}: B={len(batch.own)} prefixes {batch.prefix_lens[:4]}",
+                flush=True,
+            )
+            time_batch(batch, impls, args, check=args.check, record=record)
+
+    fit_rows = []
+    if args.fit:
+        grid = fit_grid(args) if not args.small else batches(args.batch, args.prefix, args.own, 16)
+        for batch in grid:
+            print(batch.name, flush=True)
+            fit_rows += time_batch(batch, [args.fit_impl], args, check=False, record=lambda r: None)
+
+    # The ceilings after the cases (right after a large matmul the first timings on an H200
+    # came out slow; see bench_decode.py).
+    if not args.no_ceilings:
+        nbytes = 2**24 if args.small else 4 * 2**30
+        result["ceilings"] = dict(
+            read=common.read_bandwidth(nbytes), copy=common.copy_bandwidth(nbytes // 2)
+        )
+        gbps = result["ceilings"]["read"]["gbps"]
+        print(f"read ceiling {gbps:.0f} GB/s (jnp.sum over {nbytes / 2**30:.2f} GiB)", flush=True)
+        for row in result["rows"]:
+            row["floor_us"] = row["unique_bytes"] / (gbps * 1e3)
+            if "us" in row:
+                row["x_floor"] = row["us"] / row["floor_us"]
+    by = {(r["batch"], r["impl"], r["op"]): r for r in result["rows"] if "us" in r}
+    for (b, impl, op), row in by.items():
+        paged = by.get((b, impl, "paged"))
+        if op == "cascade" and paged:
+            row["speedup_vs_paged"] = paged["us"] / row["us"]
+        best = min(
+            (r["us"] for (b2, _, o2), r in by.items() if b2 == b and o2 == "paged"), default=None
+        )
+        if op == "cascade" and best:
+            row["speedup_vs_best_paged"] = best / row["us"]
+
+    if fit_rows:
+        points = []
+        for batch in {r["batch"] for r in fit_rows}:
+            rs = {r["op"]: r for r in fit_rows if r["batch"] == batch and "us" in r}
+            if len(rs) == 2:
+                pt = {
+                    k: rs["cascade"][k]
+                    for k in ("joined_bytes", "unique_bytes", "rows", "prefix_flops")
+                }
+                points.append(
+                    pt
+                    | dict(batch=batch, cascade_us=rs["cascade"]["us"], paged_us=rs["paged"]["us"])
+                )
+        model, coef = fit_model(points, cc.CascadeCostModel())
+        decisions = []
+        for pt in sorted(points, key=lambda x: x["batch"]):
+            cas, pag = model.predict(pt)
+            pays = cas <= (1 - model.margin) * pag
+            chosen = pt["cascade_us"] if pays else pt["paged_us"]
+            decisions.append(
+                pt
+                | dict(
+                    predicted_cascade_us=cas,
+                    predicted_paged_us=pag,
+                    use_cascade=bool(pays),
+                    slowdown_vs_paged=chosen / pt["paged_us"] - 1,
+                    slowdown_vs_best=chosen / min(pt["cascade_us"], pt["paged_us"]) - 1,
+                )
+            )
+        result["cost_model"] = dataclasses.asdict(model)
+        result["fit"] = dict(coefficients=coef, decisions=decisions)
+        print("\nswitch rule (fitted cost model):", result["cost_model"])
+        print(
+            common.table(
+                decisions,
+                [
+                    ("batch", "batch", ""),
+                    ("cascade_us", "cascade us", ".1f"),
+                    ("paged_us", "paged us", ".1f"),
+                    ("predicted_cascade_us", "model cascade", ".1f"),
+                    ("predicted_paged_us", "model paged", ".1f"),
+                    ("use_cascade", "switch", ""),
+                    ("slowdown_vs_paged", "vs paged", "+.1%"),
+                ],
+            )
+        )
+        worst = max(d["slowdown_vs_paged"] for d in decisions)
+        print(f"worst batch with the switch: {worst:+.1%} against paged decode")
+
+    common.write_json(args.json, result)
+    print()
+    print(
+        common.table(
+            [r for r in result["rows"] if "us" in r],
+            [
+                ("batch", "batch", ""),
+                ("impl", "impl", ""),
+                ("op", "op", ""),
+                ("config", "config", ""),
+                ("us", "time (us)", ".1f"),
+                ("floor_us", "floor (us)", ".1f"),
+                ("x_floor", "x floor", ".2f"),
+                ("speedup_vs_paged", "vs paged (same impl)", ".2f"),
+                ("speedup_vs_best_paged", "vs best paged", ".2f"),
+                ("rel_err", "rel err", ".1e"),
+            ],
+        )
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

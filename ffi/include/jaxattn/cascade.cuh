@@ -1,0 +1,1001 @@
+// Cascade decode on GPUs, one source for CUDA and HIP (the problem, the contract and the
+// workspace: jaxattn/cascade.h).
+//
+// Two launches for the whole batch:
+//
+// 1. One kernel, two kinds of blocks, each writing partial states -- normalised output and
+//    (max, sum) in base 2 -- for the query rows it owns:
+//    - prefix blocks (KV head, tile, partition), first in the grid: a tile is up to per_tile
+//      requests that continue one prefix; their query heads of the block's KV head (request
+//      major, then the group's heads) are the rows of one tile loop over a partition of the
+//      prefix's pages, so each prefix page is read once per KV head and tile instead of once
+//      per request. Tensor-core kernel: 64 rows, 16 per warp, each warp computing S = Q K^T
+//      and O += P V with mma.sync m16n8k16 for every 64-key tile of a shared ring (the
+//      prefill kernel's fragment scheme). SIMT kernel: 8 rows.
+//    - own blocks (request, KV head, partition): paged decode over the request's own pages,
+//      the decode kernels' scheme (paged_decode.cuh): tensor cores with the group's heads as
+//      the n = 8 side of the products, or the pipelined SIMT loop.
+//    Both kinds stream K/V through the decode kernels' shared-memory ring (KvRing: cp.async
+//    stages, row offsets one tile ahead, page ids checked where they become offsets). The
+//    prefix blocks are compute bound (64 rows x every key), the own blocks memory bound; one
+//    grid lets them share the multiprocessors, a prefix block beside an own block.
+// 2. A merge kernel, one warp per (request, query head): the exact merge of the request's own
+//    partitions and prefix partitions (weights l_i * 2^(m_i - max)).
+//
+// Which requests share a prefix is data (prefix_of is a device array): each prefix block plans
+// its tile on the device. One pass over prefix_of counts the requests of every prefix in shared
+// memory (chunks of kPlanBins prefixes), a block-wide scan of the tiles per prefix gives the
+// batch's tile count T and places tile t; the block's partition count then follows from T
+// (cascade_splits) and a second pass ranks the tile's members in batch order. The cost is two
+// reads of prefix_of (B int32, from L2) per prefix block. Block k of a KV head takes tile
+// k % T, partition k / T; blocks past T x splits exit. Block 0 leaves the split in the
+// workspace for the merge.
+//
+// Scaled caches (CascadeParams::scales): both levels fold the KV head's k_scale into their
+// logit factor, so every part's (max, sum) is in the same units and the merge stays exact; the
+// merge multiplies the merged row by v_scale (the output is linear in the values). FP8 caches
+// are not read here (the rings and fragments are 16-bit or f32): jaxattn/native.py refuses them.
+//
+// Index guards (jaxattn/guards.h): the scalars of a request (prefix_of range, prefix length,
+// own length) are checked by the merge, which writes NaN rows for an invalid request without
+// reading its parts; blocks skip what those scalars make invalid. Page ids are checked where
+// they become row offsets (KvRing::store_offset): a block that meets a bad one writes NaN
+// states, and the merge turns a NaN part into a NaN row. A prefix is only read by the tiles of
+// requests that continue it.
+#pragma once
+
+#include <cstdint>
+
+#include "jaxattn/cascade.h"
+#include "jaxattn/gpu_vendor.h"
+#include "jaxattn/guards.h"
+#include "jaxattn/mma_sm80.cuh"
+#include "jaxattn/paged_decode.cuh"
+
+namespace jaxattn {
+namespace gpu {
+
+// Prefixes counted per pass of the plan (int32 bins in the dynamic shared memory, which the ring
+// takes over once the plan is made).
+constexpr int kCascadePlanBins = 1024;
+
+// Exclusive prefix sum of one int per thread over the block; *total gets the sum. All threads
+// must call it; warp_sums: NT / WARP_SIZE ints of shared memory, free again on return.
+template <int NT>
+__device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int* total) {
+  constexpr int kWarps = NT / WARP_SIZE;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < WARP_SIZE; o *= 2) {
+    const int n = shfl_up(incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == WARP_SIZE - 1) warp_sums[warp] = incl;
+  __syncthreads();
+  int before = 0, sum = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int s = warp_sums[w];
+    before += w < warp ? s : 0;
+    sum += s;
+  }
+  __syncthreads();
+  *total = sum;
+  return before + incl - v;
+}
+
+// A prefix block's plan, in shared memory.
+template <int NT, int MAXR>
+struct CascadePlan {
+  int warp_sums[NT / WARP_SIZE];
+  int g;      // the tile's prefix
+  int first;  // rank of the tile's first request among the prefix's requests
+  int count;  // requests in the tile
+  int members[MAXR];
+};
+
+// Counts the requests of prefixes [g0, g0 + n) into bins[0, n).
+template <int NT>
+__device__ __forceinline__ void count_prefix_requests(const CascadeParams& p, int g0, int n,
+                                                      int* bins) {
+  for (int i = threadIdx.x; i < n; i += NT) bins[i] = 0;
+  __syncthreads();
+  for (int b = threadIdx.x; b < p.batch; b += NT) {
+    const int g = p.prefix_of[b] - g0;
+    if (g >= 0 && g < n) atomicAdd(&bins[g], 1);
+  }
+  __syncthreads();
+}
+
+// Plans prefix block k of its KV head (see the top of the file): false when the block has no
+// tile or partition. Otherwise plan.g, plan.count and plan.members describe its tile and
+// *split its partition; *splits is the batch's partition count. bins: kCascadePlanBins ints of
+// shared memory. All threads of the block must call it.
+template <int NT, int MAXR>
+__device__ bool plan_prefix_block(const CascadeParams& p, int k, int per_tile, int per_head,
+                                  int* bins, CascadePlan<NT, MAXR>& plan, int* split, int* splits) {
+  const int tid = threadIdx.x;
+  const int G = p.num_prefixes;
+  const int chunks = (G + kCascadePlanBins - 1) / kCascadePlanBins;
+  // Thread tid owns bins [lo, hi) of a chunk of n bins.
+  constexpr int kPer = (kCascadePlanBins + NT - 1) / NT;
+  auto own_tiles = [&](int n) {
+    const int lo = min(n, tid * kPer), hi = min(n, lo + kPer);
+    int tiles = 0;
+    for (int i = lo; i < hi; ++i) tiles += (bins[i] + per_tile - 1) / per_tile;
+    return tiles;
+  };
+  int num_tiles = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int n = min(kCascadePlanBins, G - c * kCascadePlanBins);
+    count_prefix_requests<NT>(p, c * kCascadePlanBins, n, bins);
+    int total;
+    block_exclusive_sum<NT>(own_tiles(n), plan.warp_sums, &total);
+    num_tiles += total;
+  }
+  *splits = cascade_splits(num_tiles, p.prefix_target, p.kv.num_kv_heads, per_head, p.prefix_parts);
+  if (blockIdx.x == 0 && tid == 0) *cascade_split_slot(p) = *splits;
+  if (num_tiles == 0 || k >= num_tiles * *splits) return false;
+  const int t = k % num_tiles;
+  *split = k / num_tiles;
+
+  // Tile t: the prefix whose tiles cover it (one chunk of bins at a time).
+  if (tid == 0) plan.g = -1;
+  int before = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int n = min(kCascadePlanBins, G - c * kCascadePlanBins);
+    if (chunks > 1) count_prefix_requests<NT>(p, c * kCascadePlanBins, n, bins);
+    int total;
+    int at = before + block_exclusive_sum<NT>(own_tiles(n), plan.warp_sums, &total);
+    const int lo = min(n, tid * kPer), hi = min(n, lo + kPer);
+    for (int i = lo; i < hi; ++i) {
+      const int tiles = (bins[i] + per_tile - 1) / per_tile;
+      if (t >= at && t < at + tiles) {
+        plan.g = c * kCascadePlanBins + i;
+        plan.first = (t - at) * per_tile;
+        plan.count = min(per_tile, bins[i] - plan.first);
+      }
+      at += tiles;
+    }
+    before += total;
+    __syncthreads();
+    if (plan.g >= 0) break;
+  }
+
+  // Its members: the prefix's requests of ranks [first, first + count) in batch order.
+  const int g = plan.g, first = plan.first, last = plan.first + plan.count;
+  if (g < 0) return false;  // unreachable: both passes count the same bins
+  int seen = 0;
+  for (int b0 = 0; b0 < p.batch && seen < last; b0 += NT) {
+    const int b = b0 + tid;
+    const int is = b < p.batch && p.prefix_of[b] == g ? 1 : 0;
+    int total;
+    const int rank = seen + block_exclusive_sum<NT>(is, plan.warp_sums, &total);
+    if (is && rank >= first && rank < last) plan.members[rank - first] = b;
+    seen += total;
+  }
+  __syncthreads();
+  return true;
+}
+
+// Tokens [start, end) of a prefix partition; false when the prefix is invalid (the merge writes
+// its requests' rows NaN) or the partition holds no token.
+__device__ __forceinline__ bool prefix_range(const CascadeParams& p, int g, int split, int splits,
+                                             int* start, int* end) {
+  const int lp = p.prefix_lens[g];
+  if (!prefix_bounds_ok(lp, p.prefix_table_stride, p.kv.page_size, p.kv.num_pages)) return false;
+  const int chunk = cascade_chunk(lp, splits);
+  *start = split * chunk;
+  *end = min(lp, *start + chunk);
+  return *start < lp;
+}
+
+// Tokens [start, end) of own partition `part` of request b; false when its length breaks the
+// contract (the merge writes its rows NaN) or the partition holds no token.
+__device__ __forceinline__ bool own_range(const CascadeParams& p, int b, int part, int* start,
+                                          int* end) {
+  const int L = p.seq_lens[b];
+  if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) return false;
+  const int span = p.own_span();
+  *start = part * span;
+  *end = min(L, *start + span);
+  return *start < L;
+}
+
+// One element of a finished row's partial state: the normalised output, and with d == 0 the
+// (max, sum) pair. l == 0: nothing attended.
+__device__ __forceinline__ void cascade_write(const CascadeParams& p, int64_t slot, int d, float o,
+                                              float m, float l) {
+  p.workspace[slot * p.kv.head_dim + d] = l == 0.f ? 0.f : o / l;
+  if (d == 0) {
+    float* ml = cascade_ml(p);
+    ml[2 * slot] = m;
+    ml[2 * slot + 1] = l;
+  }
+}
+
+// Merges the (max, sum, output) states that WS warps left in shared memory for each of the
+// block's GC rows and writes them to their workspace slots (slot_of(row), -1: no row), in a
+// fixed order; NaN for all of them when the block is poisoned. red holds, for warp w and row g,
+// D output floats then the max and the sum, at red + (w * GC + g) * (D + 2).
+template <int D, int GC, int WS, int NT, typename SlotOf>
+__device__ __forceinline__ void cascade_merge_warps(const CascadeParams& p, const float* red,
+                                                    SlotOf slot_of, bool poisoned) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  for (int i = threadIdx.x; i < GC * D; i += NT) {
+    const int g = i / D, d = i % D;
+    const int64_t slot = slot_of(g);
+    if (slot < 0) continue;
+    float mx = kNegInf;
+#pragma unroll
+    for (int w = 0; w < WS; ++w) mx = fmaxf(mx, red[(w * GC + g) * (D + 2) + D]);
+    const float m_use = mx == kNegInf ? 0.f : mx;
+    float o = 0.f, ls = 0.f;
+#pragma unroll
+    for (int w = 0; w < WS; ++w) {
+      const float* r = red + (w * GC + g) * (D + 2);
+      const float wt = fast_exp2(r[D] - m_use);
+      ls += wt * r[D + 1];
+      o += wt * r[d];
+    }
+    if (poisoned) o = mx = ls = quiet_nan();
+    cascade_write(p, slot, d, o, mx, ls);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// SIMT kernel: 8 rows a block (the pipelined SIMT decode loop of paged_decode.cuh, whose 8
+// "heads" are here any 8 query rows of one KV head).
+// ------------------------------------------------------------------------------------------
+
+constexpr int kCascadeSimtRows = 8;
+
+template <typename T, int D>
+struct CascadeSimtShape {
+  using S = DecodeShape<T, D, kCascadeSimtRows, false>;
+  static_assert(S::kHeadChunks == 1 && S::kTokenSplit > 1, "every warp holds the 8 rows");
+  static constexpr int kThreads = S::kThreads;
+  static constexpr int kSmemBytes = cmax(S::kSmemBytes, kCascadePlanBins * 4);
+};
+
+// The block's rows over tokens [start, end) of `table`: row_q[g] is the element offset of row g's
+// query (-1: no row), row_slot[g] its workspace slot.
+template <typename T, int D>
+__device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsigned char* smem,
+                                                  const int32_t* table, int start, int end, int kvh,
+                                                  const int64_t* row_q, const int64_t* row_slot) {
+  using S = DecodeShape<T, D, kCascadeSimtRows, false>;
+  constexpr int VEC = S::kVec, TG = S::kLanesPerRow, NV = S::kVecsPerLane;
+  constexpr int EPL = S::kElemsPerLane, TPW = S::kRowsPerWarp, GC = S::kHeadsPerWarp;
+  constexpr int WS = S::kTokenSplit, U = S::kUnroll, NS = S::kStages;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int ws = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int row = lane / TG, col = lane % TG;
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+
+  using Ring = KvRing<T, D, S::kTile, S::kRingStages, S::kRowStride, S::kThreads>;
+  const Ring ring{smem, kbase, vbase, table, kv, start, end};
+  const int ntiles = (end - start + S::kTile - 1) / S::kTile;
+  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
+  float q[GC][EPL];
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    const int64_t at = row_q[g];
+    if (at >= 0) {
+      const T* qp = static_cast<const T*>(p.q) + at;
+#pragma unroll
+      for (int j = 0; j < NV; ++j)
+        vec_to_float<T>(load16(qp + (j * TG + col) * VEC), &q[g][j * VEC]);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) q[g][e] *= q_scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) q[g][e] = 0.f;
+    }
+  }
+
+  float m[GC], l[GC], acc[GC][EPL];
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+  }
+
+  // Folds U rows (K and V vectors of this lane's slice) into the running state.
+  auto consume = [&](const uint4(&kr)[U][NV], const uint4(&vr)[U][NV], const bool (&ok)[U]) {
+    float s[U][GC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[EPL];
+#pragma unroll
+      for (int j = 0; j < NV; ++j) vec_to_float<T>(kr[u][j], &kf[j * VEC]);
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) dot = fmaf(q[g][e], kf[e], dot);
+        s[u][g] = dot;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        float v = group_sum<TG>(s[u][g]);
+        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
+        s[u][g] = ok[u] ? v : kNegInf;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float mx = s[0][g];
+#pragma unroll
+      for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+      const float m_new = fmaxf(m[g], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m[g] - m_use);
+      l[g] *= alpha;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        s[u][g] = fast_exp2(s[u][g] - m_use);
+        l[g] += s[u][g];
+      }
+      m[g] = m_new;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[EPL];
+#pragma unroll
+      for (int j = 0; j < NV; ++j) vec_to_float<T>(vr[u][j], &vf[j * VEC]);
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
+      }
+    }
+  };
+
+  for (int n = 0; n < ntiles; ++n) {
+    async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
+    __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+
+    const int s = n % NS, tile0 = start + n * S::kTile;
+    const T* ks = ring.k_rows(s);
+    const T* vs = ring.v_rows(s);
+    for (int tb = 0; tb < S::kTile && tile0 + tb < end; tb += S::kStep) {
+      uint4 kr[U][NV], vr[U][NV];
+      bool ok[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int r = tb + (u * WS + ws) * TPW + row;
+        ok[u] = tile0 + r < end;  // rows past the end hold zeros
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int e = r * S::kRowStride + (j * TG + col) * VEC;
+          kr[u][j] = *reinterpret_cast<const uint4*>(ks + e);
+          vr[u][j] = *reinterpret_cast<const uint4*>(vs + e);
+        }
+      }
+      consume(kr, vr, ok);
+    }
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+  }
+  async_copy_wait<0>();
+
+  // Merge the lane groups of each warp (they saw disjoint rows).
+#pragma unroll
+  for (int off = TG; off < WARP_SIZE; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      const float mo = shfl_xor(m[g], off);
+      const float lo = shfl_xor(l[g], off);
+      const float m_new = fmaxf(m[g], mo);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float a = fast_exp2(m[g] - m_use), ao = fast_exp2(mo - m_use);
+      l[g] = l[g] * a + lo * ao;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const float other = shfl_xor(acc[g][e], off);
+        acc[g][e] = acc[g][e] * a + other * ao;
+      }
+      m[g] = m_new;
+    }
+  }
+
+  // Then the warps, which split the tile's rows, through shared memory in a fixed order.
+  float* red = reinterpret_cast<float*>(smem);
+  const bool poisoned = __syncthreads_or(bad);  // and the ring is no longer read
+  if (row == 0) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float* r = red + (ws * GC + g) * (D + 2);
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) r[(j * TG + col) * VEC + v] = acc[g][j * VEC + v];
+      }
+      if (col == 0) {
+        r[D] = m[g];
+        r[D + 1] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  cascade_merge_warps<D, GC, WS, S::kThreads>(p, red, [&](int g) { return row_slot[g]; }, poisoned);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
+    cascade_simt_kernel(const CascadeParams p, const int per_tile, const int per_head) {
+  constexpr int NT = CascadeSimtShape<T, D>::kThreads, R = kCascadeSimtRows;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ CascadePlan<NT, R> plan;
+  __shared__ int64_t row_q[R], row_slot[R];
+  const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
+  const int x = blockIdx.x, gi = threadIdx.x;
+  const int32_t* table;
+  int start, end, kvh;
+  if (x < per_head * hkv) {
+    kvh = x % hkv;
+    int split, splits;
+    if (!plan_prefix_block<NT, R>(p, x / hkv, per_tile, per_head, reinterpret_cast<int*>(smem),
+                                  plan, &split, &splits))
+      return;
+    if (!prefix_range(p, plan.g, split, splits, &start, &end)) return;
+    table = p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride;
+    if (gi < R) {
+      const int slot = gi / group, h = kvh * group + gi % group;
+      const bool ok = slot < plan.count;
+      const int b = plan.members[ok ? slot : 0];
+      row_q[gi] = ok ? (int64_t(b) * p.num_q_heads + h) * D : -1;
+      row_slot[gi] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
+    }
+  } else {
+    const int y = x - per_head * hkv;
+    const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
+    kvh = (y / p.own_parts) % hkv;
+    if (!own_range(p, b, part, &start, &end)) return;
+    table = p.block_tables + int64_t(b) * p.block_table_stride;
+    if (gi < R) {
+      const bool ok = gi < group;
+      const int h = kvh * group + gi;
+      row_q[gi] = ok ? (int64_t(b) * p.num_q_heads + h) * D : -1;
+      row_slot[gi] = ok ? cascade_slot(p, b, h, part) : -1;
+    }
+  }
+  __syncthreads();
+  cascade_simt_rows<T, D>(p, smem, table, start, end, kvh, row_q, row_slot);
+}
+
+// ------------------------------------------------------------------------------------------
+// Tensor-core kernel (NVIDIA sm_80+, bf16/f16, head_dim 64 and 128).
+// ------------------------------------------------------------------------------------------
+
+#if defined(JAXATTN_CUDA)
+
+template <typename T, int D>
+struct CascadeMmaShape {
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "16-bit elements, head_dim 64 or 128");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRows = 16 * kWarps;  // query rows of a prefix tile, 16 a warp
+  static constexpr int kHeads = 8;           // own level: the group's heads, the n of its products
+  static constexpr int kTile = 64;           // keys a ring stage
+  static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
+  static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
+  // As many stages as fit the decode kernel's budget (3 at head_dim 128: two blocks an SM).
+  static constexpr int kStages = cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+  static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
+  static constexpr int kSmemBytes =
+      cmax(cmax(kStages * kStageBytes, kMergeBytes), kCascadePlanBins * 4);
+};
+
+// Prefix block: the tile's 64 rows over tokens [start, end) of the prefix's pages. Warp w owns
+// rows 16 w .. 16 w + 15 (lane (g, tq) holds rows 16 w + g and 16 w + g + 8) and computes, for
+// every 64-key tile of the ring, S = Q K^T (A = Q from registers, B = K by ldmatrix) and
+// O += P V (A = P packed from S's accumulators, B = V by ldmatrix.trans): the fragment scheme of
+// prefill_mma_kernel, on the ring's padded rows (RS elements apart, so the 8 rows an ldmatrix
+// phase reads start in 8 different 16-byte bank groups).
+template <typename T, int D, typename Plan>
+__device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsigned char* smem,
+                                                   const Plan& plan, int kvh, int split, int start,
+                                                   int end) {
+  using S = CascadeMmaShape<T, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
+  const Ring ring{smem, kbase, vbase, p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride,
+                  kv,   start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
+
+  // Rows 16 warp + g + 8 i (i = 0, 1): request slot row / group, head kvh * group + row % group.
+  int64_t slot[2];
+  uint32_t qa[KD]
+             [4];  // the A fragments: (row g, lo), (row g + 8, lo), (row g, hi), (row g + 8, hi)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = warp * 16 + g + 8 * i, member = r / group, h = kvh * group + r % group;
+    const bool ok = member < plan.count;
+    const int b = plan.members[ok ? member : 0];
+    slot[i] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
+    const T* qp = static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + h) * D;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      qa[kk][i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
+      qa[kk][2 + i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;  // rows g, g + 8: max, this lane's sum
+
+  // ldmatrix lane addresses (bytes within a stage's K or V rows). K, for keys 16 np .. 16 np + 15
+  // and dims 16 kk ..: matrix (lane / 8) is keys + (lane / 16) * 8, dims + ((lane / 8) % 2) * 8.
+  // V (.trans), for keys 16 kk .. and dims 16 dp ..: keys + ((lane / 8) % 2) * 8, dims +
+  // (lane / 16) * 8.
+  const uint32_t lane_k = uint32_t(((lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
+  const uint32_t lane_v = uint32_t(((lane % 8 + ((lane / 8) % 2) * 8) * RS + (lane / 16) * 8) * 2);
+
+  // A warp whose 16 rows are all padding (a tile of few requests) only helps with the copies.
+  const bool warp_live = warp * 16 < plan.count * group;
+
+  for (int n = 0; n < ntiles; ++n) {
+    async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
+    __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+    if (!warp_live) {
+      bad |= ring.store_offset(n + NS, page);
+      continue;
+    }
+
+    const int s = n % NS, n0 = start + n * TILE;
+    const uint32_t kb = smem_u32(ring.k_rows(s)) + lane_k;
+    const uint32_t vb = smem_u32(ring.v_rows(s)) + lane_v;
+    float sc[TILE / 8][4];
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#pragma unroll
+      for (int np = 0; np < TILE / 16; ++np) {
+        uint32_t bfr[4];
+        ldmatrix_x4(bfr, kb + uint32_t((np * 16 * RS + kk * 16) * 2));
+        mma16816<T>(sc[2 * np], qa[kk], bfr[0], bfr[1]);      // keys 16 np .. + 7
+        mma16816<T>(sc[2 * np + 1], qa[kk], bfr[2], bfr[3]);  // keys 16 np + 8 .. + 15
+      }
+    }
+
+    // Lane (g, tq) holds S[row g][keys 8 j + 2 tq, + 1] in sc[j][0..1], row g + 8 in sc[j][2..3].
+    // Keys past the partition's end are zero-filled rows: masked out.
+    const bool tail = n0 + TILE > end;
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[j][e] * q_scale;
+        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
+        if (tail && n0 + j * 8 + 2 * tq + (e & 1) >= end) v = kNegInf;
+        sc[j][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+    }
+    mx0 = group_max<4>(mx0);
+    mx1 = group_max<4>(mx1);
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+      sc[j][0] = fast_exp2(sc[j][0] - mu0);
+      sc[j][1] = fast_exp2(sc[j][1] - mu0);
+      sc[j][2] = fast_exp2(sc[j][2] - mu1);
+      sc[j][3] = fast_exp2(sc[j][3] - mu1);
+      sum0 += sc[j][0] + sc[j][1];
+      sum1 += sc[j][2] + sc[j][3];
+    }
+    l0 = l0 * a0 + sum0;  // this lane's share; the quad's are added once at the end
+    l1 = l1 * a1 + sum1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= a0;
+      o[i][1] *= a0;
+      o[i][2] *= a1;
+      o[i][3] *= a1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+      // The accumulator layout of S is the A-operand layout of P: no shuffles.
+      const uint32_t pf[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]),
+                              pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                              pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bfr[4];
+        ldmatrix_x4_trans(bfr, vb + uint32_t((kk * 16 * RS + dp * 16) * 2));
+        mma16816<T>(o[2 * dp], pf, bfr[0], bfr[1]);      // dims 16 dp .. + 7
+        mma16816<T>(o[2 * dp + 1], pf, bfr[2], bfr[3]);  // dims 16 dp + 8 .. + 15
+      }
+    }
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+  }
+  async_copy_wait<0>();
+  l0 = group_sum<4>(l0);
+  l1 = group_sum<4>(l1);
+  const bool poisoned = __syncthreads_or(bad);
+
+  // o[i][0..1]: row g, dims 8 i + 2 tq, + 1; o[i][2..3]: row g + 8.
+  const float nan = quiet_nan();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (slot[i] < 0) continue;
+    const float l = poisoned ? nan : (i ? l1 : l0), m = poisoned ? nan : (i ? m1 : m0);
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
+    float* out = p.workspace + slot[i] * D;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<float2*>(out + j * 8 + 2 * tq) =
+          make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+    if (tq == 0) {
+      float* ml = cascade_ml(p);
+      ml[2 * slot[i]] = m;
+      ml[2 * slot[i] + 1] = l;
+    }
+  }
+}
+
+// Own block: paged decode of request b's own tokens [start, end), the group's heads as the n = 8
+// side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
+template <typename T, int D>
+__device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned char* smem, int b,
+                                                int kvh, int part, int start, int end) {
+  using S = CascadeMmaShape<T, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr int H = S::kHeads;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
+  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
+                  kv,   start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
+
+  uint32_t qa[KD][2];
+  {
+    const bool head_ok = g < group;
+    const T* qp = static_cast<const T*>(p.q) +
+                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
+      qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
+    }
+  }
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+
+  const int rb = warp * 16;
+  const uint32_t lane_off =
+      uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
+
+  for (int n = 0; n < ntiles; ++n) {
+    async_copy_wait<NS - 2>();
+    __syncthreads();
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int page = ring.page_of(n + NS);
+
+    const int s = n % NS;
+    const int t0 = start + n * TILE + rb;  // this warp's first token
+    if (t0 < end) {                        // warp-uniform
+      const uint32_t kaddr = smem_u32(ring.k_rows(s)) + lane_off;
+      const uint32_t vaddr = smem_u32(ring.v_rows(s)) + lane_off;
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        uint32_t kf[4];
+        ldmatrix_x4(kf, kaddr + kk * 32);
+        mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);
+        mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);
+      }
+      float pr[2][2];
+      float mx = kNegInf;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[h][e] * q_scale;
+          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
+          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
+          mx = fmaxf(mx, pr[h][e]);
+        }
+      }
+      mx = group_max<4>(mx);
+      const float m_new = fmaxf(m, mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[h][e] = fast_exp2(pr[h][e] - m_use);
+          sum += pr[h][e];
+        }
+      }
+      l = l * alpha + sum;
+      m = m_new;
+      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
+#pragma unroll
+      for (int j = 0; j < KD; ++j) {
+        o[j][0] *= a_lo;
+        o[j][1] *= a_hi;
+        o[j][2] *= a_lo;
+        o[j][3] *= a_hi;
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, vaddr + j * 32);
+        mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
+      }
+    }
+    bad |= ring.store_offset(n + NS, page);
+  }
+  async_copy_wait<0>();
+  l = group_sum<4>(l);
+
+  float* red = reinterpret_cast<float*>(smem);
+  const bool poisoned = __syncthreads_or(bad);
+#pragma unroll
+  for (int j = 0; j < KD; ++j) {
+    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + j * 16 + g;
+    float* r1 = r0 + (D + 2);
+    r0[0] = o[j][0];
+    r1[0] = o[j][1];
+    r0[8] = o[j][2];
+    r1[8] = o[j][3];
+  }
+  if (tq == 0) {
+    red[(warp * H + g) * (D + 2) + D] = m;
+    red[(warp * H + g) * (D + 2) + D + 1] = l;
+  }
+  __syncthreads();
+  cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
+      p, red,
+      [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
+      poisoned);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
+    cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
+#if __CUDA_ARCH__ >= 800
+  using S = CascadeMmaShape<T, D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ CascadePlan<S::kThreads, S::kRows> plan;
+  const int hkv = p.kv.num_kv_heads;
+  const int x = blockIdx.x;
+  int start, end;
+  if (x < per_head * hkv) {
+    int split, splits;
+    if (!plan_prefix_block<S::kThreads, S::kRows>(
+            p, x / hkv, per_tile, per_head, reinterpret_cast<int*>(smem), plan, &split, &splits))
+      return;
+    if (!prefix_range(p, plan.g, split, splits, &start, &end)) return;
+    cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
+  } else {
+    const int y = x - per_head * hkv;
+    const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
+    if (!own_range(p, b, part, &start, &end)) return;
+    cascade_own_mma<T, D>(p, smem, b, (y / p.own_parts) % hkv, part, start, end);
+  }
+#endif
+}
+
+#endif  // JAXATTN_CUDA
+
+// ------------------------------------------------------------------------------------------
+// Merge and launchers.
+// ------------------------------------------------------------------------------------------
+
+// One warp per (request, query head): the exact merge of the request's parts -- own partitions
+// [0, n_own), prefix partitions [own_parts, own_parts + n_prefix) -- the maximum of their maxima
+// first, then the weighted sums in a fixed order. A part with a NaN sum (a poisoned block, NaN
+// in q or a key) makes the row NaN; an invalid request is NaN without reading its parts.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams p) {
+  constexpr int kWarps = 256 / WARP_SIZE;
+  constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
+  if (row >= int64_t(p.batch) * p.num_q_heads) return;
+  const int b = int(row / p.num_q_heads), h = int(row % p.num_q_heads);
+  // The KV head's value scale, on the merged row (exact: the parts' weights do not involve it).
+  const float vs = p.scales.v_of(h / (p.num_q_heads / p.kv.num_kv_heads));
+  T* out = static_cast<T*>(p.out) + row * D;
+  int32_t lp;
+  if (!cascade_request_ok(p, b, &lp)) {
+    for (int d = lane; d < D; d += WARP_SIZE) out[d] = from_float<T>(quiet_nan());
+    return;
+  }
+  const int n_own = cascade_own_parts(p, p.seq_lens[b]);
+  const int n = n_own + (lp > 0 ? cascade_prefix_parts(lp, *cascade_split_slot(p)) : 0);
+  const int64_t slot0 = cascade_slot(p, b, h, 0);
+  const float* ml = cascade_ml(p) + 2 * slot0;
+  const float* parts = p.workspace + slot0 * D;
+  const int skip = p.own_parts - n_own;  // part i >= n_own lives at i + skip
+
+  float mx = kNegInf;
+  for (int i = lane; i < n; i += WARP_SIZE) mx = fmaxf(mx, ml[2 * (i < n_own ? i : i + skip)]);
+  mx = group_max<WARP_SIZE>(mx);
+  const float m_use = mx == kNegInf ? 0.f : mx;
+
+  float o[kPerLane], ls = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
+  for (int i = 0; i < n; ++i) {
+    const int q = i < n_own ? i : i + skip;
+    const float w = ml[2 * q + 1] * fast_exp2(ml[2 * q] - m_use);
+    ls += w;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int d = lane + k * WARP_SIZE;
+      if (D % WARP_SIZE == 0 || d < D) o[k] = fmaf(w, parts[int64_t(q) * D + d], o[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int d = lane + k * WARP_SIZE;
+    if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls * vs);
+  }
+}
+
+// The kernel the launcher runs for (T, D) on the current device: tensor cores for 16-bit data
+// and head_dim 64 / 128 on NVIDIA sm_80+ with room for the ring, the SIMT kernel otherwise.
+template <typename T, int D>
+bool cascade_uses_mma() {
+#if defined(JAXATTN_CUDA)
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128))
+    return decode_mma_supported(CascadeMmaShape<T, D>::kSmemBytes);
+#endif
+  return false;
+}
+
+template <typename T, int D>
+int cascade_rows() {
+  return cascade_uses_mma<T, D>() ? 16 * 4 : kCascadeSimtRows;
+}
+
+// Launches the kernel of step 1 over `blocks` blocks (prefix blocks first).
+template <typename T, int D>
+const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, int64_t blocks,
+                                  int per_tile, int per_head) {
+#if defined(JAXATTN_CUDA)
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
+    if (cascade_uses_mma<T, D>()) {
+      using S = CascadeMmaShape<T, D>;
+      auto kernel = cascade_mma_kernel<T, D>;
+      if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
+      kernel<<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
+      return check_launch();
+    }
+  }
+#endif
+  using S = CascadeSimtShape<T, D>;
+  cascade_simt_kernel<T, D>
+      <<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
+  return check_launch();
+}
+
+template <typename T, int D>
+const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
+  const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
+  if (group < 1 || group > kCascadeSimtRows)
+    return "jaxattn: GPU cascade decode serves 1 to 8 query heads per KV head";
+  const int per_tile = cascade_rows<T, D>() / group;
+  const int tiles = cascade_tiles(p.batch, p.num_prefixes, per_tile);
+  const int per_head = cascade_blocks_per_head(tiles, p.prefix_target, hkv);
+  const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * hkv * p.own_parts;
+  if (blocks > 0x7fffffff) return "jaxattn: cascade grid over 2^31 - 1 blocks";
+  if (blocks > 0) {
+    if (const char* e = launch_cascade_blocks<T, D>(p, stream, blocks, per_tile, per_head))
+      return e;
+  }
+  constexpr int kRowsPerBlock = 256 / WARP_SIZE;
+  const int64_t rows = int64_t(p.batch) * p.num_q_heads;
+  cascade_merge_kernel<T, D>
+      <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
+  return check_launch();
+}
+
+template <typename T>
+const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
+  if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
+  switch (p.kv.head_dim) {
+    case 32:
+      return launch_cascade_dim<T, 32>(p, stream);
+    case 64:
+      return launch_cascade_dim<T, 64>(p, stream);
+    case 128:
+      return launch_cascade_dim<T, 128>(p, stream);
+    case 256:
+      return launch_cascade_dim<T, 256>(p, stream);
+    default:
+      return "jaxattn: GPU cascade decode is built for head_dim 32, 64, 128 and 256";
+  }
+}
+
+// (query rows of a prefix tile, resident blocks per multiprocessor) of the kernel the launcher
+// runs for (T, head_dim) on the current device.
+template <typename T, int D>
+const char* cascade_tile_dim(int* rows, int* blocks) {
+  *rows = cascade_rows<T, D>();
+#if defined(JAXATTN_CUDA)
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
+    if (cascade_uses_mma<T, D>()) {
+      using S = CascadeMmaShape<T, D>;
+      return occupancy_of(cascade_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
+    }
+  }
+#endif
+  using S = CascadeSimtShape<T, D>;
+  return occupancy_of(cascade_simt_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
+}
+
+template <typename T>
+const char* cascade_tile_typed(int head_dim, int* rows, int* blocks) {
+  switch (head_dim) {
+    case 32:
+      return cascade_tile_dim<T, 32>(rows, blocks);
+    case 64:
+      return cascade_tile_dim<T, 64>(rows, blocks);
+    case 128:
+      return cascade_tile_dim<T, 128>(rows, blocks);
+    case 256:
+      return cascade_tile_dim<T, 256>(rows, blocks);
+    default:
+      return "jaxattn: GPU cascade decode is built for head_dim 32, 64, 128 and 256";
+  }
+}
+
+}  // namespace gpu
+}  // namespace jaxattn

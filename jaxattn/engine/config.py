@@ -1,0 +1,227 @@
+"""The engine's settings as three frozen records (vLLM's ``CacheConfig`` / ``SchedulerConfig``
+model), and the keyword arguments of earlier releases mapped onto them.
+
+* :class:`CacheConfig` - the KV pool and the prefix cache: what memory holds;
+* :class:`SchedulerConfig` - admission, chunking, and how many decode steps a dispatch
+  runs and whether the host plans ahead: what runs when;
+* :class:`ExecutionConfig` - how the model runs: attention backends, shape buckets, the
+  device mesh.
+
+Every field is checked when the record is built, so a wrong value is a ``ValueError``
+naming the field before any pool or program exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+__all__ = [
+    "Buckets",
+    "CacheConfig",
+    "ExecutionConfig",
+    "SchedulerConfig",
+    "bucket",
+    "split_engine_kwargs",
+]
+
+_LAYOUTS = ("bshd", "bhsd", "vllm")
+
+
+def _int(owner: str, name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    n = max(int(n), int(floor), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Floors of the power-of-two shape buckets. Higher floors mean fewer programs to
+    compile, at the cost of padding work in small steps."""
+
+    tokens: int = 16  # new tokens in an extend step
+    kv: int = 64  # prefix + new tokens over all requests of an extend step
+    extend_batch: int = 2  # requests (or sample rows) of an extend step
+    decode_batch: int = 4  # decode rows of a decode step
+    pages: int = 4  # block-table width (pages per sequence)
+    copies: int = 8  # copy-on-write page copies
+    updates: int = 8  # decode rows (re)initialised, and table entries sent, in one step
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _int("Buckets", f.name, getattr(self, f.name), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool and the radix prefix cache.
+
+    num_pages: pages per layer; the pool takes ``num_pages * page_size *
+      model.kv_bytes_per_token()`` bytes.
+    page_size: tokens per page (the block size of the block tables and of the cache).
+    layout: the pool layout, ``"bshd"``, ``"bhsd"`` or ``"vllm"``.
+    radix_cache: share KV across requests through the radix prefix cache (False: every
+      request computes its whole prompt and frees its pages at the end).
+    """
+
+    num_pages: int
+    page_size: int = 16
+    layout: str = "bshd"
+    radix_cache: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_pages", _int("CacheConfig", "num_pages", self.num_pages, 1))
+        object.__setattr__(self, "page_size", _int("CacheConfig", "page_size", self.page_size, 1))
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"CacheConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
+        object.__setattr__(self, "radix_cache", bool(self.radix_cache))
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What runs in each step.
+
+    max_batch_tokens: tokens computed per step (decode tokens + extend chunks); longer
+      prompts are prefilled in chunks over several steps.
+    max_running: sequences running at once (also the device's decode rows).
+    policy: admission order, ``"lpm"`` (longest cached prefix first, then arrival) or
+      ``"fcfs"``.
+    new_token_ratio: admission keeps ``ratio * (tokens still to generate)`` worth of pages
+      free for every running sequence, so that admissions do not immediately force
+      preemptions (0: admit while the prompt fits).
+    dedup_tokens: a waiting request that shares at least this many uncached tokens with a
+      prompt being prefilled in the step waits one step and then hits the cache instead of
+      computing them again (None: ``max(page_size, 32)``; 0: off).
+    decode_steps: decode steps one dispatch runs on the device (sampling and stop checks
+      included) when no request needs the host in between: no prompt to prefill and no
+      request waiting for a free row. The dispatch stops at the first length limit, so a
+      finishing request hands its row over without delay; a stop token ends only its own
+      row. 1: one step per dispatch.
+    overlap: plan and dispatch step t+1 while the device runs step t, and read step t's
+      tokens only then (SGLang's overlap scheduler). Finished requests are reported one
+      :meth:`~jaxattn.engine.Engine.step` later; the tokens are the same.
+    """
+
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    policy: str = "lpm"
+    new_token_ratio: float = 0.3
+    dedup_tokens: int | None = None
+    decode_steps: int = 8
+    overlap: bool = True
+
+    def __post_init__(self):
+        name = "SchedulerConfig"
+        for f in ("max_batch_tokens", "max_running", "decode_steps"):
+            object.__setattr__(self, f, _int(name, f, getattr(self, f), 1))
+        if self.policy not in ("lpm", "fcfs"):
+            raise ValueError(f"{name}.policy must be 'lpm' or 'fcfs', got {self.policy!r}")
+        ratio = self.new_token_ratio
+        if not isinstance(ratio, numbers.Real) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"{name}.new_token_ratio must be in [0, 1], got {ratio!r}")
+        object.__setattr__(self, "new_token_ratio", float(ratio))
+        if self.dedup_tokens is not None:
+            object.__setattr__(
+                self, "dedup_tokens", _int(name, "dedup_tokens", self.dedup_tokens, 0)
+            )
+        object.__setattr__(self, "overlap", bool(self.overlap))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How the model runs.
+
+    extend_attention: ``"extend"`` (SGLang token-pool form, bshd only) or
+      ``"prefix_prefill"`` (paged form); None picks ``"extend"`` for bshd.
+    implementation: attention backend (None: the fastest that serves the platform).
+    partition_size: split-KV partition size for decode (None: the backend's choice).
+    buckets: shape bucket floors (:class:`Buckets`).
+    mesh: serve tensor-parallel over this 1-D mesh (:func:`jaxattn.sharding.make_mesh`):
+      heads, MLP and the pool's KV heads split over its devices, while pages, block tables
+      and the radix cache stay global, so scheduling and outputs are those of one device.
+      None: one device.
+    device_paging: grow the decode rows' block tables on the device: the decode program
+      runs :meth:`~jaxattn.paging.PageTable.append_slots_batch` (copy-on-write included)
+      on a :class:`~jaxattn.paging.PageTable` that lives there, while the host applies the
+      same ops to its :class:`~jaxattn.paging.BlockManager`; the two agree op for op, so
+      nothing is sent as long as only decode steps change the pages, and the whole table
+      is sent when anything else did (an admission, a finish, an eviction). False: the
+      host sends the table entries that changed.
+    unroll_layers: run the layers as straight-line code over per-layer weights (the GPU's
+      fast form: no weight slice copied per layer, at a compile time that grows with the
+      depth) or as one ``lax.scan`` over stacked weights (one compiled layer body). None:
+      unrolled on GPUs, a scan on the CPU.
+    """
+
+    extend_attention: str | None = None
+    implementation: str | None = None
+    partition_size: int | None = None
+    buckets: Buckets = dataclasses.field(default_factory=Buckets)
+    mesh: Any = None
+    device_paging: bool = False
+    unroll_layers: bool | None = None
+
+    def __post_init__(self):
+        if self.extend_attention not in (None, "extend", "prefix_prefill"):
+            raise ValueError(
+                "ExecutionConfig.extend_attention must be None, 'extend' or 'prefix_prefill', "
+                f"got {self.extend_attention!r}"
+            )
+        if self.partition_size is not None:
+            object.__setattr__(
+                self,
+                "partition_size",
+                _int("ExecutionConfig", "partition_size", self.partition_size, 1),
+            )
+        object.__setattr__(self, "device_paging", bool(self.device_paging))
+        if self.unroll_layers is not None:
+            object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
+        if self.buckets is None:
+            object.__setattr__(self, "buckets", Buckets())
+        elif not isinstance(self.buckets, Buckets):
+            raise ValueError(f"ExecutionConfig.buckets must be a Buckets, got {self.buckets!r}")
+
+
+_FIELDS = {
+    "cache": (CacheConfig, {f.name for f in dataclasses.fields(CacheConfig)}),
+    "scheduler": (SchedulerConfig, {f.name for f in dataclasses.fields(SchedulerConfig)}),
+    "execution": (ExecutionConfig, {f.name for f in dataclasses.fields(ExecutionConfig)}),
+}
+
+
+def split_engine_kwargs(
+    cache: CacheConfig | None,
+    scheduler: SchedulerConfig | None,
+    execution: ExecutionConfig | None,
+    kwargs: dict,
+) -> tuple[CacheConfig, SchedulerConfig, ExecutionConfig]:
+    """The three records from explicit ones plus flat keywords (``num_pages=``,
+    ``max_batch_tokens=``, ``mesh=`` ...), the form of earlier releases. A keyword that
+    belongs to a record also passed explicitly is an error, as is an unknown keyword."""
+    given = {"cache": cache, "scheduler": scheduler, "execution": execution}
+    flat: dict[str, dict] = {k: {} for k in given}
+    for key, value in kwargs.items():
+        owner = next((o for o, (_, names) in _FIELDS.items() if key in names), None)
+        if owner is None:
+            raise TypeError(f"Engine() got an unexpected keyword argument {key!r}")
+        if given[owner] is not None:
+            raise TypeError(f"pass {key}= inside {owner}= ({_FIELDS[owner][0].__name__}), not both")
+        flat[owner][key] = value
+    out = []
+    for owner, (cls, _) in _FIELDS.items():
+        record = given[owner]
+        if record is None:
+            if owner == "cache" and "num_pages" not in flat[owner]:
+                raise TypeError("Engine() needs cache=CacheConfig(num_pages=...) or num_pages=")
+            record = cls(**flat[owner])
+        elif not isinstance(record, cls):
+            raise TypeError(f"{owner} must be a {cls.__name__}, got {type(record).__name__}")
+        out.append(record)
+    return tuple(out)
