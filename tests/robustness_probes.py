@@ -185,9 +185,10 @@ def prefill_probe(name, backend, rng, **kv):
     return out, nan_rows, run("reference")
 
 
-def cascade_probe(name, backend, rng):
+def cascade_probe(name, backend, rng, **kv):
     """A bad prefix poisons every request that continues it (and no other); a bad prefix_of
-    or own page the request alone; entries past every length are never read."""
+    or own page the request alone; entries past every length are never read. ``kv``: the
+    FP8 probes' dtypes (the case's per-head scales go to every call)."""
     case = make_cascade(
         rng,
         [3, 2, 4],
@@ -197,6 +198,7 @@ def cascade_probe(name, backend, rng):
         head_dim=32,
         page_size=8,
         layout="bshd",
+        **kv,
     )
     n = case.k_cache.shape[0]
     ptab, plens, pof, tabs, lens = (
@@ -260,8 +262,11 @@ def cascade_probe(name, backend, rng):
         want_nan[sorted(users(0)), 2:4] = True
     arrays = (q, k, case.v_cache, ptab, plens, pof, tabs, lens)
     args = tuple(map(jnp.asarray, arrays))
-    run = lambda b: jax.jit(lambda *a: jaxattn.cascade_attention(*a, implementation=b))(*args)
+    run = lambda b: jax.jit(
+        lambda *a: jaxattn.cascade_attention(*a, **case.scales, implementation=b)
+    )(*args)
     return run(backend), want_nan, run("reference")
+
 
 _DECODE_PROBES = (
     "page_at_num_pages",
@@ -302,6 +307,16 @@ PROBES = {
     **{
         f"fp8_prefill/{n}": functools.partial(prefill_probe, **FP8)
         for n in ("page_out_of_pool", "len_over_table", "cu_decreasing", "nan_in_v")
+    },
+    **{
+        f"fp8_cascade/{n}": functools.partial(cascade_probe, **FP8)
+        for n in (
+            "prefix_page_out_of_pool",
+            "prefix_len_over_table",
+            "own_page_out_of_pool",
+            "garbage_past_lengths",
+            "nan_in_prefix_k",
+        )
     },
     **{
         f"cascade/{n}": cascade_probe

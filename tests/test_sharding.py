@@ -393,6 +393,26 @@ def test_fp8_scales_split_with_the_heads(rng, impl):
     single = _jit(jaxattn.paged_attention, implementation=impl, **d.scales)(*dargs)
     sharded = _jit(S.paged_attention, mesh=mesh, implementation=impl, **d.scales)(*dargs)
     assert_same(sharded, single, impl)
+    # Cascade decode: both levels read the device's heads with those heads' scales (the
+    # native GPU kernels take no FP8 cache; the CPU handler does).
+    e = make_cascade(
+        rng,
+        [2, 1],
+        [0, 1, -1, 0],
+        [3, 0, 9, 20],
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+    )
+    eargs = (e.q, e.k_cache, e.v_cache, e.prefix_tables, e.prefix_lens, e.prefix_of)
+    eargs += (e.block_tables, e.seq_lens)
+    if impl != "native" or jax.default_backend() == "cpu":
+        single = _jit(jaxattn.cascade_attention, implementation=impl, **e.scales)(*eargs)
+        sharded = _jit(S.cascade_attention, mesh=mesh, implementation=impl, **e.scales)(*eargs)
+        assert_same(sharded, single, impl)
     # Writes: each device divides by its own heads' scales.
     k = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM), np.float32))
     slots = jnp.asarray([5, -1, 30], jnp.int32)
