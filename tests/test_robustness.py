@@ -26,12 +26,17 @@ import jaxattn
 from jaxattn import native
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The directory the jaxattn under test was imported from: the probe process puts it first, so
+# that it runs this code and not another copy that an installed package (an editable install
+# of another checkout, say) would resolve first from a script's directory.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxattn.__file__)))
 NATIVE = native.is_available()
 
 
 def _in_subprocess(probe, backend, tmp_path):
     path = tmp_path / "out.npz"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    search = [HERE, PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(search))
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "robustness_probes.py"), probe, backend, str(path)],
         env=env,
