@@ -5,8 +5,14 @@
 Every implementation reachable through ``jaxattn.paged_attention`` is timed on the
 same inputs (one that raises NotImplementedError is reported as skipped), next to
 JAX's own Pallas GPU ``paged_attention`` as a peer. Bandwidth counts the K and V bytes
-a decode step must read (B * ctx * Hkv * D * 2 * itemsize) over the median time; the
-ratio is to the device-to-device copy bandwidth measured in the same run.
+a decode step must read (B * ctx * Hkv * D * 2 * the cache's itemsize) over the median
+time; the ratio is to the device-to-device copy bandwidth measured in the same run.
+
+``--kv-dtype bfloat16,float8_e4m3fn,float8_e5m2`` times each case over each cache dtype
+(q stays ``--dtype``; an FP8 cache holds the same random data quantised with per-head
+scales from ``jaxattn.fp8_scales``, passed to the op); ``x first`` is the time of the first
+cache dtype's row of the same implementation over this row's. The peer runs on 16-bit
+caches only.
 
 ``--sweep`` also times the Pallas kernel over a grid of tile configurations.
 """
@@ -34,9 +40,10 @@ SMALL_CASES = [(2, 256), (4, 128)]  # --small: a CPU smoke run of the script its
 SMALL_HEADS = [(8, 2)]
 
 
-def case_copies(batch, ctx, hq, hkv, head_dim, page_size, layout, dtype):
+def case_copies(batch, ctx, hq, hkv, head_dim, page_size, layout, dtype, kv_dtype=None):
     """(K+V bytes of one input set, enough input copies to rotate past the L2) for a case."""
-    kv_bytes = batch * ctx * hkv * head_dim * 2 * dtype.itemsize
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    kv_bytes = batch * ctx * hkv * head_dim * 2 * kv_dtype.itemsize
     build = functools.partial(
         build_inputs,
         batch=batch,
@@ -47,27 +54,28 @@ def case_copies(batch, ctx, hq, hkv, head_dim, page_size, layout, dtype):
         page_size=page_size,
         layout=layout,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     return kv_bytes, common.make_copies(build, common.num_copies(kv_bytes))
 
 
 def build_inputs(
-    seed, *, batch, ctx, num_q_heads, num_kv_heads, head_dim, page_size, layout, dtype
+    seed, *, batch, ctx, num_q_heads, num_kv_heads, head_dim, page_size, layout, dtype, kv_dtype
 ):
-    """Random decode inputs: every sequence full to ctx, pages permuted over the pool."""
+    """Random decode inputs: every sequence full to ctx, pages permuted over the pool. An
+    FP8 cache is the same data quantised with per-head scales, which end the tuple."""
     pages_per_seq = ctx // page_size
     num_pages = batch * pages_per_seq + 1
     kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
     geom = (num_pages, page_size, num_kv_heads, head_dim)
-    k_shape = jaxattn.layout.cache_shape(layout, "k", *geom, dtype=dtype)
-    v_shape = jaxattn.layout.cache_shape(layout, "v", *geom, dtype=dtype)
-    k_cache = jax.random.normal(kk, k_shape, dtype)
-    v_cache = jax.random.normal(kv, v_shape, dtype)
+    k_cache, v_cache, scales = common.random_cache(
+        kk, kv, layout, geom, dtype=dtype, kv_dtype=kv_dtype
+    )
     perm = jax.random.permutation(kp, num_pages)[: batch * pages_per_seq]
     block_tables = perm.reshape(batch, pages_per_seq).astype(jnp.int32)
     seq_lens = jnp.full((batch,), ctx, jnp.int32)
     q = jax.random.normal(kq, (batch, num_q_heads, head_dim), dtype)
-    return q, k_cache, v_cache, block_tables, seq_lens
+    return (q, k_cache, v_cache, block_tables, seq_lens, *scales)
 
 
 def jax_pallas_peer(scale):
@@ -96,7 +104,7 @@ def jax_pallas_peer(scale):
 
 
 def to_peer_layout(copy, layout):
-    q, k, v, bt, sl = copy
+    q, k, v, bt, sl = copy[:5]
     kb = jaxattn.layout.to_bshd(k, layout, "k")
     vb = jaxattn.layout.to_bshd(v, layout, "v")
     return q, jnp.transpose(kb, (2, 0, 1, 3)), jnp.transpose(vb, (2, 0, 1, 3)), bt, sl
@@ -108,6 +116,12 @@ def main(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="cache dtypes, comma-separated: bfloat16, float8_e4m3fn, float8_e5m2, ... "
+        "(default: --dtype)",
+    )
     p.add_argument("--cases", default=None, help="B:ctx,B:ctx,... (default: the issue's set)")
     p.add_argument("--heads", default=None, help="Hq/Hkv,... (default: 32/8,32/32)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
@@ -120,6 +134,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
+    kv_dtypes = [jnp.dtype(x) for x in (args.kv_dtype or args.dtype).split(",")]
     cases = SMALL_CASES if args.small else CASES
     heads = SMALL_HEADS if args.small else HEADS
     if args.cases:
@@ -141,13 +156,16 @@ def main(argv=None):
     # kernel a few seconds later).
     copy_gbps = None
 
-    for (batch, ctx), (hq, hkv) in itertools.product(cases, heads):
-        kv_bytes, copies = case_copies(batch, ctx, hq, hkv, d, args.page_size, args.layout, dtype)
+    for (batch, ctx), (hq, hkv), kv_dtype in itertools.product(cases, heads, kv_dtypes):
+        kv_bytes, copies = case_copies(
+            batch, ctx, hq, hkv, d, args.page_size, args.layout, dtype, kv_dtype
+        )
+        fp8 = jaxattn.quant.is_fp8(kv_dtype)
         spec_out = None
         if args.check:
-            spec_out = jaxattn.paged_attention(
-                *copies[0], layout=args.layout, implementation="reference"
-            )
+            spec_out = common.with_scales(
+                jaxattn.paged_attention, layout=args.layout, implementation="reference"
+            )(*copies[0])
 
         def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected):
             row = base | {"impl": name} | (extra or {})
@@ -163,33 +181,38 @@ def main(argv=None):
 
         record = functools.partial(
             record,
-            base=dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}"),
+            base=dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}", kv_dtype=kv_dtype.name),
             kv_bytes=kv_bytes,
             expected=spec_out,
         )
 
         print(
-            f"B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} ({kv_bytes / 1e6:.0f} MB of KV, "
-            f"{len(copies)} copies)",
+            f"B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} {kv_dtype.name} cache "
+            f"({kv_bytes / 1e6:.0f} MB of KV, {len(copies)} copies)",
             flush=True,
         )
         for impl in impls:
-            fn = functools.partial(jaxattn.paged_attention, layout=args.layout, implementation=impl)
+            fn = common.with_scales(
+                jaxattn.paged_attention, layout=args.layout, implementation=impl
+            )
             label = common.resolved_label(
                 jaxattn.ops.PAGED_ATTENTION, copies[0], impl, layout=args.layout
             )
             record(impl, fn, copies, dict(config=label))
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
-                fn = functools.partial(
+                fn = common.with_scales(
                     jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg
                 )
                 record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
-        if not args.no_peers:
+        if not args.no_peers and not fp8:
             peer_copies = [to_peer_layout(c, args.layout) for c in copies]
             record("jax-pallas-gpu", jax_pallas_peer(scale), peer_copies)
             del peer_copies
         del copies
+    common.relative_to_first(
+        result["rows"], "kv_dtype", kv_dtypes[0].name, ("batch", "ctx", "heads", "impl", "config")
+    )
 
     if not args.no_ceilings:
         result["ceilings"] = common.ceilings(small=args.small)
@@ -210,12 +233,14 @@ def main(argv=None):
                 ("batch", "B", ""),
                 ("ctx", "ctx", ""),
                 ("heads", "Hq/Hkv", ""),
+                ("kv_dtype", "cache", ""),
                 ("impl", "impl", ""),
                 ("config", "config", ""),
                 ("us", "time (us)", ".1f"),
                 ("gbps", "KV GB/s", ".0f"),
                 ("pct_read", "% of read", ".0f"),
                 ("pct_copy", "% of copy", ".0f"),
+                ("x_first", "x first", ".2f"),
                 ("rel_err", "rel err", ".1e"),
             ],
         )

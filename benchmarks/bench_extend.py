@@ -14,11 +14,17 @@ causal call over the new tokens, merged by their log-sum-exp (for an empty prefi
 the causal call alone).
 
 ``--sweep`` also times the Pallas kernel over a grid of tile configurations.
+
+``--kv-dtype bfloat16,float8_e4m3fn,float8_e5m2`` times each case over each cache dtype (q
+stays ``--dtype``; an FP8 cache holds the same random data quantised with per-head scales,
+passed to the op); ``x first`` is the time of the first cache dtype's row of the same
+implementation over this row's. The peers run on 16-bit caches only.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -44,40 +50,56 @@ def useful_flops(batch, prefix, new, num_q_heads, head_dim):
     return 4 * head_dim * num_q_heads * batch * (new * prefix + new * (new + 1) // 2)
 
 
-def build_extend(seed, *, batch, prefix, new, num_q_heads, num_kv_heads, head_dim, dtype):
-    """Token-pool inputs: every request's prefix + new slots, permuted over the pool."""
+def build_extend(seed, *, batch, prefix, new, num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype):
+    """Token-pool inputs: every request's prefix + new slots, permuted over the pool. An
+    FP8 pool is the same data quantised with per-head scales, which end the tuple."""
     lk = prefix + new
     num_slots = batch * lk + 1
     kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
-    k_pool = jax.random.normal(kk, (num_slots, num_kv_heads, head_dim), dtype)
-    v_pool = jax.random.normal(kv, (num_slots, num_kv_heads, head_dim), dtype)
+    k_pool, v_pool, scales = common.random_cache(
+        kk, kv, "bshd", (num_slots, 1, num_kv_heads, head_dim), dtype=dtype, kv_dtype=kv_dtype
+    )
+    k_pool = k_pool.reshape(num_slots, num_kv_heads, head_dim)
+    v_pool = v_pool.reshape(num_slots, num_kv_heads, head_dim)
     kv_indices = jax.random.permutation(kp, num_slots)[: batch * lk].astype(jnp.int32)
     qo_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * new
     kv_indptr = jnp.arange(batch + 1, dtype=jnp.int32) * lk
     q = jax.random.normal(kq, (batch * new, num_q_heads, head_dim), dtype)
-    return q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices
+    return (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, *scales)
 
 
 def build_prefill(
-    seed, *, batch, prefix, new, num_q_heads, num_kv_heads, head_dim, dtype, page_size, layout
+    seed,
+    *,
+    batch,
+    prefix,
+    new,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    kv_dtype,
+    page_size,
+    layout,
 ):
     lk = prefix + new
     pages = -(-lk // page_size)
     num_pages = batch * pages + 1
     kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
     geom = (num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = jax.random.normal(kk, jaxattn.layout.cache_shape(layout, "k", *geom), dtype)
-    v_cache = jax.random.normal(kv, jaxattn.layout.cache_shape(layout, "v", *geom), dtype)
+    k_cache, v_cache, scales = common.random_cache(
+        kk, kv, layout, geom, dtype=dtype, kv_dtype=kv_dtype
+    )
     tables = jax.random.permutation(kp, num_pages)[: batch * pages].reshape(batch, pages)
     cu = jnp.arange(batch + 1, dtype=jnp.int32) * new
     seq_lens = jnp.full((batch,), lk, jnp.int32)
     q = jax.random.normal(kq, (batch * new, num_q_heads, head_dim), dtype)
-    return q, k_cache, v_cache, cu, tables.astype(jnp.int32), seq_lens
+    return (q, k_cache, v_cache, cu, tables.astype(jnp.int32), seq_lens, *scales)
 
 
 def to_dense(copy, *, batch, prefix, new):
     """The same problem as dense [B, L, H, D] arrays (what cuDNN takes)."""
-    q, k_pool, v_pool, _, _, kv_indices = copy
+    q, k_pool, v_pool, _, _, kv_indices = copy[:6]
     lk = prefix + new
     k = k_pool[kv_indices].reshape(batch, lk, *k_pool.shape[1:])
     v = v_pool[kv_indices].reshape(batch, lk, *v_pool.shape[1:])
@@ -195,6 +217,12 @@ def main(argv=None):
     p.add_argument("--heads", default="32/8")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="cache dtypes, comma-separated: bfloat16, float8_e4m3fn, float8_e5m2, ... "
+        "(default: --dtype)",
+    )
     p.add_argument("--cases", default=None, help="B:prefix:new,... (default: the issue's set)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
     p.add_argument(
@@ -207,6 +235,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
+    kv_dtypes = [jnp.dtype(x) for x in (args.kv_dtype or args.dtype).split(",")]
     hq, hkv = (int(x) for x in args.heads.split("/"))
     d = args.head_dim
     scale = 1.0 / math.sqrt(d)
@@ -223,7 +252,8 @@ def main(argv=None):
     )
     # Ceilings run last: a large matmul right before the cases slowed the first timings.
 
-    for batch, prefix, new in cases:
+    for (batch, prefix, new), kv_dtype in itertools.product(cases, kv_dtypes):
+        fp8 = jaxattn.quant.is_fp8(kv_dtype)
         shape = dict(
             batch=batch,
             prefix=prefix,
@@ -232,6 +262,7 @@ def main(argv=None):
             num_kv_heads=hkv,
             head_dim=d,
             dtype=dtype,
+            kv_dtype=kv_dtype,
         )
         flops = useful_flops(batch, prefix, new, hq, d)
         if args.form == "extend":
@@ -249,19 +280,26 @@ def main(argv=None):
         copy_bytes = common.tree_bytes(build(0))
         copies = common.make_copies(build, common.num_copies(copy_bytes))
         print(
-            f"{batch} x ({prefix} + {new}) Hq/Hkv={hq}/{hkv}: {flops / 1e9:.1f} GFLOP useful, "
-            f"{len(copies)} copies",
+            f"{batch} x ({prefix} + {new}) Hq/Hkv={hq}/{hkv} {kv_dtype.name} cache: "
+            f"{flops / 1e9:.1f} GFLOP useful, {len(copies)} copies",
             flush=True,
         )
         expected = None
         if args.check:
             try:
-                expected = jax.jit(functools.partial(op, implementation="reference", **kw))(
+                expected = jax.jit(common.with_scales(op, implementation="reference", **kw))(
                     *copies[0]
                 )
             except Exception as e:  # noqa: BLE001 - the dense spec may not fit; time anyway
                 print(f"  (no check: the spec failed with {type(e).__name__})", flush=True)
-        base = dict(batch=batch, prefix=prefix, new=new, heads=f"{hq}/{hkv}", form=args.form)
+        base = dict(
+            batch=batch,
+            prefix=prefix,
+            new=new,
+            heads=f"{hq}/{hkv}",
+            form=args.form,
+            kv_dtype=kv_dtype.name,
+        )
 
         def record(name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected):
             row = base | {"impl": name} | (extra or {})
@@ -280,14 +318,14 @@ def main(argv=None):
             ops_op = jaxattn.ops.OPS[op.__name__]
             label = common.resolved_label(ops_op, copies[0], impl, **kw)
             record(
-                impl, functools.partial(op, implementation=impl, **kw), copies, dict(config=label)
+                impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
         if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
-                fn = functools.partial(kernel, scale=scale, config=cfg, **kw)
+                fn = common.with_scales(kernel, scale=scale, config=cfg, **kw)
                 record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
         peer = None
-        if not args.no_peers and args.form == "extend":
+        if not args.no_peers and args.form == "extend" and not fp8:
             dense = [to_dense(c, batch=batch, prefix=prefix, new=new) for c in copies]
             split = functools.partial(split_peer, batch=batch, prefix=prefix, new=new)
             peer = record("cudnn", split(cudnn_part(scale)), dense)
@@ -310,10 +348,17 @@ def main(argv=None):
                     and row.get("batch") == batch
                     and row.get("prefix") == prefix
                     and row.get("new") == new
+                    and row.get("kv_dtype") == kv_dtype.name
                     and "us" in row
                 ):
                     row["vs_cudnn"] = peer["us"] / row["us"]
         del copies
+    common.relative_to_first(
+        result["rows"],
+        "kv_dtype",
+        kv_dtypes[0].name,
+        ("batch", "prefix", "new", "heads", "impl", "config"),
+    )
 
     if not args.no_ceilings:
         result["ceilings"] = common.ceilings(small=args.small)
@@ -333,12 +378,14 @@ def main(argv=None):
             [
                 ("case", "B x (prefix + new)", ""),
                 ("heads", "Hq/Hkv", ""),
+                ("kv_dtype", "cache", ""),
                 ("impl", "impl", ""),
                 ("config", "config", ""),
                 ("us", "time (us)", ".1f"),
                 ("tflops", "TFLOP/s", ".0f"),
                 ("vs_cudnn", "x cuDNN", ".2f"),
                 ("pct_matmul", "% of matmul", ".0f"),
+                ("x_first", "x first", ".2f"),
                 ("rel_err", "rel err", ".1e"),
             ],
         )

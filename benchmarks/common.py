@@ -33,6 +33,63 @@ import numpy as np
 L2_BYTES = 60 * 2**20
 
 
+def random_cache(key_k, key_v, layout, geom, *, dtype, kv_dtype):
+    """Random normal K and V caches of ``geom`` (num_pages, P, Hkv, D) in ``layout``: in
+    ``kv_dtype`` directly, or for an FP8 format the ``dtype`` data quantised with per-head
+    scales (``jaxattn.fp8_scales``). Returns (k_cache, v_cache, scales) with scales ()
+    or (k_scale, v_scale)."""
+    import jaxattn
+
+    kv_dtype = jnp.dtype(kv_dtype)
+    fp8 = jaxattn.quant.is_fp8(kv_dtype)
+    data = dtype if fp8 else kv_dtype
+    k_shape = jaxattn.layout.cache_shape(layout, "k", *geom, dtype=data)
+    v_shape = jaxattn.layout.cache_shape(layout, "v", *geom, dtype=data)
+    k = jax.random.normal(key_k, k_shape, data)
+    v = jax.random.normal(key_v, v_shape, data)
+    if not fp8:
+        return k, v, ()
+    # Quantise in the bshd order write_kv uses: [pages * P, Hkv, D] rows.
+    kb = jaxattn.layout.to_bshd(k, layout, "k").reshape(-1, geom[2], geom[3])
+    vb = jaxattn.layout.to_bshd(v, layout, "v").reshape(-1, geom[2], geom[3])
+    ks, vs = jaxattn.fp8_scales(kb, vb, kv_dtype)
+    kq = jaxattn.quant.quantize(kb, kv_dtype, ks, 1, saturate=True).reshape(k_shape[:1] + (-1,))
+    vq = jaxattn.quant.quantize(vb, kv_dtype, vs, 1, saturate=True).reshape(k_shape[:1] + (-1,))
+    n, p, h, dd = geom
+    kq = jaxattn.layout.from_bshd(kq.reshape(n, p, h, dd), layout, "k")
+    vq = jaxattn.layout.from_bshd(vq.reshape(n, p, h, dd), layout, "v")
+    return kq, vq, (ks, vs)
+
+
+def split_scales(args: tuple) -> tuple[tuple, dict]:
+    """An input tuple that may end with (k_scale, v_scale) (the benchmark builders append
+    them for an FP8 cache) as (the op's positional inputs, those scales as keywords)."""
+    if len(args) in (7, 8):  # decode (5 + 2) or prefill / extend (6 + 2)
+        return args[:-2], dict(k_scale=args[-2], v_scale=args[-1])
+    return args, {}
+
+
+def with_scales(op, **kw):
+    """``op`` called on an input tuple that may end with (k_scale, v_scale): those become
+    the keyword arguments."""
+
+    def run(*args):
+        inputs, scales = split_scales(args)
+        return op(*inputs, **scales, **kw)
+
+    return run
+
+
+def relative_to_first(rows, key: str, first, match: tuple[str, ...]) -> None:
+    """rows[i]["x_first"] = the time of the row with rows[i]'s ``match`` fields and
+    ``key == first`` over rows[i]'s own (a speedup over the first variant)."""
+    index = {tuple(r.get(m) for m in match): r for r in rows if r.get(key) == first and "us" in r}
+    for r in rows:
+        base = index.get(tuple(r.get(m) for m in match))
+        if base is not None and "us" in r:
+            r["x_first"] = base["us"] / r["us"]
+
+
 def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -252,7 +309,8 @@ def status_line(name: str, row: dict, metric: str) -> str:
 def resolved_label(op, args: tuple, impl: str, **kw) -> str:
     """The configuration the backend ``impl`` picks for these arguments (its heuristic):
     what a table row was timed with."""
-    resolved = op.resolve(op.bind(*args, **kw), impl)
+    inputs, scales = split_scales(args)
+    resolved = op.resolve(op.bind(*inputs, **scales, **kw), impl)
     return "" if resolved.config is None else config_label(resolved.config)
 
 

@@ -4,6 +4,7 @@
 #
 #   STAGES="tests decode extend" bash benchmarks/gpu_all.sh
 #   STAGES="engine pagetable" bash benchmarks/gpu_all.sh
+#   STAGES="fp8" bash benchmarks/gpu_all.sh      # FP8 caches: GPU tests, decode, prefill, accuracy
 #
 # The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
 # elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
@@ -50,6 +51,21 @@ for stage in $STAGES; do
       timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/bench_engine.py --preset 1b \
         --num-pages 8192 --max-batch-tokens 2048 --json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
       echo "engine rc=$?"; tail -n 12 "$OUT/engine.log" ;;
+    fp8)  # FP8 KV caches: the kernel suite's fp8 cases compiled, timings against bf16, accuracy
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
+        --tb=short tests/test_kernels.py -k "fp8 or every" > "$OUT/fp8_tests.log" 2>&1
+      echo "fp8 tests rc=$?"; tail -n 12 "$OUT/fp8_tests.log"
+      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --check \
+        --impl pallas,native --kv-dtype bfloat16,float8_e4m3fn,float8_e5m2 --heads 32/8 \
+        --samples 7 --target-s 0.03 --json "$OUT/decode_fp8.json" > "$OUT/decode_fp8.log" 2>&1
+      echo "decode fp8 rc=$?"; sed -n '/^| B /,$p' "$OUT/decode_fp8.log"
+      timeout "${EXTEND_TIMEOUT:-200}" python3 benchmarks/bench_extend.py --check --form prefill \
+        --impl pallas,native --kv-dtype bfloat16,float8_e4m3fn,float8_e5m2 --cases 8:2048:512 \
+        --samples 7 --target-s 0.03 --json "$OUT/prefill_fp8.json" > "$OUT/prefill_fp8.log" 2>&1
+      echo "prefill fp8 rc=$?"; sed -n '/^| B x/,$p' "$OUT/prefill_fp8.log"
+      timeout "${ACCURACY_TIMEOUT:-200}" python3 benchmarks/fp8_accuracy.py --impl native,pallas \
+        --json "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.log" 2>&1
+      echo "fp8 accuracy rc=$?"; sed -n '/^| data/,$p' "$OUT/fp8_accuracy.log" ;;
     pagetable)
       timeout "${PAGETABLE_TIMEOUT:-90}" python3 benchmarks/bench_page_table.py --batch 64 \
         --prompt-len 500 --steps 50 --dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 \

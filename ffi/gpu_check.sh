@@ -111,7 +111,8 @@ tests() {  # name, env assignment, pytest -k expression[, test files (default te
 if [ "${SELFTESTS:-}" != skip ]; then
   selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_sm90.cu
+    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
+    ffi/src/prefill_sm90.cu
   selftest cascade_selftest -arch=sm_90 ffi/tests_gpu/cascade_selftest.cu
   if [ -n "${SANITIZE:-}" ]; then
     sanitize decode_selftest

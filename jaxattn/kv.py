@@ -14,6 +14,12 @@ functions. Inside a larger jitted step (a model forward that takes and returns t
 donate the caches of the outer function instead: the scatter then updates the donated
 buffer in place there too.
 
+FP8 caches (:mod:`jaxattn.quant`): ``write_kv(..., k_scale=, v_scale=)`` stores
+``x / scale[kv_head]`` rounded to the cache's format with saturation (an overflow becomes
+the largest finite value, never an infinity or a NaN; NaN stays NaN); the attention ops read
+the element back as ``float32(element) * scale``. :func:`fp8_scales` computes per-head scales
+from a calibration batch.
+
 On XLA's CPU backend a bfloat16 scatter goes through float32 temporaries (there is no
 native bf16 scatter there); the output still aliases the donated input. float32 and
 float16 caches, and every dtype on GPU, are updated with no scratch copy of the pool.
@@ -26,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import layout as L
+from jaxattn import quant as Q
+from jaxattn.quant import fp8_scales
 
-__all__ = ["copy_blocks", "copy_blocks_donated", "write_kv", "write_kv_donated"]
+__all__ = ["copy_blocks", "copy_blocks_donated", "fp8_scales", "write_kv", "write_kv_donated"]
 
 
 def _shape(x) -> str:
@@ -43,16 +51,21 @@ def _check_index_vector(name: str, x, expected: str):
         raise ValueError(f"{name} must be {expected}, got {_shape(x)}")
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd"):
+def write_kv(
+    k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd", k_scale=None, v_scale=None
+):
     """Store the K/V of ``T`` tokens at their pool slots.
 
     Args:
       k_cache, v_cache: the paged cache in ``layout`` (see :mod:`jaxattn.layout`).
-      k, v: ``[T, Hkv, D]``; cast to the cache dtype.
+      k, v: ``[T, Hkv, D]``; cast to the cache dtype. Into an FP8 cache (or with a scale)
+        ``x / scale`` is stored, saturated to the format's finite range.
       slot_mapping: ``i32[T]``, slot ``page * P + offset`` of each token. Negative entries
         are padding and write nothing, so a batch can be padded to a fixed ``T``; entries at
         or past ``num_pages * P`` are dropped too (never wrapped or clamped). Valid entries
         must be distinct.
+      k_scale, v_scale: None (1.0), a scalar or f32 ``[num_kv_heads]`` (traced under jit):
+        the scales the attention ops are given for this cache.
 
     Returns:
       ``(k_cache, v_cache)`` with the tokens written; everything else is unchanged.
@@ -68,11 +81,23 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd"):
     _check_index_vector("slot_mapping", slot_mapping, f"i32[T={k.shape[0]}]")
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must be i32[T={k.shape[0]}], got {_shape(slot_mapping)}")
+    k_scale = Q.check_scale("k_scale", k_scale, geom.num_kv_heads)
+    v_scale = Q.check_scale("v_scale", v_scale, geom.num_kv_heads)
     slots = slot_mapping.astype(jnp.int32)
     return (
-        L.scatter_tokens(k_cache, slots, k, layout, "k"),
-        L.scatter_tokens(v_cache, slots, v, layout, "v"),
+        L.scatter_tokens(k_cache, slots, _stored(k, k_cache.dtype, k_scale), layout, "k"),
+        L.scatter_tokens(v_cache, slots, _stored(v, v_cache.dtype, v_scale), layout, "v"),
     )
+
+
+def _stored(x, dtype, scale):
+    """x [T, Hkv, D] as the cache stores it: divided by the per-head scale and saturated
+    for an FP8 (or scaled) cache, a plain cast otherwise."""
+    if scale is None and not Q.is_fp8(dtype):
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"k and v must be float arrays, got {np.dtype(x.dtype)}")
+    return Q.quantize(x, dtype, scale, head_axis=1, saturate=True)
 
 
 def copy_blocks(k_cache, v_cache, src, dst, *, layout: str = "bshd"):

@@ -24,6 +24,13 @@ library itself (``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` on the kernel 
 would pick, or its HIP twin), never from numbers written here.
 Inside the kernels logits are in base 2 (scale folded with log2(e)); nothing in base 2
 leaves them.
+
+FP8 KV caches (``float8_e4m3fn`` / ``float8_e5m2``, :mod:`jaxattn.quant`) are read as stored
+and widened in registers; the per-KV-head scales are operands (float32 ``[Hkv]``, or empty
+for 1.0), so new scale values reuse the compiled call. The CPU handlers take an FP8 cache
+under any q dtype; the GPU kernels under a bfloat16 or float16 q. An FP8 q (the prefill ops'
+mixed mode) reaches them widened exactly to the output dtype, its scale folded into
+``k_scale`` (:attr:`jaxattn.ops._Args.kernel_q`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import numpy as np
 
 from . import env as _env
 from . import layout as L
+from . import quant as _quant
 from .backend import CascadeGrid, Implementation, cascade_grid, split_kv_partition
 
 __all__ = [
@@ -82,6 +90,12 @@ _GPU_HEAD_DIMS = (32, 64, 128, 256)
 _MAX_GROUP = 64
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _DTYPE_IDS = {np.dtype(jnp.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(jnp.float16): 2}
+# The cache's element type for the occupancy query: 0 q's own, 1 e4m3, 2 e5m2.
+_KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
+_GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
+# reports another version was built from other sources.
+_FFI_ABI = 3
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -197,6 +211,12 @@ def _register(platform: str) -> str | None:
         lib = ctypes.CDLL(path)
     except OSError as e:
         return f"cannot load {path}: {e}; rebuild it ({_BUILD_HINT})"
+    abi = lib.jaxattn_ffi_abi() if hasattr(lib, "jaxattn_ffi_abi") else 1
+    if abi != _FFI_ABI:
+        return (
+            f"{path} was built from other sources (operand list version {abi}, this module "
+            f"passes {_FFI_ABI}); rebuild it ({_BUILD_HINT})"
+        )
     for target, symbol in _TARGETS.items():
         fn = getattr(lib, symbol + _HANDLER_SUFFIX[platform])
         jax.ffi.register_ffi_target(
@@ -243,12 +263,16 @@ def is_available() -> bool:
 
 def _unsupported(platform, q, k_cache, v_cache, num_kv_heads, head_dim) -> str | None:
     dt = np.dtype(q.dtype)
+    kv = np.dtype(k_cache.dtype)
     if dt not in _DTYPES:
-        return f"native kernels take float32/bfloat16/float16, got {dt}"
-    if np.dtype(k_cache.dtype) != dt or np.dtype(v_cache.dtype) != dt:
+        return f"native kernels take a float32/bfloat16/float16 q, got {dt}"
+    if np.dtype(v_cache.dtype) != kv:
+        return f"native kernels need k_cache and v_cache in one dtype, got {kv} and {v_cache.dtype}"
+    if kv != dt and not _quant.is_fp8(kv):
+        return f"native kernels need the KV cache in q's dtype or an FP8 format, got {dt} and {kv}"
+    if _quant.is_fp8(kv) and platform != "cpu" and dt not in _GPU_FP8_Q:
         return (
-            f"native kernels need q and the KV cache in one dtype, got {dt} and "
-            f"{np.dtype(k_cache.dtype)}"
+            f"native GPU kernels read an FP8 ({kv}) cache under a bfloat16 or float16 q, got {dt}"
         )
     if platform != "cpu":
         if head_dim not in _GPU_HEAD_DIMS:
@@ -284,19 +308,30 @@ def _attrs(scale, soft_cap):
     return dict(scale=np.float32(scale), soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
 
 
+def _scale_operand(scale):
+    """A per-KV-head scale as the kernels take it: float32 [Hkv], or empty for 1.0."""
+    if scale is None:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.asarray(scale).astype(jnp.float32)
+
+
 # --- occupancy: asked of the library, not written here ---------------------------------------
 
 
 @functools.cache
-def decode_occupancy(platform: str, dtype, head_dim: int, group: int) -> tuple[int, int]:
+def decode_occupancy(
+    platform: str, dtype, head_dim: int, group: int, kv_dtype=None
+) -> tuple[int, int]:
     """(resident blocks per multiprocessor, multiprocessors) of the decode kernel the GPU
-    launcher picks for this dtype, head_dim and GQA group, on the current device: the
-    library runs ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` (or the HIP twin) on the
-    kernel with its block size and shared memory."""
+    launcher picks for this q dtype, cache dtype (None: q's), head_dim and GQA group, on the
+    current device: the library runs ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` (or
+    the HIP twin) on the kernel with its block size and shared memory."""
     lib = _lib_handles[platform]
     blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
+    kv_id = 0 if kv_dtype is None else _KV_IDS.get(np.dtype(kv_dtype), 0)
     err = lib.jaxattn_decode_occupancy(
         ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(kv_id),
         ctypes.c_int(head_dim),
         ctypes.c_int(group),
         ctypes.byref(blocks),
@@ -305,7 +340,8 @@ def decode_occupancy(platform: str, dtype, head_dim: int, group: int) -> tuple[i
     if err != 0 or blocks.value <= 0 or sms.value <= 0:
         raise RuntimeError(
             f"the native library could not report the decode kernel's occupancy "
-            f"(dtype {np.dtype(dtype)}, head_dim {head_dim}, group {group}): error {err}"
+            f"(dtype {np.dtype(dtype)}, cache {kv_dtype}, head_dim {head_dim}, group {group}): "
+            f"error {err}"
         )
     return blocks.value, sms.value
 
@@ -387,11 +423,14 @@ def paged_attention(
     layout,
     partition_size=None,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     config: DecodeConfig | None = None,
 ):
     """Decode attention over a paged cache: q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
-    ``partition_size`` (explicit) wins over ``config``; with neither, the heuristic of
+    k_scale, v_scale: float32 [Hkv] (or None) of a scaled / FP8 cache. ``partition_size``
+    (explicit) wins over ``config``; with neither, the heuristic of
     :func:`choose_partition_size` picks."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout)
@@ -401,7 +440,7 @@ def paged_attention(
     elif config is not None:
         ps = config.partition_size
     else:
-        ps = _heuristic_partition(platform, q, geom, block_tables.shape[1])
+        ps = _heuristic_partition(platform, q, geom, block_tables.shape[1], k_cache.dtype)
     capacity = block_tables.shape[1] * geom.page_size
     # Partial outputs and (max, sum) pairs of every partition, float32; a stub when one pass.
     max_parts = max(1, math.ceil(capacity / ps)) if ps else 0
@@ -417,6 +456,8 @@ def paged_attention(
         v_cache,
         block_tables,
         seq_lens,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
         **_attrs(scale, soft_cap),
         layout=np.int32(_layout_id(layout)),
         partition_size=np.int32(ps),
@@ -424,11 +465,12 @@ def paged_attention(
     return out
 
 
-def _heuristic_partition(platform, q, geom, max_pages) -> int:
+def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
     group = q.shape[1] // geom.num_kv_heads
     occupancy = None
     if platform != "cpu":
-        occupancy = decode_occupancy(platform, q.dtype, geom.head_dim, group)
+        kv = None if kv_dtype is None or not _quant.is_fp8(kv_dtype) else np.dtype(kv_dtype)
+        occupancy = decode_occupancy(platform, q.dtype, geom.head_dim, group, kv)
     return choose_partition_size(
         None,
         platform=platform,
@@ -457,6 +499,8 @@ def prefix_prefill(
     scale,
     layout,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     config: PrefillConfig | None = None,
 ):
     """Prefix-cached prefill over a paged cache: q [Tq, Hq, D] -> [Tq, Hq, D]."""
@@ -472,6 +516,8 @@ def prefix_prefill(
         cu_seqlens_q,
         block_tables,
         seq_lens,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
         **_attrs(scale, soft_cap),
         layout=np.int32(_layout_id(layout)),
         kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
@@ -488,6 +534,8 @@ def extend_attention(
     *,
     scale,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     config: PrefillConfig | None = None,
 ):
     """SGLang-form extend over a token pool [num_slots, Hkv, D]: q [Tq, Hq, D] -> [Tq, Hq, D]."""
@@ -503,6 +551,8 @@ def extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
         **_attrs(scale, soft_cap),
         kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
     )
@@ -613,11 +663,16 @@ def cascade_attention(
     scale,
     layout,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     config: CascadeConfig | None = None,
 ):
     """Cascade decode (arguments validated by ``ops``, zero-size inputs answered there):
     q [B, Hq, D] -> [B, Hq, D] in q's dtype. One kernel computes the prefix tiles and the own
-    partitions into a workspace of partial states, a second merges them."""
+    partitions into a workspace of partial states, a second merges them. k_scale, v_scale:
+    float32 [Hkv] (or None) of a scaled cache: k_scale joins both levels' logit factor,
+    v_scale the merged output. The CPU handler also reads an FP8 cache; the GPU kernels read
+    16-bit or float32 caches only."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout)
     cfg, grid = _cascade_plan(platform, q, geom, prefix_tables, block_tables, config)
@@ -641,6 +696,8 @@ def cascade_attention(
         prefix_of,
         block_tables,
         seq_lens,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
         **_attrs(scale, soft_cap),
         layout=np.int32(_layout_id(layout)),
         prefix_target=np.int32(grid.target),
@@ -667,7 +724,12 @@ class _Native(Implementation):
         if a.layout.name not in (*_LAYOUT_IDS, L.POOL):
             return f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={a.layout.name!r}"
         return _unsupported(
-            _platform(), a.q, a.k_cache, a.v_cache, a.geometry.num_kv_heads, a.geometry.head_dim
+            _platform(),
+            a.kernel_q,
+            a.k_cache,
+            a.v_cache,
+            a.geometry.num_kv_heads,
+            a.geometry.head_dim,
         )
 
 
@@ -677,7 +739,9 @@ class _PagedAttention(_Native):
     def heuristic_config(self, a):
         platform = _ensure_registered()
         return DecodeConfig(
-            _heuristic_partition(platform, a.q, a.geometry, a.block_tables.shape[1])
+            _heuristic_partition(
+                platform, a.q, a.geometry, a.block_tables.shape[1], a.k_cache.dtype
+            )
         )
 
     def run(self, a, config):
@@ -691,6 +755,8 @@ class _PagedAttention(_Native):
             layout=a.layout.name,
             partition_size=a.partition_size,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -705,7 +771,7 @@ class _Prefill(_Native):
 class _PrefixPrefill(_Prefill):
     def run(self, a, config):
         return prefix_prefill(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.cu_seqlens_q,
@@ -714,6 +780,8 @@ class _PrefixPrefill(_Prefill):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -721,7 +789,7 @@ class _PrefixPrefill(_Prefill):
 class _ExtendAttention(_Prefill):
     def run(self, a, config):
         return extend_attention(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.qo_indptr,
@@ -729,6 +797,8 @@ class _ExtendAttention(_Prefill):
             a.kv_indices,
             scale=a.scale,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -738,6 +808,14 @@ class _CascadeAttention(_Native):
 
     def supports(self, a):
         reason = super().supports(a)
+        if reason is None and _platform() != "cpu" and a.fp8_cache:
+            # Per-head scales on a 16-bit / float32 cache are served exactly (folded into
+            # the logit factor and the merged output); FP8 elements would need widening in
+            # every ring the cascade kernels share with the 16-bit decode loop.
+            reason = (
+                f"native GPU cascade decode reads 16-bit or float32 K/V (ldmatrix / mma.sync "
+                f"fragments, the SIMT kernel's vectors), not a {a.kv_dtype} cache"
+            )
         if reason is None and _platform() != "cpu" and a.group > _CASCADE_MAX_GROUP:
             reason = (
                 f"native GPU cascade decode serves up to {_CASCADE_MAX_GROUP} query heads per "
@@ -762,6 +840,8 @@ class _CascadeAttention(_Native):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 

@@ -11,6 +11,16 @@ raises ``NotImplementedError`` instead (it is never silently replaced). ``None``
 fast backends for the current platform and always ends with the reference, which serves
 everything. See :mod:`jaxattn.backend` for the contract.
 
+FP8 KV caches (:mod:`jaxattn.quant`): ``k_cache`` / ``v_cache`` may be ``float8_e4m3fn`` or
+``float8_e5m2`` in every layout, with ``k_scale=`` / ``v_scale=`` (None, a scalar or f32
+``[num_kv_heads]``; traced arrays under jit): a stored element means
+``float32(element) * scale[kv_head]``. q stays float32 / bfloat16 / float16, except in the
+prefill ops, which also take an FP8 q with ``q_scale=`` (a scalar; q's value is
+``float32(q) * q_scale``) and then return ``out_dtype=`` (bfloat16 unless stated). The
+kernel backends see such a q widened exactly to the output dtype (every FP8 value is
+representable there) and ``q_scale`` folded into the per-head key scale, which joins the
+logit scale in f32: :attr:`_Args.kernel_q` and :attr:`_Args.kernel_k_scale`.
+
 All validation here looks only at static properties (ranks, shapes, dtypes, attribute
 values), so it runs at trace time under ``jax.jit`` before any kernel is built. When
 the index arrays are concrete (eager calls) their values are checked too. Under ``jax.jit``
@@ -34,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import layout as _layout
+from . import quant as _quant
 from . import reference as _reference
 from .backend import BACKENDS, Implementation, Op, checked, default_implementations
 from .cascade_cost import CascadeCostModel, cascade_pays_off
@@ -106,14 +117,54 @@ def _check_heads(q, num_kv_heads, head_dim, qname="q"):
         )
 
 
+def _check_cache_dtype(name, x):
+    _check_array(name, x)
+    dt = np.dtype(x.dtype)
+    if dt not in [np.dtype(d) for d in _FLOAT_DTYPES] and not _quant.is_fp8(dt):
+        raise TypeError(
+            f"{name} must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {dt}"
+        )
+
+
 def _check_kv_dtypes(k_cache, v_cache):
-    _check_float("k_cache", k_cache)
-    _check_float("v_cache", v_cache)
+    _check_cache_dtype("k_cache", k_cache)
+    _check_cache_dtype("v_cache", v_cache)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(
             f"k_cache and v_cache must share a dtype, got {np.dtype(k_cache.dtype)} and "
             f"{np.dtype(v_cache.dtype)}"
         )
+
+
+def _check_prefill_q(q, q_scale, out_dtype):
+    """q of a prefill op: a float q, or an FP8 q (the mixed mode) with an optional scalar
+    q_scale. Returns (q_scale as f32 scalar or None, output dtype)."""
+    _check_array("q", q)
+    fp8 = _quant.is_fp8(q.dtype)
+    if not fp8:
+        _check_float("q", q)
+    if out_dtype is not None:
+        try:
+            out = np.dtype(out_dtype)
+        except TypeError as e:
+            raise TypeError(f"out_dtype must be a dtype, got {out_dtype!r}") from e
+        if out not in [np.dtype(d) for d in _FLOAT_DTYPES]:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out}")
+        if not fp8 and out != np.dtype(q.dtype):
+            raise ValueError(
+                f"out_dtype={out} differs from q's dtype {np.dtype(q.dtype)}: the output "
+                "dtype is q's unless q is FP8"
+            )
+    if q_scale is not None:
+        if not fp8:
+            raise ValueError(
+                f"q_scale applies to an FP8 q (float8_e4m3fn / float8_e5m2), but q is "
+                f"{np.dtype(q.dtype)}: scale q before the call"
+            )
+        if hasattr(q_scale, "shape") and tuple(q_scale.shape) != ():
+            raise ValueError(f"q_scale must be a scalar, got shape {tuple(q_scale.shape)}")
+        q_scale = _quant.check_scale("q_scale", q_scale, 1, what="1")[0]
+    return q_scale, np.dtype(_reference.output_dtype(q.dtype, out_dtype))
 
 
 def _check_tables(b, block_tables, seq_lens):
@@ -251,6 +302,13 @@ class _Args:
     soft_cap: float | None
     layout: _layout.Layout
     geometry: _layout.CacheGeometry
+    # Per-KV-head scales of a scaled (FP8) cache: float32 [num_kv_heads], None for 1.0.
+    k_scale: Any = None
+    v_scale: Any = None
+    # The prefill ops' mixed mode: q's scalar scale (float32, None for 1.0) and the output
+    # dtype (q's dtype unless q is FP8).
+    q_scale: Any = None
+    out_dtype: Any = None
 
     @property
     def num_q_heads(self) -> int:
@@ -260,6 +318,41 @@ class _Args:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.q.shape[1] // self.geometry.num_kv_heads
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        return np.dtype(self.k_cache.dtype)
+
+    @property
+    def fp8_cache(self) -> bool:
+        return _quant.is_fp8(self.k_cache.dtype)
+
+    @property
+    def output_dtype(self) -> np.dtype:
+        return np.dtype(self.q.dtype) if self.out_dtype is None else np.dtype(self.out_dtype)
+
+    @property
+    def kernel_q(self):
+        """q as the kernels take it: in the output dtype. An FP8 q is widened exactly (every
+        FP8 value is representable in float32 / bfloat16 / float16); its scale is in
+        :attr:`kernel_k_scale`."""
+        if np.dtype(self.q.dtype) == self.output_dtype:
+            return self.q
+        return self.q.astype(self.output_dtype)
+
+    @property
+    def kernel_k_scale(self):
+        """The per-KV-head factor of the logits besides ``scale``: k_scale times q_scale
+        (float32 [num_kv_heads]), None when both are 1."""
+        if self.q_scale is None:
+            return self.k_scale
+        ones = jnp.ones((self.geometry.num_kv_heads,), jnp.float32)
+        return (ones if self.k_scale is None else self.k_scale) * self.q_scale
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a kernel must apply per-head scales (k, v or q)."""
+        return not (self.k_scale is None and self.v_scale is None and self.q_scale is None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -347,6 +440,8 @@ class PagedAttention(Op):
         layout="bshd",
         partition_size=None,
         soft_cap=None,
+        k_scale=None,
+        v_scale=None,
     ) -> PagedArgs:
         lay = _layout.get(layout)
         _check_float("q", q)
@@ -354,6 +449,8 @@ class PagedAttention(Op):
         _check_kv_dtypes(k_cache, v_cache)
         geom = lay.geometry(k_cache, v_cache)
         _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
         b = q.shape[0]
         _check_tables(b, block_tables, seq_lens)
         _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
@@ -365,6 +462,8 @@ class PagedAttention(Op):
             soft_cap=_check_soft_cap(soft_cap),
             layout=lay,
             geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
             block_tables=block_tables,
             seq_lens=seq_lens,
             partition_size=_check_partition_size(partition_size),
@@ -388,9 +487,22 @@ class ExtendAttention(Op):
     roles = ("q", "k", "v", None, None, None)
 
     def bind(
-        self, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale=None, soft_cap=None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        *,
+        scale=None,
+        soft_cap=None,
+        k_scale=None,
+        v_scale=None,
+        q_scale=None,
+        out_dtype=None,
     ) -> ExtendArgs:
-        _check_float("q", q)
+        q_scale, out = _check_prefill_q(q, q_scale, out_dtype)
         _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
         _check_kv_dtypes(k_cache, v_cache)
         _check_rank("k_cache", k_cache, 3, "[num_slots, num_kv_heads, head_dim]")
@@ -402,6 +514,8 @@ class ExtendAttention(Op):
         pool = _layout.get(_layout.POOL, pool=True)
         geom = pool.geometry(k_cache, v_cache)
         _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
         _check_int32("qo_indptr", qo_indptr, 1, "[batch + 1]")
         _check_int32("kv_indptr", kv_indptr, 1, "[batch + 1]")
         if qo_indptr.shape[0] < 2:
@@ -441,6 +555,10 @@ class ExtendAttention(Op):
             soft_cap=_check_soft_cap(soft_cap),
             layout=pool,
             geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            q_scale=q_scale,
+            out_dtype=out,
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
@@ -460,9 +578,7 @@ class ExtendAttention(Op):
     def trivial(self, a: ExtendArgs):
         if a.q.shape[0] and a.kv_indices.shape[0]:
             return None
-        return _reference.extend_attention(
-            a.q, a.k_cache, a.v_cache, a.qo_indptr, a.kv_indptr, a.kv_indices, scale=a.scale
-        )
+        return _ReferenceExtend().run(a, None)
 
 
 class PrefixPrefill(Op):
@@ -481,13 +597,19 @@ class PrefixPrefill(Op):
         scale=None,
         layout="bshd",
         soft_cap=None,
+        k_scale=None,
+        v_scale=None,
+        q_scale=None,
+        out_dtype=None,
     ) -> PrefillArgs:
         lay = _layout.get(layout)
-        _check_float("q", q)
+        q_scale, out = _check_prefill_q(q, q_scale, out_dtype)
         _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
         _check_kv_dtypes(k_cache, v_cache)
         geom = lay.geometry(k_cache, v_cache)
         _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
         _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
         b = cu_seqlens_q.shape[0] - 1
         if b < 1:
@@ -514,6 +636,10 @@ class PrefixPrefill(Op):
             soft_cap=_check_soft_cap(soft_cap),
             layout=lay,
             geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            q_scale=q_scale,
+            out_dtype=out,
             cu_seqlens_q=cu_seqlens_q,
             block_tables=block_tables,
             seq_lens=seq_lens,
@@ -528,16 +654,7 @@ class PrefixPrefill(Op):
     def trivial(self, a: PrefillArgs):
         if a.q.shape[0] and a.block_tables.shape[1]:
             return None
-        return _reference.prefix_prefill(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.cu_seqlens_q,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-        )
+        return _ReferencePrefill().run(a, None)
 
 
 class CascadeAttention(Op):
@@ -558,6 +675,8 @@ class CascadeAttention(Op):
         scale=None,
         layout="bshd",
         soft_cap=None,
+        k_scale=None,
+        v_scale=None,
     ) -> CascadeArgs:
         lay = _layout.get(layout)
         _check_float("q", q)
@@ -565,6 +684,8 @@ class CascadeAttention(Op):
         _check_kv_dtypes(k_cache, v_cache)
         geom = lay.geometry(k_cache, v_cache)
         _check_heads(q, geom.num_kv_heads, geom.head_dim)
+        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
         b = q.shape[0]
         _check_int32("prefix_tables", prefix_tables, 2, "[num_prefixes, max_prefix_pages]")
         g = prefix_tables.shape[0]
@@ -588,6 +709,8 @@ class CascadeAttention(Op):
             soft_cap=_check_soft_cap(soft_cap),
             layout=lay,
             geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
             prefix_tables=prefix_tables,
             prefix_lens=prefix_lens,
             prefix_of=prefix_of,
@@ -639,6 +762,8 @@ class _ReferencePaged(Implementation):
             layout=a.layout.name,
             partition_size=a.partition_size,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
         )
 
 
@@ -655,6 +780,10 @@ class _ReferenceExtend(Implementation):
             a.kv_indices,
             scale=a.scale,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+            q_scale=a.q_scale,
+            out_dtype=a.output_dtype,
         )
 
 
@@ -672,6 +801,10 @@ class _ReferencePrefill(Implementation):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+            q_scale=a.q_scale,
+            out_dtype=a.output_dtype,
         )
 
 
@@ -691,6 +824,8 @@ class _ReferenceCascade(Implementation):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
         )
 
 
@@ -725,6 +860,8 @@ def paged_attention(
     layout="bshd",
     partition_size=None,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     implementation=None,
     config=None,
     debug_checks=None,
@@ -732,7 +869,9 @@ def paged_attention(
     """Decode attention: one query token per sequence over a paged KV cache.
 
     q: [B, Hq, D]; k_cache, v_cache: a paged cache in ``layout`` (see
-    :mod:`jaxattn.layout`); block_tables: i32[B, max_pages]; seq_lens: i32[B].
+    :mod:`jaxattn.layout`), float or FP8; block_tables: i32[B, max_pages]; seq_lens: i32[B].
+    k_scale, v_scale: None (1.0), a scalar or f32[Hkv]: a stored element means
+    ``float32(element) * scale[kv_head]`` (:mod:`jaxattn.quant`).
     ``partition_size``: None for one pass (or the kernel's own split), an int for
     split-KV with that many tokens per partition followed by an exact combine.
     ``config``: a backend's configuration (None: its heuristic). ``debug_checks``: emit
@@ -749,6 +888,8 @@ def paged_attention(
         layout=layout,
         partition_size=partition_size,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         implementation=implementation,
         config=config,
         debug_checks=debug_checks,
@@ -765,6 +906,10 @@ def extend_attention(
     *,
     scale=None,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    q_scale=None,
+    out_dtype=None,
     implementation=None,
     config=None,
     debug_checks=None,
@@ -774,7 +919,10 @@ def extend_attention(
     q: [Tq, Hq, D] packed by qo_indptr i32[B+1]; k_cache, v_cache: [num_slots, Hkv, D];
     kv_indptr: i32[B+1]; kv_indices: i32[>= kv_indptr[-1]] holds, per request, the slots
     of its cached prefix followed by those of its new tokens (already written). Row i of
-    request b sees key j iff ``j <= i + (Lk_b - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
+    request b sees key j iff ``j <= i + (Lk_b - Lq_b)``. k_scale, v_scale: per-KV-head
+    scales of a scaled (FP8) cache, as in :func:`paged_attention`. q may be FP8 with
+    ``q_scale`` (a scalar; q's value is ``float32(q) * q_scale``). Returns [Tq, Hq, D] in
+    q's dtype, or ``out_dtype`` (default bfloat16) for an FP8 q.
     """
     return EXTEND_ATTENTION(
         q,
@@ -785,6 +933,10 @@ def extend_attention(
         kv_indices,
         scale=scale,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_scale=q_scale,
+        out_dtype=out_dtype,
         implementation=implementation,
         config=config,
         debug_checks=debug_checks,
@@ -802,6 +954,10 @@ def prefix_prefill(
     scale=None,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    q_scale=None,
+    out_dtype=None,
     implementation=None,
     config=None,
     debug_checks=None,
@@ -810,7 +966,9 @@ def prefix_prefill(
 
     q: [Tq, Hq, D] packed by cu_seqlens_q i32[B+1]; block_tables i32[B, max_pages];
     seq_lens i32[B] total KV lengths (prefix + new, already written). Row i of request b
-    sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``. Returns [Tq, Hq, D] in q's dtype.
+    sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``. k_scale, v_scale, q_scale, out_dtype
+    as in :func:`extend_attention`. Returns [Tq, Hq, D] in q's dtype, or ``out_dtype``
+    (default bfloat16) for an FP8 q.
     """
     return PREFIX_PREFILL(
         q,
@@ -822,6 +980,10 @@ def prefix_prefill(
         scale=scale,
         layout=layout,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_scale=q_scale,
+        out_dtype=out_dtype,
         implementation=implementation,
         config=config,
         debug_checks=debug_checks,
@@ -841,6 +1003,8 @@ def cascade_attention(
     scale=None,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     implementation=None,
     config=None,
     debug_checks=None,
@@ -855,6 +1019,8 @@ def cascade_attention(
     prefix's pages, then the request's own). The kernel backends read a prefix once per
     batch and KV head for all the requests that continue it, instead of once per request;
     :func:`cascade_pays_off` says when that beats :func:`paged_attention`.
+    k_scale, v_scale: per-KV-head scales of a scaled (FP8) cache, as in
+    :func:`paged_attention`; prefix and own pages share them (one cache).
 
     An invalid prefix (a length that is not a multiple of the page size or runs past its
     table row, a page outside the pool) poisons every request that continues it; a
@@ -872,6 +1038,8 @@ def cascade_attention(
         scale=scale,
         layout=layout,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         implementation=implementation,
         config=config,
         debug_checks=debug_checks,

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import kv as _kv
 from . import layout as _layout
 from . import ops as _ops
+from . import quant as _quant
 
 __all__ = [
     "AXIS",
@@ -236,13 +237,30 @@ def _shard_op(op, args: tuple, kwargs: dict, mesh: Mesh, axis_name: str):
             specs.append(_split(lay.rank(role), lay.kv_head_axis(role), axis_name))
         else:
             specs.append(PartitionSpec())
+    # Scales are data (traced arrays): a per-KV-head scale is split with its cache's heads,
+    # q's scalar scale is replicated. They travel as operands, validated above.
+    scales = {}
+    for name, spec in (
+        ("k_scale", PartitionSpec(axis_name)),
+        ("v_scale", PartitionSpec(axis_name)),
+        ("q_scale", PartitionSpec()),
+    ):
+        if kwargs.get(name) is not None:
+            scales[name] = (getattr(bound, name), spec)
+    rest = {k: v for k, v in kwargs.items() if k not in scales}
+    names = tuple(scales)
+
+    def body(*operands):
+        given = dict(zip(names, operands[len(args) :], strict=True))
+        return op(*operands[: len(args)], **rest, **given)
+
     fn = _shard_map(
-        functools.partial(op, **kwargs),
+        body,
         mesh,
-        in_specs=tuple(specs),
+        in_specs=(*specs, *(spec for _, spec in scales.values())),
         out_specs=_heads_spec(axis_name),
     )
-    return fn(*args)
+    return fn(*args, *(value for value, _ in scales.values()))
 
 
 def paged_attention(
@@ -329,9 +347,10 @@ def cascade_attention(
 ):
     """:func:`jaxattn.cascade_attention` with heads split over ``mesh``.
 
-    q: [B, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis; the prefix
-    tables and lengths, prefix_of, block_tables and seq_lens replicated (page ids are
-    global). Returns [B, Hq, D] split on axis 1.
+    q: [B, Hq, D] split on axis 1; k_cache, v_cache split on their KV-head axis (and
+    ``k_scale`` / ``v_scale`` with them); the prefix tables and lengths, prefix_of,
+    block_tables and seq_lens replicated (page ids are global). Returns [B, Hq, D] split on
+    axis 1.
     """
     args = (q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens)
     return _shard_op(_ops.CASCADE_ATTENTION, args, dict(kwargs, layout=layout), mesh, axis_name)
@@ -347,9 +366,12 @@ def write_kv(
     mesh: Mesh,
     axis_name: str = AXIS,
     layout: str = "bshd",
+    k_scale=None,
+    v_scale=None,
 ):
     """:func:`jaxattn.write_kv` on each device's KV heads: k, v [T, Hkv, D] split on
-    axis 1, slot_mapping replicated; the caches come back split as they went in.
+    axis 1, slot_mapping replicated, per-KV-head scales split with the heads; the caches
+    come back split as they went in.
 
     A scatter into a split cache is what XLA's partitioner may otherwise decide to
     gather first; under ``shard_map`` every device writes its own heads in place.
@@ -362,13 +384,32 @@ def write_kv(
         kv_cache_spec(layout, "v", axis_name=axis_name),
     )
     heads = _heads_spec(axis_name)
+    ks = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+    vs = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+    ones = jax.numpy.ones((geom.num_kv_heads,), jax.numpy.float32)
+
+    def body(kc, vc, k_, v_, slots, ks_, vs_):
+        return _kv.write_kv(
+            kc,
+            vc,
+            k_,
+            v_,
+            slots,
+            layout=layout,
+            k_scale=None if ks is None else ks_,
+            v_scale=None if vs is None else vs_,
+        )
+
+    split = PartitionSpec(axis_name)
     fn = _shard_map(
-        functools.partial(_kv.write_kv, layout=layout),
+        body,
         mesh,
-        in_specs=(*specs, heads, heads, PartitionSpec()),
+        in_specs=(*specs, heads, heads, PartitionSpec(), split, split),
         out_specs=specs,
     )
-    return fn(k_cache, v_cache, k, v, slot_mapping)
+    return fn(
+        k_cache, v_cache, k, v, slot_mapping, ones if ks is None else ks, ones if vs is None else vs
+    )
 
 
 def copy_blocks(

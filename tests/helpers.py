@@ -15,16 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import layout as L
+from jaxattn import quant as Q
 from jaxattn import reference as ref
 
-# One table for every comparison against the spec or a float64 computation.
+# One table for every comparison against the spec or a float64 computation, keyed by the
+# output dtype. An FP8 cache changes nothing here: kernels are compared with the spec on the
+# same stored values and scales, so only the output's (and the kernels' P) rounding counts.
+# The FP8 entries are the format's own precision (half an ulp at 1: 2^-4 for e4m3, 2^-3
+# for e5m2), for comparing a quantised cache with the exact values it was written from.
 TOLERANCES = {
     np.dtype(jnp.float32): dict(atol=1e-4, rtol=1e-4),
     np.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
     np.dtype(jnp.float16): dict(atol=5e-3, rtol=5e-3),
+    np.dtype(jnp.float8_e4m3fn): dict(atol=2.0**-4, rtol=2.0**-4),
+    np.dtype(jnp.float8_e5m2): dict(atol=2.0**-3, rtol=2.0**-3),
 }
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def tol(dtype) -> dict:
@@ -83,8 +91,41 @@ class PagedCase:
     seq_lens: jnp.ndarray  # int32 [B]
     layout: str
     page_size: int
-    dense_k: list  # per sequence [L, Hkv, D] (valid tokens only, cache dtype)
+    dense_k: list  # per sequence [L, Hkv, D] (valid tokens only, the values stored)
     dense_v: list
+    k_scale: jnp.ndarray | None = None  # f32 [Hkv] of an FP8 cache
+    v_scale: jnp.ndarray | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The scale keyword arguments of the ops (none for an unscaled cache)."""
+        return _scales(self)
+
+
+def _scales(case) -> dict:
+    if case.k_scale is None:
+        return {}
+    return dict(k_scale=case.k_scale, v_scale=case.v_scale)
+
+
+def _stored(rng, x, kv_dtype, num_kv_heads, scaled: bool):
+    """x (float32, NaN where nothing may be read, KV heads on axis -2) in ``kv_dtype``.
+
+    An FP8 cache gets per-head scales from the data (``fp8_scales``); the heads are given
+    magnitudes a few times apart first, so that a kernel applying one head's scale to
+    another fails. Returns (stored array, values it stands for as float32, k_scale-like
+    scale or None)."""
+    if not Q.is_fp8(kv_dtype):
+        stored = jnp.asarray(x, kv_dtype)
+        return stored, stored, None
+    mags = rng.uniform(0.25, 4.0, size=num_kv_heads).astype(np.float32)
+    x = x * mags[:, None]
+    scale = None
+    if scaled:
+        flat = jnp.asarray(x).reshape(-1, num_kv_heads, x.shape[-1])
+        scale = Q.fp8_scales(flat, flat, kv_dtype)[0]
+    stored = Q.quantize(jnp.asarray(x), kv_dtype, scale, head_axis=x.ndim - 2, saturate=True)
+    return stored, Q.dequantize(stored, scale, head_axis=x.ndim - 2), scale
 
 
 def make_paged_kv(
@@ -96,6 +137,8 @@ def make_paged_kv(
     page_size,
     layout="bshd",
     dtype=jnp.float32,
+    kv_dtype=None,
+    scaled=True,
     spare_pages=3,
     pad_pages=2,
     num_pages=None,
@@ -103,11 +146,14 @@ def make_paged_kv(
 ):
     """A NaN-poisoned paged cache holding random K/V for sequences of ``seq_lens`` tokens.
 
-    Returns (k_cache, v_cache, block_tables, dense_k, dense_v). Pages are a random
-    permutation; ``spare_pages`` unused pages exist (NaN); each table has ``pad_pages``
-    extra entries pointing at NaN pages; slots past a sequence's end are NaN.
+    Returns (k_cache, v_cache, block_tables, dense_k, dense_v, k_scale, v_scale). Pages are
+    a random permutation; ``spare_pages`` unused pages exist (NaN); each table has
+    ``pad_pages`` extra entries pointing at NaN pages; slots past a sequence's end are NaN.
     ``num_pages`` / ``max_pages`` fix the shapes so that jitted code does not recompile.
+    ``kv_dtype`` (default ``dtype``): an FP8 format stores the data quantised with per-head
+    scales (``scaled``; else unscaled, 1.0); dense_k / dense_v are then the values stored.
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     seq_lens = [int(n) for n in seq_lens]
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     used = sum(pages_per_seq)
@@ -120,7 +166,7 @@ def make_paged_kv(
     k = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)
     tables = rng.choice(nan_pages, size=(len(seq_lens), max_pages)).astype(np.int32)
-    dense_k, dense_v, at = [], [], 0
+    where, at = [], 0  # (sequence, page, rows) of every stored chunk
     for b, n in enumerate(seq_lens):
         kb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
         vb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
@@ -131,10 +177,20 @@ def make_paged_kv(
             chunk = slice(j * page_size, min(n, (j + 1) * page_size))
             m = chunk.stop - chunk.start
             k[page, :m], v[page, :m] = kb[chunk], vb[chunk]
-        dense_k.append(jnp.asarray(kb, dtype))
-        dense_v.append(jnp.asarray(vb, dtype))
-    kc, vc = L.convert(jnp.asarray(k, dtype), jnp.asarray(v, dtype), "bshd", layout)
-    return kc, vc, jnp.asarray(tables), dense_k, dense_v
+            where.append((b, page, m))
+    ks, kvals, k_scale = _stored(rng, k, kv_dtype, num_kv_heads, scaled)
+    vs, vvals, v_scale = _stored(rng, v, kv_dtype, num_kv_heads, scaled)
+    kvals, vvals = np.asarray(kvals, np.float32), np.asarray(vvals, np.float32)
+    dense_k, dense_v = [[] for _ in seq_lens], [[] for _ in seq_lens]
+    for b, page, m in where:
+        dense_k[b].append(kvals[page, :m])
+        dense_v[b].append(vvals[page, :m])
+    empty = np.zeros((0, num_kv_heads, head_dim), np.float32)
+    out_dtype = kv_dtype if not Q.is_fp8(kv_dtype) else jnp.float32
+    dense_k = [jnp.asarray(np.concatenate([empty, *c]), out_dtype) for c in dense_k]
+    dense_v = [jnp.asarray(np.concatenate([empty, *c]), out_dtype) for c in dense_v]
+    kc, vc = L.convert(ks, vs, "bshd", layout)
+    return kc, vc, jnp.asarray(tables), dense_k, dense_v, k_scale, v_scale
 
 
 def make_paged_decode(
@@ -149,7 +205,7 @@ def make_paged_decode(
     dtype=jnp.float32,
     **kw,
 ) -> PagedCase:
-    kc, vc, tables, dk, dv = make_paged_kv(
+    kc, vc, tables, dk, dv, ks, vs = make_paged_kv(
         rng,
         seq_lens,
         num_kv_heads=num_kv_heads,
@@ -160,7 +216,8 @@ def make_paged_decode(
         **kw,
     )
     q = random_normal(rng, (len(seq_lens), num_q_heads, head_dim), dtype)
-    return PagedCase(q, kc, vc, tables, jnp.asarray(seq_lens, jnp.int32), layout, page_size, dk, dv)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    return PagedCase(q, kc, vc, tables, lens, layout, page_size, dk, dv, ks, vs)
 
 
 # --- extend / prefix-prefill inputs ---------------------------------------------------
@@ -178,6 +235,12 @@ class ExtendCase:
     extend_lens: list
     dense_k: list  # per request [Lk, Hkv, D]
     dense_v: list
+    k_scale: jnp.ndarray | None = None
+    v_scale: jnp.ndarray | None = None
+
+    @property
+    def scales(self) -> dict:
+        return _scales(self)
 
 
 def make_extend(
@@ -189,6 +252,8 @@ def make_extend(
     num_kv_heads,
     head_dim,
     dtype=jnp.float32,
+    kv_dtype=None,
+    scaled=True,
     spare_slots=7,
     pad_rows=0,
     pad_indices=3,
@@ -200,7 +265,9 @@ def make_extend(
 
     ``num_slots`` / ``num_rows`` / ``num_indices`` fix the pool size, the rows of q and the
     length of kv_indices (padding included) so that jitted code does not recompile.
+    ``kv_dtype`` / ``scaled``: as in :func:`make_paged_kv`.
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     lks = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     total = sum(lks)
     num_slots = total + spare_slots + 1 if num_slots is None else num_slots
@@ -211,7 +278,7 @@ def make_extend(
     perm = rng.permutation(num_slots).astype(np.int32)
     k = np.full((num_slots, num_kv_heads, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)
-    indices, dense_k, dense_v, at = [], [], [], 0
+    indices, at = [], 0
     for lk in lks:
         slots = perm[at : at + lk]
         at += lk
@@ -219,8 +286,11 @@ def make_extend(
         vb = rng.standard_normal((lk, num_kv_heads, head_dim), dtype=np.float32)
         k[slots], v[slots] = kb, vb
         indices.append(slots)
-        dense_k.append(jnp.asarray(kb, dtype))
-        dense_v.append(jnp.asarray(vb, dtype))
+    ks, kvals, k_scale = _stored(rng, k, kv_dtype, num_kv_heads, scaled)
+    vs, vvals, v_scale = _stored(rng, v, kv_dtype, num_kv_heads, scaled)
+    dense = kv_dtype if not Q.is_fp8(kv_dtype) else jnp.float32
+    dense_k = [jnp.asarray(kvals[sl], dense) for sl in indices]
+    dense_v = [jnp.asarray(vvals[sl], dense) for sl in indices]
     nan_slots = perm[total:]
     indices.append(rng.choice(nan_slots, size=pad_indices).astype(np.int32))
     tq = sum(extend_lens)
@@ -229,8 +299,8 @@ def make_extend(
     kv = np.concatenate([[0], np.cumsum(lks)]).astype(np.int32)
     return ExtendCase(
         q,
-        jnp.asarray(k, dtype),
-        jnp.asarray(v, dtype),
+        ks,
+        vs,
         jnp.asarray(qo),
         jnp.asarray(kv),
         jnp.asarray(np.concatenate(indices)),
@@ -238,6 +308,8 @@ def make_extend(
         list(extend_lens),
         dense_k,
         dense_v,
+        k_scale,
+        v_scale,
     )
 
 
@@ -255,6 +327,12 @@ class PrefillCase:
     extend_lens: list
     dense_k: list
     dense_v: list
+    k_scale: jnp.ndarray | None = None
+    v_scale: jnp.ndarray | None = None
+
+    @property
+    def scales(self) -> dict:
+        return _scales(self)
 
 
 def make_prefix_prefill(
@@ -272,7 +350,7 @@ def make_prefix_prefill(
     **kw,
 ) -> PrefillCase:
     lks = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    kc, vc, tables, dk, dv = make_paged_kv(
+    kc, vc, tables, dk, dv, ks, vs = make_paged_kv(
         rng,
         lks,
         num_kv_heads=num_kv_heads,
@@ -298,6 +376,8 @@ def make_prefix_prefill(
         list(extend_lens),
         dk,
         dv,
+        ks,
+        vs,
     )
 
 
@@ -334,9 +414,12 @@ def expected_decode(case: PagedCase, *, scale=None, soft_cap=None):
     )
 
 
-def expected_ragged(q, qo_indptr, dense_k, dense_v, *, scale=None, soft_cap=None):
-    """float64 [Tq, Hq, D] for packed queries; padding rows are zeros."""
+def expected_ragged(q, qo_indptr, dense_k, dense_v, *, scale=None, soft_cap=None, q_scale=None):
+    """float64 [Tq, Hq, D] for packed queries; padding rows are zeros. ``q_scale``: q's
+    values are float32(q) * q_scale (an FP8 q)."""
     qo = np.asarray(qo_indptr)
+    if q_scale is not None:
+        q = np.asarray(jnp.asarray(q, jnp.float32), np.float64) * float(q_scale)
     out = np.zeros(q.shape, np.float64)
     for b in range(len(qo) - 1):
         out[qo[b] : qo[b + 1]] = naive_attention(
@@ -357,13 +440,19 @@ def call_decode(fn, case: PagedCase, **kw):
         case.block_tables,
         case.seq_lens,
         layout=case.layout,
-        **kw,
+        **{**case.scales, **kw},
     )
 
 
 def call_extend(fn, case: ExtendCase, **kw):
     return fn(
-        case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, case.kv_indices, **kw
+        case.q,
+        case.k_pool,
+        case.v_pool,
+        case.qo_indptr,
+        case.kv_indptr,
+        case.kv_indices,
+        **{**case.scales, **kw},
     )
 
 
@@ -376,7 +465,7 @@ def call_prefill(fn, case: PrefillCase, **kw):
         case.block_tables,
         case.seq_lens,
         layout=case.layout,
-        **kw,
+        **{**case.scales, **kw},
     )
 
 
@@ -385,8 +474,12 @@ def call_prefill(fn, case: PrefillCase, **kw):
 spec_paged_attention = jax.jit(
     ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
 )
-spec_extend_attention = jax.jit(ref.extend_attention, static_argnames=("scale", "soft_cap"))
-spec_prefix_prefill = jax.jit(ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap"))
+spec_extend_attention = jax.jit(
+    ref.extend_attention, static_argnames=("scale", "soft_cap", "out_dtype")
+)
+spec_prefix_prefill = jax.jit(
+    ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap", "out_dtype")
+)
 
 
 def spec_decode(case: PagedCase, **kw):
@@ -418,8 +511,14 @@ class CascadeCase:
     page_size: int
     joined_tables: jnp.ndarray  # int32 [B, max_prefix_pages + max_pages]: prefix then own
     joined_lens: jnp.ndarray  # int32 [B]
-    dense_k: list  # per request [prefix + own tokens, Hkv, D]
+    dense_k: list  # per request [prefix + own tokens, Hkv, D] (the values stored)
     dense_v: list
+    k_scale: jnp.ndarray | None = None  # f32 [Hkv] of an FP8 cache
+    v_scale: jnp.ndarray | None = None
+
+    @property
+    def scales(self) -> dict:
+        return _scales(self)
 
 
 def make_cascade(
@@ -434,6 +533,8 @@ def make_cascade(
     page_size,
     layout="bshd",
     dtype=jnp.float32,
+    kv_dtype=None,
+    scaled=True,
     spare_pages=3,
     pad_pages=2,
 ) -> CascadeCase:
@@ -443,8 +544,10 @@ def make_cascade(
     Pages are a random permutation of the pool; every slot that no request reads (spare
     pages, slots past an own length) holds NaN, and both tables carry ``pad_pages`` extra
     entries pointing at NaN pages. The joined tables (prefix pages, then own pages) give
-    the same problem to :func:`jaxattn.paged_attention`.
+    the same problem to :func:`jaxattn.paged_attention`. ``kv_dtype`` / ``scaled``: as in
+    :func:`make_paged_kv` (dense_k / dense_v are the values stored).
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     prefix_pages = [int(n) for n in prefix_pages]
     own_lens = [int(n) for n in own_lens]
     prefix_of = [int(g) for g in prefix_of]
@@ -460,15 +563,17 @@ def make_cascade(
     v = np.full_like(k, np.nan)
 
     def fill(n):
-        """n tokens on fresh pages: (page ids, K [n, Hkv, D], V)."""
+        """n tokens on fresh pages: their (page id, tokens on it) chunks."""
         pages = [data_pages.pop() for _ in range(-(-n // page_size))]
         kb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
         vb = rng.standard_normal((n, num_kv_heads, head_dim), dtype=np.float32)
+        chunks = []
         for j, page in enumerate(pages):
             chunk = slice(j * page_size, min(n, (j + 1) * page_size))
             k[page, : chunk.stop - chunk.start] = kb[chunk]
             v[page, : chunk.stop - chunk.start] = vb[chunk]
-        return pages, kb, vb
+            chunks.append((page, chunk.stop - chunk.start))
+        return chunks
 
     g_count, b_count = len(prefix_pages), len(own_lens)
     wp = max([*prefix_pages, 1]) + pad_pages
@@ -478,18 +583,28 @@ def make_cascade(
     joined = rng.choice(nan_pages, size=(b_count, wp + w)).astype(np.int32)
     prefixes = []
     for g, n in enumerate(prefix_pages):
-        pages, kb, vb = fill(n * page_size)
-        prefix_tables[g, :n] = pages
-        prefixes.append((pages, kb, vb))
-    dense_k, dense_v = [], []
+        chunks = fill(n * page_size)
+        prefix_tables[g, :n] = [page for page, _ in chunks]
+        prefixes.append(chunks)
+    requests = []  # each request's joined (page, tokens) chunks
     for b, n in enumerate(own_lens):
-        pages, kb, vb = fill(n)
-        tables[b, : len(pages)] = pages
-        pre_pages, pk, pv = prefixes[prefix_of[b]] if prefix_of[b] >= 0 else ([], kb[:0], vb[:0])
-        joined[b, : len(pre_pages) + len(pages)] = pre_pages + pages
-        dense_k.append(jnp.asarray(np.concatenate([pk, kb]), dtype))
-        dense_v.append(jnp.asarray(np.concatenate([pv, vb]), dtype))
-    kc, vc = L.convert(jnp.asarray(k, dtype), jnp.asarray(v, dtype), "bshd", layout)
+        chunks = fill(n)
+        tables[b, : len(chunks)] = [page for page, _ in chunks]
+        chunks = (prefixes[prefix_of[b]] if prefix_of[b] >= 0 else []) + chunks
+        joined[b, : len(chunks)] = [page for page, _ in chunks]
+        requests.append(chunks)
+    ks, kvals, k_scale = _stored(rng, k, kv_dtype, num_kv_heads, scaled)
+    vs, vvals, v_scale = _stored(rng, v, kv_dtype, num_kv_heads, scaled)
+    kvals, vvals = np.asarray(kvals, np.float32), np.asarray(vvals, np.float32)
+    empty = np.zeros((0, num_kv_heads, head_dim), np.float32)
+    dense = kv_dtype if not Q.is_fp8(kv_dtype) else jnp.float32
+    dense_k = [
+        jnp.asarray(np.concatenate([empty, *(kvals[p, :m] for p, m in c)]), dense) for c in requests
+    ]
+    dense_v = [
+        jnp.asarray(np.concatenate([empty, *(vvals[p, :m] for p, m in c)]), dense) for c in requests
+    ]
+    kc, vc = L.convert(ks, vs, "bshd", layout)
     lp = [prefix_pages[g] * page_size if g >= 0 else 0 for g in prefix_of]
     return CascadeCase(
         q=random_normal(rng, (b_count, num_q_heads, head_dim), dtype),
@@ -506,6 +621,8 @@ def make_cascade(
         joined_lens=jnp.asarray([a + b for a, b in zip(lp, own_lens, strict=True)], jnp.int32),
         dense_k=dense_k,
         dense_v=dense_v,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -522,7 +639,7 @@ def call_cascade(fn, case: CascadeCase, **kw):
         case.block_tables,
         case.seq_lens,
         layout=case.layout,
-        **kw,
+        **{**case.scales, **kw},
     )
 
 
@@ -556,5 +673,5 @@ def spec_joined(case: CascadeCase, **kw):
         case.joined_tables,
         case.joined_lens,
         layout=case.layout,
-        **kw,
+        **{**case.scales, **kw},
     )

@@ -15,6 +15,7 @@ arrays, so that a crash in a native kernel fails one test instead of the test pr
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -25,12 +26,19 @@ from helpers import make_cascade, make_extend, make_paged_decode, make_prefix_pr
 import jaxattn
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2)
+# The FP8 probes: an e4m3 cache with per-head scales under a bfloat16 q (what the GPU kernels
+# serve); the plain probes keep float32 throughout.
+FP8 = dict(dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
 
 
 def _decode(backend, case, tables=None, lens=None, q=None, k=None, v=None, partition_size=None):
     f = jax.jit(
         lambda *a: jaxattn.paged_attention(
-            *a, layout=case.layout, partition_size=partition_size, implementation=backend
+            *a,
+            layout=case.layout,
+            partition_size=partition_size,
+            implementation=backend,
+            **case.scales,
         )
     )
     return f(
@@ -49,12 +57,12 @@ def _rows_of(indptr, num_rows, requests):
     return mask
 
 
-def decode_probe(name, backend, rng):
+def decode_probe(name, backend, rng, **kv):
     split = name.endswith("_split")
     name = name.removesuffix("_split")
     ps = 16 if split else None
     case = make_paged_decode(
-        rng, [37, 20, 1, 50], **HEADS, head_dim=32, page_size=8, layout="bhsd", spare_pages=2
+        rng, [37, 20, 1, 50], **HEADS, head_dim=32, page_size=8, layout="bhsd", spare_pages=2, **kv
     )
     n = case.k_cache.shape[0]
     tables, lens = np.asarray(case.block_tables).copy(), np.asarray(case.seq_lens).copy()
@@ -81,9 +89,10 @@ def decode_probe(name, backend, rng):
     return out, want_nan, run("reference")
 
 
-def nan_probe(name, backend, rng):
-    """NaN in q or in an attended K/V element poisons exactly the rows that read it."""
-    case = make_paged_decode(rng, [37, 20, 9], **HEADS, head_dim=32, page_size=8)
+def nan_probe(name, backend, rng, **kv):
+    """NaN in q or in an attended K/V element poisons exactly the rows that read it (in an
+    FP8 cache: the format's NaN encoding)."""
+    case = make_paged_decode(rng, [37, 20, 9], **HEADS, head_dim=32, page_size=8, **kv)
     q, k, v = np.asarray(case.q), np.asarray(case.k_cache), np.asarray(case.v_cache)
     want_nan = np.zeros(q.shape[:2], bool)
     tables = np.asarray(case.block_tables)
@@ -134,9 +143,17 @@ def extend_probe(name, backend, rng):
     return out, np.broadcast_to(nan_rows[:, None], out.shape[:2]), run("reference")
 
 
-def prefill_probe(name, backend, rng):
+def prefill_probe(name, backend, rng, **kv):
     c = make_prefix_prefill(
-        rng, [5, 0, 9], [3, 4, 2], **HEADS, head_dim=32, page_size=4, layout="bshd", pad_rows=2
+        rng,
+        [5, 0, 9],
+        [3, 4, 2],
+        **HEADS,
+        head_dim=32,
+        page_size=4,
+        layout="bshd",
+        pad_rows=2,
+        **kv,
     )
     cu, tables, lens = (np.asarray(x).copy() for x in (c.cu_seqlens_q, c.block_tables, c.seq_lens))
     tq = c.q.shape[0]
@@ -149,17 +166,29 @@ def prefill_probe(name, backend, rng):
     elif name == "cu_decreasing":
         cu[2] = cu[1] - 1
         nan_rows = np.ones(tq, bool)
+    elif name == "nan_in_v":
+        # V element 3 of KV head 0 at key 2 of request 2 (prefix 9): every row of the request
+        # sees it, in query heads 0 and 1.
+        v = np.asarray(c.v_cache).copy()
+        v[tables[2, 0], 2, 0, 3] = np.nan
+        c.v_cache = jnp.asarray(v)
+        nan_rows = np.zeros((tq, 4), bool)
+        nan_rows[cu[2] : cu[3], :2] = True
     else:
         raise ValueError(name)
     args = (c.q, c.k_cache, c.v_cache, jnp.asarray(cu), jnp.asarray(tables), jnp.asarray(lens))
-    run = lambda b: jax.jit(lambda *a: jaxattn.prefix_prefill(*a, implementation=b))(*args)
+    f = lambda b: jax.jit(lambda *a: jaxattn.prefix_prefill(*a, implementation=b, **c.scales))
+    run = lambda b: f(b)(*args)
     out = run(backend)
-    return out, np.broadcast_to(nan_rows[:, None], out.shape[:2]), run("reference")
+    if nan_rows.ndim == 1:
+        nan_rows = np.broadcast_to(nan_rows[:, None], out.shape[:2])
+    return out, nan_rows, run("reference")
 
 
-def cascade_probe(name, backend, rng):
+def cascade_probe(name, backend, rng, **kv):
     """A bad prefix poisons every request that continues it (and no other); a bad prefix_of
-    or own page the request alone; entries past every length are never read."""
+    or own page the request alone; entries past every length are never read. ``kv``: the
+    FP8 probes' dtypes (the case's per-head scales go to every call)."""
     case = make_cascade(
         rng,
         [3, 2, 4],
@@ -169,6 +198,7 @@ def cascade_probe(name, backend, rng):
         head_dim=32,
         page_size=8,
         layout="bshd",
+        **kv,
     )
     n = case.k_cache.shape[0]
     ptab, plens, pof, tabs, lens = (
@@ -232,23 +262,23 @@ def cascade_probe(name, backend, rng):
         want_nan[sorted(users(0)), 2:4] = True
     arrays = (q, k, case.v_cache, ptab, plens, pof, tabs, lens)
     args = tuple(map(jnp.asarray, arrays))
-    run = lambda b: jax.jit(lambda *a: jaxattn.cascade_attention(*a, implementation=b))(*args)
+    run = lambda b: jax.jit(
+        lambda *a: jaxattn.cascade_attention(*a, **case.scales, implementation=b)
+    )(*args)
     return run(backend), want_nan, run("reference")
 
 
+_DECODE_PROBES = (
+    "page_at_num_pages",
+    "page_huge",
+    "page_negative",
+    "len_over_table",
+    "len_negative",
+    "garbage_past_length",
+)
+
 PROBES = {
-    **{
-        f"decode/{n}{s}": decode_probe
-        for n in (
-            "page_at_num_pages",
-            "page_huge",
-            "page_negative",
-            "len_over_table",
-            "len_negative",
-            "garbage_past_length",
-        )
-        for s in ("", "_split")
-    },
+    **{f"decode/{n}{s}": decode_probe for n in _DECODE_PROBES for s in ("", "_split")},
     **{f"nan/{n}": nan_probe for n in ("nan_in_q", "nan_in_k", "nan_in_v")},
     **{
         f"extend/{n}": extend_probe
@@ -263,7 +293,30 @@ PROBES = {
     },
     **{
         f"prefill/{n}": prefill_probe
-        for n in ("page_out_of_pool", "len_over_table", "cu_decreasing")
+        for n in ("page_out_of_pool", "len_over_table", "cu_decreasing", "nan_in_v")
+    },
+    **{
+        f"fp8_decode/{n}{s}": functools.partial(decode_probe, **FP8)
+        for n in ("page_huge", "page_negative", "len_over_table", "garbage_past_length")
+        for s in ("", "_split")
+    },
+    **{
+        f"fp8_nan/{n}": functools.partial(nan_probe, **FP8)
+        for n in ("nan_in_q", "nan_in_k", "nan_in_v")
+    },
+    **{
+        f"fp8_prefill/{n}": functools.partial(prefill_probe, **FP8)
+        for n in ("page_out_of_pool", "len_over_table", "cu_decreasing", "nan_in_v")
+    },
+    **{
+        f"fp8_cascade/{n}": functools.partial(cascade_probe, **FP8)
+        for n in (
+            "prefix_page_out_of_pool",
+            "prefix_len_over_table",
+            "own_page_out_of_pool",
+            "garbage_past_lengths",
+            "nan_in_prefix_k",
+        )
     },
     **{
         f"cascade/{n}": cascade_probe

@@ -17,6 +17,7 @@ interpreter carry the ``slow`` mark for that backend on the CPU only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -38,6 +39,7 @@ from helpers import (
     make_paged_decode,
     make_prefix_prefill,
     prefill_as_extend,
+    random_normal,
     spec_cascade,
     spec_decode,
     spec_extend,
@@ -75,14 +77,18 @@ def grid(names: str, cases, *, heavy=(), backends=BACKENDS):
     return pytest.mark.parametrize(["backend", *names], params)
 
 
-def _run(op, call, fn, backend, case, config=None, **kw):
-    """The public op on ``case`` with ``implementation=backend``; skipped with the
-    backend's reason when it does not serve the case."""
-    args = call(op.bind, case, **{k: v for k, v in kw.items()})
+def _skip_unless_served(op, call, backend, case, **kw):
+    args = call(op.bind, case, **kw)
     impl = op.implementation(backend)
     reason = impl.available(jax.default_backend()) or impl.supports(args)
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
+
+
+def _run(op, call, fn, backend, case, config=None, **kw):
+    """The public op on ``case`` with ``implementation=backend``; skipped with the
+    backend's reason when it does not serve the case."""
+    _skip_unless_served(op, call, backend, case, **kw)
     if backend != "pallas":
         config = None
     return call(fn, case, implementation=backend, config=config, **kw)
@@ -547,6 +553,363 @@ def test_extend_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
     assert_close(out, want_extend(backend, c, scale=0.1), dtype)
 
 
+# --- FP8 KV caches ---------------------------------------------------------------------------
+#
+# The kernels are compared with the spec on the same stored FP8 values and per-head scales
+# (the heads' magnitudes are drawn a few times apart, so a kernel applying the wrong head's
+# scale fails); the reference is compared with float64 attention over the dequantised values.
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+@grid(
+    "kv_dtype, dtype, layout, heads, partition_size, soft_cap",
+    [
+        (E4M3, jnp.bfloat16, "bshd", (8, 2), None, None),
+        (E5M2, jnp.bfloat16, "bhsd", (8, 2), 128, None),
+        (E4M3, jnp.float16, "bhsd", (4, 4), None, 4.0),
+        (E5M2, jnp.float16, "bshd", (16, 1), 128, None),
+        (E4M3, jnp.float32, "bshd", (4, 2), 128, None),
+        (E4M3, jnp.bfloat16, "bshd", (32, 2), None, None),
+        (E5M2, jnp.bfloat16, "vllm", (8, 2), None, None),
+    ],
+    heavy=(3, 5),
+)
+def test_decode_fp8(rng, backend, kv_dtype, dtype, layout, heads, partition_size, soft_cap):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [1, 3, 17, 255, 513],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=0.3, partition_size=partition_size, soft_cap=soft_cap)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert_close(out, want_decode(backend, case, scale=0.3, soft_cap=soft_cap), dtype)
+
+
+@grid("kv_dtype", [E4M3, E5M2])
+def test_decode_fp8_unscaled_and_head_dim_64(rng, backend, kv_dtype):
+    # No scales: a stored element is its own value (1.0).
+    case = make_paged_decode(
+        rng,
+        [40, 300],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=32,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+        scaled=False,
+    )
+    assert case.k_scale is None
+    out = decode(backend, case, scale=0.125)
+    assert_close(out, want_decode(backend, case, scale=0.125), jnp.bfloat16)
+
+
+@grid(
+    "kv_dtype, dtype, heads, q_fp8",
+    [
+        (E4M3, jnp.bfloat16, (8, 2), False),
+        (E5M2, jnp.float16, (4, 4), False),
+        (E4M3, jnp.float32, (8, 1), False),
+        (E4M3, jnp.bfloat16, (8, 2), True),
+        (E5M2, jnp.float16, (4, 1), True),
+    ],
+    heavy=(1, 2, 4),
+)
+def test_extend_fp8(rng, backend, kv_dtype, dtype, heads, q_fp8):
+    hq, hkv = heads
+    c = make_extend(
+        rng,
+        [40, 0, 130],
+        [20, 70, 3],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=64,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=3,
+    )
+    kw = dict(scale=0.3)
+    if q_fp8:
+        # The mixed mode: an FP8 q with its scale; the output dtype is stated.
+        q_scale = float(jnp.max(jnp.abs(c.q.astype(jnp.float32)))) / 448.0
+        c.q = (c.q.astype(jnp.float32) / q_scale).astype(E4M3)
+        kw.update(q_scale=q_scale, out_dtype=dtype)
+    cfg = P.ExtendConfig(block_q=32, block_n=32)
+    out = extend(backend, c, cfg, **kw)
+    assert out.dtype == dtype
+    if backend == "reference":
+        want = expected_ragged(
+            c.q, c.qo_indptr, c.dense_k, c.dense_v, scale=0.3, q_scale=kw.get("q_scale")
+        )
+    else:
+        want = spec_extend(c, **kw)
+    assert_close(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)
+
+
+@grid(
+    "kv_dtype, dtype, layout, page_size, q_fp8",
+    [
+        (E4M3, jnp.bfloat16, "bshd", 16, False),
+        (E5M2, jnp.bfloat16, "bhsd", 1, False),
+        (E4M3, jnp.float16, "bhsd", 64, True),
+        (E5M2, jnp.float32, "bshd", 16, False),
+        (E4M3, jnp.bfloat16, "vllm", 16, False),
+    ],
+    heavy=(1, 2, 3),
+)
+def test_prefill_fp8(rng, backend, kv_dtype, dtype, layout, page_size, q_fp8):
+    c = make_prefix_prefill(
+        rng,
+        [0, 200, 33],
+        [17, 1, 130],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=2,
+    )
+    kw = dict(scale=0.3)
+    if q_fp8:
+        kw.update(q_scale=0.02)
+        c.q = (c.q.astype(jnp.float32) / 0.02).astype(E5M2)  # out_dtype: bfloat16 by default
+        dtype = jnp.bfloat16
+    out = prefill(backend, c, P.ExtendConfig(block_q=32, block_n=32), **kw)
+    assert out.dtype == dtype
+    if backend == "reference":
+        want = expected_ragged(
+            c.q, c.cu_seqlens_q, c.dense_k, c.dense_v, scale=0.3, q_scale=kw.get("q_scale")
+        )
+    else:
+        want = spec_prefill(c, **kw)
+    assert_close(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0.0)
+
+
+@grid("dummy", [0])
+def test_fp8_decode_jitted_with_traced_scales(rng, backend, dummy):
+    case = make_paged_decode(
+        rng,
+        [300, 77],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=E4M3,
+    )
+    _skip_unless_served(ops.PAGED_ATTENTION, call_decode, backend, case)
+    f = jax.jit(
+        lambda q, k, v, t, n, ks, vs: jaxattn.paged_attention(
+            q, k, v, t, n, k_scale=ks, v_scale=vs, partition_size=64, implementation=backend
+        )
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    if backend == "native":
+        assert "jaxattn_paged_attention" in f.lower(*args, case.k_scale, case.v_scale).as_text()
+    a = f(*args, case.k_scale, case.v_scale)
+    assert_close(a, want_decode(backend, case, scale=32**-0.5), jnp.bfloat16)
+    # New scale values: the same executable, the new values' result.
+    b = f(*args, 4 * case.k_scale, 0.5 * case.v_scale)
+    want = spec_decode(case, k_scale=4 * case.k_scale, v_scale=0.5 * case.v_scale)
+    assert_close(b, want, jnp.bfloat16)
+
+
+def _every_code(kv_dtype, finite_only: bool):
+    """Every code of the format (finite ones only, or with NaN) as an array of kv_dtype."""
+    codes = np.arange(256, dtype=np.uint8).view(np.dtype(kv_dtype))
+    if finite_only:
+        codes = codes[np.isfinite(codes.astype(np.float32))]
+    return codes
+
+
+@grid("kv_dtype, dtype", [(E4M3, jnp.bfloat16), (E5M2, jnp.float16), (E4M3, jnp.float32)])
+def test_fp8_every_code_is_widened_exactly(rng, backend, kv_dtype, dtype):
+    """One key whose V row holds all 256 codes: its softmax weight is exactly 1, so the
+    output is V itself -- every code widened exactly (NaN codes give NaN in their element
+    only), in decode, prefix prefill and extend. Infinities (e5m2) are left out: the spec
+    turns a non-finite value into NaN, which a multiply by 1 does not."""
+    codes = _every_code(kv_dtype, finite_only=False)
+    codes = codes[~np.isinf(codes.astype(np.float32))]
+    v_row = np.zeros(256, codes.dtype)
+    v_row[: codes.size] = codes
+    hkv, d = 2, 128
+    v = np.asarray(rng.permutation(v_row)).reshape(1, 1, hkv, d)  # bshd, page size 1
+    k = np.asarray(rng.permutation(_every_code(kv_dtype, True)))[: hkv * d // 2]
+    k = np.concatenate([k, k]).reshape(1, 1, hkv, d)
+    k_cache, v_cache = jnp.asarray(k), jnp.asarray(v)
+    want = np.repeat(v.astype(np.float32).reshape(1, hkv, d), 4, axis=1)  # 8 / 2 query heads
+    q = random_normal(rng, (1, 8, d), dtype) * 0.01
+    one = jnp.zeros((1, 1), jnp.int32)  # block table: page 0
+    k_scale = 1.0 / float(jnp.finfo(kv_dtype).max)  # logits stay small; V's scale stays 1
+
+    outs = {}
+    args = (q, k_cache, v_cache, one, jnp.ones((1,), jnp.int32))
+    bound = ops.PAGED_ATTENTION.bind(*args, k_scale=k_scale)
+    impl = ops.PAGED_ATTENTION.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["decode"] = jaxattn.paged_attention(*args, k_scale=k_scale, implementation=backend)
+    cu = jnp.asarray([0, 1], jnp.int32)
+    args = (q, k_cache, v_cache, cu, one, jnp.ones((1,), jnp.int32))
+    bound = ops.PREFIX_PREFILL.bind(*args, k_scale=k_scale)
+    impl = ops.PREFIX_PREFILL.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["prefill"] = jaxattn.prefix_prefill(*args, k_scale=k_scale, implementation=backend)
+    pool = (k_cache.reshape(1, hkv, d), v_cache.reshape(1, hkv, d))
+    args = (q, *pool, cu, cu, jnp.zeros((1,), jnp.int32))
+    bound = ops.EXTEND_ATTENTION.bind(*args, k_scale=k_scale)
+    impl = ops.EXTEND_ATTENTION.implementation(backend)
+    if not (impl.available(jax.default_backend()) or impl.supports(bound)):
+        outs["extend"] = jaxattn.extend_attention(*args, k_scale=k_scale, implementation=backend)
+    if not outs:
+        pytest.skip(f"{backend} serves none of the ops with {np.dtype(kv_dtype)}")
+    for name, out in outs.items():
+        got = np.asarray(out, np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)], err_msg=name)
+
+
+@grid("kv_dtype", [E4M3, E5M2], heavy=(0, 1))
+def test_fp8_every_finite_code_in_k_and_v(rng, backend, kv_dtype):
+    """Every finite code in K and in V of a real decode (and prefill), against the spec."""
+    codes = _every_code(kv_dtype, finite_only=True)
+    case = make_paged_decode(
+        rng,
+        [300, 70],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.float32,
+        kv_dtype=kv_dtype,
+    )
+    big = float(jnp.finfo(kv_dtype).max)
+
+    def fill(cache):
+        c = np.asarray(cache).copy()
+        live = ~np.isnan(c.astype(np.float32))
+        c[live] = np.resize(rng.permutation(codes), int(live.sum()))
+        return jnp.asarray(c)
+
+    case.k_cache, case.v_cache = fill(case.k_cache), fill(case.v_cache)
+    # Scales that bring the format's range to about 1, different per head.
+    case.k_scale = jnp.asarray([1.0 / big, 3.0 / big], jnp.float32)
+    case.v_scale = jnp.asarray([2.0 / big, 0.5 / big], jnp.float32)
+    out = decode(backend, case, scale=0.5, partition_size=128)
+    assert_close(out, spec_decode(case, scale=0.5), jnp.float32)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, heads",
+    [
+        (kv, dt, h)
+        for kv in (E4M3, E5M2)
+        for dt in (jnp.bfloat16, jnp.float16)
+        for h in ((32, 8), (32, 32), (64, 4), (128, 8))
+    ],
+    backends=("pallas", "native"),
+)
+def test_decode_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
+    hq, hkv = heads
+    case = make_paged_decode(
+        rng,
+        [4097, 1, 1000, 8191, 255],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=128**-0.5)
+    assert_close(out, want_decode(backend, case, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, head_dim",
+    [(E4M3, jnp.bfloat16, 64), (E5M2, jnp.float16, 256), (E4M3, jnp.bfloat16, 256)],
+    backends=("pallas", "native"),
+)
+def test_decode_fp8_head_dims(rng, backend, kv_dtype, dtype, head_dim):
+    case = make_paged_decode(
+        rng,
+        [700, 33, 4100],
+        num_q_heads=16,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    out = decode(backend, case, scale=0.1)
+    assert_close(out, want_decode(backend, case, scale=0.1), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, layout",
+    [
+        (E4M3, jnp.bfloat16, "bshd"),
+        (E5M2, jnp.bfloat16, "bhsd"),
+        (E4M3, jnp.float16, "bhsd"),
+        (E5M2, jnp.float16, "bshd"),
+    ],
+    backends=("pallas", "native"),
+)
+def test_prefill_fp8_serving_shapes(rng, backend, kv_dtype, dtype, layout):
+    c = make_prefix_prefill(
+        rng,
+        [2048, 1000, 0],
+        [512, 24, 300],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=4,
+    )
+    out = prefill(backend, c, scale=128**-0.5)
+    assert_close(out, want_prefill(backend, c, scale=128**-0.5), dtype)
+
+
+@pytest.mark.gpu
+@grid(
+    "kv_dtype, dtype, heads",
+    [(E4M3, jnp.bfloat16, (32, 8)), (E5M2, jnp.float16, (64, 4)), (E4M3, jnp.bfloat16, (32, 32))],
+    backends=("pallas", "native"),
+)
+def test_extend_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
+    hq, hkv = heads
+    c = make_extend(
+        rng,
+        [2048, 0, 1000, 4097],
+        [512, 1000, 24, 1],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=5,
+    )
+    out = extend(backend, c, scale=128**-0.5)
+    assert_close(out, want_extend(backend, c, scale=128**-0.5), dtype)
+
+
 # --- cascade decode -------------------------------------------------------------------------
 
 # Small tiles and splits for the kernels, so that small cases still have several prefix
@@ -741,6 +1104,152 @@ def test_cascade_deterministic_and_jitted(rng, backend, dummy):
     assert_close(a, want_cascade(backend, case, scale=0.2), jnp.bfloat16)
 
 
+# FP8 and scaled caches in cascade decode: both levels read one cache, so the per-KV-head
+# scales apply to the prefix and the own pages alike (the heads' magnitudes are drawn a few
+# times apart, so a wrong head's scale fails). The native GPU kernels read 16-bit / f32 K/V
+# only: their supports() refuses an FP8 cache (test_cascade_native_gpu_refuses_fp8).
+
+
+@grid(
+    "kv_dtype, dtype, layout, heads, soft_cap",
+    [
+        (E4M3, jnp.bfloat16, "bshd", (8, 2), None),
+        (E5M2, jnp.float16, "bhsd", (4, 1), None),
+        (E4M3, jnp.float32, "bshd", (8, 4), 4.0),
+        (E5M2, jnp.bfloat16, "vllm", (4, 2), None),
+    ],
+    heavy=(2,),
+)
+def test_cascade_fp8(rng, backend, kv_dtype, dtype, layout, heads, soft_cap):
+    hq, hkv = heads
+    case = make_cascade(
+        rng,
+        [5, 2],
+        [0, 1, 0, -1, 0, 1],
+        [3, 40, 0, 17, 9, 1],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=32,
+        page_size=8,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+    assert case.k_scale is not None
+    out = cascade(backend, case, "small", scale=0.3, soft_cap=soft_cap)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert_close(out, want_cascade(backend, case, scale=0.3, soft_cap=soft_cap), dtype)
+
+
+@grid("kv_dtype", [E4M3, E5M2])
+def test_cascade_fp8_unscaled(rng, backend, kv_dtype):
+    """No scales: a stored element is its own value."""
+    case = make_cascade(
+        rng,
+        [3],
+        [0, 0, -1],
+        [20, 1, 6],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+        scaled=False,
+    )
+    assert case.k_scale is None
+    out = cascade(backend, case, "small", scale=0.125)
+    assert_close(out, want_cascade(backend, case, scale=0.125), jnp.bfloat16)
+
+
+@grid("dtype", [jnp.bfloat16, jnp.float32])
+def test_cascade_scaled_16bit_cache(rng, backend, dtype):
+    """A bfloat16 / float32 cache with per-head scales != 1 (every backend, the native GPU
+    kernels included, applies k_scale to both levels' logits and v_scale to the merged
+    output): the values are the stored elements times the scales."""
+    case = make_cascade(
+        rng,
+        [4, 1],
+        [1, 0, -1, 0, 0],
+        [7, 0, 33, 2, 18],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=dtype,
+    )
+    ks = jnp.asarray([0.5, 3.0], jnp.float32)
+    vs = jnp.asarray([2.0, 0.25], jnp.float32)
+    out = cascade(backend, case, "small", scale=0.3, k_scale=ks, v_scale=vs)
+    if backend == "reference":
+        # float64 over the dequantised values (each KV head's elements times its scale).
+        scaled = dataclasses.replace(
+            case,
+            dense_k=[d.astype(jnp.float32) * ks[None, :, None] for d in case.dense_k],
+            dense_v=[d.astype(jnp.float32) * vs[None, :, None] for d in case.dense_v],
+        )
+        want = expected_cascade(scaled, scale=0.3)
+        assert_close(spec_joined(case, scale=0.3, k_scale=ks, v_scale=vs), want, dtype)
+    else:
+        want = spec_cascade(case, scale=0.3, k_scale=ks, v_scale=vs)
+    assert_close(out, want, dtype)
+    # The scales change the result: a backend that dropped them would match the unscaled op.
+    plain = spec_cascade(case, scale=0.3)
+    assert not np.allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+@grid("kv_dtype", [E4M3, jnp.bfloat16])
+def test_cascade_jitted_with_traced_scales(rng, backend, kv_dtype):
+    """Scales are operands: new values reuse the compiled call and give the new result."""
+    case = make_cascade(
+        rng,
+        [4],
+        [0, 0, -1, 0],
+        [5, 30, 12, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=kv_dtype,
+    )
+    ks = case.k_scale if case.k_scale is not None else jnp.asarray([0.5, 2.0], jnp.float32)
+    vs = case.v_scale if case.v_scale is not None else jnp.asarray([1.5, 0.75], jnp.float32)
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.prefix_tables,
+        case.prefix_lens,
+        case.prefix_of,
+        case.block_tables,
+        case.seq_lens,
+    )
+    _skip_unless_served(ops.CASCADE_ATTENTION, call_cascade, backend, case, k_scale=ks)
+    traces = []
+
+    def run(*a):
+        traces.append(1)
+        *a, k_scale, v_scale = a
+        return jaxattn.cascade_attention(
+            *a, scale=0.2, k_scale=k_scale, v_scale=v_scale, implementation=backend
+        )
+
+    f = jax.jit(run)
+    if backend == "native":
+        assert "jaxattn_cascade_attention" in f.lower(*args, ks, vs).as_text()
+    for k_scale, v_scale in ((ks, vs), (4 * ks, 0.5 * vs)):
+        out = f(*args, k_scale, v_scale)
+        want = spec_cascade(
+            dataclasses.replace(case, k_scale=None, v_scale=None),
+            scale=0.2,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        assert_close(out, want, jnp.bfloat16)
+    assert len(traces) == 1
+
+
 @pytest.mark.gpu
 @grid(
     "dtype, heads, batch",
@@ -802,6 +1311,14 @@ def test_refusals(rng, backend):
         case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=48, page_size=16)
         with pytest.raises(NotImplementedError, match="head_dim"):
             call_decode(jaxattn.paged_attention, case, implementation=backend)
+    if backend == "native" and ON_GPU:
+        # An fp8 cache under a float32 q: the CPU handlers serve it, the GPU kernels do not.
+        case = make_paged_decode(
+            rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16, kv_dtype=E4M3
+        )
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+            call_decode(jaxattn.paged_attention, case, implementation=backend)
+        assert_close(call_decode(jaxattn.paged_attention, case), spec_decode(case))
     q = jnp.zeros((1, 4, 32), jnp.bfloat16)
     case = make_paged_decode(rng, [5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
     with pytest.raises(NotImplementedError, match="dtype"):
@@ -813,6 +1330,44 @@ def test_refusals(rng, backend):
             case.seq_lens,
             implementation=backend,
         )
+
+
+def test_cascade_native_gpu_refuses_fp8(rng, monkeypatch):
+    """The native GPU cascade kernels read 16-bit / f32 K/V: their supports() names an FP8
+    cache (asked as on a GPU, so that a CPU run checks the rule too), accepts per-head scales
+    on a 16-bit cache, and implementation=None serves the FP8 case elsewhere, exactly."""
+    case = make_cascade(
+        rng,
+        [2],
+        [0, -1, 0],
+        [4, 9, 0],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        kv_dtype=E4M3,
+    )
+    impl = ops.CASCADE_ATTENTION.implementation("native")
+    bound = call_cascade(ops.CASCADE_ATTENTION.bind, case)
+    with monkeypatch.context() as m:
+        m.setattr(native, "_platform", lambda: "cuda")
+        reason = impl.supports(bound)
+        assert reason is not None and "float8_e4m3fn" in reason and "cascade" in reason
+        plain = dataclasses.replace(
+            case,
+            k_cache=case.k_cache.astype(jnp.bfloat16),
+            v_cache=case.v_cache.astype(jnp.bfloat16),
+        )
+        assert impl.supports(call_cascade(ops.CASCADE_ATTENTION.bind, plain)) is None
+    if ON_GPU and NATIVE:
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+            call_cascade(jaxattn.cascade_attention, case, implementation="native")
+    # None: the first backend that serves it (never the refusing kernel reported as run).
+    resolved = ops.CASCADE_ATTENTION.resolve(bound, None)
+    if ON_GPU:
+        assert resolved.backend != "native"
+    assert_close(call_cascade(jaxattn.cascade_attention, case), spec_cascade(case), jnp.bfloat16)
 
 
 @pytest.mark.skipif(ON_GPU or not NATIVE, reason="the CPU handlers take any head_dim")

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, naive_attention
+from helpers import assert_close, naive_attention, tol
 
+import jaxattn
 from jaxattn import layout as L
 from jaxattn import reference
 from jaxattn.kv import copy_blocks, copy_blocks_donated, write_kv, write_kv_donated
@@ -285,3 +286,143 @@ def test_bad_arguments_name_the_argument():
         copy_blocks(kc, vc, s[None], s)
     with pytest.raises(TypeError, match="src"):
         copy_blocks(kc, vc, [0], s)
+
+
+# --- FP8 caches: quantising writes ------------------------------------------------------
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+_fp8_id = lambda d: np.dtype(d).name  # noqa: E731
+
+
+def _stored_np(x, scale, dtype):
+    """What an FP8 cache must hold for x [T, H, D] with per-head scale [H]: ml_dtypes'
+    round-to-nearest-even of x / scale after clipping to the finite range."""
+    big = float(jnp.finfo(dtype).max)
+    y = np.asarray(x, np.float32) / np.asarray(scale, np.float32)[None, :, None]
+    return np.clip(y, -big, big).astype(np.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+@pytest.mark.parametrize("layout", L.LAYOUTS)
+def test_write_kv_quantises_with_per_head_scales(layout, dtype):
+    rng = np.random.default_rng(5)
+    num_pages, page_size, hkv, d, t = 6, 4, 3, 32, 11
+    kc, vc = nan_cache(layout, num_pages, page_size, hkv, d, dtype)
+    mags = np.array([0.01, 1.0, 300.0], np.float32)[:, None]  # heads far apart
+    k = rng.standard_normal((t, hkv, d), dtype=np.float32) * mags
+    v = rng.standard_normal((t, hkv, d), dtype=np.float32) * mags[::-1]
+    k_scale, v_scale = jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v), dtype)
+    slots = rng.choice(num_pages * page_size, size=t, replace=False).astype(np.int32)
+    write = jax.jit(write_kv, static_argnames="layout")
+    kc, vc = write(
+        kc, vc, k, v, jnp.asarray(slots), layout=layout, k_scale=k_scale, v_scale=v_scale
+    )
+    assert kc.dtype == dtype and vc.dtype == dtype
+    got_k = L.gather_tokens(kc, jnp.asarray(slots), layout, "k")
+    got_v = L.gather_tokens(vc, jnp.asarray(slots), layout, "v")
+    # Exactly the format's rounding of x / scale ...
+    np.testing.assert_array_equal(np.asarray(got_k), _stored_np(k, k_scale, dtype))
+    np.testing.assert_array_equal(np.asarray(got_v), _stored_np(v, v_scale, dtype))
+    # ... so that element * scale gives x back within half an ulp of the format (the scale
+    # maps each head's amax to the format's max, so no head falls into the subnormals).
+    for got, x, s in ((got_k, k, k_scale), (got_v, v, v_scale)):
+        back = np.asarray(got, np.float32) * np.asarray(s)[None, :, None]
+        t_ = tol(dtype)
+        np.testing.assert_allclose(back, x, rtol=t_["rtol"], atol=t_["atol"] * np.asarray(s).max())
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_write_kv_saturates_and_keeps_nan(dtype):
+    kc, vc = nan_cache("bshd", 2, 4, 2, 8, dtype)
+    big = float(jnp.finfo(dtype).max)
+    x = np.zeros((5, 2, 8), np.float32)
+    x[0, 0, :4] = [1e30, -1e30, np.inf, -np.inf]
+    x[1, 1, :3] = [big * 1.06, -big * 1.2, np.nan]  # past the largest finite value
+    x[2] = 3.0
+    kc, vc = jax.jit(write_kv)(kc, vc, x, x, jnp.arange(5, dtype=jnp.int32), k_scale=0.5)
+    got = np.asarray(kc[:2].reshape(8, 2, 8)[:5], np.float32)
+    np.testing.assert_array_equal(got[0, 0, :4], [big, -big, big, -big])  # never inf / NaN
+    np.testing.assert_array_equal(got[1, 1, :2], [big, -big])
+    assert np.isnan(got[1, 1, 2])
+    assert np.isfinite(np.delete(got.reshape(-1), 1 * 16 + 8 + 2)).all()
+    np.testing.assert_array_equal(got[2], 6.0)  # 3 / 0.5
+    # Without a scale an FP8 cache still saturates (the V cache here).
+    gv = np.asarray(vc[:2].reshape(8, 2, 8)[:5], np.float32)
+    np.testing.assert_array_equal(gv[0, 0, :4], [big, -big, big, -big])
+    np.testing.assert_array_equal(gv[2], 3.0)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
+def test_write_kv_round_trip_through_attention(dtype):
+    """Written with fp8_scales and read by the ops with the same scales, attention is within
+    the format's error of attention over the exact values."""
+    rng = np.random.default_rng(6)
+    hq, hkv, d, n = 8, 2, 64, 150
+    kc, vc = nan_cache("bshd", 12, 16, hkv, d, dtype)
+    k = rng.standard_normal((n, hkv, d), dtype=np.float32) * np.float32([[0.2], [20.0]])
+    v = rng.standard_normal((n, hkv, d), dtype=np.float32) * np.float32([[5.0], [0.05]])
+    ks, vs = jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v), dtype)
+    kc, vc = write_kv(kc, vc, k, v, jnp.arange(n, dtype=jnp.int32), k_scale=ks, v_scale=vs)
+    q = rand(rng, (1, hq, d), jnp.float32) * 0.3
+    tables = jnp.arange(12, dtype=jnp.int32)[None]
+    out = jaxattn.paged_attention(
+        q, kc, vc, tables, jnp.asarray([n], jnp.int32), k_scale=ks, v_scale=vs
+    )
+    want = naive_attention(q, k, v)
+    # Per head, relative to its values' magnitude: an output is a convex mix of values.
+    err = np.abs(np.asarray(out[0]) - want[0]).max(axis=-1)
+    mag = np.repeat(np.abs(v).max(axis=(0, 2)), hq // hkv)
+    assert (err / mag < {jnp.float8_e4m3fn: 0.05, jnp.float8_e5m2: 0.1}[dtype]).all(), err / mag
+
+
+def test_write_kv_scales_are_traced():
+    traces = []
+
+    def f(kc, vc, x, s, ks):
+        traces.append(1)
+        return write_kv(kc, vc, x, x, s, k_scale=ks, v_scale=ks)
+
+    g = jax.jit(f)
+    kc, vc = nan_cache("bshd", 2, 4, 2, 8, jnp.float8_e4m3fn)
+    x = jnp.ones((3, 2, 8), jnp.float32)
+    s = jnp.arange(3, dtype=jnp.int32)
+    a, _ = g(kc, vc, x, s, jnp.array([1.0, 2.0]))
+    b, _ = g(kc, vc, x, s, jnp.array([0.25, 0.5]))
+    assert len(traces) == 1
+    np.testing.assert_array_equal(np.asarray(a[0, :3], np.float32)[:, :, 0], [[1, 0.5]] * 3)
+    np.testing.assert_array_equal(np.asarray(b[0, :3], np.float32)[:, :, 0], [[4, 2]] * 3)
+
+
+def test_fp8_scales():
+    k = np.zeros((4, 3, 8), np.float32)
+    k[1, 0, 2] = -896.0  # head 0: amax 896 -> 2.0 for e4m3
+    k[2, 1, 5] = 44.8  # head 1: 0.1
+    k[3, 1, 0] = np.nan  # ignored
+    k[0, 2, :] = np.inf  # head 2: nothing finite and nonzero -> 1.0
+    v = np.full((4, 3, 8), 57344.0, np.float32)
+    ks, vs = jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v))
+    np.testing.assert_allclose(np.asarray(ks), [2.0, 0.1, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(vs), [128.0] * 3)
+    _, vs = jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v), jnp.float8_e5m2)
+    np.testing.assert_allclose(np.asarray(vs), [1.0] * 3)
+    # Any leading axes: [layers, T, Hkv, D] gives one scale per head over all of them.
+    ks2, _ = jaxattn.fp8_scales(jnp.asarray(k)[None], jnp.asarray(v)[None])
+    np.testing.assert_array_equal(np.asarray(ks2), np.asarray(ks))
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v), jnp.bfloat16)
+    with pytest.raises(ValueError, match="k must be"):
+        jaxattn.fp8_scales(jnp.zeros(3), jnp.asarray(v))
+    with pytest.raises(ValueError, match="same number of KV heads"):
+        jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v)[:, :2])
+
+
+def test_write_kv_scale_validation():
+    kc, vc = nan_cache("bshd", 2, 4, 2, 8, jnp.float8_e4m3fn)
+    x = jnp.ones((3, 2, 8), jnp.float32)
+    s = jnp.arange(3, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="k_scale must be a scalar or float32"):
+        write_kv(kc, vc, x, x, s, k_scale=jnp.ones(3))
+    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
+        write_kv(kc, vc, x, x, s, v_scale=jnp.array([1.0, -1.0]))
+    with pytest.raises(TypeError, match="k and v must be float"):
+        write_kv(kc, vc, x.astype(jnp.int32), x, s)

@@ -138,20 +138,45 @@ def test_handler_reports_bad_arguments(rng):
         (jax.ShapeDtypeStruct(case.q.shape, case.q.dtype), jax.ShapeDtypeStruct((1,), jnp.float32)),
         vmap_method="sequential",
     )
-    with pytest.raises(Exception, match="seq_lens must be"):
-        jax.block_until_ready(
+    no_scale = jnp.zeros((0,), jnp.float32)
+
+    def run(seq_lens, k_scale=no_scale, k_cache=case.k_cache):
+        return jax.block_until_ready(
             call(
                 case.q,
-                case.k_cache,
+                k_cache,
                 case.v_cache,
                 case.block_tables,
-                case.seq_lens[:1],
+                seq_lens,
+                k_scale,
+                no_scale,
                 scale=np.float32(0.2),
                 soft_cap=np.float32(0),
                 layout=np.int32(0),
                 partition_size=np.int32(0),
             )
         )
+
+    with pytest.raises(Exception, match="seq_lens must be"):
+        run(case.seq_lens[:1])
+    with pytest.raises(Exception, match="k_scale must be float32"):
+        run(case.seq_lens, jnp.ones((3,), jnp.float32))
+    with pytest.raises(Exception, match="k_cache and v_cache must share"):
+        run(case.seq_lens, k_cache=case.k_cache.astype(jnp.float8_e4m3fn))
+
+
+def test_stale_library_is_refused(monkeypatch, tmp_path):
+    """A library built from older sources (another operand list) is refused by name instead
+    of failing inside XLA."""
+
+    class Old:
+        def jaxattn_ffi_abi(self):
+            return 1
+
+    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: Old())
+    monkeypatch.setattr(native, "library_path", lambda platform: str(tmp_path / "lib.so"))
+    why = native._register("cpu")
+    assert "operand list version 1" in why and "rebuild" in why
 
 
 def test_missing_library_names_the_build(monkeypatch):

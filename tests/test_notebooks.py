@@ -7,6 +7,7 @@ Rebuild a notebook's committed outputs with ``python examples/notebooks/build.py
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -18,6 +19,18 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = {"kernels_vs_spec", "paging_memory", "radix_cache"}
+
+
+def _kernel_env():
+    """The kernel's environment: the directory of the jaxattn under test first on its path,
+    so that a notebook runs this code and not another copy an installed package (an editable
+    install of another checkout) would resolve first from the notebook's directory."""
+    import jaxattn
+
+    root = pathlib.Path(jaxattn.__file__).resolve().parents[1]
+    search = [str(root), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in search if p))
+
 
 # A budget for a hung kernel or a runaway cell, not a performance bound: CI machines are
 # shared and the notebooks take 1-2 minutes on an idle 2-core CPU.
@@ -54,7 +67,7 @@ def test_notebook_executes(path):
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
     )
     deadline = time.monotonic() + TIMEOUT_S
-    with client.setup_kernel():
+    with client.setup_kernel(env=_kernel_env()):
         for index, cell in enumerate(nb.cells):
             left = deadline - time.monotonic()
             if left <= 0:

@@ -274,6 +274,133 @@ def test_split_rule_shared_by_backends():
     assert rule(batch=64, target_blocks=237.6, grow=True, one_pass_blocks=396, **kw) == 0
 
 
+# --- FP8 caches and scales ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    rng = np.random.default_rng(3)
+    return make_paged_decode(
+        rng,
+        [5, 17],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,exc,match",
+    [
+        (dict(k_scale=jnp.ones((3,), jnp.float32)), ValueError, r"k_scale must be a scalar or"),
+        (dict(v_scale=jnp.ones((2, 1), jnp.float32)), ValueError, r"v_scale must be a scalar or"),
+        (dict(k_scale=0.0), ValueError, "k_scale must be finite and positive"),
+        (dict(v_scale=-2.0), ValueError, "v_scale must be finite and positive"),
+        (dict(k_scale=jnp.array([1.0, jnp.nan])), ValueError, "k_scale must be finite"),
+        (dict(v_scale=jnp.array([1.0, jnp.inf])), ValueError, "v_scale must be finite"),
+        (dict(k_scale=jnp.array([1.0, 0.0])), ValueError, "k_scale must be finite and positive"),
+        (dict(k_scale="big"), TypeError, "k_scale must be None, a float"),
+        (dict(v_scale=True), TypeError, "v_scale must be None"),
+        (dict(k_scale=jnp.ones(2, jnp.complex64)), TypeError, "k_scale must be convertible"),
+        (dict(v_scale=jnp.ones(2, bool)), TypeError, "v_scale must be convertible"),
+    ],
+)
+def test_scale_validation(fp8, change, exc, match):
+    with pytest.raises(exc, match=match):
+        jaxattn.paged_attention(*_paged_args(fp8), **{**fp8.scales, **change})
+
+
+def test_scales_forms_agree(fp8):
+    """A scalar, a Python float and an f32 [Hkv] array (or an integer one) of equal values
+    are the same scale; None is 1.0."""
+    args = _paged_args(fp8)
+    ref = jaxattn.paged_attention(*args, k_scale=jnp.full((2,), 0.5), v_scale=jnp.ones(2))
+    for ks, vs in [(0.5, None), (jnp.float32(0.5), 1), (jnp.array(0.5), jnp.ones(2, jnp.int32))]:
+        out = jaxattn.paged_attention(*args, k_scale=ks, v_scale=vs)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_scales_are_traced_not_static(fp8):
+    """Scales change per layer and with calibration: new values must not recompile, and
+    under jit they are not checked (they are data)."""
+    traces = []
+
+    def f(q, k, v, t, n, ks, vs):
+        traces.append(1)
+        return jaxattn.paged_attention(q, k, v, t, n, k_scale=ks, v_scale=vs)
+
+    g = jax.jit(f)
+    args = _paged_args(fp8)
+    a = g(*args, fp8.k_scale, fp8.v_scale)
+    b = g(*args, 2 * fp8.k_scale, fp8.v_scale)
+    assert len(traces) == 1
+    assert not np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    want = jaxattn.paged_attention(*args, k_scale=2 * fp8.k_scale, v_scale=fp8.v_scale)
+    np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(want, np.float32), rtol=1e-6)
+
+
+def test_fp8_dtype_errors(fp8):
+    names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
+    args = dict(zip(names, _paged_args(fp8), strict=True))
+    with pytest.raises(TypeError, match="k_cache and v_cache must share a dtype"):
+        jaxattn.paged_attention(**{**args, "v_cache": args["v_cache"].astype(jnp.float8_e5m2)})
+    with pytest.raises(TypeError, match="k_cache must be float32, bfloat16, float16, float8"):
+        jaxattn.paged_attention(**{**args, "k_cache": args["k_cache"].astype(jnp.int8)})
+    # Decode takes no FP8 q (the mixed mode is the prefill ops').
+    with pytest.raises(TypeError, match="q must be float32, bfloat16 or float16"):
+        jaxattn.paged_attention(**{**args, "q": args["q"].astype(jnp.float8_e4m3fn)})
+
+
+def test_prefill_q_scale_and_out_dtype_errors(fp8):
+    cu = jnp.array([0, 2, 6], jnp.int32)
+    q = jnp.ones((6, 8, 16), jnp.bfloat16)
+    good = dict(
+        q=q,
+        k_cache=fp8.k_cache,
+        v_cache=fp8.v_cache,
+        cu_seqlens_q=cu,
+        block_tables=fp8.block_tables,
+        seq_lens=fp8.seq_lens,
+        **fp8.scales,
+    )
+    assert jaxattn.prefix_prefill(**good).dtype == jnp.bfloat16
+    q8 = q.astype(jnp.float8_e4m3fn)
+    assert jaxattn.prefix_prefill(**{**good, "q": q8}).dtype == jnp.bfloat16
+    out = jaxattn.prefix_prefill(**{**good, "q": q8, "q_scale": 0.5, "out_dtype": jnp.float16})
+    assert out.dtype == jnp.float16
+    cases = [
+        (dict(q_scale=0.5), ValueError, "q_scale applies to an FP8 q"),
+        (dict(q=q8, q_scale=jnp.ones(2)), ValueError, "q_scale must be a scalar"),
+        (dict(q=q8, q_scale=-1.0), ValueError, "q_scale must be finite and positive"),
+        (dict(q=q8, q_scale="x"), TypeError, "q_scale must be None"),
+        (dict(out_dtype=jnp.float32), ValueError, "out_dtype=float32 differs from q's dtype"),
+        (dict(q=q8, out_dtype=jnp.int32), TypeError, "out_dtype must be float32"),
+        (dict(q=q.astype(jnp.int8)), TypeError, "q must be float32"),
+    ]
+    for change, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            jaxattn.prefix_prefill(**{**good, **change})
+    e = make_extend(
+        np.random.default_rng(4), [3, 0], [2, 4], num_q_heads=4, num_kv_heads=2, head_dim=8
+    )
+    with pytest.raises(ValueError, match="q_scale applies to an FP8 q"):
+        jaxattn.extend_attention(
+            e.q, e.k_pool, e.v_pool, e.qo_indptr, e.kv_indptr, e.kv_indices, q_scale=2.0
+        )
+
+
+def test_bind_takes_abstract_scales(fp8):
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _paged_args(fp8)]
+    ks = jax.ShapeDtypeStruct((2,), jnp.float32)
+    args = ops.PAGED_ATTENTION.bind(*structs, k_scale=ks, v_scale=ks)
+    assert args.fp8_cache and args.k_scale.shape == (2,)
+    with pytest.raises(ValueError, match="k_scale"):
+        ops.PAGED_ATTENTION.bind(*structs, k_scale=jax.ShapeDtypeStruct((3,), jnp.float32))
+
+
 # --- cascade decode ---------------------------------------------------------------------------
 
 

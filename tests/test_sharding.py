@@ -346,6 +346,87 @@ def test_write_and_copy_keep_heads_local(rng):
         assert got.sharding.is_equivalent_to(S.kv_cache_sharding(mesh, layout, kind), got.ndim)
 
 
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "reference",
+        pytest.param(
+            "native", marks=pytest.mark.skipif(not native.is_available(), reason="not built")
+        ),
+    ],
+)
+def test_fp8_scales_split_with_the_heads(rng, impl):
+    """Per-KV-head scales travel with their heads: each device applies its own heads'
+    scales (written and read), q's scalar scale is replicated."""
+    mesh = _mesh(4)
+    c = make_prefix_prefill(
+        rng,
+        [0, 11],
+        [5, 3],
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+    )
+    args = (c.q, c.k_cache, c.v_cache, c.cu_seqlens_q, c.block_tables, c.seq_lens)
+    kw = dict(implementation=impl, **c.scales)
+    single = _jit(jaxattn.prefix_prefill, **kw)(*args)
+    sharded = _jit(S.prefix_prefill, mesh=mesh, **kw)(*args)
+    assert_same(sharded, single, impl)
+    q8 = c.q.astype(jnp.float8_e5m2)
+    single = _jit(jaxattn.prefix_prefill, q_scale=0.5, **kw)(q8, *args[1:])
+    sharded = _jit(S.prefix_prefill, mesh=mesh, q_scale=0.5, **kw)(q8, *args[1:])
+    assert_same(sharded, single, impl)
+    d = make_paged_decode(
+        rng,
+        [1, 17],
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e5m2,
+    )
+    dargs = (d.q, d.k_cache, d.v_cache, d.block_tables, d.seq_lens)
+    single = _jit(jaxattn.paged_attention, implementation=impl, **d.scales)(*dargs)
+    sharded = _jit(S.paged_attention, mesh=mesh, implementation=impl, **d.scales)(*dargs)
+    assert_same(sharded, single, impl)
+    # Cascade decode: both levels read the device's heads with those heads' scales (the
+    # native GPU kernels take no FP8 cache; the CPU handler does).
+    e = make_cascade(
+        rng,
+        [2, 1],
+        [0, 1, -1, 0],
+        [3, 0, 9, 20],
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+    )
+    eargs = (e.q, e.k_cache, e.v_cache, e.prefix_tables, e.prefix_lens, e.prefix_of)
+    eargs += (e.block_tables, e.seq_lens)
+    if impl != "native" or jax.default_backend() == "cpu":
+        single = _jit(jaxattn.cascade_attention, implementation=impl, **e.scales)(*eargs)
+        sharded = _jit(S.cascade_attention, mesh=mesh, implementation=impl, **e.scales)(*eargs)
+        assert_same(sharded, single, impl)
+    # Writes: each device divides by its own heads' scales.
+    k = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM), np.float32))
+    slots = jnp.asarray([5, -1, 30], jnp.int32)
+    ks = jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32)
+    kc = jnp.zeros_like(d.k_cache)
+    single = jaxattn.write_kv(kc, kc, k, k, slots, k_scale=ks, v_scale=2.0)
+    sk, sv = S.shard_kv_cache(kc, kc, mesh)
+    sharded = jax.jit(functools.partial(S.write_kv, mesh=mesh))(
+        sk, sv, k, k, slots, k_scale=ks, v_scale=2.0
+    )
+    for got, want in zip(sharded, single, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def _dense_cache(rng, layout):
     """A small NaN-free cache (copy_blocks moves whole pages, NaN padding included)."""
     shape_k = L.cache_shape(layout, "k", 6, 8, 4, 16, jnp.float32)

@@ -16,12 +16,14 @@ inline ffi::Error make_cascade_params(
     const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
     const ffi::Buffer<ffi::S32>& prefix_tables, const ffi::Buffer<ffi::S32>& prefix_lens,
     const ffi::Buffer<ffi::S32>& prefix_of, const ffi::Buffer<ffi::S32>& bt,
-    const ffi::Buffer<ffi::S32>& seq_lens, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> workspace,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& k_scale,
+    const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> workspace,
     float scale, float soft_cap, int32_t layout, int32_t prefix_target, int32_t prefix_splits,
-    int32_t partition_size, CascadeParams* p) {
-  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+    int32_t partition_size, CascadeParams* p, KvType* kv) {
+  if (auto e = check_dtypes(q, k, v, out.element_type(), kv); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
   if (auto e = check_query(q, p->kv); e.failure()) return e;
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
   const auto qd = q.dimensions();
   const auto pd = prefix_tables.dimensions();
   const auto bd = bt.dimensions();
@@ -68,7 +70,8 @@ inline ffi::Error make_cascade_params(
 }
 
 // Order: q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens,
-// out, workspace, attributes.
+// k_scale, v_scale, out, workspace, attributes (the scales after the index arrays, as in
+// ffi_common.h's bindings).
 template <typename B>
 auto bind_cascade_attention(B&& b) {
   return std::forward<B>(b)
@@ -80,6 +83,8 @@ auto bind_cascade_attention(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<float>("scale")

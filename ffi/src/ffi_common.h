@@ -17,6 +17,11 @@ namespace ffi_common {
 
 namespace ffi = xla::ffi;
 
+// The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
+// a library that reports another (a stale build), instead of letting XLA fail on an operand
+// count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them.
+constexpr int kFfiAbi = 3;
+
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
 inline DType dtype_of(ffi::DataType t) {
@@ -32,6 +37,9 @@ inline DType dtype_of(ffi::DataType t) {
   }
 }
 
+// The cache's element type relative to q's: the same, or an FP8 format.
+enum class KvType { kSame, kE4M3, kE5M2, kUnsupported };
+
 inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -42,13 +50,39 @@ inline ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jaxattn: " + what);
 }
 
-inline ffi::Error check_same_dtype(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                   const ffi::AnyBuffer& v, ffi::DataType out) {
+// q and the output share a float dtype; the caches share q's dtype or an FP8 format.
+inline ffi::Error check_dtypes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                               const ffi::AnyBuffer& v, ffi::DataType out, KvType* kv) {
   if (dtype_of(q.element_type()) == DType::kUnsupported)
     return invalid("q must be float32, bfloat16 or float16");
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
-      out != q.element_type())
-    return invalid("q, k_cache, v_cache and the output must share one dtype");
+  if (out != q.element_type()) return invalid("the output must have q's dtype");
+  if (k.element_type() != v.element_type())
+    return invalid("k_cache and v_cache must share one dtype");
+  if (k.element_type() == q.element_type()) {
+    *kv = KvType::kSame;
+  } else if (k.element_type() == ffi::DataType::F8E4M3FN) {
+    *kv = KvType::kE4M3;
+  } else if (k.element_type() == ffi::DataType::F8E5M2) {
+    *kv = KvType::kE5M2;
+  } else {
+    return invalid("the KV cache must have q's dtype, float8_e4m3fn or float8_e5m2");
+  }
+  return ffi::Error::Success();
+}
+
+// k_scale / v_scale: float32 [num_kv_heads], or empty for 1.0.
+inline ffi::Error head_scales(const ffi::Buffer<ffi::F32>& k_scale,
+                              const ffi::Buffer<ffi::F32>& v_scale, const KvGeometry& g,
+                              HeadScales* s) {
+  const ffi::Buffer<ffi::F32>* bufs[2] = {&k_scale, &v_scale};
+  const float** dst[2] = {&s->k, &s->v};
+  for (int i = 0; i < 2; ++i) {
+    const auto d = bufs[i]->dimensions();
+    if (d.size() != 1 || (d[0] != 0 && d[0] != g.num_kv_heads))
+      return invalid(std::string(i ? "v_scale" : "k_scale") +
+                     " must be float32 [num_kv_heads] or empty, got " + dims_str(d));
+    *dst[i] = d[0] == 0 ? nullptr : bufs[i]->typed_data();
+  }
   return ffi::Error::Success();
 }
 
@@ -76,12 +110,16 @@ inline ffi::Error paged_geometry(const ffi::AnyBuffer& k, const ffi::AnyBuffer& 
 
 inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                      const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& bt,
-                                     const ffi::Buffer<ffi::S32>& seq_lens, ffi::AnyBuffer out,
+                                     const ffi::Buffer<ffi::S32>& seq_lens,
+                                     const ffi::Buffer<ffi::F32>& k_scale,
+                                     const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer out,
                                      ffi::Buffer<ffi::F32> workspace, float scale, float soft_cap,
-                                     int32_t layout, int32_t partition_size, DecodeParams* p) {
-  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+                                     int32_t layout, int32_t partition_size, DecodeParams* p,
+                                     KvType* kv) {
+  if (auto e = check_dtypes(q, k, v, out.element_type(), kv); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
   if (auto e = check_query(q, p->kv); e.failure()) return e;
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
   const auto qd = q.dimensions();
   const auto bd = bt.dimensions();
   if (bd.size() != 2 || bd[0] != qd[0])
@@ -133,16 +171,16 @@ inline ffi::Error fill_prefill_query(const ffi::AnyBuffer& q, const ffi::Buffer<
   return ffi::Error::Success();
 }
 
-inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                             const ffi::AnyBuffer& v,
-                                             const ffi::Buffer<ffi::S32>& cu_q,
-                                             const ffi::Buffer<ffi::S32>& bt,
-                                             const ffi::Buffer<ffi::S32>& seq_lens,
-                                             ffi::AnyBuffer out, float scale, float soft_cap,
-                                             int32_t layout, int32_t kernel, PrefillParams* p) {
-  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+inline ffi::Error make_prefix_prefill_params(
+    const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+    const ffi::Buffer<ffi::S32>& cu_q, const ffi::Buffer<ffi::S32>& bt,
+    const ffi::Buffer<ffi::S32>& seq_lens, const ffi::Buffer<ffi::F32>& k_scale,
+    const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer out, float scale, float soft_cap,
+    int32_t layout, int32_t kernel, PrefillParams* p, KvType* kv) {
+  if (auto e = check_dtypes(q, k, v, out.element_type(), kv); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
   if (auto e = fill_prefill_query(q, cu_q, out, scale, soft_cap, kernel, p); e.failure()) return e;
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
   const auto bd = bt.dimensions();
   if (bd.size() != 2 || bd[0] != p->batch)
     return invalid("block_tables must be [batch, max_pages], got " + dims_str(bd));
@@ -158,20 +196,20 @@ inline ffi::Error make_prefix_prefill_params(const ffi::AnyBuffer& q, const ffi:
   return ffi::Error::Success();
 }
 
-inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                     const ffi::AnyBuffer& v,
-                                     const ffi::Buffer<ffi::S32>& qo_indptr,
-                                     const ffi::Buffer<ffi::S32>& kv_indptr,
-                                     const ffi::Buffer<ffi::S32>& kv_indices, ffi::AnyBuffer out,
-                                     float scale, float soft_cap, int32_t kernel,
-                                     PrefillParams* p) {
-  if (auto e = check_same_dtype(q, k, v, out.element_type()); e.failure()) return e;
+inline ffi::Error make_extend_params(
+    const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+    const ffi::Buffer<ffi::S32>& qo_indptr, const ffi::Buffer<ffi::S32>& kv_indptr,
+    const ffi::Buffer<ffi::S32>& kv_indices, const ffi::Buffer<ffi::F32>& k_scale,
+    const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer out, float scale, float soft_cap,
+    int32_t kernel, PrefillParams* p, KvType* kv) {
+  if (auto e = check_dtypes(q, k, v, out.element_type(), kv); e.failure()) return e;
   const auto kd = k.dimensions();
   if (kd.size() != 3) return invalid("k_cache must be [num_slots, num_kv_heads, head_dim]");
   if (dims_str(kd) != dims_str(v.dimensions())) return invalid("k_cache and v_cache shapes differ");
   p->kv = pool_geometry(kd[0], kd[1], kd[2]);
   if (auto e = fill_prefill_query(q, qo_indptr, out, scale, soft_cap, kernel, p); e.failure())
     return e;
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
   if (kv_indptr.dimensions().size() != 1 || kv_indptr.dimensions()[0] != p->batch + 1)
     return invalid("kv_indptr must be [batch + 1] like qo_indptr");
   if (kv_indices.dimensions().size() != 1) return invalid("kv_indices must be rank 1");
@@ -189,7 +227,8 @@ inline ffi::Error make_extend_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
 
 // The operands and attributes of each op, appended to a binding that already holds the
 // platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
-// cannot drift apart. Order: q, k_cache, v_cache, index arrays..., out, [lse], attributes.
+// cannot drift apart. Order: q, k_cache, v_cache, index arrays..., k_scale, v_scale, out,
+// [workspace], attributes.
 template <typename B>
 auto bind_paged_attention(B&& b) {
   return std::forward<B>(b)
@@ -198,6 +237,8 @@ auto bind_paged_attention(B&& b) {
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<float>("scale")
@@ -215,6 +256,8 @@ auto bind_prefix_prefill(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
@@ -231,6 +274,8 @@ auto bind_extend_attention(B&& b) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")

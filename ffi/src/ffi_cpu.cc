@@ -12,19 +12,34 @@ namespace {
 
 using ffi_common::DType;
 using ffi_common::dtype_of;
+using ffi_common::KvType;
 
+// f(T{}, C{}) with T q's element type and C the cache's (T itself or an FP8 format).
 template <typename F>
-ffi::Error dispatch(ffi::DataType t, F&& f) {
+ffi::Error dispatch(ffi::DataType t, KvType kv, F&& f) {
+  auto with_cache = [&](auto tag) {
+    using T = decltype(tag);
+    switch (kv) {
+      case KvType::kSame:
+        f(tag, T{});
+        return ffi::Error::Success();
+      case KvType::kE4M3:
+        f(tag, e4m3_t{});
+        return ffi::Error::Success();
+      case KvType::kE5M2:
+        f(tag, e5m2_t{});
+        return ffi::Error::Success();
+      default:
+        return ffi_common::invalid("unsupported KV cache dtype");
+    }
+  };
   switch (dtype_of(t)) {
     case DType::kF32:
-      f(float{});
-      return ffi::Error::Success();
+      return with_cache(float{});
     case DType::kBF16:
-      f(bf16_t{});
-      return ffi::Error::Success();
+      return with_cache(bf16_t{});
     case DType::kF16:
-      f(f16_t{});
-      return ffi::Error::Success();
+      return with_cache(f16_t{});
     default:
       return ffi_common::invalid("unsupported dtype");
   }
@@ -32,57 +47,71 @@ ffi::Error dispatch(ffi::DataType t, F&& f) {
 
 ffi::Error PagedAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
                              float soft_cap, int32_t layout, int32_t partition_size) {
   DecodeParams p;
-  if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, *out, *workspace,
-                                              scale, soft_cap, layout, partition_size, &p);
+  KvType kv;
+  if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, k_scale, v_scale,
+                                              *out, *workspace, scale, soft_cap, layout,
+                                              partition_size, &p, &kv);
       e.failure())
     return e;
-  return dispatch(q.element_type(), [&](auto tag) { cpu::paged_decode<decltype(tag)>(p); });
+  return dispatch(q.element_type(), kv,
+                  [&](auto t, auto c) { cpu::paged_decode<decltype(t), decltype(c)>(p); });
 }
 
 ffi::Error PrefixPrefillCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> block_tables,
-                            ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
-                            float scale, float soft_cap, int32_t layout,
-                            int32_t kernel) {
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_scale,
+                            ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
+                            float scale, float soft_cap, int32_t layout, int32_t kernel) {
   PrefillParams p;
+  KvType kv;
   if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
-                                                      *out, scale, soft_cap, layout, kernel, &p);
+                                                      k_scale, v_scale, *out, scale, soft_cap,
+                                                      layout, kernel, &p, &kv);
       e.failure())
     return e;
-  return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });
+  return dispatch(q.element_type(), kv,
+                  [&](auto t, auto c) { cpu::prefill<decltype(t), decltype(c)>(p); });
 }
 
 ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::S32> qo_indptr, ffi::Buffer<ffi::S32> kv_indptr,
-                              ffi::Buffer<ffi::S32> kv_indices, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Buffer<ffi::S32> kv_indices, ffi::Buffer<ffi::F32> k_scale,
+                              ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                               float scale, float soft_cap, int32_t kernel) {
   PrefillParams p;
-  if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, *out,
-                                              scale, soft_cap, kernel, &p);
+  KvType kv;
+  if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, k_scale,
+                                              v_scale, *out, scale, soft_cap, kernel, &p, &kv);
       e.failure())
     return e;
-  return dispatch(q.element_type(), [&](auto tag) { cpu::prefill<decltype(tag)>(p); });
+  return dispatch(q.element_type(), kv,
+                  [&](auto t, auto c) { cpu::prefill<decltype(t), decltype(c)>(p); });
 }
 
 ffi::Error CascadeAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> prefix_tables,
                                ffi::Buffer<ffi::S32> prefix_lens, ffi::Buffer<ffi::S32> prefix_of,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
                                float soft_cap, int32_t layout, int32_t prefix_target,
                                int32_t prefix_splits, int32_t partition_size) {
   CascadeParams p;
-  if (auto e = ffi_common::make_cascade_params(
-          q, k, v, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, *out, *workspace,
-          scale, soft_cap, layout, prefix_target, prefix_splits, partition_size, &p);
+  KvType kv;
+  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
+                                               block_tables, seq_lens, k_scale, v_scale, *out,
+                                               *workspace, scale, soft_cap, layout, prefix_target,
+                                               prefix_splits, partition_size, &p, &kv);
       e.failure())
     return e;
-  return dispatch(q.element_type(), [&](auto tag) { cpu::cascade_decode<decltype(tag)>(p); });
+  return dispatch(q.element_type(), kv,
+                  [&](auto t, auto c) { cpu::cascade_decode<decltype(t), decltype(c)>(p); });
 }
 
 }  // namespace
@@ -99,3 +128,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionCpu, jaxattn::ExtendAttentio
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionCpu, jaxattn::CascadeAttentionCpu,
                               jaxattn::ffi_common::bind_cascade_attention(ffi::Ffi::Bind()));
+
+// The operand-list version of these handlers (ffi_common::kFfiAbi), checked by jaxattn/native.py.
+extern "C" int jaxattn_ffi_abi() { return jaxattn::ffi_common::kFfiAbi; }

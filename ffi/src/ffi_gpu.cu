@@ -35,65 +35,103 @@ ffi::Error launched(const char* what, const char* err) {
   return ffi::Error::Internal(std::string("jaxattn: ") + what + " launch failed: " + err);
 }
 
+ffi::Error gpu_kv_type(ffi_common::KvType kv, gpu::KvType* out) {
+  switch (kv) {
+    case ffi_common::KvType::kSame:
+      *out = gpu::KvType::kSame;
+      return ffi::Error::Success();
+    case ffi_common::KvType::kE4M3:
+      *out = gpu::KvType::kE4M3;
+      return ffi::Error::Success();
+    case ffi_common::KvType::kE5M2:
+      *out = gpu::KvType::kE5M2;
+      return ffi::Error::Success();
+    default:
+      return ffi_common::invalid("unsupported KV cache dtype");
+  }
+}
+
 ffi::Error PagedAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                              ffi::AnyBuffer v, ffi::Buffer<ffi::S32> block_tables,
-                             ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_scale,
+                             ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
                              float soft_cap, int32_t layout, int32_t partition_size) {
   DecodeParams p;
-  if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, *out, *workspace,
-                                              scale, soft_cap, layout, partition_size, &p);
+  ffi_common::KvType kv;
+  if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, k_scale, v_scale,
+                                              *out, *workspace, scale, soft_cap, layout,
+                                              partition_size, &p, &kv);
       e.failure())
     return e;
   gpu::DType dt;
+  gpu::KvType kt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
-  return launched("paged decode", gpu::launch_paged_decode(dt, p, stream));
+  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  return launched("paged decode", gpu::launch_paged_decode(dt, kt, p, stream));
 }
 
 ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                             ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                             int32_t layout, int32_t kernel) {
   PrefillParams p;
+  ffi_common::KvType kv;
   if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
-                                                      *out, scale, soft_cap, layout, kernel, &p);
+                                                      k_scale, v_scale, *out, scale, soft_cap,
+                                                      layout, kernel, &p, &kv);
       e.failure())
     return e;
   gpu::DType dt;
+  gpu::KvType kt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
-  return launched("prefix prefill", gpu::launch_prefill(dt, p, stream));
+  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  return launched("prefix prefill", gpu::launch_prefill(dt, kt, p, stream));
 }
 
 ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qo_indptr,
                               ffi::Buffer<ffi::S32> kv_indptr, ffi::Buffer<ffi::S32> kv_indices,
+                              ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                               ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                               int32_t kernel) {
   PrefillParams p;
-  if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, *out,
-                                              scale, soft_cap, kernel, &p);
+  ffi_common::KvType kv;
+  if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, k_scale,
+                                              v_scale, *out, scale, soft_cap, kernel, &p, &kv);
       e.failure())
     return e;
   gpu::DType dt;
+  gpu::KvType kt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
-  return launched("extend attention", gpu::launch_prefill(dt, p, stream));
+  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  return launched("extend attention", gpu::launch_prefill(dt, kt, p, stream));
 }
 
 ffi::Error CascadeAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> prefix_tables,
                                ffi::Buffer<ffi::S32> prefix_lens, ffi::Buffer<ffi::S32> prefix_of,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
                                float soft_cap, int32_t layout, int32_t prefix_target,
                                int32_t prefix_splits, int32_t partition_size) {
   CascadeParams p;
-  if (auto e = ffi_common::make_cascade_params(
-          q, k, v, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, *out, *workspace,
-          scale, soft_cap, layout, prefix_target, prefix_splits, partition_size, &p);
+  ffi_common::KvType kv;
+  if (auto e = ffi_common::make_cascade_params(q, k, v, prefix_tables, prefix_lens, prefix_of,
+                                               block_tables, seq_lens, k_scale, v_scale, *out,
+                                               *workspace, scale, soft_cap, layout, prefix_target,
+                                               prefix_splits, partition_size, &p, &kv);
       e.failure())
     return e;
+  // The GPU cascade kernels read 16-bit (or f32) K/V through ldmatrix / mma.sync and the SIMT
+  // kernel's 16-byte vectors: an FP8 cache is refused here, as jaxattn/native.py's supports()
+  // refuses it before any call.
+  if (kv != ffi_common::KvType::kSame)
+    return ffi_common::invalid("the GPU cascade kernels read a KV cache in q's dtype, not FP8");
   gpu::DType dt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
   return launched("cascade decode", gpu::launch_cascade(dt, p, stream));
@@ -118,22 +156,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionGpu, jaxattn::CascadeAttent
                               jaxattn::ffi_common::bind_cascade_attention(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
 
+// The operand-list version of these handlers (ffi_common::kFfiAbi), checked by jaxattn/native.py.
+extern "C" int jaxattn_ffi_abi() { return jaxattn::ffi_common::kFfiAbi; }
+
 // Host query for the split-KV heuristic of jaxattn/native.py (called through ctypes, outside
 // any computation): the resident blocks per multiprocessor of the decode kernel the launcher
-// picks for dtype (0 float32, 1 bfloat16, 2 float16), head_dim and group on the current
-// device, and that device's multiprocessor count. Returns 0 on success.
-extern "C" int jaxattn_decode_occupancy(int dtype, int head_dim, int group, int* blocks_per_sm,
-                                        int* num_sms) {
+// picks for dtype (q's: 0 float32, 1 bfloat16, 2 float16), kv (the cache's: 0 q's own, 1
+// float8_e4m3fn, 2 float8_e5m2), head_dim and group on the current device, and that device's
+// multiprocessor count. Returns 0 on success.
+extern "C" int jaxattn_decode_occupancy(int dtype, int kv, int head_dim, int group,
+                                        int* blocks_per_sm, int* num_sms) {
   using jaxattn::gpu::DType;
-  if (dtype < 0 || dtype > 2 || blocks_per_sm == nullptr || num_sms == nullptr) return 1;
+  using jaxattn::gpu::KvType;
+  if (dtype < 0 || dtype > 2 || kv < 0 || kv > 2 || blocks_per_sm == nullptr || num_sms == nullptr)
+    return 1;
   const DType dt = dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kBF16 : DType::kF16;
+  const KvType kt = kv == 0 ? KvType::kSame : kv == 1 ? KvType::kE4M3 : KvType::kE5M2;
   int dev = 0;
   if (gpuGetDevice(&dev) != gpuSuccess ||
       gpuDeviceGetAttribute(num_sms, gpuDevAttrMultiProcessorCount, dev) != gpuSuccess) {
     (void)gpuGetLastError();
     return 2;
   }
-  return jaxattn::gpu::decode_occupancy(dt, head_dim, group, blocks_per_sm) == nullptr ? 0 : 3;
+  return jaxattn::gpu::decode_occupancy(dt, kt, head_dim, group, blocks_per_sm) == nullptr ? 0 : 3;
 }
 
 // Host query for jaxattn/native.py's cascade grid: the query rows of a prefix tile and the

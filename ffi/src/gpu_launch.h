@@ -9,19 +9,22 @@ namespace jaxattn {
 namespace gpu {
 
 enum class DType { kF32, kBF16, kF16 };
+// The cache's element type: q's own, or an FP8 format (under a bf16 / f16 q).
+enum class KvType { kSame, kE4M3, kE5M2 };
 
-const char* launch_paged_decode(DType dtype, const DecodeParams& p, gpuStream_t stream);
-const char* launch_prefill(DType dtype, const PrefillParams& p, gpuStream_t stream);
+const char* launch_paged_decode(DType dtype, KvType kv, const DecodeParams& p, gpuStream_t stream);
+const char* launch_prefill(DType dtype, KvType kv, const PrefillParams& p, gpuStream_t stream);
 
-// Defined in jaxattn/paged_decode.cuh; instantiated once per dtype in its own translation
-// unit (paged_decode_<dtype>.cu) so that the many group/head_dim kernels build in parallel.
-template <typename T>
+// Defined in jaxattn/paged_decode.cuh (where C defaults to T); instantiated once per (q, cache)
+// dtype pair in its own translation unit (paged_decode_<dtype>[_<fp8>].cu) so that the many
+// group/head_dim kernels build in parallel.
+template <typename T, typename C>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream);
-template <typename T>
+template <typename T, typename C>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks);
 
-// Resident blocks per multiprocessor of the decode kernel for (dtype, head_dim, group).
-const char* decode_occupancy(DType dtype, int head_dim, int group, int* blocks);
+// Resident blocks per multiprocessor of the decode kernel for (dtype, kv, head_dim, group).
+const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, int* blocks);
 
 }  // namespace gpu
 }  // namespace jaxattn

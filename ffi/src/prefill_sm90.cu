@@ -8,8 +8,12 @@
 namespace jaxattn {
 namespace gpu {
 
-template const char* launch_prefill_sm90<bf16_t>(const PrefillParams& p, gpuStream_t stream);
-template const char* launch_prefill_sm90<f16_t>(const PrefillParams& p, gpuStream_t stream);
+template const char* launch_prefill_sm90<bf16_t, bf16_t>(const PrefillParams&, gpuStream_t);
+template const char* launch_prefill_sm90<f16_t, f16_t>(const PrefillParams&, gpuStream_t);
+template const char* launch_prefill_sm90<bf16_t, e4m3_t>(const PrefillParams&, gpuStream_t);
+template const char* launch_prefill_sm90<bf16_t, e5m2_t>(const PrefillParams&, gpuStream_t);
+template const char* launch_prefill_sm90<f16_t, e4m3_t>(const PrefillParams&, gpuStream_t);
+template const char* launch_prefill_sm90<f16_t, e5m2_t>(const PrefillParams&, gpuStream_t);
 
 }  // namespace gpu
 }  // namespace jaxattn

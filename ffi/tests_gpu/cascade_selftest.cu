@@ -207,6 +207,7 @@ struct Case {
   int part = 0;    // own partition size, 0: one pass
   int target = 0;  // prefix blocks the split aims at, 0: jaxattn/native.py's rule
   float scale = 0.1f, cap = 0.f;
+  bool scaled = false;  // per-KV-head k_scale / v_scale (CascadeParams::scales), else 1
   std::vector<int> prefix_pages, prefix_of, own;
 };
 
@@ -218,11 +219,12 @@ std::string describe(const Case& c) {
   };
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g prefixes=[%s] "
+                "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g%s prefixes=[%s] "
                 "of=[%s] own=[%s]",
                 dt_name(c.dt), c.hq, c.hkv, c.d, c.page,
                 c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.target, c.cap,
-                list(c.prefix_pages).c_str(), list(c.prefix_of).c_str(), list(c.own).c_str());
+                c.scaled ? " scaled" : "", list(c.prefix_pages).c_str(),
+                list(c.prefix_of).c_str(), list(c.own).c_str());
   return buf;
 }
 
@@ -233,6 +235,7 @@ struct Problem {
   KvGeometry g;
   std::vector<unsigned char> kc, vc, qh;
   std::vector<int32_t> ptab, plens, pof, tab, lens;
+  std::vector<float> kscale, vscale;  // per KV head (empty: 1)
 
   size_t q_elems() const { return size_t(B) * c.hq * c.d; }
   size_t at(int page, int t, int h, int e) const {
@@ -302,6 +305,14 @@ Problem make_problem(const Case& c, Rng& rng) {
   for (int b = 0; b < P.B; ++b) fill(&P.tab[size_t(b) * P.w], P.lens[b]);
   P.qh.resize(P.q_elems() * es);
   for (size_t i = 0; i < P.q_elems(); ++i) store_elem(c.dt, P.qh.data(), i, rng.normal());
+  if (c.scaled) {
+    // A few times apart per head (powers of two and not), so that a kernel applying another
+    // head's scale, or one scale to both levels differently, fails.
+    for (int h = 0; h < hkv; ++h) {
+      P.kscale.push_back(0.25f + 0.75f * float(h % 4));
+      P.vscale.push_back(3.0f / float(1 + h % 3));
+    }
+  }
   return P;
 }
 
@@ -334,10 +345,12 @@ std::vector<double> reference(const Problem& P) {
     const int n = lp + L;
     std::vector<double> s(n), kd(size_t(n) * D), vd(size_t(n) * D), qv(D);
     for (int kh = 0; kh < hkv; ++kh) {
+      const double ks = P.kscale.empty() ? 1.0 : P.kscale[kh];
+      const double vs = P.vscale.empty() ? 1.0 : P.vscale[kh];
       for (int t = 0; t < n; ++t)
         for (int e = 0; e < D; ++e) {
-          kd[size_t(t) * D + e] = load_elem(c.dt, P.kc.data(), P.key(b, t, kh, e));
-          vd[size_t(t) * D + e] = load_elem(c.dt, P.vc.data(), P.key(b, t, kh, e));
+          kd[size_t(t) * D + e] = ks * load_elem(c.dt, P.kc.data(), P.key(b, t, kh, e));
+          vd[size_t(t) * D + e] = vs * load_elem(c.dt, P.vc.data(), P.key(b, t, kh, e));
         }
       for (int h = kh * group; h < (kh + 1) * group; ++h) {
         const size_t row = (size_t(b) * hq + h) * D;
@@ -404,6 +417,16 @@ bool run_problem(const Problem& P, const std::string& label) {
   int32_t *dptab = ints(P.ptab), *dplens = ints(P.plens), *dpof = ints(P.pof);
   int32_t *dtab = ints(P.tab), *dlens = ints(P.lens);
   float* dws = static_cast<float*>(dev_alloc(ws_floats * 4));
+  float* dks = nullptr;
+  float* dvs = nullptr;
+  if (!P.kscale.empty()) {
+    dks = static_cast<float*>(dev_alloc(P.kscale.size() * 4));
+    dvs = static_cast<float*>(dev_alloc(P.vscale.size() * 4));
+    to_dev(dks, P.kscale.data(), P.kscale.size() * 4);
+    to_dev(dvs, P.vscale.data(), P.vscale.size() * 4);
+  }
+  p.scales.k = dks;
+  p.scales.v = dvs;
   to_dev(dq, P.qh.data(), P.qh.size());
   to_dev(dkc, P.kc.data(), P.kc.size());
   to_dev(dvc, P.vc.data(), P.vc.size());
@@ -427,6 +450,10 @@ bool run_problem(const Problem& P, const std::string& label) {
                     static_cast<void*>(dpof), static_cast<void*>(dtab), static_cast<void*>(dlens),
                     static_cast<void*>(dws)})
     dev_free(ptr);
+  if (dks != nullptr) {
+    dev_free(dks);
+    dev_free(dvs);
+  }
   if (err || sync) {
     std::printf("FAIL  %s%s: launch: %s / %s\n", label.c_str(), describe(c).c_str(),
                 err ? err : "ok", sync ? sync : "ok");
@@ -612,6 +639,23 @@ int run_checks() {
         c.cap = 4.f;
         c.scale = 0.5f;
         c.target = 1;
+        c.prefix_pages = bt.prefix_pages;
+        c.prefix_of = bt.prefix_of;
+        c.own = bt.own;
+        cases.push_back(c);
+      }
+  // Per-KV-head scales (a scaled 16-bit / f32 cache): both kernels, both levels, split or not.
+  for (DT dt : {DT::kBF16, DT::kF16, DT::kF32})
+    for (int d : {64, 128})
+      for (int part : {0, 64}) {
+        const Batch bt = batches(16)[0];
+        Case c;
+        c.dt = dt;
+        c.d = d;
+        c.hq = 16;
+        c.hkv = 4;
+        c.part = part;
+        c.scaled = true;
         c.prefix_pages = bt.prefix_pages;
         c.prefix_of = bt.prefix_of;
         c.own = bt.own;

@@ -22,11 +22,17 @@
 // at their exact sizes, so that a run under compute-sanitizer --tool memcheck reports any
 // access outside them (ffi/gpu_check.sh: SANITIZE=1).
 //
+// FP8 caches (e4m3fn, e5m2) under a bf16 / f16 q: the same grid over every kernel variant (direct,
+// tensor-core, SIMT), with per-head scales (the heads' data a few times apart in magnitude) and
+// without; the robustness edits on each FP8 kernel; and every code of each format through one
+// key whose softmax weight is 1 (the output is V itself, exactly: every widening checked).
+//
 // Timing: bf16, head_dim 128, page 16, bshd, Hq/Hkv 32/8 and 32/32; the K/V pool holds enough
 // copies of each case's cache (separate pages, separate block tables, used in rotation) to
 // exceed 240 MB, 4x the H200's L2. Median of 20 samples of 10 back-to-back calls (main kernel
 // plus the combine when split), at the partition size jaxattn/native.py picks (marked *) and,
-// for B <= 8, at 128..2048 as well. GB/s counts the K and V bytes the call must read. For
+// for B <= 8, at 128..2048 as well. GB/s counts the K and V bytes the call must read (one byte
+// an element for an FP8 cache: the e4m3 rows, against bf16 at the same shape). For
 // comparison at 32/8: "simt" (the pipelined SIMT kernel, what f32 uses) and "old" (the direct
 // register-load kernel, the previous default for 2..8 heads, with the current combine).
 // Tuning knobs of the tensor-core kernel are compile-time: rebuild with
@@ -85,9 +91,25 @@ struct Rng {
   }
 };
 
-enum class DT { kF32, kBF16, kF16 };
-const char* dt_name(DT t) { return t == DT::kF32 ? "f32" : (t == DT::kBF16 ? "bf16" : "f16"); }
-size_t dt_size(DT t) { return t == DT::kF32 ? 4 : 2; }
+// Element types: q / output (f32, bf16, f16) and cache (those, or FP8).
+enum class DT { kF32, kBF16, kF16, kE4M3, kE5M2 };
+const char* dt_name(DT t) {
+  switch (t) {
+    case DT::kF32:
+      return "f32";
+    case DT::kBF16:
+      return "bf16";
+    case DT::kF16:
+      return "f16";
+    case DT::kE4M3:
+      return "e4m3";
+    case DT::kE5M2:
+      return "e5m2";
+  }
+  return "?";
+}
+size_t dt_size(DT t) { return t == DT::kF32 ? 4 : (t == DT::kE4M3 || t == DT::kE5M2 ? 1 : 2); }
+bool is_fp8(DT t) { return t == DT::kE4M3 || t == DT::kE5M2; }
 
 // Rounds x to the dtype (host), returning the rounded value and writing its storage.
 double store_elem(DT t, void* base, size_t i, float x) {
@@ -105,15 +127,37 @@ double store_elem(DT t, void* base, size_t i, float x) {
       static_cast<uint16_t*>(base)[i] = h;
       return f16_to_float(h);
     }
+    case DT::kE4M3: {
+      const uint8_t b = float_to_e4m3(x);
+      static_cast<uint8_t*>(base)[i] = b;
+      return e4m3_to_float(b);
+    }
+    case DT::kE5M2: {
+      const uint8_t b = float_to_e5m2(x);
+      static_cast<uint8_t*>(base)[i] = b;
+      return e5m2_to_float(b);
+    }
   }
   return 0;
 }
 
 void store_nan(DT t, void* base, size_t i) {
-  if (t == DT::kF32) {
-    static_cast<float*>(base)[i] = std::nanf("");
-  } else {
-    static_cast<uint16_t*>(base)[i] = t == DT::kBF16 ? 0x7fc0u : 0x7e00u;
+  switch (t) {
+    case DT::kF32:
+      static_cast<float*>(base)[i] = std::nanf("");
+      break;
+    case DT::kBF16:
+      static_cast<uint16_t*>(base)[i] = 0x7fc0u;
+      break;
+    case DT::kF16:
+      static_cast<uint16_t*>(base)[i] = 0x7e00u;
+      break;
+    case DT::kE4M3:
+      static_cast<uint8_t*>(base)[i] = 0x7fu;
+      break;
+    case DT::kE5M2:
+      static_cast<uint8_t*>(base)[i] = 0x7eu;
+      break;
   }
 }
 
@@ -125,24 +169,41 @@ double load_elem(DT t, const void* base, size_t i) {
       return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
     case DT::kF16:
       return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DT::kE4M3:
+      return e4m3_to_float(static_cast<const uint8_t*>(base)[i]);
+    case DT::kE5M2:
+      return e5m2_to_float(static_cast<const uint8_t*>(base)[i]);
   }
   return 0;
 }
 
-const char* launch(DT t, const DecodeParams& p, cudaStream_t s) {
-  switch (t) {
-    case DT::kF32:
-      return gpu::launch_paged_decode_typed<float>(p, s);
-    case DT::kBF16:
-      return gpu::launch_paged_decode_typed<bf16_t>(p, s);
-    case DT::kF16:
-      return gpu::launch_paged_decode_typed<f16_t>(p, s);
+// The dispatcher for q dtype t and cache dtype kv (kv == t: a plain cache).
+const char* launch(DT t, DT kv, const DecodeParams& p, cudaStream_t s) {
+  if (kv == t) {
+    switch (t) {
+      case DT::kF32:
+        return gpu::launch_paged_decode_typed<float>(p, s);
+      case DT::kBF16:
+        return gpu::launch_paged_decode_typed<bf16_t>(p, s);
+      case DT::kF16:
+        return gpu::launch_paged_decode_typed<f16_t>(p, s);
+      default:
+        return "bad dtype";
+    }
   }
-  return "bad dtype";
+  if (t == DT::kBF16 && kv == DT::kE4M3)
+    return gpu::launch_paged_decode_typed<bf16_t, e4m3_t>(p, s);
+  if (t == DT::kBF16 && kv == DT::kE5M2)
+    return gpu::launch_paged_decode_typed<bf16_t, e5m2_t>(p, s);
+  if (t == DT::kF16 && kv == DT::kE4M3) return gpu::launch_paged_decode_typed<f16_t, e4m3_t>(p, s);
+  if (t == DT::kF16 && kv == DT::kE5M2) return gpu::launch_paged_decode_typed<f16_t, e5m2_t>(p, s);
+  return "bad dtype pair";
 }
 
 struct Case {
   DT dt = DT::kBF16;
+  DT kv = DT::kBF16;    // the cache's: dt, or FP8
+  bool scaled = false;  // per-head K / V scales (FP8 cases)
   std::vector<int> lens;
   int hq = 8, hkv = 2, d = 128, page = 16;
   Layout layout = Layout::kBSHD;
@@ -151,11 +212,15 @@ struct Case {
 };
 
 std::string describe(const Case& c) {
-  char buf[256];
+  char buf[320];
   std::string lens;
   for (size_t i = 0; i < c.lens.size(); ++i) lens += (i ? "," : "") + std::to_string(c.lens[i]);
-  std::snprintf(buf, sizeof(buf), "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%4d cap=%g lens=[%s]",
-                dt_name(c.dt), c.hq, c.hkv, c.d, c.page,
+  char cache[32] = "";
+  if (c.kv != c.dt)
+    std::snprintf(cache, sizeof(cache), "/%s%s", dt_name(c.kv), c.scaled ? "s" : "");
+  std::snprintf(buf, sizeof(buf),
+                "%-4s%-6s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%4d cap=%g lens=[%s]",
+                dt_name(c.dt), cache, c.hq, c.hkv, c.d, c.page,
                 c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.cap, lens.c_str());
   return buf;
 }
@@ -168,6 +233,7 @@ struct Problem {
   KvGeometry g;
   std::vector<unsigned char> kc, vc, qh;
   std::vector<int32_t> table, lens;
+  std::vector<float> kscale, vscale;  // per KV head; empty: 1
 
   size_t q_elems() const { return size_t(B) * c.hq * c.d; }
   // Element index of (sequence b, token t, KV head h, element e) through the table.
@@ -178,12 +244,14 @@ struct Problem {
   }
 };
 
-Problem make_problem(const Case& c, Rng& rng) {
+Problem make_problem(const Case& c_in, Rng& rng) {
   Problem P;
-  P.c = c;
+  P.c = c_in;
+  if (!is_fp8(P.c.kv)) P.c.kv = P.c.dt;  // a plain cache: q's dtype
+  const Case& c = P.c;
   P.B = int(c.lens.size());
   const int B = P.B, D = c.d, page = c.page, hkv = c.hkv;
-  const size_t es = dt_size(c.dt);
+  const size_t es = dt_size(c.kv);
 
   // Pages: a random permutation; the used ones first, then spares (NaN).
   std::vector<int> pages_per(B);
@@ -204,8 +272,24 @@ Problem make_problem(const Case& c, Rng& rng) {
   P.kc.resize(cache_elems * es);
   P.vc.resize(cache_elems * es);
   for (size_t i = 0; i < cache_elems; ++i) {
-    store_nan(c.dt, P.kc.data(), i);
-    store_nan(c.dt, P.vc.data(), i);
+    store_nan(c.kv, P.kc.data(), i);
+    store_nan(c.kv, P.vc.data(), i);
+  }
+  // An FP8 cache: each head's data a few times apart in magnitude, stored as data / scale with
+  // the scale mapping the head's range onto the format's (a wrong head's scale fails).
+  std::vector<float> kmag(hkv, 1.f), vmag(hkv, 1.f);
+  if (is_fp8(c.kv)) {
+    for (int h = 0; h < hkv; ++h) {
+      kmag[h] = 0.25f + 3.75f * float(rng.uniform());
+      vmag[h] = 0.25f + 3.75f * float(rng.uniform());
+    }
+    if (c.scaled) {
+      const float fmax = c.kv == DT::kE4M3 ? 448.f : 57344.f;
+      for (int h = 0; h < hkv; ++h) {
+        P.kscale.push_back(5.f * kmag[h] / fmax);  // +-5 sigma of a normal: the format's max
+        P.vscale.push_back(5.f * vmag[h] / fmax);
+      }
+    }
   }
   P.g = c.layout == Layout::kBSHD ? make_geometry(c.layout, P.num_pages, page, hkv, D)
                                   : make_geometry(c.layout, P.num_pages, hkv, page, D);
@@ -217,11 +301,14 @@ Problem make_problem(const Case& c, Rng& rng) {
       P.table[size_t(b) * P.width + j] = perm[used + int(rng() % uint64_t(nan_pages))];
     for (int j = 0; j < pages_per[b]; ++j) P.table[size_t(b) * P.width + j] = perm[at++];
     for (int t = 0; t < c.lens[b]; ++t)
-      for (int h = 0; h < hkv; ++h)
+      for (int h = 0; h < hkv; ++h) {
+        const float ks = P.kscale.empty() ? 1.f : P.kscale[h];
+        const float vs = P.vscale.empty() ? 1.f : P.vscale[h];
         for (int e = 0; e < D; ++e) {
-          store_elem(c.dt, P.kc.data(), P.kv_index(b, t, h, e), rng.normal());
-          store_elem(c.dt, P.vc.data(), P.kv_index(b, t, h, e), rng.normal());
+          store_elem(c.kv, P.kc.data(), P.kv_index(b, t, h, e), rng.normal() * kmag[h] / ks);
+          store_elem(c.kv, P.vc.data(), P.kv_index(b, t, h, e), rng.normal() * vmag[h] / vs);
         }
+      }
   }
   P.qh.resize(P.q_elems() * es);
   for (size_t i = 0; i < P.q_elems(); ++i) store_elem(c.dt, P.qh.data(), i, rng.normal());
@@ -250,10 +337,12 @@ std::vector<double> reference(const Problem& P) {
     }
     std::vector<double> s(L), kd(size_t(L) * D), vd(size_t(L) * D), qv(D);
     for (int kh = 0; kh < hkv; ++kh) {
+      const double ks = P.kscale.empty() ? 1.0 : P.kscale[kh];
+      const double vs = P.vscale.empty() ? 1.0 : P.vscale[kh];
       for (int t = 0; t < L; ++t)  // this head's keys and values, decoded once
         for (int e = 0; e < D; ++e) {
-          kd[size_t(t) * D + e] = load_elem(c.dt, P.kc.data(), P.kv_index(b, t, kh, e));
-          vd[size_t(t) * D + e] = load_elem(c.dt, P.vc.data(), P.kv_index(b, t, kh, e));
+          kd[size_t(t) * D + e] = load_elem(c.kv, P.kc.data(), P.kv_index(b, t, kh, e)) * ks;
+          vd[size_t(t) * D + e] = load_elem(c.kv, P.vc.data(), P.kv_index(b, t, kh, e)) * vs;
         }
       for (int h = kh * group; h < (kh + 1) * group; ++h) {
         const size_t qrow = (size_t(b) * hq + h) * D;
@@ -299,7 +388,15 @@ bool run_problem(const Problem& P, const std::string& label) {
   const size_t ws_floats = size_t(decode_workspace_floats(B, hq, p.max_parts, D));
   void *dq, *dkc, *dvc, *dout;
   int32_t *dtab, *dlens;
-  float* dws;
+  float *dws, *dks = nullptr, *dvs = nullptr;
+  if (!P.kscale.empty()) {
+    CUDA_OK(cudaMalloc(&dks, P.kscale.size() * 4));
+    CUDA_OK(cudaMalloc(&dvs, P.vscale.size() * 4));
+    CUDA_OK(cudaMemcpy(dks, P.kscale.data(), P.kscale.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dvs, P.vscale.data(), P.vscale.size() * 4, cudaMemcpyHostToDevice));
+  }
+  p.scales.k = dks;
+  p.scales.v = dvs;
   // Exact-size buffers (at least one element) so that compute-sanitizer sees any overrun.
   CUDA_OK(cudaMalloc(&dq, std::max<size_t>(P.qh.size(), 1)));
   CUDA_OK(cudaMalloc(&dkc, std::max<size_t>(P.kc.size(), 1)));
@@ -322,12 +419,12 @@ bool run_problem(const Problem& P, const std::string& label) {
   p.seq_lens = dlens;
   p.out = dout;
   p.workspace = dws;
-  const char* err = launch(c.dt, p, 0);
+  const char* err = launch(c.dt, c.kv, p, 0);
   cudaError_t sync = cudaDeviceSynchronize();
   std::vector<unsigned char> oh(q_elems * es);
   if (sync == cudaSuccess) CUDA_OK(cudaMemcpy(oh.data(), dout, oh.size(), cudaMemcpyDeviceToHost));
   for (void* ptr : {dq, dkc, dvc, dout, static_cast<void*>(dtab), static_cast<void*>(dlens),
-                    static_cast<void*>(dws)})
+                    static_cast<void*>(dws), static_cast<void*>(dks), static_cast<void*>(dvs)})
     cudaFree(ptr);
   if (err || sync != cudaSuccess) {
     std::printf("FAIL  %s%s: launch: %s / %s\n", label.c_str(), describe(c).c_str(),
@@ -410,9 +507,9 @@ int run_robustness(Rng& rng) {
       {"NaN in q (seq 1, head 1, element 5)",
        [](Problem& P) { store_nan(P.c.dt, P.qh.data(), (size_t(1) * P.c.hq + 1) * P.c.d + 5); }},
       {"NaN in an attended K element (seq 3, token 77, KV head 1)",
-       [](Problem& P) { store_nan(P.c.dt, P.kc.data(), P.kv_index(3, 77, 1, 9)); }},
+       [](Problem& P) { store_nan(P.c.kv, P.kc.data(), P.kv_index(3, 77, 1, 9)); }},
       {"NaN in an attended V element (seq 3, token 199, KV head 0)",
-       [](Problem& P) { store_nan(P.c.dt, P.vc.data(), P.kv_index(3, 199, 0, 6)); }},
+       [](Problem& P) { store_nan(P.c.kv, P.vc.data(), P.kv_index(3, 199, 0, 6)); }},
       {"empty cache (num_pages = 0: every sequence with a token is invalid)",
        [](Problem& P) {
          P.num_pages = P.g.num_pages = 0;
@@ -422,8 +519,8 @@ int run_robustness(Rng& rng) {
       {"NaN in K and V of seq 0's first token (every head of KV head 0)",
        [](Problem& P) {
          for (int e = 0; e < P.c.d; ++e) {
-           store_nan(P.c.dt, P.kc.data(), P.kv_index(0, 0, 0, e));
-           store_nan(P.c.dt, P.vc.data(), P.kv_index(0, 0, 0, e));
+           store_nan(P.c.kv, P.kc.data(), P.kv_index(0, 0, 0, e));
+           store_nan(P.c.kv, P.vc.data(), P.kv_index(0, 0, 0, e));
          }
        }},
   };
@@ -431,11 +528,22 @@ int run_robustness(Rng& rng) {
     DT dt;
     int hq, hkv;
     const char* kernel;
+    DT kv = DT::kF32;  // an FP8 format, or (anything else) q's dtype
   };
   const Variant variants[] = {
-      {DT::kBF16, 2, 2, "direct"},  {DT::kF16, 4, 4, "direct"},   {DT::kBF16, 8, 2, "mma"},
-      {DT::kF16, 16, 2, "mma"},     {DT::kF32, 8, 2, "simt"},     {DT::kBF16, 32, 2, "simt"},
-      {DT::kBF16, 64, 2, "simt32"}, {DT::kF32, 2, 2, "direct32"},
+      {DT::kBF16, 2, 2, "direct"},
+      {DT::kF16, 4, 4, "direct"},
+      {DT::kBF16, 8, 2, "mma"},
+      {DT::kF16, 16, 2, "mma"},
+      {DT::kF32, 8, 2, "simt"},
+      {DT::kBF16, 32, 2, "simt"},
+      {DT::kBF16, 64, 2, "simt32"},
+      {DT::kF32, 2, 2, "direct32"},
+      {DT::kBF16, 2, 2, "direct e4m3", DT::kE4M3},
+      {DT::kF16, 8, 2, "mma e4m3", DT::kE4M3},
+      {DT::kBF16, 16, 2, "mma e5m2", DT::kE5M2},
+      {DT::kBF16, 32, 2, "simt e4m3", DT::kE4M3},
+      {DT::kF16, 64, 2, "simt32 e5m2", DT::kE5M2},
   };
   int failed = 0, total = 0;
   for (const Variant& v : variants)
@@ -443,6 +551,8 @@ int run_robustness(Rng& rng) {
       for (const Edit& e : edits) {
         Case c;
         c.dt = v.dt;
+        c.kv = v.kv;
+        c.scaled = is_fp8(v.kv);
         c.lens = lens;
         c.hq = v.hq;
         c.hkv = v.hkv;
@@ -457,6 +567,39 @@ int run_robustness(Rng& rng) {
   ++total;
   failed += run_problem(make_problem(empty, rng), "[empty batch] ") ? 0 : 1;
   std::printf("robustness: %d cases, %d failed\n", total, failed);
+  return failed;
+}
+
+// Every code of each FP8 format through one key: a sequence of one token attends to it with
+// weight exactly 1, so each output element is its V element times v_scale (1 here): exact, NaN
+// codes NaN in their element only. V's 256 elements (2 KV heads x 128) hold all 256 codes; K
+// random. Every kernel variant and q dtype.
+int run_every_code(Rng& rng) {
+  int failed = 0, total = 0;
+  for (DT dt : {DT::kBF16, DT::kF16})
+    for (DT kv : {DT::kE4M3, DT::kE5M2})
+      for (int group : {1, 4, 16}) {
+        Case c;
+        c.dt = dt;
+        c.kv = kv;
+        c.lens.assign(1, 1);
+        c.hq = 2 * group;
+        c.hkv = 2;
+        Problem P = make_problem(c, rng);
+        std::vector<int> codes(256);
+        for (int i = 0; i < 256; ++i) codes[i] = i;
+        std::shuffle(codes.begin(), codes.end(), rng);
+        for (int h = 0; h < 2; ++h)
+          for (int e = 0; e < 128; ++e) {
+            uint8_t code = uint8_t(codes[h * 128 + e]);
+            // e5m2 infinities: the spec makes a non-finite value NaN, a weight of 1 keeps inf.
+            if (kv == DT::kE5M2 && (code & 0x7fu) == 0x7cu) code = uint8_t(code ^ 0x01u);
+            P.vc[P.kv_index(0, 0, h, e)] = code;
+          }
+        ++total;
+        failed += run_problem(P, std::string("[every ") + dt_name(kv) + " code] ") ? 0 : 1;
+      }
+  std::printf("every code: %d cases, %d failed\n", total, failed);
   return failed;
 }
 
@@ -523,10 +666,63 @@ int run_checks() {
     extra(dt, {4096, 4095, 4033, 63, 4161}, 32, 8, 128, 16, Layout::kBSHD, 0, 0.0884f, 0);
     extra(dt, {1024, 1000}, 16, 2, 128, 128, Layout::kBHSD, 8192, 0.0884f, 0);  // one partition
   }
+  // FP8 caches under bf16 / f16 q: every kernel variant (groups 1, 4, 8: direct and tensor-core;
+  // 16: SIMT), page sizes, layouts, one pass and split, scaled and unscaled, head dims.
+  for (DT dt : {DT::kBF16, DT::kF16})
+    for (DT kv : {DT::kE4M3, DT::kE5M2})
+      for (int group : {1, 4, 8, 16})
+        for (int page : {1, 16})
+          for (int part : {0, 256}) {
+            Case c;
+            c.dt = dt;
+            c.kv = kv;
+            c.scaled = (group + page + part / 256) % 2 == 0 || group == 4;
+            c.lens.assign(lens.begin(), lens.end());
+            c.hkv = 2;
+            c.hq = 2 * group;
+            c.page = page;
+            c.layout = (group + part) % 3 ? Layout::kBSHD : Layout::kBHSD;
+            c.part = part;
+            cases.push_back(c);
+          }
+  for (DT kv : {DT::kE4M3, DT::kE5M2})
+    for (int d : {32, 64, 256})
+      for (int group : {1, 2, 8, 16}) {
+        Case c;
+        c.dt = d == 64 ? DT::kF16 : DT::kBF16;
+        c.kv = kv;
+        c.scaled = true;
+        const int l6[] = {1, 3, 17, 255, 513, 130};
+        c.lens.assign(l6, l6 + 6);
+        c.d = d;
+        c.hkv = 2;
+        c.hq = 2 * group;
+        c.page = d == 256 ? 8 : 32;
+        c.part = group == 2 ? 100 : 0;
+        cases.push_back(c);
+      }
+  for (DT kv : {DT::kE4M3, DT::kE5M2}) {
+    auto fp8 = [&](std::vector<int> l, int hq, int hkv, int part, float scale, float cap) {
+      Case c;
+      c.dt = DT::kBF16;
+      c.kv = kv;
+      c.scaled = true;
+      c.lens = std::move(l);
+      c.hq = hq;
+      c.hkv = hkv;
+      c.part = part;
+      c.scale = scale;
+      c.cap = cap;
+      cases.push_back(c);
+    };
+    fp8({3, 255, 40}, 8, 2, 0, 0.5f, 4.f);                      // soft cap
+    fp8({32768}, 32, 8, 512, 0.0884f, 0.f);                     // B=1 long, 32/8
+    fp8({4096, 4095, 4033, 63, 4161}, 32, 8, 0, 0.0884f, 0.f);  // one pass, 32/8
+  }
   int failed = 0;
   for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;
   std::printf("correctness: %zu cases, %d failed\n", cases.size(), failed);
-  return failed + run_robustness(rng);
+  return failed + run_every_code(rng) + run_robustness(rng);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -545,6 +741,18 @@ __global__ void fill_random_bf16(uint16_t* x, size_t n, uint64_t seed) {
   }
 }
 
+// Random e4m3 codes of values in [-4, 4).
+__global__ void fill_random_e4m3(uint8_t* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x[i] = float_to_e4m3((float(z >> 40) * (1.f / 16777216.f) * 2.f - 1.f) * 4.f);
+  }
+}
+
 int num_sms() {
   int dev = 0, n = 0;
   CUDA_OK(cudaGetDevice(&dev));
@@ -552,12 +760,25 @@ int num_sms() {
   return n;
 }
 
+// Resident blocks per SM of the decode kernel for a bf16 q over a bf16 (fp8 false) or e4m3
+// cache, as the library reports it to jaxattn/native.py.
+int resident_blocks(bool fp8, int group) {
+  int blocks = 0;
+  const char* e = fp8 ? gpu::decode_occupancy_typed<bf16_t, e4m3_t>(128, group, &blocks)
+                      : gpu::decode_occupancy_typed<bf16_t>(128, group, &blocks);
+  if (e) {
+    std::fprintf(stderr, "occupancy query failed: %s\n", e);
+    std::exit(2);
+  }
+  return blocks;
+}
+
 // jaxattn/native.py's choice (choose_partition_size with no override).
-int auto_partition(int batch, int hkv, int group, int64_t capacity) {
+int auto_partition(int batch, int hkv, int group, int64_t capacity, bool fp8 = false) {
   int split = group > 15 ? 256 : 512;
   if (capacity <= split) return 0;
   if (int64_t(batch) * hkv >= 3LL * num_sms()) return 0;
-  const double want = 0.9 * (group == 1 ? 8 : 2) * num_sms();
+  const double want = 0.9 * resident_blocks(fp8, group) * num_sms();
   auto blocks = [&](int64_t size) { return double(batch) * hkv * ((capacity + size - 1) / size); };
   while (2LL * split < capacity && blocks(2LL * split) >= want) split *= 2;
   while (split > 128 && blocks(split) < want) split /= 2;
@@ -594,17 +815,21 @@ double copy_ceiling_gbs() {
 
 // One timing case: its pool, tables and buffers; time() runs a variant.
 struct Bench {
-  Bench(int b, int c, int q_heads, int kv_heads) : B(b), ctx(c), hq(q_heads), hkv(kv_heads) {}
+  Bench(int b, int c, int q_heads, int kv_heads, bool fp8_cache = false)
+      : B(b), ctx(c), hq(q_heads), hkv(kv_heads), fp8(fp8_cache) {}
   int B, ctx, hq, hkv;
+  bool fp8;  // an e4m3 cache with per-head scales (bf16 q either way)
   static constexpr int D = 128, P = 16;
   int copies = 1, pages_per_copy = 0, width = 0;
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   float* ws = nullptr;
+  float* scales = nullptr;  // k then v, [hkv] each
   int32_t* lens = nullptr;
   std::vector<int32_t*> tables;
   size_t ws_floats = 0;
 
-  double kv_bytes() const { return 2.0 * B * double(ctx) * hkv * D * 2; }
+  int elem_bytes() const { return fp8 ? 1 : 2; }
+  double kv_bytes() const { return 2.0 * B * double(ctx) * hkv * D * elem_bytes(); }
 
   void setup(Rng& rng) {
     width = (ctx + P - 1) / P;
@@ -613,10 +838,18 @@ struct Bench {
     copies = std::max(1, int(std::ceil(min_bytes / kv_bytes())));
     const size_t pages = size_t(copies) * pages_per_copy;
     const size_t elems = pages * P * hkv * D;
-    CUDA_OK(cudaMalloc(&k, elems * 2));
-    CUDA_OK(cudaMalloc(&v, elems * 2));
-    fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(k), elems, 1);
-    fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(v), elems, 1ull << 40);
+    CUDA_OK(cudaMalloc(&k, elems * elem_bytes()));
+    CUDA_OK(cudaMalloc(&v, elems * elem_bytes()));
+    if (fp8) {
+      fill_random_e4m3<<<1024, 256>>>(static_cast<uint8_t*>(k), elems, 1);
+      fill_random_e4m3<<<1024, 256>>>(static_cast<uint8_t*>(v), elems, 1ull << 40);
+      std::vector<float> sc(2 * hkv, 0.25f);
+      CUDA_OK(cudaMalloc(&scales, sc.size() * 4));
+      CUDA_OK(cudaMemcpy(scales, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+      fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(k), elems, 1);
+      fill_random_bf16<<<1024, 256>>>(static_cast<uint16_t*>(v), elems, 1ull << 40);
+    }
     CUDA_OK(cudaGetLastError());
     const size_t qe = size_t(B) * hq * D;
     CUDA_OK(cudaMalloc(&q, qe * 2));
@@ -640,7 +873,9 @@ struct Bench {
   }
 
   void teardown() {
-    for (void* ptr : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(lens)}) cudaFree(ptr);
+    for (void* ptr : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(lens),
+                      static_cast<void*>(scales)})
+      cudaFree(ptr);
     for (int32_t* t : tables) cudaFree(t);
     tables.clear();
   }
@@ -661,6 +896,10 @@ struct Bench {
     p.max_parts = part > 0 ? int32_t((int64_t(width) * P + part - 1) / part) : 1;
     p.kv = make_geometry(Layout::kBSHD, int64_t(copies) * pages_per_copy, P, hkv, D);
     p.ls = make_logit_scale(0.0883883f, 0.f);
+    if (fp8) {
+      p.scales.k = scales;
+      p.scales.v = scales + hkv;
+    }
     return p;
   }
 
@@ -670,7 +909,8 @@ struct Bench {
     auto call = [&](int copy) {
       const DecodeParams p = params(part, copy);
       const char* e = nullptr;
-      if (variant == 0) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
+      if (variant == 0 && fp8) e = gpu::launch_paged_decode_typed<bf16_t, e4m3_t>(p, 0);
+      if (variant == 0 && !fp8) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
       if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
       if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
       if (e) {
@@ -713,6 +953,17 @@ void print_kernel_info() {
   std::printf("mma kernel bf16 D=128: %d registers, %d threads, %d stages x %d tokens, %d B smem, "
               "%d blocks/SM\n",
               a.numRegs, S::kThreads, S::kStages, S::kTile, S::kSmemBytes, blocks);
+  using F = gpu::MmaFp8DecodeShape<e4m3_t, 128>;
+  auto fp8_kernel = gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, 128>;
+  CUDA_OK(
+      cudaFuncSetAttribute(fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, F::kSmemBytes));
+  CUDA_OK(cudaFuncGetAttributes(&a, fp8_kernel));
+  CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fp8_kernel, F::kThreads,
+                                                        F::kSmemBytes));
+  std::printf(
+      "mma kernel bf16 q, e4m3 cache, D=128: %d registers, %d stages x %d tokens, %d B "
+      "smem, %d blocks/SM\n",
+      a.numRegs, F::kStages, F::kTile, F::kSmemBytes, blocks);
   using G1 = gpu::DecodeShape<bf16_t, 128, 1>;
   CUDA_OK(cudaFuncGetAttributes(&a, gpu::paged_decode_kernel<bf16_t, 128, 1, true>));
   CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -768,6 +1019,41 @@ void run_perf() {
       bench.teardown();
     }
   std::printf("(* = the partition jaxattn/native.py picks; 0 = one pass)\n");
+
+  // The same shapes over an e4m3 cache (bf16 q, per-head scales): GB/s counts one byte an
+  // element; "x bf16" is the bf16 cache's time at its own pick over this one.
+  std::printf("\ne4m3 cache, bf16 q, D=128, page 16, bshd. GB/s = K+V bytes (1 B each) / time.\n");
+  std::printf("%-5s %-6s %-7s %-6s %10s %9s %6s %7s\n", "B", "ctx", "Hq/Hkv", "part", "us", "GB/s",
+              "%", "x bf16");
+  for (int hkv : {8, 32})
+    for (const Shape& sh : shapes) {
+      const int group = 32 / hkv;
+      double bf16_us;
+      {
+        Bench base(sh.B, sh.ctx, 32, hkv);
+        base.setup(rng);
+        bf16_us = base.time(auto_partition(sh.B, hkv, group, int64_t(base.width) * Bench::P), 0);
+        base.teardown();
+      }
+      Bench bench(sh.B, sh.ctx, 32, hkv, true);
+      bench.setup(rng);
+      const int auto_part = auto_partition(sh.B, hkv, group, int64_t(bench.width) * Bench::P, true);
+      std::vector<int> parts = {auto_part};
+      if (sh.B <= 8) {
+        for (int x : {256, 512, 1024, 2048})
+          if (x != auto_part) parts.push_back(x);
+      }
+      for (int part : parts) {
+        const double us = bench.time(part, 0);
+        const double gbs = bench.kv_bytes() / (us * 1e-6) / 1e9;
+        char hh[16];
+        std::snprintf(hh, sizeof(hh), "32/%d", hkv);
+        std::printf("%-5d %-6d %-7s %-6s %10.1f %9.0f %5.0f%% %6.2fx\n", sh.B, sh.ctx, hh,
+                    (std::to_string(part) + (part == auto_part ? "*" : "")).c_str(), us, gbs,
+                    100.0 * gbs / ceiling, bf16_us / us);
+      }
+      bench.teardown();
+    }
 }
 
 }  // namespace

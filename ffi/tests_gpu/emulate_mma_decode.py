@@ -10,7 +10,14 @@ wait_group forces them ("late": catches reading a stage before it landed). The i
 emulated too: a page id outside the cache among a sequence's pages must make every head of it
 NaN (one pass and through the combine), garbage past its length must change nothing.
 
-Keep it in step with the kernel when either changes. Run: python3 emulate_mma_decode.py [--full]
+``--fp8`` emulates paged_decode_mma_fp8_kernel instead: the ring holds FP8 codes (one byte an
+element), ldmatrix reads them as b16 pairs, the K and V fragments are built by the kernel's
+byte permutes and widened to float16, q is scaled into float16 by its power of two per head and
+P is packed to float16, the merge writes each accumulator at its permuted dim; against the same
+float64 reference (of the FP8 values).
+
+Keep it in step with the kernels when they change. Run:
+python3 emulate_mma_decode.py [--full] [--fp8]
 """
 
 from __future__ import annotations
@@ -218,6 +225,224 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
     return res
 
 
+def f16_round(x):
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def fp8_round(x):
+    """Values of an e4m3 cache (ml_dtypes rounding, saturated)."""
+    import ml_dtypes
+
+    x = np.clip(np.asarray(x, np.float32), -448, 448)
+    return x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def ldmatrix_x4_bytes(rows, lane_addrs, rs):
+    """ldmatrix (b16, no transpose) over a byte array rows [n][rs]: lane (g, t) gets, of each
+    of the 4 matrices, bytes 4t .. 4t+3 of row g. Returns [32 lanes][4][4 bytes]."""
+    out = np.zeros((32, 4, 4), np.float32)
+    mats = []
+    for i in range(4):
+        m = []
+        for r in range(8):
+            addr = lane_addrs[8 * i + r]
+            assert addr % 16 == 0
+            row, col = divmod(addr, rs)
+            assert col + 16 <= rs
+            m.append(rows[row, col : col + 16])
+        mats.append(np.stack(m))
+    for t in range(32):
+        for i in range(4):
+            out[t, i] = mats[i][t // 4, 4 * (t % 4) : 4 * (t % 4) + 4]
+    return out
+
+
+def byte_perm(a, b, sel):
+    """PTX prmt on 4-element "words" (each element one byte): nibble i of sel picks byte i."""
+    src = list(a) + list(b)
+    return [src[(sel >> (4 * i)) & 7] for i in range(4)]
+
+
+def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap):
+    """paged_decode_mma_fp8_kernel: as run_block, with the FP8 ring and fragments."""
+    page_size, page_stride, token_stride, num_pages = geo
+    rs, ch, kd = d + 16, d // 16, d // 16
+    off = np.full((ns, TILE), 12345678, np.int64)
+    ks = np.full((ns, TILE, rs), np.nan, np.float32)
+    vs = np.full((ns, TILE, rs), np.nan, np.float32)
+    groups = [[]]
+
+    def page_of(n, tid):
+        t = start + n * TILE + tid
+        return table[t // page_size] if (tid < TILE and t < end) else 0
+
+    def store_offset(n, tid, page):
+        t = start + n * TILE + tid
+        if tid >= TILE:
+            return False
+        live = t < end
+        ok = live and 0 <= page < num_pages
+        off[n % ns, tid] = page * page_stride + (t % page_size) * token_stride if ok else -1
+        return live and not ok
+
+    def land_copy(op):  # 16-byte copies: 16 elements
+        s, r, c, o = op
+        ks[s, r, c * 16 : c * 16 + 16] = kc[o + c * 16 : o + c * 16 + 16] if o >= 0 else 0
+        vs[s, r, c * 16 : c * 16 + 16] = vc[o + c * 16 : o + c * 16 + 16] if o >= 0 else 0
+
+    def issue(n):
+        s, copies = n % ns, TILE * ch
+        for tid in range(NT):
+            for i in range((copies + NT - 1) // NT):
+                idx = tid + i * NT
+                if copies % NT == 0 or idx < copies:
+                    r, c = divmod(idx, ch)
+                    op = (s, r, c, int(off[s, r]))
+                    if land == "early":
+                        land_copy(op)
+                    else:
+                        groups[-1].append(op)
+
+    def commit():
+        groups.append([])
+
+    def wait(n_pending):
+        while len(groups) - 1 > n_pending:
+            for op in groups.pop(0):
+                land_copy(op)
+
+    ntiles = (end - start + TILE - 1) // TILE
+    bad = False
+    for n in range(ns):
+        for tid in range(NT):
+            bad |= store_offset(n, tid, page_of(n, tid))
+    for n in range(ns - 1):
+        if n < ntiles:
+            issue(n)
+        commit()
+
+    # q: per head, the power of two that brings its largest |q| into [2^14, 2^15).
+    qa = np.zeros((32, kd, 2, 2), np.float32)
+    post = np.ones(32)
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        if g < group:
+            qmax = np.abs(q[g]).max()
+            e = int(np.frexp(np.float32(qmax))[1]) - 1 + 127 if qmax > 0 else 0
+            biased = min(max(268 - e, 1), 253)
+            pre = 2.0 ** (biased - 127)
+            post[lane] = 2.0 ** (127 - biased)
+            for kk in range(kd):
+                x = q[g, kk * 16 + 4 * tq : kk * 16 + 4 * tq + 4] * pre
+                qa[lane, kk, 0], qa[lane, kk, 1] = f16_round(x[:2]), f16_round(x[2:])
+
+    o = np.zeros((WARPS, 32, kd, 4))
+    m = np.full((WARPS, 32), NEG_INF)
+    lsum = np.zeros((WARPS, 32))
+    for n in range(ntiles):
+        wait(ns - 2)
+        if n + ns - 1 < ntiles:
+            issue(n + ns - 1)
+        commit()
+        pages = [page_of(n + ns, tid) for tid in range(NT)]
+        s = n % ns
+        for warp in range(WARPS):
+            rb = warp * 16
+            t0 = start + n * TILE + rb
+            if t0 >= end:
+                continue
+            k_off = [
+                (rb + lane % 8 + (lane // 16) * 8) * rs + ((lane // 8) % 2) * 16
+                for lane in range(32)
+            ]
+            sc = [np.zeros((32, 4)), np.zeros((32, 4))]
+            for k2 in range(d // 32):
+                kf = ldmatrix_x4_bytes(ks[s], [x + k2 * 32 for x in k_off], rs)
+                # fp8x4_to_f16x2: (byte 0, 1) -> b0, (2, 3) -> b1, exact.
+                kb = kf.reshape(32, 4, 2, 2)
+                for step, (lo, hi) in ((2 * k2, (0, 2)), (2 * k2 + 1, (1, 3))):
+                    a = np.zeros((32, 4, 2), np.float32)
+                    a[:, 0], a[:, 2] = qa[:, step, 0], qa[:, step, 1]
+                    sc[0] = mma(sc[0], a, kb[:, lo])
+                    sc[1] = mma(sc[1], a, kb[:, hi])
+            pr = np.zeros((32, 2, 2))
+            mx = np.full(32, NEG_INF)
+            for lane, h, e in itertools.product(range(32), range(2), range(2)):
+                v = sc[h][lane, e] * q_scale * post[lane]
+                if cap > 0:
+                    v = cap * math.tanh(v)
+                pr[lane, h, e] = v if t0 + 8 * h + 2 * (lane % 4) + e < end else NEG_INF
+                mx[lane] = max(mx[lane], pr[lane, h, e])
+            mx = np.array([mx[4 * (x // 4) : 4 * (x // 4) + 4].max() for x in range(32)])
+            alpha = np.zeros(32)
+            for lane in range(32):
+                m_new = max(m[warp, lane], mx[lane])
+                m_use = 0.0 if m_new == NEG_INF else m_new
+                alpha[lane] = 2.0 ** (m[warp, lane] - m_use)
+                pr[lane] = 2.0 ** (pr[lane] - m_use)
+                lsum[warp, lane] = lsum[warp, lane] * alpha[lane] + pr[lane].sum()
+                m[warp, lane] = m_new
+            b = f16_round(pr.reshape(32, 4)).reshape(32, 2, 2)
+            for jj in range(d // 32):
+                a = np.zeros((2, 32, 4, 2), np.float32)
+                for lane in range(32):
+                    g, tq = lane // 4, lane % 4
+                    base = (rb + 2 * tq) * rs + 4 * g + jj * 32
+                    flat = vs[s].reshape(-1)
+                    r0, r1, r2, r3 = (
+                        flat[base + dr * rs : base + dr * rs + 4] for dr in (0, 1, 8, 9)
+                    )
+                    w = [
+                        byte_perm(r0, r1, 0x5140),
+                        byte_perm(r2, r3, 0x5140),
+                        byte_perm(r0, r1, 0x7362),
+                        byte_perm(r2, r3, 0x7362),
+                    ]
+                    for s2 in range(2):
+                        lo01, hi01 = w[2 * s2][:2], w[2 * s2][2:]
+                        lo23, hi23 = w[2 * s2 + 1][:2], w[2 * s2 + 1][2:]
+                        a[s2, lane] = [lo01, hi01, lo23, hi23]
+                for s2 in range(2):
+                    j = 2 * jj + s2
+                    for lane in range(32):
+                        tq = lane % 4
+                        a_lo, a_hi = alpha[8 * tq], alpha[8 * tq + 4]
+                        o[warp, lane, j] *= [a_lo, a_hi, a_lo, a_hi]
+                    o[warp, :, j] = mma(o[warp, :, j], a[s2], b)
+        for tid in range(NT):
+            bad |= store_offset(n + ns, tid, pages[tid])
+    wait(0)
+
+    def out_dim(j, r):
+        return 32 * (j // 2) + 4 * (r % 8) + 2 * (j % 2) + r // 8
+
+    red = np.full((WARPS, 8, d + 2), np.nan)
+    for warp, lane in itertools.product(range(WARPS), range(32)):
+        g, tq = lane // 4, lane % 4
+        for j in range(kd):
+            red[warp, 2 * tq, out_dim(j, g)] = o[warp, lane, j, 0]
+            red[warp, 2 * tq + 1, out_dim(j, g)] = o[warp, lane, j, 1]
+            red[warp, 2 * tq, out_dim(j, g) + 1] = o[warp, lane, j, 2]
+            red[warp, 2 * tq + 1, out_dim(j, g) + 1] = o[warp, lane, j, 3]
+        if tq == 0:
+            red[warp, g, d] = m[warp, lane]
+            red[warp, g, d + 1] = lsum[warp, 4 * g : 4 * g + 4].sum()
+    res = {}
+    for g in range(group):
+        mx = red[:, g, d].max()
+        m_use = 0.0 if mx == NEG_INF else mx
+        wt = 2.0 ** (red[:, g, d] - m_use)
+        ls = (wt * red[:, g, d + 1]).sum()
+        out = (wt[:, None] * red[:, g, :d]).sum(0)
+        if bad:
+            out, mx, ls = np.full(d, np.nan), np.nan, np.nan
+        res[g] = (np.zeros(d) if ls == 0 else out / ls, mx, ls)
+    return res
+
+
+FP8 = False  # main(--fp8): emulate the FP8 kernel
+
+
 def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=None):
     """Largest error against float64; edit "bad": a page id outside the cache at the last
     token's page (every output must be NaN: returns 0 if so, inf if not); "garbage": entries
@@ -226,8 +451,9 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
     table = rng.permutation(npages)  # entries past the sequence point at NaN pages
     shape = (npages, page_size, hkv, d) if layout == "bshd" else (npages, hkv, page_size, d)
     kc, vc = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    dk = bf16_round(rng.standard_normal((length, hkv, d)))
-    dv = bf16_round(rng.standard_normal((length, hkv, d)))
+    rnd = fp8_round if FP8 else bf16_round
+    dk = rnd(rng.standard_normal((length, hkv, d)))
+    dv = rnd(rng.standard_normal((length, hkv, d)))
     for t in range(length):
         pg, slot = table[t // page_size], t % page_size
         if layout == "bshd":
@@ -254,8 +480,9 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
     for kvh in range(hkv):
         kflat, vflat = kc.reshape(-1)[kvh * head_stride :], vc.reshape(-1)[kvh * head_stride :]
         qh = q[kvh * group : (kvh + 1) * group]
+        block = run_block_fp8 if FP8 else run_block
         res = [
-            run_block(kflat, vflat, geo, table, s, e, qh, group, d, ns, land, q_scale, cap_log2e)
+            block(kflat, vflat, geo, table, s, e, qh, group, d, ns, land, q_scale, cap_log2e)
             for s, e in parts
         ]
         for g in range(group):
@@ -285,6 +512,8 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
 
 
 def main(full):
+    global FP8
+    FP8 = "--fp8" in sys.argv[1:]
     rng = np.random.default_rng(0)
     lengths = [
         (1, 0),

@@ -3,7 +3,8 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
 //     -Iffi/include -Iffi/src ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu \
-//     ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest && /tmp/prefill_selftest
+//     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest \
+//     && /tmp/prefill_selftest
 //
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
@@ -24,6 +25,10 @@
 // a tile see and others do not, no requests at all. The reference applies the same contract
 // to the edited arrays. Every buffer has its exact size, so compute-sanitizer --tool memcheck
 // sees any access outside one (ffi/gpu_check.sh: SANITIZE=1).
+//
+// FP8 caches (e4m3fn, e5m2; q bf16 or f16): cases on every kernel, with per-head scales (the
+// heads' data a few times apart in magnitude) and without, and robustness edits with the
+// formats' NaN (and e5m2's infinity); timings of the same problems over an e4m3 cache.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,6 +61,15 @@ namespace {
 
 uint16_t enc(float f, bool f16) { return f16 ? jaxattn::float_to_f16(f) : jaxattn::float_to_bf16(f); }
 float dec(uint16_t h, bool f16) { return f16 ? jaxattn::f16_to_float(h) : jaxattn::bf16_to_float(h); }
+
+// FP8 caches: kv8 = 1 e4m3, 2 e5m2 (0: the cache is q's 16-bit type).
+uint8_t enc8(float f, int kv8) {
+  return kv8 == 1 ? jaxattn::float_to_e4m3(f) : jaxattn::float_to_e5m2(f);
+}
+float dec8(uint8_t b, int kv8) {
+  return kv8 == 1 ? jaxattn::e4m3_to_float(b) : jaxattn::e5m2_to_float(b);
+}
+uint8_t nan8(int kv8) { return kv8 == 1 ? 0x7f : 0x7e; }
 constexpr uint16_t kNaN16 = 0xffff;  // a NaN in both bf16 and f16
 constexpr uint16_t kInfBf16 = 0x7f80, kInfF16 = 0x7c00;
 
@@ -68,6 +82,8 @@ struct Case {
   float cap;
   bool f16;
   int pad_rows;
+  int kv8 = 0;          // 1: an e4m3 cache, 2: e5m2 (0: q's type)
+  bool scaled = false;  // FP8: per-head K / V scales
 };
 
 struct Problem {
@@ -76,6 +92,8 @@ struct Problem {
   std::vector<int> cu_q, lk;
   std::vector<int32_t> table, indptr, seq_lens;
   std::vector<uint16_t> q, k, v;
+  std::vector<uint8_t> k8, v8;                // an FP8 cache (c.kv8), instead of k and v
+  std::vector<float> kscale, vscale;          // per KV head (empty: 1)
   std::vector<std::vector<int64_t>> key_off;  // element offset of key j of request b
   KvGeometry geo;
   float scale = 0.f;
@@ -113,9 +131,24 @@ Problem make_problem(const Case& c, std::mt19937& rng, bool fill_values = true) 
     P.geo = jaxattn::make_geometry(Layout::kBHSD, num_pages, c.hkv, ps, c.d);
   }
   const int64_t cache = int64_t(num_pages) * P.geo.page_stride;
-  P.k.assign(cache, kNaN16);
-  P.v.assign(cache, kNaN16);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  std::vector<float> kmag(c.hkv, 1.f), vmag(c.hkv, 1.f);
+  if (c.kv8) {
+    P.k8.assign(cache, nan8(c.kv8));
+    P.v8.assign(cache, nan8(c.kv8));
+    for (int h = 0; h < c.hkv; ++h) {
+      kmag[h] = 0.25f + 3.75f * (0.5f + 0.5f * uni(rng));
+      vmag[h] = 0.25f + 3.75f * (0.5f + 0.5f * uni(rng));
+      if (c.scaled) {
+        const float fmax = c.kv8 == 1 ? 448.f : 57344.f;
+        P.kscale.push_back(kmag[h] / fmax);  // the head's range onto the format's
+        P.vscale.push_back(vmag[h] / fmax);
+      }
+    }
+  } else {
+    P.k.assign(cache, kNaN16);
+    P.v.assign(cache, kNaN16);
+  }
   P.key_off.resize(P.batch);
   int next = 0;
   if (c.pool) {
@@ -142,8 +175,15 @@ Problem make_problem(const Case& c, std::mt19937& rng, bool fill_values = true) 
       for (int h = 0; h < c.hkv; ++h) {
         for (int dd = 0; dd < c.d; ++dd) {
           const int64_t e = off + h * P.geo.head_stride + dd;
-          P.k[e] = fill_values ? enc(uni(rng), c.f16) : 0;
-          P.v[e] = fill_values ? enc(uni(rng), c.f16) : 0;
+          if (c.kv8) {
+            const float ks = P.kscale.empty() ? 1.f : P.kscale[h];
+            const float vs = P.vscale.empty() ? 1.f : P.vscale[h];
+            P.k8[e] = enc8(fill_values ? uni(rng) * kmag[h] / ks : 0.f, c.kv8);
+            P.v8[e] = enc8(fill_values ? uni(rng) * vmag[h] / vs : 0.f, c.kv8);
+          } else {
+            P.k[e] = fill_values ? enc(uni(rng), c.f16) : 0;
+            P.v[e] = fill_values ? enc(uni(rng), c.f16) : 0;
+          }
         }
       }
     }
@@ -200,11 +240,13 @@ std::vector<double> reference(const Problem& P) {
       // This request's keys of this head, decoded once.
       kf.assign(int64_t(lk) * c.d, 0.0);
       vf.assign(int64_t(lk) * c.d, 0.0);
+      const double ks = P.kscale.empty() ? 1.0 : P.kscale[kvh];
+      const double vs = P.vscale.empty() ? 1.0 : P.vscale[kvh];
       for (int j = 0; j < lk; ++j) {
         for (int dd = 0; dd < c.d; ++dd) {
           const int64_t e = key_off[j] + kvh * P.geo.head_stride + dd;
-          kf[int64_t(j) * c.d + dd] = dec(P.k[e], c.f16);
-          vf[int64_t(j) * c.d + dd] = dec(P.v[e], c.f16);
+          kf[int64_t(j) * c.d + dd] = c.kv8 ? dec8(P.k8[e], c.kv8) * ks : dec(P.k[e], c.f16);
+          vf[int64_t(j) * c.d + dd] = c.kv8 ? dec8(P.v8[e], c.kv8) * vs : dec(P.v[e], c.f16);
         }
       }
       for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
@@ -244,7 +286,9 @@ std::vector<double> reference(const Problem& P) {
 struct Device {
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   int32_t *cu = nullptr, *table = nullptr, *indptr = nullptr, *seq = nullptr;
+  float *ks = nullptr, *vs = nullptr;
   size_t out_bytes = 0;
+  int kv8 = 0;
   PrefillParams p;
 
   template <typename V>
@@ -257,8 +301,11 @@ struct Device {
   }
   explicit Device(const Problem& P) {
     q = up(P.q);
-    k = up(P.k);
-    v = up(P.v);
+    kv8 = P.c.kv8;
+    k = kv8 ? up(P.k8) : up(P.k);
+    v = kv8 ? up(P.v8) : up(P.v);
+    ks = static_cast<float*>(up(P.kscale));
+    vs = static_cast<float*>(up(P.vscale));
     cu = static_cast<int32_t*>(up(P.cu_q));
     table = static_cast<int32_t*>(up(P.table));
     indptr = static_cast<int32_t*>(up(P.indptr));
@@ -280,17 +327,30 @@ struct Device {
     p.page_table_len = int64_t(P.table.size());
     p.kv = P.geo;
     p.ls = jaxattn::make_logit_scale(P.scale, P.c.cap);
+    p.scales.k = ks;
+    p.scales.v = vs;
   }
   ~Device() {
     for (void* x : {q, k, v, out, static_cast<void*>(cu), static_cast<void*>(table),
-                    static_cast<void*>(indptr), static_cast<void*>(seq)})
+                    static_cast<void*>(indptr), static_cast<void*>(seq), static_cast<void*>(ks),
+                    static_cast<void*>(vs)})
       if (x) cudaFree(x);
   }
   const char* launch(bool f16, PrefillKernel which) const {
+    using jaxattn::bf16_t;
+    using jaxattn::e4m3_t;
+    using jaxattn::e5m2_t;
+    using jaxattn::f16_t;
+    using jaxattn::gpu::launch_prefill_typed;
     jaxattn::PrefillParams q = p;
     q.kernel = static_cast<int32_t>(which);
-    return f16 ? jaxattn::gpu::launch_prefill_typed<jaxattn::f16_t>(q, 0)
-               : jaxattn::gpu::launch_prefill_typed<jaxattn::bf16_t>(q, 0);
+    if (kv8 == 1)
+      return f16 ? launch_prefill_typed<f16_t, e4m3_t>(q, 0)
+                 : launch_prefill_typed<bf16_t, e4m3_t>(q, 0);
+    if (kv8 == 2)
+      return f16 ? launch_prefill_typed<f16_t, e5m2_t>(q, 0)
+                 : launch_prefill_typed<bf16_t, e5m2_t>(q, 0);
+    return f16 ? launch_prefill_typed<f16_t>(q, 0) : launch_prefill_typed<bf16_t>(q, 0);
   }
 };
 
@@ -498,6 +558,36 @@ int run_robustness(std::mt19937& rng) {
           check_problem(P, base->name + ": no requests, qo = {" + std::to_string(first) + "}");
     }
   }
+  // FP8 caches: the format's NaN (e5m2: and infinity) at the same places, and a bad entry.
+  const Named fp8_edits[] = {
+      {"valid", true, true, [](Problem&) {}},
+      {"entry = 10^6 at request 2's last key", true, true,
+       [](Problem& P) { entry_of(P, 2, 254) = 1000000; }},
+      {"NaN in q (row qo[1] + 5, head 3)", true, true,
+       [](Problem& P) { P.q[(int64_t(P.cu_q[1] + 5) * P.c.hq + 3) * P.c.d] = kNaN16; }},
+      {"NaN in K of a prefix key (request 1, key 10, KV head 0)", true, true,
+       [](Problem& P) { P.k8[kv_elem(P, 1, 10, 0, 3)] = nan8(P.c.kv8); }},
+      {"NaN in V at a diagonal key (request 2, key 100, KV head 1)", true, true,
+       [](Problem& P) { P.v8[kv_elem(P, 2, 100, 1, 7)] = nan8(P.c.kv8); }},
+      {"NaN in V at request 2's last key", true, true,
+       [](Problem& P) { P.v8[kv_elem(P, 2, 254, 0, 1)] = nan8(P.c.kv8); }},
+      {"NaN (e4m3) / inf (e5m2) in V at a diagonal key (request 4, key 260)", true, true,
+       [](Problem& P) { P.v8[kv_elem(P, 4, 260, 0, 2)] = P.c.kv8 == 1 ? 0xffu : 0x7cu; }},
+  };
+  Case paged8 = paged, pool8 = pool;
+  paged8.name = "paged e4m3 scaled";
+  paged8.kv8 = 1;
+  paged8.scaled = true;
+  pool8.name = "pool e5m2";
+  pool8.kv8 = 2;
+  for (const Case* base : {&paged8, &pool8}) {
+    for (const Named& e : fp8_edits) {
+      Problem P = make_problem(*base, rng);
+      e.edit(P);
+      ++total;
+      failed += check_problem(P, base->name + ": " + e.name);
+    }
+  }
   std::printf("robustness: %d of %d cases failed\n", failed, total);
   return failed;
 }
@@ -627,11 +717,31 @@ int main(int argc, char** argv) {
         {"D64 bhsd p64 lq 1/255 prefix 1000/64, 4/1", {1, 255}, {1000, 64}, 4, 1, 64, 64, bhsd,
          false, 0.f, false, 1},
     };
+    // FP8 caches: kv8 1 = e4m3, 2 = e5m2; scaled: per-head scales.
+    auto fp8 = [](Case c, const char* name, int kv8, bool scaled) {
+      c.name = name;
+      c.kv8 = kv8;
+      c.scaled = scaled;
+      return c;
+    };
+    const std::vector<Case> fp8_cases = {
+        fp8(cases[0], "e4m3 scaled: lq1 x4 prefixes 0/5/64/1000, 32/8 p16", 1, true),
+        fp8(cases[1], "e4m3 scaled: lq 3/17/255/1 mixed prefixes, 32/8", 1, true),
+        fp8(cases[2], "e5m2: bhsd p64 softcap 2", 2, false),
+        fp8(cases[4], "e5m2 scaled: pool (extend) 17/255/3, 4/1", 2, true),
+        fp8(cases[6], "e4m3: lq 300 prefix 1000 (11 key tiles), 8/8", 1, false),
+        fp8(cases[7], "e5m2 scaled: lq 129/128/127, 4/1 bhsd", 2, true),
+        fp8(cases[9], "e4m3 scaled f16: lq 17/255 prefix 64/1000, 32/8", 1, true),
+        fp8(cases[10], "e4m3 scaled D64: lq 255/3 prefix 64/5, 32/8", 1, true),
+        fp8(cases[11], "e5m2 D64 f16 pool softcap 2, 8/8", 2, false),
+    };
     std::printf("checks (vs CPU float64 reference):\n");
-    for (const Case& c : cases) {
-      const int r = check_case(c, rng);
-      ++total;
-      if (r == 1) ++failed;
+    for (const std::vector<Case>* list : {&cases, &fp8_cases}) {
+      for (const Case& c : *list) {
+        const int r = check_case(c, rng);
+        ++total;
+        if (r == 1) ++failed;
+      }
     }
     std::printf("checks: %d of %d cases failed\n", failed, total);
   }
@@ -651,6 +761,13 @@ int main(int argc, char** argv) {
     const Case extend = {"", std::vector<int>(32, 24), std::vector<int>(32, 1000), 32, 8, 128, 1,
                          bshd, true, 0.f, false, 0};
     if (bench_case("32 x (1000 + 24), pool", extend, rng)) ++failed;
+    std::printf("timings over an e4m3 cache with per-head scales (bf16 q, the rest as above):\n");
+    Case big8 = big, longq8 = longq, extend8 = extend;
+    big8.kv8 = longq8.kv8 = extend8.kv8 = 1;
+    big8.scaled = longq8.scaled = extend8.scaled = true;
+    if (bench_case("8 x (2048 + 512) e4m3", big8, rng)) ++failed;
+    if (bench_case("1 x (0 + 8192) e4m3", longq8, rng)) ++failed;
+    if (bench_case("32 x (1000 + 24), pool, e4m3", extend8, rng)) ++failed;
   }
   std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
   return failed ? 1 : 0;

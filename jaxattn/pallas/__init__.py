@@ -66,7 +66,7 @@ class _Pallas(Implementation):
         return None
 
     def supports(self, a):
-        return C.unsupported(a.q, a.k_cache, a.v_cache, a.layout)
+        return C.unsupported(a.kernel_q, a.k_cache, a.v_cache, a.layout)
 
 
 class _PagedAttention(_Pallas):
@@ -86,6 +86,8 @@ class _PagedAttention(_Pallas):
             layout=a.layout.name,
             partition_size=a.partition_size,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -94,11 +96,11 @@ class _ExtendAttention(_Pallas):
     config_cls = ExtendConfig
 
     def heuristic_config(self, a):
-        return _extend.heuristic_config(a.q, a.group, a.qo_indptr)
+        return _extend.heuristic_config(a.kernel_q, a.group, a.qo_indptr)
 
     def run(self, a, config):
         return extend_attention(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.qo_indptr,
@@ -106,6 +108,8 @@ class _ExtendAttention(_Pallas):
             a.kv_indices,
             scale=a.scale,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -114,11 +118,11 @@ class _PrefixPrefill(_Pallas):
     config_cls = ExtendConfig
 
     def heuristic_config(self, a):
-        return _extend.heuristic_config(a.q, a.group, a.cu_seqlens_q)
+        return _extend.heuristic_config(a.kernel_q, a.group, a.cu_seqlens_q)
 
     def run(self, a, config):
         return prefix_prefill(
-            a.q,
+            a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.cu_seqlens_q,
@@ -127,6 +131,8 @@ class _PrefixPrefill(_Pallas):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.kernel_k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 
@@ -150,6 +156,8 @@ class _CascadeAttention(_Pallas):
             scale=a.scale,
             layout=a.layout.name,
             soft_cap=a.soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
             config=config,
         )
 

@@ -13,6 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import _compat
 from .. import layout as L
+from .. import quant as Q
 
 # Scores are kept in base 2 inside the kernels (exp2 is one SFU instruction; exp is not),
 # so the softmax scale is folded with log2(e) once, outside the inner loops.
@@ -39,16 +40,25 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 
 def dtype_reason(q, k_cache, v_cache) -> str | None:
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if np.dtype(x.dtype) not in _FLOAT_DTYPES:
-            return f"{name} dtype {np.dtype(x.dtype)} is not served"
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        # The tensor-core dot needs both operands in one dtype; casting q down silently
-        # would change the numbers, so leave mixed precision to another backend.
+    """q and the caches in one float dtype, or an FP8 cache (widened exactly to q's dtype
+    in the kernel: the tensor-core dot takes one dtype, and casting q down would change the
+    numbers, so no other mix is served)."""
+    if np.dtype(q.dtype) not in _FLOAT_DTYPES:
+        return f"q dtype {np.dtype(q.dtype)} is not served"
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        dt = np.dtype(x.dtype)
+        if dt not in _FLOAT_DTYPES and not Q.is_fp8(dt):
+            return f"{name} dtype {dt} is not served"
+    if k_cache.dtype != v_cache.dtype:
+        return f"k_cache and v_cache must share a dtype, got {k_cache.dtype}, {v_cache.dtype}"
+    if not Q.is_fp8(k_cache.dtype) and q.dtype != k_cache.dtype:
         return (
-            f"q, k_cache and v_cache must share a dtype, got {np.dtype(q.dtype)}, "
-            f"{np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
+            f"q, k_cache and v_cache must share a dtype (or the cache be FP8), got "
+            f"{np.dtype(q.dtype)}, {np.dtype(k_cache.dtype)}"
         )
+    if np.dtype(k_cache.dtype) == np.dtype(jnp.float8_e4m3fn) and jax.default_backend() == "rocm":
+        # Triton has no e4m3fn on AMD GPUs (they have the fnuz variant, another encoding).
+        return "the Pallas Triton lowering has no float8_e4m3fn conversion on ROCm"
     return None
 
 
@@ -125,6 +135,21 @@ def load_rows(ref, rows, valid, head_dim: int):
     come back as 0, so NaN in unreferenced pages cannot reach the result."""
     d = jnp.arange(head_dim)
     return plgpu.load(ref.at[rows[:, None], d[None, :]], mask=valid[:, None], other=0)
+
+
+def widen(x, dtype):
+    """A cache tile in the compute dtype: an FP8 tile widened (exact: every FP8 value is a
+    bfloat16, float16 and float32), anything else as it is."""
+    return x.astype(dtype) if x.dtype != dtype else x
+
+
+def head_scales(k_scale, v_scale, num_kv_heads: int):
+    """The kernels' scale operand: f32 [2, Hkv] (row 0 the key scales, row 1 the value
+    scales; 1 where None). Always passed, so one kernel serves scaled and plain caches."""
+    ones = jnp.ones((num_kv_heads,), jnp.float32)
+    k = ones if k_scale is None else jnp.asarray(k_scale).astype(jnp.float32)
+    v = ones if v_scale is None else jnp.asarray(v_scale).astype(jnp.float32)
+    return jnp.stack([k, v])
 
 
 # HIGHEST: with float32 operands the Triton lowering would otherwise pick TF32 (10-bit

@@ -22,6 +22,11 @@ it owns, into one workspace ``[B + 1, own partitions + prefix splits, Hq, D]``; 
 workspace takes the stores of a tile's padding rows (masked off on a GPU; the interpreter
 evaluates masked stores too, and they must not land on a real row).
 
+FP8 and scaled caches, as in :mod:`jaxattn.pallas.decode`: K and V tiles are loaded as stored
+and widened to q's dtype (exact) before the dots; the per-KV-head scales are an operand
+(f32 [2, Hkv]): k_scale multiplies a program's raw scores, v_scale its accumulator before the
+store, so every part of a row carries the same factors and the merge stays exact.
+
 The tiles are planned in the wrapper with ``jax.numpy`` (``prefix_of`` is traced): a stable
 sort of the requests by prefix, the requests per prefix, their tiles. The validity of the
 index metadata (:mod:`jaxattn.reference.validity`) is also computed there: a request or
@@ -157,6 +162,7 @@ def _attend(
     v_ref,
     *,
     kv_head,
+    k_scale,
     geom,
     layout,
     block_n,
@@ -165,8 +171,8 @@ def _attend(
     soft_cap,
 ):
     """Online softmax of q [R, D] over tokens [start, end) of table row ``row``:
-    (acc [R, D], m [R], l [R]) in base 2, unnormalised. Every page id read is in range
-    (checked before the launch)."""
+    (acc [R, D], m [R], l [R]) in base 2, unnormalised, the scores times the KV head's
+    k_scale. Every page id read is in range (checked before the launch)."""
 
     def body(i, carry):
         t = start + i * block_n + jnp.arange(block_n)
@@ -174,10 +180,10 @@ def _attend(
         page_size = geom.page_size
         page = plgpu.load(table_ref.at[row, lax.div(t, page_size)], mask=valid, other=0)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
-        k = C.load_rows(k_ref, rows, valid, head_dim)
-        s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+        s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        v = C.load_rows(v_ref, rows, valid, head_dim)
+        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
         return C.online_softmax_step(carry, s, v)
 
     steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
@@ -195,6 +201,7 @@ def _cascade_kernel(
     prefix_tables_ref,
     seq_lens_ref,
     block_tables_ref,
+    scales_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -227,8 +234,14 @@ def _cascade_kernel(
         soft_cap=soft_cap,
     )
 
-    def store(req, part, heads, ok, state):
+    def attend_head(q, table_ref, row, start, end, kv_head):
+        return attend(
+            q, table_ref, row, start, end, kv_head=kv_head, k_scale=scales_ref[0, kv_head]
+        )
+
+    def store(req, part, heads, ok, state, kv_head):
         acc, m, l_sum = state
+        acc = acc * scales_ref[1, kv_head]  # linear in the values: the merge keeps it
         plgpu.store(
             acc_ref.at[req[:, None], part, heads[:, None], d[None, :]], acc, mask=ok[:, None]
         )
@@ -261,10 +274,10 @@ def _cascade_kernel(
         q = plgpu.load(
             q_ref.at[req[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
         )
-        state = attend(q, prefix_tables_ref, g_safe, start, end, kv_head=kv_head)
+        state = attend_head(q, prefix_tables_ref, g_safe, start, end, kv_head)
         # Padding rows store to the spare row `batch`.
         ok = row_ok & (start < end)
-        store(jnp.where(row_ok, req, batch), plan.own_parts + split, heads, ok, state)
+        store(jnp.where(row_ok, req, batch), plan.own_parts + split, heads, ok, state, kv_head)
 
     @pl.when(item >= prefix_items)
     def _own():
@@ -279,9 +292,9 @@ def _cascade_kernel(
         gi = jnp.arange(rows)
         # Padding rows re-read the group's last head (in bounds) and are not stored.
         q = q_ref[b, (kv_head * group + jnp.minimum(gi, group - 1))[:, None], d[None, :]]
-        state = attend(q, block_tables_ref, b, start, end, kv_head=kv_head)
+        state = attend_head(q, block_tables_ref, b, start, end, kv_head)
         ok = (gi < group) & (start < end)
-        store(jnp.full(gi.shape, b), part, kv_head * group + gi, ok, state)
+        store(jnp.full(gi.shape, b), part, kv_head * group + gi, ok, state, kv_head)
 
 
 def merge(acc, m, l_sum, parts_ok, dtype):
@@ -304,6 +317,7 @@ def _cascade_attention(
     prefix_of,
     block_tables,
     seq_lens,
+    scales,
     *,
     scale,
     layout,
@@ -364,6 +378,7 @@ def _cascade_attention(
         prefix_tables,
         own_len,
         block_tables,
+        scales,
         q,
         C.as_rows(k_cache),
         C.as_rows(v_cache),
@@ -418,14 +433,17 @@ def cascade_attention(
     scale,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: CascadeConfig | None = None,
 ):
     """Cascade decode (arguments already validated by ``ops``; zero-size inputs answered
-    there). q: [B, Hq, D]; prefix_tables i32[G, Wp], prefix_lens i32[G], prefix_of i32[B];
-    block_tables i32[B, W], seq_lens i32[B]. Returns [B, Hq, D] in q's dtype."""
+    there). q: [B, Hq, D]; k_cache, v_cache in q's dtype or FP8; prefix_tables i32[G, Wp],
+    prefix_lens i32[G], prefix_of i32[B]; block_tables i32[B, W], seq_lens i32[B]; k_scale,
+    v_scale: f32[Hkv] or None. Returns [B, Hq, D] in q's dtype."""
     interpret = C.resolve_interpret(interpret)
-    C.require(q, k_cache, v_cache, layout)
+    geom = C.require(q, k_cache, v_cache, layout)
     return _cascade_attention(
         q,
         k_cache,
@@ -435,6 +453,7 @@ def cascade_attention(
         prefix_of,
         block_tables,
         seq_lens,
+        C.head_scales(k_scale, v_scale, geom.num_kv_heads),
         scale=float(scale),
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),

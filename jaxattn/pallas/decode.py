@@ -13,6 +13,10 @@ accumulator and its (m, l) in base 2, and :func:`combine` merges them exactly::
     M = max_p m_p,   w_p = 2^(m_p - M),   out = sum_p w_p acc_p / sum_p w_p l_p
 
 With a single partition the program normalises and writes the output itself (v1).
+
+FP8 caches: the tiles are loaded as stored and widened to q's dtype (exact) before the dots;
+the per-KV-head scales are an operand (f32 [2, Hkv]): k_scale multiplies the raw scores,
+v_scale the output (or each partition's accumulator).
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def heuristic_config(q, geom: L.CacheGeometry) -> DecodeConfig:
 def _decode_kernel(
     seq_lens_ref,
     block_tables_ref,
+    scales_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -132,6 +137,7 @@ def _decode_kernel(
     # Padding rows re-read the group's last head (never out of bounds) and are dropped.
     q_heads = kv_head * group + jnp.minimum(g, group - 1)
     q = q_ref[b, q_heads[:, None], d[None, :]]
+    k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
 
     def body(i, carry):
         *state, bad = carry
@@ -141,10 +147,10 @@ def _decode_kernel(
         page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
         page, bad = C.checked_pages(page, valid, geom.num_pages, bad)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
-        k = C.load_rows(k_ref, rows, valid, head_dim)
-        s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+        s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        v = C.load_rows(v_ref, rows, valid, head_dim)
+        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
         return (*C.online_softmax_step(tuple(state), s, v), bad)
 
     num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
@@ -156,6 +162,7 @@ def _decode_kernel(
     # distinct from the real ones, cannot collide with them in interpret mode).
     out_heads = kv_head * group + g
     row_ok = g < group
+    acc = acc * v_scale  # linear in the values: each partition carries it into the combine
     if not split:
         (o_ref,) = out_refs
         out = jnp.where(poisoned, jnp.nan, C.finalize(acc, l_sum)).astype(o_ref.dtype)
@@ -194,6 +201,7 @@ def _paged_attention(
     v_cache,
     block_tables,
     seq_lens,
+    scales,
     *,
     scale,
     layout,
@@ -236,7 +244,9 @@ def _paged_attention(
         soft_cap=soft_cap,
         split=split,
     )
-    inputs = match_varying(seq_lens, block_tables, q, C.as_rows(k_cache), C.as_rows(v_cache))
+    inputs = match_varying(
+        seq_lens, block_tables, scales, q, C.as_rows(k_cache), C.as_rows(v_cache)
+    )
     if split:
         out_shape = (
             out_struct((batch, num_parts, num_q_heads, head_dim), jnp.float32, *inputs),
@@ -272,25 +282,29 @@ def paged_attention(
     layout="bshd",
     partition_size=None,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: DecodeConfig | None = None,
 ):
     """Decode attention over a paged cache (arguments already validated by ``ops``).
 
     q: [B, Hq, D]; k_cache, v_cache: ``bshd`` [num_pages, P, Hkv, D] or ``bhsd``
-    [num_pages, Hkv, P, D]; block_tables: i32[B, max_pages]; seq_lens: i32[B].
+    [num_pages, Hkv, P, D], q's dtype or FP8; block_tables: i32[B, max_pages]; seq_lens:
+    i32[B]; k_scale, v_scale: f32[Hkv] or None.
     Returns [B, Hq, D] in q's dtype. Raises NotImplementedError for the ``vllm`` layout,
     head dims that are not powers of two in [16, 256], mixed dtypes, or a platform
     that is neither a GPU nor interpret mode.
     """
     interpret = C.resolve_interpret(interpret)
-    C.require(q, k_cache, v_cache, layout)
+    geom = C.require(q, k_cache, v_cache, layout)
     return _paged_attention(
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        C.head_scales(k_scale, v_scale, geom.num_kv_heads),
         scale=float(scale),
         layout=layout,
         partition_size=partition_size,

@@ -18,6 +18,9 @@ Per tile with new tokens ``[t0, t1)`` the key loop runs in two stages (seed 3.4)
   the tile (the cached prefix and the new tokens before the tile), so no mask at all;
 * stage 2, from there up to ``Lp + t1``: the causal triangle, masked per element. The
   loop stops at the tile's last row, so blocks above the diagonal are never loaded.
+
+FP8 caches: the key tiles are widened to q's dtype (exact) as they are loaded; the per-KV-head
+scales are an operand (f32 [2, Hkv]): k_scale multiplies the raw scores, v_scale the output.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def _extend_kernel(
     req_ok_ref,
     kv_meta_ref,
     kv_index_ref,
+    scales_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -168,6 +172,7 @@ def _extend_kernel(
         q_rows = q_start + t_rel
         heads = head_block * heads_per_tile + r % heads_per_tile
         kv_head = (head_block * heads_per_tile) // group
+        k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
         d = jnp.arange(head_dim)
         q = plgpu.load(
             q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
@@ -198,9 +203,9 @@ def _extend_kernel(
             j = i * block_n + jnp.arange(block_n)
             rows, bad = key_rows(j, None, bad)
             d_ = d[None, :]
-            k = k_ref[rows[:, None], d_]
-            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
-            v = v_ref[rows[:, None], d_]
+            k = C.widen(k_ref[rows[:, None], d_], q.dtype)
+            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
+            v = C.widen(v_ref[rows[:, None], d_], q.dtype)
             return (*C.online_softmax_step(tuple(state), s, v), bad)
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
@@ -217,10 +222,10 @@ def _extend_kernel(
             j = n1 * block_n + i * block_n + jnp.arange(block_n)
             valid = j < k_end
             rows, bad = key_rows(j, valid, bad)
-            k = C.load_rows(k_ref, rows, valid, head_dim)
-            s = C.scores_base2(C.dot_nt(q, k), scale=scale, soft_cap=soft_cap)
+            k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
             s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
-            v = C.load_rows(v_ref, rows, valid, head_dim)
+            v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
             return (*C.online_softmax_step(tuple(state), s, v), bad)
 
         n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
@@ -242,7 +247,8 @@ def _extend_kernel(
         if _INDEX_CHECKS == "kernel":
             n3 = jnp.where(ok, pl.cdiv(jnp.maximum(lk - first, 0), step), 0)
             bad = lax.fori_loop(0, n3, tail, bad)
-        out = jnp.where(ok & (bad == 0), C.finalize(acc, l_sum), jnp.nan).astype(o_ref.dtype)
+        out = jnp.where(ok & (bad == 0), C.finalize(acc * v_scale, l_sum), jnp.nan)
+        out = out.astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
         )
@@ -255,6 +261,7 @@ def _run(
     q_bounds_in,
     kv_meta,
     kv_index,
+    scales,
     problems,
     *,
     mode,
@@ -298,7 +305,7 @@ def _run(
         soft_cap=soft_cap,
     )
     inputs = match_varying(
-        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, q, k_rows, v_rows
+        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, scales, q, k_rows, v_rows
     )
     call = pl.pallas_call(
         kernel,
@@ -318,7 +325,18 @@ _STATIC = ("scale", "soft_cap", "interpret", "config")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _extend_pool(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale, soft_cap, interpret, config
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    scales,
+    *,
+    scale,
+    soft_cap,
+    interpret,
+    config,
 ):
     # Only the per-request scalars here (B-sized work that fuses with the tile map): the
     # slots themselves are checked in the kernel, where it loads them.
@@ -339,6 +357,7 @@ def _extend_pool(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        scales,
         problems,
         mode="pool",
         geom=L.get(L.POOL, pool=True).geometry(k_cache, v_cache),
@@ -358,6 +377,7 @@ def _prefill_paged(
     cu_seqlens_q,
     block_tables,
     seq_lens,
+    scales,
     *,
     scale,
     layout,
@@ -382,6 +402,7 @@ def _prefill_paged(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        scales,
         problems,
         mode="paged",
         geom=geom,
@@ -451,6 +472,8 @@ def extend_attention(
     *,
     scale,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: ExtendConfig | None = None,
 ):
@@ -468,6 +491,7 @@ def extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        C.head_scales(k_scale, v_scale, k_cache.shape[1]),
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
@@ -486,6 +510,8 @@ def prefix_prefill(
     scale,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
     interpret=None,
     config: ExtendConfig | None = None,
 ):
@@ -504,6 +530,7 @@ def prefix_prefill(
         cu_seqlens_q,
         block_tables,
         seq_lens,
+        C.head_scales(k_scale, v_scale, num_kv_heads),
         scale=float(scale),
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),

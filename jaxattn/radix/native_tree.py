@@ -6,7 +6,8 @@ the tree evicts), the namespace names (the C++ side numbers them) and the node h
 
 Finding the module: ``jaxattn.radix._radix_tree`` as installed by ``pip install``, else the
 first ``_radix_tree*.so`` in a directory of ``$JAXATTN_NATIVE_LIB_DIR`` (``os.pathsep``
-separated; e.g. ``build/radix/ffi/radix`` after a plain CMake build). :func:`is_available`
+separated) or its ``radix`` subdirectory (a CMake build's ``build/<dir>/ffi``, which holds
+the FFI libraries, has the module in ``ffi/radix``). :func:`is_available`
 and :data:`LOAD_ERROR` say whether that worked; nothing falls back silently:
 ``RadixCache(impl=None)`` picks the spec when the module is missing and says so in
 ``cache.impl``.
@@ -41,11 +42,13 @@ def _load():
         return importlib.import_module(_MODULE), None
     except ImportError as e:
         first_error = f"{_MODULE} is not installed ({e})"
-    for d in os.environ.get("JAXATTN_NATIVE_LIB_DIR", "").split(os.pathsep):
-        if not d:
-            continue
+    dirs = [d for d in os.environ.get("JAXATTN_NATIVE_LIB_DIR", "").split(os.pathsep) if d]
+    # A CMake build tree keeps the module in radix/ beside the FFI libraries, so the one
+    # directory that serves jaxattn.native serves it too.
+    candidates = [pathlib.Path(d) / sub for d in dirs for sub in (".", "radix")]
+    for d in candidates:
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = pathlib.Path(d) / f"_radix_tree{suffix}"
+            path = d / f"_radix_tree{suffix}"
             if not path.is_file():
                 continue
             spec = importlib.util.spec_from_file_location(_MODULE, path)

@@ -8,6 +8,7 @@ from .attention import (
     extend_attention,
     masked_attention,
     merge_states,
+    output_dtype,
     paged_attention,
     prefix_prefill,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "extend_attention",
     "masked_attention",
     "merge_states",
+    "output_dtype",
     "paged_attention",
     "prefix_prefill",
 ]

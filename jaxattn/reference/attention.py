@@ -13,6 +13,12 @@ or wrapped read that looks plausible), every other sequence is exact.
 
 Shapes: B sequences, Hq query heads, Hkv KV heads (Hq % Hkv == 0), D head dim,
 P page size. Query head ``h`` attends with KV head ``h // (Hq // Hkv)``.
+
+Scaled (FP8) caches (:mod:`jaxattn.quant`): a stored K element of KV head ``h`` stands for
+``float32(element) * k_scale[h]`` (V likewise with ``v_scale``); the spec dequantises the
+keys and values it gathers to float32 first and then computes as above. The prefill ops
+also take an FP8 ``q`` with ``q_scale`` (its value is ``float32(q) * q_scale``); their
+output is then ``out_dtype`` (bfloat16 unless stated), otherwise q's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import layout as _layout
+from .. import quant as _quant
 from . import validity as _validity
 
 _HI = jax.lax.Precision.HIGHEST
@@ -123,6 +130,37 @@ def _resolve_scale(scale, head_dim):
     return default_scale(head_dim) if scale is None else float(scale)
 
 
+def _head_scale(scale, num_heads):
+    """None, or a scalar / [num_heads] scale as float32 [num_heads]."""
+    if scale is None:
+        return None
+    return jnp.broadcast_to(jnp.asarray(scale).astype(jnp.float32), (num_heads,))
+
+
+def _values(x, scale):
+    """Gathered cache data [..., Hkv, D] as the values it stands for: float32 times the
+    per-head scale when the cache is FP8 or scaled, else unchanged."""
+    if scale is None and not _quant.is_fp8(x.dtype):
+        return x
+    return _quant.dequantize(x, scale, head_axis=x.ndim - 2)
+
+
+def _query(q, q_scale):
+    """q's values: float32(q) * q_scale for a scaled (FP8) q, else q itself."""
+    if q_scale is None and not _quant.is_fp8(q.dtype):
+        return q
+    q = q.astype(jnp.float32)
+    return q if q_scale is None else q * jnp.asarray(q_scale).astype(jnp.float32)
+
+
+def output_dtype(q_dtype, out_dtype=None):
+    """The prefill ops' output dtype: ``out_dtype`` if given, else bfloat16 for an FP8 q,
+    else q's dtype."""
+    if out_dtype is not None:
+        return jnp.dtype(out_dtype)
+    return jnp.dtype(jnp.bfloat16) if _quant.is_fp8(q_dtype) else jnp.dtype(q_dtype)
+
+
 def _sequence_slots(block_tables, seq_lens, page_size, num_pages):
     """Token slots [B, S] (S = max_pages * P), which of them a sequence reads [B, S], and
     the sequences whose metadata is valid [B].
@@ -156,11 +194,14 @@ def paged_attention(
     layout="bshd",
     partition_size=None,
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     q: [B, Hq, D]; k_cache, v_cache: a cache in ``layout``; block_tables: i32[B, max_pages];
-    seq_lens: i32[B]. Returns [B, Hq, D] in q's dtype.
+    seq_lens: i32[B]; k_scale, v_scale: None, a scalar or f32[Hkv] (a stored element means
+    ``float32(element) * scale[kv_head]``). Returns [B, Hq, D] in q's dtype.
 
     ``partition_size=None`` is one pass over the whole context (vLLM v1). An int splits
     the context into partitions of that many tokens (vLLM v2): each partition keeps its
@@ -172,6 +213,8 @@ def paged_attention(
     slots, valid, pos, ok = _sequence_slots(block_tables, seq_lens, geom.page_size, geom.num_pages)
     k = _layout.gather_tokens(k_cache, slots, layout, "k")  # [B, S, Hkv, D]
     v = _layout.gather_tokens(v_cache, slots, layout, "v")
+    k = _values(k, _head_scale(k_scale, geom.num_kv_heads))
+    v = _values(v, _head_scale(v_scale, geom.num_kv_heads))
 
     if partition_size is None:
 
@@ -209,15 +252,19 @@ def paged_attention(
     return _poison(jax.vmap(one_split)(q, k, v, valid), ~ok).astype(q.dtype)
 
 
-def _paged_states(q, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap):
+def _paged_states(
+    q, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, k_scale, v_scale
+):
     """Attention of each sequence over its pages as a mergeable state: (out [B, Hq, D]
     float32, normalized; lse [B, Hq], the natural-log log-sum-exp of the visible scaled
-    logits, -inf for an empty sequence). An invalid sequence attends to nothing here; the
-    caller poisons it."""
+    logits, -inf for an empty sequence), over the dequantised keys and values of a scaled
+    cache. An invalid sequence attends to nothing here; the caller poisons it."""
     geom = _layout.cache_geometry(k_cache, v_cache, layout)
     slots, valid, _, _ = _sequence_slots(block_tables, seq_lens, geom.page_size, geom.num_pages)
     k = _layout.gather_tokens(k_cache, slots, layout, "k")  # [B, S, Hkv, D]
     v = _layout.gather_tokens(v_cache, slots, layout, "v")
+    k = _values(k, _head_scale(k_scale, geom.num_kv_heads))
+    v = _values(v, _head_scale(v_scale, geom.num_kv_heads))
 
     def one(qb, kb, vb, validb):
         o, m, l = attention_states(qb[None], kb, vb, validb[None], scale=scale, soft_cap=soft_cap)
@@ -242,6 +289,8 @@ def cascade_attention(
     scale=None,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode over a paged cache where requests continue shared prefixes.
 
@@ -250,7 +299,8 @@ def cascade_attention(
     request b continues (-1: none); block_tables: i32[B, max_pages] and seq_lens: i32[B]
     are each request's own pages and tokens after its prefix. Returns [B, Hq, D] in q's
     dtype, equal to :func:`paged_attention` over the joined table (the prefix's pages, then
-    the request's own) of ``prefix_lens[prefix_of[b]] + seq_lens[b]`` tokens.
+    the request's own) of ``prefix_lens[prefix_of[b]] + seq_lens[b]`` tokens. k_scale,
+    v_scale: per-KV-head scales of a scaled (FP8) cache, as in :func:`paged_attention`.
 
     The composition of two attentions merged by :func:`merge_states`: each request over
     its prefix, each over its own tokens. Validity (:func:`validity.cascade_valid`): an
@@ -269,7 +319,7 @@ def cascade_attention(
         geom.page_size,
         geom.num_pages,
     )
-    kw = dict(layout=layout, scale=scale, soft_cap=soft_cap)
+    kw = dict(layout=layout, scale=scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     own = _paged_states(q, k_cache, v_cache, block_tables, seq_lens, **kw)
     if num_prefixes == 0:
         outs, lses = own[0][None], own[1][None]
@@ -295,15 +345,28 @@ def _ragged_rows(indptr, total_rows):
 
 
 def extend_attention(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, *, scale=None, soft_cap=None
+    q,
+    k_cache,
+    v_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    *,
+    scale=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    q_scale=None,
+    out_dtype=None,
 ):
     """Prefix-cached prefill over a token pool (SGLang's extend attention).
 
     q: [Tq, Hq, D] packed by qo_indptr i32[B+1]; k_cache, v_cache: [num_slots, Hkv, D];
     kv_indices: i32[>= kv_indptr[-1]] lists per request the slots of its cached prefix
     followed by the slots of its new tokens. Row i of request b sees key j iff
-    ``j <= i + (Lk_b - Lq_b)`` (and ``j < Lk_b``). Returns [Tq, Hq, D] in q's dtype;
-    rows past qo_indptr[-1] are zeros.
+    ``j <= i + (Lk_b - Lq_b)`` (and ``j < Lk_b``). k_scale / v_scale: per-KV-head scales
+    of the cache; q_scale: q's scale (an FP8 q). Returns [Tq, Hq, D] in
+    :func:`output_dtype`; rows past qo_indptr[-1] are zeros.
     """
     scale = _resolve_scale(scale, q.shape[-1])
     tq, nk = q.shape[0], kv_indices.shape[0]
@@ -330,11 +393,12 @@ def extend_attention(
         & (k_pos[None, :] <= q_row[:, None] + shift[:, None])
     )
     slots = jnp.where(k_real, kv_indices, 0)
-    k = k_cache[slots]
-    v = v_cache[slots]
-    out = masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap)
+    hkv = k_cache.shape[1]
+    k = _values(k_cache[slots], _head_scale(k_scale, hkv))
+    v = _values(v_cache[slots], _head_scale(v_scale, hkv))
+    out = masked_attention(_query(q, q_scale), k, v, mask, scale=scale, soft_cap=soft_cap)
     bad_rows = _validity.ragged_row_mask(qo_indptr, tq, structural, ok)
-    return _poison(out, bad_rows).astype(q.dtype)
+    return _poison(out, bad_rows).astype(output_dtype(q.dtype, out_dtype))
 
 
 def prefix_prefill(
@@ -348,13 +412,18 @@ def prefix_prefill(
     scale=None,
     layout="bshd",
     soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    q_scale=None,
+    out_dtype=None,
 ):
     """Prefix-cached prefill over a paged KV cache (the paged form of extend).
 
     q: [Tq, Hq, D] packed by cu_seqlens_q i32[B+1]; block_tables i32[B, max_pages];
     seq_lens i32[B] are total KV lengths (prefix + new), whose K/V are already in the
     cache. Row i of request b sees token j iff ``j <= i + (seq_lens[b] - Lq_b)``.
-    Returns [Tq, Hq, D] in q's dtype; rows past cu_seqlens_q[-1] are zeros.
+    k_scale / v_scale / q_scale / out_dtype as in :func:`extend_attention`. Returns
+    [Tq, Hq, D] in :func:`output_dtype`; rows past cu_seqlens_q[-1] are zeros.
     """
     geom = _layout.cache_geometry(k_cache, v_cache, layout)
     scale = _resolve_scale(scale, q.shape[-1])
@@ -365,6 +434,8 @@ def prefix_prefill(
     s = pos.shape[0]
     k = _layout.gather_tokens(k_cache, slots.reshape(-1), layout, "k")  # [B*S, Hkv, D]
     v = _layout.gather_tokens(v_cache, slots.reshape(-1), layout, "v")
+    k = _values(k, _head_scale(k_scale, geom.num_kv_heads))
+    v = _values(v, _head_scale(v_scale, geom.num_kv_heads))
     q_req, q_row, q_real = _ragged_rows(cu_seqlens_q, q.shape[0])
     lq = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     shift = (seq_lens - lq)[q_req]
@@ -379,6 +450,6 @@ def prefix_prefill(
         & (q_req[:, None] == k_req[None, :])
         & (k_pos[None, :] <= q_row[:, None] + shift[:, None])
     )
-    out = masked_attention(q, k, v, mask, scale=scale, soft_cap=soft_cap)
+    out = masked_attention(_query(q, q_scale), k, v, mask, scale=scale, soft_cap=soft_cap)
     bad_rows = _validity.ragged_row_mask(cu_seqlens_q, q.shape[0], structural, ok)
-    return _poison(out, bad_rows).astype(q.dtype)
+    return _poison(out, bad_rows).astype(output_dtype(q.dtype, out_dtype))

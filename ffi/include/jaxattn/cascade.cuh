@@ -31,6 +31,11 @@
 // k % T, partition k / T; blocks past T x splits exit. Block 0 leaves the split in the
 // workspace for the merge.
 //
+// Scaled caches (CascadeParams::scales): both levels fold the KV head's k_scale into their
+// logit factor, so every part's (max, sum) is in the same units and the merge stays exact; the
+// merge multiplies the merged row by v_scale (the output is linear in the values). FP8 caches
+// are not read here (the rings and fragments are 16-bit or f32): jaxattn/native.py refuses them.
+//
 // Index guards (jaxattn/guards.h): the scalars of a request (prefix_of range, prefix length,
 // own length) are checked by the merge, which writes NaN rows for an invalid request without
 // reading its parts; blocks skip what those scalars make invalid. Page ids are checked where
@@ -276,6 +281,7 @@ __device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsign
   const int ntiles = (end - start + S::kTile - 1) / S::kTile;
   bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
 
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
   float q[GC][EPL];
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
@@ -286,7 +292,7 @@ __device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsign
       for (int j = 0; j < NV; ++j)
         vec_to_float<T>(load16(qp + (j * TG + col) * VEC), &q[g][j * VEC]);
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) q[g][e] *= p.ls.q_scale;
+      for (int e = 0; e < EPL; ++e) q[g][e] *= q_scale;
     } else {
 #pragma unroll
       for (int e = 0; e < EPL; ++e) q[g][e] = 0.f;
@@ -520,6 +526,7 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
                   kv,   start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
   bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   // Rows 16 warp + g + 8 i (i = 0, 1): request slot row / group, head kvh * group + row % group.
   int64_t slot[2];
@@ -590,7 +597,7 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = sc[j][e] * p.ls.q_scale;
+        float v = sc[j][e] * q_scale;
         if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
         if (tail && n0 + j * 8 + 2 * tq + (e & 1) >= end) v = kNegInf;
         sc[j][e] = v;
@@ -686,6 +693,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
                   kv,   start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
   bool bad = ring.prologue(ntiles);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   uint32_t qa[KD][2];
   {
@@ -734,7 +742,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float v = sc[h][e] * p.ls.q_scale;
+          float v = sc[h][e] * q_scale;
           if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
           pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
           mx = fmaxf(mx, pr[h][e]);
@@ -841,6 +849,8 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   if (row >= int64_t(p.batch) * p.num_q_heads) return;
   const int b = int(row / p.num_q_heads), h = int(row % p.num_q_heads);
+  // The KV head's value scale, on the merged row (exact: the parts' weights do not involve it).
+  const float vs = p.scales.v_of(h / (p.num_q_heads / p.kv.num_kv_heads));
   T* out = static_cast<T*>(p.out) + row * D;
   int32_t lp;
   if (!cascade_request_ok(p, b, &lp)) {
@@ -875,7 +885,7 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int d = lane + k * WARP_SIZE;
-    if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls);
+    if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls * vs);
   }
 }
 

@@ -53,6 +53,9 @@ struct CascadeParams {
   int32_t prefix_parts = 1;    // partitions a prefix can be cut into (the split's upper bound)
   KvGeometry kv;
   LogitScale ls{};
+  // Per-KV-head scales of a scaled cache (params.h): k_scale joins each level's logit factor
+  // and v_scale the merged output, so the parts' (max, sum) pairs stay comparable.
+  HeadScales scales;
 
   JAXATTN_HD int32_t parts() const { return own_parts + prefix_parts; }
   // Own tokens per partition (a one-pass partition covers the whole table row).

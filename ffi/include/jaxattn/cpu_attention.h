@@ -1,6 +1,9 @@
 // Plain C++ implementations of every op: the math of the GPU kernels (base-2 logits, split-KV
 // partials merged by their (max, sum) pairs), float32 accumulation, one thread. The index
 // contract of jaxattn/guards.h is checked per sequence / request before any key is read.
+// T is q's and the output's element type, C the cache's: T itself, or an FP8 format whose
+// elements are widened exactly to float, with the per-head scales of HeadScales (k_scale in
+// the logit factor, v_scale on the normalised output).
 #pragma once
 
 #include <algorithm>
@@ -85,14 +88,14 @@ void fill_rows(T* out, int64_t first, int64_t last, int64_t row_elems, float val
     std::fill(out + first * row_elems, out + last * row_elems, from_float<T>(value));
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void paged_decode(const DecodeParams& p) {
   const KvGeometry& g = p.kv;
   const int D = g.head_dim;
   const int group = p.num_q_heads / g.num_kv_heads;
   const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k);
-  const T* vc = static_cast<const T*>(p.v);
+  const C* kc = static_cast<const C*>(p.k);
+  const C* vc = static_cast<const C*>(p.v);
   T* out = static_cast<T*>(p.out);
   std::vector<float> qs;
   std::vector<float> parts_out;
@@ -109,7 +112,8 @@ void paged_decode(const DecodeParams& p) {
     const int nparts = (L + ps - 1) / ps;
     for (int h = 0; h < p.num_q_heads; ++h) {
       const int kvh = h / group;
-      scaled_query(q + (int64_t(b) * p.num_q_heads + h) * D, D, p.ls.q_scale, qs);
+      const float k_scale = p.scales.k_of(kvh), v_scale = p.scales.v_of(kvh);
+      scaled_query(q + (int64_t(b) * p.num_q_heads + h) * D, D, p.ls.q_scale * k_scale, qs);
       parts.assign(nparts, Partial{});
       parts_out.assign(size_t(nparts) * D, 0.f);
       for (int part = 0; part < nparts; ++part) {
@@ -136,7 +140,7 @@ void paged_decode(const DecodeParams& p) {
       for (int d = 0; d < D; ++d) {
         float acc = 0.f;
         for (int i = 0; i < nparts; ++i) acc += w[i] * parts_out[size_t(i) * D + d];
-        o[d] = from_float<T>(normalise(acc, l_tot));
+        o[d] = from_float<T>(normalise(acc, l_tot) * v_scale);
       }
     }
   }
@@ -153,15 +157,15 @@ inline bool prefill_structure_ok(const PrefillParams& p) {
   return true;
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void prefill(const PrefillParams& p) {
   const KvGeometry& g = p.kv;
   const int D = g.head_dim;
   const int group = p.num_q_heads / g.num_kv_heads;
   const int64_t row_elems = int64_t(p.num_q_heads) * D;
   const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k);
-  const T* vc = static_cast<const T*>(p.v);
+  const C* kc = static_cast<const C*>(p.k);
+  const C* vc = static_cast<const C*>(p.v);
   T* out = static_cast<T*>(p.out);
   if (!prefill_structure_ok(p)) {
     fill_rows(out, 0, p.total_q, row_elems, quiet_nan());
@@ -187,14 +191,15 @@ void prefill(const PrefillParams& p) {
       const int visible = std::min(lk, i + lk - lq + 1);
       for (int h = 0; h < p.num_q_heads; ++h) {
         const int kvh = h / group;
+        const float v_scale = p.scales.v_of(kvh);
         const int64_t row = (int64_t(q0) + i) * p.num_q_heads + h;
-        scaled_query(q + row * D, D, p.ls.q_scale, qs);
+        scaled_query(q + row * D, D, p.ls.q_scale * p.scales.k_of(kvh), qs);
         OnlineSoftmax sm(D);
         for (int j = 0; j < visible; ++j) {
           const int64_t off = kv_offset(g, table[j / g.page_size], j, kvh);
           sm.add(logit(qs.data(), kc + off, D, p.ls), vc + off);
         }
-        for (int d = 0; d < D; ++d) out[row * D + d] = from_float<T>(sm.normalised(d));
+        for (int d = 0; d < D; ++d) out[row * D + d] = from_float<T>(sm.normalised(d) * v_scale);
       }
     }
   }

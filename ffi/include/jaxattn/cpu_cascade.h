@@ -1,7 +1,9 @@
 // Cascade decode in plain C++ (the CPU handler): the math of the GPU kernels -- the prefix and
 // each own partition an online softmax in base 2 over its tokens, the parts merged by their
 // (max, sum) pairs -- with float32 accumulation, one thread, so the prefix in one part. The
-// index contract of jaxattn/cascade.h is checked per request before any key is read.
+// index contract of jaxattn/cascade.h is checked per request before any key is read. C is the
+// cache's element type (T, or an FP8 format widened exactly), with the per-head scales as in
+// cpu_attention.h: k_scale in both levels' logit factor, v_scale on the merged output.
 #pragma once
 
 #include <algorithm>
@@ -15,14 +17,14 @@
 namespace jaxattn {
 namespace cpu {
 
-template <typename T>
+template <typename T, typename C = T>
 void cascade_decode(const CascadeParams& p) {
   const KvGeometry& g = p.kv;
   const int D = g.head_dim;
   const int group = p.num_q_heads / g.num_kv_heads;
   const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k);
-  const T* vc = static_cast<const T*>(p.v);
+  const C* kc = static_cast<const C*>(p.k);
+  const C* vc = static_cast<const C*>(p.v);
   T* out = static_cast<T*>(p.out);
   std::vector<float> qs, parts_out;
   std::vector<Partial> parts;
@@ -54,7 +56,9 @@ void cascade_decode(const CascadeParams& p) {
     const int n = int(ranges.size());
     for (int h = 0; h < p.num_q_heads; ++h) {
       const int kvh = h / group;
-      scaled_query(q + (int64_t(b) * p.num_q_heads + h) * D, D, p.ls.q_scale, qs);
+      const float v_scale = p.scales.v_of(kvh);
+      scaled_query(q + (int64_t(b) * p.num_q_heads + h) * D, D, p.ls.q_scale * p.scales.k_of(kvh),
+                   qs);
       parts.assign(n, Partial{});
       parts_out.assign(size_t(n) * D, 0.f);
       for (int i = 0; i < n; ++i) {
@@ -81,7 +85,7 @@ void cascade_decode(const CascadeParams& p) {
       for (int d = 0; d < D; ++d) {
         float acc = 0.f;
         for (int i = 0; i < n; ++i) acc += w[i] * parts_out[size_t(i) * D + d];
-        o[d] = from_float<T>(normalise(acc, l_tot));
+        o[d] = from_float<T>(normalise(acc, l_tot) * v_scale);
       }
     }
   }

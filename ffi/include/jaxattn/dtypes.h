@@ -1,6 +1,6 @@
-// Element types as raw 16-bit storage with conversions written on the bits, so the same code
-// builds for the host, nvcc and hipcc (HIP 5.2 ships no usable bf16 header) without any
-// vendor half-precision header.
+// Element types as raw 16-bit (and 8-bit FP8) storage with conversions written on the bits, so
+// the same code builds for the host, nvcc and hipcc (HIP 5.2 ships no usable bf16 or fp8
+// header) without any vendor half-precision header.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,15 @@ struct bf16_t {
 };
 struct f16_t {
   uint16_t bits;
+};
+// FP8 KV-cache elements, the OCP formats as XLA and ml_dtypes store them. float8_e4m3fn: bias
+// 7, 3 mantissa bits, no infinity, NaN = S.1111.111, largest finite 448. float8_e5m2: bias 15,
+// 2 mantissa bits, IEEE infinities and NaNs, largest finite 57344 -- the high byte of a float16.
+struct e4m3_t {
+  uint8_t bits;
+};
+struct e5m2_t {
+  uint8_t bits;
 };
 
 JAXATTN_HD uint32_t float_bits(float f) {
@@ -119,6 +128,65 @@ JAXATTN_HD uint16_t float_to_f16(float f) {
 #endif
 }
 
+// Exact: every FP8 value is a float. Integer operations only (no denormal float anywhere, so
+// no flush-to-zero mode can change a result): normal e4m3 values rebias their exponent
+// (7 -> 127); subnormals m * 2^-9 are 2^-6 (1 + m/8) - 2^-6, exact by Sterbenz.
+JAXATTN_HD float e4m3_to_float(uint8_t b) {
+  const uint32_t mag = b & 0x7fu;
+  const uint32_t sign = uint32_t(b & 0x80u) << 24;
+  if (mag == 0x7fu) return bits_float(sign | 0x7fc00000u);
+  float f;
+  if (mag >= 8u) {
+    f = bits_float((mag << 20) + (120u << 23));
+  } else {
+    f = bits_float((mag << 20) | (121u << 23)) - bits_float(121u << 23);
+  }
+  return bits_float(float_bits(f) | sign);
+}
+
+JAXATTN_HD float e5m2_to_float(uint8_t b) { return f16_to_float(uint16_t(uint16_t(b) << 8)); }
+
+// Round to nearest even, saturating: anything past the largest finite value (infinities too)
+// becomes it, NaN stays NaN. What jaxattn.kv.write_kv stores (the self-tests use these to
+// build caches).
+JAXATTN_HD float round_half_even(float x) {
+#if defined(JAXATTN_DEVICE_PASS)
+  return rintf(x);
+#else
+  // x >= 0, well below 2^23: 2^23 + x rounds x to an integer, half to even.
+  const float big = 8388608.f;
+  return (x + big) - big;
+#endif
+}
+
+JAXATTN_HD uint8_t float_to_e4m3(float f) {
+  const uint32_t u = float_bits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return uint8_t(sign | 0x7fu);
+  if (abs >= 0x43e00000u) return uint8_t(sign | 0x7eu);  // >= 448
+  if (abs < (121u << 23)) {  // below 2^-6: multiples of 2^-9 (m = 8 is 2^-6, the first normal)
+    return uint8_t(sign | uint32_t(round_half_even(bits_float(abs) * 512.f)));
+  }
+  const uint32_t r = (abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
+  const uint32_t mag = r - (120u << 3);
+  return uint8_t(sign | (mag > 0x7eu ? 0x7eu : mag));
+}
+
+JAXATTN_HD uint8_t float_to_e5m2(float f) {
+  const uint32_t u = float_bits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return uint8_t(sign | 0x7fu);
+  if (abs >= 0x47600000u) return uint8_t(sign | 0x7bu);  // >= 57344
+  if (abs < (113u << 23)) {                              // below 2^-14: multiples of 2^-16
+    return uint8_t(sign | uint32_t(round_half_even(bits_float(abs) * 65536.f)));
+  }
+  const uint32_t r = (abs + 0xfffffu + ((abs >> 21) & 1u)) >> 21;
+  const uint32_t mag = r - (112u << 2);
+  return uint8_t(sign | (mag > 0x7bu ? 0x7bu : mag));
+}
+
 template <typename T>
 struct Elem;
 
@@ -137,6 +205,19 @@ struct Elem<f16_t> {
   JAXATTN_HD static float load(f16_t x) { return f16_to_float(x.bits); }
   JAXATTN_HD static f16_t store(float x) { return f16_t{float_to_f16(x)}; }
 };
+template <>
+struct Elem<e4m3_t> {
+  JAXATTN_HD static float load(e4m3_t x) { return e4m3_to_float(x.bits); }
+  JAXATTN_HD static e4m3_t store(float x) { return e4m3_t{float_to_e4m3(x)}; }
+};
+template <>
+struct Elem<e5m2_t> {
+  JAXATTN_HD static float load(e5m2_t x) { return e5m2_to_float(x.bits); }
+  JAXATTN_HD static e5m2_t store(float x) { return e5m2_t{float_to_e5m2(x)}; }
+};
+
+template <typename T>
+constexpr bool is_fp8_v = sizeof(T) == 1;
 
 template <typename T>
 JAXATTN_HD float to_float(T x) {

@@ -136,6 +136,93 @@ __device__ __forceinline__ void vec_to_float<f16_t>(const uint4& r, float* out) 
   }
 }
 
+// FP8 cache elements widened in registers. Every FP8 value is exact in float16 (e5m2 is the
+// high byte of a float16; e4m3's 4-bit exponent and 3-bit mantissa fit float16's 5 and 10), so
+// the conversions go through float16 bits: one byte permute per pair (e5m2), or a permute and a
+// shift-and-mask (e4m3), instead of a decode per byte.
+
+// Bytes of (a, b) picked by the nibbles of sel (0-3: a's bytes, 4-7: b's).
+__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  return __byte_perm(a, b, sel);
+}
+
+// Bytes 0 and 1 (lo) and 2 and 3 (hi) of w as the high bytes of two float16 pairs.
+__device__ __forceinline__ uint32_t fp8_hi_bytes_lo(uint32_t w) {
+  return byte_perm(w, 0u, 0x1404u);
+}
+__device__ __forceinline__ uint32_t fp8_hi_bytes_hi(uint32_t w) {
+  return byte_perm(w, 0u, 0x3424u);
+}
+
+// Two e4m3 codes placed as the high bytes of a float16 pair (t: b << 8 per half) -> the pair
+// of float16 with the same sign, exponent and mantissa bits, whose values are the e4m3 values
+// times 2^-8 exactly (subnormals too: e4m3's map onto float16's). NaN (S.1111.111) is not
+// mapped: see fp8x4_has_nan.
+__device__ __forceinline__ uint32_t e4m3x2_as_f16x2_scaled(uint32_t t) {
+  return (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+}
+
+// Whether one of the four e4m3 codes of w is NaN (its low 7 bits all ones): adding 1 to the
+// low 7 bits of each byte carries into bit 7 exactly there.
+__device__ __forceinline__ bool e4m3x4_has_nan(uint32_t w) {
+  return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0u;
+}
+
+// The widening factor of the SIMT kernels' FP8 loads: what fp8x4_to_float leaves out (the
+// kernels fold it into their per-head scales, where it is exact: a power of two).
+template <typename C>
+struct Widen {
+  static constexpr float kScale = 1.f;
+};
+#if defined(JAXATTN_CUDA)
+template <>
+struct Widen<e4m3_t> {
+  static constexpr float kScale = 256.f;
+};
+#endif
+
+// Four FP8 codes (a 32-bit word, lowest byte first) -> four floats, times 1 / Widen<C>::kScale.
+// HIP widens e4m3 with the exact integer decode of dtypes.h (no float16 subnormal reaches a
+// conversion whose denormal mode a target may flush).
+template <typename C>
+__device__ __forceinline__ void fp8x4_to_float(uint32_t w, float* out);
+
+template <>
+__device__ __forceinline__ void fp8x4_to_float<e5m2_t>(uint32_t w, float* out) {
+  const uint32_t lo = fp8_hi_bytes_lo(w), hi = fp8_hi_bytes_hi(w);
+  out[0] = f16_to_float(uint16_t(lo & 0xffffu));
+  out[1] = f16_to_float(uint16_t(lo >> 16));
+  out[2] = f16_to_float(uint16_t(hi & 0xffffu));
+  out[3] = f16_to_float(uint16_t(hi >> 16));
+}
+
+template <>
+__device__ __forceinline__ void fp8x4_to_float<e4m3_t>(uint32_t w, float* out) {
+#if defined(JAXATTN_CUDA)
+  const uint32_t lo = e4m3x2_as_f16x2_scaled(fp8_hi_bytes_lo(w));
+  const uint32_t hi = e4m3x2_as_f16x2_scaled(fp8_hi_bytes_hi(w));
+  out[0] = f16_to_float(uint16_t(lo & 0xffffu));
+  out[1] = f16_to_float(uint16_t(lo >> 16));
+  out[2] = f16_to_float(uint16_t(hi & 0xffffu));
+  out[3] = f16_to_float(uint16_t(hi >> 16));
+  if (__builtin_expect(e4m3x4_has_nan(w), 0)) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (((w >> (8 * i)) & 0x7fu) == 0x7fu) out[i] = __uint_as_float(0x7fc00000u);
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_float(uint8_t(w >> (8 * i)));
+#endif
+}
+
+// Eight bytes of an FP8 cache row (one lane's load) widened to float.
+template <typename C>
+__device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
+  fp8x4_to_float<C>(r.x, out);
+  fp8x4_to_float<C>(r.y, out + 4);
+}
+
 // Asynchronous 16-byte copies from global to shared memory, for multi-stage pipelines:
 // async_copy16 starts one copy (valid == false writes 16 zero bytes and reads nothing),
 // async_copy_commit closes the group of copies this thread started since the last commit, and

@@ -88,6 +88,48 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
+// FP8 -> float16 for the tensor cores: four codes of a 32-bit word (lowest byte first) as two
+// float16 pairs, lo = (byte 0, byte 1), hi = (byte 2, byte 3), exact (every FP8 value is a
+// float16; NaN stays NaN, e5m2's infinities stay infinite). e5m2 is the high byte of a
+// float16: one byte permute per pair. e4m3: the cvt instruction on sm_89 and later; before,
+// the float16 with e4m3's bits in place (the value times 2^-8, exact) times 256, and the rare
+// NaN code patched.
+__device__ __forceinline__ uint32_t hmul2_f16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+template <typename C>
+__device__ __forceinline__ void fp8x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi);
+
+template <>
+__device__ __forceinline__ void fp8x4_to_f16x2<e5m2_t>(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo = fp8_hi_bytes_lo(w);
+  hi = fp8_hi_bytes_hi(w);
+}
+
+// JAXATTN_FP8_SOFTWARE_CVT (compile-time, e.g. on ffi/tests_gpu/decode_selftest.cu) selects
+// the bit trick on sm_89+ as well, to time the cvt instruction's pipe against the integer and
+// half-precision pipes.
+template <>
+__device__ __forceinline__ void fp8x4_to_f16x2<e4m3_t>(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if __CUDA_ARCH__ >= 890 && !defined(JAXATTN_FP8_SOFTWARE_CVT)
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"(uint16_t(w & 0xffffu)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"(uint16_t(w >> 16)));
+#else
+  constexpr uint32_t k256 = 0x5c005c00u;  // 256.0 in both halves
+  lo = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_lo(w)), k256);
+  hi = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_hi(w)), k256);
+  if (__builtin_expect(e4m3x4_has_nan(w), 0)) {
+    if ((w & 0x7fu) == 0x7fu) lo |= 0x7fffu;
+    if (((w >> 8) & 0x7fu) == 0x7fu) lo |= 0x7fff0000u;
+    if (((w >> 16) & 0x7fu) == 0x7fu) hi |= 0x7fffu;
+    if (((w >> 24) & 0x7fu) == 0x7fu) hi |= 0x7fff0000u;
+  }
+#endif
+}
+
 // What the launchers ask of the current device. All zero when a query fails, so no
 // tensor-core kernel is chosen.
 struct DeviceCaps {

@@ -45,6 +45,13 @@
 //    every head in each warp's registers and split the tile's rows over four warps; larger
 //    groups split the heads over warps of 8 that all read every row of the tile.
 //
+// FP8 caches (float8_e4m3fn / float8_e5m2 under a bf16 or f16 q): every kernel reads the codes
+// as stored -- half the bytes -- and widens them in registers. The SIMT kernels load 8 bytes a
+// lane (the 16-bit caches' element count) and widen through float16 bits (gpu_vendor.h); the
+// tensor-core kernel has an FP8 variant (paged_decode_mma_fp8_kernel, below) with a four-stage
+// ring of FP8 rows and float16 MMAs. The per-KV-head scales cost nothing per element: k_scale
+// joins the f32 logit factor, v_scale multiplies the normalised output (DecodeParams::scales).
+//
 // Softmax runs online in base 2 (logits scaled by scale * log2 e, exp2 on the SFU; with a soft
 // cap, cap * log2 e * tanh(logit / cap)); warps and lane groups merge their (max, sum, output)
 // states once, at the end.
@@ -102,11 +109,17 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Shape of the SIMT kernels (1 and 3). DIRECT selects kernel 1 (the default for one head per
 // KV head; decode_selftest.cu also instantiates it for larger groups to time it against the
 // pipelined kernels).
-template <typename T, int D, int GT, bool DIRECT = (GT == 1)>
+// C is the cache's element type: T itself, or an FP8 format (T then bf16 or f16). A lane reads
+// kVec elements of a row at a time: 16 bytes of a 16- or 32-bit cache, 8 bytes of an FP8 one,
+// so that a lane widens as many elements (and keeps as many q and output registers) as with
+// a 16-bit cache.
+template <typename T, int D, int GT, bool DIRECT = (GT == 1), typename C = T>
 struct DecodeShape {
-  static_assert(D % (16 / sizeof(T)) == 0, "head_dim must be a whole number of 16-byte vectors");
-  static constexpr int kVec = 16 / sizeof(T);
-  static constexpr int kChunks = D / kVec;  // 16-byte vectors a row
+  static_assert(D % (16 / sizeof(C)) == 0, "head_dim must be a whole number of 16-byte vectors");
+  static constexpr int kVec = sizeof(C) == 1 ? 8 : 16 / int(sizeof(C));
+  static_assert(kVec * sizeof(T) == 16, "a lane's slice of q is one 16-byte load");
+  using KvVec = std::conditional_t<sizeof(C) == 1, uint2, uint4>;  // kVec elements of C
+  static constexpr int kChunks = D / kVec;                         // lane-loads a row
   static constexpr int kLanesPerRow = cmin(kChunks, WARP_SIZE);
   static constexpr int kVecsPerLane = D / (kVec * kLanesPerRow);
   static constexpr int kElemsPerLane = kVecsPerLane * kVec;
@@ -119,15 +132,18 @@ struct DecodeShape {
   static constexpr bool kStaged = !DIRECT;
   static_assert(kStaged || kHeadChunks == 1, "the direct kernel keeps every head in each warp");
   // Rows each lane group has in flight per step: from global memory (direct) enough
-  // independent 16-byte loads to cover memory latency; from shared memory fewer registers.
-  static constexpr int kUnroll = kStaged ? 2 : 4;
+  // independent loads to cover memory latency (with 8-byte FP8 loads, 6 rows: 3/4 of the
+  // 16-bit kernel's bytes, the most that fits its 64 registers without spilling on sm_80 and
+  // sm_90); from shared memory fewer registers.
+  static constexpr int kUnroll = kStaged ? 2 : (sizeof(KvVec) == 8 ? 6 : 4);
   static constexpr int kStep = kTokenSplit * kRowsPerWarp * kUnroll;
 
-  // Pipelined: a ring of kStages stages of kTile rows (K then V, each row padded by one
-  // vector so that neighbouring rows start in different banks) plus each stage's row offsets,
-  // within 44 KiB (the default dynamic shared-memory limit is 48).
-  static constexpr int kRowStride = D + kVec;
-  static constexpr int kRowBytes = 2 * kRowStride * int(sizeof(T)) + 8;
+  // Pipelined: a ring of kStages stages of kTile rows (K then V, each row padded by 16 bytes
+  // so that neighbouring rows start in different banks and every row stays 16-byte aligned)
+  // plus each stage's row offsets, within 44 KiB (the default dynamic shared-memory limit is
+  // 48).
+  static constexpr int kRowStride = D + 16 / int(sizeof(C));
+  static constexpr int kRowBytes = 2 * kRowStride * int(sizeof(C)) + 8;
   static constexpr int kRingBudget = 44 * 1024;
   static constexpr int kFit3 = kRingBudget / (3 * kRowBytes) / kStep * kStep;
   static constexpr int kFit2 = kRingBudget / (2 * kRowBytes) / kStep * kStep;
@@ -136,7 +152,9 @@ struct DecodeShape {
       kStaged ? cmin(cmax(64 / kStep, 1) * kStep, kStages == 3 ? kFit3 : kFit2) : kStep;
   static_assert(!kStaged || (kTile >= kStep && kTile % kStep == 0 && kTile <= kThreads),
                 "a stage holds whole steps and at most one row per thread");
-  static constexpr int kRingStages = kStaged ? kStages : 2;  // the (unused) ring type of DIRECT
+  // The (unused) ring type of DIRECT: any shape it accepts.
+  static constexpr int kRingStages = kStaged ? kStages : 2;
+  static constexpr int kRingTile = kStaged ? kTile : 16;
   static constexpr int kRingBytes = kStaged ? kStages * kTile * kRowBytes : 0;
   static constexpr int kMergeBytes =
       kTokenSplit > 1 ? kWarps * kHeadsPerWarp * (D + 2) * int(sizeof(float)) : 0;
@@ -148,7 +166,7 @@ struct DecodeShape {
   // spills). f32 keeps ptxas's target (56 registers: 9 blocks; forcing that spilled). hipcc
   // reads the second bound as waves per execution unit, not blocks, so HIP keeps 0. For the
   // pipelined kernel ptxas's target spilled a few bytes at 2 heads, and shared memory bounds
-  // its occupancy anyway.
+  // its occupancy anyway. (FP8 caches: the 16-bit q's rule.)
 #if defined(JAXATTN_CUDA)
   static constexpr int kMinBlocks = kStaged ? 1 : (sizeof(T) == 2 && kVecsPerLane == 1 ? 8 : 0);
 #else
@@ -161,6 +179,16 @@ __device__ __forceinline__ uint4 load16(const void* p) {
   return __ldg(static_cast<const uint4*>(p));
 #else
   return *static_cast<const uint4*>(p);
+#endif
+}
+
+// One lane-load (16 or 8 bytes) of cache data from global memory.
+template <typename V>
+__device__ __forceinline__ V load_kv(const void* p) {
+#if defined(JAXATTN_CUDA)
+  return __ldg(static_cast<const V*>(p));
+#else
+  return *static_cast<const V*>(p);
 #endif
 }
 
@@ -199,11 +227,13 @@ __device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int
 
 // Writes one element of a finished (head, d): the output itself in one pass, or the
 // partition's normalised output and its (max, sum) for the combine. l == 0: nothing attended.
+// vs: the KV head's value scale (a weighted mean of values is linear in it, so each
+// partition's output carries it into the combine).
 template <typename T>
 __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int head, int d, float o,
-                                             float m, float l) {
+                                             float m, float l, float vs) {
   const int D = p.kv.head_dim;
-  const float v = l == 0.f ? 0.f : o / l;
+  const float v = l == 0.f ? 0.f : o / l * vs;
   const int64_t bh = int64_t(b) * p.num_q_heads + head;
   if (p.partition_size == 0) {
     static_cast<T*>(p.out)[bh * D + d] = from_float<T>(v);
@@ -224,7 +254,8 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
 // then the max and the sum, at red + (w * GC + g) * (D + 2).
 template <typename T, int D, int HC, int GC, int WS, int NT>
 __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, const float* red,
-                                                      int b, int kvh, int group, bool poisoned) {
+                                                      int b, int kvh, int group, bool poisoned,
+                                                      float vs) {
   constexpr float kNegInf = -__builtin_huge_valf();
   for (int i = threadIdx.x; i < HC * GC * D; i += NT) {
     const int hci = i / (GC * D), g = (i / D) % GC, d = i % D;
@@ -243,7 +274,7 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
       o += wt * r[d];
     }
     if (poisoned) o = mx = ls = quiet_nan();
-    decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls);
+    decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls, vs);
   }
 }
 
@@ -335,11 +366,12 @@ struct KvRing {
 // SIMT kernels (1 and 3).
 // ------------------------------------------------------------------------------------------
 
-template <typename T, int D, int GT, bool DIRECT>
-__global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
-                                  (DecodeShape<T, D, GT, DIRECT>::kMinBlocks))
+template <typename T, int D, int GT, bool DIRECT, typename C = T>
+__global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
+                                  (DecodeShape<T, D, GT, DIRECT, C>::kMinBlocks))
     paged_decode_kernel(const DecodeParams p) {
-  using S = DecodeShape<T, D, GT, DIRECT>;
+  using S = DecodeShape<T, D, GT, DIRECT, C>;
+  using KvVec = typename S::KvVec;
   constexpr int VEC = S::kVec, TG = S::kLanesPerRow, NV = S::kVecsPerLane;
   constexpr int EPL = S::kElemsPerLane, TPW = S::kRowsPerWarp, GC = S::kHeadsPerWarp;
   constexpr int HC = S::kHeadChunks, WS = S::kTokenSplit, U = S::kUnroll;
@@ -357,15 +389,18 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
 
   const KvGeometry& kv = p.kv;
   const int32_t* bt = p.block_tables + int64_t(b) * p.block_table_stride;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+  const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
 
-  using Ring = KvRing<T, D, S::kTile, S::kRingStages, S::kRowStride, S::kThreads>;
+  using Ring = KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads>;
   [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
   [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
   bool bad = false;  // this thread met a page id outside the cache (pipelined kernel)
   if constexpr (S::kStaged) bad = ring.prologue(ntiles);  // the copies overlap the q loads below
 
+  // The logit factor: the softmax scale in base 2, the KV head's key scale, and the widening
+  // factor of an FP8 cache's loads.
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh) * Widen<C>::kScale;
   float q[GC][EPL];
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
@@ -377,7 +412,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
       for (int j = 0; j < NV; ++j)
         vec_to_float<T>(load16(qp + (j * TG + col) * VEC), &q[g][j * VEC]);
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) q[g][e] *= p.ls.q_scale;
+      for (int e = 0; e < EPL; ++e) q[g][e] *= q_scale;
     } else {
 #pragma unroll
       for (int e = 0; e < EPL; ++e) q[g][e] = 0.f;
@@ -394,13 +429,13 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
   }
 
   // Folds U rows (K and V vectors of this lane's slice) into the running state.
-  auto consume = [&](const uint4(&kr)[U][NV], const uint4(&vr)[U][NV], const bool(&ok)[U]) {
+  auto consume = [&](const KvVec(&kr)[U][NV], const KvVec(&vr)[U][NV], const bool(&ok)[U]) {
     float s[U][GC];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[EPL];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<T>(kr[u][j], &kf[j * VEC]);
+      for (int j = 0; j < NV; ++j) vec_to_float<C>(kr[u][j], &kf[j * VEC]);
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
         float dot = 0.f;
@@ -440,7 +475,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
     for (int u = 0; u < U; ++u) {
       float vf[EPL];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<T>(vr[u][j], &vf[j * VEC]);
+      for (int j = 0; j < NV; ++j) vec_to_float<C>(vr[u][j], &vf[j * VEC]);
 #pragma unroll
       for (int g = 0; g < GC; ++g) {
 #pragma unroll
@@ -449,11 +484,11 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
     }
   };
 
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const KvVec zero{};
 
   if constexpr (!S::kStaged) {
     for (int tb = start; tb < end; tb += S::kStep) {
-      uint4 kr[U][NV], vr[U][NV];
+      KvVec kr[U][NV], vr[U][NV];
       bool ok[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -473,8 +508,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
                               int64_t(t % kv.page_size) * kv.token_stride + col * VEC;
 #pragma unroll
           for (int j = 0; j < NV; ++j) {
-            kr[u][j] = load16(kbase + off + j * TG * VEC);
-            vr[u][j] = load16(vbase + off + j * TG * VEC);
+            kr[u][j] = load_kv<KvVec>(kbase + off + j * TG * VEC);
+            vr[u][j] = load_kv<KvVec>(vbase + off + j * TG * VEC);
           }
         } else {
 #pragma unroll
@@ -493,10 +528,10 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
       const int page = ring.page_of(n + NS);  // consumed after this tile's compute
 
       const int s = n % NS, tile0 = start + n * S::kTile;
-      const T* ks = ring.k_rows(s);
-      const T* vs = ring.v_rows(s);
+      const C* ks = ring.k_rows(s);
+      const C* vs = ring.v_rows(s);
       for (int tb = 0; tb < S::kTile && tile0 + tb < end; tb += S::kStep) {
-        uint4 kr[U][NV], vr[U][NV];
+        KvVec kr[U][NV], vr[U][NV];
         bool ok[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -505,8 +540,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
 #pragma unroll
           for (int j = 0; j < NV; ++j) {
             const int e = r * S::kRowStride + (j * TG + col) * VEC;
-            kr[u][j] = *reinterpret_cast<const uint4*>(ks + e);
-            vr[u][j] = *reinterpret_cast<const uint4*>(vs + e);
+            kr[u][j] = *reinterpret_cast<const KvVec*>(ks + e);
+            vr[u][j] = *reinterpret_cast<const KvVec*>(vs + e);
           }
         }
         consume(kr, vr, ok);
@@ -536,6 +571,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
     }
   }
 
+  // The value scale (with the widening factor), read once the loop no longer needs registers.
+  const float v_scale = p.scales.v_of(kvh) * Widen<C>::kScale;
   if constexpr (WS == 1) {
     const bool poisoned = __syncthreads_or(bad);
     if (row == 0) {
@@ -550,7 +587,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
 #pragma unroll
           for (int v = 0; v < VEC; ++v) {
             decode_write<T>(p, b, kvh * group + gh, (j * TG + col) * VEC + v, acc[g][j * VEC + v],
-                            mg, lg);
+                            mg, lg, v_scale);
           }
         }
       }
@@ -575,7 +612,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT>::kThreads),
       }
     }
     __syncthreads();
-    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group, poisoned);
+    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group, poisoned, v_scale);
   }
 }
 
@@ -643,7 +680,9 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const int ntiles = (end - start + TILE - 1) / TILE;
   bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
 
-  // Q as the A operand, unscaled (16-bit, exact); the scale is applied to S in f32.
+  // Q as the A operand, unscaled (16-bit, exact); the scale (with the KV head's key scale) is
+  // applied to S in f32.
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
   uint32_t qa[KD][2];
   {
     const bool head_ok = g < group;
@@ -694,7 +733,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float v = sc[h][e] * p.ls.q_scale;
+          float v = sc[h][e] * q_scale;
           if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
           pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
           mx = fmaxf(mx, pr[h][e]);
@@ -753,7 +792,244 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     red[(warp * H + g) * (D + 2) + D + 1] = l;
   }
   __syncthreads();
-  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned);
+  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
+                                                            p.scales.v_of(kvh));
+#endif
+}
+
+// The tensor-core kernel over an FP8 cache (q bf16 or f16). The ring holds the FP8 rows as
+// stored (half the bytes of a 16-bit tile, so four stages fit where three did), and the
+// fragments are widened to float16 in registers: every FP8 value is exact there, and float16
+// costs one byte permute per pair from e5m2 (a cvt from e4m3) where bfloat16 would need a
+// rebias and a NaN patch per pair. A bf16 q is moved into float16's range by a power of two per
+// head (the largest |q| of the head lands in [2^14, 2^15); only elements below 2^-24 of it
+// lose bits), undone in the f32 logit factor; P is packed to float16 (10 mantissa bits against
+// bfloat16's 7).
+//
+// Fragments. An FP8 pair is no b16 element, so the 16-bit kernel's ldmatrix layouts cannot
+// be used as they are; both products instead permute their contraction axis, which a sum does
+// not see:
+//   S = Q K^T: ldmatrix (b16) of 8 token rows x 16 bytes gives lane (g, t) the 4 codes of
+//     token g at dims 4t .. 4t + 3 of a 16-dim block, widened to B registers b0 = dims
+//     (4t, 4t+1), b1 = (4t+2, 4t+3): k slots (2t, 2t+1, 2t+8, 2t+9) hold those dims, so
+//     the A operand takes q[head g][4t .. 4t+3] of the block the same way.
+//   O^T += V^T P^T: the contraction is over tokens, and P^T's k slots are tokens 2t, 2t+1,
+//     2t+8, 2t+9 of the slice (S's C fragment). Lane (g, t) loads 4 codes (dims 4g .. 4g+3 of
+//     a 32-dim group J) from each of those four token rows and byte-permutes pairs of tokens
+//     together: per dim a (token 2t, token 2t+1) pair is one A register. The four dims become
+//     the rows g and g+8 of two m16 blocks, 2J and 2J+1: row g of block 2J + s is dim
+//     32J + 4g + 2s, row g+8 the next dim; the merge writes each accumulator to its dim.
+template <typename C, int D>
+struct MmaFp8DecodeShape {
+  static_assert(sizeof(C) == 1 && D % 32 == 0, "FP8 elements, head_dim a multiple of 32");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kHeads = 8;
+  static constexpr int kTile = 16 * kWarps;
+  static constexpr int kRowStride = D + 16;  // bytes: 16 of padding, rows stay 16-byte aligned
+  static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride;
+  static constexpr int kStages =
+      JAXATTN_DECODE_MMA_STAGES > 0
+          ? JAXATTN_DECODE_MMA_STAGES
+          : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+  static_assert(kStages >= 2, "the ring needs two stages");
+  static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
+  static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
+  // Head_dim 128: 74 KiB of ring, three blocks an SM by shared memory.
+  static constexpr int kMinBlocks = 2;
+};
+
+// Head dim of row r (0..15) of m16 block j of the FP8 kernel's O^T (see above).
+__device__ __forceinline__ int fp8_out_dim(int j, int r) {
+  return 32 * (j / 2) + 4 * (r % 8) + 2 * (j % 2) + r / 8;
+}
+
+template <typename T, typename C, int D>
+__global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
+                                  MmaFp8DecodeShape<C, D>::kMinBlocks)
+    paged_decode_mma_fp8_kernel(const DecodeParams p) {
+#if __CUDA_ARCH__ >= 800
+  using S = MmaFp8DecodeShape<C, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr int H = S::kHeads;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  DecodeRange range;
+  if (!decode_range<T>(p, kvh, group, &range)) return;
+  const int start = range.start, end = range.end;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const KvGeometry& kv = p.kv;
+  const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+  const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
+  using Ring = KvRing<C, D, TILE, NS, RS, S::kThreads>;
+  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
+                  kv,   start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+
+  // Q as float16 A fragments: qa[kk] = q[head g][16 kk + 4t .. 16 kk + 4t + 3] (rows 8..15 are
+  // zero), times pre; the logit factor takes post = 1 / pre.
+  uint32_t qa[KD][2];
+  float post = 1.f;
+  {
+    const bool head_ok = g < group;
+    const T* qp = static_cast<const T*>(p.q) +
+                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+    float qf[KD][4];
+    float qmax = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      const uint2 r =
+          head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
+      const uint32_t w[2] = {r.x, r.y};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint16_t h = uint16_t(w[i / 2] >> (16 * (i % 2)));
+        qf[kk][i] = std::is_same_v<T, bf16_t> ? bf16_to_float(h) : f16_to_float(h);
+        qmax = fmaxf(qmax, fabsf(qf[kk][i]));  // fmaxf skips NaN: a NaN q stays NaN below
+      }
+    }
+    float pre = 1.f;
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      qmax = group_max<4>(qmax);
+      // 2^(141 - e) for qmax = 1.x * 2^(e - 127): the head's largest |q| into [2^14, 2^15).
+      const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
+      const int biased = min(max(268 - e, 1), 253);
+      pre = __uint_as_float(uint32_t(biased) << 23);
+      post = __uint_as_float(uint32_t(254 - biased) << 23);
+    }
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      qa[kk][0] = pack2<f16_t>(qf[kk][0] * pre, qf[kk][1] * pre);
+      qa[kk][1] = pack2<f16_t>(qf[kk][2] * pre, qf[kk][3] * pre);
+    }
+  }
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh) * post;
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+
+  // K: ldmatrix rows (lane % 8) + 8 (lane / 16) of the warp's 16-token slice, 16-byte half
+  // (lane / 8) % 2 of each 32-byte (32-dim) block. V: this lane's rows 2t, 2t+1, 2t+8, 2t+9 of
+  // the slice, bytes 4g .. 4g+3 of each 32-dim group.
+  const int rb = warp * 16;
+  const uint32_t k_off = uint32_t((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 16);
+  const int v_off = (rb + 2 * tq) * RS + 4 * g;
+
+  for (int n = 0; n < ntiles; ++n) {
+    async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
+    __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+
+    const int s = n % NS;
+    const int t0 = start + n * TILE + rb;  // this warp's first token
+    if (t0 < end) {                        // warp-uniform
+      const uint32_t kaddr = smem_u32(ring.k_rows(s)) + k_off;
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int k2 = 0; k2 < D / 32; ++k2) {
+        uint32_t kf[4];
+        ldmatrix_x4(kf, kaddr + k2 * 32);  // (tokens 0-7 | 8-15) x (dims 32 k2 + 0-15 | 16-31)
+        uint32_t kb[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fp8x4_to_f16x2<C>(kf[i], kb[i][0], kb[i][1]);
+        const uint32_t* q0 = qa[2 * k2];
+        const uint32_t* q1 = qa[2 * k2 + 1];
+        mma16816<f16_t>(sc[0], q0[0], 0u, q0[1], 0u, kb[0][0], kb[0][1]);  // tokens 0..7
+        mma16816<f16_t>(sc[0], q1[0], 0u, q1[1], 0u, kb[1][0], kb[1][1]);
+        mma16816<f16_t>(sc[1], q0[0], 0u, q0[1], 0u, kb[2][0], kb[2][1]);  // tokens 8..15
+        mma16816<f16_t>(sc[1], q1[0], 0u, q1[1], 0u, kb[3][0], kb[3][1]);
+      }
+      // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
+      float pr[2][2];
+      float mx = kNegInf;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = sc[h][e] * q_scale;
+          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
+          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
+          mx = fmaxf(mx, pr[h][e]);
+        }
+      }
+      mx = group_max<4>(mx);
+      const float m_new = fmaxf(m, mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[h][e] = fast_exp2(pr[h][e] - m_use);
+          sum += pr[h][e];
+        }
+      }
+      l = l * alpha + sum;
+      m = m_new;
+      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
+      const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
+      const unsigned char* vrow = reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off;
+#pragma unroll
+      for (int jj = 0; jj < D / 32; ++jj) {
+        const unsigned char* vp = vrow + jj * 32;
+        const uint32_t r0 = *reinterpret_cast<const uint32_t*>(vp);           // token 2t
+        const uint32_t r1 = *reinterpret_cast<const uint32_t*>(vp + RS);      // 2t + 1
+        const uint32_t r2 = *reinterpret_cast<const uint32_t*>(vp + 8 * RS);  // 2t + 8
+        const uint32_t r3 = *reinterpret_cast<const uint32_t*>(vp + 9 * RS);  // 2t + 9
+        // Per dim, the token pair: (dims 0, 1 of the four) and (dims 2, 3).
+        uint32_t a[2][4];
+        fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x5140u), a[0][0], a[0][1]);
+        fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x5140u), a[0][2], a[0][3]);
+        fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x7362u), a[1][0], a[1][1]);
+        fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x7362u), a[1][2], a[1][3]);
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {
+          float (&oj)[4] = o[2 * jj + s2];
+          oj[0] *= a_lo;
+          oj[1] *= a_hi;
+          oj[2] *= a_lo;
+          oj[3] *= a_hi;
+          mma16816<f16_t>(oj, a[s2][0], a[s2][1], a[s2][2], a[s2][3], pb0, pb1);
+        }
+      }
+    }
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+  }
+  async_copy_wait<0>();
+  l = group_sum<4>(l);
+
+  // Per-warp states to shared memory (over the ring), each accumulator at its dim, then the
+  // fixed-order merge.
+  float* red = reinterpret_cast<float*>(smem);
+  const bool poisoned = __syncthreads_or(bad);
+#pragma unroll
+  for (int j = 0; j < KD; ++j) {
+    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + fp8_out_dim(j, g);
+    float* r1 = r0 + (D + 2);
+    r0[0] = o[j][0];
+    r1[0] = o[j][1];
+    r0[1] = o[j][2];  // row g + 8: the next dim
+    r1[1] = o[j][3];
+  }
+  if (tq == 0) {
+    red[(warp * H + g) * (D + 2) + D] = m;
+    red[(warp * H + g) * (D + 2) + D + 1] = l;
+  }
+  __syncthreads();
+  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
+                                                            p.scales.v_of(kvh));
 #endif
 }
 
@@ -842,12 +1118,12 @@ const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
   return check_launch();
 }
 
-template <typename T, int D, int GT, bool DIRECT = (GT == 1)>
+template <typename T, int D, int GT, bool DIRECT = (GT == 1), typename C = T>
 const char* launch_paged_decode_group(const DecodeParams& p, gpuStream_t stream) {
-  using S = DecodeShape<T, D, GT, DIRECT>;
+  using S = DecodeShape<T, D, GT, DIRECT, C>;
   dim3 grid;
   if (const char* e = decode_grid(p, &grid)) return e;
-  paged_decode_kernel<T, D, GT, DIRECT><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  paged_decode_kernel<T, D, GT, DIRECT, C><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   if (const char* e = check_launch()) return e;
   return launch_decode_combine<T, D>(p, stream);
 }
@@ -865,6 +1141,18 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   return launch_decode_combine<T, D>(p, stream);
 }
 
+template <typename T, typename C, int D>
+const char* launch_paged_decode_mma_fp8(const DecodeParams& p, gpuStream_t stream) {
+  using S = MmaFp8DecodeShape<C, D>;
+  dim3 grid;
+  if (const char* e = decode_grid(p, &grid)) return e;
+  auto kernel = paged_decode_mma_fp8_kernel<T, C, D>;
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  if (const char* e = check_launch()) return e;
+  return launch_decode_combine<T, D>(p, stream);
+}
+
 // Whether the current device runs the tensor-core kernel: mma.sync m16n8k16 bf16/f16 and
 // cp.async need compute capability 8.0, and its ring must fit the opt-in shared-memory limit
 // (head_dim 128 takes 104 KiB: A100 and H100/H200 yes, 8.6/8.9 parts with 99 KiB no).
@@ -872,20 +1160,30 @@ inline bool decode_mma_supported(int smem_bytes) {
   const DeviceCaps c = current_device_caps();
   return c.major >= 8 && c.smem_optin >= smem_bytes;
 }
+
+template <typename T, typename C, int D>
+constexpr int mma_decode_smem_bytes() {
+  if constexpr (sizeof(C) == 1) {
+    return MmaFp8DecodeShape<C, D>::kSmemBytes;
+  } else {
+    return MmaDecodeShape<T, D>::kSmemBytes;
+  }
+}
 #endif
 
-// Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit data on NVIDIA sm_80+
-// -> tensor cores; otherwise the pipelined SIMT kernel of the smallest group template that
-// covers the runtime group (extra heads are masked). One function, so that the launcher and
-// the occupancy query (decode_occupancy_typed) always describe the same kernel.
+// Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit q on NVIDIA sm_80+
+// -> tensor cores (the FP8 kernel for an FP8 cache); otherwise the pipelined SIMT kernel of
+// the smallest group template that covers the runtime group (extra heads are masked). One
+// function, so that the launcher and the occupancy query (decode_occupancy_typed) always
+// describe the same kernel.
 enum class DecodeKernel { kDirect, kMma, kG2, kG4, kG8, kG16, kG32, kG64, kNone };
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 DecodeKernel pick_decode_kernel(int group) {
   if (group <= 1) return DecodeKernel::kDirect;
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
-    if (group <= 8 && decode_mma_supported(MmaDecodeShape<T, D>::kSmemBytes))
+    if (group <= 8 && decode_mma_supported(mma_decode_smem_bytes<T, C, D>()))
       return DecodeKernel::kMma;
   }
 #endif
@@ -898,28 +1196,32 @@ DecodeKernel pick_decode_kernel(int group) {
   return DecodeKernel::kNone;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
-  switch (pick_decode_kernel<T, D>(p.num_q_heads / p.kv.num_kv_heads)) {
+  switch (pick_decode_kernel<T, C, D>(p.num_q_heads / p.kv.num_kv_heads)) {
     case DecodeKernel::kDirect:
-      return launch_paged_decode_group<T, D, 1>(p, stream);
+      return launch_paged_decode_group<T, D, 1, true, C>(p, stream);
 #if defined(JAXATTN_CUDA)
     case DecodeKernel::kMma:
-      if constexpr (sizeof(T) == 2) return launch_paged_decode_mma<T, D>(p, stream);
+      if constexpr (sizeof(C) == 1) {
+        return launch_paged_decode_mma_fp8<T, C, D>(p, stream);
+      } else if constexpr (sizeof(T) == 2) {
+        return launch_paged_decode_mma<T, D>(p, stream);
+      }
       break;
 #endif
     case DecodeKernel::kG2:
-      return launch_paged_decode_group<T, D, 2>(p, stream);
+      return launch_paged_decode_group<T, D, 2, false, C>(p, stream);
     case DecodeKernel::kG4:
-      return launch_paged_decode_group<T, D, 4>(p, stream);
+      return launch_paged_decode_group<T, D, 4, false, C>(p, stream);
     case DecodeKernel::kG8:
-      return launch_paged_decode_group<T, D, 8>(p, stream);
+      return launch_paged_decode_group<T, D, 8, false, C>(p, stream);
     case DecodeKernel::kG16:
-      return launch_paged_decode_group<T, D, 16>(p, stream);
+      return launch_paged_decode_group<T, D, 16, false, C>(p, stream);
     case DecodeKernel::kG32:
-      return launch_paged_decode_group<T, D, 32>(p, stream);
+      return launch_paged_decode_group<T, D, 32, false, C>(p, stream);
     case DecodeKernel::kG64:
-      return launch_paged_decode_group<T, D, 64>(p, stream);
+      return launch_paged_decode_group<T, D, 64, false, C>(p, stream);
     default:
       break;
   }
@@ -944,37 +1246,42 @@ const char* occupancy_of(Kernel kernel, int threads, int smem, int* blocks) {
   return nullptr;
 }
 
-template <typename T, int D, int GT>
+template <typename T, typename C, int D, int GT>
 const char* group_occupancy(int* blocks) {
-  using S = DecodeShape<T, D, GT, GT == 1>;
-  return occupancy_of(paged_decode_kernel<T, D, GT, GT == 1>, S::kThreads, S::kSmemBytes, blocks);
+  using S = DecodeShape<T, D, GT, GT == 1, C>;
+  return occupancy_of(paged_decode_kernel<T, D, GT, GT == 1, C>, S::kThreads, S::kSmemBytes,
+                      blocks);
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 const char* decode_occupancy_dim(int group, int* blocks) {
-  switch (pick_decode_kernel<T, D>(group)) {
+  switch (pick_decode_kernel<T, C, D>(group)) {
     case DecodeKernel::kDirect:
-      return group_occupancy<T, D, 1>(blocks);
+      return group_occupancy<T, C, D, 1>(blocks);
 #if defined(JAXATTN_CUDA)
     case DecodeKernel::kMma:
-      if constexpr (sizeof(T) == 2) {
+      if constexpr (sizeof(C) == 1) {
+        using S = MmaFp8DecodeShape<C, D>;
+        return occupancy_of(paged_decode_mma_fp8_kernel<T, C, D>, S::kThreads, S::kSmemBytes,
+                            blocks);
+      } else if constexpr (sizeof(T) == 2) {
         using S = MmaDecodeShape<T, D>;
         return occupancy_of(paged_decode_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
       }
       break;
 #endif
     case DecodeKernel::kG2:
-      return group_occupancy<T, D, 2>(blocks);
+      return group_occupancy<T, C, D, 2>(blocks);
     case DecodeKernel::kG4:
-      return group_occupancy<T, D, 4>(blocks);
+      return group_occupancy<T, C, D, 4>(blocks);
     case DecodeKernel::kG8:
-      return group_occupancy<T, D, 8>(blocks);
+      return group_occupancy<T, C, D, 8>(blocks);
     case DecodeKernel::kG16:
-      return group_occupancy<T, D, 16>(blocks);
+      return group_occupancy<T, C, D, 16>(blocks);
     case DecodeKernel::kG32:
-      return group_occupancy<T, D, 32>(blocks);
+      return group_occupancy<T, C, D, 32>(blocks);
     case DecodeKernel::kG64:
-      return group_occupancy<T, D, 64>(blocks);
+      return group_occupancy<T, C, D, 64>(blocks);
     default:
       break;
   }
@@ -984,23 +1291,24 @@ const char* decode_occupancy_dim(int group, int* blocks) {
 // The split-KV heuristic (jaxattn/native.py) asks this instead of assuming a kernel's
 // resources: blocks of the decode kernel that launch_paged_decode_typed would run for
 // (head_dim, group) that fit one multiprocessor of the current device.
-template <typename T>
+template <typename T, typename C = T>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
   switch (head_dim) {
     case 32:
-      return decode_occupancy_dim<T, 32>(group, blocks);
+      return decode_occupancy_dim<T, C, 32>(group, blocks);
     case 64:
-      return decode_occupancy_dim<T, 64>(group, blocks);
+      return decode_occupancy_dim<T, C, 64>(group, blocks);
     case 128:
-      return decode_occupancy_dim<T, 128>(group, blocks);
+      return decode_occupancy_dim<T, C, 128>(group, blocks);
     case 256:
-      return decode_occupancy_dim<T, 256>(group, blocks);
+      return decode_occupancy_dim<T, C, 256>(group, blocks);
     default:
       return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
   }
 }
 
-template <typename T>
+// T: q's and the output's element type; C: the cache's (T, or an FP8 format under a 16-bit T).
+template <typename T, typename C = T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream) {
   const int D = p.kv.head_dim;
   if (D != 32 && D != 64 && D != 128 && D != 256)
@@ -1008,13 +1316,13 @@ const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream)
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   switch (D) {
     case 32:
-      return launch_paged_decode_dim<T, 32>(p, stream);
+      return launch_paged_decode_dim<T, C, 32>(p, stream);
     case 64:
-      return launch_paged_decode_dim<T, 64>(p, stream);
+      return launch_paged_decode_dim<T, C, 64>(p, stream);
     case 128:
-      return launch_paged_decode_dim<T, 128>(p, stream);
+      return launch_paged_decode_dim<T, C, 128>(p, stream);
     case 256:
-      return launch_paged_decode_dim<T, 256>(p, stream);
+      return launch_paged_decode_dim<T, C, 256>(p, stream);
     default:
       return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
   }

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "jaxattn/dtypes.h"
+
 namespace jaxattn {
 
 enum class Layout : int32_t {
@@ -69,6 +71,18 @@ inline LogitScale make_logit_scale(float scale, float soft_cap) {
   return {scale * kLog2e, 0.f};
 }
 
+// Scaled (FP8) caches: a stored element of KV head h stands for element * k_scale[h] (K) or
+// element * v_scale[h] (V); nullptr means 1. The kernels fold them, per head, where exact
+// enough to be free: k_scale into the logit factor (LogitScale::q_scale, f32), v_scale into the
+// normalised output (a weighted mean of values is linear in them).
+struct HeadScales {
+  const float* k = nullptr;  // [num_kv_heads] float32, or nullptr
+  const float* v = nullptr;
+
+  JAXATTN_HD float k_of(int h) const { return k ? k[h] : 1.f; }
+  JAXATTN_HD float v_of(int h) const { return v ? v[h] : 1.f; }
+};
+
 struct DecodeParams {
   const void* q = nullptr;  // [batch, num_q_heads, head_dim]
   const void* k = nullptr;
@@ -86,6 +100,7 @@ struct DecodeParams {
   int32_t max_parts = 1;
   KvGeometry kv;
   LogitScale ls{};
+  HeadScales scales;
 };
 
 inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t max_parts,
@@ -116,6 +131,7 @@ struct PrefillParams {
   int32_t kernel = 0;
   KvGeometry kv;
   LogitScale ls{};
+  HeadScales scales;
 };
 
 }  // namespace jaxattn

@@ -28,6 +28,11 @@
 //   mma   tensor-core mma.sync m16n8k16 (bf16/f16 with f32 accumulation, cp.async double
 //         buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128.
 //   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
+// FP8 caches (under a bf16 / f16 q): the simt kernel widens each element to float as it reads
+// it; the mma and sm90 kernels have FP8 variants (prefill_mma_fp8_kernel here,
+// prefill_sm90_fp8_kernel in prefill_sm90.cuh) that copy the tiles as stored, widen them to
+// float16 in shared memory, and compute in float16. The per-head scales: k_scale joins the
+// logit factor, v_scale the normalisation.
 // The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt; default auto:
 // the first of sm90, mma, simt that supports the call; jaxattn.native.PrefillConfig, whose
 // default comes from $JAXATTN_PREFILL_KERNEL) forces one: a forced kernel is used wherever it
@@ -380,7 +385,8 @@ struct SimtShape {
   static_assert(kSmemBytes <= 48 * 1024, "SIMT prefill shared memory must fit the default limit");
 };
 
-template <typename T, int D>
+// C: the cache's element type (T, or an FP8 format, widened exactly as it is read).
+template <typename T, int D, typename C = T>
 __global__ void __launch_bounds__(SimtShape<D>::kThreads)
     prefill_simt_kernel(const PrefillParams p) {
   using S = SimtShape<D>;
@@ -414,11 +420,12 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   const KeyRange range = key_range(t);
 
   const T* qg = static_cast<const T*>(p.q);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
   for (int i = tid; i < BM * D; i += S::kThreads) {
     const int rr = i / D, d = i % D;
     float v = 0.f;
     if (rr < t.rows) v = to_float(qg[(int64_t(t.q0 + t.m0 + rr) * p.num_q_heads + head) * D + d]);
-    qs[rr * LD + d] = v * p.ls.q_scale;
+    qs[rr * LD + d] = v * q_scale;
   }
   RowCursor cur;
   {
@@ -431,8 +438,8 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   float m = kNegInf, l = 0.f, acc[S::kDimsPerLane];
 #pragma unroll
   for (int i = 0; i < S::kDimsPerLane; ++i) acc[i] = 0.f;
-  const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+  const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
   const int qi = t.m0 + r;  // this lane's query row within the request
 
   for (int n0 = 0; n0 < range.end; n0 += BN) {
@@ -498,7 +505,8 @@ __global__ void __launch_bounds__(SimtShape<D>::kThreads)
   const bool poisoned = poison != 0;
   if (r < t.rows) {
     T* out = static_cast<T*>(p.out) + (int64_t(t.q0 + qi) * p.num_q_heads + head) * D;
-    const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN in l stays NaN
+    // NaN in l stays NaN; the value scale joins the normalisation.
+    const float inv = l == 0.f ? 0.f : p.scales.v_of(kvh) / l;
 #pragma unroll
     for (int i = 0; i < S::kDimsPerLane; ++i) {
       const int d = c + i * TPR;
@@ -538,15 +546,16 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // Writes a warp's 16 rows of a tensor-core tile, lr0 and lr0 + 8 (within the tile), from the
 // accumulator fragments: o[4 i + e] is element i * 8 + 2 tq + (e & 1) of row lr0 (e < 2) or
 // lr0 + 8 -- the m16n8 layout of the mma kernel and the m64nN layout of the sm90 kernel alike.
-// Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN).
+// Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN) and scaled by
+// the KV head's value scale vs.
 template <typename T, int D>
 __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, const PrefillTile& t,
                                                        int head, int lr0, int tq, float l0,
-                                                       float l1, const float* o,
+                                                       float l1, float vs, const float* o,
                                                        const int* first_bad, bool poisoned,
                                                        int shift) {
   const bool guarded = first_bad != nullptr;
-  const float inv0 = l0 == 0.f ? 0.f : 1.f / l0, inv1 = l1 == 0.f ? 0.f : 1.f / l1;
+  const float inv0 = l0 == 0.f ? 0.f : vs / l0, inv1 = l1 == 0.f ? 0.f : vs / l1;
   const int lr1 = lr0 + 8;
   const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
   T* out = static_cast<T*>(p.out);
@@ -578,12 +587,14 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
 template <typename T, int D>
 __device__ __forceinline__ void prefill_mma_store(const PrefillParams& p, const PrefillTile& t,
                                                   int head, int lr0, int tq, float l0, float l1,
-                                                  const float* o, int flags, const int* first_bad) {
+                                                  float vs, const float* o, int flags,
+                                                  const int* first_bad) {
   if (__syncthreads_or(flags)) {  // also orders every update of first_bad before the reads
     const bool poisoned = __syncthreads_or(flags & kGuardIndexBad);
-    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, o, first_bad, poisoned, t.lk - t.lq);
+    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, first_bad, poisoned,
+                                 t.lk - t.lq);
   } else {
-    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, o, nullptr, false, 0);
+    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, nullptr, false, 0);
   }
 }
 
@@ -687,6 +698,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
   const int row0 = t.m0 + warp * 16 + g;  // query rows of this lane, within the request
   const int row1 = row0 + 8;
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   for (int n = 0; n < ntiles; ++n) {
     const int buf = n & 1;
@@ -731,7 +743,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
       for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float v = s[j][e] * p.ls.q_scale;
+          float v = s[j][e] * q_scale;
           if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
           if constexpr (decltype(mask_tag)::value) {
             const int key = n0 + j * 8 + 2 * tq + (e & 1);
@@ -814,17 +826,396 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, t, head, warp * 16 + g, tq, l0, l1, &o[0][0], flags, first_bad);
+  prefill_mma_store<T, D>(p, t, head, warp * 16 + g, tq, l0, l1, p.scales.v_of(kvh), &o[0][0],
+                          flags, first_bad);
+#endif
+}
+
+// FP8 caches on the tensor cores. A key tile is copied as stored (16-byte cp.async copies of
+// FP8 rows, half the bytes) into a staging area and widened to float16 in shared memory, where
+// the 16-bit kernel's fragment loads read it: every FP8 value is exact in float16. Each thread
+// widens exactly the chunks it copied, so it needs no barrier to read them (its own copies are
+// visible to it after its wait), and the widened tile needs only one buffer: it is written after
+// the barrier that ends the previous tile. A bf16 q is moved to float16, each row by the power
+// of two that puts its largest |q| in [2^14, 2^15) (only elements below 2^-24 of the row's
+// largest lose bits), undone in the row's f32 logit factor.
+
+// 16 FP8 codes -> 16 float16 (two 16-byte chunks), exact.
+template <typename C>
+__device__ __forceinline__ void fp8x16_to_f16(const uint4& in, uint4& lo, uint4& hi) {
+  fp8x4_to_f16x2<C>(in.x, lo.x, lo.y);
+  fp8x4_to_f16x2<C>(in.y, lo.z, lo.w);
+  fp8x4_to_f16x2<C>(in.z, hi.x, hi.y);
+  fp8x4_to_f16x2<C>(in.w, hi.z, hi.w);
+}
+
+// The larger of m and the magnitudes of a bf16 pair (fmaxf skips NaN: a NaN q stays NaN when
+// it is scaled).
+__device__ __forceinline__ float bf16x2_absmax(uint32_t w, float m) {
+  return fmaxf(m, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+}
+
+// A bf16 pair times `pre`, as a float16 pair.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float pre) {
+  return pack2<f16_t>(__uint_as_float(w << 16) * pre, __uint_as_float(w & 0xffff0000u) * pre);
+}
+
+// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^14, 2^15) (2^(141 - e),
+// clamped to normal floats), and its inverse `post`.
+__device__ __forceinline__ void f16_row_factors(float qmax, float& pre, float& post) {
+  const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
+  const int biased = min(max(268 - e, 1), 253);
+  pre = __uint_as_float(uint32_t(biased) << 23);
+  post = __uint_as_float(uint32_t(254 - biased) << 23);
+}
+
+// Rows [0, rows) of a q tile in shared memory (bf16, 8-element chunks at chunk_off(r, c)) to
+// float16 in place, each row scaled by f16_row_factors; post[r] gets the inverse. Two threads a
+// row (NT >= 2 * rows), each over half of it. The sm90 kernel's q is a shared-memory operand.
+template <int D, int NT, typename Off>
+__device__ __forceinline__ void q_bf16_to_f16_rows(unsigned char* tile, int rows, float* post,
+                                                   Off chunk_off) {
+  constexpr int kHalf = D / 16;  // chunks in half a row
+  const int r = int(threadIdx.x) / 2, h = int(threadIdx.x) % 2;
+  const bool live = r < rows;
+  uint4 v[kHalf];
+  float qmax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    v[i] = live ? *reinterpret_cast<const uint4*>(tile + chunk_off(r, h * kHalf + i))
+                : make_uint4(0u, 0u, 0u, 0u);
+    qmax = bf16x2_absmax(v[i].x, qmax);
+    qmax = bf16x2_absmax(v[i].y, qmax);
+    qmax = bf16x2_absmax(v[i].z, qmax);
+    qmax = bf16x2_absmax(v[i].w, qmax);
+  }
+  qmax = fmaxf(qmax, shfl_xor(qmax, 1));
+  float pre, inv;
+  f16_row_factors(qmax, pre, inv);
+  if (live) {
+    if (h == 0) post[r] = inv;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      *reinterpret_cast<uint4*>(tile + chunk_off(r, h * kHalf + i)) =
+          make_uint4(bf16x2_to_f16x2(v[i].x, pre), bf16x2_to_f16x2(v[i].y, pre),
+                     bf16x2_to_f16x2(v[i].z, pre), bf16x2_to_f16x2(v[i].w, pre));
+    }
+  }
+}
+
+// A warp's q fragments (ldmatrix of 16 bf16 rows: registers 0 and 2 of every k step hold row g,
+// 1 and 3 row g + 8, and the quad's four lanes the whole row) to float16 in registers, each row
+// scaled by f16_row_factors; post0 / post1 get the inverses of rows g and g + 8. The mma
+// kernel's q never goes back to shared memory, whose q tile then holds first_bad.
+template <int D>
+__device__ __forceinline__ void q_frags_bf16_to_f16(uint32_t (&qf)[D / 16][4], float& post0,
+                                                    float& post1) {
+  float mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    mx0 = bf16x2_absmax(qf[kk][2], bf16x2_absmax(qf[kk][0], mx0));
+    mx1 = bf16x2_absmax(qf[kk][3], bf16x2_absmax(qf[kk][1], mx1));
+  }
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+  float pre0, pre1;
+  f16_row_factors(mx0, pre0, post0);
+  f16_row_factors(mx1, pre1, post1);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qf[kk][0] = bf16x2_to_f16x2(qf[kk][0], pre0);
+    qf[kk][1] = bf16x2_to_f16x2(qf[kk][1], pre1);
+    qf[kk][2] = bf16x2_to_f16x2(qf[kk][2], pre0);
+    qf[kk][3] = bf16x2_to_f16x2(qf[kk][3], pre1);
+  }
+}
+
+template <int D>
+struct MmaFp8Shape {
+  static constexpr int kBM = 64;
+  static constexpr int kBN = 64;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks of a 16-bit row (q, widened K / V)
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kTileBytes = kBN * D * 2;        // a widened (float16) K or V tile
+  static constexpr int kStageBytes = kBN * D;           // an FP8 K or V tile
+  static constexpr int kF8Chunks = D / 16;              // 16-byte FP8 chunks a row
+  static constexpr int kF8Rows = kThreads / kF8Chunks;  // rows a pass of the block copies
+  // Q; the widened K and V (one buffer each); the FP8 staging of two tiles (K and V each); the
+  // row offsets of two tiles. The 16-bit kernel's size exactly, so two blocks still fill the
+  // 164 KB carveout of D = 128 with no static shared memory (prefill_mma_kernel).
+  static constexpr int kSmemBytes = kBM * D * 2 + 2 * kTileBytes + 4 * kStageBytes + 2 * kBN * 8;
+  static_assert(D == 64 || D == 128, "the MMA kernel is built for head_dim 64 and 128");
+  static_assert(kSmemBytes == MmaShape<D>::kSmemBytes, "the FP8 kernel keeps the carveout");
+};
+
+template <typename T, typename C, int D>
+__global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
+    prefill_mma_fp8_kernel(const PrefillParams p) {
+#if __CUDA_ARCH__ >= 800
+  using S = MmaFp8Shape<D>;
+  using M = f16_t;
+  constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
+  constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  // Dynamic shared memory only, as in prefill_mma_kernel (one static byte costs the carveout).
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* q_s = smem;
+  unsigned char* k_s = q_s + BM * D * 2;      // [BN][D] float16
+  unsigned char* v_s = k_s + S::kTileBytes;   // [BN][D] float16
+  unsigned char* st_s = v_s + S::kTileBytes;  // [2 slots][K, V][BN][D] FP8
+  int64_t* rowoff = reinterpret_cast<int64_t*>(st_s + 4 * S::kStageBytes);  // [2][BN]
+  // The guards' first_bad over warp 0's q rows once q is in registers, as in prefill_mma_kernel.
+  int* first_bad = reinterpret_cast<int*>(q_s);
+  static_assert(D * 4 <= 16 * D * 2, "first_bad must fit warp 0's q rows");
+  static_assert(kPrefillTileScratch<S::kThreads> * 4 <= S::kTileBytes, "scratch must fit a tile");
+  static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
+
+  const int head = blockIdx.y;
+  PrefillTile t;
+  // The tile search's scratch: the widened K tile, first written in the loop.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(k_s), &t))
+    return;
+  const KvGeometry& kv = p.kv;
+  const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int shift = t.lk - t.lq;
+  const KeyRange range = key_range(t);
+  const int ntiles = (range.end + BN - 1) / BN;
+
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
+  RowCursor cur;
+  if (tid < BN) {
+    cur.init(kv, t.table, tid, range.end, flags);
+    rowoff[tid] = cur.off;
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
+    rowoff[BN + tid] = cur.off;
+  }
+  __syncthreads();
+
+  const T* qg = static_cast<const T*>(p.q);
+  const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+  const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
+  {
+    const int c = tid % CH;
+#pragma unroll
+    for (int i = 0; i < BM / RP; ++i) {
+      const int r = tid / CH + i * RP;
+      const bool ok = r < t.rows;
+      const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
+      cp_async16(smem_u32(q_s) + swz<D>(r, c), src, ok);
+    }
+  }
+  async_copy_commit();
+  // This thread's FP8 chunks of every key tile: chunk c8 of rows r8 + i * F8R; it widens them
+  // into chunks 2 c8 and 2 c8 + 1 of the same rows, which share their swizzle phase
+  // (F8R % 8 == 0), so they lie F8R rows apart.
+  const int c8 = tid % F8, r8 = tid / F8;
+  auto stage_k = [&](int slot, int r) { return st_s + (2 * slot * BN + r) * D + c8 * 16; };
+  auto stage_v = [&](int slot, int r) { return st_s + ((2 * slot + 1) * BN + r) * D + c8 * 16; };
+  auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
+#pragma unroll
+    for (int i = 0; i < BN / F8R; ++i) {
+      const int r = r8 + i * F8R;
+      const int64_t off = rowoff[slot * BN + r];
+      const bool ok = off >= 0;
+      cp_async16(smem_u32(stage_k(slot, r)), ok ? kg + off + c8 * 16 : kg, ok);
+      cp_async16(smem_u32(stage_v(slot, r)), ok ? vg + off + c8 * 16 : vg, ok);
+    }
+  };
+  auto widen = [&](int slot) {
+#pragma unroll
+    for (int i = 0; i < BN / F8R; ++i) {
+      const int r = r8 + i * F8R;
+      uint4 lo, hi;
+      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_k(slot, r)), lo, hi);
+      *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8 + 1)) = hi;
+      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_v(slot, r)), lo, hi);
+      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8 + 1)) = hi;
+    }
+  };
+  // Copy groups: q, tile 0, tile 1, then one per tile from the loop (tile n + 1 in iteration
+  // n >= 1, into the staging slot of tile n - 1, which only this thread reads and has widened),
+  // so iteration n waits for all but the newest.
+  if (ntiles > 0) load_fp8(0);
+  async_copy_commit();
+  if (ntiles > 1) load_fp8(1);
+  async_copy_commit();
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while the tiles are in flight
+
+  // q into registers (as float16) before the loop, so that its tile can hold first_bad.
+  uint32_t qf[D / 16][4];
+  async_copy_wait<2>();
+  __syncthreads();  // q visible
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    ldmatrix_x4(qf[kk], smem_u32(q_s) + swz<D>(r, 2 * kk + lane / 16));
+  }
+  // The logit factors of this lane's rows: q_scale with the KV head's key scale, and a bf16
+  // row's inverse power of two.
+  float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    float post0, post1;
+    q_frags_bf16_to_f16<D>(qf, post0, post1);
+    qs0 *= post0;
+    qs1 *= post1;
+  }
+  if (warp == 0) {
+    __syncwarp();  // the warp's q fragments are read
+    init_first_bad<D>(first_bad, lane, 32);
+  }
+  __syncthreads();  // first_bad initialised before any tile can lower it
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+  const int row0 = t.m0 + warp * 16 + g;  // query rows of this lane, within the request
+  const int row1 = row0 + 8;
+  const uint32_t kb = smem_u32(k_s), vb = smem_u32(v_s);
+
+  for (int n = 0; n < ntiles; ++n) {
+    const int slot = n & 1;
+    if (n > 0) {
+      if (n + 1 < ntiles) load_fp8(slot ^ 1);
+      async_copy_commit();
+    }
+    async_copy_wait<1>();  // this thread's copies of tile n landed
+    const int n0 = n * BN;
+    const bool masked = n0 + BN > range.full_end;
+    widen(slot);
+    // The guards' V pass over the chunks this thread just widened (its own stores, visible to
+    // it), before the barrier that publishes them, as in prefill_mma_kernel.
+    if (masked) {
+      const bool lo = sanitize_own_v<M, BN / F8R, F8R * D * 2, F8R>(
+          v_s + swz<D>(r8, 2 * c8), n0 + r8, range.full_end, range.end, c8 * 16, first_bad);
+      const bool hi = sanitize_own_v<M, BN / F8R, F8R * D * 2, F8R>(
+          v_s + swz<D>(r8, 2 * c8 + 1), n0 + r8, range.full_end, range.end, c8 * 16 + 8, first_bad);
+      if (lo || hi) flags |= kGuardValueBad;
+    }
+    __syncthreads();  // the widened tile visible to every warp
+
+    float s[BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bfr[4];
+        const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
+        ldmatrix_x4(bfr, kb + swz<D>(key, 2 * kk + (lane / 8) % 2));
+        mma16816<M>(s[2 * np], qf[kk], bfr[0], bfr[1]);
+        mma16816<M>(s[2 * np + 1], qf[kk], bfr[2], bfr[3]);
+      }
+    }
+
+    float mx0 = kNegInf, mx1 = kNegInf;
+    // Logits and row maxima, with the soft cap and the mask as compile-time variants (as in
+    // prefill_mma_kernel: the common tile runs straight through).
+    auto logits = [&](auto cap_tag, auto mask_tag) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * (e < 2 ? qs0 : qs1);
+          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
+          if constexpr (decltype(mask_tag)::value) {
+            const int key = n0 + j * 8 + 2 * tq + (e & 1);
+            const int qi = e < 2 ? row0 : row1;
+            if (key >= t.lk || key > qi + shift) v = kNegInf;
+          }
+          s[j][e] = v;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    if (p.ls.cap_log2e > 0.f) {
+      if (masked) {
+        logits(True{}, True{});
+      } else {
+        logits(True{}, False{});
+      }
+    } else {
+      if (masked) {
+        logits(False{}, True{});
+      } else {
+        logits(False{}, False{});
+      }
+    }
+    mx0 = group_max<4>(mx0);
+    mx1 = group_max<4>(mx1);
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      s[j][0] = fast_exp2(s[j][0] - mu0);
+      s[j][1] = fast_exp2(s[j][1] - mu0);
+      s[j][2] = fast_exp2(s[j][2] - mu1);
+      s[j][3] = fast_exp2(s[j][3] - mu1);
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= a0;
+      o[i][1] *= a0;
+      o[i][2] *= a1;
+      o[i][3] *= a1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t pf[4] = {pack2<M>(s[2 * kk][0], s[2 * kk][1]),
+                              pack2<M>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<M>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<M>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bfr[4];
+        const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        ldmatrix_x4_trans(bfr, vb + swz<D>(key, 2 * dp + lane / 16));
+        mma16816<M>(o[2 * dp], pf, bfr[0], bfr[1]);
+        mma16816<M>(o[2 * dp + 1], pf, bfr[2], bfr[3]);
+      }
+    }
+
+    if (tid < BN) {
+      // Row offsets of tile n + 2 go where tile n's were: those copies were issued already.
+      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, flags);
+      rowoff[slot * BN + tid] = cur.off;
+    }
+    __syncthreads();  // the widened tiles are free for tile n + 1
+  }
+  async_copy_wait<0>();
+
+  l0 = group_sum<4>(l0);
+  l1 = group_sum<4>(l1);
+  prefill_mma_store<T, D>(p, t, head, warp * 16 + g, tq, l0, l1, p.scales.v_of(kvh), &o[0][0],
+                          flags, first_bad);
 #endif
 }
 
 #endif  // JAXATTN_CUDA
 
-template <typename T, int D>
+template <typename T, int D, typename C = T>
 const char* launch_prefill_simt(const PrefillParams& p, gpuStream_t stream) {
   using S = SimtShape<D>;
   const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
-  prefill_simt_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  prefill_simt_kernel<T, D, C><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
 }
 
@@ -839,9 +1230,13 @@ const char* launch_prefill_tiles(Kernel kernel, const PrefillParams& p, gpuStrea
   return check_launch();
 }
 
-template <typename T, int D>
+template <typename T, int D, typename C = T>
 const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
-  return launch_prefill_tiles<MmaShape<D>>(prefill_mma_kernel<T, D>, p, stream);
+  if constexpr (sizeof(C) == 1) {
+    return launch_prefill_tiles<MmaFp8Shape<D>>(prefill_mma_fp8_kernel<T, C, D>, p, stream);
+  } else {
+    return launch_prefill_tiles<MmaShape<D>>(prefill_mma_kernel<T, D>, p, stream);
+  }
 }
 
 inline bool device_has_mma() { return current_device_caps().major >= 8; }
@@ -861,8 +1256,8 @@ inline bool prefill_sm90_fits(const PrefillParams& p) {
 }
 
 #if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
-// prefill_sm90.cu (compiled for sm_90a only), T = bf16_t or f16_t.
-template <typename T>
+// prefill_sm90.cu (compiled for sm_90a only), T = bf16_t or f16_t, C = T or an FP8 format.
+template <typename T, typename C>
 const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 #endif
 
@@ -872,7 +1267,9 @@ enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3 };
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles.
 constexpr int kSm90MinRowsPerRequest = 64;
 
-template <typename T>
+// T: q's and the output's element type; C: the cache's (T, or an FP8 format under a 16-bit T:
+// the tensor-core kernels then compute in float16, the SIMT kernel widens to float).
+template <typename T, typename C = T>
 const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
   if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
   // Unused in HIP builds, which have the SIMT kernel only.
@@ -889,27 +1286,27 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
           which == PrefillKernel::kSm90 ||
           int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch;
       if (long_enough && device_is_sm90() && prefill_sm90_fits(p))
-        return launch_prefill_sm90<T>(p, stream);
+        return launch_prefill_sm90<T, C>(p, stream);
 #endif
       if (which == PrefillKernel::kSm90)
         return "jaxattn: the sm90 prefill kernel needs a compute capability 9.0 device, a "
                "library built with 90 in JAXATTN_CUDA_ARCHS and a cache under 64 GiB";
     }
     if (tc_dim && which != PrefillKernel::kSimt && device_has_mma()) {
-      return p.kv.head_dim == 64 ? launch_prefill_mma<T, 64>(p, stream)
-                                 : launch_prefill_mma<T, 128>(p, stream);
+      return p.kv.head_dim == 64 ? launch_prefill_mma<T, 64, C>(p, stream)
+                                 : launch_prefill_mma<T, 128, C>(p, stream);
     }
   }
 #endif
   switch (p.kv.head_dim) {
     case 32:
-      return launch_prefill_simt<T, 32>(p, stream);
+      return launch_prefill_simt<T, 32, C>(p, stream);
     case 64:
-      return launch_prefill_simt<T, 64>(p, stream);
+      return launch_prefill_simt<T, 64, C>(p, stream);
     case 128:
-      return launch_prefill_simt<T, 128>(p, stream);
+      return launch_prefill_simt<T, 128, C>(p, stream);
     case 256:
-      return launch_prefill_simt<T, 256>(p, stream);
+      return launch_prefill_simt<T, 256, C>(p, stream);
     default:
       return "jaxattn: GPU prefill is built for head_dim 32, 64, 128 and 256";
   }

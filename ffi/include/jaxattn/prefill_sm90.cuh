@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   // column 8j + 2 tq + (e & 1).
   const int row0 = t.m0 + wg * 64 + wl * 16 + g;  // query rows within the request
   const int row1 = row0 + 8;
-  const float qs = p.ls.q_scale, cap = p.ls.cap_log2e;
+  const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
 
   // This thread's V chunks of tile n: chunk c of rows r0 + i * RP, which share their swizzle
   // phase (RP % 8 == 0), so they lie RP rows apart. A sanitised chunk is published to wgmma by
@@ -485,8 +485,364 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, t, head, wg * 64 + wl * 16 + g, tq, l0, l1, o, flags, first_bad);
+  prefill_mma_store<T, D>(p, t, head, wg * 64 + wl * 16 + g, tq, l0, l1, p.scales.v_of(kvh), o,
+                          flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// FP8 caches on the Hopper kernel: the same tiles and warpgroup products in float16 (every FP8
+// value is exact there; a bf16 q is moved to float16 per row by a power of two, undone in the
+// row's logit factor, as in the mma kernel). Key tiles are copied as stored (half the bytes)
+// into a staging area and widened into the float16 K and V rings in shared memory; each thread
+// widens exactly the chunks it copied (visible to it after its own wait, no barrier), so one
+// staging slot serves: tile n + 2 is copied into it as soon as this thread has widened tile
+// n + 1. Iteration n: barrier (tile n widened everywhere), S = Q K_n^T and O += P_{n-1} V_{n-1}
+// issued, then -- while the tensor cores run them -- this thread waits for its copies of tile
+// n + 1, widens them into K stage (n + 1) % 2 and V stage (n + 1) % 3 (their last readers, S_{n-1}
+// and P_{n-2} V_{n-2}, finished in iteration n - 1), scans the V chunks it widened where the
+// mask hides their keys from some rows (the guards, prefill.cuh), and issues its copies of tile
+// n + 2; then the softmax as in the 16-bit kernel. The next iteration's fence.proxy.async and
+// barrier publish the widened (and sanitised) tile, so nothing follows the loop but the last
+// P V. Shared memory at D = 128: 32 KB Q + 2 x 32 KB K + 3 x 32 KB V + 32 KB staging + 1 KB
+// offsets + 1 KB alignment slack = 226 KB, plus the guards' first_bad as static shared memory
+// (as in the 16-bit kernel): 227 KB, one block per SM; the rows' q factors live over V stage 2
+// until the first barrier of the loop has read them.
+template <int D>
+struct Sm90Fp8Shape {
+  static constexpr int kBM = 128;
+  static constexpr int kBN = 128;
+  static constexpr int kThreads = 256;
+  static constexpr int kKStages = 2;
+  static constexpr int kVStages = 3;
+  static constexpr int kChunks = D / 8;     // 16-byte float16 chunks a row
+  static constexpr int kF8Chunks = D / 16;  // 16-byte FP8 chunks a row
+  static constexpr int kF8Rows = kThreads / kF8Chunks;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kTileBytes = kBN * D * 2;  // a float16 K or V tile
+  static constexpr int kStageBytes = kBN * D;     // an FP8 K or V tile
+  static constexpr int kOffBytes = 2 * kBN * 4;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + (kKStages + kVStages) * kTileBytes + 2 * kStageBytes + kOffBytes;
+  static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
+  static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
+  static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 block may have");
+  static_assert(kBM * 4 <= kTileBytes, "the rows' q factors fit in a V stage");
+};
+
+template <typename T, typename C, int D>
+__global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
+    prefill_sm90_fp8_kernel(const PrefillParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Sm90Fp8Shape<D>;
+  using M = f16_t;
+  constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
+  constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows;
+  constexpr int KS = S::kKStages, VS = S::kVStages;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(1024) unsigned char sm90_smem[];
+  const uint32_t raw = smem_u32(sm90_smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle patterns start on 1024 bytes
+  const uint32_t q_s = base;
+  const uint32_t k_s = q_s + S::kQBytes;                // K stage i at + i * kTileBytes
+  const uint32_t v_s = k_s + KS * S::kTileBytes;        // V stage i at + i * kTileBytes
+  unsigned char* const gen = sm90_smem + (base - raw);  // generic pointer to `base`
+  unsigned char* const st_s = gen + S::kQBytes + (KS + VS) * S::kTileBytes;  // FP8 K, then V
+  uint32_t* rowoff = reinterpret_cast<uint32_t*>(st_s + 2 * S::kStageBytes);
+  float* qpost = reinterpret_cast<float*>(gen + S::kQBytes + (KS + 2) * S::kTileBytes);
+
+  // The guards' first_bad, as in prefill_sm90_kernel.
+  __shared__ int first_bad[D];
+  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
+  const int head = blockIdx.y;
+  PrefillTile t;
+  // The tile search's scratch: the FP8 staging, which the first copies fill after the barrier
+  // that follows the row offsets below.
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(st_s),
+                                         &t))
+    return;
+  const KvGeometry& kv = p.kv;
+  const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int shift = t.lk - t.lq;
+  const KeyRange range = key_range(t);
+  const int ntiles = (range.end + BN - 1) / BN;
+
+  int flags = 0;  // kGuardIndexBad, kGuardValueBad
+  // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
+  RowCursor cur;
+  if (tid < BN) {
+    cur.init(kv, t.table, tid, range.end, flags);
+    rowoff[tid] = sm90_pack_off(cur.off);
+    cur.advance(kv, t.table, tid, BN, range.end, flags);
+    rowoff[BN + tid] = sm90_pack_off(cur.off);
+  }
+  __syncthreads();
+
+  const T* qg = static_cast<const T*>(p.q);
+  const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+  const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
+  {
+    const int c = tid % CH, r0 = tid / CH;
+#pragma unroll
+    for (int i = 0; i < BM / RP; ++i) {
+      const int r = r0 + i * RP;
+      const bool ok = r < t.rows;
+      const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
+      cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+    }
+  }
+  // This thread's FP8 chunks: chunk c8 of rows r8 + i * F8R, plain rows in the staging; it
+  // widens them into chunks 2 c8 and 2 c8 + 1 of the same rows, one column block, in rows that
+  // share their swizzle phase (F8R % 8 == 0), so they lie F8R rows apart.
+  static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
+  const int c8 = tid % F8, r8 = tid / F8;
+  auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
+#pragma unroll
+    for (int i = 0; i < BN / F8R; ++i) {
+      const int r = r8 + i * F8R;
+      const uint32_t u = rowoff[slot * BN + r];
+      const bool ok = u != kSm90NoRow;
+      const int64_t off = int64_t(u) << 3;
+      unsigned char* dst = st_s + r * D + c8 * 16;
+      cp_async16(smem_u32(dst), ok ? kg + off + c8 * 16 : kg, ok);
+      cp_async16(smem_u32(dst + S::kStageBytes), ok ? vg + off + c8 * 16 : vg, ok);
+    }
+    async_copy_commit();
+  };
+  // Widens this thread's staged chunks of tile n into K stage n % 2 and V stage n % 3; in a tile
+  // the mask crosses, the guards' V pass then scans the V chunks just widened (this thread's
+  // own stores; prefill_mma_kernel's pass, on the widened values). Generic-proxy stores: the
+  // next tile_ready's fence.proxy.async and barrier publish them.
+  auto widen = [&](int n) {
+    async_copy_wait<0>();  // this thread's copies of tile n (the only group in flight)
+    unsigned char* kt = gen + S::kQBytes + (n % KS) * S::kTileBytes;
+    unsigned char* vt = gen + S::kQBytes + (KS + n % VS) * S::kTileBytes;
+#pragma unroll
+    for (int i = 0; i < BN / F8R; ++i) {
+      const int r = r8 + i * F8R;
+      const unsigned char* src = st_s + r * D + c8 * 16;
+      uint4 lo, hi;
+      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src), lo, hi);
+      *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
+      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src + S::kStageBytes), lo, hi);
+      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
+      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
+    }
+    if (n * BN + BN > range.full_end) {
+      const bool lo = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
+          vt + sm90_tile_off<BN>(r8, 2 * c8), n * BN + r8, range.full_end, range.end, c8 * 16,
+          first_bad);
+      const bool hi = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
+          vt + sm90_tile_off<BN>(r8, 2 * c8 + 1), n * BN + r8, range.full_end, range.end,
+          c8 * 16 + 8, first_bad);
+      if (lo || hi) flags |= kGuardValueBad;
+    }
+  };
+  // Copies of tile n + 2 (offsets in slot n % 2), then the cursors step to tile n + 3, whose
+  // offsets replace those of tile n + 1 (read when its copies were issued, before a barrier).
+  auto next_copies = [&](int n) {
+    if (n + 2 < ntiles) load_fp8(n % 2);
+    if (tid < BN) {
+      cur.advance(kv, t.table, (n + 2) * BN + tid, BN, range.end, flags);
+      rowoff[((n + 1) % 2) * BN + tid] = sm90_pack_off(cur.off);
+    }
+  };
+
+  if (ntiles > 0) load_fp8(0);
+  if (ntiles == 0) async_copy_commit();
+  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
+  async_copy_wait<0>();  // q and this thread's copies of tile 0
+  __syncthreads();       // every thread's q (the bf16 rows are scaled across threads)
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    q_bf16_to_f16_rows<D, S::kThreads>(gen, BM, qpost,
+                                       [](int r, int c) { return sm90_tile_off<BM>(r, c); });
+  }
+  if (ntiles > 0) widen(0);
+  if (ntiles > 1) load_fp8(1);
+  if (tid < BN) {  // tile 2's offsets into slot 0 (read by every thread before the barrier)
+    cur.advance(kv, t.table, BN + tid, BN, range.end, flags);
+    rowoff[tid] = sm90_pack_off(cur.off);
+  }
+
+  // Descriptors as in prefill_sm90_kernel; K stages and V stages are separate rings here.
+  const uint64_t dq = sm90_desc(q_s + uint32_t(wg * 64 * 128), 16, 1024);
+  const uint64_t dk = sm90_desc(k_s, 16, 1024);
+  const uint64_t dv = sm90_desc(v_s, BN * 128, 1024);
+  auto kstep = [](int kk, int rows) {
+    return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+  };
+
+  float o[D / 2];
+  float s[BN / 2];
+  uint32_t pf[BN / 4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+  const int lr0 = wg * 64 + wl * 16 + g;  // this thread's rows within the tile
+  const int row0 = t.m0 + lr0;            // and within the request
+  const int row1 = row0 + 8;
+  const float cap = p.ls.cap_log2e;
+  float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;  // times the rows' q factors
+
+  auto tile_ready = [&]() {
+    sm90_fence_proxy_async();  // this thread's widened stores (and q) to the async proxy
+    __syncthreads();
+  };
+  auto issue_s = [&](int n) {
+    const uint64_t dks = dk + uint64_t(((n % KS) * S::kTileBytes) >> 4);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+    }
+    sm90_wgmma_commit();
+  };
+  auto issue_pv = [&](int n) {
+    const uint64_t dvs = dv + uint64_t(((n % VS) * S::kTileBytes) >> 4);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<M, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
+    sm90_wgmma_commit();
+  };
+
+  float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
+  auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
+    constexpr bool kFold = decltype(fold_tag)::value;
+    const int n0 = n * BN;
+    const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
+    const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[4 * j + e];
+        if constexpr (!kFold) {
+          v *= e < 2 ? qs0 : qs1;
+          if (cap > 0.f) v = cap * tanhf(v);
+        }
+        if constexpr (kMask) {
+          if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+        }
+        s[4 * j + e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = group_max<4>(mx0);
+    mx1 = group_max<4>(mx1);
+    if constexpr (kFold) {
+      mx0 *= qs0;
+      mx1 *= qs1;
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+    a0 = fast_exp2(m0 - mu0);
+    a1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    sum0 = 0.f;
+    sum1 = 0.f;
+    const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
+      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
+      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
+      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
+      sum0 += s[4 * j] + s[4 * j + 1];
+      sum1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  const bool fold = !(cap > 0.f) && qs0 > 0.f && qs1 > 0.f;
+  auto softmax_tile = [&](int n) {
+    const bool masked = n * BN + BN > range.full_end;
+    if (fold) {
+      if (masked) {
+        softmax(n, True{}, True{});
+      } else {
+        softmax(n, False{}, True{});
+      }
+    } else {
+      if (masked) {
+        softmax(n, True{}, False{});
+      } else {
+        softmax(n, False{}, False{});
+      }
+    }
+  };
+  auto rescale_pack = [&]() {
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[4 * i] *= a0;
+      o[4 * i + 1] *= a0;
+      o[4 * i + 2] *= a1;
+      o[4 * i + 3] *= a1;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
+  };
+
+  if (ntiles > 0) {
+    tile_ready();
+    if constexpr (std::is_same_v<T, bf16_t>) {  // before V stage 2 (their home) is written
+      qs0 *= qpost[lr0];
+      qs1 *= qpost[lr0 + 8];
+    }
+    sm90_wgmma_fence();
+    issue_s(0);
+    if (ntiles > 1) widen(1);
+    next_copies(0);
+    sm90_wgmma_wait<0>();
+    sm90_pin(s);
+    softmax_tile(0);
+    rescale_pack();
+  }
+  for (int n = 1; n < ntiles; ++n) {
+    tile_ready();
+    sm90_wgmma_fence();
+    issue_s(n);       // group 1: S = Q K_n^T
+    issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
+    if (n + 1 < ntiles) widen(n + 1);
+    next_copies(n);
+    sm90_wgmma_wait<1>();
+    sm90_pin(s);
+    softmax_tile(n);
+    sm90_wgmma_wait<0>();
+    sm90_pin(o);
+    sm90_pin(pf);
+    rescale_pack();
+  }
+
+  if (ntiles > 0) {  // the last tile's V was published by the loop's last tile_ready
+    sm90_wgmma_fence();
+    issue_pv(ntiles - 1);
+    sm90_wgmma_wait<0>();
+    sm90_pin(o);
+    sm90_pin(pf);
+  }
+  async_copy_wait<0>();
+
+  l0 = group_sum<4>(l0);
+  l1 = group_sum<4>(l1);
+  prefill_mma_store<T, D>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o, flags, first_bad);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+template <typename T, typename C, int D>
+const char* launch_prefill_sm90_fp8_d(const PrefillParams& p, gpuStream_t stream) {
+  return launch_prefill_tiles<Sm90Fp8Shape<D>>(prefill_sm90_fp8_kernel<T, C, D>, p, stream);
 }
 
 template <typename T, int D>
@@ -494,13 +850,19 @@ const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
   return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D>, p, stream);
 }
 
-// Declared in prefill.cuh; instantiated for bf16_t and f16_t in prefill_sm90.cu.
-template <typename T>
+// Declared in prefill.cuh; instantiated in prefill_sm90.cu for T = bf16_t and f16_t, each with
+// C = T and the FP8 formats.
+template <typename T, typename C>
 const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream) {
-  static_assert(sizeof(T) == 2, "the sm90 kernel takes 16-bit inputs");
+  static_assert(sizeof(T) == 2, "the sm90 kernel takes a 16-bit q");
   if (!prefill_sm90_fits(p)) return "jaxattn: the sm90 prefill kernel does not take this shape";
-  return p.kv.head_dim == 64 ? launch_prefill_sm90_d<T, 64>(p, stream)
-                             : launch_prefill_sm90_d<T, 128>(p, stream);
+  if constexpr (sizeof(C) == 1) {
+    return p.kv.head_dim == 64 ? launch_prefill_sm90_fp8_d<T, C, 64>(p, stream)
+                               : launch_prefill_sm90_fp8_d<T, C, 128>(p, stream);
+  } else {
+    return p.kv.head_dim == 64 ? launch_prefill_sm90_d<T, 64>(p, stream)
+                               : launch_prefill_sm90_d<T, 128>(p, stream);
+  }
 }
 
 }  // namespace gpu

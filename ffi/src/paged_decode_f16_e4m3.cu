@@ -1,0 +1,8 @@
+// The decode kernels over an FP8 (e4m3) cache under a f16 q.
+#include "gpu_launch.h"
+#include "jaxattn/paged_decode.cuh"
+
+template const char* jaxattn::gpu::launch_paged_decode_typed<jaxattn::f16_t, jaxattn::e4m3_t>(
+    const jaxattn::DecodeParams& p, gpuStream_t stream);
+template const char* jaxattn::gpu::decode_occupancy_typed<jaxattn::f16_t, jaxattn::e4m3_t>(
+    int head_dim, int group, int* blocks);
