@@ -310,7 +310,7 @@ Problem make_problem(const Case& c_in, Rng& rng) {
         }
       }
   }
-  P.qh.resize(P.q_elems() * es);
+  P.qh.resize(P.q_elems() * dt_size(c.dt));  // q in its own dtype, whatever the cache holds
   for (size_t i = 0; i < P.q_elems(); ++i) store_elem(c.dt, P.qh.data(), i, rng.normal());
   return P;
 }

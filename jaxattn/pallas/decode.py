@@ -120,6 +120,7 @@ def _decode_kernel(
     scale: float,
     soft_cap: float | None,
     split: bool,
+    scaled: bool,
 ):
     kv_head, b, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[b]
@@ -137,7 +138,8 @@ def _decode_kernel(
     # Padding rows re-read the group's last head (never out of bounds) and are dropped.
     q_heads = kv_head * group + jnp.minimum(g, group - 1)
     q = q_ref[b, q_heads[:, None], d[None, :]]
-    k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
+    # Unscaled caches (both scales None) skip the multiplies: a static choice.
+    k_scale, v_scale = (scales_ref[0, kv_head], scales_ref[1, kv_head]) if scaled else (1, 1)
 
     def body(i, carry):
         *state, bad = carry
@@ -148,7 +150,8 @@ def _decode_kernel(
         page, bad = C.checked_pages(page, valid, geom.num_pages, bad)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
         k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
-        s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
+        s = C.dot_nt(q, k)
+        s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
         return (*C.online_softmax_step(tuple(state), s, v), bad)
@@ -162,7 +165,8 @@ def _decode_kernel(
     # distinct from the real ones, cannot collide with them in interpret mode).
     out_heads = kv_head * group + g
     row_ok = g < group
-    acc = acc * v_scale  # linear in the values: each partition carries it into the combine
+    if scaled:
+        acc = acc * v_scale  # linear in the values: each partition carries it into the combine
     if not split:
         (o_ref,) = out_refs
         out = jnp.where(poisoned, jnp.nan, C.finalize(acc, l_sum)).astype(o_ref.dtype)
@@ -193,7 +197,15 @@ def combine(acc, m, l_sum, dtype):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "layout", "partition_size", "soft_cap", "interpret", "config"),
+    static_argnames=(
+        "scale",
+        "layout",
+        "partition_size",
+        "soft_cap",
+        "interpret",
+        "config",
+        "scaled",
+    ),
 )
 def _paged_attention(
     q,
@@ -209,6 +221,7 @@ def _paged_attention(
     soft_cap,
     interpret,
     config,
+    scaled,
 ):
     batch, num_q_heads, head_dim = q.shape
     geom = L.get(layout).geometry(k_cache, v_cache)
@@ -243,6 +256,7 @@ def _paged_attention(
         scale=scale,
         soft_cap=soft_cap,
         split=split,
+        scaled=scaled,
     )
     inputs = match_varying(
         seq_lens, block_tables, scales, q, C.as_rows(k_cache), C.as_rows(v_cache)
@@ -311,4 +325,5 @@ def paged_attention(
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
         config=config or DecodeConfig(),
+        scaled=k_scale is not None or v_scale is not None,
     )

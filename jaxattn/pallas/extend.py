@@ -97,17 +97,6 @@ def _tile_map(q_bounds, num_tiles: int, tokens_per_tile: int):
     return req, local.astype(jnp.int32)
 
 
-# Where the index entries (slots, page ids) of the memory-safety contract are checked:
-# "kernel": each where a tile loads it (a lane-wise flag, folded once after the loops) plus a
-# pass over the entries past the tile's causal range; "launch": one fused reduction over the
-# entries before the launch, after which every entry a valid request reads is in range.
-_INDEX_CHECKS = "kernel"
-
-# Index entries checked per step of the pass over a tile's unread entries: int32 loads are
-# cheap next to a K/V tile, so a wide step keeps that loop short.
-_TAIL_ENTRIES = 256
-
-
 def _extend_kernel(
     tile_req_ref,
     tile_local_ref,
@@ -132,6 +121,7 @@ def _extend_kernel(
     layout: str,
     scale: float,
     soft_cap: float | None,
+    scaled: bool,
 ):
     lay = L.get(layout, pool=True)
     page_size = geom.page_size
@@ -153,15 +143,13 @@ def _extend_kernel(
         else:
             lk = jnp.where(real, kv_meta_ref[req_c], 0)
         lp = jnp.where(real, lk - lq, 0)
-        # The memory-safety contract (jaxattn.reference.validity). The request's scalars
-        # (rows inside q, keys inside kv_indices / the table, Lk >= Lq) and the indptr
-        # structure are checked before the launch (`req_ok`): an invalid request reads
-        # nothing and its rows are NaN. Its index entries are checked here, each where the
-        # tile loads it (an entry outside the pool reads row 0 and poisons the tile), and
-        # the entries past the tile's causal range in one cheap pass over int32 ids, so that
-        # every tile of a request with a bad entry anywhere in [0, Lk) poisons its rows.
+        # The memory-safety contract (jaxattn.reference.validity) is checked before the
+        # launch, in one fused pass over the indptrs, lengths and index entries (`req_ok`):
+        # an invalid request reads nothing (its loops run no step) and its rows are NaN; a
+        # valid request's entries all lie in the pool, so the unmasked loads of stage 1 stay
+        # inside every buffer. (On an H200 that pass cost less than checking each entry in
+        # the kernel where it is loaded: benchmarks/RESULTS.md.)
         ok = req_ok_ref[req] > 0
-        num_entries = geom.num_pages  # slots of a token pool, pages of a paged cache
 
         tokens = block_q // heads_per_tile
         t0 = local * tokens
@@ -172,7 +160,9 @@ def _extend_kernel(
         q_rows = q_start + t_rel
         heads = head_block * heads_per_tile + r % heads_per_tile
         kv_head = (head_block * heads_per_tile) // group
-        k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
+        # Unscaled caches (both scales None) skip the multiplies: a static choice.
+        if scaled:
+            k_scale, v_scale = scales_ref[0, kv_head], scales_ref[1, kv_head]
         d = jnp.arange(head_dim)
         q = plgpu.load(
             q_ref.at[q_rows[:, None], heads[:, None], d[None, :]], mask=row_ok[:, None], other=0
@@ -187,67 +177,44 @@ def _extend_kernel(
                 at = kv_index_ref.at[req_c, lax.div(j, page_size)]
             return at[...] if valid is None else plgpu.load(at, mask=valid, other=0)
 
-        def key_rows(j, valid, bad):
-            e = entries(j, valid)
-            if _INDEX_CHECKS == "kernel":
-                # Lane-wise: no reduction inside the loop, one after it.
-                in_pool = (e >= 0) & (e < num_entries)
-                read = in_pool if valid is None else in_pool | ~valid
-                bad = bad | jnp.where(read, 0, 1)
-                e = jnp.where(in_pool, e, 0)
+        def key_rows(j, valid):
             off = 0 if mode == "pool" else lax.rem(j, page_size)
-            return lay.row(e, off, kv_head, geom), bad
+            return lay.row(entries(j, valid), off, kv_head, geom)
 
         def stage1(i, carry):
-            *state, bad = carry
             j = i * block_n + jnp.arange(block_n)
-            rows, bad = key_rows(j, None, bad)
+            rows = key_rows(j, None)
             d_ = d[None, :]
             k = C.widen(k_ref[rows[:, None], d_], q.dtype)
-            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
+            s = C.dot_nt(q, k)
+            s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
             v = C.widen(v_ref[rows[:, None], d_], q.dtype)
-            return (*C.online_softmax_step(tuple(state), s, v), bad)
+            return C.online_softmax_step(carry, s, v)
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
         shared = jnp.clip(lp + t0, 0, lk)
         n1 = jnp.where(ok, shared // block_n, 0)
-        init = (*C.init_state(block_q, head_dim), jnp.zeros((block_n,), jnp.int32))
-        carry = lax.fori_loop(0, n1, stage1, init)
+        carry = lax.fori_loop(0, n1, stage1, C.init_state(block_q, head_dim))
 
         k_end = jnp.clip(lp + t1, 0, lk)
         limit = lp + t_rel  # last key each row may see
 
         def stage2(i, carry):
-            *state, bad = carry
             j = n1 * block_n + i * block_n + jnp.arange(block_n)
             valid = j < k_end
-            rows, bad = key_rows(j, valid, bad)
+            rows = key_rows(j, valid)
             k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
-            s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
+            s = C.dot_nt(q, k)
+            s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
             s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
             v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
-            return (*C.online_softmax_step(tuple(state), s, v), bad)
+            return C.online_softmax_step(carry, s, v)
 
         n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
-        acc, _, l_sum, bad_lanes = lax.fori_loop(0, n2, stage2, carry)
-        bad = jnp.max(bad_lanes)
+        acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
 
-        # The entries of keys [k_end, Lk), which no row of this tile sees: for a paged cache
-        # one entry per page, so the pass walks pages (from the page of k_end), not keys.
-        per = 1 if mode == "pool" else page_size
-        first = (k_end // per) * per
-        step = _TAIL_ENTRIES * per
-
-        def tail(i, bad):
-            j = first + i * step + jnp.arange(_TAIL_ENTRIES) * per
-            live = j < lk
-            _, bad = C.checked_pages(entries(j, live), live, num_entries, bad)
-            return bad
-
-        if _INDEX_CHECKS == "kernel":
-            n3 = jnp.where(ok, pl.cdiv(jnp.maximum(lk - first, 0), step), 0)
-            bad = lax.fori_loop(0, n3, tail, bad)
-        out = jnp.where(ok & (bad == 0), C.finalize(acc * v_scale, l_sum), jnp.nan)
+        out = C.finalize(acc * v_scale if scaled else acc, l_sum)
+        out = jnp.where(ok, out, jnp.nan)
         out = out.astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
@@ -271,6 +238,7 @@ def _run(
     soft_cap,
     interpret,
     config,
+    scaled,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = q_bounds_in.shape[0] - 1
@@ -303,6 +271,7 @@ def _run(
         layout=layout,
         scale=scale,
         soft_cap=soft_cap,
+        scaled=scaled,
     )
     inputs = match_varying(
         tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, scales, q, k_rows, v_rows
@@ -320,7 +289,7 @@ def _run(
     return call(*inputs)
 
 
-_STATIC = ("scale", "soft_cap", "interpret", "config")
+_STATIC = ("scale", "soft_cap", "interpret", "config", "scaled")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -337,9 +306,10 @@ def _extend_pool(
     soft_cap,
     interpret,
     config,
+    scaled,
 ):
-    # Only the per-request scalars here (B-sized work that fuses with the tile map): the
-    # slots themselves are checked in the kernel, where it loads them.
+    # The whole contract before the launch: B-sized checks and one fused [B, N] reduction
+    # over the slots (jaxattn.reference.validity).
     problems = _validity.ragged_problems(
         qo_indptr,
         q.shape[0],
@@ -348,7 +318,6 @@ def _extend_pool(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         num_slots=k_cache.shape[0],
-        check_slots=_INDEX_CHECKS == "launch",
     )
     return _run(
         q,
@@ -366,6 +335,7 @@ def _extend_pool(
         soft_cap=soft_cap,
         interpret=interpret,
         config=config,
+        scaled=scaled,
     )
 
 
@@ -384,6 +354,7 @@ def _prefill_paged(
     soft_cap,
     interpret,
     config,
+    scaled,
 ):
     geom = L.get(layout).geometry(k_cache, v_cache)
     problems = _validity.ragged_problems(
@@ -393,7 +364,6 @@ def _prefill_paged(
         seq_lens,
         geom.page_size,
         geom.num_pages,
-        check_pages=_INDEX_CHECKS == "launch",
     )
     return _run(
         q,
@@ -411,6 +381,7 @@ def _prefill_paged(
         soft_cap=soft_cap,
         interpret=interpret,
         config=config,
+        scaled=scaled,
     )
 
 
@@ -496,6 +467,7 @@ def extend_attention(
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
         config=_config_for(config, q, q.shape[1] // k_cache.shape[1], qo_indptr),
+        scaled=k_scale is not None or v_scale is not None,
     )
 
 
@@ -536,4 +508,5 @@ def prefix_prefill(
         soft_cap=None if soft_cap is None else float(soft_cap),
         interpret=interpret,
         config=_config_for(config, q, q.shape[1] // num_kv_heads, cu_seqlens_q),
+        scaled=k_scale is not None or v_scale is not None,
     )

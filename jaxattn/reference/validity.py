@@ -43,11 +43,8 @@ class Problem(NamedTuple):
     message: str
 
 
-def paged_problems(
-    block_tables, seq_lens, page_size: int, num_pages: int, *, check_pages: bool = True
-) -> list[Problem]:
-    """The checks of paged sequences (see the module docstring). ``check_pages=False``
-    leaves out the page ids (a kernel that checks them where it loads them)."""
+def paged_problems(block_tables, seq_lens, page_size: int, num_pages: int) -> list[Problem]:
+    """The checks of paged sequences (see the module docstring)."""
     width = block_tables.shape[1]
     capacity = width * page_size
     lens_ok = (seq_lens >= 0) & (seq_lens <= capacity)
@@ -57,15 +54,11 @@ def paged_problems(
     )
     in_range = (block_tables >= 0) & (block_tables < num_pages)
     pages_ok = jnp.all(in_range | ~used, axis=1)
-    problems = [
+    return [
         Problem(
             lens_ok,
             f"seq_lens[{{index}}] must lie in [0, max_pages * page_size = {capacity}]",
-        )
-    ]
-    if not check_pages:
-        return problems
-    return problems + [
+        ),
         Problem(
             pages_ok,
             f"block_tables[{{index}}] holds a page outside [0, {num_pages}) within its first "
@@ -93,11 +86,9 @@ def ragged_problems(
     kv_indptr=None,
     kv_indices=None,
     num_slots=None,
-    check_slots: bool = True,
 ) -> list[Problem]:
     """The checks of a ragged batch: q rows by ``q_indptr`` (named ``q_name``), ``lk`` keys
-    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``
-    (``check_slots=False`` leaves out the slot values, for a kernel that checks them)."""
+    per request; for extend also ``kv_indptr`` over ``kv_indices`` into ``num_slots``."""
     lq = q_indptr[1:] - q_indptr[:-1]
     problems = [
         Problem(indptr_ok(q_indptr), f"{q_name} must start at 0 and be non-decreasing"),
@@ -115,8 +106,7 @@ def ragged_problems(
                 f"kv_indptr[{{index}} + 1] exceeds the length of kv_indices ({n})",
             ),
         ]
-    if kv_indptr is not None and check_slots:
-        n = kv_indices.shape[0]
+    if kv_indptr is not None:
         # Request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]: one masked
         # reduction over [B, N] (a single fused kernel on a GPU, where a prefix sum is a
         # chain of them).
