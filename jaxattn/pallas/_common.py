@@ -56,14 +56,6 @@ def dtype_reason(q, k_cache, v_cache) -> str | None:
             f"q, k_cache and v_cache must share a dtype (or the cache be FP8), got "
             f"{np.dtype(q.dtype)}, {np.dtype(k_cache.dtype)}"
         )
-    if Q.is_fp8(k_cache.dtype) and jax.default_backend() != "cpu":
-        # Measured on an H200 (jax 0.11.2): Triton rejects the masked FP8 tile loads
-        # ("cannot cast tt.splat i32 to f8"). The interpreter runs the same kernels on the
-        # CPU; on GPUs the native backend serves FP8 caches.
-        return (
-            "FP8 caches compile to masked FP8 loads that the Pallas Triton lowering cannot "
-            "build on a GPU (the native backend serves them)"
-        )
     return None
 
 
@@ -131,8 +123,12 @@ def num_sms() -> int:
 
 def as_rows(cache):
     """A free reshape to [rows, D]: every kernel addresses K/V by one row index per
-    (token, head), computed by :meth:`jaxattn.layout.Layout.row`."""
-    return cache.reshape(-1, cache.shape[-1])
+    (token, head), computed by :meth:`jaxattn.layout.Layout.row`. An FP8 cache goes in as
+    its uint8 codes (a free bitcast): the Triton lowering cannot build a masked FP8 load
+    (its fill value is cast from an integer), a masked uint8 load is plain, and
+    :func:`widen` turns the codes back into FP8 values."""
+    rows = cache.reshape(-1, cache.shape[-1])
+    return lax.bitcast_convert_type(rows, jnp.uint8) if Q.is_fp8(rows.dtype) else rows
 
 
 def load_rows(ref, rows, valid, head_dim: int):
@@ -142,19 +138,32 @@ def load_rows(ref, rows, valid, head_dim: int):
     return plgpu.load(ref.at[rows[:, None], d[None, :]], mask=valid[:, None], other=0)
 
 
-def widen(x, dtype):
-    """A cache tile in the compute dtype: an FP8 tile widened (exact: every FP8 value is a
-    bfloat16, float16 and float32), anything else as it is."""
+def widen(x, dtype, kv_dtype):
+    """A cache tile in the compute dtype: an FP8 tile (its uint8 codes, see :func:`as_rows`,
+    of format ``kv_dtype``) widened exactly (every FP8 value is a bfloat16, float16 and
+    float32), anything else as it is."""
+    if Q.is_fp8(kv_dtype):
+        x = lax.bitcast_convert_type(x, kv_dtype)
     return x.astype(dtype) if x.dtype != dtype else x
 
 
 def head_scales(k_scale, v_scale, num_kv_heads: int):
     """The kernels' scale operand: f32 [2, Hkv] (row 0 the key scales, row 1 the value
-    scales; 1 where None). Always passed, so one kernel serves scaled and plain caches."""
+    scales; 1 where one is None), or None when both are (the kernels then skip the
+    multiplies and take a constant in its place, built by no kernel launch)."""
+    if k_scale is None and v_scale is None:
+        return None
     ones = jnp.ones((num_kv_heads,), jnp.float32)
     k = ones if k_scale is None else jnp.asarray(k_scale).astype(jnp.float32)
     v = ones if v_scale is None else jnp.asarray(v_scale).astype(jnp.float32)
     return jnp.stack([k, v])
+
+
+def scales_operand(scales, num_kv_heads: int):
+    """Inside the jitted wrapper: the scale operand, or for None a constant of ones (a
+    literal of the program, where an array built from ``jnp.ones`` would be one more kernel
+    launch per call)."""
+    return np.ones((2, num_kv_heads), np.float32) if scales is None else scales
 
 
 # HIGHEST: with float32 operands the Triton lowering would otherwise pick TF32 (10-bit

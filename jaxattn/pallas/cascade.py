@@ -169,6 +169,7 @@ def _attend(
     head_dim,
     scale,
     soft_cap,
+    kv_dtype,
 ):
     """Online softmax of q [R, D] over tokens [start, end) of table row ``row``:
     (acc [R, D], m [R], l [R]) in base 2, unnormalised, the scores times the KV head's
@@ -180,10 +181,10 @@ def _attend(
         page_size = geom.page_size
         page = plgpu.load(table_ref.at[row, lax.div(t, page_size)], mask=valid, other=0)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
-        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype, kv_dtype)
         s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
+        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype, kv_dtype)
         return C.online_softmax_step(carry, s, v)
 
     steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
@@ -217,6 +218,7 @@ def _cascade_kernel(
     head_dim: int,
     scale: float,
     soft_cap: float | None,
+    kv_dtype,
 ):
     hkv = geom.num_kv_heads
     item = pl.program_id(0)
@@ -232,6 +234,7 @@ def _cascade_kernel(
         head_dim=head_dim,
         scale=scale,
         soft_cap=soft_cap,
+        kv_dtype=kv_dtype,
     )
 
     def attend_head(q, table_ref, row, start, end, kv_head):
@@ -340,6 +343,7 @@ def _cascade_attention(
     prefix_ok = _validity.prefix_valid(prefix_tables, prefix_lens, size, pages)
     own_ok = _validity.paged_valid(block_tables, seq_lens, size, pages)
     prefix_len = jnp.where(prefix_ok, prefix_lens, 0)
+    scales = C.scales_operand(scales, geom.num_kv_heads)
     own_len = jnp.where(own_ok, seq_lens, 0)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
     req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
@@ -366,6 +370,7 @@ def _cascade_attention(
         head_dim=head_dim,
         scale=scale,
         soft_cap=soft_cap,
+        kv_dtype=k_cache.dtype,
     )
     inputs = match_varying(
         jnp.stack([num_tiles, splits]).astype(jnp.int32),

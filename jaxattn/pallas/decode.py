@@ -121,6 +121,7 @@ def _decode_kernel(
     soft_cap: float | None,
     split: bool,
     scaled: bool,
+    kv_dtype,
 ):
     kv_head, b, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[b]
@@ -149,11 +150,11 @@ def _decode_kernel(
         page = plgpu.load(block_tables_ref.at[b, lax.div(t, page_size)], mask=valid, other=0)
         page, bad = C.checked_pages(page, valid, geom.num_pages, bad)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
-        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+        k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype, kv_dtype)
         s = C.dot_nt(q, k)
         s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
+        v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype, kv_dtype)
         return (*C.online_softmax_step(tuple(state), s, v), bad)
 
     num_steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
@@ -238,6 +239,7 @@ def _paged_attention(
     )
     num_parts = pl.cdiv(max_context, psize)
     split = num_parts > 1
+    scales = C.scales_operand(scales, geom.num_kv_heads)
     block_n = config.block_n or C.kv_tile_rows(
         head_dim, q.dtype.itemsize, stage_bytes=32 * 1024, cap=64
     )
@@ -257,6 +259,7 @@ def _paged_attention(
         soft_cap=soft_cap,
         split=split,
         scaled=scaled,
+        kv_dtype=k_cache.dtype,
     )
     inputs = match_varying(
         seq_lens, block_tables, scales, q, C.as_rows(k_cache), C.as_rows(v_cache)

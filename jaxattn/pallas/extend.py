@@ -101,7 +101,6 @@ def _extend_kernel(
     tile_req_ref,
     tile_local_ref,
     q_bounds_ref,
-    req_ok_ref,
     kv_meta_ref,
     kv_index_ref,
     scales_ref,
@@ -122,6 +121,7 @@ def _extend_kernel(
     scale: float,
     soft_cap: float | None,
     scaled: bool,
+    kv_dtype,
 ):
     lay = L.get(layout, pool=True)
     page_size = geom.page_size
@@ -137,19 +137,16 @@ def _extend_kernel(
         lq = q_bounds_ref[req + 1] - q_start
         real = req < batch
         req_c = jnp.minimum(req, batch - 1)
-        if mode == "pool":
-            kv_start = kv_meta_ref[req_c]
-            lk = jnp.where(real, kv_meta_ref[req_c + 1] - kv_start, 0)
-        else:
-            lk = jnp.where(real, kv_meta_ref[req_c], 0)
-        lp = jnp.where(real, lk - lq, 0)
         # The memory-safety contract (jaxattn.reference.validity) is checked before the
-        # launch, in one fused pass over the indptrs, lengths and index entries (`req_ok`):
-        # an invalid request reads nothing (its loops run no step) and its rows are NaN; a
-        # valid request's entries all lie in the pool, so the unmasked loads of stage 1 stay
-        # inside every buffer. (On an H200 that pass cost less than checking each entry in
-        # the kernel where it is loaded: benchmarks/RESULTS.md.)
-        ok = req_ok_ref[req] > 0
+        # launch, in one pass over the indptrs, lengths and index entries, and reaches the
+        # kernel as the key count: an invalid request has none, so its loops run no step
+        # (it reads nothing) and its rows come out 0 / 0 = NaN; a valid request's entries
+        # all lie in the pool, so the unmasked loads of stage 1 stay inside every buffer.
+        # Nothing else in the kernel knows about the checks (a flag tested in the kernel
+        # cost 3-5% on an H200: benchmarks/RESULTS.md).
+        kv_start = kv_meta_ref[0, req_c]
+        lk = jnp.where(real, kv_meta_ref[1, req_c], 0)
+        lp = lk - lq
 
         tokens = block_q // heads_per_tile
         t0 = local * tokens
@@ -185,15 +182,15 @@ def _extend_kernel(
             j = i * block_n + jnp.arange(block_n)
             rows = key_rows(j, None)
             d_ = d[None, :]
-            k = C.widen(k_ref[rows[:, None], d_], q.dtype)
+            k = C.widen(k_ref[rows[:, None], d_], q.dtype, kv_dtype)
             s = C.dot_nt(q, k)
             s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
-            v = C.widen(v_ref[rows[:, None], d_], q.dtype)
+            v = C.widen(v_ref[rows[:, None], d_], q.dtype, kv_dtype)
             return C.online_softmax_step(carry, s, v)
 
         # Keys [0, Lp + t0) are visible to every row of the tile.
         shared = jnp.clip(lp + t0, 0, lk)
-        n1 = jnp.where(ok, shared // block_n, 0)
+        n1 = shared // block_n
         carry = lax.fori_loop(0, n1, stage1, C.init_state(block_q, head_dim))
 
         k_end = jnp.clip(lp + t1, 0, lk)
@@ -203,19 +200,20 @@ def _extend_kernel(
             j = n1 * block_n + i * block_n + jnp.arange(block_n)
             valid = j < k_end
             rows = key_rows(j, valid)
-            k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype)
+            k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype, kv_dtype)
             s = C.dot_nt(q, k)
             s = C.scores_base2(s * k_scale if scaled else s, scale=scale, soft_cap=soft_cap)
             s = jnp.where(valid[None, :] & (j[None, :] <= limit[:, None]), s, -jnp.inf)
-            v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype)
+            v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype, kv_dtype)
             return C.online_softmax_step(carry, s, v)
 
-        n2 = jnp.where(ok, pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n), 0)
+        n2 = pl.cdiv(jnp.maximum(k_end - n1 * block_n, 0), block_n)
         acc, _, l_sum = lax.fori_loop(0, n2, stage2, carry)
 
-        out = C.finalize(acc * v_scale if scaled else acc, l_sum)
-        out = jnp.where(ok, out, jnp.nan)
-        out = out.astype(o_ref.dtype)
+        # Every row of a request sees at least its own key, so l_sum > 0 unless the request
+        # was skipped as invalid (NaN) or the tile is padding (zeros: the denominator 1).
+        acc = acc * v_scale if scaled else acc
+        out = (acc / jnp.where(real, l_sum, 1.0)[:, None]).astype(o_ref.dtype)
         plgpu.store(
             o_ref.at[q_rows[:, None], heads[:, None], d[None, :]], out, mask=row_ok[:, None]
         )
@@ -230,6 +228,7 @@ def _run(
     kv_index,
     scales,
     problems,
+    structural,
     *,
     mode,
     geom,
@@ -239,6 +238,7 @@ def _run(
     interpret,
     config,
     scaled,
+    kv_dtype,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     batch = q_bounds_in.shape[0] - 1
@@ -249,13 +249,16 @@ def _run(
     # request (all NaN); otherwise each request's rows are clipped to q and an invalid
     # request is skipped by the kernel. Segment `batch` holds the rows of q after the last
     # request (padding, zeros).
-    structural, ok = _validity.ragged_valid(problems, batch)
+    structural, ok = _validity.ragged_valid(problems, batch, structural)
     everything = jnp.concatenate(
         [jnp.zeros((1,), jnp.int32), jnp.full((batch,), num_tokens, jnp.int32)]
     )
     q_bounds_in = jnp.where(structural, jnp.clip(q_bounds_in, 0, num_tokens), everything)
     q_bounds = jnp.concatenate([q_bounds_in, jnp.full((1,), num_tokens, jnp.int32)])
-    req_ok = jnp.concatenate([ok, jnp.ones((1,), bool)]).astype(jnp.int32)
+    # (first key entry, key count) per request; an invalid request gets no keys.
+    kv_starts, kv_lens = kv_meta
+    kv_meta = jnp.stack([kv_starts, jnp.where(ok, kv_lens, 0)]).astype(jnp.int32)
+    scales = C.scales_operand(scales, geom.num_kv_heads)
     num_tiles = pl.cdiv(num_tokens, tokens) + batch + 1
     tile_req, tile_local = _tile_map(q_bounds, num_tiles, tokens)
     kernel = functools.partial(
@@ -272,9 +275,10 @@ def _run(
         scale=scale,
         soft_cap=soft_cap,
         scaled=scaled,
+        kv_dtype=kv_dtype,
     )
     inputs = match_varying(
-        tile_req, tile_local, q_bounds, req_ok, kv_meta, kv_index, scales, q, k_rows, v_rows
+        tile_req, tile_local, q_bounds, kv_meta, kv_index, scales, q, k_rows, v_rows
     )
     call = pl.pallas_call(
         kernel,
@@ -324,10 +328,11 @@ def _extend_pool(
         C.as_rows(k_cache),
         C.as_rows(v_cache),
         qo_indptr,
-        kv_indptr,
+        (kv_indptr[:-1], kv_indptr[1:] - kv_indptr[:-1]),
         kv_indices,
         scales,
         problems,
+        _validity.indptrs_ok(qo_indptr, kv_indptr),
         mode="pool",
         geom=L.get(L.POOL, pool=True).geometry(k_cache, v_cache),
         layout=L.POOL,
@@ -336,6 +341,7 @@ def _extend_pool(
         interpret=interpret,
         config=config,
         scaled=scaled,
+        kv_dtype=k_cache.dtype,
     )
 
 
@@ -370,10 +376,11 @@ def _prefill_paged(
         C.as_rows(k_cache),
         C.as_rows(v_cache),
         cu_seqlens_q,
-        seq_lens,
+        (jnp.zeros_like(seq_lens), seq_lens),
         block_tables,
         scales,
         problems,
+        _validity.indptrs_ok(cu_seqlens_q),
         mode="paged",
         geom=geom,
         layout=layout,
@@ -382,6 +389,7 @@ def _prefill_paged(
         interpret=interpret,
         config=config,
         scaled=scaled,
+        kv_dtype=k_cache.dtype,
     )
 
 

@@ -30,6 +30,8 @@ request that continues it, and none other (a prefix no request uses is never rea
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -75,6 +77,14 @@ def paged_valid(block_tables, seq_lens, page_size: int, num_pages: int):
 def indptr_ok(indptr):
     """Scalar bool: starts at 0 and never decreases."""
     return (indptr[0] == 0) & jnp.all(indptr[1:] >= indptr[:-1])
+
+
+def indptrs_ok(*indptrs):
+    """Scalar bool: every indptr starts at 0 and never decreases (:func:`indptr_ok` of each,
+    as a single reduction over all of them)."""
+    starts = functools.reduce(operator.and_, [p[0] == 0 for p in indptrs])
+    steps = jnp.concatenate([p[1:] - p[:-1] for p in indptrs])
+    return starts & (jnp.min(steps, initial=0) >= 0)
 
 
 def ragged_problems(
@@ -123,10 +133,13 @@ def ragged_problems(
     return problems
 
 
-def ragged_valid(problems: list[Problem], batch: int):
-    """(structurally fine: scalar bool, per request: bool[B])."""
-    structural = jnp.all(jnp.stack([p.ok for p in problems if p.ok.ndim == 0]))
-    return structural, _all(problems, batch) & structural
+def ragged_valid(problems: list[Problem], batch: int, structural=None):
+    """(structurally fine: scalar bool, per request: bool[B]). ``structural``: that scalar
+    when the caller has it (:func:`indptrs_ok`); the scalar problems are then not used."""
+    if structural is None:
+        structural = jnp.all(jnp.stack([p.ok for p in problems if p.ok.ndim == 0]))
+    per_request = [p for p in problems if p.ok.ndim]
+    return structural, _all(per_request, batch) & structural
 
 
 def ragged_row_mask(q_indptr, num_rows: int, structural, request_ok):
