@@ -291,6 +291,7 @@ def split_kv_partition(
     grow: bool,
     one_pass_blocks: int | None = None,
     min_partition: int = 128,
+    wave: float | None = None,
 ) -> int:
     """Tokens per split-KV partition of a decode grid of (sequence, KV head, partition)
     blocks; 0 means one pass.
@@ -302,7 +303,10 @@ def split_kv_partition(
     longer partitions pay fewer pipeline fills and a smaller combine, as long as every
     multiprocessor has work. ``one_pass_blocks``: with at least this many (sequence,
     KV head) pairs, or a context within the base, the grid is full without splitting.
-    Each backend passes its kernels' occupancy as ``target_blocks``.
+    Each backend passes its kernels' occupancy as ``target_blocks``; ``wave`` (the resident
+    blocks of one wave, with ``grow``): a grid that would spill past one wave is cut into
+    twice as long partitions when those still fill half a wave (the blocks of a second,
+    mostly empty wave would take as long as the first).
     """
     size = 256 if group > 15 else 512
     pairs = batch * num_kv_heads
@@ -317,6 +321,14 @@ def split_kv_partition(
             size *= 2
     while size > min_partition and blocks(size) < target_blocks:
         size //= 2
+    if (
+        grow
+        and wave
+        and blocks(size) > wave
+        and 2 * size < capacity
+        and blocks(2 * size) >= wave / 2
+    ):
+        size *= 2
     return size
 
 

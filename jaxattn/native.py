@@ -107,6 +107,9 @@ _ONE_PASS_BLOCKS_PER_SM = 3
 # B=1 ctx=32768 ran at 70% of the copy bandwidth with 1024-token partitions (256 blocks, 2
 # resident per SM) and 62% with 512 (512 blocks); B=8 ctx=4096 70% vs 65%; 2048 (128 blocks)
 # fell to 59% in both.
+# A grid past one wave doubles its partitions when they still fill half a wave: the e4m3
+# kernel (3 resident per SM, 396 a wave) at B=1 ctx=32768 took 40.9 us with 512 tokens (512
+# blocks) and 33.4 us with 1024 (256 blocks).
 _WAVE_FILL = 0.9
 _MIN_PARTITION = 128
 
@@ -368,6 +371,7 @@ def choose_partition_size(
         group=group,
         capacity=capacity,
         target_blocks=_WAVE_FILL * blocks_per_sm * sms,
+        wave=blocks_per_sm * sms,
         grow=True,
         one_pass_blocks=_ONE_PASS_BLOCKS_PER_SM * sms,
         min_partition=_MIN_PARTITION,

@@ -270,6 +270,13 @@ def test_split_rule_shared_by_backends():
     assert rule(batch=64, target_blocks=264, grow=False, **kw) == 512
     # Growth: the longest partition that still fills the target.
     assert rule(batch=8, target_blocks=237.6, grow=True, **kw) == 1024
+    # A grid past one wave (396 resident: 512 tokens give 512 blocks) doubles its
+    # partitions when they still fill half of it; without the wave it stays.
+    long = dict(kw, capacity=32768)
+    assert rule(batch=1, target_blocks=356.4, grow=True, **long) == 512
+    assert rule(batch=1, target_blocks=356.4, grow=True, wave=396, **long) == 1024
+    assert rule(batch=1, target_blocks=237.6, grow=True, wave=264, **long) == 1024
+    assert rule(batch=1, target_blocks=900, grow=True, wave=1000, **long) == 512
     # Enough (sequence, KV head) pairs: one pass.
     assert rule(batch=64, target_blocks=237.6, grow=True, one_pass_blocks=396, **kw) == 0
 

@@ -782,6 +782,9 @@ int auto_partition(int batch, int hkv, int group, int64_t capacity, bool fp8 = f
   auto blocks = [&](int64_t size) { return double(batch) * hkv * ((capacity + size - 1) / size); };
   while (2LL * split < capacity && blocks(2LL * split) >= want) split *= 2;
   while (split > 128 && blocks(split) < want) split /= 2;
+  // Past one wave: twice as long partitions when they still fill half of it.
+  const double wave = double(resident_blocks(fp8, group)) * num_sms();
+  if (blocks(split) > wave && 2LL * split < capacity && blocks(2LL * split) >= wave / 2) split *= 2;
   return split;
 }
 
