@@ -1,9 +1,14 @@
-"""Cascade decode in the engine.
+"""Cascade decode in the engine (``ExecutionConfig.cascade``).
 
 * the level builder against a naive model: on random block tables that share runs of
   pages like radix-cache hits and forks do, the prefix and own levels join back into
   every request's table and length, prefixes hold only pages full before the dispatch,
   and the grouping saves as many reads as the best of all partitions;
+* with the real model (float32, the engine tests' model): greedy outputs with cascade
+  "on" equal those with "off" token for token (requests joining and finishing at
+  different steps, forks, preemption, multi-step and device-paged dispatches), the
+  counters add up, "auto" follows the cost model, and the values of the levels compile
+  nothing new.
 """
 
 from __future__ import annotations
@@ -11,9 +16,14 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import POOL, assert_verified, assert_whole, make_engine, workload
 
+import jaxattn.engine.engine as engine_module
+from jaxattn import sharding
+from jaxattn.engine import ExecutionConfig
 from jaxattn.engine.cascade import cascade_levels, shared_prefixes
 
 # --- the level builder ----------------------------------------------------------------
@@ -151,3 +161,158 @@ def test_nested_shared_runs_pick_the_larger_saving():
     assert shared_prefixes([[7, 8], [7, 8]], [4, 5], page_size=4) == [([0, 1], 1)]
     assert shared_prefixes([[7, 8], [7, 8]], [3, 5], page_size=4) == []
     assert shared_prefixes([[7, 8], [7, 8]], [4, 5], page_size=4, min_pages=2) == []
+
+
+# --- the engine -----------------------------------------------------------------------
+
+SHARED = dict(cascade_min_tokens=8)
+
+
+def _outputs(engine, prompts, max_new, n=1):
+    results = {}
+    pending, step = list(range(len(prompts))), 0
+    while pending or engine.has_work():
+        if pending and step % 2 == 0:
+            i = pending.pop(0)
+            engine.add_request(prompts[i], max_new[i], n=n, tag=i)
+        for seq in engine.step():
+            results[(seq.tag, seq.sample_id)] = list(seq.output)
+        step += 1
+    return [results[(i, j)] for i in range(len(prompts)) for j in range(n)]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(overlap=False, decode_steps=1),
+        dict(overlap=True, decode_steps=4),
+        dict(overlap=True, decode_steps=4, device_paging=True),
+    ],
+    ids=["sync", "multistep", "device-paging"],
+)
+def test_cascade_on_gives_the_tokens_of_paged_decode(mode):
+    # A 24-token system prompt (6 pages) shared by every request but the last; requests
+    # join every other step and stop after 5..12 tokens.
+    prompts = workload(11, num=6, system=24, suffix=(1, 9))
+    max_new = [12, 5, 9, 7, 11, 6]
+    off = make_engine(cascade="off", **SHARED, **mode)
+    on = make_engine(cascade="on", **SHARED, **mode)
+    want = _outputs(off, prompts, max_new, n=2)
+    got = _outputs(on, prompts, max_new, n=2)
+    assert got == want
+    for i, p in enumerate(prompts):
+        assert_verified([p], want[2 * i : 2 * i + 2], max_new[i], n=2)
+    stats = on.stats
+    assert stats["cascade_steps"] > 0 and stats["cascade_saved_kv_bytes"] > 0
+    assert stats["cascade_steps"] <= stats["decode_steps"]
+    assert off.stats["cascade_steps"] == off.stats["cascade_saved_kv_bytes"] == 0
+    assert stats["decode_tokens"] == off.stats["decode_tokens"]
+    assert_whole(on)
+
+
+def test_cascade_under_preemption():
+    prompts = workload(2, num=8, system=10, suffix=(4, 12))
+    kw = dict(new_token_ratio=0.0, max_running=8, **SHARED)
+    want = make_engine(cascade="off", **kw).generate(prompts, 24)
+    engine = make_engine(cascade="on", **kw)
+    assert engine.generate(prompts, 24) == want
+    stats = engine.stats
+    assert stats["preemptions"] > 0 and stats["cascade_steps"] > 0
+    assert_whole(engine)
+
+
+def test_cascade_over_a_split_pool_in_another_layout():
+    """Heads split over 2 devices (each runs cascade decode on its own KV heads), in the
+    vLLM layout: the tokens of one device with paged decode."""
+    prompts = workload(7, num=5, system=14, suffix=(1, 9))
+    want = make_engine(layout="vllm", cascade="off").generate(prompts, 6, n=2)
+    engine = make_engine(layout="vllm", cascade="on", mesh=sharding.make_mesh(2), **SHARED)
+    assert engine.generate(prompts, 6, n=2) == want
+    assert engine.stats["tp"] == 2 and engine.stats["cascade_steps"] > 0
+    assert_whole(engine)
+
+
+def test_counters_of_forked_samples():
+    """Three samples of a 16-token prompt (4 full pages): every decode step of the
+    dispatch shares the 4 pages between the three rows, saving 2 * 16 tokens' KV."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 128, 16).tolist()
+    engine = make_engine(cascade="on", overlap=False, decode_steps=1, **SHARED)
+    out = engine.generate([prompt], 6, n=3, ignore_eos=True)
+    assert_verified([prompt], out, 6, n=3)
+    stats = engine.stats
+    assert stats["decode_steps"] == 5
+    assert stats["cascade_steps"] == 5
+    per_token = engine.cfg.kv_bytes_per_token()
+    assert per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, 16 dims, f32
+    assert stats["cascade_saved_kv_bytes"] == 5 * 2 * 16 * per_token
+    engine.reset_stats()
+    assert engine.stats["cascade_steps"] == engine.stats["cascade_saved_kv_bytes"] == 0
+
+
+def test_auto_follows_the_cost_model(monkeypatch):
+    asked = []
+
+    def pays_off(prefix_lens, prefix_of, own_lens, **kw):
+        asked.append((np.asarray(prefix_lens), np.asarray(prefix_of), np.asarray(own_lens)))
+        return verdict
+
+    monkeypatch.setattr(engine_module, "cascade_pays_off", pays_off)
+    # No shared prefix: the levels are empty, the cost model is never asked, no cascade.
+    rng = np.random.default_rng(9)
+    distinct = [rng.integers(0, 128, int(k)).tolist() for k in (13, 21, 17, 30)]
+    verdict = True
+    engine = make_engine(**SHARED)
+    assert ExecutionConfig().cascade == "auto"
+    out = engine.generate(distinct, 8)
+    assert engine.stats["cascade_steps"] == 0 and not asked
+    assert_verified(distinct, out, 8)
+    # Shared prefixes: cascade exactly when the model says it pays off.
+    prompts = workload(4, num=5, system=24, suffix=(1, 6))
+    for verdict in (False, True):
+        asked.clear()
+        engine = make_engine(**SHARED)
+        out = engine.generate(prompts, 8)
+        assert asked
+        for lens, of, own in asked:
+            assert np.all(own >= 1) and np.any(of >= 0) and np.all(lens % POOL["page_size"] == 0)
+        steps = engine.stats["cascade_steps"]
+        assert steps > 0 if verdict else steps == 0
+        assert_verified(prompts, out, 8)
+
+
+def test_auto_with_the_default_model_keeps_paged_decode_for_a_tiny_model():
+    # For this model's few bytes per token the fixed cost of the second level dominates.
+    prompts = workload(4, num=5, system=24, suffix=(1, 6))
+    engine = make_engine(**SHARED)
+    engine.generate(prompts, 6)
+    assert engine.stats["cascade_steps"] == 0
+
+
+def test_level_values_compile_nothing_new():
+    """Other page ids and prefix lengths in the same shapes reuse the compiled program:
+    one decode program with cascade, one without."""
+    mode = dict(overlap=False, decode_steps=1, **SHARED)
+    a = workload(21, num=4, system=24, suffix=(1, 3))
+    engine = make_engine(cascade="on", **mode)
+    engine.generate(a, 4)
+    assert engine.stats["cascade_steps"] > 0
+    before = dict(engine.runner.trace_counts)
+    b = workload(22, num=4, system=20, suffix=(2, 4))
+    engine.generate(b, 4)
+    assert engine.stats["cascade_steps"] > 0
+    assert engine.runner.trace_counts["decode"] == before.get("decode", 0)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        (dict(cascade="yes"), "cascade"),
+        (dict(cascade=True), "cascade"),
+        (dict(cascade_min_tokens=0), "cascade_min_tokens"),
+        (dict(cascade_min_tokens=2.5), "cascade_min_tokens"),
+    ],
+)
+def test_bad_cascade_settings(kw, field):
+    with pytest.raises(ValueError, match=f"ExecutionConfig.{field} "):
+        ExecutionConfig(**kw)
