@@ -111,6 +111,7 @@ def test_levels_join_back_into_every_table(seed, n, page_size, min_pages):
     assert levels.prefix_tables.shape == (num_rows, width)
     assert levels.prefix_lens.shape == levels.prefix_of.shape == (num_rows,)
     assert levels.prefix_lens.dtype == levels.prefix_of.dtype == np.int32
+    assert levels.prefix_rows.shape == (num_rows,) and levels.prefix_rows.dtype == np.int32
     assert np.all(levels.prefix_lens % page_size == 0)
     # Rows that decode nothing continue no prefix; every used prefix has >= 2 members.
     idle = np.setdiff1d(np.arange(num_rows), rows)
@@ -132,6 +133,10 @@ def test_levels_join_back_into_every_table(seed, n, page_size, min_pages):
         # tokens and the own tokens its length.
         own = table[pages:]
         assert levels.prefix_tables[g, :pages].tolist() + own == table
+        # The device gathers the prefix from a member row's table.
+        leader = rows.index(int(levels.prefix_rows[g]))
+        assert levels.prefix_of[rows[leader]] == g
+        assert tables[leader][:pages] == table[:pages]
         assert pos + 1 - pages * page_size >= 1
         saved += pages * page_size
     saved -= int(levels.prefix_lens[used].sum())

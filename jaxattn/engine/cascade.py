@@ -34,7 +34,10 @@ class CascadeLevels(NamedTuple):
 
     prefix_tables ``i32[R, W]``: one row per prefix (unused rows: zeros, length 0);
     prefix_lens ``i32[R]``: tokens of each prefix (a multiple of the page size);
-    prefix_of ``i32[R]``: per decode row, the prefix it continues (-1: none).
+    prefix_of ``i32[R]``: per decode row, the prefix it continues (-1: none);
+    prefix_rows ``i32[R]``: per prefix, a decode row whose table starts with it (0 for
+    unused rows), so that the device can gather the prefix tables from the rows' tables
+    instead of receiving them.
     saved_tokens: per decode step, the prefix tokens not read thanks to the sharing,
     ``sum((members - 1) * prefix tokens)`` over the prefixes.
     """
@@ -42,6 +45,7 @@ class CascadeLevels(NamedTuple):
     prefix_tables: np.ndarray
     prefix_lens: np.ndarray
     prefix_of: np.ndarray
+    prefix_rows: np.ndarray
     saved_tokens: int
 
 
@@ -72,11 +76,18 @@ def shared_prefixes(
     if len(positions) != n:
         raise ValueError(f"{n} tables but {len(positions)} positions")
     min_pages = max(int(min_pages), 1)
-    full = [
-        tuple(int(p) for p in t[: max(int(pos), 0) // page_size])
-        for t, pos in zip(tables, positions, strict=True)
-    ]
-    order = sorted(range(n), key=lambda i: full[i])
+    # Only requests with min_pages full pages whose first page another one holds too can
+    # share anything (the common case of no sharing costs one pass over the first pages).
+    firsts: dict[int, list[int]] = {}
+    for i, (t, pos) in enumerate(zip(tables, positions, strict=True)):
+        if max(int(pos), 0) // page_size >= min_pages:
+            firsts.setdefault(int(t[0]), []).append(i)
+    candidates = [i for same in firsts.values() if len(same) > 1 for i in same]
+    full = {
+        i: tuple(int(p) for p in tables[i][: int(positions[i]) // page_size]) for i in candidates
+    }
+    n = len(candidates)
+    order = sorted(candidates, key=lambda i: full[i])
     lcp = [_common(full[order[k]], full[order[k + 1]]) for k in range(n - 1)]
 
     def solve(lo: int, hi: int) -> dict[int, tuple[int, list]]:
@@ -132,10 +143,12 @@ def cascade_levels(
     prefix_tables = np.zeros((num_rows, width), np.int32)
     prefix_lens = np.zeros(num_rows, np.int32)
     prefix_of = np.full(num_rows, -1, np.int32)
+    prefix_rows = np.zeros(num_rows, np.int32)
     saved = 0
     for g, (members, pages) in enumerate(groups):
         prefix_tables[g, :pages] = np.asarray(tables[members[0]][:pages], np.int32)
         prefix_lens[g] = pages * page_size
         prefix_of[np.asarray([rows[m] for m in members], np.int64)] = g
+        prefix_rows[g] = rows[members[0]]
         saved += (len(members) - 1) * pages * page_size
-    return CascadeLevels(prefix_tables, prefix_lens, prefix_of, saved)
+    return CascadeLevels(prefix_tables, prefix_lens, prefix_of, prefix_rows, saved)

@@ -384,10 +384,11 @@ def _decode_fn(
     With device paging (``pages`` a :class:`~jaxattn.paging.PageTable` over the rows) the
     tables grow here first and are read from it; otherwise from the rows' own tables.
 
-    ``levels`` (``prefix_tables i32[G, width]``, ``prefix_lens i32[G]``, ``prefix_of
-    i32[num_rows]``, or None): cascade decode. The prefixes are constant over the steps
-    (they hold only pages full before the first one); each row's own level is its table
-    shifted past its prefix's pages, computed once before the loop.
+    ``levels`` (``prefix_rows i32[G]``, ``prefix_lens i32[G]``, ``prefix_of
+    i32[num_rows]``, or None): cascade decode. Prefix ``g`` is the first ``prefix_lens[g]``
+    tokens' pages of row ``prefix_rows[g]``'s table; the prefixes are constant over the
+    steps (they hold only pages full before the first one); each row's own level is its
+    table shifted past its prefix's pages, computed once before the loop.
     """
     steps, active = control[0], control[1:] != 0
     rows = jax.tree.map(lambda x: x[:num_rows], state)
@@ -407,7 +408,8 @@ def _decode_fn(
         tables = pages.block_tables(jnp.arange(num_rows, dtype=jnp.int32))[:, :width]
     capacity = width * page_size
     if levels is not None:
-        prefix_tables, prefix_lens, prefix_of = levels
+        prefix_rows, prefix_lens, prefix_of = levels
+        prefix_tables = tables[jnp.clip(prefix_rows, 0, num_rows - 1)]
         g = jnp.clip(prefix_of, 0, prefix_tables.shape[0] - 1)
         row_prefix = jnp.where(prefix_of >= 0, prefix_lens[g], 0)
         cols = jnp.arange(width, dtype=jnp.int32)[None, :] + (row_prefix // page_size)[:, None]
@@ -884,8 +886,9 @@ class ModelRunner:
             if self.cascade_backend is None:
                 raise ValueError("cascade decode: no attention backend serves this pool")
             lv = work.levels
+            # The prefix tables are gathered from the rows' tables on the device.
             levels = self._put(
-                np.asarray(lv.prefix_tables, np.int32),
+                np.asarray(lv.prefix_rows, np.int32),
                 np.asarray(lv.prefix_lens, np.int32),
                 np.asarray(lv.prefix_of, np.int32),
             )
