@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 _LAYOUTS = ("bshd", "bhsd", "vllm")
+_CASCADE = ("auto", "on", "off")
 
 
 def _int(owner: str, name: str, value, minimum: int) -> int:
@@ -158,6 +159,13 @@ class ExecutionConfig:
       fast form: no weight slice copied per layer, at a compile time that grows with the
       depth) or as one ``lax.scan`` over stacked weights (one compiled layer body). None:
       unrolled on GPUs, a scan on the CPU.
+    cascade: cascade decode (:func:`jaxattn.cascade_attention`) for decode rows that
+      share a cached prefix (the same leading pages, from the radix cache or a fork):
+      ``"auto"`` runs it when :func:`jaxattn.cascade_cost.cascade_pays_off` predicts a
+      gain for the dispatch, ``"on"`` whenever two rows share a prefix, ``"off"`` never.
+      Outputs are the same either way, up to floating-point rounding.
+    cascade_min_tokens: the shortest shared prefix (in tokens; whole pages of it count)
+      that forms a cascade level. The default, 128, is a guess not yet measured on a GPU.
     """
 
     extend_attention: str | None = None
@@ -167,6 +175,8 @@ class ExecutionConfig:
     mesh: Any = None
     device_paging: bool = False
     unroll_layers: bool | None = None
+    cascade: str = "auto"
+    cascade_min_tokens: int = 128
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -183,6 +193,15 @@ class ExecutionConfig:
         object.__setattr__(self, "device_paging", bool(self.device_paging))
         if self.unroll_layers is not None:
             object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
+        if not isinstance(self.cascade, str) or self.cascade not in _CASCADE:
+            raise ValueError(
+                f"ExecutionConfig.cascade must be one of {_CASCADE}, got {self.cascade!r}"
+            )
+        object.__setattr__(
+            self,
+            "cascade_min_tokens",
+            _int("ExecutionConfig", "cascade_min_tokens", self.cascade_min_tokens, 1),
+        )
         if self.buckets is None:
             object.__setattr__(self, "buckets", Buckets())
         elif not isinstance(self.buckets, Buckets):

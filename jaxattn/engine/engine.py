@@ -9,7 +9,9 @@ Each :meth:`Engine.step`:
 2. the engine turns the plan into device work (decode rows to start, table entries that
    changed, extend chunks) and the :class:`~jaxattn.engine.runner.ModelRunner` enqueues
    it: copy-on-write copies, the extend chunks (``extend_attention`` / ``prefix_prefill``
-   over the pool) and the decode steps (``paged_attention``), sampling on the device;
+   over the pool) and the decode steps (``paged_attention``, or ``cascade_attention``
+   when decoding sequences share cached prefix pages; ``ExecutionConfig.cascade``),
+   sampling on the device;
 3. the scheduler commits the tokens of a step once they are read: prompts that ended
    fork into their ``n`` samples, finished sequences go into the cache and release their
    pages.
@@ -32,6 +34,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxattn.cascade_cost import cascade_pays_off
+
+from .cascade import CascadeLevels, cascade_levels
 from .config import CacheConfig, ExecutionConfig, SchedulerConfig, bucket, split_engine_kwargs
 from .kv_cache import KVCacheManager
 from .model import check_model
@@ -78,6 +83,8 @@ _COUNTERS = (
     "deduplicated_pages",
     "admissions",
     "syncs",
+    "cascade_steps",
+    "cascade_saved_kv_bytes",
 )
 _TIMERS = ("time_s", "compile_steps_time_s", "schedule_s", "launch_s", "commit_s", "wait_s")
 
@@ -191,6 +198,15 @@ class Engine:
         )
         self._pages_synced = None
         self._buckets = execution.buckets
+        self.cascade = execution.cascade
+        if getattr(self.runner, "cascade_backend", "") is None:
+            if self.cascade == "on":
+                raise ValueError(
+                    "ExecutionConfig.cascade='on', but no cascade decode backend serves "
+                    f"implementation={execution.implementation!r} on this pool"
+                )
+            self.cascade = "off"
+        self._cascade_min_pages = -(-execution.cascade_min_tokens // cache.page_size)
         self._inflight: _InFlight | None = None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -332,6 +348,11 @@ class Engine:
             stats.count("extend_calls", bool(work.extend))
             stats.count("decode_calls", work.decode is not None)
             stats.count("decode_steps", plan.decode_steps if work.decode is not None else 0)
+            levels = work.decode.levels if work.decode is not None else None
+            if levels is not None:
+                stats.count("cascade_steps", plan.decode_steps)
+                saved = levels.saved_tokens * self.cfg.kv_bytes_per_token() * plan.decode_steps
+                stats.count("cascade_saved_kv_bytes", saved)
             self._track_memory()
         else:
             for seq in plan.preempted:
@@ -426,8 +447,44 @@ class Engine:
             width = min(bucket(kv.pages_for(last), bk.pages), rows.width)
             num_rows = min(bucket(int(row_ids.max()) + 1, bk.decode_batch), rows.capacity)
             greedy = all(d.seq.temperature == 0 for d in plan.decode)
-            decode = DecodeWork(row_ids, num_rows, width, steps, greedy, counts)
+            levels = self._cascade_levels(plan, row_ids, num_rows, width)
+            decode = DecodeWork(row_ids, num_rows, width, steps, greedy, counts, levels)
         return StepWork(copies, rows.take_updates(), extend, decode, pages)
+
+    def _cascade_levels(
+        self, plan: StepPlan, row_ids: np.ndarray, num_rows: int, width: int
+    ) -> CascadeLevels | None:
+        """The cascade levels of a decode dispatch, or None for paged decode: rows whose
+        tables start with the same full pages (none of which the dispatch writes) share
+        them as a prefix, when ``cascade`` is on, or "auto" and the cost model predicts a
+        gain."""
+        if self.cascade == "off" or len(plan.decode) < 2:
+            return None
+        positions = [d.position for d in plan.decode]
+        levels = cascade_levels(
+            [self.kv.table(d.seq.seq_id) for d in plan.decode],
+            positions,
+            row_ids.tolist(),
+            page_size=self.page_size,
+            min_pages=self._cascade_min_pages,
+            num_rows=num_rows,
+            width=width,
+        )
+        if levels is None or self.cascade == "on":
+            return levels
+        cfg, tp = self.cfg, getattr(self.runner, "tp_size", 1)
+        prefix_of = levels.prefix_of[row_ids]
+        prefix = np.where(prefix_of >= 0, levels.prefix_lens[np.maximum(prefix_of, 0)], 0)
+        pays = cascade_pays_off(
+            levels.prefix_lens,
+            prefix_of,
+            np.asarray(positions) + 1 - prefix,
+            num_q_heads=cfg.num_attention_heads // tp,
+            num_kv_heads=cfg.num_key_value_heads // tp,
+            head_dim=cfg.head_dim,
+            itemsize=np.dtype(cfg.jnp_dtype).itemsize,
+        )
+        return levels if pays else None
 
     def _page_work(self, plan: StepPlan):
         """Device paging: the host's pages to send (None when the device's page table is
@@ -555,26 +612,29 @@ class Engine:
 
         prefix_hit_tokens: prompt tokens served from the radix cache at admission;
         prefill_tokens: tokens computed by extend steps; decode_tokens: by decode steps;
-        generated_tokens: tokens drawn (read); steps: dispatches, decode_steps: decode
-        steps they ran (several per dispatch with multi-step decode), syncs: steps that
-        read a dispatch early to preempt; pages_in_use / peak_pages_in_use: pool pages
-        referenced (cache included); cached_pages: pages the radix cache holds;
+        generated_tokens: tokens drawn (read); steps: dispatches, decode_steps: decode steps
+        they ran (several per dispatch with multi-step decode), syncs: steps that read a
+        dispatch early to preempt; pages_in_use / peak_pages_in_use: pool pages referenced
+        (cache included); cached_pages: pages the radix cache holds;
         peak_kv_slots_contiguous: the most KV slots a contiguous preallocation (prompt +
-        max_new_tokens per running sequence) would have held at once; peak_live_tokens:
-        the most tokens running sequences needed KV for at once (shared prefixes counted
-        per sequence); compiles: programs traced per step kind; attention_backend: what
-        the extend and decode steps run; tp: devices the model is split over (1 without a
-        mesh); kv_pool_bytes: the pool over all devices, kv_pool_bytes_per_device: what
-        one device holds of it; time_s: wall time in :meth:`step`, compile_steps_time_s:
-        the part spent in steps that compiled a program; schedule_s, launch_s (building
-        and enqueueing device work), wait_s (blocked on results), commit_s: where that
-        time went on the host; h2d_bytes / h2d_s: metadata sent to the device and the
-        time spent sending it; dispatch_s: time in the jitted calls; kv_waste_paged /
-        kv_waste_contiguous (with ``track_waste``): summed over steps, the fraction of the
-        KV slots reserved for running sequences that hold no distinct live token - for
-        pages, the empty tail of each sequence's last page; for a contiguous
-        preallocation of prompt + max_new_tokens per sequence, the unused reservation
-        plus every duplicate copy of a shared prefix.
+        max_new_tokens per running sequence) would have held at once; peak_live_tokens: the
+        most tokens running sequences needed KV for at once (shared prefixes counted per
+        sequence); compiles: programs traced per step kind; attention_backend: what the
+        extend and decode steps run; cascade_steps: decode steps that ran cascade decode
+        (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes they did not
+        read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per shared
+        prefix and step (all layers, K and V, over all devices); tp: devices the model is
+        split over (1 without a mesh); kv_pool_bytes: the pool over all devices,
+        kv_pool_bytes_per_device: what one device holds of it; time_s: wall time in
+        :meth:`step`, compile_steps_time_s: the part spent in steps that compiled a program;
+        schedule_s, launch_s (building and enqueueing device work), wait_s (blocked on
+        results), commit_s: where that time went on the host; h2d_bytes / h2d_s: metadata
+        sent to the device and the time spent sending it; dispatch_s: time in the jitted
+        calls; kv_waste_paged / kv_waste_contiguous (with ``track_waste``): summed over
+        steps, the fraction of the KV slots reserved for running sequences that hold no
+        distinct live token - for pages, the empty tail of each sequence's last page; for a
+        contiguous preallocation of prompt + max_new_tokens per sequence, the unused
+        reservation plus every duplicate copy of a shared prefix.
         """
         return self.collector.snapshot()
 

@@ -8,7 +8,9 @@ programs, enqueued back to back without waiting for any of them:
 * ``extend`` - prefill chunks of any number of requests, each after its cached prefix; a
   chunk that ends a prompt writes its drawn token into the sequence's decode row;
 * ``decode`` - up to ``decode_steps`` decode steps of every active row in one
-  ``lax.while_loop``: KV write, paged attention, sampling and stop checks on the device.
+  ``lax.while_loop``: KV write, paged attention, sampling and stop checks on the device;
+  with cascade levels (:mod:`jaxattn.engine.cascade`), cascade attention instead, the rows
+  that share a prefix reading it once (a program of its own).
 
 Decode rows are metadata that lives on the device (:class:`DecodeState`): per row the
 token to feed next, its position, the tokens it may still draw, its sampling parameters,
@@ -116,7 +118,8 @@ class RowUpdates(NamedTuple):
 class DecodeWork(NamedTuple):
     """A decode dispatch: ``steps`` steps (at most) of ``active`` rows among the first
     ``num_rows``, with block tables ``width`` pages wide; ``greedy`` when no active row
-    samples."""
+    samples. ``levels`` (a :class:`~jaxattn.engine.cascade.CascadeLevels` over the
+    ``num_rows`` rows): run cascade decode, the rows continuing its prefixes."""
 
     rows: np.ndarray  # i32[n] the row of each decoding sequence, in plan order
     num_rows: int
@@ -124,6 +127,7 @@ class DecodeWork(NamedTuple):
     steps: int
     greedy: bool
     counts: np.ndarray | None = None  # device paging: slots each row's table grows by
+    levels: Any = None  # cascade decode: the rows' CascadeLevels (None: paged decode)
 
 
 class PageUpload(NamedTuple):
@@ -361,6 +365,7 @@ def _decode_fn(
     control,
     pages,
     entries,
+    levels=None,
     *,
     model,
     options,
@@ -378,6 +383,12 @@ def _decode_fn(
 
     With device paging (``pages`` a :class:`~jaxattn.paging.PageTable` over the rows) the
     tables grow here first and are read from it; otherwise from the rows' own tables.
+
+    ``levels`` (``prefix_rows i32[G]``, ``prefix_lens i32[G]``, ``prefix_of
+    i32[num_rows]``, or None): cascade decode. Prefix ``g`` is the first ``prefix_lens[g]``
+    tokens' pages of row ``prefix_rows[g]``'s table; the prefixes are constant over the
+    steps (they hold only pages full before the first one); each row's own level is its
+    table shifted past its prefix's pages, computed once before the loop.
     """
     steps, active = control[0], control[1:] != 0
     rows = jax.tree.map(lambda x: x[:num_rows], state)
@@ -396,6 +407,13 @@ def _decode_fn(
         )
         tables = pages.block_tables(jnp.arange(num_rows, dtype=jnp.int32))[:, :width]
     capacity = width * page_size
+    if levels is not None:
+        prefix_rows, prefix_lens, prefix_of = levels
+        prefix_tables = tables[jnp.clip(prefix_rows, 0, num_rows - 1)]
+        g = jnp.clip(prefix_of, 0, prefix_tables.shape[0] - 1)
+        row_prefix = jnp.where(prefix_of >= 0, prefix_lens[g], 0)
+        cols = jnp.arange(width, dtype=jnp.int32)[None, :] + (row_prefix // page_size)[:, None]
+        own_tables = jnp.take_along_axis(tables, jnp.clip(cols, 0, width - 1), axis=1)
 
     def cond(carry):
         i, _, _, live_rows, _ = carry
@@ -413,6 +431,17 @@ def _decode_fn(
             block_tables=tables,
             seq_lens=jnp.where(live, pos + 1, 0),
         )
+        if levels is not None:
+            # A row continues its prefix when it runs and the prefix lies before the
+            # token it writes (the host built it so); otherwise it reads its whole table.
+            cont = live & (prefix_of >= 0) & (pos >= row_prefix)
+            batch = batch._replace(
+                block_tables=jnp.where(cont[:, None], own_tables, tables),
+                seq_lens=jnp.where(cont, batch.seq_lens - row_prefix, batch.seq_lens),
+                prefix_tables=prefix_tables,
+                prefix_lens=prefix_lens,
+                prefix_of=jnp.where(cont, prefix_of, -1),
+            )
         logits, k, v = model.forward_decode(params, k, v, batch, kernels=tp, **options)
         samples = SampleBatch(r.seeds, r.uids, pos + 1, r.temperature, r.top_p)
         tokens = _draw(logits, samples, greedy)
@@ -595,6 +624,11 @@ class ModelRunner:
             "extend": self._resolve("extend", implementation),
             "decode": self._resolve("decode", implementation),
         }
+        # Cascade decode's backend (None: none serves this pool; decode stays paged).
+        try:
+            self.cascade_backend = self._resolve("cascade", implementation)
+        except (NotImplementedError, ValueError, TypeError):
+            self.cascade_backend = None
         self._options = {
             "extend": _Options(
                 layout=layout, attention=extend_attention, implementation=self.backends["extend"]
@@ -604,6 +638,7 @@ class ModelRunner:
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
             ),
+            "cascade": _Options(layout=layout, implementation=self.cascade_backend),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
         # the jitted calls (which return before the device is done).
@@ -640,7 +675,20 @@ class ModelRunner:
         geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
         k, v = sds(lay.shape("k", geom, dt), dt), sds(lay.shape("v", geom, dt), dt)
         q = sds((1, hq, d), dt)
-        if kind == "decode":
+        if kind == "cascade":
+            op = ops.CASCADE_ATTENTION
+            args = op.bind(
+                q,
+                k,
+                v,
+                sds((1, 1), i32),
+                sds((1,), i32),
+                sds((1,), i32),
+                sds((1, 1), i32),
+                sds((1,), i32),
+                layout=self.layout,
+            )
+        elif kind == "decode":
             op = ops.PAGED_ATTENTION
             args = op.bind(
                 q,
@@ -833,9 +881,20 @@ class ModelRunner:
         control = np.zeros(work.num_rows + 1, np.int32)
         control[0] = work.steps
         control[1 + np.asarray(work.rows, np.int64)] = 1
+        levels = None
+        if work.levels is not None:
+            if self.cascade_backend is None:
+                raise ValueError("cascade decode: no attention backend serves this pool")
+            lv = work.levels
+            # The prefix tables are gathered from the rows' tables on the device.
+            levels = self._put(
+                np.asarray(lv.prefix_rows, np.int32),
+                np.asarray(lv.prefix_lens, np.int32),
+                np.asarray(lv.prefix_of, np.int32),
+            )
         if work.counts is None:
             (control,) = self._put(control)
-            return self.decode_call(control, work.num_rows, work.width, work.greedy)
+            return self.decode_call(control, work.num_rows, work.width, work.greedy, levels=levels)
         if self.pages is None:
             raise RuntimeError("device paging needs the host's pages sent first")
         # Entries in plan order (the host reserved in that order); padding rows are ids
@@ -845,14 +904,17 @@ class ModelRunner:
         entries[1] = 0
         entries[1, : len(work.rows)] = work.counts
         control, entries = self._put(control, entries)
-        return self.decode_call(control, work.num_rows, work.width, work.greedy, entries)
+        return self.decode_call(
+            control, work.num_rows, work.width, work.greedy, entries, levels=levels
+        )
 
     def decode_call(
-        self, control, num_rows: int, width: int, greedy: bool, entries=None
+        self, control, num_rows: int, width: int, greedy: bool, entries=None, *, levels=None
     ) -> jax.Array:
         """The decode program on the current rows (``control``: the step count, then one
-        flag per row; ``entries``: device paging's rows and slot counts); for benchmarks
-        that time it alone."""
+        flag per row; ``entries``: device paging's rows and slot counts; ``levels``: the
+        cascade levels on the device, or None for paged decode); for benchmarks that time
+        it alone."""
         pages = self.pages if entries is not None else None
         out, self.k_cache, self.v_cache, self.state, pages = self._call(
             "decode",
@@ -864,8 +926,9 @@ class ModelRunner:
             control,
             pages,
             entries,
+            levels,
             model=self.model,
-            options=self._options["decode"],
+            options=self._options["decode" if levels is None else "cascade"],
             num_rows=num_rows,
             width=width,
             max_steps=self.decode_steps,

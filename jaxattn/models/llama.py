@@ -516,6 +516,12 @@ class DecodeBatch(NamedTuple):
     block_tables ``i32[B, W]``; seq_lens ``i32[B]`` context lengths including the new token
     (padding rows: 0, attending to nothing).
 
+    Cascade decode (:func:`jaxattn.cascade_attention`) when ``prefix_tables`` is set:
+    prefix_tables ``i32[G, P]``, prefix_lens ``i32[G]`` (multiples of the page size) are
+    the shared prefixes, prefix_of ``i32[B]`` the one each sequence continues (-1: none),
+    and block_tables / seq_lens then hold each sequence's own pages and tokens after its
+    prefix. The KV of the new token is still written at ``slot_mapping``.
+
     A new attention variant or quantised pool adds its fields here (with defaults), and the
     engine's runner fills them: the record is the whole interface of a decode step.
     """
@@ -525,6 +531,9 @@ class DecodeBatch(NamedTuple):
     slot_mapping: jax.Array
     block_tables: jax.Array
     seq_lens: jax.Array
+    prefix_tables: jax.Array | None = None
+    prefix_lens: jax.Array | None = None
+    prefix_of: jax.Array | None = None
 
 
 def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
@@ -629,7 +638,8 @@ def forward_decode(
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
-    ``kernels``: as in :func:`forward_extend`.
+    ``kernels``: as in :func:`forward_extend`. A batch with ``prefix_tables`` runs cascade
+    decode (``implementation`` then names its backend; ``partition_size`` is unused).
     """
     attn = ops if kernels is None else kernels
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
@@ -637,6 +647,20 @@ def forward_decode(
     def attend(q, k, v, layer, caches):
         offset = layer * pages_per_layer
         kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, offset * page_size, layout)
+        if batch.prefix_tables is not None:
+            o = attn.cascade_attention(
+                q,
+                kc,
+                vc,
+                batch.prefix_tables + offset,
+                batch.prefix_lens,
+                batch.prefix_of,
+                batch.block_tables + offset,
+                batch.seq_lens,
+                layout=layout,
+                implementation=implementation,
+            )
+            return o, (kc, vc)
         o = attn.paged_attention(
             q,
             kc,
