@@ -17,6 +17,10 @@ scheduler), ``device-paging`` (multistep, the block tables grown by a page table
 device). Greedy outputs are compared across all the runs of one radix mode: they must be
 identical.
 
+``--cascade auto|on|off`` sets the engine's cascade decode (rows that share cached prefix
+pages read them once; ``ExecutionConfig.cascade``); the table reports the decode steps that
+ran it and the KV bytes they did not read.
+
     python benchmarks/bench_engine.py                      # small random model (CPU)
     python benchmarks/bench_engine.py --preset 1b --num-pages 8192 --max-batch-tokens 2048
     python benchmarks/bench_engine.py --preset 1b --step-modes multistep,sync --modes on
@@ -82,6 +86,15 @@ def parse_args(argv=None):
         "--step-modes", default="multistep", help="of multistep,overlap,sync,device-paging"
     )
     e.add_argument("--decode-steps", type=int, default=8, help="steps per dispatch (multistep)")
+    e.add_argument(
+        "--cascade",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="cascade decode for rows that share cached prefix pages (ExecutionConfig.cascade)",
+    )
+    e.add_argument(
+        "--cascade-min-tokens", type=int, default=128, help="shortest shared prefix it uses"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -125,6 +138,8 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
             max_running=args.max_running,
             radix_cache=radix,
             implementation=args.implementation,
+            cascade=args.cascade,
+            cascade_min_tokens=args.cascade_min_tokens,
             **settings,
             unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         )
@@ -161,6 +176,8 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
         warmup_s=warm_s,
         warmup_compiles=sum(warm.stats["compiles"].values()),
         attention_backend=s["attention_backend"],
+        cascade_steps=s["cascade_steps"],
+        cascade_saved_gb=s["cascade_saved_kv_bytes"] / 1e9,
     )
 
 
@@ -213,6 +230,8 @@ def main(argv=None) -> int:
         ("peak_pages", "peak pages", "d"),
         ("preemptions", "preempt", "d"),
         ("compiles_in_timed_run", "compiles (timed)", "d"),
+        ("cascade_steps", "cascade steps", "d"),
+        ("cascade_saved_gb", "KV GB not read", ".3f"),
         ("same_outputs", "same outputs", ""),
     ]
     print(table(rows, columns))
