@@ -32,7 +32,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -89,6 +89,18 @@ class Implementation:
                 f"config for the {self.backend} backend must be a "
                 f"{self.config_cls.__module__}.{self.config_cls.__qualname__}, got {config!r}"
             )
+
+
+class KernelImplementation(Implementation):
+    """A kernel backend's implementation: ``function`` takes the op's public signature in
+    the kernels' form (:meth:`jaxattn.ops.PagedArgs.kernel_call` and its siblings) plus
+    ``config=``."""
+
+    function: ClassVar[Callable[..., Any]]
+
+    def run(self, args, config):
+        positional, keywords = args.kernel_call()
+        return self.function(*positional, **keywords, config=config)
 
 
 class Resolved(NamedTuple):

@@ -53,7 +53,7 @@ import numpy as np
 from . import env as _env
 from . import layout as L
 from . import quant as _quant
-from .backend import CascadeGrid, Implementation, cascade_grid, split_kv_partition
+from .backend import CascadeGrid, KernelImplementation, cascade_grid, split_kv_partition
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -714,7 +714,7 @@ def cascade_attention(
 # --- the backend contract (jaxattn.backend) ---------------------------------------------------
 
 
-class _Native(Implementation):
+class _Native(KernelImplementation):
     backend = "native"
 
     def available(self, platform):
@@ -748,21 +748,7 @@ class _PagedAttention(_Native):
             )
         )
 
-    def run(self, a, config):
-        return paged_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            partition_size=a.partition_size,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(paged_attention)
 
 
 class _Prefill(_Native):
@@ -773,38 +759,11 @@ class _Prefill(_Native):
 
 
 class _PrefixPrefill(_Prefill):
-    def run(self, a, config):
-        return prefix_prefill(
-            a.kernel_q,
-            a.k_cache,
-            a.v_cache,
-            a.cu_seqlens_q,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(prefix_prefill)
 
 
 class _ExtendAttention(_Prefill):
-    def run(self, a, config):
-        return extend_attention(
-            a.kernel_q,
-            a.k_cache,
-            a.v_cache,
-            a.qo_indptr,
-            a.kv_indptr,
-            a.kv_indices,
-            scale=a.scale,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(extend_attention)
 
 
 class _CascadeAttention(_Native):
@@ -831,23 +790,7 @@ class _CascadeAttention(_Native):
         platform = _ensure_registered()
         return _cascade_plan(platform, a.q, a.geometry, a.prefix_tables, a.block_tables)[0]
 
-    def run(self, a, config):
-        return cascade_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.prefix_tables,
-            a.prefix_lens,
-            a.prefix_of,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(cascade_attention)
 
 
 IMPLEMENTATIONS = {

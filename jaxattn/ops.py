@@ -37,7 +37,7 @@ The reference implementations of the ops live here as well: the spec functions o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +354,28 @@ class _Args:
         """Whether a kernel must apply per-head scales (k, v or q)."""
         return not (self.k_scale is None and self.v_scale is None and self.q_scale is None)
 
+    # The op's public signature after q, k_cache, v_cache: its index arrays, then the
+    # static keywords besides scale, soft_cap and the scales (see kernel_call).
+    _ARRAYS: ClassVar[tuple[str, ...]] = ()
+    _KEYWORDS: ClassVar[tuple[str, ...]] = ("layout",)
+
+    def kernel_call(self) -> tuple[tuple, dict]:
+        """(positional, keywords) of the op's public signature in the form the kernel
+        backends take it: q in the output dtype (:attr:`kernel_q`), q's scale folded into
+        the key scales (:attr:`kernel_k_scale`), the layout by name."""
+        arrays = tuple(getattr(self, name) for name in self._ARRAYS)
+        keywords = {
+            name: self.layout.name if name == "layout" else getattr(self, name)
+            for name in self._KEYWORDS
+        }
+        return (self.kernel_q, self.k_cache, self.v_cache, *arrays), dict(
+            scale=self.scale,
+            soft_cap=self.soft_cap,
+            k_scale=self.kernel_k_scale,
+            v_scale=self.v_scale,
+            **keywords,
+        )
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedArgs(_Args):
@@ -362,6 +384,9 @@ class PagedArgs(_Args):
     block_tables: Any = None
     seq_lens: Any = None
     partition_size: int | None = None
+
+    _ARRAYS = ("block_tables", "seq_lens")
+    _KEYWORDS = ("layout", "partition_size")
 
     @property
     def capacity(self) -> int:
@@ -377,6 +402,9 @@ class ExtendArgs(_Args):
     kv_indptr: Any = None
     kv_indices: Any = None
 
+    _ARRAYS = ("qo_indptr", "kv_indptr", "kv_indices")
+    _KEYWORDS = ()
+
     @property
     def batch(self) -> int:
         return self.qo_indptr.shape[0] - 1
@@ -389,6 +417,8 @@ class PrefillArgs(_Args):
     cu_seqlens_q: Any = None
     block_tables: Any = None
     seq_lens: Any = None
+
+    _ARRAYS = ("cu_seqlens_q", "block_tables", "seq_lens")
 
     @property
     def batch(self) -> int:
@@ -405,6 +435,8 @@ class CascadeArgs(_Args):
     prefix_of: Any = None
     block_tables: Any = None
     seq_lens: Any = None
+
+    _ARRAYS = ("prefix_tables", "prefix_lens", "prefix_of", "block_tables", "seq_lens")
 
     @property
     def num_prefixes(self) -> int:

@@ -34,7 +34,7 @@ in the loops); what the kernels return never exposes that.
 
 import jax
 
-from ..backend import Implementation
+from ..backend import KernelImplementation
 from . import _common as C
 from . import cascade as _cascade
 from . import decode as _decode
@@ -54,7 +54,7 @@ def is_available() -> bool:
 # --- the backend contract (jaxattn.backend) ---------------------------------------------
 
 
-class _Pallas(Implementation):
+class _Pallas(KernelImplementation):
     backend = "pallas"
 
     def available(self, platform):
@@ -75,21 +75,7 @@ class _PagedAttention(_Pallas):
     def heuristic_config(self, a):
         return _decode.heuristic_config(a.q, a.geometry)
 
-    def run(self, a, config):
-        return paged_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            partition_size=a.partition_size,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(paged_attention)
 
 
 class _ExtendAttention(_Pallas):
@@ -98,20 +84,7 @@ class _ExtendAttention(_Pallas):
     def heuristic_config(self, a):
         return _extend.heuristic_config(a.kernel_q, a.group, a.qo_indptr)
 
-    def run(self, a, config):
-        return extend_attention(
-            a.kernel_q,
-            a.k_cache,
-            a.v_cache,
-            a.qo_indptr,
-            a.kv_indptr,
-            a.kv_indices,
-            scale=a.scale,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(extend_attention)
 
 
 class _PrefixPrefill(_Pallas):
@@ -120,21 +93,7 @@ class _PrefixPrefill(_Pallas):
     def heuristic_config(self, a):
         return _extend.heuristic_config(a.kernel_q, a.group, a.cu_seqlens_q)
 
-    def run(self, a, config):
-        return prefix_prefill(
-            a.kernel_q,
-            a.k_cache,
-            a.v_cache,
-            a.cu_seqlens_q,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.kernel_k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(prefix_prefill)
 
 
 class _CascadeAttention(_Pallas):
@@ -143,23 +102,7 @@ class _CascadeAttention(_Pallas):
     def heuristic_config(self, a):
         return _cascade.heuristic_config(a.q, a.geometry, a.prefix_tables, a.block_tables)
 
-    def run(self, a, config):
-        return cascade_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.prefix_tables,
-            a.prefix_lens,
-            a.prefix_of,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-            config=config,
-        )
+    function = staticmethod(cascade_attention)
 
 
 IMPLEMENTATIONS = {
