@@ -355,23 +355,35 @@ class _Args:
         return not (self.k_scale is None and self.v_scale is None and self.q_scale is None)
 
     # The op's public signature after q, k_cache, v_cache: its index arrays, then the
-    # static keywords besides scale, soft_cap and the scales (see kernel_call).
+    # static keywords besides scale, soft_cap and the scales (see kernel_call); whether it
+    # takes the mixed mode's q_scale and out_dtype (the prefill ops).
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
     _KEYWORDS: ClassVar[tuple[str, ...]] = ("layout",)
+    _MIXED_Q: ClassVar[bool] = False
+
+    def spec_call(self) -> tuple[tuple, dict]:
+        """(positional, keywords) of the op's public signature, as the spec takes it."""
+        positional, keywords = self._call(self.q, self.k_scale)
+        if self._MIXED_Q:
+            keywords.update(q_scale=self.q_scale, out_dtype=self.output_dtype)
+        return positional, keywords
 
     def kernel_call(self) -> tuple[tuple, dict]:
         """(positional, keywords) of the op's public signature in the form the kernel
         backends take it: q in the output dtype (:attr:`kernel_q`), q's scale folded into
-        the key scales (:attr:`kernel_k_scale`), the layout by name."""
+        the key scales (:attr:`kernel_k_scale`)."""
+        return self._call(self.kernel_q, self.kernel_k_scale)
+
+    def _call(self, q, k_scale):
         arrays = tuple(getattr(self, name) for name in self._ARRAYS)
         keywords = {
             name: self.layout.name if name == "layout" else getattr(self, name)
             for name in self._KEYWORDS
         }
-        return (self.kernel_q, self.k_cache, self.v_cache, *arrays), dict(
+        return (q, self.k_cache, self.v_cache, *arrays), dict(
             scale=self.scale,
             soft_cap=self.soft_cap,
-            k_scale=self.kernel_k_scale,
+            k_scale=k_scale,
             v_scale=self.v_scale,
             **keywords,
         )
@@ -404,6 +416,7 @@ class ExtendArgs(_Args):
 
     _ARRAYS = ("qo_indptr", "kv_indptr", "kv_indices")
     _KEYWORDS = ()
+    _MIXED_Q = True
 
     @property
     def batch(self) -> int:
@@ -419,6 +432,7 @@ class PrefillArgs(_Args):
     seq_lens: Any = None
 
     _ARRAYS = ("cu_seqlens_q", "block_tables", "seq_lens")
+    _MIXED_Q = True
 
     @property
     def batch(self) -> int:
@@ -780,85 +794,32 @@ OPS = {op.name: op for op in (PAGED_ATTENTION, EXTEND_ATTENTION, PREFIX_PREFILL,
 # --- the reference backend -------------------------------------------------------------
 
 
-class _ReferencePaged(Implementation):
+class _Reference(Implementation):
+    """The spec (:mod:`jaxattn.reference`) as a backend: ``function`` takes the op's public
+    signature (:meth:`_Args.spec_call`)."""
+
     backend = "reference"
+    function: ClassVar[Any]
 
-    def run(self, a: PagedArgs, config):
-        return _reference.paged_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            partition_size=a.partition_size,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-        )
+    def run(self, a: _Args, config):
+        positional, keywords = a.spec_call()
+        return self.function(*positional, **keywords)
 
 
-class _ReferenceExtend(Implementation):
-    backend = "reference"
-
-    def run(self, a: ExtendArgs, config):
-        return _reference.extend_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.qo_indptr,
-            a.kv_indptr,
-            a.kv_indices,
-            scale=a.scale,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-            q_scale=a.q_scale,
-            out_dtype=a.output_dtype,
-        )
+class _ReferencePaged(_Reference):
+    function = staticmethod(_reference.paged_attention)
 
 
-class _ReferencePrefill(Implementation):
-    backend = "reference"
-
-    def run(self, a: PrefillArgs, config):
-        return _reference.prefix_prefill(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.cu_seqlens_q,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-            q_scale=a.q_scale,
-            out_dtype=a.output_dtype,
-        )
+class _ReferenceExtend(_Reference):
+    function = staticmethod(_reference.extend_attention)
 
 
-class _ReferenceCascade(Implementation):
-    backend = "reference"
+class _ReferencePrefill(_Reference):
+    function = staticmethod(_reference.prefix_prefill)
 
-    def run(self, a: CascadeArgs, config):
-        return _reference.cascade_attention(
-            a.q,
-            a.k_cache,
-            a.v_cache,
-            a.prefix_tables,
-            a.prefix_lens,
-            a.prefix_of,
-            a.block_tables,
-            a.seq_lens,
-            scale=a.scale,
-            layout=a.layout.name,
-            soft_cap=a.soft_cap,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-        )
+
+class _ReferenceCascade(_Reference):
+    function = staticmethod(_reference.cascade_attention)
 
 
 IMPLEMENTATIONS = {
