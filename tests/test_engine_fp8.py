@@ -72,6 +72,22 @@ def test_fp8_pool_serves_and_verifies_against_the_dense_model(kv_dtype):
     engine.check_idle()
 
 
+def test_fp8_pool_under_cascade_decode():
+    """The rows that share the system prompt read it through cascade_attention, with the
+    same scales."""
+    prompts = workload(7, num=4, system=20)
+    scales = calibrate_kv_scales(CFG, PARAMS, prompts[:2], "fp8_e4m3")
+    kw = dict(kv_dtype="fp8_e4m3", kv_scales=scales, cascade="on", cascade_min_tokens=4)
+    engine = make_engine(**kw)
+    out = engine.generate(prompts, 8, n=2)
+    assert engine.stats["cascade_steps"] > 0
+    report = check_outputs(PARAMS, CFG, prompts, out, max_new_tokens=8, n=2, kv_dtype="fp8_e4m3")
+    assert report.ok, report.problems[:5]
+    bad = np.full_like(scales[0], 1e-4)
+    out = make_engine(**dict(kw, kv_scales=(bad, bad))).generate(prompts, 8)
+    assert not check_outputs(PARAMS, CFG, prompts, out, max_new_tokens=8, kv_dtype="fp8_e4m3").ok
+
+
 def test_verification_tolerance_is_the_model_dtype_s_without_kv_dtype():
     prompts = workload(4, num=2)
     out = [[1, 2]] * 2
