@@ -468,7 +468,7 @@ def demo(args) -> int:
             f"{s['kv_dtype']} ({args.kv_dtype}: scales per layer and KV head calibrated on "
             f"{len(calibration)} prompts)"
             if args.kv_dtype
-            else f"{s['kv_dtype']} (the model's; --kv-dtype fp8_e4m3 halves a 16-bit pool)",
+            else f"{s['kv_dtype']} (the model's; --kv-dtype fp8_e4m3 stores one byte per element)",
         ),
         (
             "tensor parallel",
