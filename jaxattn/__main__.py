@@ -10,6 +10,7 @@ a shell reports for it). Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,10 @@ Tensor parallelism: --devices N splits the query and KV heads, the MLP and the K
 KV heads over N devices (N must divide --heads, --kv-heads and the MLP width). On a CPU
 host, N fake CPU devices are created for it; on a GPU host, the first N GPUs are used.
 """
+
+
+# Prompts of the workload (in submission order) the FP8 pool's scales are calibrated on.
+CALIBRATION_PROMPTS = 4
 
 
 class UsageError(Exception):
@@ -132,6 +137,13 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--no-radix", action="store_true", help="disable the radix prefix cache (for contrast)"
     )
     e.add_argument(
+        "--kv-dtype",
+        choices=["fp8_e4m3", "fp8_e5m2"],
+        help="KV pool dtype (default: the model's): an FP8 pool takes one byte per element, "
+        f"with scales per layer and KV head calibrated on the workload's first "
+        f"{CALIBRATION_PROMPTS} prompts",
+    )
+    e.add_argument(
         "--devices",
         type=_count(1),
         default=1,
@@ -151,7 +163,8 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         help="check every generated token against a dense forward pass without any cache; "
         "a token that is not the dense pass's choice fails only when their logit gap exceeds "
         "the tolerance of the dtype (float32 1e-3, float16 5e-3, bfloat16 5e-2, relative to "
-        "the largest logit)",
+        "the largest logit; with --kv-dtype, the larger of that and the FP8 format's: "
+        "fp8_e4m3 7.5e-2, fp8_e5m2 1e-1)",
     )
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     o.add_argument("--json", action="store_true", help="also print the engine stats as JSON")
@@ -322,7 +335,7 @@ def demo(args) -> int:
     import jax
 
     import jaxattn
-    from jaxattn.engine import Buckets, Engine, check_outputs
+    from jaxattn.engine import Buckets, Engine, calibrate_kv_scales, check_outputs
     from jaxattn.engine.workload import make_workload, run_workload
 
     mesh = _use_devices(args.devices)
@@ -359,6 +372,16 @@ def demo(args) -> int:
             f"raise --num-pages to at least {pages}"
         )
     params = _model_params(args, cfg)
+    kv_scales = None
+    if args.kv_dtype:
+        # The workload's first prompts as run_workload submits them (first chat turns
+        # interleaved with the few-shot requests).
+        sys_prompt = workload.system
+        first = [sys_prompt + msgs[0] for msgs in workload.chats if msgs]
+        shots = [sys_prompt + workload.examples + q for q in workload.questions]
+        order = [p for pair in itertools.zip_longest(first, shots) for p in pair if p]
+        calibration = order[:CALIBRATION_PROMPTS]
+        kv_scales = calibrate_kv_scales(cfg, params, calibration, args.kv_dtype)
     engine_kwargs = dict(
         num_pages=args.num_pages,
         page_size=args.page_size,
@@ -377,6 +400,8 @@ def demo(args) -> int:
         ),
         track_waste=True,
         mesh=mesh,
+        kv_dtype=args.kv_dtype,
+        kv_scales=kv_scales,
     )
     try:
         engine = Engine(cfg, params, **engine_kwargs)
@@ -439,6 +464,13 @@ def demo(args) -> int:
             f"(pool {kv_mib:.1f} MiB; {s['cached_pages']} pages cached at the end)",
         ),
         (
+            "KV cache dtype",
+            f"{s['kv_dtype']} ({args.kv_dtype}: scales per layer and KV head calibrated on "
+            f"{len(calibration)} prompts)"
+            if args.kv_dtype
+            else f"{s['kv_dtype']} (the model's; --kv-dtype fp8_e4m3 stores one byte per element)",
+        ),
+        (
             "tensor parallel",
             f"{s['tp']} devices: heads, MLP and KV pool split, "
             f"{s['kv_pool_bytes_per_device'] / 2**20:.1f} MiB of the pool on each"
@@ -491,6 +523,7 @@ def demo(args) -> int:
             top_p=args.top_p,
             seed=[r.seed for r in records],
             sample_ids=[0] * len(records),
+            kv_dtype=args.kv_dtype,
         )
         rows.append(("verify (no-cache recompute)", report.summary(len(records))))
     print("\n" + _table(rows))

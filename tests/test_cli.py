@@ -66,6 +66,8 @@ FLAG_ERRORS = {
     "devices do not divide": (["--devices", "3"], ["--devices 3", "--heads"]),
     "no requests": (["--chats", "0", "--few-shot", "0"], ["--chats", "--few-shot"]),
     "pool too small": (["--num-pages", "11"], ["--num-pages 11", "at least 12"]),
+    "unknown kv dtype": (["--kv-dtype", "int8"], ["--kv-dtype", "int8"]),
+    "kv dtype of the model": (["--kv-dtype", "float32"], ["--kv-dtype", "float32"]),
     "beyond max positions": (
         ["--system-tokens", "5000"],
         ["max_position_embeddings=4096", "--system-tokens"],
@@ -237,6 +239,19 @@ def test_pool_check_admits_a_pool_that_just_fits(capsys):
     assert "verify (no-cache recompute)   OK" in capsys.readouterr().out
     assert main(["demo", *TINY, "--num-pages", "11"]) == 2
     assert "--num-pages 11" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_demo_serves_from_an_fp8_pool_and_verifies(kv_dtype, capsys):
+    assert main(["demo", *TINY, "--kv-dtype", kv_dtype, "--verify", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "verify (no-cache recompute)   OK" in out
+    name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv_dtype]
+    # TINY: one KV head of 16 dims, one layer, 256 pages of 4 tokens: one byte each.
+    assert f"KV cache dtype                {name} ({kv_dtype}: scales per layer" in out
+    stats = json.loads(out[out.index("{") :])
+    assert stats["kv_pool_bytes"] == 2 * 1 * 256 * 4 * 16
+    assert stats["kv_dtype"] == name
 
 
 def test_engine_refuses_a_request_beyond_max_position_embeddings():

@@ -1,6 +1,7 @@
 """Serving engine: continuous batching over the paged KV pool and the radix prefix cache."""
 
-from .config import Buckets, CacheConfig, ExecutionConfig, SchedulerConfig, bucket
+from .calibrate import calibrate_kv_scales
+from .config import KV_DTYPES, Buckets, CacheConfig, ExecutionConfig, SchedulerConfig, bucket
 from .engine import Engine, RequestError
 from .kv_cache import KVCacheManager, PrefixMatch
 from .model import CausalLM
@@ -12,6 +13,7 @@ from .stats import StatsCollector
 from .verify import VerifyReport, check_outputs, dense_logits
 
 __all__ = [
+    "KV_DTYPES",
     "Buckets",
     "CacheConfig",
     "CausalLM",
@@ -34,6 +36,7 @@ __all__ = [
     "StepWork",
     "VerifyReport",
     "bucket",
+    "calibrate_kv_scales",
     "check_outputs",
     "dense_logits",
     "sample",

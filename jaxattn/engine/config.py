@@ -17,16 +17,22 @@ import dataclasses
 import numbers
 from typing import Any
 
+import numpy as np
+
 __all__ = [
+    "KV_DTYPES",
     "Buckets",
     "CacheConfig",
     "ExecutionConfig",
     "SchedulerConfig",
     "bucket",
+    "kv_cache_dtype",
     "split_engine_kwargs",
 ]
 
 _LAYOUTS = ("bshd", "bhsd", "vllm")
+# CacheConfig.kv_dtype: the names of the FP8 pool formats and the numpy dtype of each.
+KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _CASCADE = ("auto", "on", "off")
 
 
@@ -34,6 +40,71 @@ def _int(owner: str, name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _kv_dtype_name(value) -> str | None:
+    """The :data:`KV_DTYPES` name of a ``CacheConfig.kv_dtype`` value (None: the model's)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value in KV_DTYPES:
+        return value
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        dt = None
+    for name, numpy_name in KV_DTYPES.items():
+        if dt is not None and dt.name == numpy_name:
+            return name
+    names = " or ".join(map(repr, KV_DTYPES))
+    raise ValueError(
+        f"CacheConfig.kv_dtype must be None (the model's dtype), {names} "
+        f"(or the dtypes {' / '.join(KV_DTYPES.values())}), got {value!r}"
+    )
+
+
+def kv_cache_dtype(kv_dtype: str | None, model_dtype) -> np.dtype:
+    """The dtype of the pool's arrays: ``model_dtype`` for ``kv_dtype=None``, else the FP8
+    format named (a :data:`KV_DTYPES` key)."""
+    if kv_dtype is None:
+        return np.dtype(model_dtype)
+    return np.dtype(KV_DTYPES[_kv_dtype_name(kv_dtype)])
+
+
+def _kv_scales(value):
+    """``CacheConfig.kv_scales`` as a pair of nested tuples of floats (hashable, compared by
+    value), after checking that both are finite, positive, 2-D and of one shape."""
+    if value is None:
+        return None
+    name = "CacheConfig.kv_scales"
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise ValueError(
+            f"{name} must be None or a pair (k_scales, v_scales) of float32 "
+            f"[num_layers, num_kv_heads], got {type(value).__name__}"
+        )
+    out = []
+    for what, x in zip(("k_scales", "v_scales"), value, strict=True):
+        try:
+            a = np.asarray(x)
+        except Exception as e:  # noqa: BLE001 - anything not an array is the same mistake
+            raise ValueError(f"{name}: {what} is not an array ({e})") from None
+        if a.dtype == np.bool_ or not (
+            np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
+        ):
+            raise ValueError(f"{name}: {what} must be real numbers, got dtype {a.dtype}")
+        if a.ndim != 2 or 0 in a.shape:
+            raise ValueError(
+                f"{name}: {what} must be float32 [num_layers, num_kv_heads], got shape {a.shape}"
+            )
+        a = a.astype(np.float32)
+        if not np.all(np.isfinite(a)) or np.any(a <= 0):
+            raise ValueError(f"{name}: {what} must be finite and positive, got {a.tolist()}")
+        out.append(tuple(tuple(float(e) for e in row) for row in a))
+    if np.shape(out[0]) != np.shape(out[1]):
+        raise ValueError(
+            f"{name}: k_scales and v_scales must have one shape, got {np.shape(out[0])} and "
+            f"{np.shape(out[1])}"
+        )
+    return tuple(out)
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -65,17 +136,29 @@ class CacheConfig:
     """The paged KV pool and the radix prefix cache.
 
     num_pages: pages per layer; the pool takes ``num_pages * page_size *
-      model.kv_bytes_per_token()`` bytes.
+      model.kv_bytes_per_token(kv dtype)`` bytes. The count is explicit, so an FP8 pool of
+      the same ``num_pages`` takes half the bytes of a 16-bit one (a quarter of float32);
+      to fill the same bytes, give twice (four times) the pages.
     page_size: tokens per page (the block size of the block tables and of the cache).
     layout: the pool layout, ``"bshd"``, ``"bhsd"`` or ``"vllm"``.
     radix_cache: share KV across requests through the radix prefix cache (False: every
       request computes its whole prompt and frees its pages at the end).
+    kv_dtype: the pool's dtype: None (the model's), ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (also
+      given as the dtypes ``float8_e4m3fn`` / ``float8_e5m2``; stored as the name). An FP8
+      pool stores ``x / scale`` per layer and KV head with saturation and the attention
+      ops read ``float32(element) * scale`` (:mod:`jaxattn.quant`).
+    kv_scales: None (1.0 everywhere) or ``(k_scales, v_scales)``, float32 ``[num_layers,
+      num_kv_heads]`` each, finite and positive, e.g. from
+      :func:`jaxattn.engine.calibrate_kv_scales`. Stored as nested tuples of floats (so the
+      record stays hashable); the engine checks the shape against the model.
     """
 
     num_pages: int
     page_size: int = 16
     layout: str = "bshd"
     radix_cache: bool = True
+    kv_dtype: str | None = None
+    kv_scales: tuple | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "num_pages", _int("CacheConfig", "num_pages", self.num_pages, 1))
@@ -83,6 +166,8 @@ class CacheConfig:
         if self.layout not in _LAYOUTS:
             raise ValueError(f"CacheConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
         object.__setattr__(self, "radix_cache", bool(self.radix_cache))
+        object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv_dtype))
+        object.__setattr__(self, "kv_scales", _kv_scales(self.kv_scales))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,14 @@ import numpy as np
 from jaxattn.cascade_cost import cascade_pays_off
 
 from .cascade import CascadeLevels, cascade_levels
-from .config import CacheConfig, ExecutionConfig, SchedulerConfig, bucket, split_engine_kwargs
+from .config import (
+    CacheConfig,
+    ExecutionConfig,
+    SchedulerConfig,
+    bucket,
+    kv_cache_dtype,
+    split_engine_kwargs,
+)
 from .kv_cache import KVCacheManager
 from .model import check_model
 from .progress import ProgressBar
@@ -110,7 +117,8 @@ class Engine:
         :class:`~jaxattn.models.llama.LlamaConfig`.
       params: its parameters.
       cache: the pool and the prefix cache (:class:`~jaxattn.engine.CacheConfig`); it takes
-        ``num_pages * page_size * cfg.kv_bytes_per_token()`` bytes.
+        ``num_pages * page_size * cfg.kv_bytes_per_token(kv dtype)`` bytes (an FP8
+        ``kv_dtype`` counts one byte per element: half the bytes of a 16-bit pool).
       scheduler: admission, chunking, multi-step decode and overlap
         (:class:`~jaxattn.engine.SchedulerConfig`).
       execution: attention backends, shape buckets, tensor parallelism
@@ -165,6 +173,11 @@ class Engine:
         self.debug = debug
         self.track_waste = track_waste
         self.num_pages, self.page_size = cache.num_pages, cache.page_size
+        # The pool's element type: the bytes a token's KV takes and a decode step reads.
+        self.kv_dtype = kv_cache_dtype(cache.kv_dtype, model.jnp_dtype)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(
+            None if cache.kv_dtype is None else self.kv_dtype
+        )
         self.collector = StatsCollector(_COUNTERS, _TIMERS)
         self.kv = KVCacheManager(
             cache.num_pages, cache.page_size, radix_cache=cache.radix_cache, stats=self.collector
@@ -186,6 +199,8 @@ class Engine:
             stop_width=len(self.stop_ids),
             decode_steps=scheduler.decode_steps,
             unroll_layers=execution.unroll_layers,
+            kv_dtype=cache.kv_dtype,
+            kv_scales=cache.kv_scales,
         )
         max_pos = model.max_position_embeddings
         self.device_paging = execution.device_paging
@@ -351,7 +366,7 @@ class Engine:
             levels = work.decode.levels if work.decode is not None else None
             if levels is not None:
                 stats.count("cascade_steps", plan.decode_steps)
-                saved = levels.saved_tokens * self.cfg.kv_bytes_per_token() * plan.decode_steps
+                saved = levels.saved_tokens * self.kv_bytes_per_token * plan.decode_steps
                 stats.count("cascade_saved_kv_bytes", saved)
             self._track_memory()
         else:
@@ -482,7 +497,7 @@ class Engine:
             num_q_heads=cfg.num_attention_heads // tp,
             num_kv_heads=cfg.num_key_value_heads // tp,
             head_dim=cfg.head_dim,
-            itemsize=np.dtype(cfg.jnp_dtype).itemsize,
+            itemsize=self.kv_dtype.itemsize,
         )
         return levels if pays else None
 
@@ -599,6 +614,7 @@ class Engine:
                 runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
             ),
             tp=getattr(runner, "tp_size", 1),
+            kv_dtype=self.kv_dtype.name,
         )
         timing = getattr(runner, "timing", None)
         if timing is not None:
@@ -623,8 +639,9 @@ class Engine:
         extend and decode steps run; cascade_steps: decode steps that ran cascade decode
         (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes they did not
         read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per shared
-        prefix and step (all layers, K and V, over all devices); tp: devices the model is
-        split over (1 without a mesh); kv_pool_bytes: the pool over all devices,
+        prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:
+        devices the model is split over (1 without a mesh); kv_dtype: the pool's dtype
+        (e.g. ``float8_e4m3fn``); kv_pool_bytes: the pool over all devices,
         kv_pool_bytes_per_device: what one device holds of it; time_s: wall time in
         :meth:`step`, compile_steps_time_s: the part spent in steps that compiled a program;
         schedule_s, launch_s (building and enqueueing device work), wait_s (blocked on

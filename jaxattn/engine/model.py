@@ -10,6 +10,11 @@ it and return ``(logits f32[rows, vocab], k_cache, v_cache)``; ``batch`` is the 
 :class:`~jaxattn.models.llama.ExtendBatch` / :class:`~jaxattn.models.llama.DecodeBatch`
 record (layer-0 page ids and slots), and ``**options`` are static attention choices
 (``layout``, ``attention``, ``implementation``, ``partition_size``, ``kernels``).
+
+A quantised pool (``CacheConfig.kv_dtype``): ``init_kv_cache(..., dtype=)`` allocates it in
+that dtype, ``kv_bytes_per_token(kv_dtype)`` counts its itemsize, and the batch records
+carry the per-layer, per-KV-head scales (``k_scale`` / ``v_scale``, f32 ``[num_layers,
+num_kv_heads]``) that the model hands to ``write_kv`` and to every attention op.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ class CausalLM(Protocol):
     @property
     def jnp_dtype(self) -> Any: ...
 
-    def kv_bytes_per_token(self) -> int: ...
+    def kv_bytes_per_token(self, kv_dtype=None) -> int: ...
 
-    def init_kv_cache(self, num_pages: int, page_size: int, *, layout: str = "bshd"): ...
+    def init_kv_cache(
+        self, num_pages: int, page_size: int, *, layout: str = "bshd", dtype=None
+    ): ...
 
     def serving_params(self, params: Any, *, shards: int = 1, unroll: bool = True) -> Any: ...
 

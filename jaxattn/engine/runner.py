@@ -35,6 +35,13 @@ created split by KV head (:mod:`jaxattn.sharding`); the programs take the
 model as its ``kernels``, so attention and KV writes run per device on its own heads. The
 metadata (block tables, slots, indptrs, decode rows) is replicated, the same on 1 or N
 devices.
+
+A quantised pool (``kv_dtype``, e.g. FP8): the pool is allocated in that dtype, and the
+scales (``kv_scales``, f32 ``[num_layers, num_kv_heads]`` each for K and V) go to the
+device once, replicated; every extend and decode batch carries them, and the model passes
+layer ``l``'s row to ``write_kv`` and to the attention op (under tensor parallelism the
+ops' sharded wrappers split each row with the KV heads). Scales are traced operands, so
+other values reuse the compiled programs.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from jaxattn.models.llama import DecodeBatch, ExtendBatch
 from jaxattn.paging import token_slots
 
 from . import scheduler
-from .config import Buckets, bucket
+from .config import Buckets, bucket, kv_cache_dtype
 from .sampling import sample, sample_keys
 
 __all__ = [
@@ -366,6 +373,7 @@ def _decode_fn(
     pages,
     entries,
     levels=None,
+    scales=None,
     *,
     model,
     options,
@@ -389,6 +397,9 @@ def _decode_fn(
     tokens' pages of row ``prefix_rows[g]``'s table; the prefixes are constant over the
     steps (they hold only pages full before the first one); each row's own level is its
     table shifted past its prefix's pages, computed once before the loop.
+
+    ``scales`` (``(k_scale, v_scale)`` f32 ``[num_layers, num_kv_heads]``, or None): the
+    scales of a quantised pool, handed to the model in every step's batch.
     """
     steps, active = control[0], control[1:] != 0
     rows = jax.tree.map(lambda x: x[:num_rows], state)
@@ -431,6 +442,8 @@ def _decode_fn(
             block_tables=tables,
             seq_lens=jnp.where(live, pos + 1, 0),
         )
+        if scales is not None:
+            batch = batch._replace(k_scale=scales[0], v_scale=scales[1])
         if levels is not None:
             # A row continues its prefix when it runs and the prefix lies before the
             # token it writes (the host built it so); otherwise it reads its whole table.
@@ -552,6 +565,10 @@ class ModelRunner:
       decode_steps: the most decode steps one dispatch runs.
       unroll_layers: straight-line layers (None: on GPUs; see
         :class:`~jaxattn.engine.ExecutionConfig`).
+      kv_dtype: the pool's dtype: None (the model's) or an FP8 format
+        (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
+      kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
+        the pool's per-layer, per-KV-head scales (None: 1.0).
 
     :attr:`trace_counts` counts the programs this runner's calls compiled (a program
     another runner of the same model compiled already is reused, not counted).
@@ -574,6 +591,8 @@ class ModelRunner:
         stop_width: int = 1,
         decode_steps: int = 8,
         unroll_layers: bool | None = None,
+        kv_dtype=None,
+        kv_scales=None,
     ):
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
@@ -600,7 +619,22 @@ class ModelRunner:
         # A sequence never holds more pages than the pool or its positions need.
         max_pos = int(getattr(model, "max_position_embeddings", num_pages * page_size))
         self.table_width = min(num_pages, -(-max_pos // page_size))
-        init = functools.partial(model.init_kv_cache, num_pages, page_size, layout=layout)
+        # The pool's dtype (the model's unless a quantised one is asked for) and scales.
+        self.kv_dtype = kv_cache_dtype(kv_dtype, model.jnp_dtype)
+        dtype = {} if self.kv_dtype == np.dtype(model.jnp_dtype) else {"dtype": self.kv_dtype}
+        init = functools.partial(model.init_kv_cache, num_pages, page_size, layout=layout, **dtype)
+        scales = None
+        if kv_scales is not None:
+            want = (model.num_hidden_layers, model.num_key_value_heads)
+            scales = tuple(np.asarray(s, np.float32) for s in kv_scales)
+            for name, s in zip(("k_scales", "v_scales"), scales, strict=True):
+                if s.shape != want:
+                    raise ValueError(
+                        f"CacheConfig.kv_scales: {name} must be float32 [num_layers, "
+                        f"num_kv_heads] = {list(want)} for this model, got {list(s.shape)}"
+                    )
+                if not np.all(np.isfinite(s)) or np.any(s <= 0):
+                    raise ValueError(f"CacheConfig.kv_scales: {name} must be finite and positive")
         state = init_decode_state(self.max_rows, self.table_width, self.stop_width)
         platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         self.unroll_layers = platform != "cpu" if unroll_layers is None else unroll_layers
@@ -615,6 +649,9 @@ class ModelRunner:
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
             state = jax.device_put(state, self.tp.replicated())
         self.state = state
+        # Sent once; every step passes the same device arrays.
+        sharding = None if self.tp is None else self.tp.replicated()
+        self.kv_scales = None if scales is None else jax.device_put(scales, sharding)
         # Device paging: the pages as a PageTable over the decode rows (sent by the host
         # whenever something other than a decode step changed them).
         self.pages = None
@@ -669,12 +706,15 @@ class ModelRunner:
         resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device sees)."""
         cfg, tp = self.model, self.tp_size
         hq, hkv, d = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim
-        dt = cfg.jnp_dtype
+        dt, kv_dt = cfg.jnp_dtype, self.kv_dtype
         sds, i32 = jax.ShapeDtypeStruct, jnp.int32
         lay = _layout.get(self.layout)
         geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
-        k, v = sds(lay.shape("k", geom, dt), dt), sds(lay.shape("v", geom, dt), dt)
+        k, v = sds(lay.shape("k", geom, kv_dt), kv_dt), sds(lay.shape("v", geom, kv_dt), kv_dt)
         q = sds((1, hq, d), dt)
+        scaled = self.kv_scales is not None
+        scale = sds((hkv,), jnp.float32) if scaled else None
+        scales = {"k_scale": scale, "v_scale": scale}
         if kind == "cascade":
             op = ops.CASCADE_ATTENTION
             args = op.bind(
@@ -687,6 +727,7 @@ class ModelRunner:
                 sds((1, 1), i32),
                 sds((1,), i32),
                 layout=self.layout,
+                **scales,
             )
         elif kind == "decode":
             op = ops.PAGED_ATTENTION
@@ -698,15 +739,23 @@ class ModelRunner:
                 sds((1,), i32),
                 layout=self.layout,
                 partition_size=self.partition_size,
+                **scales,
             )
         elif self.extend_attention == "extend":
             op = ops.EXTEND_ATTENTION
-            pool = sds((geom.num_pages * geom.page_size, hkv, d), dt)
-            args = op.bind(q, pool, pool, sds((2,), i32), sds((2,), i32), sds((1,), i32))
+            pool = sds((geom.num_pages * geom.page_size, hkv, d), kv_dt)
+            args = op.bind(q, pool, pool, sds((2,), i32), sds((2,), i32), sds((1,), i32), **scales)
         else:
             op = ops.PREFIX_PREFILL
             args = op.bind(
-                q, k, v, sds((2,), i32), sds((1, 1), i32), sds((1,), i32), layout=self.layout
+                q,
+                k,
+                v,
+                sds((2,), i32),
+                sds((1, 1), i32),
+                sds((1,), i32),
+                layout=self.layout,
+                **scales,
             )
         platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
         return op.resolve(args, implementation, platform=platform).backend
@@ -781,7 +830,10 @@ class ModelRunner:
         tables = seq_lens = None
         if self.extend_attention == "prefix_prefill":
             tables, seq_lens = dev[13], dev[14]
+        k_scale, v_scale = self.kv_scales or (None, None)
         batch = ExtendBatch(
+            k_scale=k_scale,
+            v_scale=v_scale,
             tokens=dev[0],
             positions=dev[1],
             slot_mapping=dev[2],
@@ -927,6 +979,7 @@ class ModelRunner:
             pages,
             entries,
             levels,
+            self.kv_scales,
             model=self.model,
             options=self._options["decode" if levels is None else "cascade"],
             num_rows=num_rows,

@@ -48,6 +48,7 @@ __all__ = [
     "LlamaConfig",
     "apply_rope",
     "config_from_hf",
+    "dense_kv",
     "forward_decode",
     "forward_dense",
     "forward_extend",
@@ -80,7 +81,7 @@ class LlamaConfig:
     ``head_dim=0`` means ``hidden_size // num_attention_heads``. ``rope_scaling`` is a
     Hugging Face ``rope_scaling`` dict (stored as sorted items). ``eos_token_id`` is an
     int, a sequence of ints or None (stored as a tuple). ``dtype`` names the parameter,
-    activation and KV cache dtype.
+    activation and (unless the cache is given another, e.g. FP8) KV cache dtype.
     """
 
     vocab_size: int = 128
@@ -165,17 +166,18 @@ class LlamaConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies in the pool, over all layers."""
-        itemsize = np.dtype(self.jnp_dtype).itemsize
+    def kv_bytes_per_token(self, kv_dtype=None) -> int:
+        """Bytes of K and V one token occupies in the pool, over all layers, in a pool of
+        ``kv_dtype`` (None: the model's dtype; e.g. ``jnp.float8_e4m3fn`` for an FP8 pool)."""
+        itemsize = np.dtype(self.jnp_dtype if kv_dtype is None else kv_dtype).itemsize
         return 2 * self.num_hidden_layers * self.kv_size * itemsize
 
     # The serving engine's model protocol (jaxattn.engine.CausalLM): the config names the
     # model, and these bind it to the module's functions.
 
-    def init_kv_cache(self, num_pages: int, page_size: int, *, layout: str = "bshd"):
+    def init_kv_cache(self, num_pages: int, page_size: int, *, layout: str = "bshd", dtype=None):
         """:func:`init_kv_cache` of this model."""
-        return init_kv_cache(self, num_pages, page_size, layout=layout)
+        return init_kv_cache(self, num_pages, page_size, layout=layout, dtype=dtype)
 
     def serving_params(self, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
         """:func:`serving_params` of this model."""
@@ -239,12 +241,16 @@ def init_params(cfg: LlamaConfig, key) -> dict:
     return params
 
 
-def init_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int, *, layout: str = "bshd"):
-    """Zeroed ``(k_cache, v_cache)`` holding ``num_pages`` pages per layer (see module doc)."""
+def init_kv_cache(
+    cfg: LlamaConfig, num_pages: int, page_size: int, *, layout: str = "bshd", dtype=None
+):
+    """Zeroed ``(k_cache, v_cache)`` holding ``num_pages`` pages per layer (see module doc),
+    of ``dtype`` (None: the model's dtype; an FP8 dtype for a quantised pool, whose scales
+    the batches carry: :class:`ExtendBatch` / :class:`DecodeBatch` ``k_scale``)."""
     num_pages = _positive_int("num_pages", num_pages)
     page_size = _positive_int("page_size", page_size)
     total = cfg.num_hidden_layers * num_pages
-    dt = cfg.jnp_dtype
+    dt = cfg.jnp_dtype if dtype is None else np.dtype(dtype)
     shape = lambda kind: _layout.cache_shape(
         layout, kind, total, page_size, cfg.num_key_value_heads, cfg.head_dim, dt
     )
@@ -481,6 +487,50 @@ def forward_dense(params: dict, cfg: LlamaConfig, tokens, lengths=None):
     return logits[0] if squeeze else logits
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def dense_kv(params: dict, cfg: LlamaConfig, tokens, lengths):
+    """The K and V every layer writes to a cache for ``tokens i32[B, S]`` (row ``b``'s first
+    ``lengths[b]`` tokens; positions ``0..S-1``): ``(k, v)``, each ``[num_layers, B * S,
+    num_kv_heads, head_dim]`` in the model dtype, K after RoPE, exactly what the cached
+    passes hand to ``write_kv``; padding positions are zero. Runs the dense forward
+    (:func:`forward_dense`'s attention): the calibration input of an FP8 pool's scales."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, S], got {tokens.shape}")
+    b, s = tokens.shape
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be i32[B={b}], got shape {lengths.shape}")
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    scale = 1.0 / math.sqrt(d)
+    pos = jnp.arange(s, dtype=jnp.int32)
+    valid = (pos[None, :] < lengths[:, None]).reshape(b * s, 1, 1)
+    visible = (pos[None, :, None] >= pos[None, None, :]) & (
+        pos[None, None, :] < lengths[:, None, None]
+    )
+
+    def attend(q, k, v, layer, state):
+        ks, vs = state
+        ks = ks.at[layer].set(jnp.where(valid, k, 0))
+        vs = vs.at[layer].set(jnp.where(valid, v, 0))
+        qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+        kb = k.astype(jnp.float32).reshape(b, s, hkv, d)
+        vb = v.astype(jnp.float32).reshape(b, s, hkv, d)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, precision=_HI) * scale
+        mask = visible[:, None, None, :, :]
+        logits = jnp.where(mask, logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vb, precision=_HI)
+        return o.reshape(b * s, hq, d), (ks, vs)
+
+    shape = (cfg.num_hidden_layers, b * s, hkv, d)
+    empty = jnp.zeros(shape, cfg.jnp_dtype)
+    _, kv = _decoder(params, cfg, tokens.reshape(-1), jnp.tile(pos, b), attend, (empty, empty))
+    return kv
+
+
 # --- cached forward passes -----------------------------------------------------------
 
 
@@ -496,6 +546,8 @@ class ExtendBatch(NamedTuple):
       (used with ``attention="prefix_prefill"``; may be None otherwise).
     logit_rows: ``i32[R]`` rows of the packed batch whose logits are wanted (a row may be
       listed several times, e.g. once per parallel sample).
+    k_scale, v_scale: a scaled (FP8) pool's scales, f32 ``[num_layers, num_kv_heads]``:
+      layer ``l`` writes and reads its pages with row ``l`` (None: 1.0).
     """
 
     tokens: jax.Array
@@ -507,6 +559,8 @@ class ExtendBatch(NamedTuple):
     block_tables: jax.Array | None
     seq_lens: jax.Array | None
     logit_rows: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 class DecodeBatch(NamedTuple):
@@ -522,6 +576,8 @@ class DecodeBatch(NamedTuple):
     and block_tables / seq_lens then hold each sequence's own pages and tokens after its
     prefix. The KV of the new token is still written at ``slot_mapping``.
 
+    k_scale, v_scale: a scaled (FP8) pool's scales, as in :class:`ExtendBatch`.
+
     A new attention variant or quantised pool adds its fields here (with defaults), and the
     engine's runner fills them: the record is the whole interface of a decode step.
     """
@@ -534,6 +590,8 @@ class DecodeBatch(NamedTuple):
     prefix_tables: jax.Array | None = None
     prefix_lens: jax.Array | None = None
     prefix_of: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
@@ -551,10 +609,24 @@ def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
     return geom.num_pages // cfg.num_hidden_layers, geom.page_size
 
 
-def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout):
+def _layer_scales(batch, layer):
+    """The batch's ``(k_scale, v_scale)`` of one layer: f32 ``[num_kv_heads]`` or None."""
+    pick = lambda s: None if s is None else s[layer]
+    return {"k_scale": pick(batch.k_scale), "v_scale": pick(batch.v_scale)}
+
+
+def _check_batch_scales(batch, cfg: LlamaConfig):
+    for name in ("k_scale", "v_scale"):
+        s = getattr(batch, name)
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads)
+        if s is not None and tuple(s.shape) != want:
+            raise ValueError(f"batch.{name} must be f32 {list(want)}, got shape {tuple(s.shape)}")
+
+
+def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, scales):
     slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
     writer = write_kv if kernels is None else kernels.write_kv
-    return writer(k_cache, v_cache, k, v, slots, layout=layout)
+    return writer(k_cache, v_cache, k, v, slots, layout=layout, **scales)
 
 
 def forward_extend(
@@ -589,11 +661,14 @@ def forward_extend(
             f"use attention='prefix_prefill' with layout={layout!r}"
         )
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
+    _check_batch_scales(batch, cfg)
     slots_per_layer = pages_per_layer * page_size
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
 
     def attend(q, k, v, layer, caches):
-        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, layer * slots_per_layer, layout)
+        scales = _layer_scales(batch, layer)
+        offset = layer * slots_per_layer
+        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, offset, layout, scales)
         if attention == "extend":
             n = kc.shape[0] * page_size
             o = attn.extend_attention(
@@ -604,6 +679,7 @@ def forward_extend(
                 batch.kv_indptr,
                 batch.kv_indices + layer * slots_per_layer,
                 implementation=implementation,
+                **scales,
             )
         else:
             o = attn.prefix_prefill(
@@ -615,6 +691,7 @@ def forward_extend(
                 batch.seq_lens,
                 layout=layout,
                 implementation=implementation,
+                **scales,
             )
         return o, (kc, vc)
 
@@ -643,10 +720,14 @@ def forward_decode(
     """
     attn = ops if kernels is None else kernels
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
+    _check_batch_scales(batch, cfg)
 
     def attend(q, k, v, layer, caches):
         offset = layer * pages_per_layer
-        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, offset * page_size, layout)
+        scales = _layer_scales(batch, layer)
+        kc, vc = _write(
+            kernels, *caches, k, v, batch.slot_mapping, offset * page_size, layout, scales
+        )
         if batch.prefix_tables is not None:
             o = attn.cascade_attention(
                 q,
@@ -659,6 +740,7 @@ def forward_decode(
                 batch.seq_lens,
                 layout=layout,
                 implementation=implementation,
+                **scales,
             )
             return o, (kc, vc)
         o = attn.paged_attention(
@@ -670,6 +752,7 @@ def forward_decode(
             layout=layout,
             partition_size=partition_size,
             implementation=implementation,
+            **scales,
         )
         return o, (kc, vc)
 
