@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project in stages that fit a time-limited session
+# Every GPU check and benchmark of the project in stages that fit a time-limited GPU job
 # on one GPU. Results (logs, JSON) land in $OUT (default ./gpu_out).
 #
 #   STAGES="tests decode extend" bash benchmarks/gpu_all.sh

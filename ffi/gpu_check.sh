@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session for the native kernels: the stand-alone self-tests (ffi/tests_gpu), load
+# One GPU job for the native kernels: the stand-alone self-tests (ffi/tests_gpu), load
 # (or build) the CUDA library, time the kernels, run the native tests against the spec on the
 # GPU, and summarise the SASS of the main kernels. Logs and JSON go to $OUT.
 #
