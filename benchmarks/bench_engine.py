@@ -17,7 +17,9 @@ scheduler), ``device-paging`` (multistep, the block tables grown by a page table
 device). Greedy outputs are compared across all the runs of one radix mode: they must be
 identical.
 
-``--cascade auto|on|off`` sets the engine's cascade decode (rows that share cached prefix
+``--kv-dtype fp8_e4m3|fp8_e5m2`` serves from an FP8 pool (scales calibrated on the first four
+prompts; outputs then differ from a 16-bit pool's by the quantisation). ``--cascade
+auto|on|off`` sets the engine's cascade decode (rows that share cached prefix
 pages read them once; ``ExecutionConfig.cascade``); the table reports the decode steps that
 ran it and the KV bytes they did not read.
 
@@ -39,7 +41,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 
-from jaxattn.engine import Engine  # noqa: E402
+from jaxattn.engine import Engine, calibrate_kv_scales  # noqa: E402
 from jaxattn.engine.workload import make_workload, run_workload  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 
@@ -95,6 +97,11 @@ def parse_args(argv=None):
     e.add_argument(
         "--cascade-min-tokens", type=int, default=128, help="shortest shared prefix it uses"
     )
+    e.add_argument(
+        "--kv-dtype",
+        choices=["fp8_e4m3", "fp8_e5m2"],
+        help="FP8 KV pool (scales per layer and KV head calibrated on the first 4 prompts)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -125,7 +132,7 @@ STEP_MODES = {
 }
 
 
-def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
+def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales) -> dict:
     settings = dict(decode_steps=args.decode_steps) | STEP_MODES[step_mode]
 
     def once():
@@ -140,6 +147,8 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str) -> dict:
             implementation=args.implementation,
             cascade=args.cascade,
             cascade_min_tokens=args.cascade_min_tokens,
+            kv_dtype=args.kv_dtype,
+            kv_scales=kv_scales,
             **settings,
             unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         )
@@ -205,11 +214,15 @@ def main(argv=None) -> int:
     step_modes = [m.strip() for m in args.step_modes.split(",") if m.strip()]
     if not step_modes or any(m not in STEP_MODES for m in step_modes):
         raise SystemExit(f"--step-modes must list some of {sorted(STEP_MODES)}")
+    kv_scales = None
+    if args.kv_dtype:
+        prompts = [p for _, _, p in workload.initial_requests()[:4]]
+        kv_scales = calibrate_kv_scales(cfg, params, prompts, args.kv_dtype)
     rows = []
     for m in modes:
         first = None
         for step_mode in step_modes:
-            rows.append(run_mode(cfg, params, workload, args, m == "on", step_mode))
+            rows.append(run_mode(cfg, params, workload, args, m == "on", step_mode, kv_scales))
             print(f"  {rows[-1]['mode']}: {rows[-1]['wall_s']:.2f} s", file=sys.stderr)
             outputs = rows[-1].pop("outputs")
             if first is None:

@@ -10,7 +10,6 @@ a shell reports for it). Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -374,13 +373,8 @@ def demo(args) -> int:
     params = _model_params(args, cfg)
     kv_scales = None
     if args.kv_dtype:
-        # The workload's first prompts as run_workload submits them (first chat turns
-        # interleaved with the few-shot requests).
-        sys_prompt = workload.system
-        first = [sys_prompt + msgs[0] for msgs in workload.chats if msgs]
-        shots = [sys_prompt + workload.examples + q for q in workload.questions]
-        order = [p for pair in itertools.zip_longest(first, shots) for p in pair if p]
-        calibration = order[:CALIBRATION_PROMPTS]
+        # The workload's first prompts, in the order run_workload submits them.
+        calibration = [p for _, _, p in workload.initial_requests()[:CALIBRATION_PROMPTS]]
         kv_scales = calibrate_kv_scales(cfg, params, calibration, args.kv_dtype)
     engine_kwargs = dict(
         num_pages=args.num_pages,

@@ -14,6 +14,7 @@ chat's history are computed once and then served from the cache.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -32,6 +33,14 @@ class Workload:
     @property
     def num_requests(self) -> int:
         return len(self.questions) + sum(len(c) for c in self.chats)
+
+    def initial_requests(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
+        """``(kind, chat and turn or None, prompt)`` of the requests queued before any
+        answer, in order of submission: the first chat turns interleaved with the few-shot
+        requests, as arriving traffic would be (later turns follow their answers)."""
+        first = [("chat", (c, 0), self.system + msgs[0]) for c, msgs in enumerate(self.chats)]
+        shots = [("few-shot", None, self.system + self.examples + q) for q in self.questions]
+        return [r for pair in itertools.zip_longest(first, shots) for r in pair if r is not None]
 
     def longest_request(self, max_new_tokens: int) -> int:
         """The most tokens one request can reach, its answer included: the last turn of a
@@ -111,15 +120,8 @@ def run_workload(
         )
         submitted += 1
 
-    # Interleave the first chat turns with the few-shot requests, as arriving traffic would.
-    sys_prompt, examples = workload.system, workload.examples
-    first = [("chat", (c, 0), sys_prompt + msgs[0]) for c, msgs in enumerate(workload.chats)]
-    shots = [("few-shot", None, sys_prompt + examples + q) for q in workload.questions]
-    for i in range(max(len(first), len(shots))):
-        for queue in (first, shots):
-            if i < len(queue):
-                kind, extra, prompt = queue[i]
-                submit(kind, prompt, extra)
+    for kind, extra, prompt in workload.initial_requests():
+        submit(kind, prompt, extra)
     bar = ProgressBar(workload.num_requests, label="serving", enabled=progress)
     while engine.has_work():
         for seq in engine.step():
