@@ -27,6 +27,9 @@ step t runs), ``multistep`` (overlap, and up to ``--decode-steps`` steps per dis
     python benchmarks/bench_step.py --preset 1b --batch 1,16,64 --json step_1b.json
     python benchmarks/bench_step.py --preset 8b --batch 1,16,64 --json step_8b.json
     python benchmarks/bench_step.py --preset tiny --context 128 --steps 16   # CPU smoke run
+
+``--kv-dtype fp8_e4m3`` runs the same steps over an FP8 pool (its floor counts one byte per
+K/V element).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from bench_engine import PRESETS  # noqa: E402
 from common import environment, table, time_calls, write_json  # noqa: E402
 
 from jaxattn.engine import Buckets, Engine  # noqa: E402
+from jaxattn.engine.config import kv_cache_dtype  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 
 MODES = {
@@ -75,6 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--implementation", choices=["reference", "pallas", "native"])
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8_e4m3", "fp8_e5m2"],
+        help="FP8 KV pool (scales 1.0: the values do not change the time); the floor counts "
+        "its bytes",
+    )
     p.add_argument(
         "--layer-form",
         dest="layer_form",
@@ -236,6 +246,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         max_running=batch,
         radix_cache=False,
         implementation=args.implementation,
+        kv_dtype=args.kv_dtype,
         eos_token_id=None,
         decode_steps=decode_steps,
         overlap=MODES[mode]["overlap"],
@@ -267,7 +278,9 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
     if sum(engine.runner.trace_counts.values()) != compiled:
         print(f"  warning: {mode} B={batch} compiled during the timed steps", file=sys.stderr)
     n = max(s["decode_steps"], 1)
-    kv_read = statistics.median(lens) * cfg.kv_bytes_per_token()
+    kv_read = statistics.median(lens) * cfg.kv_bytes_per_token(
+        kv_cache_dtype(args.kv_dtype, cfg.jnp_dtype)
+    )
     wb = weight_bytes(engine.runner.params, cfg)
     floor = (wb + kv_read) / ceiling_bps
     device = device_time(engine, batch, args.device_steps)
