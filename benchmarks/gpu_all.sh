@@ -5,6 +5,7 @@
 #   STAGES="tests decode extend" bash benchmarks/gpu_all.sh
 #   STAGES="engine pagetable" bash benchmarks/gpu_all.sh
 #   STAGES="fp8" bash benchmarks/gpu_all.sh      # FP8 caches: GPU tests, decode, prefill, accuracy
+#   STAGES="engine-options" bash benchmarks/gpu_all.sh   # the engine's cascade and FP8 pool
 #
 # The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
 # elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
@@ -66,6 +67,17 @@ for stage in $STAGES; do
       timeout "${ACCURACY_TIMEOUT:-200}" python3 benchmarks/fp8_accuracy.py --impl native,pallas \
         --json "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.log" 2>&1
       echo "fp8 accuracy rc=$?"; sed -n '/^| data/,$p' "$OUT/fp8_accuracy.log" ;;
+    engine-options)  # cascade decode off / on, then an FP8 pool, each against the same workload
+      for opt in "--cascade off" "--cascade on --cascade-min-tokens 64" "--kv-dtype fp8_e4m3"; do
+        tag=$(echo "$opt" | tr -c 'a-z0-9' '_')
+        timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/bench_engine.py --preset 1b \
+          --num-pages 8192 --max-batch-tokens 2048 --modes on $opt \
+          --json "$OUT/engine$tag.json" > "$OUT/engine$tag.log" 2>&1
+        echo "engine $opt rc=$?"; sed -n '/^| mode | req/,/^$/p' "$OUT/engine$tag.log"
+      done
+      timeout "${STEP_TIMEOUT:-200}" python3 benchmarks/bench_step.py --preset 1b --batch 1,64 \
+        --modes multistep --kv-dtype fp8_e4m3 --json "$OUT/step_fp8.json" > "$OUT/step_fp8.log" 2>&1
+      echo "step fp8 rc=$?"; sed -n '/^| mode/,$p' "$OUT/step_fp8.log" ;;
     pagetable)
       timeout "${PAGETABLE_TIMEOUT:-90}" python3 benchmarks/bench_page_table.py --batch 64 \
         --prompt-len 500 --steps 50 --dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 \
