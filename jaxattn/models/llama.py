@@ -442,6 +442,34 @@ def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
 # --- the dense oracle ----------------------------------------------------------------
 
 
+def _dense_attention(cfg: LlamaConfig, lengths, s: int):
+    """The dense passes' attention over rows of ``s`` tokens (row ``b``'s first
+    ``lengths[b]`` valid): q [B * S, Hq, D], k / v [B * S, Hkv, D] -> [B * S, Hq, D], a plain
+    causal masked softmax in float32 at HIGHEST precision, independent of the paged ops."""
+    b = lengths.shape[0]
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    scale = 1.0 / math.sqrt(d)
+    pos = jnp.arange(s, dtype=jnp.int32)
+    visible = (pos[None, :, None] >= pos[None, None, :]) & (
+        pos[None, None, :] < lengths[:, None, None]
+    )
+    mask = visible[:, None, None, :, :]
+
+    def attend(q, k, v):
+        qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+        kb = k.astype(jnp.float32).reshape(b, s, hkv, d)
+        vb = v.astype(jnp.float32).reshape(b, s, hkv, d)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, precision=_HI) * scale
+        logits = jnp.where(mask, logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vb, precision=_HI)
+        return o.reshape(b * s, hq, d)
+
+    return attend
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def forward_dense(params: dict, cfg: LlamaConfig, tokens, lengths=None):
     """float32 logits ``[B, S, vocab]`` of ``tokens i32[B, S]`` with no KV cache.
@@ -462,25 +490,11 @@ def forward_dense(params: dict, cfg: LlamaConfig, tokens, lengths=None):
     lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be i32[B={b}], got shape {lengths.shape}")
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    scale = 1.0 / math.sqrt(d)
     pos = jnp.arange(s, dtype=jnp.int32)
-    visible = (pos[None, :, None] >= pos[None, None, :]) & (
-        pos[None, None, :] < lengths[:, None, None]
-    )
+    dense = _dense_attention(cfg, lengths, s)
 
     def attend(q, k, v, layer, state):
-        qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
-        kb = k.astype(jnp.float32).reshape(b, s, hkv, d)
-        vb = v.astype(jnp.float32).reshape(b, s, hkv, d)
-        logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, precision=_HI) * scale
-        mask = visible[:, None, None, :, :]
-        logits = jnp.where(mask, logits, -jnp.inf)
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vb, precision=_HI)
-        return o.reshape(b * s, hq, d), state
+        return dense(q, k, v), state
 
     h, _ = _decoder(params, cfg, tokens.reshape(-1), jnp.tile(pos, b), attend, None)
     logits = lm_head(params, cfg, h).reshape(b, s, cfg.vocab_size)
@@ -501,29 +515,16 @@ def dense_kv(params: dict, cfg: LlamaConfig, tokens, lengths):
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be i32[B={b}], got shape {lengths.shape}")
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    scale = 1.0 / math.sqrt(d)
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
     pos = jnp.arange(s, dtype=jnp.int32)
     valid = (pos[None, :] < lengths[:, None]).reshape(b * s, 1, 1)
-    visible = (pos[None, :, None] >= pos[None, None, :]) & (
-        pos[None, None, :] < lengths[:, None, None]
-    )
+    dense = _dense_attention(cfg, lengths, s)
 
     def attend(q, k, v, layer, state):
         ks, vs = state
         ks = ks.at[layer].set(jnp.where(valid, k, 0))
         vs = vs.at[layer].set(jnp.where(valid, v, 0))
-        qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
-        kb = k.astype(jnp.float32).reshape(b, s, hkv, d)
-        vb = v.astype(jnp.float32).reshape(b, s, hkv, d)
-        logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb, precision=_HI) * scale
-        mask = visible[:, None, None, :, :]
-        logits = jnp.where(mask, logits, -jnp.inf)
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        p = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vb, precision=_HI)
-        return o.reshape(b * s, hq, d), (ks, vs)
+        return dense(q, k, v), (ks, vs)
 
     shape = (cfg.num_hidden_layers, b * s, hkv, d)
     empty = jnp.zeros(shape, cfg.jnp_dtype)
