@@ -5,14 +5,13 @@ and the checks on the new fields."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_engine import BUCKETS, CFG, PARAMS, POOL  # the engine tests' model and pool
 
 from jaxattn import sharding
 from jaxattn.engine import (
-    Buckets,
     CacheConfig,
     Engine,
     calibrate_kv_scales,
@@ -20,20 +19,8 @@ from jaxattn.engine import (
 )
 from jaxattn.engine.verify import GAP_RTOL, GAP_RTOL_KV
 from jaxattn.models import llama
-from jaxattn.models.llama import ExtendBatch, LlamaConfig
+from jaxattn.models.llama import ExtendBatch
 
-CFG = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
-PARAMS = llama.init_params(CFG, jax.random.key(0))
-POOL = dict(num_pages=48, page_size=4)
-BUCKETS = Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16)
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 

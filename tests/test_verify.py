@@ -8,22 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_engine import CFG, PARAMS  # the engine tests' model
 
 from jaxattn.engine import Buckets, Engine, check_outputs, dense_logits
 from jaxattn.engine.verify import GAP_RTOL, _draw_scores
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
 
-CFG = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
-PARAMS = llama.init_params(CFG, jax.random.key(0))
 PROMPTS = [[5, 9, 17, 3, 88, 41, 7], [100, 2, 64, 64, 13]]
 MAX_NEW = 6
 

@@ -19,7 +19,7 @@ import numpy as np
 from jaxattn.models.llama import LlamaConfig, dense_kv
 from jaxattn.quant import fp8_scales
 
-from .config import KV_DTYPES, _kv_dtype_name, bucket
+from .config import KV_DTYPES, _kv_dtype_name, bucket, padded_batches
 
 __all__ = ["calibrate_kv_scales"]
 
@@ -77,13 +77,8 @@ def calibrate_kv_scales(cfg: LlamaConfig, params: dict, prompts, kv_dtype, *, ro
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
     ks, vs = [], []
-    for start in range(0, len(checked), rows):
-        group = checked[start : start + rows]
-        tokens = np.zeros((rows, length), np.int32)
-        lengths = np.zeros(rows, np.int32)
-        for j, p in enumerate(group):
-            tokens[j, : len(p)] = p
-            lengths[j] = len(p)
+    # Padding rows have length 0: their K and V are zero and move no amax.
+    for _, tokens, lengths in padded_batches(checked, rows, length, empty_length=0):
         k, v = dense_kv(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
         ks.append(k)
         vs.append(v)

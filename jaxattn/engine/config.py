@@ -107,6 +107,20 @@ def _kv_scales(value):
     return tuple(out)
 
 
+def padded_batches(sequences, rows: int, length: int, *, empty_length: int):
+    """Token lists in batches of ``rows``, each padded to ``length``: yields ``(group,
+    tokens i32[rows, length], lengths i32[rows])``, rows past the group of length
+    ``empty_length`` (what the dense passes take for padding rows)."""
+    for start in range(0, len(sequences), rows):
+        group = sequences[start : start + rows]
+        tokens = np.zeros((rows, length), np.int32)
+        lengths = np.full(rows, empty_length, np.int32)
+        for j, seq in enumerate(group):
+            tokens[j, : len(seq)] = seq
+            lengths[j] = len(seq)
+        yield group, tokens, lengths
+
+
 def bucket(n: int, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor)."""
     n = max(int(n), int(floor), 1)

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxattn.models.llama import LlamaConfig, forward_dense
 
-from .config import _kv_dtype_name
+from .config import _kv_dtype_name, padded_batches
 from .runner import bucket
 from .sampling import nucleus, sample, sample_keys
 
@@ -70,13 +70,7 @@ def dense_logits(params: dict, cfg: LlamaConfig, sequences, *, rows: int = 8) ->
         return []
     length = bucket(max(len(s) for s in sequences), 16)
     out = []
-    for i in range(0, len(sequences), rows):
-        group = sequences[i : i + rows]
-        tokens = np.zeros((rows, length), np.int32)
-        lengths = np.ones(rows, np.int32)
-        for j, s in enumerate(group):
-            tokens[j, : len(s)] = s
-            lengths[j] = len(s)
+    for group, tokens, lengths in padded_batches(sequences, rows, length, empty_length=1):
         logits = np.asarray(forward_dense(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths)))
         out.extend(logits[j, : len(s)] for j, s in enumerate(group))
     return out
