@@ -4,6 +4,7 @@ property test against a naive model that also simulates the KV pool's contents."
 from __future__ import annotations
 
 import copy
+import pickle
 
 import hypothesis.strategies as st
 import numpy as np
@@ -104,6 +105,29 @@ def test_allocator_batch_misuse_changes_nothing():
         assert (a.ref_counts.tolist(), a.free_stack().tolist()) == state, msg
     with pytest.raises(ValueError):
         a.ref_counts[0] = 5  # a read-only view
+
+
+def test_copies_of_an_allocator_follow_their_own_ref_counts():
+    """A deep copy or a pickled copy keeps a live, read-only ref_counts view of its own
+    counts (a copied numpy view would be a frozen array: the bug that let a copied block
+    manager see a shared tail still shared after its copy-on-write)."""
+    alloc = BlockAllocator(4)
+    alloc.allocate()
+    for twin in (copy.deepcopy(alloc), pickle.loads(pickle.dumps(alloc))):
+        block = twin.allocate()
+        assert twin.ref_counts[block] == 1 and alloc.ref_count(block) == 0
+        twin.incref(block)
+        assert twin.ref_counts[block] == 2
+        twin.free(block)
+        twin.free(block)
+        assert twin.ref_counts[block] == 0 and not twin.ref_counts.flags.writeable
+    bm = BlockManager(8, 3)
+    bm.allocate("a", 4)  # a partial tail
+    bm.fork("a", "b")
+    trial = copy.deepcopy(bm)
+    assert trial.append_slots("a", 1) == [(1, trial.block_table("a")[-1])]  # copy-on-write
+    assert trial.append_slots("b", 1) == []  # b now holds its tail alone
+    assert bm.block_table("a") == bm.block_table("b") == [0, 1]
 
 
 def test_slot_view_is_the_allocator_in_slots():

@@ -117,6 +117,13 @@ class SlotAllocator(Protocol):
     def is_allocated(self, slots: object) -> np.ndarray: ...
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` that follows its changes."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 class BlockAllocator:
     """Free list plus per-block ref counts over ``num_blocks`` blocks of ``block_size``
     token slots.
@@ -138,12 +145,17 @@ class BlockAllocator:
         self._stack = np.arange(self.num_blocks - 1, -1, -1, dtype=np.int32)
         self._top = self.num_blocks
         self._ref = np.zeros(self.num_blocks, np.int32)
-        self._ref_view = self._ref.view()
-        self._ref_view.flags.writeable = False
+        self._ref_view = _read_only(self._ref)
         self._slots: SlotView | None = None
         # Counts the changes: a copy of the state elsewhere (a device page table) is
         # current while the version it was taken at is.
         self.version = 0
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy, pickle) copies a numpy view as an array of its own, which
+        # would no longer follow the copy's ref counts: rebuild it over them.
+        self.__dict__.update(state)
+        self._ref_view = _read_only(self._ref)
 
     # -- queries ---------------------------------------------------------------------------
 
