@@ -106,6 +106,17 @@ def _check_rank(name, x, rank, expected: str):
         raise ValueError(f"{name} must be {expected}, got {_shape_str(x)}")
 
 
+def _check_caches(q, k_cache, v_cache, lay, k_scale, v_scale):
+    """The caches' dtypes and geometry in ``lay`` against q's heads, then the per-KV-head
+    scales: ``(geometry, k_scale, v_scale)`` (each error names its argument)."""
+    _check_kv_dtypes(k_cache, v_cache)
+    geom = lay.geometry(k_cache, v_cache)
+    _check_heads(q, geom.num_kv_heads, geom.head_dim)
+    k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
+    v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+    return geom, k_scale, v_scale
+
+
 def _check_heads(q, num_kv_heads, head_dim, qname="q"):
     hq, d = q.shape[-2], q.shape[-1]
     if d != head_dim:
@@ -492,11 +503,7 @@ class PagedAttention(Op):
         lay = _layout.get(layout)
         _check_float("q", q)
         _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
-        _check_kv_dtypes(k_cache, v_cache)
-        geom = lay.geometry(k_cache, v_cache)
-        _check_heads(q, geom.num_kv_heads, geom.head_dim)
-        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
-        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        geom, k_scale, v_scale = _check_caches(q, k_cache, v_cache, lay, k_scale, v_scale)
         b = q.shape[0]
         _check_tables(b, block_tables, seq_lens)
         _check_seq_lens_values(seq_lens, block_tables, geom.page_size, geom.num_pages)
@@ -558,10 +565,7 @@ class ExtendAttention(Op):
                 f"got {tuple(v_cache.shape)}"
             )
         pool = _layout.get(_layout.POOL, pool=True)
-        geom = pool.geometry(k_cache, v_cache)
-        _check_heads(q, geom.num_kv_heads, geom.head_dim)
-        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
-        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        geom, k_scale, v_scale = _check_caches(q, k_cache, v_cache, pool, k_scale, v_scale)
         _check_int32("qo_indptr", qo_indptr, 1, "[batch + 1]")
         _check_int32("kv_indptr", kv_indptr, 1, "[batch + 1]")
         if qo_indptr.shape[0] < 2:
@@ -651,11 +655,7 @@ class PrefixPrefill(Op):
         lay = _layout.get(layout)
         q_scale, out = _check_prefill_q(q, q_scale, out_dtype)
         _check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
-        _check_kv_dtypes(k_cache, v_cache)
-        geom = lay.geometry(k_cache, v_cache)
-        _check_heads(q, geom.num_kv_heads, geom.head_dim)
-        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
-        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        geom, k_scale, v_scale = _check_caches(q, k_cache, v_cache, lay, k_scale, v_scale)
         _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
         b = cu_seqlens_q.shape[0] - 1
         if b < 1:
@@ -727,11 +727,7 @@ class CascadeAttention(Op):
         lay = _layout.get(layout)
         _check_float("q", q)
         _check_rank("q", q, 3, "[batch, num_q_heads, head_dim]")
-        _check_kv_dtypes(k_cache, v_cache)
-        geom = lay.geometry(k_cache, v_cache)
-        _check_heads(q, geom.num_kv_heads, geom.head_dim)
-        k_scale = _quant.check_scale("k_scale", k_scale, geom.num_kv_heads)
-        v_scale = _quant.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        geom, k_scale, v_scale = _check_caches(q, k_cache, v_cache, lay, k_scale, v_scale)
         b = q.shape[0]
         _check_int32("prefix_tables", prefix_tables, 2, "[num_prefixes, max_prefix_pages]")
         g = prefix_tables.shape[0]
