@@ -19,7 +19,7 @@ import numpy as np
 from jaxattn.models.llama import LlamaConfig, dense_kv
 from jaxattn.quant import fp8_scales
 
-from .config import KV_DTYPES, _kv_dtype_name, bucket, padded_batches
+from .config import KV_DTYPES, bucket, fp8_format, padded_batches
 
 __all__ = ["calibrate_kv_scales"]
 
@@ -40,15 +40,7 @@ def calibrate_kv_scales(cfg: LlamaConfig, params: dict, prompts, kv_dtype, *, ro
     """
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
-    try:
-        name = _kv_dtype_name(kv_dtype)
-    except ValueError:
-        name = None
-    if name is None:
-        raise ValueError(
-            f"kv_dtype must be {' or '.join(map(repr, KV_DTYPES))} (or the dtypes "
-            f"{' / '.join(KV_DTYPES.values())}), got {kv_dtype!r}"
-        )
+    name = fp8_format(kv_dtype, "kv_dtype")
     if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
         raise ValueError(f"rows must be an int >= 1, got {rows!r}")
     if isinstance(prompts, np.ndarray):

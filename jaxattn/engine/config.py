@@ -42,24 +42,33 @@ def _int(owner: str, name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _kv_dtype_name(value) -> str | None:
-    """The :data:`KV_DTYPES` name of a ``CacheConfig.kv_dtype`` value (None: the model's)."""
-    if value is None:
+def fp8_format(value, argument: str, *, none_ok: bool = False) -> str | None:
+    """The :data:`KV_DTYPES` name of an FP8 pool format given by name or as a dtype (None
+    stays None where ``none_ok``: the model's dtype); anything else is a ValueError naming
+    ``argument``."""
+    if value is None and none_ok:
         return None
     if isinstance(value, str) and value in KV_DTYPES:
         return value
     try:
-        dt = np.dtype(value)
+        dt = np.dtype(value) if value is not None else None
     except TypeError:
         dt = None
     for name, numpy_name in KV_DTYPES.items():
         if dt is not None and dt.name == numpy_name:
             return name
     names = " or ".join(map(repr, KV_DTYPES))
+    if none_ok:
+        names = "None (the model's dtype), " + names
     raise ValueError(
-        f"CacheConfig.kv_dtype must be None (the model's dtype), {names} "
-        f"(or the dtypes {' / '.join(KV_DTYPES.values())}), got {value!r}"
+        f"{argument} must be {names} (or the dtypes {' / '.join(KV_DTYPES.values())}), "
+        f"got {value!r}"
     )
+
+
+def _kv_dtype_name(value) -> str | None:
+    """The :data:`KV_DTYPES` name of a ``CacheConfig.kv_dtype`` value (None: the model's)."""
+    return fp8_format(value, "CacheConfig.kv_dtype", none_ok=True)
 
 
 def kv_cache_dtype(kv_dtype: str | None, model_dtype) -> np.dtype:

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxattn.models.llama import LlamaConfig, forward_dense
 
-from .config import _kv_dtype_name, padded_batches
+from .config import fp8_format, padded_batches
 from .runner import bucket
 from .sampling import nucleus, sample, sample_keys
 
@@ -178,15 +178,7 @@ def check_outputs(
     if rtol is None:
         rtol = GAP_RTOL[cfg.dtype]
         if kv_dtype is not None:
-            try:
-                name = _kv_dtype_name(kv_dtype)
-            except ValueError:
-                name = None
-            if name is None:
-                raise ValueError(
-                    f"kv_dtype must be None or one of {tuple(GAP_RTOL_KV)}, got {kv_dtype!r}"
-                )
-            rtol = max(rtol, GAP_RTOL_KV[name])
+            rtol = max(rtol, GAP_RTOL_KV[fp8_format(kv_dtype, "kv_dtype")])
     report = VerifyReport(rtol=float(rtol))
     logits = dense_logits(params, cfg, [prompts[k // n] + out for k, out in enumerate(outputs)])
     for k, out in enumerate(outputs):
