@@ -106,21 +106,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def preset_config(name: str, *, layers=None, dtype=None, **extra) -> llama.LlamaConfig:
+    """The model of preset ``name`` (``PRESETS``), ``layers`` / ``dtype`` overriding its own
+    when given, other LlamaConfig fields from ``extra``."""
+    num_layers, hidden, inter, hq, hkv, d, vocab, preset_dtype = PRESETS[name]
+    return llama.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers or num_layers,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        dtype=dtype or preset_dtype,
+        **extra,
+    )
+
+
 def build_model(args):
     if args.checkpoint:
         cfg, params = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
         return cfg, params, f"checkpoint {args.checkpoint}"
-    layers, hidden, inter, hq, hkv, d, vocab, dtype = PRESETS[args.preset]
-    cfg = llama.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=args.layers or layers,
-        num_attention_heads=hq,
-        num_key_value_heads=hkv,
-        head_dim=d,
-        dtype=args.dtype or dtype,
-    )
+    cfg = preset_config(args.preset, layers=args.layers, dtype=args.dtype)
     return cfg, llama.init_params(cfg, jax.random.key(args.seed)), f"preset {args.preset}"
 
 

@@ -47,7 +47,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_engine import PRESETS  # noqa: E402
+from bench_engine import PRESETS, preset_config  # noqa: E402
 from common import environment, table, time_calls, write_json  # noqa: E402
 
 from jaxattn.engine import Buckets, Engine  # noqa: E402
@@ -105,16 +105,10 @@ def model_config(args) -> tuple[llama.LlamaConfig, str]:
     if args.checkpoint:
         cfg, _ = llama.load_checkpoint(args.checkpoint, dtype=args.dtype)
         return cfg, f"checkpoint {args.checkpoint}"
-    layers, hidden, inter, hq, hkv, d, vocab, dtype = PRESETS[args.preset]
-    cfg = llama.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=args.layers or layers,
-        num_attention_heads=hq,
-        num_key_value_heads=hkv,
-        head_dim=d,
-        dtype=args.dtype or dtype,
+    cfg = preset_config(
+        args.preset,
+        layers=args.layers,
+        dtype=args.dtype,
         max_position_embeddings=max(4096, 2 * args.context),
     )
     return cfg, f"preset {args.preset}"
