@@ -1,10 +1,11 @@
 // Standalone GPU self-test and timing of the paged decode kernels (jaxattn/paged_decode.cuh),
 // no Python or XLA needed:
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o /tmp/decode_selftest
-//   /tmp/decode_selftest            # correctness and robustness cases, then timing
-//   /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing only)
-//   /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o
+//   /tmp/decode_selftest /tmp/decode_selftest            # correctness and robustness cases, then
+//   timing /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing
+//   only) /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
+//   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -36,7 +37,8 @@
 // comparison at 32/8: "simt" (the pipelined SIMT kernel, what f32 uses) and "old" (the direct
 // register-load kernel, the previous default for 2..8 heads, with the current combine).
 // Tuning knobs of the tensor-core kernel are compile-time: rebuild with
-// -DJAXATTN_DECODE_MMA_STAGES=2|3|4 (or -DJAXATTN_DECODE_MMA_SMEM_KB=...) to compare.
+// -DJAXATTN_DECODE_MMA_STAGES=2|3|4 (or -DJAXATTN_DECODE_MMA_SMEM_KB=...) to compare; the FP8
+// kernel alone with -DJAXATTN_DECODE_FP8_STAGES=2..5.
 // Without a GPU, emulate_mma_decode.py (next to this file) checks the tensor-core kernel's
 // fragment and pipeline indexing on the CPU.
 #include <algorithm>
@@ -51,14 +53,13 @@
 
 using namespace jaxattn;
 
-#define CUDA_OK(x)                                                                   \
-  do {                                                                               \
-    cudaError_t err_ = (x);                                                          \
-    if (err_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,                \
-                   cudaGetErrorString(err_));                                        \
-      std::exit(2);                                                                  \
-    }                                                                                \
+#define CUDA_OK(x)                                                                               \
+  do {                                                                                           \
+    cudaError_t err_ = (x);                                                                      \
+    if (err_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                              \
+    }                                                                                            \
   } while (0)
 
 namespace {
@@ -639,8 +640,8 @@ int run_checks() {
           c.part = part;
           cases.push_back(c);
         }
-  auto extra = [&](DT dt, std::vector<int> l, int hq, int hkv, int d, int page, Layout lay, int part,
-                   float scale, float cap) {
+  auto extra = [&](DT dt, std::vector<int> l, int hq, int hkv, int d, int page, Layout lay,
+                   int part, float scale, float cap) {
     Case c;
     c.dt = dt;
     c.lens = std::move(l);
@@ -655,14 +656,14 @@ int run_checks() {
     cases.push_back(c);
   };
   for (DT dt : {DT::kBF16, DT::kF16, DT::kF32}) {
-    extra(dt, {3, 255, 40}, 8, 2, 128, 16, Layout::kBSHD, 0, 0.5f, 4.0f);      // soft cap
-    extra(dt, {3, 255, 40}, 8, 2, 64, 16, Layout::kBHSD, 64, 0.5f, 4.0f);      // soft cap, split
+    extra(dt, {3, 255, 40}, 8, 2, 128, 16, Layout::kBSHD, 0, 0.5f, 4.0f);       // soft cap
+    extra(dt, {3, 255, 40}, 8, 2, 64, 16, Layout::kBHSD, 64, 0.5f, 4.0f);       // soft cap, split
     extra(dt, {700, 33, 1, 64, 65}, 12, 4, 128, 3, Layout::kBSHD, 0, 0.1f, 0);  // group 3, page 3
-    extra(dt, {700, 33, 2000}, 10, 5, 128, 7, Layout::kBHSD, 64, 0.1f, 0);     // group 2, page 7
-    extra(dt, {700, 33, 2000}, 40, 5, 128, 16, Layout::kBSHD, 16, 0.1f, 0);    // group 8, tiny parts
-    extra(dt, {300, 77}, 24, 2, 128, 16, Layout::kBHSD, 0, 0.1f, 0);           // group 12
-    extra(dt, {300, 77}, 64, 1, 128, 16, Layout::kBSHD, 128, 0.1f, 0);         // group 64
-    extra(dt, {32768}, 32, 8, 128, 16, Layout::kBSHD, 512, 0.0884f, 0);        // B=1 long
+    extra(dt, {700, 33, 2000}, 10, 5, 128, 7, Layout::kBHSD, 64, 0.1f, 0);      // group 2, page 7
+    extra(dt, {700, 33, 2000}, 40, 5, 128, 16, Layout::kBSHD, 16, 0.1f, 0);  // group 8, tiny parts
+    extra(dt, {300, 77}, 24, 2, 128, 16, Layout::kBHSD, 0, 0.1f, 0);         // group 12
+    extra(dt, {300, 77}, 64, 1, 128, 16, Layout::kBSHD, 128, 0.1f, 0);       // group 64
+    extra(dt, {32768}, 32, 8, 128, 16, Layout::kBSHD, 512, 0.0884f, 0);      // B=1 long
     extra(dt, {4096, 4095, 4033, 63, 4161}, 32, 8, 128, 16, Layout::kBSHD, 0, 0.0884f, 0);
     extra(dt, {1024, 1000}, 16, 2, 128, 128, Layout::kBHSD, 8192, 0.0884f, 0);  // one partition
   }
@@ -907,7 +908,8 @@ struct Bench {
   }
 
   // Median microseconds per call; variant 0: the dispatcher, 1: pipelined SIMT (4 heads),
-  // 2: direct (4 heads).
+  // 2: direct (4 heads); over an e4m3 cache 3: the tensor-core kernel without the combine,
+  // 4: the combine alone.
   double time(int part, int variant) const {
     auto call = [&](int copy) {
       const DecodeParams p = params(part, copy);
@@ -916,6 +918,15 @@ struct Bench {
       if (variant == 0 && !fp8) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
       if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
       if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
+      if (variant == 3 || variant == 4) {  // the FP8 tensor-core kernel alone / the combine alone
+        using F = gpu::MmaFp8DecodeShape<e4m3_t, D>;
+        auto kernel = gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>;
+        dim3 grid;
+        e = gpu::decode_grid(p, &grid);
+        if (!e) e = gpu::allow_dynamic_smem(kernel, F::kSmemBytes);
+        if (!e && variant == 3) kernel<<<grid, F::kThreads, F::kSmemBytes>>>(p);
+        if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
+      }
       if (e) {
         std::fprintf(stderr, "launch failed: %s\n", e);
         std::exit(2);
@@ -953,9 +964,10 @@ void print_kernel_info() {
   CUDA_OK(cudaFuncGetAttributes(&a, gpu::paged_decode_mma_kernel<bf16_t, 128>));
   CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, gpu::paged_decode_mma_kernel<bf16_t, 128>, S::kThreads, S::kSmemBytes));
-  std::printf("mma kernel bf16 D=128: %d registers, %d threads, %d stages x %d tokens, %d B smem, "
-              "%d blocks/SM\n",
-              a.numRegs, S::kThreads, S::kStages, S::kTile, S::kSmemBytes, blocks);
+  std::printf(
+      "mma kernel bf16 D=128: %d registers, %d threads, %d stages x %d tokens, %d B smem, "
+      "%d blocks/SM\n",
+      a.numRegs, S::kThreads, S::kStages, S::kTile, S::kSmemBytes, blocks);
   using F = gpu::MmaFp8DecodeShape<e4m3_t, 128>;
   auto fp8_kernel = gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, 128>;
   CUDA_OK(
@@ -974,7 +986,7 @@ void print_kernel_info() {
   std::printf("direct kernel bf16 D=128 (1 head): %d registers, %d blocks/SM\n", a.numRegs, blocks);
 }
 
-void run_perf() {
+void run_perf(bool fp8_only) {
   cudaDeviceProp prop;
   int dev = 0;
   CUDA_OK(cudaGetDevice(&dev));
@@ -984,44 +996,46 @@ void run_perf() {
   print_kernel_info();
   const double ceiling = copy_ceiling_gbs();
   std::printf("device-to-device copy ceiling (read + write): %.0f GB/s\n\n", ceiling);
-  std::printf("bf16, D=128, page 16, bshd. GB/s = K+V bytes / time; %% of the copy ceiling.\n");
-  std::printf("%-5s %-6s %-7s %-7s %-6s %10s %9s %6s\n", "B", "ctx", "Hq/Hkv", "kernel", "part",
-              "us", "GB/s", "%");
-  Rng rng(99);
   struct Shape {
     int B, ctx;
   };
   const Shape shapes[] = {{1, 32768}, {8, 4096}, {64, 4096}, {256, 1024}};
-  for (int hkv : {8, 32})
-    for (const Shape& sh : shapes) {
-      Bench bench(sh.B, sh.ctx, 32, hkv);
-      bench.setup(rng);
-      const int group = 32 / hkv;
-      const int auto_part = auto_partition(sh.B, hkv, group, int64_t(bench.width) * Bench::P);
-      std::vector<int> parts = {auto_part};
-      if (sh.B <= 8) {
-        for (int x : {128, 256, 512, 1024, 2048})
-          if (x != auto_part) parts.push_back(x);
-      } else {
-        parts.push_back(auto_part == 0 ? 512 : 0);
+  Rng rng(99);
+  if (!fp8_only) {
+    std::printf("bf16, D=128, page 16, bshd. GB/s = K+V bytes / time; %% of the copy ceiling.\n");
+    std::printf("%-5s %-6s %-7s %-7s %-6s %10s %9s %6s\n", "B", "ctx", "Hq/Hkv", "kernel", "part",
+                "us", "GB/s", "%");
+    for (int hkv : {8, 32})
+      for (const Shape& sh : shapes) {
+        Bench bench(sh.B, sh.ctx, 32, hkv);
+        bench.setup(rng);
+        const int group = 32 / hkv;
+        const int auto_part = auto_partition(sh.B, hkv, group, int64_t(bench.width) * Bench::P);
+        std::vector<int> parts = {auto_part};
+        if (sh.B <= 8) {
+          for (int x : {128, 256, 512, 1024, 2048})
+            if (x != auto_part) parts.push_back(x);
+        } else {
+          parts.push_back(auto_part == 0 ? 512 : 0);
+        }
+        auto row = [&](const char* name, int part, int variant) {
+          const double us = bench.time(part, variant);
+          const double gbs = bench.kv_bytes() / (us * 1e-6) / 1e9;
+          char hh[16];
+          std::snprintf(hh, sizeof(hh), "32/%d", hkv);
+          std::printf("%-5d %-6d %-7s %-7s %-6s %10.1f %9.0f %5.0f%%\n", sh.B, sh.ctx, hh, name,
+                      (std::to_string(part) + (part == auto_part ? "*" : "")).c_str(), us, gbs,
+                      100.0 * gbs / ceiling);
+        };
+        for (int part : parts) row("new", part, 0);
+        if (group == 4) {
+          row("simt", auto_part, 1);
+          row("old", auto_part, 2);
+        }
+        bench.teardown();
       }
-      auto row = [&](const char* name, int part, int variant) {
-        const double us = bench.time(part, variant);
-        const double gbs = bench.kv_bytes() / (us * 1e-6) / 1e9;
-        char hh[16];
-        std::snprintf(hh, sizeof(hh), "32/%d", hkv);
-        std::printf("%-5d %-6d %-7s %-7s %-6s %10.1f %9.0f %5.0f%%\n", sh.B, sh.ctx, hh, name,
-                    (std::to_string(part) + (part == auto_part ? "*" : "")).c_str(), us, gbs,
-                    100.0 * gbs / ceiling);
-      };
-      for (int part : parts) row("new", part, 0);
-      if (group == 4) {
-        row("simt", auto_part, 1);
-        row("old", auto_part, 2);
-      }
-      bench.teardown();
-    }
-  std::printf("(* = the partition jaxattn/native.py picks; 0 = one pass)\n");
+    std::printf("(* = the partition jaxattn/native.py picks; 0 = one pass)\n");
+  }
 
   // The same shapes over an e4m3 cache (bf16 q, per-head scales): GB/s counts one byte an
   // element; "x bf16" is the bf16 cache's time at its own pick over this one.
@@ -1042,10 +1056,9 @@ void run_perf() {
       bench.setup(rng);
       const int auto_part = auto_partition(sh.B, hkv, group, int64_t(bench.width) * Bench::P, true);
       std::vector<int> parts = {auto_part};
-      if (sh.B <= 8) {
-        for (int x : {256, 512, 1024, 2048})
-          if (x != auto_part) parts.push_back(x);
-      }
+      for (int x : sh.B <= 8 ? std::vector<int>{256, 512, 1024, 2048}
+                             : std::vector<int>{0, 512, 1024, 2048})
+        if (x != auto_part && x < sh.ctx) parts.push_back(x);
       for (int part : parts) {
         const double us = bench.time(part, 0);
         const double gbs = bench.kv_bytes() / (us * 1e-6) / 1e9;
@@ -1054,6 +1067,9 @@ void run_perf() {
         std::printf("%-5d %-6d %-7s %-6s %10.1f %9.0f %5.0f%% %6.2fx\n", sh.B, sh.ctx, hh,
                     (std::to_string(part) + (part == auto_part ? "*" : "")).c_str(), us, gbs,
                     100.0 * gbs / ceiling, bf16_us / us);
+        if (part > 0 && group == 4)
+          std::printf("      of which the kernel alone %.1f us, the combine alone %.1f us\n",
+                      bench.time(part, 3), bench.time(part, 4));
       }
       bench.teardown();
     }
@@ -1062,17 +1078,20 @@ void run_perf() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = true, perf = true, robust_only = false;
+  bool check = true, perf = true, robust_only = false, fp8_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check")) {
       perf = false;
     } else if (!std::strcmp(argv[i], "--perf")) {
       check = false;
+    } else if (!std::strcmp(argv[i], "--perf-fp8")) {
+      check = false;
+      fp8_only = true;
     } else if (!std::strcmp(argv[i], "--robust")) {
       perf = false;
       robust_only = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--check | --robust | --perf]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--check | --robust | --perf | --perf-fp8]\n", argv[0]);
       return 2;
     }
   }
@@ -1081,7 +1100,7 @@ int main(int argc, char** argv) {
     Rng rng(4321);
     failed = robust_only ? run_robustness(rng) : run_checks();
   }
-  if (perf) run_perf();
+  if (perf) run_perf(fp8_only);
   if (check) std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
   return failed ? 1 : 0;
 }

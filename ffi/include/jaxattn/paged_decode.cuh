@@ -48,9 +48,10 @@
 // FP8 caches (float8_e4m3fn / float8_e5m2 under a bf16 or f16 q): every kernel reads the codes
 // as stored -- half the bytes -- and widens them in registers. The SIMT kernels load 8 bytes a
 // lane (the 16-bit caches' element count) and widen through float16 bits (gpu_vendor.h); the
-// tensor-core kernel has an FP8 variant (paged_decode_mma_fp8_kernel, below) with a four-stage
-// ring of FP8 rows and float16 MMAs. The per-KV-head scales cost nothing per element: k_scale
-// joins the f32 logit factor, v_scale multiplies the normalised output (DecodeParams::scales).
+// tensor-core kernel has an FP8 variant (paged_decode_mma_fp8_kernel, below) with a three-stage
+// ring of FP8 rows (four blocks an SM) and float16 MMAs. The per-KV-head scales cost nothing per
+// element: k_scale joins the f32 logit factor, v_scale multiplies the normalised output
+// (DecodeParams::scales).
 //
 // Softmax runs online in base 2 (logits scaled by scale * log2 e, exp2 on the SFU; with a soft
 // cap, cap * log2 e * tanh(logit / cap)); warps and lane groups merge their (max, sum, output)
@@ -95,6 +96,12 @@
 // stage count.
 #ifndef JAXATTN_DECODE_MMA_SMEM_KB
 #define JAXATTN_DECODE_MMA_SMEM_KB 110
+#endif
+// The FP8 tensor-core kernel's stages: 3 at head_dim 128 is 55.5 KiB a block, four blocks an
+// SM (528 on an H200, so a batch of 64 x 8 KV heads runs in one wave; at 4 stages three
+// blocks fit and the same grid took 1.3 waves: 183 against 144 us, decode self-test).
+#ifndef JAXATTN_DECODE_FP8_STAGES
+#define JAXATTN_DECODE_FP8_STAGES 3
 #endif
 #ifndef JAXATTN_DECODE_MMA_STAGES
 #define JAXATTN_DECODE_MMA_STAGES 0
@@ -429,7 +436,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   }
 
   // Folds U rows (K and V vectors of this lane's slice) into the running state.
-  auto consume = [&](const KvVec(&kr)[U][NV], const KvVec(&vr)[U][NV], const bool(&ok)[U]) {
+  auto consume = [&](const KvVec(&kr)[U][NV], const KvVec(&vr)[U][NV], const bool (&ok)[U]) {
     float s[U][GC];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -627,7 +634,7 @@ struct MmaDecodeShape {
   static_assert(sizeof(T) == 2 && D % 16 == 0, "16-bit elements, head_dim a multiple of 16");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kHeads = 8;         // query heads a KV head serves (n of the MMAs)
+  static constexpr int kHeads = 8;           // query heads a KV head serves (n of the MMAs)
   static constexpr int kTile = 16 * kWarps;  // a 16-token slice per warp
   static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
@@ -675,8 +682,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
   const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
-  const Ring ring{smem,  kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
-                  kv,    start, end};
+  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
+                  kv,   start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
   bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
 
@@ -798,7 +805,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
 }
 
 // The tensor-core kernel over an FP8 cache (q bf16 or f16). The ring holds the FP8 rows as
-// stored (half the bytes of a 16-bit tile, so four stages fit where three did), and the
+// stored (half the bytes of a 16-bit tile: at three stages four blocks fit an SM), and the
 // fragments are widened to float16 in registers: every FP8 value is exact there, and float16
 // costs one byte permute per pair from e5m2 (a cvt from e4m3) where bfloat16 would need a
 // rebias and a NaN patch per pair. A bf16 q is moved into float16's range by a power of two per
@@ -829,14 +836,17 @@ struct MmaFp8DecodeShape {
   static constexpr int kRowStride = D + 16;  // bytes: 16 of padding, rows stay 16-byte aligned
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride;
   static constexpr int kStages =
-      JAXATTN_DECODE_MMA_STAGES > 0
-          ? JAXATTN_DECODE_MMA_STAGES
-          : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+      JAXATTN_DECODE_FP8_STAGES > 0
+          ? JAXATTN_DECODE_FP8_STAGES
+          : (JAXATTN_DECODE_MMA_STAGES > 0
+                 ? JAXATTN_DECODE_MMA_STAGES
+                 : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes)));
   static_assert(kStages >= 2, "the ring needs two stages");
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
-  // Head_dim 128: 74 KiB of ring, three blocks an SM by shared memory.
-  static constexpr int kMinBlocks = 2;
+  // Blocks an SM that shared memory allows (228 KiB an SM, 1 KiB reserved a block), 2 to 4;
+  // __launch_bounds__ then keeps the registers within that many blocks.
+  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
 };
 
 // Head dim of row r (0..15) of m16 block j of the FP8 kernel's O^T (see above).
@@ -1039,15 +1049,20 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
 // Split-KV combine and launchers.
 // ------------------------------------------------------------------------------------------
 
-// Exact merge of the partitions of one (sequence, query head): the maximum of the partition
-// maxima first, then each warp sums its share of the partitions (their loads independent),
-// then the warps' sums in a fixed order. A poisoned partition (NaN max and sum) has a NaN
-// weight, so the row is NaN; a length that does not fit the block table gives a NaN row
-// without reading the workspace (its partitions wrote nothing).
+// Exact merge of the partitions of one (sequence, query head), in one pass over the
+// workspace: warp w takes partitions w, w + 8, ... in batches of kBatch, issues every load of
+// a batch before it uses one (the (max, sum) pairs and kPerLane output elements a lane each:
+// one memory latency a batch, where a maximum pass before the sums cost two dependent rounds
+// more), and folds the batch into its running state by the batch maximum; then the warps'
+// states merge in a fixed order. A poisoned partition (NaN max and sum) has a NaN weight, so
+// the row is NaN (fmaxf skips the NaN max, the weight l * 2^(m - M) keeps it); an empty one
+// (-inf, 0) weighs 0. A length that does not fit the block table gives a NaN row without
+// reading the workspace (its partitions wrote nothing).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams p) {
   constexpr int kThreads = 256, kWarps = kThreads / WARP_SIZE;
   constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
+  constexpr int kBatch = kPerLane > 4 ? 4 : 8;  // partitions a warp has in flight
   constexpr float kNegInf = -__builtin_huge_valf();
   __shared__ float red_o[kWarps][D];
   __shared__ float red_x[2][kWarps];
@@ -1062,46 +1077,68 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   const int nparts = (L + p.partition_size - 1) / p.partition_size;
   const int64_t slot0 = (int64_t(b) * p.num_q_heads + h) * p.max_parts;
   const float* part_out = p.workspace + slot0 * D;
-  const float* ml = p.workspace + int64_t(p.batch) * p.num_q_heads * p.max_parts * D + 2 * slot0;
+  const float2* ml = reinterpret_cast<const float2*>(
+      p.workspace + int64_t(p.batch) * p.num_q_heads * p.max_parts * D + 2 * slot0);
 
-  float mx = kNegInf;
-  for (int i = threadIdx.x; i < nparts; i += kThreads) mx = fmaxf(mx, ml[2 * i]);
-  mx = group_max<WARP_SIZE>(mx);
-  if (lane == 0) red_x[0][warp] = mx;
-  __syncthreads();
-  mx = red_x[0][0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red_x[0][w]);
-  const float m_use = mx == kNegInf ? 0.f : mx;
-
-  float o[kPerLane], ls = 0.f;
+  float m = kNegInf, l = 0.f, o[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
-#pragma unroll 4
-  for (int i = warp; i < nparts; i += kWarps) {
-    const float w = ml[2 * i + 1] * fast_exp2(ml[2 * i] - m_use);
-    ls += w;
+  for (int i0 = warp; i0 < nparts; i0 += kWarps * kBatch) {
+    float2 x[kBatch];
+    float v[kBatch][kPerLane];
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int d = lane + k * WARP_SIZE;
-      if (D % WARP_SIZE == 0 || d < D) o[k] = fmaf(w, part_out[int64_t(i) * D + d], o[k]);
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * kWarps;
+      const bool live = i < nparts;
+      x[j] = live ? ml[i] : make_float2(kNegInf, 0.f);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int d = lane + k * WARP_SIZE;
+        v[j][k] = live && (D % WARP_SIZE == 0 || d < D) ? part_out[int64_t(i) * D + d] : 0.f;
+      }
     }
+    float mb = m;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) mb = fmaxf(mb, x[j].x);
+    const float m_use = mb == kNegInf ? 0.f : mb;
+    const float a = fast_exp2(m - m_use);  // 0 for the empty start; NaN stays in l and o
+    l *= a;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) o[k] *= a;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const float w = x[j].y * fast_exp2(x[j].x - m_use);
+      l += w;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) o[k] = fmaf(w, v[j][k], o[k]);
+    }
+    m = mb;
   }
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int d = lane + k * WARP_SIZE;
     if (D % WARP_SIZE == 0 || d < D) red_o[warp][d] = o[k];
   }
-  if (lane == 0) red_x[1][warp] = ls;
+  if (lane == 0) {
+    red_x[0][warp] = m;
+    red_x[1][warp] = l;
+  }
   __syncthreads();
+  float mx = red_x[0][0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red_x[0][w]);
+  const float m_use = mx == kNegInf ? 0.f : mx;
+  float sc[kWarps];
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sc[w] = fast_exp2(red_x[0][w] - m_use);
   for (int d = threadIdx.x; d < D; d += kThreads) {
-    float od = 0.f, l = 0.f;
+    float od = 0.f, ls = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      od += red_o[w][d];
-      l += red_x[1][w];
+      od = fmaf(sc[w], red_o[w][d], od);
+      ls = fmaf(sc[w], red_x[1][w], ls);
     }
-    out[d] = from_float<T>(l == 0.f ? 0.f : od / l);
+    out[d] = from_float<T>(ls == 0.f ? 0.f : od / ls);
   }
 }
 
