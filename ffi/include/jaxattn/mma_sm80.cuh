@@ -20,6 +20,18 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// One 16-byte shared-memory load (ld.shared.v4). A uint4 read through a byte pointer may come
+// out of nvcc as four 4-byte loads, and where a quarter-warp's 16-byte loads take one
+// wavefront, its 4-byte loads of rows 128 bytes apart meet 4-way bank conflicts (the FP8
+// prefill kernels' staging reads did).
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_u32(p)));
+  return v;
+}
+
 // One 16-byte copy to a shared address (valid == false: 16 zero bytes, nothing read). Commit
 // and wait are async_copy_commit / async_copy_wait<N> of gpu_vendor.h.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {

@@ -840,6 +840,27 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 // of two that puts its largest |q| in [2^14, 2^15) (only elements below 2^-24 of the row's
 // largest lose bits), undone in the row's f32 logit factor.
 
+// The FP8 chunk a thread copies and widens in a key tile: 16-byte chunk c8 of row r8 (F8
+// chunks a row, NT / F8 rows a pass); its float16 chunks 2 c8 and 2 c8 + 1 go to the same row of
+// a tile swizzled by 16-byte chunk ^ (row & 7). A quarter-warp's 16-byte accesses take one
+// wavefront when its 8 threads meet 8 different bank groups. With 8 chunks a row (head_dim 128)
+// the plain order (row tid / 8, chunk tid % 8) gives a quarter-warp one row, whose chunks c8
+// and c8 + 4 widen into chunks c and c + 8: the same bank group, two wavefronts for every
+// widened store. Instead each quarter-warp takes one half of a row and the other half of the
+// next row: the staging reads stay on 8 bank groups (a row is 128 bytes there) and the stores
+// land on both parities of the row phase. Each warp still covers 4 whole rows.
+template <int F8>
+__device__ __forceinline__ void fp8_widen_chunk(int tid, int& r8, int& c8) {
+  if constexpr (F8 == 8) {
+    const int j = tid % 8, quarter = (tid / 8) % 4, next = j / 4;
+    r8 = (tid / 32) * 4 + 2 * (quarter / 2) + next;
+    c8 = 4 * (next ^ (quarter % 2)) + j % 4;
+  } else {
+    r8 = tid / F8;
+    c8 = tid % F8;
+  }
+}
+
 // 16 FP8 codes -> 16 float16 (two 16-byte chunks), exact.
 template <typename C>
 __device__ __forceinline__ void fp8x16_to_f16(const uint4& in, uint4& lo, uint4& hi) {
@@ -1012,7 +1033,8 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
   // This thread's FP8 chunks of every key tile: chunk c8 of rows r8 + i * F8R; it widens them
   // into chunks 2 c8 and 2 c8 + 1 of the same rows, which share their swizzle phase
   // (F8R % 8 == 0), so they lie F8R rows apart.
-  const int c8 = tid % F8, r8 = tid / F8;
+  int r8, c8;
+  fp8_widen_chunk<F8>(tid, r8, c8);
   auto stage_k = [&](int slot, int r) { return st_s + (2 * slot * BN + r) * D + c8 * 16; };
   auto stage_v = [&](int slot, int r) { return st_s + ((2 * slot + 1) * BN + r) * D + c8 * 16; };
   auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
@@ -1026,16 +1048,25 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
     }
   };
   auto widen = [&](int slot) {
+    // K, then V, each half's loads back to back before its stores (as in the sm90 kernel).
+    constexpr int R = BN / F8R;
 #pragma unroll
-    for (int i = 0; i < BN / F8R; ++i) {
-      const int r = r8 + i * F8R;
-      uint4 lo, hi;
-      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_k(slot, r)), lo, hi);
-      *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8)) = lo;
-      *reinterpret_cast<uint4*>(k_s + swz<D>(r, 2 * c8 + 1)) = hi;
-      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(stage_v(slot, r)), lo, hi);
-      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8)) = lo;
-      *reinterpret_cast<uint4*>(v_s + swz<D>(r, 2 * c8 + 1)) = hi;
+    for (int h = 0; h < 2; ++h) {
+      unsigned char* dst = h == 0 ? k_s : v_s;
+      uint4 raw[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = r8 + i * F8R;
+        raw[i] = lds128(h == 0 ? stage_k(slot, r) : stage_v(slot, r));
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = r8 + i * F8R;
+        uint4 lo, hi;
+        fp8x16_to_f16<C>(raw[i], lo, hi);
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c8)) = lo;
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c8 + 1)) = hi;
+      }
     }
   };
   // Copy groups: q, tile 0, tile 1, then one per tile from the loop (tile n + 1 in iteration
@@ -1282,9 +1313,8 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
     const bool tc_dim = p.kv.head_dim == 64 || p.kv.head_dim == 128;
     if (tc_dim && (which == PrefillKernel::kAuto || which == PrefillKernel::kSm90)) {
 #if defined(JAXATTN_HAVE_SM90A)
-      const bool long_enough =
-          which == PrefillKernel::kSm90 ||
-          int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch;
+      const bool long_enough = which == PrefillKernel::kSm90 ||
+                               int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch;
       if (long_enough && device_is_sm90() && prefill_sm90_fits(p))
         return launch_prefill_sm90<T, C>(p, stream);
 #endif

@@ -133,43 +133,46 @@ __device__ __forceinline__ void sm90_pin(uint32_t (&r)[N]) {
 #define JAXATTN_SM90_R32                                                                       \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define JAXATTN_SM90_R64                                                                      \
-  JAXATTN_SM90_R32                                                                            \
+#define JAXATTN_SM90_R64                                                                    \
+  JAXATTN_SM90_R32                                                                          \
   ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, " \
   "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define JAXATTN_SM90_ACC8(i)                                                                 \
+#define JAXATTN_SM90_ACC8(i)                                                                  \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 #define JAXATTN_SM90_ACC32 \
   JAXATTN_SM90_ACC8(0), JAXATTN_SM90_ACC8(8), JAXATTN_SM90_ACC8(16), JAXATTN_SM90_ACC8(24)
-#define JAXATTN_SM90_ACC64                                                           \
+#define JAXATTN_SM90_ACC64                                                                 \
   JAXATTN_SM90_ACC32, JAXATTN_SM90_ACC8(32), JAXATTN_SM90_ACC8(40), JAXATTN_SM90_ACC8(48), \
       JAXATTN_SM90_ACC8(56)
 
 // D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B K-major in shared memory.
-#define JAXATTN_SM90_SS_N128(TY)                                                      \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                            \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
-               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                     \
-               : JAXATTN_SM90_ACC64                                                   \
-               : "l"(da), "l"(db), "r"(scale_d)                                       \
-               : "memory")
+#define JAXATTN_SM90_SS_N128(TY)                                                     \
+  asm volatile(                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                             \
+      : JAXATTN_SM90_ACC64                                                           \
+      : "l"(da), "l"(db), "r"(scale_d)                                               \
+      : "memory")
 // D[64 x 128] += A[64 x 16] B[16 x 128], A in registers, B MN-major in shared memory.
-#define JAXATTN_SM90_RS_N128(TY)                                                      \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                            \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
-               "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                       \
-               : JAXATTN_SM90_ACC64                                                   \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)          \
-               : "memory")
+#define JAXATTN_SM90_RS_N128(TY)                                                     \
+  asm volatile(                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                               \
+      : JAXATTN_SM90_ACC64                                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)                  \
+      : "memory")
 // D[64 x 64] += A[64 x 16] B[16 x 64], A in registers, B MN-major in shared memory.
-#define JAXATTN_SM90_RS_N64(TY)                                                      \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                           \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" JAXATTN_SM90_R32 \
-               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                      \
-               : JAXATTN_SM90_ACC32                                                  \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)         \
-               : "memory")
+#define JAXATTN_SM90_RS_N64(TY)                                                     \
+  asm volatile(                                                                     \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" JAXATTN_SM90_R32 \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                              \
+      : JAXATTN_SM90_ACC32                                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)                 \
+      : "memory")
 
 template <typename T>
 __device__ __forceinline__ void sm90_mma_ss_n128(float (&d)[64], uint64_t da, uint64_t db,
@@ -298,8 +301,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
   };
 
-  float o[D / 2];   // O accumulator fragment: m64nDk16 layout
-  float s[BN / 2];  // S accumulator fragment, then the probabilities
+  float o[D / 2];       // O accumulator fragment: m64nDk16 layout
+  float s[BN / 2];      // S accumulator fragment, then the probabilities
   uint32_t pf[BN / 4];  // P as 16-bit A fragments: pf[4 kk + i] feeds k step kk
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -558,8 +561,7 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   PrefillTile t;
   // The tile search's scratch: the FP8 staging, which the first copies fill after the barrier
   // that follows the row offsets below.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(st_s),
-                                         &t))
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(st_s), &t))
     return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
@@ -598,7 +600,8 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   // widens them into chunks 2 c8 and 2 c8 + 1 of the same rows, one column block, in rows that
   // share their swizzle phase (F8R % 8 == 0), so they lie F8R rows apart.
   static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
-  const int c8 = tid % F8, r8 = tid / F8;
+  int r8, c8;
+  fp8_widen_chunk<F8>(tid, r8, c8);
   auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
 #pragma unroll
     for (int i = 0; i < BN / F8R; ++i) {
@@ -620,17 +623,25 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
     async_copy_wait<0>();  // this thread's copies of tile n (the only group in flight)
     unsigned char* kt = gen + S::kQBytes + (n % KS) * S::kTileBytes;
     unsigned char* vt = gen + S::kQBytes + (KS + n % VS) * S::kTileBytes;
+    // K, then V: each half's staging loads issue back to back before its first widened store
+    // (ptxas keeps a shared load behind any earlier shared store it cannot prove disjoint, so
+    // row by row every conversion waited on its load).
+    constexpr int R = BN / F8R;
 #pragma unroll
-    for (int i = 0; i < BN / F8R; ++i) {
-      const int r = r8 + i * F8R;
-      const unsigned char* src = st_s + r * D + c8 * 16;
-      uint4 lo, hi;
-      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src), lo, hi);
-      *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
-      *reinterpret_cast<uint4*>(kt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
-      fp8x16_to_f16<C>(*reinterpret_cast<const uint4*>(src + S::kStageBytes), lo, hi);
-      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8)) = lo;
-      *reinterpret_cast<uint4*>(vt + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
+    for (int h = 0; h < 2; ++h) {
+      unsigned char* dst = h == 0 ? kt : vt;
+      uint4 raw[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+        raw[i] = lds128(st_s + h * S::kStageBytes + (r8 + i * F8R) * D + c8 * 16);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int r = r8 + i * F8R;
+        uint4 lo, hi;
+        fp8x16_to_f16<C>(raw[i], lo, hi);
+        *reinterpret_cast<uint4*>(dst + sm90_tile_off<BN>(r, 2 * c8)) = lo;
+        *reinterpret_cast<uint4*>(dst + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
+      }
     }
     if (n * BN + BN > range.full_end) {
       const bool lo = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
@@ -655,8 +666,8 @@ __global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
   if (ntiles > 0) load_fp8(0);
   if (ntiles == 0) async_copy_commit();
   check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
-  async_copy_wait<0>();  // q and this thread's copies of tile 0
-  __syncthreads();       // every thread's q (the bf16 rows are scaled across threads)
+  async_copy_wait<0>();                                     // q and this thread's copies of tile 0
+  __syncthreads();  // every thread's q (the bf16 rows are scaled across threads)
   if constexpr (std::is_same_v<T, bf16_t>) {
     q_bf16_to_f16_rows<D, S::kThreads>(gen, BM, qpost,
                                        [](int r, int c) { return sm90_tile_off<BM>(r, c); });
