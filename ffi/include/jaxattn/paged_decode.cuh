@@ -113,6 +113,22 @@ namespace gpu {
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// Programmatic dependent launch (sm_90): the split-KV kernels let the combine launch as soon
+// as each of their blocks has started, and the combine waits for them to finish (and their
+// writes to land) before it reads anything, so its launch and block start-up overlap the
+// tail of the main kernel instead of following it. Both are no-ops on other targets and
+// when the combine was launched the ordinary way.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Shape of the SIMT kernels (1 and 3). DIRECT selects kernel 1 (the default for one head per
 // KV head; decode_selftest.cu also instantiates it for larger groups to time it against the
 // pipelined kernels).
@@ -388,6 +404,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
+  pdl_launch_dependents();
   if (!decode_range<T>(p, kvh, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -673,6 +690,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
+  pdl_launch_dependents();
   if (!decode_range<T>(p, kvh, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -868,6 +886,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
+  pdl_launch_dependents();
   if (!decode_range<T>(p, kvh, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1066,6 +1085,7 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   constexpr float kNegInf = -__builtin_huge_valf();
   __shared__ float red_o[kWarps][D];
   __shared__ float red_x[2][kWarps];
+  pdl_wait();  // the partitions are written (a no-op after an ordinary launch)
   const int h = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + h) * D;
@@ -1151,7 +1171,24 @@ inline const char* decode_grid(const DecodeParams& p, dim3* grid) {
 template <typename T, int D>
 const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
   if (p.partition_size == 0) return nullptr;
-  decode_combine_kernel<T, D><<<dim3(p.num_q_heads, p.batch), 256, 0, stream>>>(p);
+  const dim3 grid(p.num_q_heads, p.batch);
+#if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
+  if (current_device_caps().major >= 9) {  // programmatic dependent launch (see pdl_wait)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p) == cudaSuccess) return nullptr;
+    (void)cudaGetLastError();  // an ordinary launch below
+  }
+#endif
+  decode_combine_kernel<T, D><<<grid, 256, 0, stream>>>(p);
   return check_launch();
 }
 
