@@ -675,3 +675,15 @@ def spec_joined(case: CascadeCase, **kw):
         layout=case.layout,
         **{**case.scales, **kw},
     )
+
+
+def mesh_of(n: int):
+    """A mesh over the first ``n`` devices; the test is skipped where fewer are present (the
+    CPU suite forces 8 host devices, a one-GPU machine has one)."""
+    import pytest
+
+    from jaxattn import sharding
+
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices, {jax.device_count()} present")
+    return sharding.make_mesh(n)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
@@ -381,7 +382,7 @@ def test_tensor_parallel_engine_matches_one_device(layout):
     one = make_engine(layout=layout)
     single = one.generate(prompts, 6, n=2)
     assert one.stats["tp"] == 1
-    engine = make_engine(layout=layout, mesh=sharding.make_mesh(2), unroll_layers=True)
+    engine = make_engine(layout=layout, mesh=mesh_of(2), unroll_layers=True)
     out = engine.generate(prompts, 6, n=2)
     assert out == single
     assert_verified(prompts, out, 6, n=2)
@@ -411,7 +412,7 @@ def test_tensor_parallel_engine_matches_one_device(layout):
         assert lp["w_down"].sharding.is_equivalent_to(by_row, 2)
     assert_whole(engine)
     with pytest.raises(ValueError, match=r"KV heads \(2\) must be a multiple"):
-        make_engine(mesh=sharding.make_mesh(4))
+        make_engine(mesh=mesh_of(4))
 
 
 @pytest.mark.gpu

@@ -17,12 +17,12 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import mesh_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import POOL, assert_verified, assert_whole, make_engine, workload
 
 import jaxattn.engine.engine as engine_module
-from jaxattn import sharding
 from jaxattn.engine import ExecutionConfig
 from jaxattn.engine.cascade import cascade_levels, shared_prefixes
 
@@ -231,7 +231,7 @@ def test_cascade_over_a_split_pool_in_another_layout():
     vLLM layout: the tokens of one device with paged decode."""
     prompts = workload(7, num=5, system=14, suffix=(1, 9))
     want = make_engine(layout="vllm", cascade="off").generate(prompts, 6, n=2)
-    engine = make_engine(layout="vllm", cascade="on", mesh=sharding.make_mesh(2), **SHARED)
+    engine = make_engine(layout="vllm", cascade="on", mesh=mesh_of(2), **SHARED)
     assert engine.generate(prompts, 6, n=2) == want
     assert engine.stats["tp"] == 2 and engine.stats["cascade_steps"] > 0
     assert_whole(engine)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh_of
 from test_engine import BUCKETS, CFG, PARAMS, POOL  # the engine tests' model and pool
 
-from jaxattn import sharding
 from jaxattn.engine import (
     CacheConfig,
     Engine,
@@ -104,7 +104,7 @@ def test_fp8_tensor_parallel_matches_one_device():
     scales = calibrate_kv_scales(CFG, PARAMS, prompts[:2], "fp8_e4m3")
     kw = dict(kv_dtype="fp8_e4m3", kv_scales=scales, unroll_layers=True)
     one = make_engine(**kw).generate(prompts, 6, n=2)
-    engine = make_engine(mesh=sharding.make_mesh(2), **kw)
+    engine = make_engine(mesh=mesh_of(2), **kw)
     assert engine.generate(prompts, 6, n=2) == one
     assert engine.runner.k_cache.dtype == jnp.float8_e4m3fn
     assert 2 * engine.stats["kv_pool_bytes_per_device"] == engine.stats["kv_pool_bytes"]

@@ -26,6 +26,7 @@ from helpers import (
     make_extend,
     make_paged_decode,
     make_prefix_prefill,
+    mesh_of,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -66,10 +67,7 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def _mesh(n):
-    if jax.device_count() < n:
-        pytest.skip(f"needs {n} devices, {jax.device_count()} present")
-    return S.make_mesh(n)
+_mesh = mesh_of
 
 
 def assert_same(sharded, single, impl):
