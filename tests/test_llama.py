@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxattn.models import llama
@@ -194,6 +195,39 @@ def test_checkpoint_native_dtype_bf16(tmp_path):
     # bf16 activations: a loose bound, but far below the logits' own spread (~1).
     assert np.max(np.abs(got - want)) < 0.25
     assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) > 0.8
+
+
+@pytest.mark.parametrize(
+    "dtype, tied, rope_scaling, eos",
+    [
+        ("float32", False, None, (3,)),
+        ("bfloat16", True, {"rope_type": "linear", "factor": 2.0}, (3, 7)),
+        ("float16", False, None, ()),
+    ],
+)
+def test_save_checkpoint_round_trip(tmp_path, dtype, tied, rope_scaling, eos):
+    cfg = LlamaConfig(
+        **TINY, tie_word_embeddings=tied, rope_scaling=rope_scaling, eos_token_id=eos, dtype=dtype
+    )
+    params = llama.init_params(cfg, jax.random.key(3))
+    llama.save_checkpoint(tmp_path / "ckpt", cfg, params)
+    hf = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert hf["torch_dtype"] == dtype and hf["head_dim"] == 16
+    loaded_cfg, loaded = llama.load_checkpoint(tmp_path / "ckpt")
+    assert loaded_cfg == cfg
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # The file is plain safetensors under the HF names: the format's own reader agrees.
+    tensors = llama.params_to_hf(cfg, params)
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="np") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        if dtype != "bfloat16":  # numpy has no bf16 for this reader; load_checkpoint read it
+            for name in tensors:
+                np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+    with pytest.raises(TypeError, match="cfg"):
+        llama.config_to_hf(hf)
 
 
 def test_checkpoint_errors(tmp_path):

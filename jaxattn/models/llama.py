@@ -48,6 +48,7 @@ __all__ = [
     "LlamaConfig",
     "apply_rope",
     "config_from_hf",
+    "config_to_hf",
     "dense_kv",
     "forward_decode",
     "forward_dense",
@@ -57,8 +58,10 @@ __all__ = [
     "lm_head",
     "load_checkpoint",
     "params_from_hf",
+    "params_to_hf",
     "rms_norm",
     "rope_frequencies",
+    "save_checkpoint",
     "serving_params",
 ]
 
@@ -943,3 +946,81 @@ def load_checkpoint(path, *, dtype: str | None = None) -> tuple[LlamaConfig, dic
                 raise ValueError(f"tensor {name!r} appears in more than one file")
             tensors[name] = t
     return cfg, params_from_hf(cfg, tensors)
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """The Hugging Face ``config.json`` dict of ``cfg`` (:func:`config_from_hf`'s inverse)."""
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    eos = list(cfg.eos_token_id)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "bos_token_id": cfg.bos_token_id,
+        "torch_dtype": cfg.dtype,
+    }
+
+
+def params_to_hf(cfg: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
+    """Hugging Face Llama tensors (numpy, the parameters' dtype) of stacked parameters
+    (:func:`params_from_hf`'s inverse: Linear weights back to ``[out, in]``)."""
+    layers = params["layers"]
+    out = {
+        "model.embed_tokens.weight": np.asarray(params["embed"]),
+        "model.norm.weight": np.asarray(params["norm"]),
+    }
+    for layer in range(cfg.num_hidden_layers):
+        for ours, (name, transpose) in _hf_layer_names(layer).items():
+            t = np.asarray(layers[ours][layer])
+            out[name] = np.ascontiguousarray(t.T if transpose else t)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    return out
+
+
+def save_checkpoint(path, cfg: LlamaConfig, params: dict) -> None:
+    """Write ``cfg`` and ``params`` as a Hugging Face Llama directory (``config.json`` and one
+    ``model.safetensors``) that :func:`load_checkpoint` (and other HF readers) load back
+    exactly. Tensors keep the parameters' dtype (f32, f16 or bf16)."""
+    import ml_dtypes  # a dependency of jax
+
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+    names[np.dtype(ml_dtypes.bfloat16)] = "BF16"
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = params_to_hf(cfg, params)
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype not in names:
+            raise ValueError(f"parameter {name!r} has dtype {t.dtype}, not f32, f16 or bf16")
+        blob = np.ascontiguousarray(t).tobytes()
+        header[name] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        offset += len(blob)
+        blobs.append(blob)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for blob in blobs:
+            f.write(blob)
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
