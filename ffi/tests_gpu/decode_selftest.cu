@@ -1,11 +1,11 @@
 // Standalone GPU self-test and timing of the paged decode kernels (jaxattn/paged_decode.cuh),
 // no Python or XLA needed:
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o
-//   /tmp/decode_selftest /tmp/decode_selftest            # correctness and robustness cases, then
-//   timing /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing
-//   only) /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
-//   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/decode_selftest.cu -o /tmp/decode_selftest
+//   /tmp/decode_selftest            # correctness and robustness cases, then timing
+//   /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing only)
+//   /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
+//   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only (and the bf16 time of each shape)
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
