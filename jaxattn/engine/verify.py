@@ -55,7 +55,9 @@ GAP_RTOL = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 5e-2}
 # hidden 256 and 2 layers / hidden 64, 128 tokens each): the largest relative gap of a
 # correct run was 0.0185 for e4m3 and 0.0267 for e5m2 (up to 8 tokens per run not the
 # oracle's argmax). Each tolerance is about four times that, still a small fraction of the
-# logits' spread. Not yet measured on a GPU or with a trained checkpoint.
+# logits' spread. On a trained checkpoint (benchmarks/fp8_parity.py: a byte-level Llama trained
+# on the Python standard library, 2048 greedy tokens a format) the largest relative gaps were
+# 0.0455 (e4m3) and 0.0429 (e5m2), with 98% of the tokens the oracle's argmax.
 GAP_RTOL_KV = {"fp8_e4m3": 0.075, "fp8_e5m2": 0.1}
 
 
