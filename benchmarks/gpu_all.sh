@@ -66,7 +66,10 @@ for stage in $STAGES; do
       echo "prefill fp8 rc=$?"; sed -n '/^| B x/,$p' "$OUT/prefill_fp8.log"
       timeout "${ACCURACY_TIMEOUT:-200}" python3 benchmarks/fp8_accuracy.py --impl native,pallas \
         --json "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.log" 2>&1
-      echo "fp8 accuracy rc=$?"; sed -n '/^| data/,$p' "$OUT/fp8_accuracy.log" ;;
+      echo "fp8 accuracy rc=$?"; sed -n '/^| data/,$p' "$OUT/fp8_accuracy.log"
+      timeout "${PARITY_TIMEOUT:-300}" python3 benchmarks/fp8_parity.py --steps 1500 \
+        --json "$OUT/fp8_parity.json" > "$OUT/fp8_parity.log" 2>&1
+      echo "fp8 parity rc=$?"; sed -n '/^held-out/,$p' "$OUT/fp8_parity.log" ;;
     engine-options)  # cascade decode off / on, then an FP8 pool, each against the same workload
       for opt in "--cascade off" "--cascade on --cascade-min-tokens 64" "--kv-dtype fp8_e4m3"; do
         tag=$(echo "$opt" | tr -c 'a-z0-9' '_')
