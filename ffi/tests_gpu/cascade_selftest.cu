@@ -53,14 +53,7 @@
 using namespace jaxattn;
 
 #if !defined(CASCADE_SELFTEST_ON_CPU)
-#define CUDA_OK(x)                                                                               \
-  do {                                                                                           \
-    cudaError_t err_ = (x);                                                                      \
-    if (err_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
+#include "cuda_ok.h"
 #endif
 
 namespace {
