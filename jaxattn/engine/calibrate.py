@@ -19,13 +19,9 @@ import numpy as np
 from jaxattn.models.llama import LlamaConfig, dense_kv
 from jaxattn.quant import fp8_scales
 
-from .config import KV_DTYPES, bucket, fp8_format, padded_batches
+from .config import KV_DTYPES, bucket, fp8_format, padded_batches, token_ids
 
 __all__ = ["calibrate_kv_scales"]
-
-
-def _token(t, vocab_size: int) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size
 
 
 def calibrate_kv_scales(cfg: LlamaConfig, params: dict, prompts, kv_dtype, *, rows: int = 8):
@@ -48,20 +44,7 @@ def calibrate_kv_scales(cfg: LlamaConfig, params: dict, prompts, kv_dtype, *, ro
     prompts = list(prompts) if prompts is not None else []
     if not prompts:
         raise ValueError("prompts must hold at least one prompt (a list of token ids)")
-    checked = []
-    for i, p in enumerate(prompts):
-        p = p.tolist() if isinstance(p, np.ndarray) else p
-        ok = (
-            not isinstance(p, str)
-            and hasattr(p, "__len__")
-            and len(p) > 0
-            and all(_token(t, cfg.vocab_size) for t in p)
-        )
-        if not ok:
-            raise ValueError(
-                f"prompts[{i}] must be a non-empty list of token ids in [0, {cfg.vocab_size})"
-            )
-        checked.append([int(t) for t in p])
+    checked = [token_ids(f"prompts[{i}]", p, cfg.vocab_size) for i, p in enumerate(prompts)]
     length = bucket(max(len(p) for p in checked), 16)
     if length > cfg.max_position_embeddings:
         raise ValueError(

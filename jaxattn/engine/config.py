@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,7 @@ def kv_cache_dtype(kv_dtype: str | None, model_dtype) -> np.dtype:
     return np.dtype(KV_DTYPES[_kv_dtype_name(kv_dtype)])
 
 
-def _kv_scales(value):
+def check_kv_scales(value):
     """``CacheConfig.kv_scales`` as a pair of nested tuples of floats (hashable, compared by
     value), after checking that both are finite, positive, 2-D and of one shape."""
     if value is None:
@@ -114,6 +115,25 @@ def _kv_scales(value):
             f"{np.shape(out[1])}"
         )
     return tuple(out)
+
+
+def token_ids(where: str, prompt, vocab_size: int) -> list[int]:
+    """``prompt`` (a sequence of token ids, or a 1-D numpy array) as a list of ints, after
+    checking that it is not empty and that every id lies in ``[0, vocab_size)``; each error
+    names ``where`` (e.g. ``"prompts[3]"``)."""
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, SequenceABC) or isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where} must be a non-empty list of token ids")
+    ok = all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size
+        for t in prompt
+    )
+    if not ok:
+        raise ValueError(
+            f"{where} must hold token ids in [0, {vocab_size}), got {list(prompt)[:16]}"
+        )
+    return [int(t) for t in prompt]
 
 
 def padded_batches(sequences, rows: int, length: int, *, empty_length: int):
@@ -190,7 +210,7 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
         object.__setattr__(self, "radix_cache", bool(self.radix_cache))
         object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv_dtype))
-        object.__setattr__(self, "kv_scales", _kv_scales(self.kv_scales))
+        object.__setattr__(self, "kv_scales", check_kv_scales(self.kv_scales))
 
 
 @dataclasses.dataclass(frozen=True)

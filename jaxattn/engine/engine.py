@@ -44,6 +44,7 @@ from .config import (
     bucket,
     kv_cache_dtype,
     split_engine_kwargs,
+    token_ids,
 )
 from .kv_cache import KVCacheManager
 from .model import check_model
@@ -231,21 +232,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def _check_prompt(self, i, prompt, max_new_tokens):
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, SequenceABC) or isinstance(prompt, str) or not prompt:
-            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-        ok = all(
-            isinstance(t, numbers.Integral)
-            and not isinstance(t, bool)
-            and 0 <= t < self.cfg.vocab_size
-            for t in prompt
-        )
-        if not ok:
-            raise ValueError(
-                f"prompts[{i}] must hold token ids in [0, {self.cfg.vocab_size}), got "
-                f"{list(prompt)[:16]}"
-            )
+        prompt = token_ids(f"prompts[{i}]", prompt, self.cfg.vocab_size)
         # As vLLM's max_model_len: the prompt and every token drawn must fit the positions the
         # model was built for (RoPE beyond them is extrapolation nobody asked for).
         limit = self.cfg.max_position_embeddings
@@ -261,7 +248,7 @@ class Engine:
                 f"prompts[{i}] ({len(prompt)} tokens) with max_new_tokens={max_new_tokens} "
                 f"needs {need} pages, more than the pool's num_pages={self.num_pages}"
             )
-        return [int(t) for t in prompt]
+        return prompt
 
     def add_request(
         self,

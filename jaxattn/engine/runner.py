@@ -65,7 +65,7 @@ from jaxattn.models.llama import DecodeBatch, ExtendBatch
 from jaxattn.paging import token_slots
 
 from . import scheduler
-from .config import Buckets, bucket, kv_cache_dtype
+from .config import Buckets, bucket, check_kv_scales, kv_cache_dtype
 from .sampling import sample, sample_keys
 
 __all__ = [
@@ -625,16 +625,15 @@ class ModelRunner:
         init = functools.partial(model.init_kv_cache, num_pages, page_size, layout=layout, **dtype)
         scales = None
         if kv_scales is not None:
+            # CacheConfig's checks (finite, positive, one 2-D shape), then the model's shape.
             want = (model.num_hidden_layers, model.num_key_value_heads)
-            scales = tuple(np.asarray(s, np.float32) for s in kv_scales)
+            scales = tuple(np.asarray(s, np.float32) for s in check_kv_scales(kv_scales))
             for name, s in zip(("k_scales", "v_scales"), scales, strict=True):
                 if s.shape != want:
                     raise ValueError(
                         f"CacheConfig.kv_scales: {name} must be float32 [num_layers, "
                         f"num_kv_heads] = {list(want)} for this model, got {list(s.shape)}"
                     )
-                if not np.all(np.isfinite(s)) or np.any(s <= 0):
-                    raise ValueError(f"CacheConfig.kv_scales: {name} must be finite and positive")
         state = init_decode_state(self.max_rows, self.table_width, self.stop_width)
         platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         self.unroll_layers = platform != "cpu" if unroll_layers is None else unroll_layers
