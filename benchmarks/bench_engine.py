@@ -41,7 +41,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 
-from jaxattn.engine import Engine, calibrate_kv_scales  # noqa: E402
+from jaxattn.engine import KV_DTYPES, Engine, calibrate_kv_scales  # noqa: E402
 from jaxattn.engine.workload import make_workload, run_workload  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 
@@ -99,7 +99,7 @@ def parse_args(argv=None):
     )
     e.add_argument(
         "--kv-dtype",
-        choices=["fp8_e4m3", "fp8_e5m2"],
+        choices=list(KV_DTYPES),
         help="FP8 KV pool (scales per layer and KV head calibrated on the first 4 prompts)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from bench_engine import PRESETS, preset_config  # noqa: E402
 from common import environment, table, time_calls, write_json  # noqa: E402
 
-from jaxattn.engine import Buckets, Engine  # noqa: E402
+from jaxattn.engine import KV_DTYPES, Buckets, Engine  # noqa: E402
 from jaxattn.engine.config import kv_cache_dtype  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 
@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--implementation", choices=["reference", "pallas", "native"])
     p.add_argument(
         "--kv-dtype",
-        choices=["fp8_e4m3", "fp8_e5m2"],
+        choices=list(KV_DTYPES),
         help="FP8 KV pool (scales 1.0: the values do not change the time); the floor counts "
         "its bytes",
     )

@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxattn.engine import (  # noqa: E402
+    KV_DTYPES,
     CacheConfig,
     Engine,
     calibrate_kv_scales,
@@ -43,7 +44,7 @@ from jaxattn.engine import (  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 from jaxattn.models.llama import LlamaConfig  # noqa: E402
 
-POOLS = (None, "fp8_e4m3", "fp8_e5m2")
+POOLS = (None, *KV_DTYPES)
 
 
 def corpus(held_out: float = 0.1) -> tuple[np.ndarray, np.ndarray]:

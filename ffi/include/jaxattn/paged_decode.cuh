@@ -853,12 +853,7 @@ struct MmaFp8DecodeShape {
   static constexpr int kTile = 16 * kWarps;
   static constexpr int kRowStride = D + 16;  // bytes: 16 of padding, rows stay 16-byte aligned
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride;
-  static constexpr int kStages =
-      JAXATTN_DECODE_FP8_STAGES > 0
-          ? JAXATTN_DECODE_FP8_STAGES
-          : (JAXATTN_DECODE_MMA_STAGES > 0
-                 ? JAXATTN_DECODE_MMA_STAGES
-                 : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes)));
+  static constexpr int kStages = JAXATTN_DECODE_FP8_STAGES;
   static_assert(kStages >= 2, "the ring needs two stages");
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
