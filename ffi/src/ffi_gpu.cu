@@ -142,19 +142,23 @@ ffi::Error CascadeAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionGpu, jaxattn::PagedAttentionGpu,
                               jaxattn::ffi_common::bind_paged_attention(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPrefixPrefillGpu, jaxattn::PrefixPrefillGpu,
                               jaxattn::ffi_common::bind_prefix_prefill(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnExtendAttentionGpu, jaxattn::ExtendAttentionGpu,
                               jaxattn::ffi_common::bind_extend_attention(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnCascadeAttentionGpu, jaxattn::CascadeAttentionGpu,
                               jaxattn::ffi_common::bind_cascade_attention(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()));
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 // The operand-list version of these handlers (ffi_common::kFfiAbi), checked by jaxattn/native.py.
 extern "C" int jaxattn_ffi_abi() { return jaxattn::ffi_common::kFfiAbi; }
