@@ -92,8 +92,8 @@
 
 // Tuning knobs of the tensor-core kernel, compile-time (ffi/tests_gpu/decode_selftest.cu can
 // be rebuilt with -D to time other values): the shared-memory budget of its ring in KiB
-// (stages are as many as fit, 2..4; 3 at head_dim 128, two blocks per H200 SM) or a fixed
-// stage count.
+// where four blocks an SM do not fit three stages (stages are as many as fit, 2..4; 3 at
+// head_dim 128, two blocks per H200 SM) or a fixed stage count.
 #ifndef JAXATTN_DECODE_MMA_SMEM_KB
 #define JAXATTN_DECODE_MMA_SMEM_KB 110
 #endif
@@ -655,16 +655,21 @@ struct MmaDecodeShape {
   static constexpr int kTile = 16 * kWarps;  // a 16-token slice per warp
   static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
+  // Stages that still let four blocks share an SM (228 KiB, 1 KiB reserved a block): at
+  // head_dim 64 three (a batch of 64 x 8 KV heads then runs in one wave of 528 blocks on an
+  // H200 instead of two of 264 at four stages), at 32 four; at 128 a stage is 35 KiB and the
+  // ring takes the JAXATTN_DECODE_MMA_SMEM_KB budget instead (3 stages, two blocks an SM).
+  static constexpr int kFourBlockStages = cmin(4, (228 * 1024 / 4 - 1024) / kStageBytes);
   static constexpr int kStages =
-      JAXATTN_DECODE_MMA_STAGES > 0
-          ? JAXATTN_DECODE_MMA_STAGES
-          : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+      JAXATTN_DECODE_MMA_STAGES > 0 ? JAXATTN_DECODE_MMA_STAGES
+      : kFourBlockStages >= 3       ? kFourBlockStages
+                                    : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
   static_assert(kStages >= 2, "the ring needs two stages");
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
-  // Shared memory allows two blocks an SM at head_dim 128; saying so keeps ptxas from
-  // capping registers at 128 (on sm_80 that cap spilled).
-  static constexpr int kMinBlocks = 2;
+  // Blocks an SM that shared memory allows, 2 to 4 (two at head_dim 128: saying so keeps
+  // ptxas from capping registers at 128, which spilled on sm_80).
+  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
 };
 
 // Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
@@ -1168,7 +1173,13 @@ const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
   if (p.partition_size == 0) return nullptr;
   const dim3 grid(p.num_q_heads, p.batch);
 #if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
-  if (current_device_caps().major >= 9) {  // programmatic dependent launch (see pdl_wait)
+  // Programmatic dependent launch (see pdl_wait), except while XLA captures the stream into a
+  // command buffer: the captured graph already launches back to back, and an attribute the
+  // capture rejected would invalidate the whole graph.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (current_device_caps().major >= 9 &&
+      cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(256);
