@@ -48,7 +48,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_engine import PRESETS, preset_config  # noqa: E402
-from common import environment, table, time_calls, write_json  # noqa: E402
+from common import (
+    device_profile,
+    environment,
+    profile_lines,
+    table,
+    time_calls,
+    write_json,
+)  # noqa: E402
 
 from jaxattn.engine import KV_DTYPES, Buckets, Engine  # noqa: E402
 from jaxattn.engine.config import kv_cache_dtype  # noqa: E402
@@ -96,6 +103,12 @@ def parse_args(argv=None):
         "--ceiling-gib",
         type=float,
         help="read-ceiling array size (default: 4 GiB on a GPU, 256 MiB on the CPU)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace the decode program (jax.profiler): GPU busy time per step, idle "
+        "gaps, the top kernels",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
@@ -162,10 +175,13 @@ def weight_bytes(params, cfg) -> int:
     return total
 
 
-def device_time(engine, batch: int, steps: int, reps: int = 5) -> float:
+def device_time(
+    engine, batch: int, steps: int, reps: int = 5, profile: bool = False
+) -> tuple[float, dict | None]:
     """Seconds per decode step of the decode program alone: ``steps`` steps a call,
     calls enqueued back to back on the engine's rows (a copy whose budgets never run
-    out; the rows keep their positions, so every call reads the same KV)."""
+    out; the rows keep their positions, so every call reads the same KV). With
+    ``profile``, also :func:`common.device_profile` of a few calls."""
     from jaxattn.engine import runner as R
 
     runner = engine.runner
@@ -222,7 +238,8 @@ def device_time(engine, batch: int, steps: int, reps: int = 5) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(run(calls))
         times.append((time.perf_counter() - t0) / (calls * steps))
-    return statistics.median(times)
+    prof = device_profile(lambda: run(4), steps=4 * steps) if profile else None
+    return statistics.median(times), prof
 
 
 def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> dict:
@@ -277,7 +294,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
     )
     wb = weight_bytes(engine.runner.params, cfg)
     floor = (wb + kv_read) / ceiling_bps
-    device = device_time(engine, batch, args.device_steps)
+    device, prof = device_time(engine, batch, args.device_steps, profile=args.profile)
     row = dict(
         mode=mode,
         batch=batch,
@@ -298,6 +315,8 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         device_over_floor=device / floor,
         backend=s["attention_backend"]["decode"],
     )
+    if args.profile:
+        row["profile"] = prof
     return row
 
 
@@ -330,6 +349,8 @@ def main(argv=None) -> int:
                 f"floor {r['floor_ms']:.3f}",
                 file=sys.stderr,
             )
+            if args.profile:
+                print(profile_lines(r["profile"]), file=sys.stderr)
     columns = [
         ("mode", "mode", ""),
         ("batch", "B", "d"),

@@ -161,6 +161,75 @@ def time_calls(
     )
 
 
+def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) -> dict | None:
+    """What the first GPU did while ``run()`` ran (traced with ``jax.profiler``): per step
+    (``run`` covers ``steps``), the span from the first kernel's start to the last one's end,
+    the time some kernel was running (the rest: the GPU idle between kernels, waiting for the
+    host), the kernel count, and the ``top`` kernel names by time. None without a GPU trace."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            jax.block_until_ready(run())
+        finally:
+            jax.profiler.stop_trace()
+        paths = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))
+        if not paths:
+            return None
+        data = ProfileData.from_file(paths[-1])
+    events = set()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                events.add((e.start_ns, e.duration_ns, e.name))
+    if not events:
+        return None
+    events = sorted(events)
+    busy, end = 0.0, -math.inf
+    for start, dur, _ in events:  # the union of the kernels' intervals
+        stop = start + dur
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    span = end - events[0][0]
+    by_name: dict[str, list[float]] = {}
+    for _, dur, name in events:
+        by_name.setdefault(name, []).append(dur)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    per = 1e-3 / steps  # ns per run -> us per step
+    return dict(
+        span_us=span * per,
+        busy_us=busy * per,
+        idle_fraction=1.0 - busy / span if span > 0 else 0.0,
+        kernels_per_step=len(events) / steps,
+        top=[
+            dict(name=name[:120], us_per_step=sum(d) * per, calls_per_step=len(d) / steps)
+            for name, d in ranked
+        ],
+    )
+
+
+def profile_lines(prof: dict | None) -> str:
+    """A few lines that summarise :func:`device_profile`'s result."""
+    if prof is None:
+        return "  (no GPU trace)"
+    lines = [
+        f"  GPU per step: span {prof['span_us']:.1f} us, kernels running {prof['busy_us']:.1f} us "
+        f"({100 * (1 - prof['idle_fraction']):.0f}%), {prof['kernels_per_step']:.0f} kernels"
+    ]
+    for k in prof["top"]:
+        lines.append(f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:6.1f}x  {k['name']}")
+    return "\n".join(lines)
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy ceiling: x + 1 over nbytes of uint32 (read + write)."""
     n = nbytes // 4
