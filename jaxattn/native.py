@@ -68,6 +68,9 @@ __all__ = [
     "is_available",
     "library_info",
     "library_path",
+    "linear",
+    "linear_rows_per_split",
+    "linear_unsupported",
     "paged_attention",
     "prefix_prefill",
 ]
@@ -84,6 +87,7 @@ _TARGETS = {
     "jaxattn_prefix_prefill": "JaxattnPrefixPrefill",
     "jaxattn_extend_attention": "JaxattnExtendAttention",
     "jaxattn_cascade_attention": "JaxattnCascadeAttention",
+    "jaxattn_linear": "JaxattnLinear",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -95,7 +99,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 3
+_FFI_ABI = 4
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -560,6 +564,92 @@ def extend_attention(
         **_attrs(scale, soft_cap),
         kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
     )
+
+
+# --- skinny matmul: the projections of a decode step at small batch ---------------------------
+
+# The GPU kernel (ffi/include/jaxattn/linear.cuh): up to this many rows of x, n a multiple of
+# 8, 16-bit operands; a block takes 256 columns and at most 1024 rows of w.
+LINEAR_MAX_ROWS = 8
+# Rows up to which the kernel beats XLA's GEMM in a decode step on an H200 (1B preset: the
+# step's device time 1.405 ms against 1.503 at batch 1; at 8 rows its FMAs, 64 per 16-byte
+# load, bind it and XLA's tensor-core GEMMs are twice as fast): the engine's choice.
+LINEAR_DECODE_ROWS = 2
+_LINEAR_TILE_COLS = 256
+_LINEAR_MAX_ROWS_PER_SPLIT = 1024
+_LINEAR_STEP = 64  # rows a block's threads load in one step
+
+
+def _linear_blocks_per_sm(m: int) -> int:
+    """The kernel's resident blocks an SM (linear.cuh: linear_blocks_per_sm)."""
+    return 4 if m <= 2 else 2
+
+
+_LINEAR_GPU_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def linear_unsupported(x, w, platform: str | None = None) -> str | None:
+    """Why :func:`linear` cannot take ``x [m, k] @ w [k, n]`` here, or None. ``platform``:
+    the native platform (default: the current one)."""
+    if platform is None:
+        platform = _platform()
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"linear takes x [m, k] and w [k, n], got {x.shape} and {w.shape}"
+    dt = np.dtype(x.dtype)
+    if np.dtype(w.dtype) != dt or dt not in _DTYPES:
+        return f"linear takes x and w in one float32/bfloat16/float16 dtype, got {dt}, {w.dtype}"
+    if platform != "cpu":
+        if dt not in _LINEAR_GPU_DTYPES:
+            return f"the GPU linear kernel takes bfloat16 or float16, got {dt}"
+        if x.shape[0] > LINEAR_MAX_ROWS:
+            return f"the GPU linear kernel takes up to {LINEAR_MAX_ROWS} rows, got {x.shape[0]}"
+        if w.shape[1] % 8:
+            return f"the GPU linear kernel needs n a multiple of 8, got {w.shape[1]}"
+    return None
+
+
+def linear_rows_per_split(k: int, n: int, sms: int, m: int = 1) -> int:
+    """Rows of w per block of the GPU kernel for ``m`` rows of x (0: one block per column
+    tile takes all k): enough splits that the column tiles times the splits fill the
+    resident blocks of one wave, in steps of the block's 64-row load, at most 1024 rows (its
+    shared memory)."""
+    tiles = -(-n // _LINEAR_TILE_COLS)
+    splits = max(1, (_linear_blocks_per_sm(m) * sms) // tiles)
+    rows = -(-k // splits)
+    rows = min(_LINEAR_MAX_ROWS_PER_SPLIT, -(-rows // _LINEAR_STEP) * _LINEAR_STEP)
+    return 0 if rows >= k else rows
+
+
+def linear(x, w, *, out_dtype=None):
+    """``x [m, k] @ w [k, n]`` with float32 sums, in ``out_dtype`` (x's dtype, or float32).
+
+    The GPU kernel reads w once at the memory's speed for the few rows of a decode step
+    (:data:`LINEAR_MAX_ROWS`); the CPU handler is a plain loop. Raises
+    ``NotImplementedError`` for what :func:`linear_unsupported` refuses."""
+    platform = _ensure_registered()
+    reason = linear_unsupported(x, w, platform)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (np.dtype(x.dtype), np.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
+    m, k = x.shape
+    n = w.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return jnp.zeros((m, n), out_dtype)
+    rows = 0
+    if platform != "cpu":
+        _, sms = decode_occupancy(platform, jnp.bfloat16, 128, 4)
+        rows = linear_rows_per_split(k, n, sms, m)
+    splits = -(-k // rows) if rows else 1
+    ws = splits * m * n + -(-n // _LINEAR_TILE_COLS) if splits > 1 else 1
+    call = jax.ffi.ffi_call(
+        "jaxattn_linear",
+        (jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((ws,), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, _ = call(x, w, rows_per_split=np.int32(rows))
+    return out
 
 
 # --- cascade decode ---------------------------------------------------------------------------

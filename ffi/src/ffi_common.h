@@ -19,8 +19,9 @@ namespace ffi = xla::ffi;
 
 // The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
-// count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them.
-constexpr int kFfiAbi = 3;
+// count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
+// 4: the linear target.
+constexpr int kFfiAbi = 4;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -225,6 +226,45 @@ inline ffi::Error make_extend_params(
   return ffi::Error::Success();
 }
 
+// out = x w (jaxattn/native.py: linear): x [m, k] and w [k, n] in one float dtype, out [m, n]
+// in that dtype or float32. rows_per_split: 0, or the rows of w each split of the GPU kernel
+// takes (splits = ceil(k / rows_per_split)); with more than one split the float32 workspace
+// holds splits * m * n partial sums, then linear_tiles(n) counters.
+inline ffi::Error make_linear_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                                     ffi::AnyBuffer& out, ffi::Buffer<ffi::F32>& workspace,
+                                     int32_t rows_per_split, LinearParams* p) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2)
+    return invalid("linear takes x [m, k], w [k, n] and out [m, n]");
+  if (xd[1] != wd[0] || od[0] != xd[0] || od[1] != wd[1])
+    return invalid("linear: x " + dims_str(xd) + ", w " + dims_str(wd) + ", out " + dims_str(od) +
+                   " do not chain");
+  if (dtype_of(x.element_type()) == DType::kUnsupported || w.element_type() != x.element_type())
+    return invalid("linear takes x and w in one float32/bfloat16/float16 dtype");
+  if (out.element_type() != x.element_type() && out.element_type() != ffi::DataType::F32)
+    return invalid("linear writes x's dtype or float32");
+  if (xd[0] > INT32_MAX || xd[1] > INT32_MAX || wd[1] > INT32_MAX || rows_per_split < 0)
+    return invalid("linear: sizes out of range");
+  p->x = x.untyped_data();
+  p->w = w.untyped_data();
+  p->out = out.untyped_data();
+  p->m = static_cast<int32_t>(xd[0]);
+  p->k = static_cast<int32_t>(xd[1]);
+  p->n = static_cast<int32_t>(wd[1]);
+  const bool split = rows_per_split > 0 && rows_per_split < p->k;
+  p->rows_per_split = split ? rows_per_split : p->k;
+  p->splits = split ? (p->k + rows_per_split - 1) / rows_per_split : 1;
+  p->out_f32 = out.element_type() == ffi::DataType::F32 && x.element_type() != ffi::DataType::F32;
+  if (p->splits > 1) {
+    const int64_t parts = int64_t(p->splits) * p->m * p->n;
+    if (workspace.element_count() < size_t(parts + linear_tiles(p->n)))
+      return invalid("linear: the workspace is smaller than the split needs");
+    p->partial = workspace.typed_data();
+    p->counters = reinterpret_cast<int32_t*>(workspace.typed_data() + parts);
+  }
+  return ffi::Error::Success();
+}
+
 // The operands and attributes of each op, appended to a binding that already holds the
 // platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
 // cannot drift apart. Order: q, k_cache, v_cache, index arrays..., k_scale, v_scale, out,
@@ -280,6 +320,16 @@ auto bind_extend_attention(B&& b) {
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("kernel");
+}
+
+template <typename B>
+auto bind_linear(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int32_t>("rows_per_split");
 }
 
 }  // namespace ffi_common

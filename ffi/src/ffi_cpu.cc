@@ -1,5 +1,8 @@
 // XLA FFI handlers for the CPU platform: shape checks, dtype dispatch, then the plain C++
 // implementation in jaxattn/cpu_attention.h.
+#include <algorithm>
+#include <vector>
+
 #include "cascade_ffi.h"
 #include "ffi_common.h"
 #include "jaxattn/cpu_attention.h"
@@ -114,8 +117,53 @@ ffi::Error CascadeAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
                   [&](auto t, auto c) { cpu::cascade_decode<decltype(t), decltype(c)>(p); });
 }
 
+// out = x w, one row of x at a time, float32 sums in k order (no split on the CPU).
+template <typename T, typename O>
+void linear_rows(const LinearParams& p) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  O* out = static_cast<O*>(p.out);
+  std::vector<float> acc(size_t(p.n));
+  for (int32_t m = 0; m < p.m; ++m) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int32_t k = 0; k < p.k; ++k) {
+      const float xv = to_float(x[int64_t(m) * p.k + k]);
+      const T* wr = w + int64_t(k) * p.n;
+      for (int32_t n = 0; n < p.n; ++n) acc[size_t(n)] += xv * to_float(wr[n]);
+    }
+    for (int32_t n = 0; n < p.n; ++n) out[int64_t(m) * p.n + n] = from_float<O>(acc[size_t(n)]);
+  }
+}
+
+ffi::Error LinearCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::Buffer<ffi::F32>> workspace, int32_t rows_per_split) {
+  LinearParams p;
+  // One pass on the CPU: rows_per_split (the GPU kernel's split) is checked, not used.
+  if (auto e = ffi_common::make_linear_params(x, w, *out, *workspace, 0, &p); e.failure())
+    return e;
+  if (rows_per_split < 0) return ffi_common::invalid("linear: rows_per_split must be >= 0");
+  const bool f32_out = out->element_type() == ffi::DataType::F32;
+  switch (dtype_of(x.element_type())) {
+    case DType::kF32:
+      linear_rows<float, float>(p);
+      break;
+    case DType::kBF16:
+      f32_out ? linear_rows<bf16_t, float>(p) : linear_rows<bf16_t, bf16_t>(p);
+      break;
+    case DType::kF16:
+      f32_out ? linear_rows<f16_t, float>(p) : linear_rows<f16_t, f16_t>(p);
+      break;
+    default:
+      return ffi_common::invalid("unsupported dtype");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnLinearCpu, jaxattn::LinearCpu,
+                              jaxattn::ffi_common::bind_linear(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionCpu, jaxattn::PagedAttentionCpu,
                               jaxattn::ffi_common::bind_paged_attention(ffi::Ffi::Bind()));

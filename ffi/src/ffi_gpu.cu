@@ -137,8 +137,25 @@ ffi::Error CascadeAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   return launched("cascade decode", gpu::launch_cascade(dt, p, stream));
 }
 
+ffi::Error LinearGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                     int32_t rows_per_split) {
+  LinearParams p;
+  if (auto e = ffi_common::make_linear_params(x, w, *out, *workspace, rows_per_split, &p);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(x.element_type(), &dt); e.failure()) return e;
+  return launched("linear", gpu::launch_linear(dt, p.out_f32, p, stream));
+}
+
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnLinearGpu, jaxattn::LinearGpu,
+                              jaxattn::ffi_common::bind_linear(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttentionGpu, jaxattn::PagedAttentionGpu,
                               jaxattn::ffi_common::bind_paged_attention(

@@ -14,6 +14,8 @@ enum class KvType { kSame, kE4M3, kE5M2 };
 
 const char* launch_paged_decode(DType dtype, KvType kv, const DecodeParams& p, gpuStream_t stream);
 const char* launch_prefill(DType dtype, KvType kv, const PrefillParams& p, gpuStream_t stream);
+// out = x w for a 16-bit x and w (jaxattn/linear.cuh); out in their dtype, or f32.
+const char* launch_linear(DType dtype, bool out_f32, const LinearParams& p, gpuStream_t stream);
 
 // Defined in jaxattn/paged_decode.cuh (where C defaults to T); instantiated once per (q, cache)
 // dtype pair in its own translation unit (paged_decode_<dtype>[_<fp8>].cu) so that the many

@@ -134,4 +134,28 @@ struct PrefillParams {
   HeadScales scales;
 };
 
+// out[m, n] = sum_k x[m, k] w[k, n], f32 accumulation (jaxattn/native.py: linear). x [m, k]
+// and w [k, n] row-major in one 16-bit dtype, out [m, n] in that dtype or f32. The GPU kernel
+// (linear.cuh) cuts k into `splits` ranges of `rows_per_split` rows; with more than one, each
+// range's partial sums go to `partial` (f32 [splits, m, n]) and the last block of a column
+// tile to finish (counted in `counters`, int32 [column tiles], zeroed before the launch) adds
+// them in split order.
+// Columns of one block of the GPU kernel: its grid has linear_tiles(n) column tiles.
+constexpr int kLinearTileCols = 256;
+inline int linear_tiles(int64_t n) { return int((n + kLinearTileCols - 1) / kLinearTileCols); }
+
+struct LinearParams {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  void* out = nullptr;
+  float* partial = nullptr;
+  int32_t* counters = nullptr;
+  int32_t m = 0;
+  int32_t k = 0;
+  int32_t n = 0;
+  int32_t splits = 1;
+  int32_t rows_per_split = 0;
+  bool out_f32 = false;
+};
+
 }  // namespace jaxattn
