@@ -21,6 +21,7 @@ written page is shared, and that the device's decode rows hold the host's block 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import zlib
 
 import jax
@@ -370,12 +371,47 @@ def test_bad_arguments():
         (lambda: make_engine(scheduler=dict(max_running=4)), TypeError, "SchedulerConfig"),
         (lambda: CacheConfig(num_pages=4, layout="thd"), ValueError, "layout"),
         (lambda: ExecutionConfig(extend_attention="flash"), ValueError, "extend_attention"),
+        (lambda: ExecutionConfig(decode_linear="cublas"), ValueError, "decode_linear"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
     assert not engine.has_work()  # a refused request is never queued
     assert_whole(engine)
+
+
+def test_native_decode_projections_match_xla():
+    """decode_linear='native': the decode step's projections (QKV, output, MLP, LM head) go
+    through jaxattn.native.linear (the CPU handler here; on a GPU the kernel, which takes
+    16-bit weights: the model runs in bfloat16 there). Both choices verify against the dense
+    model; on the CPU (float32) their greedy outputs are the same."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    cfg, params = CFG, PARAMS
+    if jax.default_backend() != "cpu":
+        cfg = dataclasses.replace(CFG, dtype="bfloat16")
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
+    prompts = workload(3)
+    args = dict(POOL, max_batch_tokens=32, buckets=BUCKETS, debug=True, dedup_tokens=4)
+    outs = {}
+    for choice in ("xla", "native"):
+        engine = Engine(cfg, params, decode_linear=choice, **args)
+        assert engine.runner.decode_linear == choice
+        outs[choice] = engine.generate(prompts, 6)
+        assert_whole(engine)
+        report = check_outputs(params, cfg, prompts, outs[choice], max_new_tokens=6)
+        assert report.ok, report.problems[:5]
+    if jax.default_backend() == "cpu":
+        assert outs["native"] == outs["xla"]
+        # auto: XLA's dot on the CPU (the handler there is a plain loop).
+        assert Engine(cfg, params, **args).runner.decode_linear == "xla"
+    else:
+        assert Engine(cfg, params, **args).runner.decode_linear == "native"
+    if jax.device_count() >= 2:
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            Engine(cfg, params, decode_linear="native", mesh=mesh_of(2), **args)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "vllm"])

@@ -35,6 +35,7 @@ _LAYOUTS = ("bshd", "bhsd", "vllm")
 # CacheConfig.kv_dtype: the names of the FP8 pool formats and the numpy dtype of each.
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _CASCADE = ("auto", "on", "off")
+_DECODE_LINEAR = ("auto", "native", "xla")
 
 
 def _int(owner: str, name: str, value, minimum: int) -> int:
@@ -294,6 +295,12 @@ class ExecutionConfig:
       Outputs are the same either way, up to floating-point rounding.
     cascade_min_tokens: the shortest shared prefix (in tokens; whole pages of it count)
       that forms a cascade level. The default, 128, is a guess not yet measured on a GPU.
+    decode_linear: the decode step's projections (QKV, output, MLP, LM head) at up to
+      :data:`jaxattn.native.LINEAR_MAX_ROWS` rows: ``"native"`` through
+      :func:`jaxattn.native.linear` (a kernel that reads the weights once at the memory's
+      speed, where XLA's GEMMs of a few rows reach half of it), ``"xla"`` through XLA's
+      dot, ``"auto"``: native on one GPU when the native library serves the weights'
+      dtype, else XLA. More rows, tensor parallelism and extend steps always use XLA.
     """
 
     extend_attention: str | None = None
@@ -305,6 +312,7 @@ class ExecutionConfig:
     unroll_layers: bool | None = None
     cascade: str = "auto"
     cascade_min_tokens: int = 128
+    decode_linear: str = "auto"
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -321,6 +329,11 @@ class ExecutionConfig:
         object.__setattr__(self, "device_paging", bool(self.device_paging))
         if self.unroll_layers is not None:
             object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
+        if not isinstance(self.decode_linear, str) or self.decode_linear not in _DECODE_LINEAR:
+            raise ValueError(
+                f"ExecutionConfig.decode_linear must be one of {_DECODE_LINEAR}, "
+                f"got {self.decode_linear!r}"
+            )
         if not isinstance(self.cascade, str) or self.cascade not in _CASCADE:
             raise ValueError(
                 f"ExecutionConfig.cascade must be one of {_CASCADE}, got {self.cascade!r}"

@@ -200,6 +200,7 @@ class Engine:
             stop_width=len(self.stop_ids),
             decode_steps=scheduler.decode_steps,
             unroll_layers=execution.unroll_layers,
+            decode_linear=execution.decode_linear,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
         )

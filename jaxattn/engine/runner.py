@@ -536,6 +536,32 @@ _UPDATE = jax.jit(_counted("update", _update_fn))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
+def _decode_linear(choice: str, platform: str, tp, model) -> str:
+    """``"native"`` or ``"xla"``: who runs the decode step's projections (see
+    :class:`~jaxattn.engine.ExecutionConfig`; ``"native"`` asked for where it cannot run is
+    an error)."""
+    if choice == "xla":
+        return "xla"
+    from jaxattn import native
+
+    dtype = np.dtype(model.jnp_dtype)
+    why = None
+    if tp is not None:
+        why = "tensor parallelism runs the projections through XLA"
+    elif not native.is_available():
+        why = "the native library is not available"
+    elif platform != "cpu" and dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        why = f"the GPU linear kernel takes bfloat16 or float16 weights, not {dtype}"
+    elif platform == "cpu" and choice == "auto":
+        # The CPU handler is a plain loop, for tests; XLA's dot is the CPU's fast path.
+        why = "the CPU runs XLA's dot"
+    if why is None:
+        return "native"
+    if choice == "native":
+        raise ValueError(f"decode_linear='native': {why}")
+    return "xla"
+
+
 class _Options(dict):
     """Static attention options, hashable so that jit can key programs on them."""
 
@@ -565,6 +591,8 @@ class ModelRunner:
       decode_steps: the most decode steps one dispatch runs.
       unroll_layers: straight-line layers (None: on GPUs; see
         :class:`~jaxattn.engine.ExecutionConfig`).
+      decode_linear: ``"auto"``, ``"native"`` or ``"xla"``: the decode step's projections
+        (:class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`decode_linear`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -591,6 +619,7 @@ class ModelRunner:
         stop_width: int = 1,
         decode_steps: int = 8,
         unroll_layers: bool | None = None,
+        decode_linear: str = "auto",
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -665,6 +694,8 @@ class ModelRunner:
             self.cascade_backend = self._resolve("cascade", implementation)
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
+        self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
+        linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
         self._options = {
             "extend": _Options(
                 layout=layout, attention=extend_attention, implementation=self.backends["extend"]
@@ -673,8 +704,9 @@ class ModelRunner:
                 layout=layout,
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
+                **linear,
             ),
-            "cascade": _Options(layout=layout, implementation=self.cascade_backend),
+            "cascade": _Options(layout=layout, implementation=self.cascade_backend, **linear),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
         # the jitted calls (which return before the device is done).

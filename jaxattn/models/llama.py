@@ -297,14 +297,38 @@ def apply_rope(x, positions, inv_freq):
     return _rotate(x, *_rope_table(positions, inv_freq))
 
 
-def _linear(x, w):
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _native_linear(x, w, out_dtype):
+    """:func:`jaxattn.native.linear` where it serves ``x [m, k] @ w [k, n]`` faster than
+    XLA (up to :data:`jaxattn.native.LINEAR_DECODE_ROWS` rows), else None."""
+    from jaxattn import native
+
+    if x.shape[0] > native.LINEAR_DECODE_ROWS or native.linear_unsupported(x, w) is not None:
+        return None
+    return native.linear(x, w, out_dtype=out_dtype)
 
 
-def lm_head(params: dict, cfg: LlamaConfig, h):
+# Who runs a projection (a model option, chosen by the engine): None -> XLA's dot.
+_LINEAR = {None: None, "xla": None, "native": _native_linear}
+
+
+def _linear(x, w, matmul=None, out_dtype=None):
+    """``x [T, in] @ w [in, ...]`` with float32 sums, in ``out_dtype`` (x's by default);
+    ``matmul(x2, w2, out_dtype)`` (:data:`_LINEAR`) takes it when it serves the 2-D form."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if matmul is not None:
+        out = matmul(x, w.reshape(w.shape[0], -1), out_dtype)
+        if out is not None:
+            return out.reshape(x.shape[0], *w.shape[1:])
+    dims = (((x.ndim - 1,), (0,)), ((), ()))  # [T, in] x [in, ...] -> [T, ...]
+    out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def lm_head(params: dict, cfg: LlamaConfig, h, matmul=None):
     """float32 logits ``[..., vocab]`` of final-normed hidden states."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    if cfg.tie_word_embeddings:
+        return jnp.dot(h, params["embed"].T, preferred_element_type=jnp.float32)
+    return _linear(h, params["lm_head"], matmul, jnp.float32)
 
 
 def _rope_table(positions, inv_freq):
@@ -383,18 +407,14 @@ def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: b
     return dict(params, layers=split)
 
 
-def _fused(x, w):
-    """``x [T, in]`` through a fused projection ``w [in, shards, c]``: ``[T, shards, c]``."""
-    return jnp.einsum("ti,isc->tsc", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
+def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state, matmul=None):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
     ``attend(q, k, v, layer, state) -> (out [T, Hq, D], state)`` is the only thing that
     differs between the dense and the cached forward passes. Stacked layer weights run as
     one ``lax.scan`` (one compiled layer body whatever the depth); split ones
     (:func:`serving_params`) as straight-line code with a Python int ``layer``.
+    ``matmul``: who runs the projections (:func:`_linear`).
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -407,24 +427,24 @@ def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state):
         if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
             shards = lp["wqkv"].shape[1]
             q, k, v = jnp.split(
-                _fused(h, lp["wqkv"]),
+                _linear(h, lp["wqkv"], matmul),
                 [cfg.q_size // shards, (cfg.q_size + cfg.kv_size) // shards],
                 -1,
             )
             q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         else:
-            q = _linear(h, lp["wq"]).reshape(t, hq, d)
-            k = _linear(h, lp["wk"]).reshape(t, hkv, d)
-            v = _linear(h, lp["wv"]).reshape(t, hkv, d)
+            q = _linear(h, lp["wq"], matmul).reshape(t, hq, d)
+            k = _linear(h, lp["wk"], matmul).reshape(t, hkv, d)
+            v = _linear(h, lp["wv"], matmul).reshape(t, hkv, d)
         o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
-        x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"])
+        x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"], matmul)
         h = rms_norm(x, lp["mlp_norm"], eps)
         if "w_gate_up" in lp:
-            gate, up = jnp.split(_fused(h, lp["w_gate_up"]), 2, -1)
+            gate, up = jnp.split(_linear(h, lp["w_gate_up"], matmul), 2, -1)
             act = (jax.nn.silu(gate) * up).reshape(t, cfg.intermediate_size)
         else:
-            act = jax.nn.silu(_linear(h, lp["w_gate"])) * _linear(h, lp["w_up"])
-        x = x + _linear(act, lp["w_down"])
+            act = jax.nn.silu(_linear(h, lp["w_gate"], matmul)) * _linear(h, lp["w_up"], matmul)
+        x = x + _linear(act, lp["w_down"], matmul)
         return x, state
 
     layers = params["layers"]
@@ -716,12 +736,19 @@ def forward_decode(
     partition_size: int | None = None,
     implementation=None,
     kernels=None,
+    linear=None,
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
     ``kernels``: as in :func:`forward_extend`. A batch with ``prefix_tables`` runs cascade
     decode (``implementation`` then names its backend; ``partition_size`` is unused).
+    ``linear``: ``"native"`` runs the projections through :func:`jaxattn.native.linear`
+    where it serves them (a few rows, 16-bit weights on a GPU), None / ``"xla"`` through
+    XLA's dot.
     """
+    if linear not in _LINEAR:
+        raise ValueError(f"linear must be one of {sorted(map(str, _LINEAR))}, got {linear!r}")
+    matmul = _LINEAR[linear]
     attn = ops if kernels is None else kernels
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
     _check_batch_scales(batch, cfg)
@@ -761,9 +788,9 @@ def forward_decode(
         return o, (kc, vc)
 
     h, (k_cache, v_cache) = _decoder(
-        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache)
+        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache), matmul
     )
-    return lm_head(params, cfg, h), k_cache, v_cache
+    return lm_head(params, cfg, h, matmul), k_cache, v_cache
 
 
 # --- Hugging Face checkpoints --------------------------------------------------------
