@@ -105,6 +105,12 @@ def parse_args(argv=None):
         help="read-ceiling array size (default: 4 GiB on a GPU, 256 MiB on the CPU)",
     )
     p.add_argument(
+        "--decode-linear",
+        choices=["auto", "native", "xla"],
+        default="auto",
+        help="the decode step's projections (ExecutionConfig.decode_linear)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also trace the decode program (jax.profiler): GPU busy time per step, idle "
@@ -263,6 +269,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         overlap=MODES[mode]["overlap"],
         device_paging=MODES[mode].get("device_paging", False),
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
+        decode_linear=args.decode_linear,
         # One row bucket and one table width for the whole run: no compile in the timed part.
         buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )
@@ -314,6 +321,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         wall_over_floor=wall / n / floor,
         device_over_floor=device / floor,
         backend=s["attention_backend"]["decode"],
+        decode_linear=engine.runner.decode_linear,
     )
     if args.profile:
         row["profile"] = prof
