@@ -577,12 +577,12 @@ LINEAR_MAX_ROWS = 8
 LINEAR_DECODE_ROWS = 2
 _LINEAR_TILE_COLS = 256
 _LINEAR_MAX_ROWS_PER_SPLIT = 1024
-_LINEAR_STEP = 64  # rows a block's threads load in one step
+_LINEAR_STEP = 32  # rows a block's threads load in one step
 
 
 def _linear_blocks_per_sm(m: int) -> int:
     """The kernel's resident blocks an SM (linear.cuh: linear_blocks_per_sm)."""
-    return 4 if m <= 2 else 2
+    return 4 if m == 1 else 3 if m == 2 else 2
 
 
 _LINEAR_GPU_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -611,7 +611,7 @@ def linear_unsupported(x, w, platform: str | None = None) -> str | None:
 def linear_rows_per_split(k: int, n: int, sms: int, m: int = 1) -> int:
     """Rows of w per block of the GPU kernel for ``m`` rows of x (0: one block per column
     tile takes all k): enough splits that the column tiles times the splits fill the
-    resident blocks of one wave, in steps of the block's 64-row load, at most 1024 rows (its
+    resident blocks of one wave, in steps of the block's 32-row load, at most 1024 rows (its
     shared memory)."""
     tiles = -(-n // _LINEAR_TILE_COLS)
     splits = max(1, (_linear_blocks_per_sm(m) * sms) // tiles)

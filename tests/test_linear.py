@@ -27,7 +27,7 @@ if not native.is_available():
 ON_GPU = jax.default_backend() != "cpu"
 DTYPES = [jnp.bfloat16, jnp.float16] + ([] if ON_GPU else [jnp.float32])
 # (k, n): one tile and one split; a column tail (264 = 256 + 8) and k not a multiple of the
-# 64-row step; a split k over few tiles (the decode step's down projection's shape, smaller).
+# 32-row step; a split k over few tiles (the decode step's down projection's shape, smaller).
 SHAPES = [(64, 8), (1000, 264), (3000, 520), (4096, 1024)]
 
 
@@ -89,7 +89,7 @@ def test_empty_sums_are_zero():
 
 def test_split_rule():
     # One wave on 132 SMs (two blocks an SM at 4 rows of x: 64 tiles x 4 splits; four at one
-    # row: x 8), rows in 64-row steps.
+    # row: x 8), rows in 32-row steps.
     assert native.linear_rows_per_split(2048, 16384, 132, 4) == 512
     assert native.linear_rows_per_split(8192, 2048, 132, 4) == 256
     assert native.linear_rows_per_split(2048, 16384, 132, 1) == 256
@@ -99,7 +99,7 @@ def test_split_rule():
     assert native.linear_rows_per_split(512, 128000, 132) == 0
     for k, n in [(100, 8), (2048, 3072), (8191, 520)]:
         rows = native.linear_rows_per_split(k, n, 132)
-        assert rows == 0 or (rows % 64 == 0 and rows < k <= -(-k // rows) * rows)
+        assert rows == 0 or (rows % 32 == 0 and rows < k <= -(-k // rows) * rows)
 
 
 def test_refusals():

@@ -7,7 +7,8 @@
 // tile of 256 columns (32 column lanes, one 16-byte vector of 8 columns each) and a range of
 // `rows_per_split` rows of w; its 8 row lanes (a warp's worth of threads each on CUDA, whatever
 // the wavefront width: the mapping uses thread indices, not lanes) step through the range 8
-// rows apart, each thread keeping kLinearUnroll loads in flight. x's rows of the range sit in
+// rows apart, each thread with the loads of its next step in flight while it sums the current
+// one (two register buffers of kLinearUnroll 16-byte loads). x's rows of the range sit in
 // shared memory as f32. The row lanes' sums meet in shared memory, one row of x at a time;
 // with one split they are the output, otherwise each block leaves f32 partial sums and the
 // last block of the column tile (an atomic count) adds the splits in order and writes the
@@ -28,15 +29,15 @@ constexpr int kLinearColLanes = 32;
 constexpr int kLinearRowLanes = kLinearThreads / kLinearColLanes;  // 8
 constexpr int kLinearCols = 8 * kLinearColLanes;                   // 256 columns a block
 static_assert(kLinearCols == kLinearTileCols, "params.h's tiles are this kernel's");
-constexpr int kLinearUnroll = 8;  // 16-byte loads in flight per thread: 32 KiB a block
-constexpr int kLinearStep = kLinearRowLanes * kLinearUnroll;       // rows per step: 64
+constexpr int kLinearUnroll = 4;  // 16-byte loads a step a thread; two steps in flight
+constexpr int kLinearStep = kLinearRowLanes * kLinearUnroll;       // rows per step: 32
 constexpr int kLinearMaxRows = 8;
 constexpr int kLinearMaxRowsPerSplit = 1024;
 
-// Resident blocks an SM the kernel is built for: four at one or two rows of x (64 registers:
-// 128 KiB of loads in flight an SM), two at four or eight (their sums take the registers).
-// jaxattn/native.py's split rule counts the same.
-constexpr int linear_blocks_per_sm(int mr) { return mr <= 2 ? 4 : 2; }
+// Resident blocks an SM the kernel is built for: four at one row of x (64 registers: up to
+// 128 KiB of loads in flight an SM), three at two, two at four or eight (their sums take the
+// registers). jaxattn/native.py's split rule counts the same.
+constexpr int linear_blocks_per_sm(int mr) { return mr == 1 ? 4 : mr == 2 ? 3 : 2; }
 
 template <typename T, typename O, int MR>
 __global__ void __launch_bounds__(kLinearThreads, linear_blocks_per_sm(MR))
@@ -51,30 +52,24 @@ __global__ void __launch_bounds__(kLinearThreads, linear_blocks_per_sm(MR))
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
 
-  for (int i = int(threadIdx.x); i < rows * MR; i += kLinearThreads) {
-    const int r = i / MR, m = i % MR;
-    xs[i] = m < p.m ? to_float(x[int64_t(m) * p.k + k0 + r]) : 0.f;
-  }
-  __syncthreads();
-
   const int col = tile * kLinearCols + lane * 8;
   const bool col_ok = col < p.n;
+  const T* wcol = w + int64_t(k0) * p.n + col;
+  // Rows r0, r0 + 8, ... of this thread's step into v (zeros past the range or the columns).
+  auto load = [&](uint4* v, int r0) {
+#pragma unroll
+    for (int u = 0; u < kLinearUnroll; ++u) {
+      const int r = r0 + u * kLinearRowLanes;
+      v[u] = (col_ok && r < rows) ? *reinterpret_cast<const uint4*>(wcol + int64_t(r) * p.n)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
   float acc[MR][8];
 #pragma unroll
   for (int m = 0; m < MR; ++m)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
-
-  const T* wcol = w + int64_t(k0) * p.n + col;
-  for (int r0 = rl; r0 < rows; r0 += kLinearStep) {
-    uint4 v[kLinearUnroll];
-#pragma unroll
-    for (int u = 0; u < kLinearUnroll; ++u) {
-      const int r = r0 + u * kLinearRowLanes;
-      v[u] = (col_ok && r < rows)
-                 ? *reinterpret_cast<const uint4*>(wcol + int64_t(r) * p.n)
-                 : make_uint4(0u, 0u, 0u, 0u);
-    }
+  auto accumulate = [&](const uint4* v, int r0) {
 #pragma unroll
     for (int u = 0; u < kLinearUnroll; ++u) {
       const int r = r0 + u * kLinearRowLanes;
@@ -90,6 +85,23 @@ __global__ void __launch_bounds__(kLinearThreads, linear_blocks_per_sm(MR))
         }
       }
     }
+  };
+
+  // The first step's loads go out before x is staged (they do not need it); then two
+  // register buffers alternate, the next step's loads in flight while this one is summed.
+  uint4 va[kLinearUnroll], vb[kLinearUnroll];
+  load(va, rl);
+  for (int i = int(threadIdx.x); i < rows * MR; i += kLinearThreads) {
+    const int r = i / MR, m = i % MR;
+    xs[i] = m < p.m ? to_float(x[int64_t(m) * p.k + k0 + r]) : 0.f;
+  }
+  __syncthreads();
+  for (int r0 = rl; r0 < rows; r0 += 2 * kLinearStep) {
+    load(vb, r0 + kLinearStep);
+    accumulate(va, r0);
+    if (r0 + kLinearStep >= rows) break;
+    load(va, r0 + 2 * kLinearStep);
+    accumulate(vb, r0 + kLinearStep);
   }
 
   // Row lanes -> one sum per (row of x, column), one row of x at a time; thread t owns
