@@ -382,9 +382,10 @@ def test_bad_arguments():
 
 def test_native_decode_projections_match_xla():
     """decode_linear='native': the decode step's projections (QKV, output, MLP, LM head) go
-    through jaxattn.native.linear (the CPU handler here; on a GPU the kernel, which takes
-    16-bit weights: the model runs in bfloat16 there). Both choices verify against the dense
-    model; on the CPU (float32) their greedy outputs are the same."""
+    through jaxattn.native.linear at 1-2 decode rows (the CPU handler here; on a GPU the
+    kernel, which takes 16-bit weights: the model runs in bfloat16 there). Two running
+    requests and a one-row bucket floor make every decode step 1 or 2 rows. Both choices
+    verify against the dense model; on the CPU (float32) their greedy outputs are the same."""
     from jaxattn import native
 
     if not native.is_available():
@@ -394,7 +395,8 @@ def test_native_decode_projections_match_xla():
         cfg = dataclasses.replace(CFG, dtype="bfloat16")
         params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
     prompts = workload(3)
-    args = dict(POOL, max_batch_tokens=32, buckets=BUCKETS, debug=True, dedup_tokens=4)
+    buckets = dataclasses.replace(BUCKETS, decode_batch=1)
+    args = dict(POOL, max_batch_tokens=32, buckets=buckets, max_running=2, debug=True)
     outs = {}
     for choice in ("xla", "native"):
         engine = Engine(cfg, params, decode_linear=choice, **args)
@@ -405,10 +407,9 @@ def test_native_decode_projections_match_xla():
         assert report.ok, report.problems[:5]
     if jax.default_backend() == "cpu":
         assert outs["native"] == outs["xla"]
-        # auto: XLA's dot on the CPU (the handler there is a plain loop).
-        assert Engine(cfg, params, **args).runner.decode_linear == "xla"
-    else:
-        assert Engine(cfg, params, **args).runner.decode_linear == "native"
+    # auto: XLA's dot, one-row steps padded to two rows on GPUs (llama._padded_linear).
+    auto = "xla" if jax.default_backend() == "cpu" else "pad"
+    assert Engine(cfg, params, **args).runner.decode_linear == auto
     if jax.device_count() >= 2:
         with pytest.raises(ValueError, match="tensor parallelism"):
             Engine(cfg, params, decode_linear="native", mesh=mesh_of(2), **args)

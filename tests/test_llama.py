@@ -510,3 +510,27 @@ def test_kernels_hook_replaces_the_ops():
     jax.eval_shape(lambda: llama.forward_decode(params, CFG, k, v, dec, kernels=Recorder()))
     # The layer scan traces its body once: one write and one attention call per pass.
     assert calls == ["write_kv", "extend_attention", "write_kv", "paged_attention"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_projection_paths_agree(rows):
+    """The decode step's projection choices (the engine's decode_linear) compute one product:
+    XLA's dot, the one-row padding, and native.linear where it serves (1-2 rows)."""
+    from jaxattn import native
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 48), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((48, 2, 16), dtype=np.float32))  # a fused [in, s, c]
+    # Full float32 products (a GPU's default runs float32 dots in TF32, and XLA may pick
+    # another kernel for one row than for two).
+    with jax.default_matmul_precision("float32"):
+        want = np.asarray(llama._linear(x, w))
+        assert want.shape == (rows, 2, 16)
+        choices = ["pad"] + (["native"] if native.is_available() else [])
+        for choice in choices:
+            got = llama._linear(x, w, llama._LINEAR[choice])
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+            logits = llama._linear(x, w, llama._LINEAR[choice], jnp.float32)
+            assert logits.dtype == jnp.float32
+    with pytest.raises(ValueError, match="linear must be one of"):
+        llama.forward_decode(None, CFG, None, None, None, linear="cublas")

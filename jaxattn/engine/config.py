@@ -295,12 +295,13 @@ class ExecutionConfig:
       Outputs are the same either way, up to floating-point rounding.
     cascade_min_tokens: the shortest shared prefix (in tokens; whole pages of it count)
       that forms a cascade level. The default, 128, is a guess not yet measured on a GPU.
-    decode_linear: the decode step's projections (QKV, output, MLP, LM head) at up to
-      :data:`jaxattn.native.LINEAR_MAX_ROWS` rows: ``"native"`` through
-      :func:`jaxattn.native.linear` (a kernel that reads the weights once at the memory's
-      speed, where XLA's GEMMs of a few rows reach half of it), ``"xla"`` through XLA's
-      dot, ``"auto"``: native on one GPU when the native library serves the weights'
-      dtype, else XLA. More rows, tensor parallelism and extend steps always use XLA.
+    decode_linear: the decode step's projections (QKV, output, MLP, LM head): ``"auto"``
+      XLA's dot, with a one-row step padded to two rows on GPUs (XLA lowers one row to a
+      GEMV at about half the read ceiling: the 1B decode step took 1.611 ms of device time
+      at one row, 1.079 at two, on an H200); ``"xla"`` XLA's dot as it is; ``"native"``
+      :func:`jaxattn.native.linear` at 1-2 rows (:data:`jaxattn.native.LINEAR_DECODE_ROWS`),
+      XLA's dot above (one device, 16-bit weights on a GPU; an error elsewhere). Only decode
+      rows are concerned: the default buckets run at least 4 (``Buckets.decode_batch``).
     """
 
     extend_attention: str | None = None

@@ -537,9 +537,11 @@ _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnam
 
 
 def _decode_linear(choice: str, platform: str, tp, model) -> str:
-    """``"native"`` or ``"xla"``: who runs the decode step's projections (see
+    """``"pad"``, ``"native"`` or ``"xla"``: who runs the decode step's projections (see
     :class:`~jaxattn.engine.ExecutionConfig`; ``"native"`` asked for where it cannot run is
-    an error)."""
+    an error). ``"auto"`` is XLA's dot, a one-row step padded to two rows on GPUs."""
+    if choice == "auto":
+        return "xla" if platform == "cpu" else "pad"
     if choice == "xla":
         return "xla"
     from jaxattn import native
@@ -552,14 +554,9 @@ def _decode_linear(choice: str, platform: str, tp, model) -> str:
         why = "the native library is not available"
     elif platform != "cpu" and dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
         why = f"the GPU linear kernel takes bfloat16 or float16 weights, not {dtype}"
-    elif platform == "cpu" and choice == "auto":
-        # The CPU handler is a plain loop, for tests; XLA's dot is the CPU's fast path.
-        why = "the CPU runs XLA's dot"
-    if why is None:
-        return "native"
-    if choice == "native":
+    if why is not None:
         raise ValueError(f"decode_linear='native': {why}")
-    return "xla"
+    return "native"
 
 
 class _Options(dict):
@@ -592,7 +589,8 @@ class ModelRunner:
       unroll_layers: straight-line layers (None: on GPUs; see
         :class:`~jaxattn.engine.ExecutionConfig`).
       decode_linear: ``"auto"``, ``"native"`` or ``"xla"``: the decode step's projections
-        (:class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`decode_linear`.
+        (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto on GPUs)
+        is in :attr:`decode_linear`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
