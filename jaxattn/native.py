@@ -571,9 +571,10 @@ def extend_attention(
 # The GPU kernel (ffi/include/jaxattn/linear.cuh): up to this many rows of x, n a multiple of
 # 8, 16-bit operands; a block takes 256 columns and at most 1024 rows of w.
 LINEAR_MAX_ROWS = 8
-# Rows up to which the kernel beats XLA's GEMM in a decode step on an H200 (1B preset: the
-# step's device time 1.405 ms against 1.503 at batch 1; at 8 rows its FMAs, 64 per 16-byte
-# load, bind it and XLA's tensor-core GEMMs are twice as fast): the engine's choice.
+# Rows the engine's decode_linear="native" sends to the kernel. On an H200 (1B preset, device
+# time of a decode step) it beat XLA's one-row path (1.390 against 1.611 ms) but not XLA at two
+# rows (1.507 against 1.079), which is why decode_linear="auto" pads one row to two instead;
+# at 8 rows its FMAs, 64 per 16-byte load, bind it.
 LINEAR_DECODE_ROWS = 2
 _LINEAR_TILE_COLS = 256
 _LINEAR_MAX_ROWS_PER_SPLIT = 1024
