@@ -5,6 +5,8 @@ and the checks on the new fields."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,6 +181,13 @@ def test_calibration_arguments():
         calibrate_kv_scales(CFG, PARAMS, [[1], [CFG.vocab_size]], "fp8_e4m3")
     with pytest.raises(TypeError, match="LlamaConfig"):
         calibrate_kv_scales(object(), PARAMS, [[1]], "fp8_e4m3")
+    # The limit is on the prompts' positions, not on their padded length: 40 tokens pad to 64,
+    # which a model of 48 positions still calibrates on; 49 tokens are refused.
+    short = dataclasses.replace(CFG, max_position_embeddings=48)
+    ks, _ = calibrate_kv_scales(short, PARAMS, [list(range(1, 41))], "fp8_e4m3")
+    assert ks.shape == (CFG.num_hidden_layers, CFG.num_key_value_heads)
+    with pytest.raises(ValueError, match="49 tokens, more than the model's"):
+        calibrate_kv_scales(short, PARAMS, [[1] * 49], "fp8_e4m3")
 
 
 GOOD = np.full((2, 2), 0.01, np.float32)

@@ -45,12 +45,14 @@ def calibrate_kv_scales(cfg: LlamaConfig, params: dict, prompts, kv_dtype, *, ro
     if not prompts:
         raise ValueError("prompts must hold at least one prompt (a list of token ids)")
     checked = [token_ids(f"prompts[{i}]", p, cfg.vocab_size) for i, p in enumerate(prompts)]
-    length = bucket(max(len(p) for p in checked), 16)
-    if length > cfg.max_position_embeddings:
+    longest = max(len(p) for p in checked)
+    if longest > cfg.max_position_embeddings:
         raise ValueError(
-            f"prompts reach {max(len(p) for p in checked)} tokens, more than the model's "
+            f"prompts reach {longest} tokens, more than the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
+    # The padded length is a shape, not a position any token takes: it may pass the limit.
+    length = bucket(longest, 16)
     ks, vs = [], []
     # Padding rows have length 0: their K and V are zero and move no amax.
     for _, tokens, lengths in padded_batches(checked, rows, length, empty_length=0):
