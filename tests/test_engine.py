@@ -409,7 +409,8 @@ def test_native_decode_projections_match_xla():
         assert outs["native"] == outs["xla"]
     # auto: XLA's dot, one-row steps padded to two rows on GPUs (llama._padded_linear).
     auto = "xla" if jax.default_backend() == "cpu" else "pad"
-    assert Engine(cfg, params, **args).runner.decode_linear == auto
+    engine = Engine(cfg, params, **args)
+    assert engine.runner.decode_linear == engine.stats["decode_linear"] == auto
     if jax.device_count() >= 2:
         with pytest.raises(ValueError, match="tensor parallelism"):
             Engine(cfg, params, decode_linear="native", mesh=mesh_of(2), **args)

@@ -597,6 +597,7 @@ class Engine:
         out.update(
             compiles=dict(getattr(runner, "trace_counts", {})),
             attention_backend=dict(getattr(runner, "backends", {})),
+            decode_linear=getattr(runner, "decode_linear", None),
             kv_pool_bytes=getattr(runner, "kv_bytes", 0),
             kv_pool_bytes_per_device=getattr(
                 runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
@@ -624,7 +625,9 @@ class Engine:
         max_new_tokens per running sequence) would have held at once; peak_live_tokens: the
         most tokens running sequences needed KV for at once (shared prefixes counted per
         sequence); compiles: programs traced per step kind; attention_backend: what the
-        extend and decode steps run; cascade_steps: decode steps that ran cascade decode
+        extend and decode steps run; decode_linear: who runs the decode step's projections
+        (``"xla"``, ``"pad"``: XLA with one row padded to two, ``"native"``; see
+        ``ExecutionConfig.decode_linear``); cascade_steps: decode steps that ran cascade decode
         (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes they did not
         read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per shared
         prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:
