@@ -76,6 +76,11 @@ def parse_args(argv=None):
     e.add_argument("--max-running", type=int, default=64)
     e.add_argument("--implementation", choices=["reference", "pallas", "native"])
     e.add_argument(
+        "--decode-graph",
+        action="store_true",
+        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
+    )
+    e.add_argument(
         "--layer-form",
         choices=["auto", "unrolled", "scan"],
         default="auto",
@@ -158,6 +163,7 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             kv_scales=kv_scales,
             **settings,
             unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
+            decode_graph=args.decode_graph,
         )
         t0 = time.perf_counter()
         records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -111,6 +111,11 @@ def parse_args(argv=None):
         help="the decode step's projections (ExecutionConfig.decode_linear)",
     )
     p.add_argument(
+        "--decode-graph",
+        action="store_true",
+        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also trace the decode program (jax.profiler): GPU busy time per step, idle "
@@ -221,7 +226,7 @@ def device_time(
     def run(n):
         out = None
         for _ in range(n):
-            out, runner.k_cache, runner.v_cache, _, _ = R._DECODE(
+            out, runner.k_cache, runner.v_cache, _, _ = runner.decode_program(
                 runner.params,
                 runner.k_cache,
                 runner.v_cache,
@@ -270,6 +275,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         device_paging=MODES[mode].get("device_paging", False),
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         decode_linear=args.decode_linear,
+        decode_graph=args.decode_graph,
         # One row bucket and one table width for the whole run: no compile in the timed part.
         buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )
@@ -322,6 +328,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         device_over_floor=device / floor,
         backend=s["attention_backend"]["decode"],
         decode_linear=engine.runner.decode_linear,
+        decode_graph=engine.runner.decode_graph,
     )
     if args.profile:
         row["profile"] = prof

@@ -416,6 +416,19 @@ def test_native_decode_projections_match_xla():
             Engine(cfg, params, decode_linear="native", mesh=mesh_of(2), **args)
 
 
+def test_decode_graph_matches():
+    """ExecutionConfig(decode_graph=True): the decode program compiled with its loop as a
+    command buffer (a GPU setting; the CPU compiles the same program): the same greedy
+    outputs, verified against the dense model."""
+    prompts = workload(4)
+    engine = make_engine(decode_graph=True, decode_steps=4)
+    assert engine.runner.decode_graph and engine.runner.decode_program is not None
+    out = engine.generate(prompts, 7)
+    assert_verified(prompts, out, 7)
+    assert_whole(engine)
+    assert out == make_engine(decode_steps=4).generate(prompts, 7)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "vllm"])
 def test_tensor_parallel_engine_matches_one_device(layout):
     """Heads split over 2 devices; pages, block tables and the radix cache stay global,

@@ -201,6 +201,7 @@ class Engine:
             decode_steps=scheduler.decode_steps,
             unroll_layers=execution.unroll_layers,
             decode_linear=execution.decode_linear,
+            decode_graph=execution.decode_graph,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
         )

@@ -532,6 +532,26 @@ _DECODE = jax.jit(
         "tp",
     ),
 )
+# The decode program with its while loop as a command buffer (ExecutionConfig.decode_graph):
+# XLA's default command-buffer kinds plus WHILE and CONDITIONAL, so that the multistep loop
+# is one CUDA graph (conditional nodes) instead of a loop whose predicate the host reads every
+# iteration, which keeps the dispatch from returning before the loop ends. Ignored off GPUs.
+DECODE_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+_DECODE_GRAPH = jax.jit(
+    _counted("decode", _decode_fn),
+    donate_argnums=(1, 2),
+    static_argnames=(
+        "model",
+        "options",
+        "num_rows",
+        "width",
+        "max_steps",
+        "page_size",
+        "greedy",
+        "tp",
+    ),
+    compiler_options={"xla_gpu_enable_command_buffer": DECODE_GRAPH_COMMANDS},
+)
 _UPDATE = jax.jit(_counted("update", _update_fn))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
@@ -588,6 +608,8 @@ class ModelRunner:
       decode_steps: the most decode steps one dispatch runs.
       unroll_layers: straight-line layers (None: on GPUs; see
         :class:`~jaxattn.engine.ExecutionConfig`).
+      decode_graph: compile the decode program's loop as a command buffer
+        (:class:`~jaxattn.engine.ExecutionConfig`); the program is :attr:`decode_program`.
       decode_linear: ``"auto"``, ``"native"`` or ``"xla"``: the decode step's projections
         (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto on GPUs)
         is in :attr:`decode_linear`.
@@ -618,6 +640,7 @@ class ModelRunner:
         decode_steps: int = 8,
         unroll_layers: bool | None = None,
         decode_linear: str = "auto",
+        decode_graph: bool = False,
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -693,6 +716,9 @@ class ModelRunner:
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
+        # The jitted decode program (the command-buffer variant with decode_graph).
+        self.decode_graph = bool(decode_graph)
+        self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
         linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
         self._options = {
             "extend": _Options(
@@ -999,7 +1025,7 @@ class ModelRunner:
         pages = self.pages if entries is not None else None
         out, self.k_cache, self.v_cache, self.state, pages = self._call(
             "decode",
-            _DECODE,
+            self.decode_program,
             self.params,
             self.k_cache,
             self.v_cache,
