@@ -518,19 +518,18 @@ _EXTEND = jax.jit(
     donate_argnums=(1, 2),
     static_argnames=("model", "options", "greedy", "tp"),
 )
+_DECODE_STATICS = (
+    "model",
+    "options",
+    "num_rows",
+    "width",
+    "max_steps",
+    "page_size",
+    "greedy",
+    "tp",
+)
 _DECODE = jax.jit(
-    _counted("decode", _decode_fn),
-    donate_argnums=(1, 2),
-    static_argnames=(
-        "model",
-        "options",
-        "num_rows",
-        "width",
-        "max_steps",
-        "page_size",
-        "greedy",
-        "tp",
-    ),
+    _counted("decode", _decode_fn), donate_argnums=(1, 2), static_argnames=_DECODE_STATICS
 )
 # The decode program with its while loop as a command buffer (ExecutionConfig.decode_graph):
 # XLA's default command-buffer kinds plus WHILE and CONDITIONAL, so that the multistep loop
@@ -540,16 +539,7 @@ DECODE_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIO
 _DECODE_GRAPH = jax.jit(
     _counted("decode", _decode_fn),
     donate_argnums=(1, 2),
-    static_argnames=(
-        "model",
-        "options",
-        "num_rows",
-        "width",
-        "max_steps",
-        "page_size",
-        "greedy",
-        "tp",
-    ),
+    static_argnames=_DECODE_STATICS,
     compiler_options={"xla_gpu_enable_command_buffer": DECODE_GRAPH_COMMANDS},
 )
 _UPDATE = jax.jit(_counted("update", _update_fn))
