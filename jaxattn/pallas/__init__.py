@@ -24,6 +24,13 @@ specialisation with TMA-fed pipelines, which the Triton lowering does not expres
 jax 0.11 also deprecates that lowering (it warns at each lowering), so a Mosaic GPU
 extend kernel, with page-granular copies, is the next step for this backend.
 
+For that port, what was checked on jax 0.10.2's Mosaic GPU interpret mode
+(``InterpretGPUParams``, on the CPU): a block-table row copied to shared memory, a page id read
+from it as a scalar, and one TMA copy of that page's slab of one KV head
+(``k_cache.at[page, :, head, :]``, a strided ``[page_size, head_dim]`` box of the bshd pool)
+into shared memory behind a barrier, exact. So the per-page copies the paged kernels need are
+expressible there; none of the kernels is ported yet.
+
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
 serve, so ``jaxattn.ops`` can fall back to another backend.
