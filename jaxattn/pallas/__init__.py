@@ -29,7 +29,10 @@ For that port, what was checked on jax 0.10.2's Mosaic GPU interpret mode
 from it as a scalar, and one TMA copy of that page's slab of one KV head
 (``k_cache.at[page, :, head, :]``, a strided ``[page_size, head_dim]`` box of the bshd pool)
 into shared memory behind a barrier, exact. So the per-page copies the paged kernels need are
-expressible there; none of the kernels is ported yet.
+expressible there. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written for it
+(paged decode: a TMA warpgroup and a wgmma warpgroup, split-KV partitions merged exactly),
+tested in interpret mode against the reference with the unread slots poisoned; it is not
+dispatched by ``implementation="pallas"`` until it has run compiled on a GPU.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

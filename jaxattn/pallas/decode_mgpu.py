@@ -1,0 +1,432 @@
+"""Paged decode on Pallas' Mosaic GPU lowering (sm_90): the first kernel of the port off the
+Triton lowering. Not yet dispatched by ``implementation="pallas"``, and not yet compiled on a
+GPU: its logic is tested in Mosaic GPU's interpret mode on the CPU (see below for what that
+mode leaves out).
+
+One block per (KV head, sequence, partition of ``partition_pages`` pages), two warpgroups:
+
+* the memory warpgroup copies, by TMA, each page's ``[page_size, head_dim]`` slab of the
+  block's KV head (a strided box of the bshd pool, a contiguous one of bhsd) into a ring of
+  ``stages`` steps of ``pages_per_step`` pages, the page ids read from the sequence's block
+  table row in shared memory; it refills a stage when the compute warpgroup releases it;
+* the compute warpgroup holds the query heads of the KV head as the M = 64 rows of wgmma
+  (padded: a GQA group is 1-64 heads), runs S = q K^T and O += P V per step with the online
+  softmax in base 2, and leaves (O unnormalised, max, sum) per partition; the partitions
+  merge exactly outside (:func:`jaxattn.pallas.decode.combine`).
+
+The memory-safety contract of the other kernels (:mod:`jaxattn.reference`'s validity): a
+length outside ``[0, capacity]`` or a page id outside the pool, among the pages the sequence
+reads, poisons the sequence (NaN rows); copies read page 0 instead, so no TMA leaves the pool.
+A step's rows past the sequence's end (a page's tail, whole pages past it) are copied but
+masked out of S, and their V rows are zeroed in shared memory before P V, so NaN there never
+reaches the output. NaN in q or in a key or value the sequence attends to propagates.
+
+Interpret mode (``interpret=True``, the CPU): barriers, TMA copies and shared memory are
+simulated; the two products run as ``jnp.dot`` there (interpret mode's wgmma takes neither a
+transposed shared-memory operand nor a register one) and register layouts are not cast.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .. import layout as L
+from ._common import M_INIT
+from .decode import combine
+
+try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - older jax
+    plgpu = None
+    InterpretGPUParams = None
+
+__all__ = ["available", "paged_attention", "unsupported"]
+
+ROWS = 64  # wgmma's M: the query heads of one KV head, padded
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_LAYOUTS = ("bshd", "bhsd")
+LOG2E = math.log2(math.e)
+
+
+def available() -> str | None:
+    """None when this JAX has the Mosaic GPU lowering and its interpret mode, else why not."""
+    if plgpu is None or InterpretGPUParams is None:
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU lowering with an interpret mode"
+    return None
+
+
+def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
+    """Why :func:`paged_attention` cannot serve these arguments, or None."""
+    if (why := available()) is not None:
+        return why
+    name = L.get(layout, pool=True).name
+    if name not in _LAYOUTS:
+        return f"the Mosaic GPU decode reads layouts {_LAYOUTS}, not {name!r}"
+    dt = np.dtype(q.dtype)
+    if dt not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return (
+            f"the Mosaic GPU decode takes q and the caches in one of bfloat16/float16, got "
+            f"{dt}, {np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
+        )
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    if geom.head_dim % 64:
+        return f"the Mosaic GPU decode needs head_dim a multiple of 64, got {geom.head_dim}"
+    group = q.shape[1] // geom.num_kv_heads
+    if group > ROWS:
+        return f"the Mosaic GPU decode serves up to {ROWS} query heads a KV head, got {group}"
+    tokens = pages_per_step * geom.page_size
+    if geom.page_size % 8 or tokens > 256:
+        return (
+            f"the Mosaic GPU decode needs page_size a multiple of 8 and at most 256 tokens a "
+            f"step, got page_size {geom.page_size} x {pages_per_step} pages"
+        )
+    return None
+
+
+def _parts(
+    q64,
+    k_cache,
+    v_cache,
+    tables,
+    lens,
+    *,
+    geom,
+    layout,
+    scale,
+    soft_cap,
+    partition_pages,
+    pages_per_step,
+    stages,
+    capacity,
+    interpret,
+):
+    """(acc f32[B, Hkv, parts, 64, D] unnormalised, ml f32[B, Hkv, parts, 2, 64]: base-2
+    max and sum) of every partition."""
+    B, Hkv, _, D = q64.shape
+    P, S = geom.num_pages, geom.page_size
+    W = tables.shape[1]
+    T = pages_per_step * S
+    NS = stages
+    parts = -(-(capacity // S) // partition_pages)
+    dtype = q64.dtype
+    bshd = layout == "bshd"
+    if interpret:
+        cast = lambda x, _layout: x  # noqa: E731 - interpret mode has no register layouts
+        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
+    else:
+        cast = plgpu.layout_cast
+
+        def iota(shape, dim):
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def slab(ref, page, h):
+        return ref.at[page, :, h, :] if bshd else ref.at[page, h]
+
+    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, scoped):
+        (q_smem, k_smem, v_smem, o_smem, tab_smem, len_smem, ml_smem), bars = scoped
+        q_bar, meta_bar, k_bars, v_bars, k_free, v_free = bars
+        h = lax.axis_index("kvh")
+        b = lax.axis_index("b")
+        part = lax.axis_index("part")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _():
+            plgpu.copy_gmem_to_smem(tab_ref.at[b], tab_smem, meta_bar.at[0])
+            plgpu.copy_gmem_to_smem(len_ref, len_smem, meta_bar.at[1])
+
+        plgpu.barrier_wait(meta_bar.at[0])
+        plgpu.barrier_wait(meta_bar.at[1])
+        length = len_smem[b]
+        bad_len = (length < 0) | (length > capacity)
+        length = jnp.clip(length, 0, capacity)
+        first_page = part * partition_pages
+        n_tok = jnp.clip(length - first_page * S, 0, partition_pages * S)
+        n_steps = (n_tok + T - 1) // T
+        n_pages = (n_tok + S - 1) // S  # the partition's pages the sequence reads
+
+        def page_at(col):
+            """The table's page at column ``col`` (< W by the grid), checked."""
+            page = tab_smem[col]
+            ok = (page >= 0) & (page < P)
+            return jnp.where(ok, page, 0), ok
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+            plgpu.barrier_wait(q_bar.at[0])
+            # The running max starts finite (M_INIT), as in the Triton kernels: a row with no
+            # key keeps alpha = 1 and p = 0, and the merge sees a finite max.
+            m_i = cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = cast(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(i, carry):
+                acc, m_i, l_i, bad = carry
+                slot = lax.rem(i, NS)
+                for j in range(pages_per_step):
+                    c = i * pages_per_step + j
+                    _, ok = page_at(jnp.minimum(first_page + c, W - 1))
+                    bad = bad | ((c < n_pages) & ~ok)
+                plgpu.barrier_wait(k_bars.at[slot])
+
+                def qk(ref):
+                    plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return ref[...]
+
+                if interpret:
+                    s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if soft_cap is not None:
+                    s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
+                else:
+                    s = s * (scale * LOG2E)
+                cols = iota((ROWS, T), 1)
+                s = jnp.where(cols + i * T < n_tok, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_bars.at[slot])
+
+                # A partial last step: its rows past the end were copied whole (a page's
+                # tail, pages past the sequence); zero their V so P's zeros meet no NaN.
+                @pl.when((i + 1) * T > n_tok)
+                def _():
+                    rows = iota((T, D), 0)
+                    keep = rows < n_tok - i * T
+                    v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((T, D), dtype))
+                    plgpu.commit_smem()
+
+                p16 = p.astype(dtype)
+
+                def pv(ref):
+                    plgpu.wgmma(ref, p16, v_smem.at[slot])
+                    return ref[...]
+
+                if interpret:
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                else:
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i, bad
+
+            acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
+            # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
+            o_smem[...] = jnp.where(bad, jnp.nan, acc)
+            ml_smem[0] = jnp.where(bad, jnp.nan, m_i)
+            ml_smem[1] = jnp.where(bad, jnp.nan, l_i)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[b, h, part])
+            plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, h, part])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 1)
+        def _memory():
+            def body(i, carry):
+                slot = lax.rem(i, NS)
+
+                @pl.when(i >= NS)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                for j in range(pages_per_step):
+                    col = jnp.minimum(first_page + i * pages_per_step + j, W - 1)
+                    page, _ = page_at(col)
+                    rows = pl.ds(j * S, S)
+                    plgpu.copy_gmem_to_smem(
+                        slab(k_ref, page, h), k_smem.at[slot, rows], k_bars.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        slab(v_ref, page, h), v_smem.at[slot, rows], v_bars.at[slot]
+                    )
+                return carry
+
+            lax.fori_loop(0, n_steps, body, 0)
+
+            # Observe the releases of the last steps too: a waiter tracks every phase.
+            def drain(i, carry):
+                slot = lax.rem(i, NS)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                return carry
+
+            lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
+
+    def entry(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
+            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            plgpu.SMEM((ROWS, D), jnp.float32),
+            plgpu.SMEM((W,), jnp.int32),
+            plgpu.SMEM((len_ref.shape[0],), jnp.int32),
+            plgpu.SMEM((2, ROWS), jnp.float32),
+        )
+        bars = (
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
+            plgpu.Barrier(num_barriers=NS),
+            plgpu.Barrier(num_barriers=NS),
+        )
+        pl.run_scoped(
+            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, a),
+            smem,
+            bars,
+            collective_axes="wg",
+        )
+
+    out_type = (
+        jax.ShapeDtypeStruct((B, Hkv, parts, ROWS, D), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, parts, 2, ROWS), jnp.float32),
+    )
+    kw = dict(interpret=InterpretGPUParams()) if interpret else {}
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(Hkv, B, parts),
+        grid_names=("kvh", "b", "part"),
+        num_threads=2,
+        thread_name="wg",
+        **kw,
+    )(q64, k_cache, v_cache, tables, lens)
+
+
+def _pad_to(x, axis: int, multiple: int):
+    n = x.shape[axis]
+    extra = -n % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "layout",
+        "soft_cap",
+        "partition_pages",
+        "pages_per_step",
+        "stages",
+        "interpret",
+    ),
+)
+def _paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap,
+    partition_pages,
+    pages_per_step,
+    stages,
+    interpret,
+):
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    B, Hq, D = q.shape
+    Hkv = geom.num_kv_heads
+    G = Hq // Hkv
+    capacity = block_tables.shape[1] * geom.page_size
+    # The group's heads as the first rows of 64 (wgmma's M), one [64, D] box per KV head.
+    q64 = jnp.zeros((B, Hkv, ROWS, D), q.dtype).at[:, :, :G].set(q.reshape(B, Hkv, G, D))
+    # TMA copies whole rows of 16 bytes: the table row and the lengths padded to 4 entries
+    # (the padding is never read as a page of the sequence: capacity is the unpadded one).
+    tables = _pad_to(block_tables.astype(jnp.int32), 1, 4)
+    lens = _pad_to(seq_lens.astype(jnp.int32), 0, 4)
+    acc, ml = _parts(
+        q64,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        geom=geom,
+        layout=L.get(layout, pool=True).name,
+        scale=scale,
+        soft_cap=soft_cap,
+        partition_pages=partition_pages,
+        pages_per_step=pages_per_step,
+        stages=stages,
+        capacity=capacity,
+        interpret=interpret,
+    )
+    # [B, Hkv, parts, 64, ...] -> the merge's [B, parts, Hq, ...] (the group's rows).
+    acc = acc[:, :, :, :G].transpose(0, 2, 1, 3, 4).reshape(B, -1, Hq, D)
+    m = ml[:, :, :, 0, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
+    l_sum = ml[:, :, :, 1, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
+    return combine(acc, m, l_sum, q.dtype)
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+    partition_pages: int | None = None,
+    pages_per_step: int | None = None,
+    stages: int = 2,
+    interpret: bool | None = None,
+):
+    """Decode attention over a paged cache, ``q [B, Hq, D] -> [B, Hq, D]``, on the Mosaic GPU
+    lowering (see the module docstring). ``partition_pages``: pages per split-KV partition
+    (a multiple of ``pages_per_step``; default: 4 steps); ``pages_per_step``: pages a step
+    copies (default: 64 tokens' worth); ``interpret``: None runs interpret mode exactly on
+    the CPU. Raises ``NotImplementedError`` for what :func:`unsupported` refuses."""
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    if pages_per_step is None:
+        pages_per_step = max(1, 64 // geom.page_size)
+    if partition_pages is None:
+        partition_pages = 4 * pages_per_step
+    if partition_pages < 1 or partition_pages % pages_per_step:
+        raise ValueError(
+            f"partition_pages must be a positive multiple of pages_per_step={pages_per_step}, "
+            f"got {partition_pages}"
+        )
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
+    if why is not None:
+        raise NotImplementedError(why)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    scale = 1.0 / math.sqrt(geom.head_dim) if scale is None else float(scale)
+    return _paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        layout=layout,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        partition_pages=int(partition_pages),
+        pages_per_step=int(pages_per_step),
+        stages=int(stages),
+        interpret=bool(interpret),
+    )
