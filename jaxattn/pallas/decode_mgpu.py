@@ -23,7 +23,9 @@ reaches the output. NaN in q or in a key or value the sequence attends to propag
 
 Interpret mode (``interpret=True``, the CPU): barriers, TMA copies and shared memory are
 simulated; the two products run as ``jnp.dot`` there (interpret mode's wgmma takes neither a
-transposed shared-memory operand nor a register one) and register layouts are not cast.
+transposed shared-memory operand nor a register one) and register layouts are not cast. What
+only a compile on sm_90 can tell: the wgmma calls as written, the scalar loads of lengths and
+page ids from shared memory, and the register layout of the V tile the last step zeroes.
 """
 
 from __future__ import annotations
