@@ -314,10 +314,13 @@ def _padded_linear(x, w, out_dtype):
     device time at one row and 1.079 at two."""
     if x.shape[0] != 1:
         return None
-    x2 = jnp.concatenate([x, jnp.zeros_like(x)])
-    dims = (((1,), (0,)), ((), ()))
-    out = jax.lax.dot_general(x2, w, dims, preferred_element_type=jnp.float32)
-    return out[:1].astype(out_dtype)
+    return _dot(jnp.concatenate([x, jnp.zeros_like(x)]), w, out_dtype)[:1]
+
+
+def _dot(x, w, out_dtype):
+    """XLA's ``x [T, in] @ w [in, ...] -> [T, ...]``, float32 sums, in ``out_dtype``."""
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 # Who runs a projection (a model option, chosen by the engine): None -> XLA's dot.
@@ -332,9 +335,7 @@ def _linear(x, w, matmul=None, out_dtype=None):
         out = matmul(x, w.reshape(w.shape[0], -1), out_dtype)
         if out is not None:
             return out.reshape(x.shape[0], *w.shape[1:])
-    dims = (((x.ndim - 1,), (0,)), ((), ()))  # [T, in] x [in, ...] -> [T, ...]
-    out = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return _dot(x, w, out_dtype)
 
 
 def lm_head(params: dict, cfg: LlamaConfig, h, matmul=None):
@@ -924,6 +925,13 @@ def params_from_hf(cfg: LlamaConfig, tensors: dict[str, np.ndarray]) -> dict:
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
+def _st_dtypes() -> dict:
+    """The safetensors dtype names this module reads, with bfloat16 (from ml_dtypes)."""
+    import ml_dtypes  # a dependency of jax
+
+    return dict(_ST_DTYPES, BF16=ml_dtypes.bfloat16)
+
+
 def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
@@ -944,9 +952,7 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 def _read_raw(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
     """Read tensors straight from the file (8-byte header size, JSON header, data), for the
     bf16 tensors that older safetensors releases cannot return as numpy arrays."""
-    import ml_dtypes  # a dependency of jax
-
-    dtypes = dict(_ST_DTYPES, BF16=ml_dtypes.bfloat16)
+    dtypes = _st_dtypes()
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
@@ -1036,10 +1042,7 @@ def save_checkpoint(path, cfg: LlamaConfig, params: dict) -> None:
     """Write ``cfg`` and ``params`` as a Hugging Face Llama directory (``config.json`` and one
     ``model.safetensors``) that :func:`load_checkpoint` (and other HF readers) load back
     exactly. Tensors keep the parameters' dtype (f32, f16 or bf16)."""
-    import ml_dtypes  # a dependency of jax
-
-    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
-    names[np.dtype(ml_dtypes.bfloat16)] = "BF16"
+    names = {np.dtype(t): name for name, t in _st_dtypes().items() if name != "F64"}
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = params_to_hf(cfg, params)
