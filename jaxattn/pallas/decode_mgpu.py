@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
-from ._common import M_INIT
+from . import _common as C
 from .decode import combine
 
 try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
@@ -55,7 +55,6 @@ __all__ = ["available", "paged_attention", "unsupported"]
 ROWS = 64  # wgmma's M: the query heads of one KV head, padded
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _LAYOUTS = ("bshd", "bhsd")
-LOG2E = math.log2(math.e)
 
 
 def available() -> str | None:
@@ -167,7 +166,7 @@ def _parts(
             plgpu.barrier_wait(q_bar.at[0])
             # The running max starts finite (M_INIT), as in the Triton kernels: a row with no
             # key keeps alpha = 1 and p = 0, and the merge sees a finite max.
-            m_i = cast(jnp.full((ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            m_i = cast(jnp.full((ROWS,), C.M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = cast(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -189,10 +188,7 @@ def _parts(
                 else:
                     s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if soft_cap is not None:
-                    s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
-                else:
-                    s = s * (scale * LOG2E)
+                s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
                 cols = iota((ROWS, T), 1)
                 s = jnp.where(cols + i * T < n_tok, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
