@@ -54,6 +54,36 @@ PRESETS = {
 }
 
 
+def add_execution_args(group) -> None:
+    """How the engine runs the model (``ExecutionConfig``), the options bench_engine.py and
+    bench_step.py share; :func:`execution_kwargs` turns them into Engine keywords."""
+    group.add_argument(
+        "--layer-form",
+        choices=["auto", "unrolled", "scan"],
+        default="auto",
+        help="straight-line layers or a scan (auto: unrolled on GPUs)",
+    )
+    group.add_argument(
+        "--decode-linear",
+        choices=["auto", "native", "xla"],
+        default="auto",
+        help="the decode step's projections (ExecutionConfig.decode_linear)",
+    )
+    group.add_argument(
+        "--decode-graph",
+        action="store_true",
+        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
+    )
+
+
+def execution_kwargs(args) -> dict:
+    return dict(
+        unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
+        decode_linear=args.decode_linear,
+        decode_graph=args.decode_graph,
+    )
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     m = p.add_argument_group("model")
@@ -75,17 +105,7 @@ def parse_args(argv=None):
     e.add_argument("--max-batch-tokens", type=int, default=512)
     e.add_argument("--max-running", type=int, default=64)
     e.add_argument("--implementation", choices=["reference", "pallas", "native"])
-    e.add_argument(
-        "--decode-graph",
-        action="store_true",
-        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
-    )
-    e.add_argument(
-        "--layer-form",
-        choices=["auto", "unrolled", "scan"],
-        default="auto",
-        help="straight-line layers or a scan (auto: unrolled on GPUs)",
-    )
+    add_execution_args(e)
     e.add_argument(
         "--modes", default="on,off", help="radix cache modes to run, comma separated (on,off)"
     )
@@ -162,8 +182,7 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             kv_dtype=args.kv_dtype,
             kv_scales=kv_scales,
             **settings,
-            unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
-            decode_graph=args.decode_graph,
+            **execution_kwargs(args),
         )
         t0 = time.perf_counter()
         records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)

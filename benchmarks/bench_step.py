@@ -47,7 +47,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_engine import PRESETS, preset_config  # noqa: E402
+from bench_engine import PRESETS, add_execution_args, execution_kwargs, preset_config  # noqa: E402
 from common import (
     device_profile,
     environment,
@@ -92,28 +92,11 @@ def parse_args(argv=None):
         help="FP8 KV pool (scales 1.0: the values do not change the time); the floor counts "
         "its bytes",
     )
-    p.add_argument(
-        "--layer-form",
-        dest="layer_form",
-        choices=["auto", "unrolled", "scan"],
-        default="auto",
-        help="straight-line layers or a scan (auto: unrolled on GPUs)",
-    )
+    add_execution_args(p)
     p.add_argument(
         "--ceiling-gib",
         type=float,
         help="read-ceiling array size (default: 4 GiB on a GPU, 256 MiB on the CPU)",
-    )
-    p.add_argument(
-        "--decode-linear",
-        choices=["auto", "native", "xla"],
-        default="auto",
-        help="the decode step's projections (ExecutionConfig.decode_linear)",
-    )
-    p.add_argument(
-        "--decode-graph",
-        action="store_true",
-        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
     )
     p.add_argument(
         "--profile",
@@ -273,9 +256,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         decode_steps=decode_steps,
         overlap=MODES[mode]["overlap"],
         device_paging=MODES[mode].get("device_paging", False),
-        unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
-        decode_linear=args.decode_linear,
-        decode_graph=args.decode_graph,
+        **execution_kwargs(args),
         # One row bucket and one table width for the whole run: no compile in the timed part.
         buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
     )
