@@ -586,7 +586,8 @@ def _linear_blocks_per_sm(m: int) -> int:
     return 4 if m == 1 else 3 if m == 2 else 2
 
 
-_LINEAR_GPU_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# Operand dtypes of the GPU kernel (the CPU handler takes float32 too).
+LINEAR_GPU_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def linear_unsupported(x, w, platform: str | None = None) -> str | None:
@@ -600,7 +601,7 @@ def linear_unsupported(x, w, platform: str | None = None) -> str | None:
     if np.dtype(w.dtype) != dt or dt not in _DTYPES:
         return f"linear takes x and w in one float32/bfloat16/float16 dtype, got {dt}, {w.dtype}"
     if platform != "cpu":
-        if dt not in _LINEAR_GPU_DTYPES:
+        if dt not in LINEAR_GPU_DTYPES:
             return f"the GPU linear kernel takes bfloat16 or float16, got {dt}"
         if x.shape[0] > LINEAR_MAX_ROWS:
             return f"the GPU linear kernel takes up to {LINEAR_MAX_ROWS} rows, got {x.shape[0]}"

@@ -562,7 +562,7 @@ def _decode_linear(choice: str, platform: str, tp, model) -> str:
         why = "tensor parallelism runs the projections through XLA"
     elif not native.is_available():
         why = "the native library is not available"
-    elif platform != "cpu" and dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+    elif platform != "cpu" and dtype not in native.LINEAR_GPU_DTYPES:
         why = f"the GPU linear kernel takes bfloat16 or float16 weights, not {dtype}"
     if why is not None:
         raise ValueError(f"decode_linear='native': {why}")
