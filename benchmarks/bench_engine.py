@@ -71,8 +71,10 @@ def add_execution_args(group) -> None:
     )
     group.add_argument(
         "--decode-graph",
-        action="store_true",
-        help="the decode loop as a command buffer (ExecutionConfig.decode_graph)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the decode loop as a command buffer (ExecutionConfig.decode_graph; auto: on "
+        "with CUDA GPUs)",
     )
 
 
@@ -80,7 +82,7 @@ def execution_kwargs(args) -> dict:
     return dict(
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         decode_linear=args.decode_linear,
-        decode_graph=args.decode_graph,
+        decode_graph={"auto": None, "on": True, "off": False}[args.decode_graph],
     )
 
 

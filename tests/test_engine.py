@@ -426,7 +426,14 @@ def test_decode_graph_matches():
     out = engine.generate(prompts, 7)
     assert_verified(prompts, out, 7)
     assert_whole(engine)
-    assert out == make_engine(decode_steps=4).generate(prompts, 7)
+    plain = make_engine(decode_steps=4, decode_graph=False)
+    assert not plain.runner.decode_graph
+    assert out == plain.generate(prompts, 7)
+    # None (the default): on with CUDA GPUs only.
+    from jaxattn import native
+
+    cuda = jax.default_backend() == "gpu" and native._platform() == "cuda"
+    assert make_engine(decode_steps=4).runner.decode_graph == cuda
 
 
 @pytest.mark.parametrize("layout", ["bshd", "vllm"])

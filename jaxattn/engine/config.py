@@ -306,10 +306,10 @@ class ExecutionConfig:
       XLA command buffer (CUDA graph conditional nodes: the kinds in
       ``runner.DECODE_GRAPH_COMMANDS``). Without it XLA's GPU runtime reads the loop's
       predicate on the host every iteration, so the dispatch returns only when the loop
-      ends and the host cannot plan the next step meanwhile. The same setting through
-      ``XLA_FLAGS`` took the 1B decode step's wall time from 1.870 to 1.412 ms at batch 1
-      and 2.074 to 1.572 at 64 on an H200; off by default until the engine's GPU tests
-      have run with it. Ignored off GPUs.
+      ends and the host cannot plan the next step meanwhile. On an H200 it took the 1B
+      decode step's wall time from 1.241 to 0.990 ms at batch 1 and from 1.854 to 1.463
+      at 64 (``bench_step.py``). None (the default): on with CUDA GPUs, off elsewhere
+      (the CPU has no command buffers; ROCm's are not measured).
     """
 
     extend_attention: str | None = None
@@ -322,7 +322,7 @@ class ExecutionConfig:
     cascade: str = "auto"
     cascade_min_tokens: int = 128
     decode_linear: str = "auto"
-    decode_graph: bool = False
+    decode_graph: bool | None = None
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -337,7 +337,8 @@ class ExecutionConfig:
                 _int("ExecutionConfig", "partition_size", self.partition_size, 1),
             )
         object.__setattr__(self, "device_paging", bool(self.device_paging))
-        object.__setattr__(self, "decode_graph", bool(self.decode_graph))
+        if self.decode_graph is not None:
+            object.__setattr__(self, "decode_graph", bool(self.decode_graph))
         if self.unroll_layers is not None:
             object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
         if not isinstance(self.decode_linear, str) or self.decode_linear not in _DECODE_LINEAR:

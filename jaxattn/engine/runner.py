@@ -546,6 +546,18 @@ _UPDATE = jax.jit(_counted("update", _update_fn))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
+def _decode_graph(choice: bool | None, platform: str) -> bool:
+    """Whether the decode program's loop is a command buffer (see
+    :class:`~jaxattn.engine.ExecutionConfig`): None is on with CUDA GPUs."""
+    if choice is not None:
+        return bool(choice)
+    if platform not in ("gpu", "cuda"):
+        return False
+    from jaxattn import native
+
+    return native._platform() == "cuda"
+
+
 def _decode_linear(choice: str, platform: str, tp, model) -> str:
     """``"pad"``, ``"native"`` or ``"xla"``: who runs the decode step's projections (see
     :class:`~jaxattn.engine.ExecutionConfig`; ``"native"`` asked for where it cannot run is
@@ -598,8 +610,9 @@ class ModelRunner:
       decode_steps: the most decode steps one dispatch runs.
       unroll_layers: straight-line layers (None: on GPUs; see
         :class:`~jaxattn.engine.ExecutionConfig`).
-      decode_graph: compile the decode program's loop as a command buffer
-        (:class:`~jaxattn.engine.ExecutionConfig`); the program is :attr:`decode_program`.
+      decode_graph: compile the decode program's loop as a command buffer (None: on with
+        CUDA GPUs; :class:`~jaxattn.engine.ExecutionConfig`); the program is
+        :attr:`decode_program`.
       decode_linear: ``"auto"``, ``"native"`` or ``"xla"``: the decode step's projections
         (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto on GPUs)
         is in :attr:`decode_linear`.
@@ -630,7 +643,7 @@ class ModelRunner:
         decode_steps: int = 8,
         unroll_layers: bool | None = None,
         decode_linear: str = "auto",
-        decode_graph: bool = False,
+        decode_graph: bool | None = None,
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -707,7 +720,7 @@ class ModelRunner:
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
         # The jitted decode program (the command-buffer variant with decode_graph).
-        self.decode_graph = bool(decode_graph)
+        self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
         linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
         self._options = {
