@@ -33,6 +33,7 @@ import common  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import pallas as jpallas  # noqa: E402
+from jaxattn.pallas import decode_mgpu  # noqa: E402
 
 CASES = [(1, 32768), (8, 4096), (64, 4096), (256, 1024)]
 HEADS = [(32, 8), (32, 32)]
@@ -130,6 +131,13 @@ def main(argv=None):
         default="64:4096:32/8,1:32768:32/8",
         help="B:ctx:Hq/Hkv,... the sweep runs on (default: the two targets)",
     )
+    p.add_argument(
+        "--mgpu",
+        default=None,
+        help="time the Mosaic GPU decode (jaxattn.pallas.decode_mgpu) in these configurations: "
+        "stages|auto:pages_per_step:partition_pages|auto[:w1|w2][:rC/M],... (w1: one "
+        "warpgroup; w2: a copy warpgroup too; rC/M: their registers; e.g. auto:4:auto,2:4:auto:w1)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)
 
@@ -205,6 +213,13 @@ def main(argv=None):
                     jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg
                 )
                 record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
+        if args.mgpu and not fp8:
+            for spec in args.mgpu.split(","):
+                kw = mgpu_config(spec)
+                fn = functools.partial(
+                    decode_mgpu.paged_attention, scale=scale, layout=args.layout, **kw
+                )
+                record("pallas-mgpu", fn, copies, dict(config=spec))
         if not args.no_peers and not fp8:
             peer_copies = [to_peer_layout(c, args.layout) for c in copies]
             record("jax-pallas-gpu", jax_pallas_peer(scale), peer_copies)
@@ -246,6 +261,29 @@ def main(argv=None):
         )
     )
     return result
+
+
+def mgpu_config(spec: str) -> dict:
+    """``stages:pages_per_step:partition_pages|auto[:flag...]`` -> keywords of
+    :func:`jaxattn.pallas.decode_mgpu.paged_attention` (``auto`` stages: the kernel's
+    default); flags: ``w1`` (one warpgroup), ``w2`` (a copy warpgroup beside the compute
+    one), ``rC/M`` (their registers)."""
+    stages, per_step, part, *flags = spec.split(":")
+    kw = dict(pages_per_step=int(per_step))
+    if stages != "auto":
+        kw["stages"] = int(stages)
+    if part != "auto":
+        kw["partition_pages"] = int(part)
+    for flag in flags:
+        if flag == "w1":
+            kw["specialized"] = False
+        elif flag == "w2":
+            kw["specialized"] = True
+        elif flag.startswith("r"):
+            kw["registers"] = tuple(int(r) for r in flag[1:].split("/"))
+        else:
+            raise SystemExit(f"--mgpu: unknown flag {flag!r} in {spec!r}")
+    return kw
 
 
 def sweep_configs():

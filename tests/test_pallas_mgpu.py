@@ -1,18 +1,24 @@
-"""The Mosaic GPU paged decode (jaxattn.pallas.decode_mgpu) in Mosaic GPU's interpret mode on
-the CPU, against the reference: layouts, dtypes, GQA groups, partitions, empty sequences, NaN
-in every slot it must not read, the memory-safety contract, refusals. Interpret mode runs its
-two products as jnp.dot (see the module); the kernel's barriers, TMA page copies, masks,
-online softmax and merge are what these cases check. Skipped where this JAX has no Mosaic GPU
-interpret mode; on a GPU the same cases run in interpret mode too (interpret=True) until the
-kernel is checked compiled there.
+"""The Mosaic GPU paged decode (jaxattn.pallas.decode_mgpu) against the reference: layouts,
+dtypes, GQA groups, partitions, empty sequences, NaN in every slot it must not read, the
+memory-safety contract, refusals.
+
+Every case runs in Mosaic GPU's interpret mode (the CPU, and the GPU too), which runs the two
+products as jnp.dot (see the module): the kernel's barriers, TMA page copies, masks, online
+softmax and merge are what it checks. On an sm_90 GPU the same cases also run compiled. On
+any machine, the kernel is lowered for CUDA (jax.export with platforms=["cuda"], which runs
+the whole Mosaic GPU lowering to its MLIR module without a GPU): what only the compile to
+machine code can reject is left to the GPU run. Skipped where this JAX has no Mosaic GPU
+lowering with an interpret mode.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close
+from jax import export
 
 import jaxattn
 from jaxattn import layout as L
@@ -20,6 +26,15 @@ from jaxattn.pallas import decode_mgpu
 
 if decode_mgpu.available() is not None:
     pytest.skip(decode_mgpu.available(), allow_module_level=True)
+
+
+def _sm90() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+# interpret=True everywhere; interpret=False (compiled) on an sm_90 GPU.
+MODES = [True] + ([False] if _sm90() else [])
 
 
 def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, dtype):
@@ -59,16 +74,21 @@ def reference(q, k, v, tables, lens, **kw):
 
 
 CASES = [
-    # layout, dtype, hq/hkv, d, page, lens, partition_pages
-    ("bshd", jnp.bfloat16, (8, 2), 64, 16, [70, 0, 160], 4),
-    ("bhsd", jnp.float16, (8, 8), 64, 8, [1, 33, 64], 8),
-    ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5], 8),
+    # layout, dtype, hq/hkv, d, page, lens, partition_pages, other keywords
+    ("bshd", jnp.bfloat16, (8, 2), 64, 16, [70, 0, 160], 4, {}),
+    ("bhsd", jnp.float16, (8, 8), 64, 8, [1, 33, 64], 8, {}),
+    ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5], 8, {}),
+    # the copy warpgroup with three stages; one warpgroup issuing its own copies
+    ("bshd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 100], 12, dict(specialized=True, stages=3)),
+    ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5, 190], 8, dict(specialized=False)),
+    ("bhsd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 0], 12, dict(specialized=False, stages=3)),
 ]
 
 
+@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference_with_unread_slots_poisoned(case):
-    layout, dtype, (hq, hkv), d, page, lens, part = CASES[case]
+def test_matches_reference_with_unread_slots_poisoned(case, interpret):
+    layout, dtype, (hq, hkv), d, page, lens, part, kw = CASES[case]
     width = 12
     q, k, v, tables, lens = poisoned_case(
         case,
@@ -84,13 +104,14 @@ def test_matches_reference_with_unread_slots_poisoned(case):
         dtype=dtype,
     )
     out = decode_mgpu.paged_attention(
-        q, k, v, tables, lens, layout=layout, partition_pages=part, interpret=True
+        q, k, v, tables, lens, layout=layout, partition_pages=part, interpret=interpret, **kw
     )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, reference(q, k, v, tables, lens, layout=layout))
 
 
-def test_soft_cap_and_scale():
+@pytest.mark.parametrize("interpret", MODES)
+def test_soft_cap_and_scale(interpret):
     q, k, v, tables, lens = poisoned_case(
         7,
         batch=2,
@@ -105,11 +126,12 @@ def test_soft_cap_and_scale():
         dtype=jnp.bfloat16,
     )
     kw = dict(scale=0.3, soft_cap=5.0)
-    out = decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=True, **kw)
+    out = decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret, **kw)
     assert_close(out, reference(q, k, v, tables, lens, **kw))
 
 
-def test_memory_safety_contract():
+@pytest.mark.parametrize("interpret", MODES)
+def test_memory_safety_contract(interpret):
     """A bad page id among the pages a sequence reads, or a length outside [0, capacity],
     poisons that sequence alone; a bad id past the sequence's end is never read."""
     q, k, v, tables, lens = poisoned_case(
@@ -132,7 +154,8 @@ def test_memory_safety_contract():
     tables = tables.at[2, 3].set(-5)  # past sequence 2's end: never read
     lens = lens.at[1].set(4 * 16 + 1)  # over capacity
     lens = lens.at[3].set(-1)
-    out = np.asarray(decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=True), np.float32)
+    out = decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret)
+    out = np.asarray(out, np.float32)
     nan_rows = np.isnan(out).any(axis=(1, 2))
     np.testing.assert_array_equal(nan_rows, [True, True, False, True])
     assert np.isnan(out[[0, 1, 3]]).all()
@@ -154,3 +177,100 @@ def test_refusals():
         f(q, *L.convert(k, k, "bshd", "vllm"), t, n, layout="vllm")
     with pytest.raises(ValueError, match="partition_pages"):
         f(q, k, k, t, n, partition_pages=3)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        f(q, k, k, t, n, pages_per_step=2)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16, width=256),
+        dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8, width=40),
+        dict(layout="bshd", dtype=jnp.bfloat16, heads=(4, 1), d=64, page=16, width=6, cap=5.0),
+        dict(
+            layout="bshd",
+            dtype=jnp.bfloat16,
+            heads=(32, 8),
+            d=128,
+            page=16,
+            width=2048,
+            batch=1,
+            stages=3,
+            registers=(168, 40),
+        ),
+        dict(
+            layout="bshd",
+            dtype=jnp.bfloat16,
+            heads=(32, 8),
+            d=128,
+            page=16,
+            width=256,
+            stages=3,
+            specialized=True,
+        ),
+        dict(
+            layout="bshd",
+            dtype=jnp.bfloat16,
+            heads=(32, 8),
+            d=128,
+            page=16,
+            width=256,
+            stages=3,
+            specialized=False,
+        ),
+    ],
+)
+def test_lowers_for_cuda(kw):
+    """The compiled kernel's whole Mosaic GPU lowering (every primitive, register layout and
+    copy size), on any machine: jax.export for CUDA with interpret=False."""
+    kw = dict(kw)
+    layout, dtype, (hq, hkv), d, page, width = (
+        kw.pop(n) for n in ("layout", "dtype", "heads", "d", "page", "width")
+    )
+    batch, cap = kw.pop("batch", 4), kw.pop("cap", None)
+    pool = (64, page, hkv, d) if layout == "bshd" else (64, hkv, page, d)
+    args = (
+        jax.ShapeDtypeStruct((batch, hq, d), dtype),
+        jax.ShapeDtypeStruct(pool, dtype),
+        jax.ShapeDtypeStruct(pool, dtype),
+        jax.ShapeDtypeStruct((batch, width), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+
+    def f(q, k, v, t, n):
+        return decode_mgpu.paged_attention(
+            q, k, v, t, n, layout=layout, soft_cap=cap, interpret=False, **kw
+        )
+
+    exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_public_op_with_mosaic_gpu_lowering(interpret):
+    """jaxattn.paged_attention(implementation="pallas", config=DecodeConfig(lowering=
+    "mosaic_gpu")) runs this kernel (compiled on sm_90, interpreted elsewhere); a split given
+    as partition_size in tokens; FP8 scales and partial pages refused."""
+    q, k, v, tables, lens = poisoned_case(
+        11,
+        batch=3,
+        hq=8,
+        hkv=2,
+        d=64,
+        page=16,
+        pages=40,
+        width=12,
+        lens=[70, 1, 150],
+        layout="bshd",
+        dtype=jnp.bfloat16,
+    )
+    cfg = jaxattn.pallas.DecodeConfig(lowering="mosaic_gpu")
+    kw = dict(implementation="pallas", config=cfg, partition_size=128)
+    if interpret and jax.default_backend() != "cpu":
+        pytest.skip("the public op compiles on a GPU; interpret mode is tested above")
+    out = jaxattn.paged_attention(q, k, v, tables, lens, **kw)
+    assert_close(out, reference(q, k, v, tables, lens))
+    with pytest.raises(NotImplementedError, match="whole pages"):
+        jaxattn.paged_attention(q, k, v, tables, lens, **(kw | dict(partition_size=72)))
+    with pytest.raises(ValueError, match="lowering"):
+        jaxattn.pallas.DecodeConfig(lowering="mosaic")

@@ -48,6 +48,11 @@ class DecodeConfig:
     min_programs: when ``partition_size`` is None, partitions are halved (down to
       ``min_partition``) until the grid has at least this many programs; None means two
       per streaming multiprocessor.
+    lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
+      (:mod:`jaxattn.pallas.decode_mgpu`, sm_90 or Mosaic GPU's interpret mode; 16-bit
+      caches, bshd/bhsd; the other fields do not apply to it; ``partition_size`` a whole
+      number of its steps). Triton stays the default while it is the faster one on an
+      H200 (``benchmarks/RESULTS.md``).
     """
 
     block_n: int | None = None
@@ -55,8 +60,13 @@ class DecodeConfig:
     num_stages: int = 3
     min_programs: int | None = None
     min_partition: int = 128
+    lowering: str = "triton"
 
     def __post_init__(self):
+        if self.lowering not in ("triton", "mosaic_gpu"):
+            raise ValueError(
+                f"DecodeConfig.lowering must be 'triton' or 'mosaic_gpu', got {self.lowering!r}"
+            )
         n = self.block_n
         if n is not None and (n < 16 or n & (n - 1)):
             raise ValueError(f"{self.block_n=} must be a power of two >= 16")
@@ -314,6 +324,12 @@ def paged_attention(
     that is neither a GPU nor interpret mode.
     """
     interpret = C.resolve_interpret(interpret)
+    if config is not None and config.lowering == "mosaic_gpu":
+        return _mosaic_gpu(
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout,
+            partition_size=partition_size, soft_cap=soft_cap, k_scale=k_scale,
+            v_scale=v_scale, interpret=interpret,
+        )  # fmt: skip
     geom = C.require(q, k_cache, v_cache, layout)
     return _paged_attention(
         q,
@@ -330,3 +346,29 @@ def paged_attention(
         config=config or DecodeConfig(),
         scaled=k_scale is not None or v_scale is not None,
     )
+
+
+def _mosaic_gpu(
+    q, k_cache, v_cache, block_tables, seq_lens, *, scale, layout, partition_size, soft_cap,
+    k_scale, v_scale, interpret,
+):  # fmt: skip
+    """``DecodeConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.decode_mgpu`'s kernel."""
+    from . import decode_mgpu
+
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("the Mosaic GPU decode reads 16-bit caches (no k/v scales)")
+    if not interpret and not decode_mgpu.is_sm90():
+        raise NotImplementedError("the Mosaic GPU decode is compiled for sm_90 GPUs only")
+    partition_pages = None
+    if partition_size is not None:
+        page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
+        if partition_size % page:
+            raise NotImplementedError(
+                f"the Mosaic GPU decode partitions whole pages: partition_size={partition_size} "
+                f"is not a multiple of the page size {page}"
+            )
+        partition_pages = partition_size // page
+    return decode_mgpu.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout,
+        soft_cap=soft_cap, partition_pages=partition_pages, interpret=interpret,
+    )  # fmt: skip

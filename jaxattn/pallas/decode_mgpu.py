@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - older jax
     plgpu = None
     InterpretGPUParams = None
 
-__all__ = ["available", "paged_attention", "unsupported"]
+__all__ = ["available", "default_partition_pages", "is_sm90", "paged_attention", "unsupported"]
 
 ROWS = 64  # wgmma's M: the query heads of one KV head, padded
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -62,6 +62,12 @@ def available() -> str | None:
     if plgpu is None or InterpretGPUParams is None:
         return f"jax {jax.__version__} has no Pallas Mosaic GPU lowering with an interpret mode"
     return None
+
+
+def is_sm90() -> bool:
+    """True where the default device is a Hopper (sm_90) GPU, the kernel's compile target."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
 def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
@@ -107,16 +113,23 @@ def _parts(
     pages_per_step,
     stages,
     capacity,
+    group,
+    registers,
+    specialized,
     interpret,
 ):
-    """(acc f32[B, Hkv, parts, 64, D] unnormalised, ml f32[B, Hkv, parts, 2, 64]: base-2
-    max and sum) of every partition."""
+    """(acc f32[B, Hkv, parts, group, D] unnormalised, ml f32[B, Hkv, parts, 2, 64]:
+    base-2 max and sum) of every partition."""
     B, Hkv, _, D = q64.shape
+    G = group
     P, S = geom.num_pages, geom.page_size
     W = tables.shape[1]
     T = pages_per_step * S
     NS = stages
     parts = -(-(capacity // S) // partition_pages)
+    # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
+    tab_window = -(-partition_pages // 32) * 32
+    assert (parts - 1) * partition_pages + tab_window <= W, "the wrapper pads the table"
     dtype = q64.dtype
     bshd = layout == "bshd"
     if interpret:
@@ -132,16 +145,21 @@ def _parts(
         return ref.at[page, :, h, :] if bshd else ref.at[page, h]
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, scoped):
-        (q_smem, k_smem, v_smem, o_smem, tab_smem, len_smem, ml_smem), bars = scoped
+        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem), bars = scoped
+        # The output tile reuses the K ring: it is written after the last K step is read.
+        k_smem, o_smem = k_and_o
         q_bar, meta_bar, k_bars, v_bars, k_free, v_free = bars
         h = lax.axis_index("kvh")
         b = lax.axis_index("b")
         part = lax.axis_index("part")
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index("wg") if specialized else 0
+        memory_wg, compute_wg = (1, 0) if specialized else (0, 0)
 
-        @pl.when(wg == 1)
+        @pl.when(wg == memory_wg)
         def _():
-            plgpu.copy_gmem_to_smem(tab_ref.at[b], tab_smem, meta_bar.at[0])
+            # The partition's window of the table row (padded by the wrapper).
+            window = tab_ref.at[b, pl.ds(part * partition_pages, tab_window)]
+            plgpu.copy_gmem_to_smem(window, tab_smem, meta_bar.at[0])
             plgpu.copy_gmem_to_smem(len_ref, len_smem, meta_bar.at[1])
 
         plgpu.barrier_wait(meta_bar.at[0])
@@ -154,14 +172,41 @@ def _parts(
         n_steps = (n_tok + T - 1) // T
         n_pages = (n_tok + S - 1) // S  # the partition's pages the sequence reads
 
-        def page_at(col):
-            """The table's page at column ``col`` (< W by the grid), checked."""
-            page = tab_smem[col]
+        def page_at(c):
+            """The partition's ``c``-th page (``c < partition_pages`` by the loops), checked."""
+            page = tab_smem[jnp.minimum(c, partition_pages - 1)]
             ok = (page >= 0) & (page < P)
             return jnp.where(ok, page, 0), ok
 
-        @pl.when(wg == 0)
+        def issue(ref, ring, bars_, i):
+            """Copy step ``i``'s pages of ``ref`` into its slot of ``ring``."""
+            slot = lax.rem(i, NS)
+            for j in range(pages_per_step):
+                page, _ = page_at(i * pages_per_step + j)
+                rows = pl.ds(j * S, S)
+                plgpu.copy_gmem_to_smem(slab(ref, page, h), ring.at[slot, rows], bars_.at[slot])
+
+        if not specialized:
+            # One warpgroup: the first NS steps' copies go out before q is awaited.
+            def prologue(i):
+                issue(k_ref, k_smem, k_bars, i)
+                issue(v_ref, v_smem, v_bars, i)
+
+            for i in range(NS):
+                pl.when(n_steps > i)(functools.partial(prologue, i))
+
+        def refill(ref, ring, bars_, i):
+            """After step ``i`` has read its slot: the single warpgroup copies step
+            ``i + NS`` into it."""
+
+            @pl.when(i + NS < n_steps)
+            def _():
+                issue(ref, ring, bars_, i + NS)
+
+        @pl.when(wg == compute_wg)
         def _compute():
+            if registers is not None and specialized and not interpret:
+                plgpu.set_max_registers(registers[0], action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
             plgpu.barrier_wait(q_bar.at[0])
             # The running max starts finite (M_INIT), as in the Triton kernels: a row with no
@@ -175,7 +220,7 @@ def _parts(
                 slot = lax.rem(i, NS)
                 for j in range(pages_per_step):
                     c = i * pages_per_step + j
-                    _, ok = page_at(jnp.minimum(first_page + c, W - 1))
+                    _, ok = page_at(c)
                     bad = bad | ((c < n_pages) & ~ok)
                 plgpu.barrier_wait(k_bars.at[slot])
 
@@ -187,7 +232,10 @@ def _parts(
                     s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
                 else:
                     s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                if specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                else:
+                    refill(k_ref, k_smem, k_bars, i)
                 s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
                 cols = iota((ROWS, T), 1)
                 s = jnp.where(cols + i * T < n_tok, s, -jnp.inf)
@@ -217,21 +265,33 @@ def _parts(
                     acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
                 else:
                     acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
+                if specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                else:
+                    refill(v_ref, v_smem, v_bars, i)
                 return acc, m_new, l_i, bad
 
             acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
             # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
-            o_smem[...] = jnp.where(bad, jnp.nan, acc)
-            ml_smem[0] = jnp.where(bad, jnp.nan, m_i)
-            ml_smem[1] = jnp.where(bad, jnp.nan, l_i)
+            # (Added as a scalar: a select on a scalar predicate is no vector op there.)
+            poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
+            o_smem[...] = acc + poison
+            ml_smem[0] = m_i + poison
+            ml_smem[1] = l_i + poison
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[b, h, part])
+            # Only the group's rows leave: the padding rows of the tile are never read.
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], acc_ref.at[b, h, part])
             plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, h, part])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
+        if not specialized:
+            return
+
+        @pl.when(wg == memory_wg)
         def _memory():
+            if registers is not None and not interpret:
+                plgpu.set_max_registers(registers[1], action="decrease")
+
             def body(i, carry):
                 slot = lax.rem(i, NS)
 
@@ -240,16 +300,8 @@ def _parts(
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
 
-                for j in range(pages_per_step):
-                    col = jnp.minimum(first_page + i * pages_per_step + j, W - 1)
-                    page, _ = page_at(col)
-                    rows = pl.ds(j * S, S)
-                    plgpu.copy_gmem_to_smem(
-                        slab(k_ref, page, h), k_smem.at[slot, rows], k_bars.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        slab(v_ref, page, h), v_smem.at[slot, rows], v_bars.at[slot]
-                    )
+                issue(k_ref, k_smem, k_bars, i)
+                issue(v_ref, v_smem, v_bars, i)
                 return carry
 
             lax.fori_loop(0, n_steps, body, 0)
@@ -265,12 +317,16 @@ def _parts(
 
     def entry(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (
-            plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
-            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+        k_and_o = (
             plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
             plgpu.SMEM((ROWS, D), jnp.float32),
-            plgpu.SMEM((W,), jnp.int32),
+        )
+        smem = (
+            plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
+            # Aliased when compiled; interpret mode has no ref unions (two buffers there).
+            k_and_o if interpret else plgpu.RefUnion(*k_and_o),
+            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            plgpu.SMEM((tab_window,), jnp.int32),
             plgpu.SMEM((len_ref.shape[0],), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.float32),
         )
@@ -279,28 +335,34 @@ def _parts(
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
-            plgpu.Barrier(num_barriers=NS),
-            plgpu.Barrier(num_barriers=NS),
+            *(
+                (plgpu.Barrier(num_barriers=NS), plgpu.Barrier(num_barriers=NS))
+                if specialized
+                else (None, None)
+            ),
         )
         pl.run_scoped(
             lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, a),
             smem,
             bars,
-            collective_axes="wg",
+            **(dict(collective_axes="wg") if specialized else {}),
         )
 
     out_type = (
-        jax.ShapeDtypeStruct((B, Hkv, parts, ROWS, D), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, parts, G, D), jnp.float32),
         jax.ShapeDtypeStruct((B, Hkv, parts, 2, ROWS), jnp.float32),
     )
-    kw = dict(interpret=InterpretGPUParams()) if interpret else {}
+    if interpret:
+        kw = dict(interpret=InterpretGPUParams())
+    else:
+        kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+    if specialized:
+        kw |= dict(num_threads=2, thread_name="wg")
     return plgpu.kernel(
         entry,
         out_type=out_type,
         grid=(Hkv, B, parts),
         grid_names=("kvh", "b", "part"),
-        num_threads=2,
-        thread_name="wg",
         **kw,
     )(q64, k_cache, v_cache, tables, lens)
 
@@ -324,6 +386,8 @@ def _pad_to(x, axis: int, multiple: int):
         "partition_pages",
         "pages_per_step",
         "stages",
+        "registers",
+        "specialized",
         "interpret",
     ),
 )
@@ -340,6 +404,8 @@ def _paged_attention(
     partition_pages,
     pages_per_step,
     stages,
+    registers,
+    specialized,
     interpret,
 ):
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
@@ -349,10 +415,14 @@ def _paged_attention(
     capacity = block_tables.shape[1] * geom.page_size
     # The group's heads as the first rows of 64 (wgmma's M), one [64, D] box per KV head.
     q64 = jnp.zeros((B, Hkv, ROWS, D), q.dtype).at[:, :, :G].set(q.reshape(B, Hkv, G, D))
-    # TMA copies whole rows of 16 bytes: the table row and the lengths padded to 4 entries
-    # (the padding is never read as a page of the sequence: capacity is the unpadded one).
-    tables = _pad_to(block_tables.astype(jnp.int32), 1, 4)
-    lens = _pad_to(seq_lens.astype(jnp.int32), 0, 4)
+    # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
+    # table is 32 entries a step and the lengths are padded to 32 (the padding is never
+    # read as a page of a sequence: capacity is the unpadded one).
+    parts = -(-block_tables.shape[1] // partition_pages)
+    width = (parts - 1) * partition_pages + -(-partition_pages // 32) * 32
+    tables = block_tables.astype(jnp.int32)
+    tables = jnp.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))
+    lens = _pad_to(seq_lens.astype(jnp.int32), 0, 32)
     acc, ml = _parts(
         q64,
         k_cache,
@@ -367,13 +437,32 @@ def _paged_attention(
         pages_per_step=pages_per_step,
         stages=stages,
         capacity=capacity,
+        group=G,
+        registers=registers,
+        specialized=specialized,
         interpret=interpret,
     )
-    # [B, Hkv, parts, 64, ...] -> the merge's [B, parts, Hq, ...] (the group's rows).
-    acc = acc[:, :, :, :G].transpose(0, 2, 1, 3, 4).reshape(B, -1, Hq, D)
+    # [B, Hkv, parts, G, ...] -> the merge's [B, parts, Hq, ...].
+    acc = acc.transpose(0, 2, 1, 3, 4).reshape(B, -1, Hq, D)
     m = ml[:, :, :, 0, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
     l_sum = ml[:, :, :, 1, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
     return combine(acc, m, l_sum, q.dtype)
+
+
+def default_partition_pages(
+    batch: int, num_kv_heads: int, table_width: int, pages_per_step: int, *, target_blocks=None
+) -> int:
+    """Pages per split-KV partition: the whole table (one pass) when the (sequence, KV head)
+    pairs fill most of ``target_blocks`` (default two blocks a multiprocessor), else the
+    table cut into as many partitions as keep the grid within it, in whole steps."""
+    target = target_blocks or 2 * C.num_sms()
+    pairs = batch * num_kv_heads
+    whole = -(-table_width // pages_per_step) * pages_per_step
+    if 5 * pairs >= 4 * target:
+        return whole
+    parts = max(1, target // pairs)
+    size = -(-table_width // parts)
+    return min(whole, -(-size // pages_per_step) * pages_per_step)
 
 
 def paged_attention(
@@ -388,19 +477,41 @@ def paged_attention(
     soft_cap=None,
     partition_pages: int | None = None,
     pages_per_step: int | None = None,
-    stages: int = 2,
+    stages: int | None = None,
+    registers: tuple[int, int] | None = None,
+    specialized: bool | None = None,
     interpret: bool | None = None,
 ):
     """Decode attention over a paged cache, ``q [B, Hq, D] -> [B, Hq, D]``, on the Mosaic GPU
     lowering (see the module docstring). ``partition_pages``: pages per split-KV partition
-    (a multiple of ``pages_per_step``; default: 4 steps); ``pages_per_step``: pages a step
-    copies (default: 64 tokens' worth); ``interpret``: None runs interpret mode exactly on
-    the CPU. Raises ``NotImplementedError`` for what :func:`unsupported` refuses."""
+    (a multiple of ``pages_per_step``; default :func:`default_partition_pages`);
+    ``pages_per_step``: pages a step copies, whole 64-row tiles (default: the fewest);
+    ``specialized``: a copy warpgroup beside the compute warpgroup, or (False) one
+    warpgroup that issues its own copies ``stages`` steps ahead in half the threads;
+    ``stages``: steps in flight. The defaults (None) are the fastest of an H200 sweep
+    (bf16, head_dim 128, page 16): a one-pass grid (every (sequence, KV head) its own
+    block) takes the copy warpgroup and 3 stages, a split grid one warpgroup and 2.
+    ``registers``: (compute, copy) warpgroup register counts set at entry (``specialized``
+    only), or None to leave the compiler's. ``interpret``: None runs interpret mode
+    exactly on the CPU. Raises ``NotImplementedError`` for what :func:`unsupported`
+    refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if pages_per_step is None:
-        pages_per_step = max(1, 64 // geom.page_size)
+    if pages_per_step is None:  # the fewest pages that make whole 64-row tiles
+        pages_per_step = 64 // math.gcd(64, geom.page_size)
+    if pages_per_step < 1 or pages_per_step * geom.page_size % 64:
+        raise ValueError(
+            f"pages_per_step * page_size must be a multiple of 64 (the kernel's tile rows), "
+            f"got {pages_per_step} * {geom.page_size}"
+        )
     if partition_pages is None:
-        partition_pages = 4 * pages_per_step
+        partition_pages = default_partition_pages(
+            q.shape[0], geom.num_kv_heads, block_tables.shape[1], pages_per_step
+        )
+    one_pass = partition_pages >= block_tables.shape[1]
+    if specialized is None:
+        specialized = one_pass
+    if stages is None:
+        stages = 3 if specialized else 2
     if partition_pages < 1 or partition_pages % pages_per_step:
         raise ValueError(
             f"partition_pages must be a positive multiple of pages_per_step={pages_per_step}, "
@@ -408,6 +519,10 @@ def paged_attention(
         )
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
+    if registers is not None:
+        registers = tuple(int(r) for r in registers)
+        if len(registers) != 2 or any(r % 8 or not 24 <= r <= 256 for r in registers):
+            raise ValueError(f"registers must be two multiples of 8 in [24, 256], got {registers}")
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
     if why is not None:
         raise NotImplementedError(why)
@@ -426,5 +541,7 @@ def paged_attention(
         partition_pages=int(partition_pages),
         pages_per_step=int(pages_per_step),
         stages=int(stages),
+        registers=registers,
+        specialized=bool(specialized),
         interpret=bool(interpret),
     )
