@@ -181,43 +181,19 @@ def test_refusals():
         f(q, k, k, t, n, pages_per_step=2)
 
 
+# The shapes the H200 benchmarks run, with each kernel form, and small odd ones.
+_H200 = dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16, width=256)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16, width=256),
+        _H200,
+        _H200 | dict(width=2048, batch=1, stages=3, registers=(168, 40)),
+        _H200 | dict(stages=3, specialized=True),
+        _H200 | dict(stages=3, specialized=False),
         dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8, width=40),
         dict(layout="bshd", dtype=jnp.bfloat16, heads=(4, 1), d=64, page=16, width=6, cap=5.0),
-        dict(
-            layout="bshd",
-            dtype=jnp.bfloat16,
-            heads=(32, 8),
-            d=128,
-            page=16,
-            width=2048,
-            batch=1,
-            stages=3,
-            registers=(168, 40),
-        ),
-        dict(
-            layout="bshd",
-            dtype=jnp.bfloat16,
-            heads=(32, 8),
-            d=128,
-            page=16,
-            width=256,
-            stages=3,
-            specialized=True,
-        ),
-        dict(
-            layout="bshd",
-            dtype=jnp.bfloat16,
-            heads=(32, 8),
-            d=128,
-            page=16,
-            width=256,
-            stages=3,
-            specialized=False,
-        ),
     ],
 )
 def test_lowers_for_cuda(kw):

@@ -30,9 +30,11 @@ from it as a scalar, and one TMA copy of that page's slab of one KV head
 (``k_cache.at[page, :, head, :]``, a strided ``[page_size, head_dim]`` box of the bshd pool)
 into shared memory behind a barrier, exact. So the per-page copies the paged kernels need are
 expressible there. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written for it
-(paged decode: a TMA warpgroup and a wgmma warpgroup, split-KV partitions merged exactly),
-tested in interpret mode against the reference with the unread slots poisoned; it is not
-dispatched by ``implementation="pallas"`` until it has run compiled on a GPU.
+(paged decode: TMA page copies into a ring, wgmma, split-KV partitions merged exactly),
+tested in interpret mode and compiled on an H200 against the reference with the unread slots
+poisoned, and reached with ``DecodeConfig(lowering="mosaic_gpu")``. On an H200 it reads the
+KV at 84% of the read ceiling at B=64 x 4096 (the Triton kernel 85%), 68% at B=8 (75%), 61%
+at B=1 x 32768 (71%): the Triton kernel stays the default until the port is as fast.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

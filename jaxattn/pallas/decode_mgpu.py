@@ -1,18 +1,21 @@
 """Paged decode on Pallas' Mosaic GPU lowering (sm_90): the first kernel of the port off the
-Triton lowering. Not yet dispatched by ``implementation="pallas"``, and not yet compiled on a
-GPU: its logic is tested in Mosaic GPU's interpret mode on the CPU (see below for what that
-mode leaves out).
+Triton lowering. Compiled and checked on an H200 (jax 0.11); reached through the public op
+with ``implementation="pallas", config=DecodeConfig(lowering="mosaic_gpu")``, not by
+default while the Triton-lowered kernel is the faster one (``benchmarks/RESULTS.md``).
 
-One block per (KV head, sequence, partition of ``partition_pages`` pages), two warpgroups:
+One block per (KV head, sequence, partition of ``partition_pages`` pages):
 
-* the memory warpgroup copies, by TMA, each page's ``[page_size, head_dim]`` slab of the
-  block's KV head (a strided box of the bshd pool, a contiguous one of bhsd) into a ring of
-  ``stages`` steps of ``pages_per_step`` pages, the page ids read from the sequence's block
-  table row in shared memory; it refills a stage when the compute warpgroup releases it;
+* each page's ``[page_size, head_dim]`` slab of the block's KV head (a strided box of the
+  bshd pool, a contiguous one of bhsd) is copied by TMA into a ring of ``stages`` steps of
+  ``pages_per_step`` pages, the page ids read from the partition's window of the block
+  table in shared memory. ``specialized``: a copy warpgroup refills a stage when the
+  compute warpgroup releases it; otherwise the compute warpgroup issues step ``i + stages``
+  itself once step ``i`` has read its slot (half the threads, so more blocks an SM);
 * the compute warpgroup holds the query heads of the KV head as the M = 64 rows of wgmma
   (padded: a GQA group is 1-64 heads), runs S = q K^T and O += P V per step with the online
-  softmax in base 2, and leaves (O unnormalised, max, sum) per partition; the partitions
-  merge exactly outside (:func:`jaxattn.pallas.decode.combine`).
+  softmax in base 2, and leaves (O unnormalised for the group's rows, max, sum) per
+  partition, the output tile sharing the K ring's memory; the partitions merge exactly
+  outside (:func:`jaxattn.pallas.decode.combine`).
 
 The memory-safety contract of the other kernels (:mod:`jaxattn.reference`'s validity): a
 length outside ``[0, capacity]`` or a page id outside the pool, among the pages the sequence
@@ -23,9 +26,11 @@ reaches the output. NaN in q or in a key or value the sequence attends to propag
 
 Interpret mode (``interpret=True``, the CPU): barriers, TMA copies and shared memory are
 simulated; the two products run as ``jnp.dot`` there (interpret mode's wgmma takes neither a
-transposed shared-memory operand nor a register one) and register layouts are not cast. What
-only a compile on sm_90 can tell: the wgmma calls as written, the scalar loads of lengths and
-page ids from shared memory, and the register layout of the V tile the last step zeroes.
+transposed shared-memory operand nor a register one), register layouts are not cast and
+the output tile has its own buffer (no ref unions there). The compiled kernel's lowering is
+checked on any machine by exporting it for CUDA (``tests/test_pallas_mgpu.py``); jax 0.11
+lowers with warpgroup semantics, which take no select on a scalar predicate over a vector
+(the poisoning below adds a scalar NaN-or-zero instead).
 """
 
 from __future__ import annotations
