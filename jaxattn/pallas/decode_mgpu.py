@@ -264,12 +264,11 @@ def _parts(
 
                 def pv(ref):
                     plgpu.wgmma(ref, p16, v_smem.at[slot])
-                    return ref[...]
 
                 if interpret:
                     acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-                else:
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
+                else:  # accumulated in place: no second accumulator's registers
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 if specialized:
                     plgpu.barrier_arrive(v_free.at[slot])
                 else:
