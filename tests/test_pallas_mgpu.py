@@ -28,13 +28,8 @@ if decode_mgpu.available() is not None:
     pytest.skip(decode_mgpu.available(), allow_module_level=True)
 
 
-def _sm90() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
 # interpret=True everywhere; interpret=False (compiled) on an sm_90 GPU.
-MODES = [True] + ([False] if _sm90() else [])
+MODES = [True] + ([False] if decode_mgpu.is_sm90() else [])
 
 
 def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, dtype):
