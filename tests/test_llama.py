@@ -176,7 +176,10 @@ def test_checkpoint_matches_hf_math(tmp_path, dtype, tied, shards, rope_scaling)
     stored = {k: v.astype(dtype).astype(np.float64) for k, v in tensors.items()}
     tokens = rng.integers(0, hf["vocab_size"], 37)
     want = hf_forward(stored, hf, tokens)
-    got = np.asarray(llama.forward_dense(params, cfg, jnp.asarray(tokens, jnp.int32)))
+    # float32 products in full precision: GPUs default to TF32 for them, which the float64
+    # comparison below would measure instead of the model's math.
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(llama.forward_dense(params, cfg, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 
