@@ -590,18 +590,31 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     }
 
     // Lane (g, tq) holds S[row g][keys 8 j + 2 tq, + 1] in sc[j][0..1], row g + 8 in sc[j][2..3].
-    // Keys past the partition's end are zero-filled rows: masked out.
-    const bool tail = n0 + TILE > end;
+    // Keys past the partition's end are zero-filled rows: masked out. The soft cap and the
+    // mask are block-uniform choices made once a tile around branch-free loops (a branch per
+    // element cost more than the products: with one warp a scheduler, every taken branch
+    // waited for its instruction fetch).
+    if (p.ls.cap_log2e > 0.f) {
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] = p.ls.cap_log2e * tanhf(sc[j][e] * q_scale);
+    } else {
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] *= q_scale;
+    }
+    if (n0 + TILE > end) {
+#pragma unroll
+      for (int j = 0; j < TILE / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[j][e] = n0 + j * 8 + 2 * tq + (e & 1) >= end ? kNegInf : sc[j][e];
+    }
     float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
     for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = sc[j][e] * q_scale;
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        if (tail && n0 + j * 8 + 2 * tq + (e & 1) >= end) v = kNegInf;
-        sc[j][e] = v;
-      }
       mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
       mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
     }
@@ -624,12 +637,16 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     }
     l0 = l0 * a0 + sum0;  // this lane's share; the quad's are added once at the end
     l1 = l1 * a1 + sum1;
+    // Once the maxima settle no row's factor moves from 1 (exp2(0) is exactly 1; NaN is not
+    // 1): the warp then skips the rescale.
+    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= a0;
-      o[i][1] *= a0;
-      o[i][2] *= a1;
-      o[i][3] *= a1;
+      for (int i = 0; i < D / 8; ++i) {
+        o[i][0] *= a0;
+        o[i][1] *= a0;
+        o[i][2] *= a1;
+        o[i][3] *= a1;
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {
@@ -737,17 +754,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
         mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);
       }
       float pr[2][2];
-      float mx = kNegInf;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[h][e] * q_scale;
-          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
-          mx = fmaxf(mx, pr[h][e]);
-        }
-      }
+      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
       mx = group_max<4>(mx);
       const float m_new = fmaxf(m, mx);
       const float m_use = m_new == kNegInf ? 0.f : m_new;
@@ -764,14 +771,17 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       l = l * alpha + sum;
       m = m_new;
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see the FP8 kernel
       const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < KD; ++j) {
-        o[j][0] *= a_lo;
-        o[j][1] *= a_hi;
-        o[j][2] *= a_lo;
-        o[j][3] *= a_hi;
+        if (rescale) {
+          o[j][0] *= a_lo;
+          o[j][1] *= a_hi;
+          o[j][2] *= a_lo;
+          o[j][3] *= a_hi;
+        }
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, vaddr + j * 32);
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);

@@ -248,6 +248,35 @@ __device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int
   return true;
 }
 
+// Logits of a tensor-core decode lane's fragment, tokens t0 + 8 h + 2 tq + e (h, e in 0..1):
+// times q_scale, soft-capped, -inf past `end`; returns their maximum. The cap is one
+// block-uniform branch around branch-free code (a branch an element makes each a fetch stall
+// for a kernel with few warps a scheduler).
+__device__ __forceinline__ float mma_decode_logits(const float (&sc)[2][4], float q_scale,
+                                                   float cap_log2e, int t0, int tq, int end,
+                                                   float (&pr)[2][2]) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) pr[h][e] = sc[h][e] * q_scale;
+  if (cap_log2e > 0.f) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) pr[h][e] = cap_log2e * tanhf(pr[h][e]);
+  }
+  float mx = kNegInf;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? pr[h][e] : kNegInf;
+      mx = fmaxf(mx, pr[h][e]);
+    }
+  return mx;
+}
+
 // Writes one element of a finished (head, d): the output itself in one pass, or the
 // partition's normalised output and its (max, sum) for the combine. l == 0: nothing attended.
 // vs: the KV head's value scale (a weighted mean of values is linear in it, so each
@@ -332,7 +361,17 @@ struct KvRing {
   // whole tile's compute before its value is needed.
   __device__ __forceinline__ int page_of(int n) const {
     const int t = start + n * TILE + int(threadIdx.x);
-    return (int(threadIdx.x) < TILE && t < end) ? table[t / kv.page_size] : 0;
+    return (int(threadIdx.x) < TILE && t < end) ? table[page_index(t)] : 0;
+  }
+  // t / page_size and t % page_size (t >= 0), a shift and a mask for the usual power-of-two
+  // page sizes (the block's choice is uniform; an integer division costs ~20 instructions).
+  __device__ __forceinline__ int page_index(int t) const {
+    const int ps = kv.page_size;
+    return (ps & (ps - 1)) == 0 ? t >> (__ffs(ps) - 1) : t / ps;
+  }
+  __device__ __forceinline__ int page_offset(int t) const {
+    const int ps = kv.page_size;
+    return (ps & (ps - 1)) == 0 ? t & (ps - 1) : t % ps;
   }
   // True when the row's page id lies outside the cache: the row is then zero-filled like a
   // row past the end, and the caller poisons the block.
@@ -342,7 +381,7 @@ struct KvRing {
     const bool live = t < end;
     const bool ok = live && index_ok(page, kv.num_pages);
     offsets(n % STAGES)[threadIdx.x] =
-        ok ? int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride
+        ok ? int64_t(page) * kv.page_stride + int64_t(page_offset(t)) * kv.token_stride
            : int64_t(-1);
     return live && !ok;
   }
@@ -758,17 +797,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       }
       // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
       float pr[2][2];
-      float mx = kNegInf;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[h][e] * q_scale;
-          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
-          mx = fmaxf(mx, pr[h][e]);
-        }
-      }
+      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
       mx = group_max<4>(mx);
       const float m_new = fmaxf(m, mx);
       const float m_use = m_new == kNegInf ? 0.f : m_new;
@@ -787,14 +816,17 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       // This lane's output columns are heads 2 tq and 2 tq + 1, whose factors live on lanes
       // 4 (2 tq) and 4 (2 tq + 1).
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see the FP8 kernel
       const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < KD; ++j) {
-        o[j][0] *= a_lo;
-        o[j][1] *= a_hi;
-        o[j][2] *= a_lo;
-        o[j][3] *= a_hi;
+        if (rescale) {
+          o[j][0] *= a_lo;
+          o[j][1] *= a_hi;
+          o[j][2] *= a_lo;
+          o[j][3] *= a_hi;
+        }
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, vaddr + j * 32);
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
@@ -980,17 +1012,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
       }
       // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
       float pr[2][2];
-      float mx = kNegInf;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = sc[h][e] * q_scale;
-          if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-          pr[h][e] = t0 + 8 * h + 2 * tq + e < end ? v : kNegInf;
-          mx = fmaxf(mx, pr[h][e]);
-        }
-      }
+      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
       mx = group_max<4>(mx);
       const float m_new = fmaxf(m, mx);
       const float m_use = m_new == kNegInf ? 0.f : m_new;
@@ -1007,6 +1029,9 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
       l = l * alpha + sum;
       m = m_new;
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
+      // Once the maxima settle no head's alpha moves from 1 (exp2(0) is exactly 1; NaN is
+      // not 1): the warp then skips the 4 D / 8 multiplies of the rescale.
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);
       const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
       const unsigned char* vrow = reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off;
@@ -1026,10 +1051,12 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
 #pragma unroll
         for (int s2 = 0; s2 < 2; ++s2) {
           float (&oj)[4] = o[2 * jj + s2];
-          oj[0] *= a_lo;
-          oj[1] *= a_hi;
-          oj[2] *= a_lo;
-          oj[3] *= a_hi;
+          if (rescale) {
+            oj[0] *= a_lo;
+            oj[1] *= a_hi;
+            oj[2] *= a_lo;
+            oj[3] *= a_hi;
+          }
           mma16816<f16_t>(oj, a[s2][0], a[s2][1], a[s2][2], a[s2][3], pb0, pb1);
         }
       }
