@@ -61,10 +61,16 @@ def random_cache(key_k, key_v, layout, geom, *, dtype, kv_dtype):
     return kq, vq, (ks, vs)
 
 
+def _is_scale(a) -> bool:
+    return np.dtype(getattr(a, "dtype", np.int32)) == np.float32 and np.ndim(a) <= 1
+
+
 def split_scales(args: tuple) -> tuple[tuple, dict]:
     """An input tuple that may end with (k_scale, v_scale) (the benchmark builders append
-    them for an FP8 cache) as (the op's positional inputs, those scales as keywords)."""
-    if len(args) in (7, 8):  # decode (5 + 2) or prefill / extend (6 + 2)
+    them for an FP8 cache) as (the op's positional inputs, those scales as keywords). Every
+    op's positional inputs end with int32 index arrays, so two trailing float32 scalars or
+    vectors are the scales (the count alone is ambiguous: cascade decode has 8 inputs)."""
+    if len(args) >= 2 and all(_is_scale(a) for a in args[-2:]):
         return args[:-2], dict(k_scale=args[-2], v_scale=args[-1])
     return args, {}
 
