@@ -639,15 +639,7 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     l1 = l1 * a1 + sum1;
     // Once the maxima settle no row's factor moves from 1 (exp2(0) is exactly 1; NaN is not
     // 1): the warp then skips the rescale.
-    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        o[i][0] *= a0;
-        o[i][1] *= a0;
-        o[i][2] *= a1;
-        o[i][3] *= a1;
-      }
-    }
+    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {
       // The accumulator layout of S is the A-operand layout of P: no shuffles.

@@ -87,6 +87,19 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
+// Scales m16n8 C fragments row by row: a0 on row g (elements 0, 1), a1 on row g + 8 (2, 3),
+// the online softmax's rescale of an output accumulator.
+template <int N>
+__device__ __forceinline__ void scale_c_rows(float (&o)[N][4], float a0, float a1) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    o[i][0] *= a0;
+    o[i][1] *= a0;
+    o[i][2] *= a1;
+    o[i][3] *= a1;
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r = 0;

@@ -791,13 +791,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     // Each lane keeps partial row sums; the quad's are added once at the end.
     l0 = l0 * a0 + sum0;
     l1 = l1 * a1 + sum1;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= a0;
-      o[i][1] *= a0;
-      o[i][2] *= a1;
-      o[i][3] *= a1;
-    }
+    scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
@@ -1201,13 +1195,7 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
     }
     l0 = l0 * a0 + sum0;
     l1 = l1 * a1 + sum1;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= a0;
-      o[i][1] *= a0;
-      o[i][2] *= a1;
-      o[i][3] *= a1;
-    }
+    scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       const uint32_t pf[4] = {pack2<M>(s[2 * kk][0], s[2 * kk][1]),
