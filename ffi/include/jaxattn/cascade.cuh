@@ -637,8 +637,6 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     }
     l0 = l0 * a0 + sum0;  // this lane's share; the quad's are added once at the end
     l1 = l1 * a1 + sum1;
-    // Once the maxima settle no row's factor moves from 1 (exp2(0) is exactly 1; NaN is not
-    // 1): the warp then skips the rescale.
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {
@@ -763,17 +761,12 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       l = l * alpha + sum;
       m = m_new;
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see the FP8 kernel
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
       const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < KD; ++j) {
-        if (rescale) {
-          o[j][0] *= a_lo;
-          o[j][1] *= a_hi;
-          o[j][2] *= a_lo;
-          o[j][3] *= a_hi;
-        }
+        if (rescale) scale_c_cols(o[j], a_lo, a_hi);
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, vaddr + j * 32);
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);

@@ -86,9 +86,12 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   mma16816<T>(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
-// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
-// Scales m16n8 C fragments row by row: a0 on row g (elements 0, 1), a1 on row g + 8 (2, 3),
-// the online softmax's rescale of an output accumulator.
+// The online softmax's rescale of output accumulators held as m16n8 C fragments. Callers
+// may skip it when __any_sync(factor != 1) is false for the warp: once the running maxima
+// settle, every factor is exp2(0), exactly 1, and a NaN factor is not 1, so NaN still
+// propagates.
+//
+// Row by row: a0 on row g (elements 0, 1), a1 on row g + 8 (2, 3).
 template <int N>
 __device__ __forceinline__ void scale_c_rows(float (&o)[N][4], float a0, float a1) {
 #pragma unroll
@@ -100,6 +103,16 @@ __device__ __forceinline__ void scale_c_rows(float (&o)[N][4], float a0, float a
   }
 }
 
+// Column by column (the decode kernels' O^T, whose columns are heads): a_lo on column 2 tq
+// (elements 0, 2), a_hi on column 2 tq + 1 (1, 3).
+__device__ __forceinline__ void scale_c_cols(float (&c)[4], float a_lo, float a_hi) {
+  c[0] *= a_lo;
+  c[1] *= a_hi;
+  c[2] *= a_lo;
+  c[3] *= a_hi;
+}
+
+// Two floats as one register of 16-bit elements, `lo` in the low half (the lower k index).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r = 0;

@@ -816,17 +816,12 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       // This lane's output columns are heads 2 tq and 2 tq + 1, whose factors live on lanes
       // 4 (2 tq) and 4 (2 tq + 1).
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see the FP8 kernel
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
       const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
 #pragma unroll
       for (int j = 0; j < KD; ++j) {
-        if (rescale) {
-          o[j][0] *= a_lo;
-          o[j][1] *= a_hi;
-          o[j][2] *= a_lo;
-          o[j][3] *= a_hi;
-        }
+        if (rescale) scale_c_cols(o[j], a_lo, a_hi);
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, vaddr + j * 32);
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
@@ -1029,9 +1024,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
       l = l * alpha + sum;
       m = m_new;
       const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      // Once the maxima settle no head's alpha moves from 1 (exp2(0) is exactly 1; NaN is
-      // not 1): the warp then skips the 4 D / 8 multiplies of the rescale.
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);
+      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
       const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
       const unsigned char* vrow = reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off;
@@ -1051,12 +1044,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
 #pragma unroll
         for (int s2 = 0; s2 < 2; ++s2) {
           float (&oj)[4] = o[2 * jj + s2];
-          if (rescale) {
-            oj[0] *= a_lo;
-            oj[1] *= a_hi;
-            oj[2] *= a_lo;
-            oj[3] *= a_hi;
-          }
+          if (rescale) scale_c_cols(oj, a_lo, a_hi);
           mma16816<f16_t>(oj, a[s2][0], a[s2][1], a[s2][2], a[s2][3], pb0, pb1);
         }
       }
