@@ -534,8 +534,14 @@ int run_robustness(std::mt19937& rng) {
       5};
   const Case pool = {
       "pool", {3, 17, 255, 1, 130}, {5, 64, 0, 1000, 200}, 8, 2, 64, 1, bshd, true, 0.f, true, 5};
+  // paged and pool are GQA 8/2: the sm90 kernel packs their heads (prefill_sm90_packs);
+  // paged_mha (2/2) runs it with one head a tile.
+  Case paged_mha = paged;
+  paged_mha.name = "paged MHA 2/2";
+  paged_mha.hq = 2;
   int failed = 0, total = 0;
-  for (const Case* base : {&paged, &pool}) {
+  const Case* const bases[] = {&paged, &paged_mha, &pool};
+  for (const Case* base : bases) {
     for (const Named& e : edits) {
       if (!(base->pool ? e.pool : e.paged)) continue;
       Problem P = make_problem(*base, rng);
@@ -716,6 +722,16 @@ int main(int argc, char** argv) {
          0},
         {"D64 bhsd p64 lq 1/255 prefix 1000/64, 4/1", {1, 255}, {1000, 64}, 4, 1, 64, 64, bhsd,
          false, 0.f, false, 1},
+        // GQA: the sm90 kernel packs the group's heads into its tile rows (above too: every
+        // case but the 8/8 ones); groups 2, 7 and 16 here.
+        {"packed D64 f16 softcap 2: lq 17/3/40 prefix 64/1000/5, 32/8", {17, 3, 40},
+         {64, 1000, 5}, 32, 8, 64, 16, bshd, false, 2.f, true, 3},
+        {"packed group 2 bhsd: lq 9/50/200 prefix 300/0/7, 16/8", {9, 50, 200}, {300, 0, 7}, 16, 8,
+         128, 16, bhsd, false, 0.f, false, 2},
+        {"packed group 7 pool: lq 5/30/1 prefix 200/17/129, 28/4", {5, 30, 1}, {200, 17, 129}, 28,
+         4, 128, 1, bshd, true, 0.f, false, 4},
+        {"packed group 16: lq 8/9 prefix 130/0, 32/2", {8, 9}, {130, 0}, 32, 2, 128, 16, bshd,
+         false, 0.f, false, 1},
     };
     // FP8 caches: kv8 1 = e4m3, 2 = e5m2; scaled: per-head scales.
     auto fp8 = [](Case c, const char* name, int kv8, bool scaled) {
@@ -756,8 +772,8 @@ int main(int argc, char** argv) {
     if (bench_case("8 x (2048 + 512)", big, rng)) ++failed;
     const Case longq = {"", {8192}, {0}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
     if (bench_case("1 x (0 + 8192)", longq, rng)) ++failed;
-    // A short extend over a token pool: the mma kernel's case (auto picks it below 64 new
-    // tokens a request).
+    // A short extend over a token pool: the sm90 kernel packs the 4 heads of a KV head into
+    // its tile rows (prefill_sm90_packs); unpacked, the mma kernel served it faster.
     const Case extend = {"", std::vector<int>(32, 24), std::vector<int>(32, 1000), 32, 8, 128, 1,
                          bshd, true, 0.f, false, 0};
     if (bench_case("32 x (1000 + 24), pool", extend, rng)) ++failed;

@@ -129,6 +129,10 @@ struct PrefillParams {
   int32_t page_table_stride = 0;
   // GPU prefill kernel: a PrefillKernel value (0 auto, 1 sm90, 2 mma, 3 simt); the CPU has one.
   int32_t kernel = 0;
+  // GPU sm90 kernel: query heads of one KV head packed into the rows of one tile (row r is
+  // token r / pack_heads, head r % pack_heads of the block's heads); 1: one head a tile. Set by
+  // the launcher (launch_prefill_typed), not by callers.
+  int32_t pack_heads = 1;
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;

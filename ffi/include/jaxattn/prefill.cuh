@@ -21,10 +21,12 @@
 //   sm90  Hopper warpgroup MMA (wgmma, sm_90a only; prefill_sm90.cuh / prefill_sm90.cu):
 //         128-row tiles, two warpgroups, 3-stage cp.async ring of 128-key tiles, bf16/f16,
 //         head_dim 64 and 128. Used on compute capability 9.0 when the library was built with
-//         90 among JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A) and the requests bring at least
-//         kSm90MinRowsPerRequest new tokens on average: shorter extends leave most rows of a
-//         128-row tile empty, and the mma kernel's 64-row tiles served them faster on an H200
-//         (32 x (1000 + 24), bf16, 32/8: 179 us against 227 us).
+//         90 among JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A) and either the requests bring at
+//         least kSm90MinRowsPerRequest new tokens on average or the kernel can pack the query
+//         heads of a KV head into a tile's rows (16-bit caches, GQA groups of 2..16:
+//         prefill_sm90_packs). Without packing (MHA, FP8 caches), short
+//         extends leave most rows of a 128-row tile empty, and the mma kernel's 64-row tiles
+//         served them faster on an H200 (32 x (1000 + 24), bf16, 32/8: 179 us against 227 us).
 //   mma   tensor-core mma.sync m16n8k16 (bf16/f16 with f32 accumulation, cp.async double
 //         buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128.
 //   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
@@ -97,15 +99,16 @@ __device__ __forceinline__ void init_first_bad(int* first_bad, int i, int step) 
   for (int d = i; d < D; d += step) first_bad[d] = kNoBadKey;
 }
 
-// Rows [r0, r1) of one head of the output, every element `value`.
+// Rows [r0, r1) of heads [head, head + heads) of the output, every element `value`.
 template <typename T>
-__device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int r1, float value) {
+__device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int r1, float value,
+                                  int heads = 1) {
   const int D = p.kv.head_dim;
   T* out = static_cast<T*>(p.out);
   const T v = from_float<T>(value);
-  for (int i = threadIdx.x; i < (r1 - r0) * D; i += blockDim.x) {
-    const int r = r0 + i / D;
-    out[(int64_t(r) * p.num_q_heads + head) * D + i % D] = v;
+  for (int i = threadIdx.x; i < (r1 - r0) * heads * D; i += blockDim.x) {
+    const int r = r0 + i / (heads * D), h = head + (i / D) % heads;
+    out[(int64_t(r) * p.num_q_heads + h) * D + i % D] = v;
   }
 }
 
@@ -124,10 +127,10 @@ constexpr int kPrefillTileScratch = NT / WARP_SIZE + 6;
 // qo[batch]. All threads of the block must call it. `scratch`: kPrefillTileScratch<NT> ints of
 // shared memory, which the caller may reuse after its next barrier (every thread reads the
 // result out of it after the last barrier here); the kernels lend it memory that their first
-// copies fill later.
+// copies fill later. bm counts tokens; the block owns heads [head, head + heads) of them.
 template <typename T, int NT>
 __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head, int* scratch,
-                                  PrefillTile* t) {
+                                  PrefillTile* t, int heads = 1) {
   constexpr int kWarps = NT / WARP_SIZE;
   int* warp_tiles = scratch;
   int* hit = scratch + kWarps;  // request, tile within it, q0, q1, lk, pool k1 -- of block x
@@ -185,13 +188,14 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
     if (c0 + NT < p.batch) __syncthreads();  // warp_tiles is rewritten by the next chunk
   }
   if (__syncthreads_or(bad)) {
-    fill_prefill_rows<T>(p, head, min(x * bm, p.total_q), min(x * bm + bm, p.total_q), quiet_nan());
+    fill_prefill_rows<T>(p, head, min(x * bm, p.total_q), min(x * bm + bm, p.total_q), quiet_nan(),
+                         heads);
     return false;
   }
   const int b = hit[0];
   if (b < 0) {
     const int r0 = min(qo[p.batch], p.total_q) + (x - before) * bm;
-    fill_prefill_rows<T>(p, head, r0, min(r0 + bm, p.total_q), 0.f);
+    fill_prefill_rows<T>(p, head, r0, min(r0 + bm, p.total_q), 0.f, heads);
     return false;
   }
   const int q0 = hit[2], q1 = hit[3];
@@ -206,7 +210,7 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
   t->table =
       p.page_table + (kvp != nullptr ? int64_t(k1) - t->lk : int64_t(b) * p.page_table_stride);
   if (!prefill_bounds_ok(p, q0, q1, t->lk, k1)) {
-    fill_prefill_rows<T>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan());
+    fill_prefill_rows<T>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan(), heads);
     return false;
   }
   return true;
@@ -547,7 +551,8 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // accumulator fragments: o[4 i + e] is element i * 8 + 2 tq + (e & 1) of row lr0 (e < 2) or
 // lr0 + 8 -- the m16n8 layout of the mma kernel and the m64nN layout of the sm90 kernel alike.
 // Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN) and scaled by
-// the KV head's value scale vs.
+// the KV head's value scale vs. Tile row r is token r / G, head `head` + r % G (G =
+// p.pack_heads: 1 but in the sm90 kernel's packed tiles).
 template <typename T, int D>
 __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, const PrefillTile& t,
                                                        int head, int lr0, int tq, float l0,
@@ -556,7 +561,10 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
                                                        int shift) {
   const bool guarded = first_bad != nullptr;
   const float inv0 = l0 == 0.f ? 0.f : vs / l0, inv1 = l1 == 0.f ? 0.f : vs / l1;
-  const int lr1 = lr0 + 8;
+  const int G = p.pack_heads;
+  const int lr1 = (lr0 + 8) / G, h1 = head + (lr0 + 8) % G;  // tokens within the tile, heads
+  const int h0 = head + lr0 % G;
+  lr0 /= G;
   const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
   T* out = static_cast<T*>(p.out);
 #pragma unroll
@@ -572,11 +580,11 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
       if (guard_nan(first_bad, poisoned, d + 1, row1, shift)) b1 = nan;
     }
     if (lr0 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + head) * D + d) =
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + h0) * D + d) =
           pack2<T>(a0, b0);
     }
     if (lr1 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + head) * D + d) =
+      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + h1) * D + d) =
           pack2<T>(a1, b1);
     }
   }
@@ -1283,8 +1291,19 @@ const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 // The values of PrefillParams::kernel (the FFI attribute `kernel`).
 enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3 };
 
-// Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles.
+// Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles (when
+// the sm90 kernel cannot pack heads).
 constexpr int kSm90MinRowsPerRequest = 64;
+// Whether the 16-bit sm90 kernel packs the query heads of a KV head into each tile's rows
+// (PrefillParams::pack_heads; GQA groups of 2 to 16). A short extend then fills its 128-row
+// tiles (24 new tokens x 4 heads = 96 rows instead of 24) and every shape reads each K/V tile
+// once per KV head instead of once per query head. H200, bf16, 32/8 (prefill self-test): 32 x
+// (1000 + 24) 171 TFLOP/s against the mma kernel's 74 (the sm90 kernel unpacked: 57); 1 x
+// (0 + 8192) 381 against 366 unpacked; 8 x (2048 + 512) 337 against 339.
+inline bool prefill_sm90_packs(const PrefillParams& p) {
+  const int group = p.kv.num_kv_heads > 0 ? p.num_q_heads / p.kv.num_kv_heads : 1;
+  return group >= 2 && group <= 16;
+}
 
 // T: q's and the output's element type; C: the cache's (T, or an FP8 format under a 16-bit T:
 // the tensor-core kernels then compute in float16, the SIMT kernel widens to float).
@@ -1302,7 +1321,8 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
     if (tc_dim && (which == PrefillKernel::kAuto || which == PrefillKernel::kSm90)) {
 #if defined(JAXATTN_HAVE_SM90A)
       const bool long_enough = which == PrefillKernel::kSm90 ||
-                               int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch;
+                               int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch ||
+                               (sizeof(C) == 2 && prefill_sm90_packs(p));
       if (long_enough && device_is_sm90() && prefill_sm90_fits(p))
         return launch_prefill_sm90<T, C>(p, stream);
 #endif

@@ -11,7 +11,12 @@
 //
 // Block: 256 threads = two warpgroups, 128 query rows of one request and one query head
 // (warpgroup w owns rows 64w..64w+63), key tiles of 128. No warp specialisation: every thread
-// copies and every warpgroup computes.
+// copies and every warpgroup computes. GQA groups of 2..16 (prefill_sm90_packs) pack the
+// group's query heads into the rows instead: row r is token r / G and head r % G of the
+// block's KV head (G = PrefillParams::pack_heads, 128 / G tokens a tile), so a short extend of
+// 24 new tokens x 4 heads fills 96 rows where one head filled 24, and each K/V tile is read
+// once per KV head. The causal mask, the guards and the store take a row's token; nothing else
+// changes.
 //
 // Shared memory (1024-byte aligned), each tile stored as D/64 column blocks of [rows][64]
 // elements, 128 bytes a row, the 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte
@@ -234,12 +239,15 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   // barriers order the initialisation before any update.
   __shared__ int first_bad[D];
   init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
-  const int head = blockIdx.y;
+  // Packed tiles (G > 1): the block's G query heads share one KV head, tile row r is token
+  // r / G and head `head` + r % G, so a tile holds BM / G tokens.
+  const int G = p.pack_heads;
+  const int head = blockIdx.y * G;
   PrefillTile t;
   // The tile search's scratch: stage 0 of the K/V ring, which the first copies fill after the
   // barrier that follows the row offsets below.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head,
-                                         reinterpret_cast<int*>(sm90_smem + (kv_s - raw)), &t))
+  if (!find_prefill_tile<T, S::kThreads>(p, BM / G, blockIdx.x, head,
+                                         reinterpret_cast<int*>(sm90_smem + (kv_s - raw)), &t, G))
     return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
@@ -267,9 +275,10 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   const int c = tid % CH, r0 = tid / CH;  // this thread copies chunk c of rows r0 + i * RP
 #pragma unroll
   for (int i = 0; i < BM / RP; ++i) {
-    const int r = r0 + i * RP;
-    const bool ok = r < t.rows;
-    const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
+    const int r = r0 + i * RP, tok = r / G;
+    const bool ok = tok < t.rows;
+    const T* src =
+        ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r % G) * D + c * 8 : qg;
     cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
   }
   // K and V rows of one key tile into stage `stage`, from the offsets in slot `slot`.
@@ -313,8 +322,9 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
   // Accumulator element 4j + e of this thread: row g (e < 2) or g + 8 of the warp's 16 rows,
   // column 8j + 2 tq + (e & 1).
-  const int row0 = t.m0 + wg * 64 + wl * 16 + g;  // query rows within the request
-  const int row1 = row0 + 8;
+  const int lr0 = wg * 64 + wl * 16 + g;  // this thread's rows within the tile
+  const int row0 = t.m0 + lr0 / G;        // and their tokens within the request
+  const int row1 = t.m0 + (lr0 + 8) / G;
   const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
 
   // This thread's V chunks of tile n: chunk c of rows r0 + i * RP, which share their swizzle
@@ -488,7 +498,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, t, head, wg * 64 + wl * 16 + g, tq, l0, l1, p.scales.v_of(kvh), o,
+  prefill_mma_store<T, D>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
                           flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
@@ -858,7 +868,19 @@ const char* launch_prefill_sm90_fp8_d(const PrefillParams& p, gpuStream_t stream
 
 template <typename T, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
-  return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D>, p, stream);
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  if (!prefill_sm90_packs(p))
+    return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D>, p, stream);
+  // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
+  using S = Sm90Shape<D>;
+  auto kernel = prefill_sm90_kernel<T, D>;
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
+  PrefillParams q = p;
+  q.pack_heads = group;
+  const int bm = S::kBM / group;
+  const dim3 grid((p.total_q + bm - 1) / bm + p.batch, p.kv.num_kv_heads);
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(q);
+  return check_launch();
 }
 
 // Declared in prefill.cuh; instantiated in prefill_sm90.cu for T = bf16_t and f16_t, each with
