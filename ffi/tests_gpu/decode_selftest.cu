@@ -992,7 +992,7 @@ void run_perf(bool fp8_only) {
   struct Shape {
     int B, ctx;
   };
-  const Shape shapes[] = {{1, 32768}, {8, 4096}, {64, 4096}, {256, 1024}};
+  const Shape shapes[] = {{1, 32768}, {8, 4096}, {64, 4096}, {256, 1024}, {64, 512}};
   Rng rng(99);
   if (!fp8_only) {
     std::printf("bf16, D=128, page 16, bshd. GB/s = K+V bytes / time; %% of the copy ceiling.\n");
