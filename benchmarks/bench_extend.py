@@ -6,8 +6,11 @@ Useful FLOPs count only the score entries the mask keeps:
 ``4 * D * Hq * sum_b(Lq_b * Lp_b + Lq_b * (Lq_b + 1) / 2)``. Every implementation
 reachable through ``jaxattn.extend_attention`` (``--form extend``, a token pool with
 permuted slots) or ``jaxattn.prefix_prefill`` (``--form prefill``, a paged cache) is
-timed; one that raises NotImplementedError is reported as skipped. The peer is cuDNN
-flash attention (``jax.nn.dot_product_attention(..., implementation="cudnn")``) on
+timed; one that raises NotImplementedError is reported as skipped. The peers:
+FlashAttention-4 (``fa4_peer.py``: ``flash_attn.cute`` on the same device buffers, both
+forms, where torch and flash_attn.cute are installed; its own pack_gqa choice and packing
+forced on; ``x FA4`` is the faster one's time over the row's)
+and cuDNN flash attention (``jax.nn.dot_product_attention(..., implementation="cudnn")``) on
 the equivalent dense problem: cuDNN's causal mask is anchored top-left, so the
 prefix-shifted mask is expressed as one non-causal call over the prefix plus one
 causal call over the new tokens, merged by their log-sum-exp (for an empty prefix,
@@ -37,12 +40,13 @@ LOG2E = math.log2(math.e)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import fa4_peer  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import pallas as jpallas  # noqa: E402
 
 # (batch, prefix, new tokens)
-CASES = [(8, 2048, 512), (1, 0, 8192), (32, 1000, 24)]
+CASES = [(8, 2048, 512), (1, 0, 8192), (32, 1000, 24), (4, 0, 4096)]
 SMALL_CASES = [(2, 40, 24), (1, 0, 64)]
 
 
@@ -301,9 +305,11 @@ def main(argv=None):
             kv_dtype=kv_dtype.name,
         )
 
-        def record(name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected):
+        def record(
+            name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected, timed=None
+        ):
             row = base | {"impl": name} | (extra or {})
-            row |= common.measure(
+            row |= timed or common.measure(
                 fn, copies_, samples=args.samples, target_s=args.target_s, expected=expected
             )
             metric = ""
@@ -324,7 +330,29 @@ def main(argv=None):
             for cfg in sweep_configs():
                 fn = common.with_scales(kernel, scale=scale, config=cfg, **kw)
                 record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
-        peer = None
+        peer = fa4 = None
+        if not args.no_peers and not fp8:
+            for pack in fa4_peer.PACK_GQA:
+                calls = [
+                    fa4_peer.extend_call(
+                        c,
+                        form=args.form,
+                        batch=batch,
+                        prefix=prefix,
+                        new=new,
+                        scale=scale,
+                        pack_gqa=pack,
+                    )
+                    for c in copies
+                ]
+                timed = fa4_peer.measure(
+                    calls, samples=args.samples, target_s=args.target_s, expected=expected
+                )
+                label = f"pack_gqa={'auto' if pack is None else pack}"
+                row = record("fa4", None, None, dict(config=label), timed=timed)
+                if "us" in row and (fa4 is None or row["us"] < fa4["us"]):
+                    fa4 = row  # x FA4: against the faster setting
+                del calls
         if not args.no_peers and args.form == "extend" and not fp8:
             dense = [to_dense(c, batch=batch, prefix=prefix, new=new) for c in copies]
             split = functools.partial(split_peer, batch=batch, prefix=prefix, new=new)
@@ -341,17 +369,19 @@ def main(argv=None):
                 [as_float16(x) for x in dense],
             )
             del dense
-        if peer is not None and "us" in peer:
+        for ref, key in ((peer, "vs_cudnn"), (fa4, "vs_fa4")):
+            if ref is None or "us" not in ref:
+                continue
             for row in result["rows"]:
                 if (
-                    row is not peer
+                    row is not ref
                     and row.get("batch") == batch
                     and row.get("prefix") == prefix
                     and row.get("new") == new
                     and row.get("kv_dtype") == kv_dtype.name
                     and "us" in row
                 ):
-                    row["vs_cudnn"] = peer["us"] / row["us"]
+                    row[key] = ref["us"] / row["us"]
         del copies
     common.relative_to_first(
         result["rows"],
@@ -383,6 +413,7 @@ def main(argv=None):
                 ("config", "config", ""),
                 ("us", "time (us)", ".1f"),
                 ("tflops", "TFLOP/s", ".0f"),
+                ("vs_fa4", "x FA4", ".2f"),
                 ("vs_cudnn", "x cuDNN", ".2f"),
                 ("pct_matmul", "% of matmul", ".0f"),
                 ("x_first", "x first", ".2f"),
