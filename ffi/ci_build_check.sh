@@ -59,7 +59,12 @@ check_hipcc() {
 case "$which" in
   nvcc) check_nvcc ;;
   hipcc) check_hipcc ;;
-  all) check_nvcc && check_hipcc ;;
+  # Two commands, not `check_nvcc && check_hipcc`: bash ignores errexit inside a function
+  # called from a && list, so a failed nvcc check would fall through to "compile cleanly".
+  all)
+    check_nvcc
+    check_hipcc
+    ;;
   *) echo "usage: $0 [nvcc|hipcc|all]" >&2; exit 2 ;;
 esac
 echo "GPU sources compile cleanly (logs in $out)"
