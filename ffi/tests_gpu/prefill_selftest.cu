@@ -586,7 +586,10 @@ int run_robustness(std::mt19937& rng) {
   paged8.scaled = true;
   pool8.name = "pool e5m2";
   pool8.kv8 = 2;
-  for (const Case* base : {&paged8, &pool8}) {
+  Case mha8 = paged_mha;  // the sm90 FP8 kernel unpacked
+  mha8.name = "paged MHA 2/2 e4m3";
+  mha8.kv8 = 1;
+  for (const Case* base : {&paged8, &mha8, &pool8}) {
     for (const Named& e : fp8_edits) {
       Problem P = make_problem(*base, rng);
       e.edit(P);

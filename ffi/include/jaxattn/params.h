@@ -130,9 +130,11 @@ struct PrefillParams {
   // GPU prefill kernel: a PrefillKernel value (0 auto, 1 sm90, 2 mma, 3 simt); the CPU has one.
   int32_t kernel = 0;
   // GPU sm90 kernel: query heads of one KV head packed into the rows of one tile (row r is
-  // token r / pack_heads, head r % pack_heads of the block's heads); 1: one head a tile. Set by
-  // the launcher (launch_prefill_typed), not by callers.
+  // token r / pack_heads, head r % pack_heads of the block's heads); 1: one head a tile.
+  // pack_magic = floor(2^32 / pack_heads) + 1 makes r / pack_heads one multiply-high for the
+  // tile rows (exact for r < 2^28 at pack_heads <= 16). Set by the launcher, not by callers.
   int32_t pack_heads = 1;
+  uint32_t pack_magic = 0;
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;

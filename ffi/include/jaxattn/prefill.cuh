@@ -547,13 +547,22 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return uint32_t((r * MmaShape<D>::kChunks + (c ^ (r & 7))) * 16);
 }
 
+// Token of row r of a tile: r itself, or with packed heads (kPack: the sm90 kernel's packed
+// instantiation) r / p.pack_heads by the launcher's multiplier (a runtime division costs ~20
+// instructions and registers the sm90 kernels lack; the unpacked instantiations keep their
+// exact old code).
+template <bool kPack>
+__device__ __forceinline__ int pack_token(const PrefillParams& p, int r) {
+  return kPack ? int((uint64_t(uint32_t(r)) * p.pack_magic) >> 32) : r;
+}
+
 // Writes a warp's 16 rows of a tensor-core tile, lr0 and lr0 + 8 (within the tile), from the
 // accumulator fragments: o[4 i + e] is element i * 8 + 2 tq + (e & 1) of row lr0 (e < 2) or
 // lr0 + 8 -- the m16n8 layout of the mma kernel and the m64nN layout of the sm90 kernel alike.
 // Normalised by the quad-summed l0 / l1 (0 when a row saw nothing; NaN stays NaN) and scaled by
 // the KV head's value scale vs. Tile row r is token r / G, head `head` + r % G (G =
-// p.pack_heads: 1 but in the sm90 kernel's packed tiles).
-template <typename T, int D>
+// p.pack_heads with kPack, else 1).
+template <typename T, int D, bool kPack>
 __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, const PrefillTile& t,
                                                        int head, int lr0, int tq, float l0,
                                                        float l1, float vs, const float* o,
@@ -561,10 +570,10 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
                                                        int shift) {
   const bool guarded = first_bad != nullptr;
   const float inv0 = l0 == 0.f ? 0.f : vs / l0, inv1 = l1 == 0.f ? 0.f : vs / l1;
-  const int G = p.pack_heads;
-  const int lr1 = (lr0 + 8) / G, h1 = head + (lr0 + 8) % G;  // tokens within the tile, heads
-  const int h0 = head + lr0 % G;
-  lr0 /= G;
+  const int G = kPack ? p.pack_heads : 1;
+  const int lr1 = pack_token<kPack>(p, lr0 + 8), h1 = head + lr0 + 8 - lr1 * G;  // token, head
+  const int tk0 = pack_token<kPack>(p, lr0), h0 = head + lr0 - tk0 * G;
+  lr0 = tk0;
   const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
   T* out = static_cast<T*>(p.out);
 #pragma unroll
@@ -592,17 +601,17 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
 
 // The end of a tensor-core kernel: its rows, with the guards' NaN when some thread raised a
 // flag (then one more barrier folds the index flags). All threads of the block call it.
-template <typename T, int D>
+template <typename T, int D, bool kPack = false>
 __device__ __forceinline__ void prefill_mma_store(const PrefillParams& p, const PrefillTile& t,
                                                   int head, int lr0, int tq, float l0, float l1,
                                                   float vs, const float* o, int flags,
                                                   const int* first_bad) {
   if (__syncthreads_or(flags)) {  // also orders every update of first_bad before the reads
     const bool poisoned = __syncthreads_or(flags & kGuardIndexBad);
-    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, first_bad, poisoned,
-                                 t.lk - t.lq);
+    prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, vs, o, first_bad,
+                                        poisoned, t.lk - t.lq);
   } else {
-    prefill_mma_store_rows<T, D>(p, t, head, lr0, tq, l0, l1, vs, o, nullptr, false, 0);
+    prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, vs, o, nullptr, false, 0);
   }
 }
 
@@ -1299,7 +1308,8 @@ constexpr int kSm90MinRowsPerRequest = 64;
 // tiles (24 new tokens x 4 heads = 96 rows instead of 24) and every shape reads each K/V tile
 // once per KV head instead of once per query head. H200, bf16, 32/8 (prefill self-test): 32 x
 // (1000 + 24) 171 TFLOP/s against the mma kernel's 74 (the sm90 kernel unpacked: 57); 1 x
-// (0 + 8192) 381 against 366 unpacked; 8 x (2048 + 512) 337 against 339.
+// (0 + 8192) 381 against 366 unpacked; 8 x (2048 + 512) 337 against 339. The FP8 sm90 kernel
+// is not packed: at its 250 registers the packed instantiation spilled (f16 q, e4m3, D=128).
 inline bool prefill_sm90_packs(const PrefillParams& p) {
   const int group = p.kv.num_kv_heads > 0 ? p.num_q_heads / p.kv.num_kv_heads : 1;
   return group >= 2 && group <= 16;

@@ -218,7 +218,7 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <typename T, int D>
+template <typename T, int D, bool kPack>
 __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     prefill_sm90_kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
   // Packed tiles (G > 1): the block's G query heads share one KV head, tile row r is token
   // r / G and head `head` + r % G, so a tile holds BM / G tokens.
-  const int G = p.pack_heads;
+  const int G = kPack ? p.pack_heads : 1;
   const int head = blockIdx.y * G;
   PrefillTile t;
   // The tile search's scratch: stage 0 of the K/V ring, which the first copies fill after the
@@ -275,10 +275,11 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   const int c = tid % CH, r0 = tid / CH;  // this thread copies chunk c of rows r0 + i * RP
 #pragma unroll
   for (int i = 0; i < BM / RP; ++i) {
-    const int r = r0 + i * RP, tok = r / G;
+    const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
     const bool ok = tok < t.rows;
     const T* src =
-        ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r % G) * D + c * 8 : qg;
+        ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D + c * 8
+           : qg;
     cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
   }
   // K and V rows of one key tile into stage `stage`, from the offsets in slot `slot`.
@@ -323,8 +324,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
   // Accumulator element 4j + e of this thread: row g (e < 2) or g + 8 of the warp's 16 rows,
   // column 8j + 2 tq + (e & 1).
   const int lr0 = wg * 64 + wl * 16 + g;  // this thread's rows within the tile
-  const int row0 = t.m0 + lr0 / G;        // and their tokens within the request
-  const int row1 = t.m0 + (lr0 + 8) / G;
+  const int row0 = t.m0 + pack_token<kPack>(p, lr0);  // and their tokens within the request
+  const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
   const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
 
   // This thread's V chunks of tile n: chunk c of rows r0 + i * RP, which share their swizzle
@@ -498,7 +499,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 
   l0 = group_sum<4>(l0);
   l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
+  prefill_mma_store<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
                           flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
@@ -870,13 +871,14 @@ template <typename T, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   if (!prefill_sm90_packs(p))
-    return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D>, p, stream);
+    return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D, false>, p, stream);
   // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
   using S = Sm90Shape<D>;
-  auto kernel = prefill_sm90_kernel<T, D>;
+  auto kernel = prefill_sm90_kernel<T, D, true>;
   if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   PrefillParams q = p;
   q.pack_heads = group;
+  q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(group) + 1);
   const int bm = S::kBM / group;
   const dim3 grid((p.total_q + bm - 1) / bm + p.batch, p.kv.num_kv_heads);
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(q);
