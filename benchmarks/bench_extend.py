@@ -235,6 +235,12 @@ def main(argv=None):
         help="B:prefix:new,... the sweep runs on (default: the target case)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
+    p.add_argument(
+        "--mgpu",
+        action="store_true",
+        help="also time the Pallas prefix prefill on the Mosaic GPU lowering "
+        "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit caches)",
+    )
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
 
@@ -326,6 +332,10 @@ def main(argv=None):
             record(
                 impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
+        if args.mgpu and args.form == "prefill" and not fp8:
+            cfg = jpallas.ExtendConfig(lowering="mosaic_gpu")
+            fn = common.with_scales(op, implementation="pallas", config=cfg, **kw)
+            record("pallas", fn, copies, dict(config="lowering=mosaic_gpu"))
         if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(kernel, scale=scale, config=cfg, **kw)

@@ -35,6 +35,10 @@ tested in interpret mode and compiled on an H200 against the reference with the 
 poisoned, and reached with ``DecodeConfig(lowering="mosaic_gpu")``. On an H200 it reads the
 KV at 84% of the read ceiling at B=64 x 4096 (the Triton kernel 85%), 68% at B=8 (75%), 61%
 at B=1 x 32768 (71%): the Triton kernel stays the default until the port is as fast.
+:mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
+page ring, the query heads of a KV head packed into 64-row tiles, the shifted causal mask),
+reached with ``ExtendConfig(lowering="mosaic_gpu")``; it is tested in interpret mode and its
+lowering exported for CUDA, and has not yet been compiled or timed on a GPU.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

@@ -50,6 +50,10 @@ class ExtendConfig:
       power of two, else 1. On an H200 packing 4 heads was faster than not packing
       both for long extends (8 x (2048 + 512): +2 to +5% at equal tiles) and, by
       construction, for short ones, where unpacked tiles are mostly padding.
+    lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
+      (:mod:`jaxattn.pallas.prefill_mgpu`, sm_90 or Mosaic GPU's interpret mode; prefix
+      prefill over a paged cache, 16-bit, bshd/bhsd; the other fields do not apply to it).
+      Triton stays the default until the Mosaic GPU kernel has been timed on an H200.
     """
 
     block_q: int = 128
@@ -57,8 +61,13 @@ class ExtendConfig:
     heads_per_tile: int | None = None
     num_warps: int = 8
     num_stages: int = 2
+    lowering: str = "triton"
 
     def __post_init__(self):
+        if self.lowering not in ("triton", "mosaic_gpu"):
+            raise ValueError(
+                f"ExtendConfig.lowering must be 'triton' or 'mosaic_gpu', got {self.lowering!r}"
+            )
         for name in ("block_q", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -462,6 +471,11 @@ def extend_attention(
     k_cache, v_cache: [num_slots, Hkv, D]; kv_indptr: i32[B+1]; kv_indices: the slots of
     each request's prefix then new tokens. Returns [Tq, Hq, D] in q's dtype.
     """
+    if config is not None and config.lowering == "mosaic_gpu":
+        raise NotImplementedError(
+            "the Mosaic GPU prefill reads paged caches (TMA copies pages of >= 8 tokens): use "
+            "prefix_prefill, or the Triton lowering for a token pool"
+        )
     interpret = _prepare(q, k_cache, v_cache, L.POOL, interpret)
     return _extend_pool(
         q,
@@ -501,6 +515,12 @@ def prefix_prefill(
     ``bhsd``; block_tables: i32[B, max_pages]; seq_lens: i32[B] total KV lengths.
     Raises NotImplementedError for the ``vllm`` layout.
     """
+    if config is not None and config.lowering == "mosaic_gpu":
+        return _mosaic_gpu(
+            q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=scale,
+            layout=layout, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+            interpret=C.resolve_interpret(interpret),
+        )  # fmt: skip
     interpret = _prepare(q, k_cache, v_cache, layout, interpret)
     num_kv_heads = L.get(layout).geometry(k_cache, v_cache).num_kv_heads
     return _prefill_paged(
@@ -518,3 +538,20 @@ def prefix_prefill(
         config=_config_for(config, q, q.shape[1] // num_kv_heads, cu_seqlens_q),
         scaled=k_scale is not None or v_scale is not None,
     )
+
+
+def _mosaic_gpu(
+    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, scale, layout, soft_cap,
+    k_scale, v_scale, interpret,
+):  # fmt: skip
+    """``ExtendConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.prefill_mgpu`'s kernel."""
+    from . import prefill_mgpu
+
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("the Mosaic GPU prefill reads 16-bit caches (no k/v scales)")
+    if not interpret and not prefill_mgpu.is_sm90():
+        raise NotImplementedError("the Mosaic GPU prefill is compiled for sm_90 GPUs only")
+    return prefill_mgpu.prefix_prefill(
+        q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=scale, layout=layout,
+        soft_cap=soft_cap, interpret=interpret,
+    )  # fmt: skip

@@ -1,0 +1,230 @@
+"""The Mosaic GPU prefix prefill (jaxattn.pallas.prefill_mgpu) against the reference: layouts,
+dtypes, GQA groups packed into the tile rows (1, 4, 7, 8, 16), page sizes and steps, empty
+requests and padding rows, NaN in every slot it must not read, the memory-safety contract,
+refusals.
+
+Every case runs in Mosaic GPU's interpret mode (the CPU, and the GPU too), which runs the two
+products as jnp.dot: the kernel's barriers, TMA page copies, tile records, masks and online
+softmax are what it checks. On an sm_90 GPU the same cases also run compiled. On any machine
+the kernel is lowered for CUDA (jax.export with platforms=["cuda"]: the whole Mosaic GPU
+lowering to its MLIR module); what only the compile to machine code can reject is left to the
+GPU run. Skipped where this JAX has no Mosaic GPU lowering with an interpret mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax import export
+
+import jaxattn
+from jaxattn import layout as L
+from jaxattn.pallas import prefill_mgpu
+
+if prefill_mgpu.available() is not None:
+    pytest.skip(prefill_mgpu.available(), allow_module_level=True)
+
+MODES = [True] + ([False] if prefill_mgpu.is_sm90() else [])
+
+
+def poisoned_case(seed, *, hq, hkv, d, page, width, lq, prefix, layout, dtype, pad_rows=3):
+    """q (with ``pad_rows`` rows past the last request), caches, cu_seqlens_q, tables,
+    seq_lens: NaN in every pool slot no request reads (pages no table names, the tails of
+    last pages) and table columns past each request naming a NaN page."""
+    rng = np.random.default_rng(seed)
+    lk = [a + b for a, b in zip(lq, prefix, strict=True)]
+    batch = len(lq)
+    pages = sum(-(-n // page) for n in lk) + 3
+    q = jnp.asarray(rng.standard_normal((sum(lq) + pad_rows, hq, d)), dtype)
+    k = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
+    order = rng.permutation(pages)
+    tables = np.zeros((batch, width), np.int32)
+    used, at = set(), 0
+    for b, n in enumerate(lk):
+        need = -(-n // page)
+        tables[b, :need] = order[at : at + need]
+        at += need
+        for j in range(need):
+            used.add(int(tables[b, j]))
+            tail = n - j * page
+            if tail < page:
+                k[tables[b, j], tail:] = np.nan
+                v[tables[b, j], tail:] = np.nan
+    spare = [p for p in range(pages) if p not in used]
+    for b, n in enumerate(lk):
+        tables[b, -(-n // page) :] = spare[b % len(spare)]
+    for p in spare:
+        k[p] = np.nan
+        v[p] = np.nan
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    if layout == "bhsd":
+        k, v = L.convert(k, v, "bshd", "bhsd")
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lq)]), jnp.int32)
+    return q, k, v, cu, jnp.asarray(tables), jnp.asarray(lk, jnp.int32)
+
+
+def reference(q, k, v, cu, tables, lens, **kw):
+    return jaxattn.prefix_prefill(q, k, v, cu, tables, lens, implementation="reference", **kw)
+
+
+CASES = [
+    # layout, dtype, hq/hkv, d, page, lq, prefix, other keywords
+    ("bshd", jnp.bfloat16, (8, 2), 64, 16, [3, 17, 40], [5, 64, 0], {}),
+    ("bhsd", jnp.float16, (8, 8), 64, 8, [1, 70, 0], [33, 0, 9], {}),
+    ("bshd", jnp.bfloat16, (28, 4), 128, 16, [5, 30, 1], [200, 17, 129], {}),
+    ("bshd", jnp.bfloat16, (16, 2), 128, 32, [129, 2], [0, 300], dict(stages=3)),
+    ("bhsd", jnp.bfloat16, (32, 2), 64, 16, [8, 9], [130, 0], dict(pages_per_step=8)),
+]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference_with_unread_slots_poisoned(case, interpret):
+    layout, dtype, (hq, hkv), d, page, lq, prefix, kw = CASES[case]
+    q, k, v, cu, tables, lens = poisoned_case(
+        case, hq=hq, hkv=hkv, d=d, page=page, width=24, lq=lq, prefix=prefix, layout=layout,
+        dtype=dtype,
+    )  # fmt: skip
+    out = prefill_mgpu.prefix_prefill(
+        q, k, v, cu, tables, lens, layout=layout, interpret=interpret, **kw
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference(q, k, v, cu, tables, lens, layout=layout)
+    assert_close(out, ref)
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_soft_cap_and_scale(interpret):
+    q, k, v, cu, tables, lens = poisoned_case(
+        7, hq=4, hkv=1, d=64, page=16, width=8, lq=[20, 3], prefix=[70, 14], layout="bshd",
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    kw = dict(scale=0.3, soft_cap=5.0)
+    out = prefill_mgpu.prefix_prefill(q, k, v, cu, tables, lens, interpret=interpret, **kw)
+    assert_close(out, reference(q, k, v, cu, tables, lens, **kw))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_memory_safety_contract(interpret):
+    """A bad page id among the pages a request reads, a length past the table, fewer keys
+    than queries: that request's rows alone are NaN; a bad id past its keys is never read; a
+    broken cu_seqlens_q makes every row NaN."""
+    q, k, v, cu, tables, lens = poisoned_case(
+        3, hq=4, hkv=2, d=64, page=16, width=5, lq=[9, 9, 5, 7, 4], prefix=[31, 40, 20, 30, 8],
+        layout="bshd", dtype=jnp.bfloat16,
+    )  # fmt: skip
+    k = jnp.nan_to_num(k)  # finite everywhere: only the contract may make NaN here
+    v = jnp.nan_to_num(v)
+    ref = np.asarray(reference(q, k, v, cu, tables, lens), np.float32)  # before the damage
+    tables = tables.at[0, 2].set(10_000)  # read by request 0 (40 keys: pages 0..2)
+    tables = tables.at[2, 4].set(-5)  # past request 2's 25 keys: never read
+    lens = lens.at[1].set(5 * 16 + 1)  # over capacity
+    lens = lens.at[3].set(3)  # fewer keys than its 7 queries
+    out = prefill_mgpu.prefix_prefill(q, k, v, cu, tables, lens, interpret=interpret)
+    out = np.asarray(out, np.float32)
+    cu_ = np.asarray(cu)
+    for b, bad in enumerate([True, True, False, True, False]):
+        rows = out[cu_[b] : cu_[b + 1]]
+        if bad:
+            assert np.isnan(rows).all(), b
+        else:
+            assert not np.isnan(rows).any(), b
+            assert_close(rows, ref[cu_[b] : cu_[b + 1]], dtype=jnp.bfloat16)
+    broken = cu.at[2].set(cu[1] - 1)
+    out = prefill_mgpu.prefix_prefill(q, k, v, broken, tables, lens, interpret=interpret)
+    assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+def test_refusals():
+    q = jnp.zeros((4, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+    cu, t, n = jnp.asarray([0, 4], jnp.int32), jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 4)
+    f = prefill_mgpu.prefix_prefill
+    with pytest.raises(NotImplementedError, match="bfloat16/float16"):
+        f(q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32), cu, t, n)
+    with pytest.raises(NotImplementedError, match="head_dim a multiple of 64"):
+        f(q[..., :32], k[..., :32], k[..., :32], cu, t, n)
+    with pytest.raises(NotImplementedError, match="page_size a multiple of 8"):
+        f(q, k[:, :4], k[:, :4], cu, t, n)
+    with pytest.raises(NotImplementedError, match="layouts"):
+        f(q, *L.convert(k, k, "bshd", "vllm"), cu, t, n, layout="vllm")
+    with pytest.raises(ValueError, match="stages"):
+        f(q, k, k, cu, t, n, stages=1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        f(q, k, k, cu, t, n, pages_per_step=2)
+    # Through the public op: a token pool (extend_attention) has no pages to copy.
+    cfg = jaxattn.pallas.ExtendConfig(lowering="mosaic_gpu")
+    pool = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    idx = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(NotImplementedError, match="paged caches"):
+        jaxattn.extend_attention(q, pool, pool, cu, cu, idx, implementation="pallas", config=cfg)
+    with pytest.raises(ValueError, match="lowering"):
+        jaxattn.pallas.ExtendConfig(lowering="mosaic")
+
+
+_H200 = dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        _H200,
+        _H200 | dict(stages=3, pages_per_step=8),
+        dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8),
+        dict(layout="bshd", dtype=jnp.bfloat16, heads=(28, 4), d=128, page=32, cap=5.0),
+    ],
+)
+def test_lowers_for_cuda(kw):
+    """The compiled kernel's whole Mosaic GPU lowering (every primitive, register layout and
+    copy size), on any machine: jax.export for CUDA with interpret=False."""
+    kw = dict(kw)
+    layout, dtype, (hq, hkv), d, page = (
+        kw.pop(n) for n in ("layout", "dtype", "heads", "d", "page")
+    )
+    cap = kw.pop("cap", None)
+    batch, total, width = 4, 600, 64
+    pool = (256, page, hkv, d) if layout == "bshd" else (256, hkv, page, d)
+    args = (
+        jax.ShapeDtypeStruct((total, hq, d), dtype),
+        jax.ShapeDtypeStruct(pool, dtype),
+        jax.ShapeDtypeStruct(pool, dtype),
+        jax.ShapeDtypeStruct((batch + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, width), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+
+    def f(q, k, v, cu, t, n):
+        return prefill_mgpu.prefix_prefill(
+            q, k, v, cu, t, n, layout=layout, soft_cap=cap, interpret=False, **kw
+        )
+
+    exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_public_op_with_mosaic_gpu_lowering(interpret):
+    """jaxattn.prefix_prefill(implementation="pallas", config=ExtendConfig(lowering=
+    "mosaic_gpu")) runs this kernel (compiled on sm_90, interpreted elsewhere); FP8 scales are
+    refused."""
+    if interpret and jax.default_backend() != "cpu":
+        pytest.skip("the public op compiles on a GPU; interpret mode is tested above")
+    q, k, v, cu, tables, lens = poisoned_case(
+        11, hq=8, hkv=2, d=64, page=16, width=12, lq=[24, 1, 50], prefix=[100, 0, 13],
+        layout="bshd", dtype=jnp.bfloat16,
+    )  # fmt: skip
+    cfg = jaxattn.pallas.ExtendConfig(lowering="mosaic_gpu")
+    out = jaxattn.prefix_prefill(q, k, v, cu, tables, lens, implementation="pallas", config=cfg)
+    assert_close(out, reference(q, k, v, cu, tables, lens))
+    k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+    scales = jnp.ones((2,), jnp.float32)
+    with pytest.raises(NotImplementedError):
+        jaxattn.prefix_prefill(
+            q, k8, v8, cu, tables, lens, implementation="pallas", config=cfg, k_scale=scales,
+            v_scale=scales,
+        )  # fmt: skip
