@@ -687,3 +687,32 @@ def mesh_of(n: int):
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices, {jax.device_count()} present")
     return sharding.make_mesh(n)
+
+
+def poisoned_pages(rng, lens, *, page, pages, width, hkv, d):
+    """float32 bshd K/V pools ``[pages, page, hkv, d]`` and int32 block tables ``[len(lens),
+    width]`` for sequences of ``lens`` tokens on permuted pages: NaN in every pool slot no
+    sequence reads (pages no table names, the tails of last pages), and the table columns
+    past each sequence naming a NaN page."""
+    k = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
+    order = rng.permutation(pages)
+    tables = np.zeros((len(lens), width), np.int32)
+    used, at = set(), 0
+    for b, n in enumerate(lens):
+        need = -(-n // page)
+        tables[b, :need] = order[at : at + need]
+        at += need
+        for j in range(need):
+            used.add(int(tables[b, j]))
+            tail = n - j * page
+            if tail < page:
+                k[tables[b, j], tail:] = np.nan
+                v[tables[b, j], tail:] = np.nan
+    spare = [p for p in range(pages) if p not in used]
+    for b, n in enumerate(lens):
+        tables[b, -(-n // page) :] = spare[b % len(spare)]
+    for p in spare:
+        k[p] = np.nan
+        v[p] = np.nan
+    return k, v, tables

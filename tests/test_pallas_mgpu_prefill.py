@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, poisoned_pages
 from jax import export
 
 import jaxattn
@@ -36,30 +36,9 @@ def poisoned_case(seed, *, hq, hkv, d, page, width, lq, prefix, layout, dtype, p
     last pages) and table columns past each request naming a NaN page."""
     rng = np.random.default_rng(seed)
     lk = [a + b for a, b in zip(lq, prefix, strict=True)]
-    batch = len(lq)
     pages = sum(-(-n // page) for n in lk) + 3
     q = jnp.asarray(rng.standard_normal((sum(lq) + pad_rows, hq, d)), dtype)
-    k = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
-    order = rng.permutation(pages)
-    tables = np.zeros((batch, width), np.int32)
-    used, at = set(), 0
-    for b, n in enumerate(lk):
-        need = -(-n // page)
-        tables[b, :need] = order[at : at + need]
-        at += need
-        for j in range(need):
-            used.add(int(tables[b, j]))
-            tail = n - j * page
-            if tail < page:
-                k[tables[b, j], tail:] = np.nan
-                v[tables[b, j], tail:] = np.nan
-    spare = [p for p in range(pages) if p not in used]
-    for b, n in enumerate(lk):
-        tables[b, -(-n // page) :] = spare[b % len(spare)]
-    for p in spare:
-        k[p] = np.nan
-        v[p] = np.nan
+    k, v, tables = poisoned_pages(rng, lk, page=page, pages=pages, width=width, hkv=hkv, d=d)
     k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
     if layout == "bhsd":
         k, v = L.convert(k, v, "bshd", "bhsd")

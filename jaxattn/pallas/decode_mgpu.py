@@ -36,71 +36,25 @@ lowers with warpgroup semantics, which take no select on a scalar predicate over
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
 from . import _common as C
+from . import _mgpu as M
+from ._mgpu import ROWS, available, is_sm90, plgpu
+from ._mgpu import unsupported as _unsupported
 from .decode import combine
 
-try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover - older jax
-    plgpu = None
-    InterpretGPUParams = None
-
 __all__ = ["available", "default_partition_pages", "is_sm90", "paged_attention", "unsupported"]
-
-ROWS = 64  # wgmma's M: the query heads of one KV head, padded
-_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_LAYOUTS = ("bshd", "bhsd")
-
-
-def available() -> str | None:
-    """None when this JAX has the Mosaic GPU lowering and its interpret mode, else why not."""
-    if plgpu is None or InterpretGPUParams is None:
-        return f"jax {jax.__version__} has no Pallas Mosaic GPU lowering with an interpret mode"
-    return None
-
-
-def is_sm90() -> bool:
-    """True where the default device is a Hopper (sm_90) GPU, the kernel's compile target."""
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
 def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
     """Why :func:`paged_attention` cannot serve these arguments, or None."""
-    if (why := available()) is not None:
-        return why
-    name = L.get(layout, pool=True).name
-    if name not in _LAYOUTS:
-        return f"the Mosaic GPU decode reads layouts {_LAYOUTS}, not {name!r}"
-    dt = np.dtype(q.dtype)
-    if dt not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return (
-            f"the Mosaic GPU decode takes q and the caches in one of bfloat16/float16, got "
-            f"{dt}, {np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
-        )
-    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if geom.head_dim % 64:
-        return f"the Mosaic GPU decode needs head_dim a multiple of 64, got {geom.head_dim}"
-    group = q.shape[1] // geom.num_kv_heads
-    if group > ROWS:
-        return f"the Mosaic GPU decode serves up to {ROWS} query heads a KV head, got {group}"
-    tokens = pages_per_step * geom.page_size
-    if geom.page_size % 8 or tokens > 256:
-        return (
-            f"the Mosaic GPU decode needs page_size a multiple of 8 and at most 256 tokens a "
-            f"step, got page_size {geom.page_size} x {pages_per_step} pages"
-        )
-    return None
+    return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode")
 
 
 def _parts(
@@ -137,17 +91,7 @@ def _parts(
     assert (parts - 1) * partition_pages + tab_window <= W, "the wrapper pads the table"
     dtype = q64.dtype
     bshd = layout == "bshd"
-    if interpret:
-        cast = lambda x, _layout: x  # noqa: E731 - interpret mode has no register layouts
-        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
-    else:
-        cast = plgpu.layout_cast
-
-        def iota(shape, dim):
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-    def slab(ref, page, h):
-        return ref.at[page, :, h, :] if bshd else ref.at[page, h]
+    cast, iota = M.layout_ops(interpret)
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, scoped):
         (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem), bars = scoped
@@ -189,7 +133,9 @@ def _parts(
             for j in range(pages_per_step):
                 page, _ = page_at(i * pages_per_step + j)
                 rows = pl.ds(j * S, S)
-                plgpu.copy_gmem_to_smem(slab(ref, page, h), ring.at[slot, rows], bars_.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    M.slab(ref, page, h, bshd), ring.at[slot, rows], bars_.at[slot]
+                )
 
         if not specialized:
             # One warpgroup: the first NS steps' copies go out before q is awaited.
@@ -214,11 +160,7 @@ def _parts(
                 plgpu.set_max_registers(registers[0], action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
             plgpu.barrier_wait(q_bar.at[0])
-            # The running max starts finite (M_INIT), as in the Triton kernels: a row with no
-            # key keeps alpha = 1 and p = 0, and the merge sees a finite max.
-            m_i = cast(jnp.full((ROWS,), C.M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = cast(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc, m_i, l_i = M.initial_state(cast, D)
 
             def step(i, carry):
                 acc, m_i, l_i, bad = carry
@@ -227,53 +169,21 @@ def _parts(
                     c = i * pages_per_step + j
                     _, ok = page_at(c)
                     bad = bad | ((c < n_pages) & ~ok)
-                plgpu.barrier_wait(k_bars.at[slot])
 
-                def qk(ref):
-                    plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    return ref[...]
+                def released(free, ref, ring, bars_):
+                    # The copy warpgroup refills the slot, or this one does it now.
+                    if specialized:
+                        return lambda: plgpu.barrier_arrive(free.at[slot])
+                    return lambda: refill(ref, ring, bars_, i)
 
-                if interpret:
-                    s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-                else:
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
-                if specialized:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                else:
-                    refill(k_ref, k_smem, k_bars, i)
-                s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
-                cols = iota((ROWS, T), 1)
-                s = jnp.where(cols + i * T < n_tok, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                plgpu.barrier_wait(v_bars.at[slot])
-
-                # A partial last step: its rows past the end were copied whole (a page's
-                # tail, pages past the sequence); zero their V so P's zeros meet no NaN.
-                @pl.when((i + 1) * T > n_tok)
-                def _():
-                    rows = iota((T, D), 0)
-                    keep = rows < n_tok - i * T
-                    v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((T, D), dtype))
-                    plgpu.commit_smem()
-
-                p16 = p.astype(dtype)
-
-                def pv(ref):
-                    plgpu.wgmma(ref, p16, v_smem.at[slot])
-
-                if interpret:
-                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-                else:  # accumulated in place: no second accumulator's registers
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])
-                else:
-                    refill(v_ref, v_smem, v_bars, i)
-                return acc, m_new, l_i, bad
+                acc, m_i, l_i = M.ring_step(
+                    i, slot, (acc, m_i, l_i), q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
+                    k_bars=k_bars, v_bars=v_bars, keys=T, scale=scale, soft_cap=soft_cap,
+                    iota=iota, visible=lambda key: key < n_tok, n_keys=n_tok,
+                    k_read=released(k_free, k_ref, k_smem, k_bars),
+                    v_read=released(v_free, v_ref, v_smem, v_bars), interpret=interpret,
+                )  # fmt: skip
+                return acc, m_i, l_i, bad
 
             acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
             # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
@@ -320,7 +230,7 @@ def _parts(
             lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
 
     def entry(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref):
-        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        tiled = M.tiled()
         k_and_o = (
             plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
             plgpu.SMEM((ROWS, D), jnp.float32),
@@ -356,10 +266,7 @@ def _parts(
         jax.ShapeDtypeStruct((B, Hkv, parts, G, D), jnp.float32),
         jax.ShapeDtypeStruct((B, Hkv, parts, 2, ROWS), jnp.float32),
     )
-    if interpret:
-        kw = dict(interpret=InterpretGPUParams())
-    else:
-        kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+    kw = M.launch_params(interpret)
     if specialized:
         kw |= dict(num_threads=2, thread_name="wg")
     return plgpu.kernel(
@@ -500,13 +407,7 @@ def paged_attention(
     exactly on the CPU. Raises ``NotImplementedError`` for what :func:`unsupported`
     refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if pages_per_step is None:  # the fewest pages that make whole 64-row tiles
-        pages_per_step = 64 // math.gcd(64, geom.page_size)
-    if pages_per_step < 1 or pages_per_step * geom.page_size % 64:
-        raise ValueError(
-            f"pages_per_step * page_size must be a multiple of 64 (the kernel's tile rows), "
-            f"got {pages_per_step} * {geom.page_size}"
-        )
+    pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     if partition_pages is None:
         partition_pages = default_partition_pages(
             q.shape[0], geom.num_kv_heads, block_tables.shape[1], pages_per_step
@@ -521,18 +422,12 @@ def paged_attention(
             f"partition_pages must be a positive multiple of pages_per_step={pages_per_step}, "
             f"got {partition_pages}"
         )
-    if stages < 2:
-        raise ValueError(f"stages must be >= 2, got {stages}")
     if registers is not None:
         registers = tuple(int(r) for r in registers)
         if len(registers) != 2 or any(r % 8 or not 24 <= r <= 256 for r in registers):
             raise ValueError(f"registers must be two multiples of 8 in [24, 256], got {registers}")
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
-    if why is not None:
-        raise NotImplementedError(why)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    scale = 1.0 / math.sqrt(geom.head_dim) if scale is None else float(scale)
+    scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     return _paged_attention(
         q,
         k_cache,
@@ -543,9 +438,9 @@ def paged_attention(
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
         partition_pages=int(partition_pages),
-        pages_per_step=int(pages_per_step),
+        pages_per_step=pages_per_step,
         stages=int(stages),
         registers=registers,
         specialized=bool(specialized),
-        interpret=bool(interpret),
+        interpret=interpret,
     )

@@ -37,53 +37,26 @@ on any machine.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
 from ..reference import validity as _validity
-from . import _common as C
-from .decode_mgpu import InterpretGPUParams, available, is_sm90, plgpu
+from . import _mgpu as M
+from ._mgpu import ROWS, available, is_sm90, plgpu
+from ._mgpu import unsupported as _unsupported
 
 __all__ = ["available", "is_sm90", "prefix_prefill", "unsupported"]
 
-ROWS = 64  # wgmma's M: one tile's (token, head) rows
 INFO = 32  # int32 fields of a tile's record (128 bytes, one TMA box)
-_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_LAYOUTS = ("bshd", "bhsd")
 
 
 def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
     """Why :func:`prefix_prefill` cannot serve these arguments, or None."""
-    if (why := available()) is not None:
-        return why
-    name = L.get(layout, pool=True).name
-    if name not in _LAYOUTS:
-        return f"the Mosaic GPU prefill reads layouts {_LAYOUTS}, not {name!r}"
-    dt = np.dtype(q.dtype)
-    if dt not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return (
-            f"the Mosaic GPU prefill takes q and the caches in one of bfloat16/float16, got "
-            f"{dt}, {np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
-        )
-    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if geom.head_dim % 64:
-        return f"the Mosaic GPU prefill needs head_dim a multiple of 64, got {geom.head_dim}"
-    group = q.shape[1] // geom.num_kv_heads
-    if group > ROWS:
-        return f"the Mosaic GPU prefill packs up to {ROWS} query heads a KV head, got {group}"
-    tokens = pages_per_step * geom.page_size
-    if geom.page_size % 8 or tokens > 256:
-        return (
-            f"the Mosaic GPU prefill needs page_size a multiple of 8 and at most 256 tokens a "
-            f"step, got page_size {geom.page_size} x {pages_per_step} pages"
-        )
-    return None
+    return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill")
 
 
 def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
@@ -153,17 +126,7 @@ def _kernel_call(
     NS = stages
     dtype = q_packed.dtype
     bshd = layout == "bshd"
-    if interpret:
-        cast = lambda x, _layout: x  # noqa: E731 - interpret mode has no register layouts
-        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
-    else:
-        cast = plgpu.layout_cast
-
-        def iota(shape, dim):
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-    def slab(ref, page, h):
-        return ref.at[page, :, h, :] if bshd else ref.at[page, h]
+    cast, iota = M.layout_ops(interpret)
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, scoped):
         (q_smem, k_and_o, v_smem, tab_smem, info_smem), bars = scoped
@@ -198,7 +161,9 @@ def _kernel_call(
             for j in range(pages_per_step):
                 page = page_at(i * pages_per_step + j)
                 rows = pl.ds(j * S, S)
-                plgpu.copy_gmem_to_smem(slab(ref, page, h), ring.at[slot, rows], bars_.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    M.slab(ref, page, h, bshd), ring.at[slot, rows], bars_.at[slot]
+                )
 
         def prologue(i):
             issue(k_ref, k_smem, k_bars, i)
@@ -213,58 +178,20 @@ def _kernel_call(
                 issue(ref, ring, bars_, i + NS)
 
         plgpu.barrier_wait(q_bar.at[0])
-        m_i = cast(jnp.full((ROWS,), C.M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = cast(jnp.full((ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        state = M.initial_state(cast, D)
         # Last key each row sees: its token plus the prefix shift.
         limit = lax.div(m0 + iota((ROWS, T), 0), G) + shift
 
-        def step(i, carry):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, NS)
-            plgpu.barrier_wait(k_bars.at[slot])
+        def step(i, state):
+            return M.ring_step(
+                i, lax.rem(i, NS), state, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
+                k_bars=k_bars, v_bars=v_bars, keys=T, scale=scale, soft_cap=soft_cap, iota=iota,
+                visible=lambda key: (key <= limit) & (key < end), n_keys=end,
+                k_read=lambda: refill(k_ref, k_smem, k_bars, i),
+                v_read=lambda: refill(v_ref, v_smem, v_bars, i), interpret=interpret,
+            )  # fmt: skip
 
-            def qk(ref):
-                plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                return ref[...]
-
-            if interpret:
-                s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
-            refill(k_ref, k_smem, k_bars, i)
-            s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
-            key = iota((ROWS, T), 1) + i * T
-            s = jnp.where((key <= limit) & (key < end), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bars.at[slot])
-
-            # The last step's rows past `end` were copied whole (a page's tail, pages past
-            # the request): zero their V so P's zeros meet no NaN.
-            @pl.when((i + 1) * T > end)
-            def _():
-                rows = iota((T, D), 0)
-                keep = rows < end - i * T
-                v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((T, D), dtype))
-                plgpu.commit_smem()
-
-            p16 = p.astype(dtype)
-
-            def pv(ref):
-                plgpu.wgmma(ref, p16, v_smem.at[slot])
-
-            if interpret:
-                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            refill(v_ref, v_smem, v_bars, i)
-            return acc, m_new, l_i
-
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, state)
         # Rows that saw no key (padding rows, empty tiles) divide 0 by 0: never gathered.
         o_smem[...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
         plgpu.commit_smem()
@@ -272,7 +199,7 @@ def _kernel_call(
         plgpu.wait_smem_to_gmem(0)
 
     def entry(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref):
-        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        tiled = M.tiled()
         k_and_o = (
             plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
             plgpu.SMEM((ROWS, D), jnp.float32),
@@ -295,16 +222,12 @@ def _kernel_call(
             lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, a), smem, bars
         )
 
-    if interpret:
-        kw = dict(interpret=InterpretGPUParams())
-    else:
-        kw = dict(compiler_params=plgpu.CompilerParams(approx_math=True))
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((Hkv, R, D), jnp.float32),
         grid=(Hkv, NT),
         grid_names=("kvh", "t"),
-        **kw,
+        **M.launch_params(interpret),
     )(q_packed, k_cache, v_cache, tables, info)
 
 
@@ -414,21 +337,9 @@ def prefix_prefill(
     ``interpret``: None runs interpret mode exactly on the CPU. Raises
     ``NotImplementedError`` for what :func:`unsupported` refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if pages_per_step is None:  # the fewest pages that make whole 64-row tiles
-        pages_per_step = 64 // math.gcd(64, geom.page_size)
-    if pages_per_step < 1 or pages_per_step * geom.page_size % 64:
-        raise ValueError(
-            f"pages_per_step * page_size must be a multiple of 64 (the kernel's tile rows), "
-            f"got {pages_per_step} * {geom.page_size}"
-        )
-    if stages < 2:
-        raise ValueError(f"stages must be >= 2, got {stages}")
+    pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
-    if why is not None:
-        raise NotImplementedError(why)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    scale = 1.0 / math.sqrt(geom.head_dim) if scale is None else float(scale)
+    scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     return _prefix_prefill(
         q,
         k_cache,
@@ -439,7 +350,7 @@ def prefix_prefill(
         scale=scale,
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
-        pages_per_step=int(pages_per_step),
+        pages_per_step=pages_per_step,
         stages=int(stages),
-        interpret=bool(interpret),
+        interpret=interpret,
     )

@@ -1,0 +1,208 @@
+"""What the Mosaic GPU kernels (:mod:`.decode_mgpu`, :mod:`.prefill_mgpu`) share: the argument
+checks, the register-layout helpers, a page's slab of one KV head, and one step of the page
+ring (S = q K^T, the online softmax, the V rows past the last key zeroed, O += P V).
+
+Interpret mode (the CPU) runs the two products as ``jnp.dot``: its wgmma takes neither a
+transposed shared-memory operand nor a register one, and it has no register layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .. import layout as L
+from . import _common as C
+
+try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - older jax
+    plgpu = None
+    InterpretGPUParams = None
+
+ROWS = 64  # wgmma's M
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+LAYOUTS = ("bshd", "bhsd")
+
+
+def available() -> str | None:
+    """None when this JAX has the Mosaic GPU lowering and its interpret mode, else why not."""
+    if plgpu is None or InterpretGPUParams is None:
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU lowering with an interpret mode"
+    return None
+
+
+def is_sm90() -> bool:
+    """True where the default device is a Hopper (sm_90) GPU, the kernels' compile target."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int, what: str) -> str | None:
+    """Why the Mosaic GPU ``what`` (decode, prefill) cannot serve these arguments, or None."""
+    if (why := available()) is not None:
+        return why
+    name = L.get(layout, pool=True).name
+    if name not in LAYOUTS:
+        return f"the Mosaic GPU {what} reads layouts {LAYOUTS}, not {name!r}"
+    dt = np.dtype(q.dtype)
+    if dt not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return (
+            f"the Mosaic GPU {what} takes q and the caches in one of bfloat16/float16, got "
+            f"{dt}, {np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
+        )
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    if geom.head_dim % 64:
+        return f"the Mosaic GPU {what} needs head_dim a multiple of 64, got {geom.head_dim}"
+    group = q.shape[1] // geom.num_kv_heads
+    if group > ROWS:
+        return f"the Mosaic GPU {what} serves up to {ROWS} query heads a KV head, got {group}"
+    tokens = pages_per_step * geom.page_size
+    if geom.page_size % 8 or tokens > 256:
+        return (
+            f"the Mosaic GPU {what} needs page_size a multiple of 8 and at most 256 tokens a "
+            f"step, got page_size {geom.page_size} x {pages_per_step} pages"
+        )
+    return None
+
+
+def steps_of(pages_per_step, page_size: int) -> int:
+    """Pages a ring step copies: whole 64-row tiles (default: the fewest pages that make
+    them)."""
+    if pages_per_step is None:
+        pages_per_step = 64 // math.gcd(64, page_size)
+    if pages_per_step < 1 or pages_per_step * page_size % 64:
+        raise ValueError(
+            f"pages_per_step * page_size must be a multiple of 64 (the kernel's tile rows), "
+            f"got {pages_per_step} * {page_size}"
+        )
+    return int(pages_per_step)
+
+
+def finish_args(why, stages: int, scale, head_dim: int, interpret):
+    """The last checks and defaults of an entry point: ``stages`` >= 2, ``why`` (from
+    :func:`unsupported`) raised as NotImplementedError; (scale: 1 / sqrt(head_dim) by
+    default, interpret: exactly on the CPU by default)."""
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    if why is not None:
+        raise NotImplementedError(why)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return scale, bool(interpret)
+
+
+def layout_ops(interpret: bool):
+    """(cast, iota): a register-layout cast and an int32 iota in the WGMMA layout (plain jnp
+    in interpret mode, which has no register layouts)."""
+    if interpret:
+        cast = lambda x, _layout: x  # noqa: E731
+        iota = lambda shape, dim: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
+        return cast, iota
+
+    def iota(shape, dim):
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    return plgpu.layout_cast, iota
+
+
+def slab(ref, page, head, bshd: bool):
+    """Page ``page``'s ``[page_size, head_dim]`` slab of KV head ``head``: a strided box of the
+    bshd pool, a contiguous one of bhsd."""
+    return ref.at[page, :, head, :] if bshd else ref.at[page, head]
+
+
+def tiled():
+    """The shared-memory transforms of the wgmma operands: 8 x 64 tiles, 128-byte swizzle."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def initial_state(cast, head_dim: int):
+    """(acc, running max, sum) of 64 rows. The max starts finite (M_INIT), as in the Triton
+    kernels: a row with no key keeps alpha = 1 and p = 0, and a merge sees a finite max."""
+    m_i = cast(jnp.full((ROWS,), C.M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    return acc, m_i, l_i
+
+
+def ring_step(
+    i,
+    slot,
+    state,
+    *,
+    q_smem,
+    k_smem,
+    v_smem,
+    k_bars,
+    v_bars,
+    keys: int,
+    scale,
+    soft_cap,
+    iota,
+    visible,
+    n_keys,
+    k_read,
+    v_read,
+    interpret: bool,
+):
+    """One step of the ring (``keys`` keys in ring slot ``slot``) folded into ``state`` =
+    (acc, max, sum): waits for the step's K, S = q K^T, ``k_read()`` (K's slot may be
+    refilled), logits in base 2 kept where ``visible(key [64, keys])``, the online softmax,
+    waits for V, zeroes V's rows at or past ``n_keys`` in a step that crosses it (copied
+    whole: a page's tail, pages past the keys), O += P V, ``v_read()``."""
+    acc, m_i, l_i = state
+    dtype = q_smem.dtype
+    head_dim = v_smem.shape[-1]
+    plgpu.barrier_wait(k_bars.at[slot])
+
+    def qk(ref):
+        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        return ref[...]
+
+    if interpret:
+        s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+    else:
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
+    k_read()
+    s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
+    s = jnp.where(visible(iota((ROWS, keys), 1) + i * keys), s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    plgpu.barrier_wait(v_bars.at[slot])
+
+    @pl.when((i + 1) * keys > n_keys)
+    def _():
+        rows = iota((keys, head_dim), 0)
+        keep = rows < n_keys - i * keys
+        v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((keys, head_dim), dtype))
+        plgpu.commit_smem()
+
+    p16 = p.astype(dtype)
+
+    def pv(ref):
+        plgpu.wgmma(ref, p16, v_smem.at[slot])
+
+    if interpret:
+        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+    else:  # accumulated in place: no second accumulator's registers
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    v_read()
+    return acc, m_new, l_i
+
+
+def launch_params(interpret: bool) -> dict:
+    """plgpu.kernel's keywords: interpret mode, or the compiled kernel's parameters."""
+    if interpret:
+        return dict(interpret=InterpretGPUParams())
+    return dict(compiler_params=plgpu.CompilerParams(approx_math=True))
