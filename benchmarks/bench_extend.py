@@ -44,6 +44,7 @@ import fa4_peer  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import pallas as jpallas  # noqa: E402
+from jaxattn.pallas import prefill_mgpu  # noqa: E402
 
 # (batch, prefix, new tokens)
 CASES = [(8, 2048, 512), (1, 0, 8192), (32, 1000, 24), (4, 0, 4096)]
@@ -237,9 +238,10 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     p.add_argument(
         "--mgpu",
-        action="store_true",
+        default=None,
         help="also time the Pallas prefix prefill on the Mosaic GPU lowering "
-        "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit caches)",
+        "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit caches) in these "
+        "configurations: stages:pages_per_step|auto,... (e.g. 2:auto,3:8)",
     )
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
@@ -333,9 +335,16 @@ def main(argv=None):
                 impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
         if args.mgpu and args.form == "prefill" and not fp8:
-            cfg = jpallas.ExtendConfig(lowering="mosaic_gpu")
-            fn = common.with_scales(op, implementation="pallas", config=cfg, **kw)
-            record("pallas", fn, copies, dict(config="lowering=mosaic_gpu"))
+            for spec in args.mgpu.split(","):
+                stages, per_step = spec.split(":")
+                fn = functools.partial(
+                    prefill_mgpu.prefix_prefill,
+                    scale=scale,
+                    stages=int(stages),
+                    pages_per_step=None if per_step == "auto" else int(per_step),
+                    **kw,
+                )
+                record("pallas-mgpu", fn, copies, dict(config=spec))
         if args.sweep and (args.small or f"{batch}:{prefix}:{new}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(kernel, scale=scale, config=cfg, **kw)
