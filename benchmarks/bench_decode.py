@@ -3,15 +3,16 @@
     python benchmarks/bench_decode.py --impl reference,pallas,native --json decode.json
 
 Every implementation reachable through ``jaxattn.paged_attention`` is timed on the
-same inputs (one that raises NotImplementedError is reported as skipped), next to
-JAX's own Pallas GPU ``paged_attention`` as a peer. Bandwidth counts the K and V bytes
+same inputs (one that raises NotImplementedError is reported as skipped), next to the
+peers: FlashAttention-4's paged decode (``fa4_peer.py``, where torch and flash_attn.cute
+are installed; bshd) and JAX's own Pallas GPU ``paged_attention``. Bandwidth counts the K and V bytes
 a decode step must read (B * ctx * Hkv * D * 2 * the cache's itemsize) over the median
 time; the ratio is to the device-to-device copy bandwidth measured in the same run.
 
 ``--kv-dtype bfloat16,float8_e4m3fn,float8_e5m2`` times each case over each cache dtype
 (q stays ``--dtype``; an FP8 cache holds the same random data quantised with per-head
 scales from ``jaxattn.fp8_scales``, passed to the op); ``x first`` is the time of the first
-cache dtype's row of the same implementation over this row's. The peer runs on 16-bit
+cache dtype's row of the same implementation over this row's. The peers run on 16-bit
 caches only.
 
 ``--sweep`` also times the Pallas kernel over a grid of tile configurations.
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import fa4_peer  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import pallas as jpallas  # noqa: E402
@@ -175,9 +177,9 @@ def main(argv=None):
                 jaxattn.paged_attention, layout=args.layout, implementation="reference"
             )(*copies[0])
 
-        def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected):
+        def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected, timed=None):
             row = base | {"impl": name} | (extra or {})
-            row |= common.measure(
+            row |= timed or common.measure(
                 fn, copies_, samples=args.samples, target_s=args.target_s, expected=expected
             )
             metric = ""
@@ -221,6 +223,12 @@ def main(argv=None):
                 )
                 record("pallas-mgpu", fn, copies, dict(config=spec))
         if not args.no_peers and not fp8:
+            calls = [fa4_peer.decode_call(c, layout=args.layout, scale=scale) for c in copies]
+            timed = fa4_peer.measure(
+                calls, samples=args.samples, target_s=args.target_s, expected=spec_out
+            )
+            record("fa4", None, None, timed=timed)
+            del calls
             peer_copies = [to_peer_layout(c, args.layout) for c in copies]
             record("jax-pallas-gpu", jax_pallas_peer(scale), peer_copies)
             del peer_copies

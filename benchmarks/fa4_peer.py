@@ -9,7 +9,8 @@ the peer reports itself skipped, so the benchmarks run unchanged without it.
 Extend / prefix prefill: ``flash_attn_varlen_func`` with packed q (``cu_seqlens_q``), a paged
 cache (``page_table`` [B, pages], ``seqused_k``; the token pool is a cache of 1-token pages)
 and ``causal=True``, which FA4 anchors bottom-right: jaxattn's shifted mask
-``j <= i + (Lk - Lq)``.
+``j <= i + (Lk - Lq)``. Paged decode: the same function with q as ``[B, 1, Hq, D]`` over the
+bshd pages (its sm90 path takes no split-KV, ``num_splits`` 1).
 """
 
 from __future__ import annotations
@@ -71,6 +72,27 @@ def extend_call(copy, *, form: str, batch: int, prefix: int, new: int, scale: fl
             pack_gqa=pack_gqa,
         )
         return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def decode_call(copy, *, layout: str, scale: float):
+    """``() -> out [B, Hq, D]`` running FA4's paged decode on one input copy of
+    bench_decode (q, k_cache, v_cache, block_tables, seq_lens), or a reason (str) it
+    cannot."""
+    torch, fa4, why = _load()
+    if torch is None:
+        return why
+    if layout != "bshd":
+        return "FA4 takes bshd pages"
+    q, k, v, tables, lens = copy[:5]
+    b, hq, d = q.shape
+    tq = torch.from_dlpack(q).view(b, 1, hq, d)
+    tk, tv, ttab, tlen = (torch.from_dlpack(x) for x in (k, v, tables, lens))
+
+    def run():
+        out = fa4(tq, tk, tv, seqused_k=tlen, page_table=ttab, softmax_scale=scale)
+        return (out[0] if isinstance(out, tuple) else out).view(b, hq, d)
 
     return run
 
