@@ -5,9 +5,9 @@
 Every implementation reachable through ``jaxattn.paged_attention`` is timed on the
 same inputs (one that raises NotImplementedError is reported as skipped), next to the
 peers: FlashAttention-4's paged decode (``fa4_peer.py``, where torch and flash_attn.cute
-are installed; bshd) and JAX's own Pallas GPU ``paged_attention``. Bandwidth counts the K and V bytes
-a decode step must read (B * ctx * Hkv * D * 2 * the cache's itemsize) over the median
-time; the ratio is to the device-to-device copy bandwidth measured in the same run.
+are installed; bshd) and JAX's own Pallas GPU ``paged_attention``. Bandwidth counts the K
+and V bytes a decode step must read (B * ctx * Hkv * D * 2 * the cache's itemsize) over the
+median time; the ratio is to the device-to-device copy bandwidth measured in the same run.
 
 ``--kv-dtype bfloat16,float8_e4m3fn,float8_e5m2`` times each case over each cache dtype
 (q stays ``--dtype``; an FP8 cache holds the same random data quantised with per-head
