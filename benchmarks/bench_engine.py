@@ -65,7 +65,7 @@ def add_execution_args(group) -> None:
     )
     group.add_argument(
         "--decode-linear",
-        choices=["auto", "native", "xla"],
+        choices=["auto", "native", "hybrid", "xla"],
         default="auto",
         help="the decode step's projections (ExecutionConfig.decode_linear)",
     )

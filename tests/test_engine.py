@@ -398,7 +398,7 @@ def test_native_decode_projections_match_xla():
     buckets = dataclasses.replace(BUCKETS, decode_batch=1)
     args = dict(POOL, max_batch_tokens=32, buckets=buckets, max_running=2, debug=True)
     outs = {}
-    for choice in ("xla", "native"):
+    for choice in ("xla", "native", "hybrid"):
         engine = Engine(cfg, params, decode_linear=choice, **args)
         assert engine.runner.decode_linear == choice
         outs[choice] = engine.generate(prompts, 6)
@@ -406,7 +406,7 @@ def test_native_decode_projections_match_xla():
         report = check_outputs(params, cfg, prompts, outs[choice], max_new_tokens=6)
         assert report.ok, report.problems[:5]
     if jax.default_backend() == "cpu":
-        assert outs["native"] == outs["xla"]
+        assert outs["native"] == outs["hybrid"] == outs["xla"]
     # auto: XLA's dot, one-row steps padded to two rows on GPUs (llama._padded_linear).
     auto = "xla" if jax.default_backend() == "cpu" else "pad"
     engine = Engine(cfg, params, **args)

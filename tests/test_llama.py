@@ -529,7 +529,7 @@ def test_projection_paths_agree(rows):
     with jax.default_matmul_precision("float32"):
         want = np.asarray(llama._linear(x, w))
         assert want.shape == (rows, 2, 16)
-        choices = ["pad"] + (["native"] if native.is_available() else [])
+        choices = ["pad"] + (["native", "hybrid"] if native.is_available() else [])
         for choice in choices:
             got = llama._linear(x, w, llama._LINEAR[choice])
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -537,3 +537,32 @@ def test_projection_paths_agree(rows):
             assert logits.dtype == jnp.float32
     with pytest.raises(ValueError, match="linear must be one of"):
         llama.forward_decode(None, CFG, None, None, None, linear="cublas")
+
+
+def test_hybrid_projection_splits_by_weight_size(monkeypatch):
+    """decode_linear='hybrid': the native kernel for weights up to HYBRID_NATIVE_MAX_BYTES,
+    the padded XLA dot above; both give the product."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 64), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32))
+    calls = []
+    for name in ("_native_linear", "_padded_linear"):
+        real = getattr(llama, name)
+
+        def spy(*a, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*a)
+
+        monkeypatch.setattr(llama, name, spy)
+    with jax.default_matmul_precision("float32"):
+        want = np.asarray(llama._linear(x, w))
+        for limit, path in ((1 << 20, "_native_linear"), (0, "_padded_linear")):
+            monkeypatch.setattr(llama, "HYBRID_NATIVE_MAX_BYTES", limit)
+            calls.clear()
+            got = llama._hybrid_linear(x, w, x.dtype)
+            assert calls == [path]
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -35,7 +35,7 @@ _LAYOUTS = ("bshd", "bhsd", "vllm")
 # CacheConfig.kv_dtype: the names of the FP8 pool formats and the numpy dtype of each.
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _CASCADE = ("auto", "on", "off")
-_DECODE_LINEAR = ("auto", "native", "xla")
+_DECODE_LINEAR = ("auto", "native", "hybrid", "xla")
 
 
 def _int(owner: str, name: str, value, minimum: int) -> int:
@@ -300,8 +300,11 @@ class ExecutionConfig:
       GEMV at about half the read ceiling: the 1B decode step took 1.611 ms of device time
       at one row, 1.079 at two, on an H200); ``"xla"`` XLA's dot as it is; ``"native"``
       :func:`jaxattn.native.linear` at 1-2 rows (:data:`jaxattn.native.LINEAR_DECODE_ROWS`),
-      XLA's dot above (one device, 16-bit weights on a GPU; an error elsewhere). Only decode
-      rows are concerned: the default buckets run at least 4 (``Buckets.decode_batch``).
+      XLA's dot above (one device, 16-bit weights on a GPU; an error elsewhere);
+      ``"hybrid"`` the native kernel for weights up to ``llama.HYBRID_NATIVE_MAX_BYTES`` (QKV,
+      output) and the padded XLA dot for the rest (the same requirements as ``"native"``;
+      not yet timed as a whole step). Only decode rows are concerned: the default buckets
+      run at least 4 (``Buckets.decode_batch``).
     decode_graph: compile the multistep decode program with its ``lax.while_loop`` as an
       XLA command buffer (CUDA graph conditional nodes: the kinds in
       ``runner.DECODE_GRAPH_COMMANDS``). Without it XLA's GPU runtime reads the loop's

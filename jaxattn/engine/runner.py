@@ -559,9 +559,10 @@ def _decode_graph(choice: bool | None, platform: str) -> bool:
 
 
 def _decode_linear(choice: str, platform: str, tp, model) -> str:
-    """``"pad"``, ``"native"`` or ``"xla"``: who runs the decode step's projections (see
-    :class:`~jaxattn.engine.ExecutionConfig`; ``"native"`` asked for where it cannot run is
-    an error). ``"auto"`` is XLA's dot, a one-row step padded to two rows on GPUs."""
+    """``"pad"``, ``"native"``, ``"hybrid"`` or ``"xla"``: who runs the decode step's
+    projections (see :class:`~jaxattn.engine.ExecutionConfig`; ``"native"`` or ``"hybrid"``
+    asked for where the native kernel cannot run is an error). ``"auto"`` is XLA's dot, a
+    one-row step padded to two rows on GPUs."""
     if choice == "auto":
         return "xla" if platform == "cpu" else "pad"
     if choice == "xla":
@@ -577,8 +578,8 @@ def _decode_linear(choice: str, platform: str, tp, model) -> str:
     elif platform != "cpu" and dtype not in native.LINEAR_GPU_DTYPES:
         why = f"the GPU linear kernel takes bfloat16 or float16 weights, not {dtype}"
     if why is not None:
-        raise ValueError(f"decode_linear='native': {why}")
-    return "native"
+        raise ValueError(f"decode_linear={choice!r}: {why}")
+    return choice
 
 
 class _Options(dict):
@@ -613,9 +614,9 @@ class ModelRunner:
       decode_graph: compile the decode program's loop as a command buffer (None: on with
         CUDA GPUs; :class:`~jaxattn.engine.ExecutionConfig`); the program is
         :attr:`decode_program`.
-      decode_linear: ``"auto"``, ``"native"`` or ``"xla"``: the decode step's projections
-        (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto on GPUs)
-        is in :attr:`decode_linear`.
+      decode_linear: ``"auto"``, ``"native"``, ``"hybrid"`` or ``"xla"``: the decode step's
+        projections (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto
+        on GPUs) is in :attr:`decode_linear`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
