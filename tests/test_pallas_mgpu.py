@@ -225,3 +225,70 @@ def test_public_op_with_mosaic_gpu_lowering(interpret):
         jaxattn.paged_attention(q, k, v, tables, lens, **(kw | dict(partition_size=72)))
     with pytest.raises(ValueError, match="lowering"):
         jaxattn.pallas.DecodeConfig(lowering="mosaic")
+
+
+def fp8_cache(k, v, k_scale, v_scale, fmt, layout="bshd"):
+    """The caches quantised per KV head (the head axis of ``layout``)."""
+    axis = 2 if layout == "bshd" else 1
+    shape = [1, 1, 1, 1]
+    shape[axis] = -1
+    k8 = (k.astype(jnp.float32) / k_scale.reshape(shape)).astype(fmt)
+    v8 = (v.astype(jnp.float32) / v_scale.reshape(shape)).astype(fmt)
+    return k8, v8
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "fmt, layout, specialized",
+    [(jnp.float8_e4m3fn, "bshd", True), (jnp.float8_e5m2, "bhsd", False)],
+)
+def test_fp8_caches(fmt, layout, specialized, interpret):
+    """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory, q
+    moved to float16 by a power of two per KV head; NaN codes in unread slots stay out;
+    through the public op as well."""
+    q, k, v, tables, lens = poisoned_case(
+        13, batch=3, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 1, 150],
+        layout=layout, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
+    k8, v8 = fp8_cache(k, v, ks, vs, fmt, layout)
+    kw = dict(k_scale=ks, v_scale=vs, layout=layout)
+    out = decode_mgpu.paged_attention(
+        q, k8, v8, tables, lens, interpret=interpret, specialized=specialized, **kw
+    )
+    want = reference(q, k8, v8, tables, lens, **kw)
+    assert_close(out, want)
+    with pytest.raises(NotImplementedError, match="FP8 caches only"):
+        decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret, **kw)
+    if interpret and jax.default_backend() != "cpu":
+        return  # the public op compiles on a GPU: the compiled mode covers it
+    cfg = jaxattn.pallas.DecodeConfig(lowering="mosaic_gpu")
+    out = jaxattn.paged_attention(
+        q, k8, v8, tables, lens, implementation="pallas", config=cfg, **kw
+    )
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize("fmt, d", [(jnp.float8_e4m3fn, 128), (jnp.float8_e5m2, 64)])
+def test_fp8_lowers_for_cuda(fmt, d):
+    """The FP8 path's lowering (the widening of the ring's codes to float16 tiles), with the
+    copy warpgroup and without."""
+    pool = (64, 16, 8, d)
+    args = (
+        jax.ShapeDtypeStruct((4, 32, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool, fmt),
+        jax.ShapeDtypeStruct(pool, fmt),
+        jax.ShapeDtypeStruct((4, 256), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+    )
+    for specialized in (True, False):
+
+        def f(q, k, v, t, n, ks, vs, specialized=specialized):
+            return decode_mgpu.paged_attention(
+                q, k, v, t, n, interpret=False, k_scale=ks, v_scale=vs, specialized=specialized
+            )
+
+        exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+        assert "mosaic_gpu" in exported.mlir_module()

@@ -189,8 +189,8 @@ def test_lowers_for_cuda(kw):
 @pytest.mark.parametrize("interpret", MODES)
 def test_public_op_with_mosaic_gpu_lowering(interpret):
     """jaxattn.prefix_prefill(implementation="pallas", config=ExtendConfig(lowering=
-    "mosaic_gpu")) runs this kernel (compiled on sm_90, interpreted elsewhere); FP8 scales are
-    refused."""
+    "mosaic_gpu")) runs this kernel (compiled on sm_90, interpreted elsewhere), FP8 caches with
+    their scales included."""
     if interpret and jax.default_backend() != "cpu":
         pytest.skip("the public op compiles on a GPU; interpret mode is tested above")
     q, k, v, cu, tables, lens = poisoned_case(
@@ -200,10 +200,60 @@ def test_public_op_with_mosaic_gpu_lowering(interpret):
     cfg = jaxattn.pallas.ExtendConfig(lowering="mosaic_gpu")
     out = jaxattn.prefix_prefill(q, k, v, cu, tables, lens, implementation="pallas", config=cfg)
     assert_close(out, reference(q, k, v, cu, tables, lens))
-    k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
-    scales = jnp.ones((2,), jnp.float32)
-    with pytest.raises(NotImplementedError):
-        jaxattn.prefix_prefill(
-            q, k8, v8, cu, tables, lens, implementation="pallas", config=cfg, k_scale=scales,
-            v_scale=scales,
-        )  # fmt: skip
+    ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
+    k8, v8 = fp8_cache(k, v, ks, vs, jnp.float8_e4m3fn)
+    kw = dict(k_scale=ks, v_scale=vs)
+    out = jaxattn.prefix_prefill(
+        q, k8, v8, cu, tables, lens, implementation="pallas", config=cfg, **kw
+    )
+    assert_close(out, reference(q, k8, v8, cu, tables, lens, **kw))
+
+
+def fp8_cache(k, v, k_scale, v_scale, fmt):
+    """The caches quantised per KV head (bshd: the head is axis 2)."""
+    k8 = (k.astype(jnp.float32) / k_scale[None, None, :, None]).astype(fmt)
+    v8 = (v.astype(jnp.float32) / v_scale[None, None, :, None]).astype(fmt)
+    return k8, v8
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_caches(fmt, interpret):
+    """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory, q
+    moved to float16 by a power of two per KV head; NaN codes in unread slots stay out."""
+    q, k, v, cu, tables, lens = poisoned_case(
+        5, hq=8, hkv=2, d=64, page=16, width=8, lq=[3, 17, 40], prefix=[5, 64, 0],
+        layout="bshd", dtype=jnp.bfloat16,
+    )  # fmt: skip
+    ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
+    k8, v8 = fp8_cache(k, v, ks, vs, fmt)
+    kw = dict(k_scale=ks, v_scale=vs)
+    out = prefill_mgpu.prefix_prefill(q, k8, v8, cu, tables, lens, interpret=interpret, **kw)
+    assert_close(out, reference(q, k8, v8, cu, tables, lens, **kw))
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)
+    with pytest.raises(NotImplementedError, match="FP8 caches only"):
+        prefill_mgpu.prefix_prefill(q, k, v, cu, tables, lens, interpret=interpret, **kw)
+
+
+@pytest.mark.parametrize("fmt, d", [(jnp.float8_e4m3fn, 128), (jnp.float8_e5m2, 64)])
+def test_fp8_lowers_for_cuda(fmt, d):
+    """The FP8 path's lowering (the widening of the ring's codes to float16 tiles)."""
+    pool = (256, 16, 8, d)
+    args = (
+        jax.ShapeDtypeStruct((600, 32, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool, fmt),
+        jax.ShapeDtypeStruct(pool, fmt),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+        jax.ShapeDtypeStruct((4, 64), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+    )
+
+    def f(q, k, v, cu, t, n, ks, vs):
+        return prefill_mgpu.prefix_prefill(
+            q, k, v, cu, t, n, interpret=False, k_scale=ks, v_scale=vs
+        )
+
+    exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()

@@ -38,7 +38,11 @@ at B=1 x 32768 (71%): the Triton kernel stays the default until the port is as f
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
 page ring, the query heads of a KV head packed into 64-row tiles, the shifted causal mask),
 reached with ``ExtendConfig(lowering="mosaic_gpu")``; it is tested in interpret mode and its
-lowering exported for CUDA, and has not yet been compiled or timed on a GPU.
+lowering exported for CUDA, and has not yet been compiled or timed on a GPU. Both take FP8
+caches (e4m3, e5m2, per-KV-head scales): the ring holds the codes, each step is widened to
+float16 tiles in shared memory (Mosaic GPU converts FP8 to float16, not to bfloat16), and q
+is moved to float16 by a power of two per KV head; that path too is interpret-tested and
+exported, not yet run on a GPU.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
+from .. import quant as Q
 from . import _common as C
 
 try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
@@ -52,10 +53,11 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int, what: str) 
     if name not in LAYOUTS:
         return f"the Mosaic GPU {what} reads layouts {LAYOUTS}, not {name!r}"
     dt = np.dtype(q.dtype)
-    if dt not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    kv = np.dtype(k_cache.dtype)
+    if dt not in DTYPES or v_cache.dtype != kv or (kv != dt and not Q.is_fp8(kv)):
         return (
-            f"the Mosaic GPU {what} takes q and the caches in one of bfloat16/float16, got "
-            f"{dt}, {np.dtype(k_cache.dtype)}, {np.dtype(v_cache.dtype)}"
+            f"the Mosaic GPU {what} takes q in one of bfloat16/float16 and the caches in q's "
+            f"dtype or one FP8 format, got {dt}, {kv}, {np.dtype(v_cache.dtype)}"
         )
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     if geom.head_dim % 64:
@@ -97,6 +99,44 @@ def finish_args(why, stages: int, scale, head_dim: int, interpret):
         interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     return scale, bool(interpret)
+
+
+def to_float16(q, num_kv_heads: int, k_scale):
+    """FP8 caches: q ``[..., Hq, D]`` as float16 and each KV head's score factor. Each KV
+    head's queries are multiplied by a power of two that puts their largest finite |q| in
+    [2^14, 2^15) (float16 keeps 29 binades below it; NaN and inf stay what they are), so
+    ``factor[h] = k_scale[h] / that power`` turns the float16 scores back into the scores
+    of q and the dequantised keys exactly."""
+    *lead, hq, d = q.shape
+    x = q.astype(jnp.float32).reshape(*lead, num_kv_heads, hq // num_kv_heads, d)
+    a = jnp.abs(x)
+    axes = tuple(i for i in range(x.ndim) if i != len(lead))
+    qmax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axes)
+    _, ex = jnp.frexp(qmax)
+    pre = jnp.ldexp(jnp.ones_like(qmax), jnp.clip(15 - ex, -100, 100))
+    shape = (1,) * len(lead) + (num_kv_heads, 1, 1)
+    q16 = (x * pre.reshape(shape)).astype(jnp.float16).reshape(q.shape)
+    ks = jnp.ones((num_kv_heads,), jnp.float32) if k_scale is None else k_scale
+    ks = jnp.broadcast_to(jnp.asarray(ks, jnp.float32), (num_kv_heads,))
+    return q16, ks / pre
+
+
+def head_vector(x, num_kv_heads: int):
+    """A per-KV-head scale (None: 1) as f32 ``[num_kv_heads]``."""
+    if x is None:
+        return jnp.ones((num_kv_heads,), jnp.float32)
+    return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_kv_heads,))
+
+
+def ring_smem(stages: int, keys: int, head_dim: int, dtype):
+    """A ring of ``stages`` steps of ``keys`` rows: the wgmma operand tiles (8 rows x 128
+    bytes, 128-byte swizzle) for 16-bit caches; FP8 rows tiled by the same 128 bytes (a
+    register load of them then has the tiled layout the widened float16 tiles store)."""
+    if Q.is_fp8(dtype):
+        width = min(128, head_dim)
+        t = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width))
+        return plgpu.SMEM((stages, keys, head_dim), dtype, transforms=t)
+    return plgpu.SMEM((stages, keys, head_dim), dtype, transforms=tiled())
 
 
 def layout_ops(interpret: bool):
@@ -152,26 +192,44 @@ def ring_step(
     k_read,
     v_read,
     interpret: bool,
+    wide=None,
+    factor=None,
 ):
     """One step of the ring (``keys`` keys in ring slot ``slot``) folded into ``state`` =
     (acc, max, sum): waits for the step's K, S = q K^T, ``k_read()`` (K's slot may be
     refilled), logits in base 2 kept where ``visible(key [64, keys])``, the online softmax,
     waits for V, zeroes V's rows at or past ``n_keys`` in a step that crosses it (copied
-    whole: a page's tail, pages past the keys), O += P V, ``v_read()``."""
+    whole: a page's tail, pages past the keys), O += P V, ``v_read()``.
+
+    FP8 rings (``wide`` = float16 (K, V) tiles of one step): each step's codes are widened
+    into them (every FP8 value is exact in float16; V's rows past ``n_keys`` become zeros
+    there) and the ring's slot is released right after; q is float16 then, and the raw
+    scores are multiplied by ``factor`` (the KV head's key scale over q's power-of-two
+    factor) before the logits are formed."""
     acc, m_i, l_i = state
     dtype = q_smem.dtype
     head_dim = v_smem.shape[-1]
     plgpu.barrier_wait(k_bars.at[slot])
+    if wide is None:
+        k_tile = k_smem.at[slot]
+    else:
+        k_tile, v_tile = wide
+        k_tile[...] = k_smem[slot].astype(dtype)
+        plgpu.commit_smem()
+        k_read()
 
     def qk(ref):
-        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
         return ref[...]
 
     if interpret:
-        s = jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+        s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
     else:
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
-    k_read()
+    if wide is None:
+        k_read()
+    else:
+        s = s * factor
     s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
     s = jnp.where(visible(iota((ROWS, keys), 1) + i * keys), s, -jnp.inf)
     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -180,24 +238,35 @@ def ring_step(
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     plgpu.barrier_wait(v_bars.at[slot])
+    if wide is None:
+        v_tile = v_smem.at[slot]
 
-    @pl.when((i + 1) * keys > n_keys)
-    def _():
-        rows = iota((keys, head_dim), 0)
-        keep = rows < n_keys - i * keys
-        v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((keys, head_dim), dtype))
+        @pl.when((i + 1) * keys > n_keys)
+        def _():
+            rows = iota((keys, head_dim), 0)
+            keep = rows < n_keys - i * keys
+            v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((keys, head_dim), dtype))
+            plgpu.commit_smem()
+
+    else:
+        keep = iota((keys, head_dim), 0) < n_keys - i * keys
+        v_tile[...] = jnp.where(
+            keep, v_smem[slot].astype(dtype), jnp.zeros((keys, head_dim), dtype)
+        )
         plgpu.commit_smem()
+        v_read()
 
     p16 = p.astype(dtype)
 
     def pv(ref):
-        plgpu.wgmma(ref, p16, v_smem.at[slot])
+        plgpu.wgmma(ref, p16, v_tile)
 
     if interpret:
-        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
     else:  # accumulated in place: no second accumulator's registers
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    v_read()
+    if wide is None:
+        v_read()
     return acc, m_new, l_i
 
 

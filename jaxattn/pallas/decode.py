@@ -49,8 +49,8 @@ class DecodeConfig:
       ``min_partition``) until the grid has at least this many programs; None means two
       per streaming multiprocessor.
     lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
-      (:mod:`jaxattn.pallas.decode_mgpu`, sm_90 or Mosaic GPU's interpret mode; 16-bit
-      caches, bshd/bhsd; the other fields do not apply to it; ``partition_size`` a whole
+      (:mod:`jaxattn.pallas.decode_mgpu`, sm_90 or Mosaic GPU's interpret mode; 16-bit or
+      FP8 caches, bshd/bhsd; the other fields do not apply to it; ``partition_size`` a whole
       number of its steps). Triton stays the default while it is the faster one on an
       H200 (``benchmarks/RESULTS.md``).
     """
@@ -355,8 +355,6 @@ def _mosaic_gpu(
     """``DecodeConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.decode_mgpu`'s kernel."""
     from . import decode_mgpu
 
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("the Mosaic GPU decode reads 16-bit caches (no k/v scales)")
     if not interpret and not decode_mgpu.is_sm90():
         raise NotImplementedError("the Mosaic GPU decode is compiled for sm_90 GPUs only")
     partition_pages = None
@@ -371,4 +369,5 @@ def _mosaic_gpu(
     return decode_mgpu.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout,
         soft_cap=soft_cap, partition_pages=partition_pages, interpret=interpret,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
+from .. import quant as Q
 from . import _common as C
 from . import _mgpu as M
 from ._mgpu import ROWS, available, is_sm90, plgpu
@@ -76,9 +77,11 @@ def _parts(
     registers,
     specialized,
     interpret,
+    factors=None,
 ):
     """(acc f32[B, Hkv, parts, group, D] unnormalised, ml f32[B, Hkv, parts, 2, 64]:
-    base-2 max and sum) of every partition."""
+    base-2 max and sum) of every partition. FP8 caches: q64 is float16 and ``factors``
+    f32[32] each KV head's score factor (:func:`._mgpu.to_float16`)."""
     B, Hkv, _, D = q64.shape
     G = group
     P, S = geom.num_pages, geom.page_size
@@ -91,10 +94,11 @@ def _parts(
     assert (parts - 1) * partition_pages + tab_window <= W, "the wrapper pads the table"
     dtype = q64.dtype
     bshd = layout == "bshd"
+    fp8 = factors is not None
     cast, iota = M.layout_ops(interpret)
 
-    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, scoped):
-        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem), bars = scoped
+    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref, scoped):
+        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem, *fp8_smem), bars = scoped
         # The output tile reuses the K ring: it is written after the last K step is read.
         k_smem, o_smem = k_and_o
         q_bar, meta_bar, k_bars, v_bars, k_free, v_free = bars
@@ -110,6 +114,8 @@ def _parts(
             window = tab_ref.at[b, pl.ds(part * partition_pages, tab_window)]
             plgpu.copy_gmem_to_smem(window, tab_smem, meta_bar.at[0])
             plgpu.copy_gmem_to_smem(len_ref, len_smem, meta_bar.at[1])
+            if fp8:
+                plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], meta_bar.at[2])
 
         plgpu.barrier_wait(meta_bar.at[0])
         plgpu.barrier_wait(meta_bar.at[1])
@@ -161,6 +167,10 @@ def _parts(
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
             plgpu.barrier_wait(q_bar.at[0])
             acc, m_i, l_i = M.initial_state(cast, D)
+            fp8_kw = {}
+            if fp8:
+                plgpu.barrier_wait(meta_bar.at[2])
+                fp8_kw = dict(wide=tuple(fp8_smem[1:]), factor=fp8_smem[0][h])
 
             def step(i, carry):
                 acc, m_i, l_i, bad = carry
@@ -182,6 +192,7 @@ def _parts(
                     iota=iota, visible=lambda key: key < n_tok, n_keys=n_tok,
                     k_read=released(k_free, k_ref, k_smem, k_bars),
                     v_read=released(v_free, v_ref, v_smem, v_bars), interpret=interpret,
+                    **fp8_kw,
                 )  # fmt: skip
                 return acc, m_i, l_i, bad
 
@@ -229,24 +240,34 @@ def _parts(
 
             lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
 
-    def entry(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref):
+    def entry(*refs):
+        if fp8:
+            q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref = refs
+        else:
+            (q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref), fac_ref = refs, None
         tiled = M.tiled()
         k_and_o = (
-            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            M.ring_smem(NS, T, D, k_cache.dtype),
             plgpu.SMEM((ROWS, D), jnp.float32),
         )
         smem = (
             plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
             # Aliased when compiled; interpret mode has no ref unions (two buffers there).
             k_and_o if interpret else plgpu.RefUnion(*k_and_o),
-            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            M.ring_smem(NS, T, D, v_cache.dtype),
             plgpu.SMEM((tab_window,), jnp.int32),
             plgpu.SMEM((len_ref.shape[0],), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.float32),
         )
+        if fp8:  # the score factors, then one step's K and V widened to float16
+            smem += (
+                plgpu.SMEM((factors.shape[0],), jnp.float32),
+                plgpu.SMEM((T, D), dtype, transforms=tiled),
+                plgpu.SMEM((T, D), dtype, transforms=tiled),
+            )
         bars = (
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=3 if fp8 else 2),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             *(
@@ -256,7 +277,7 @@ def _parts(
             ),
         )
         pl.run_scoped(
-            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref, a),
+            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref, a),
             smem,
             bars,
             **(dict(collective_axes="wg") if specialized else {}),
@@ -275,7 +296,7 @@ def _parts(
         grid=(Hkv, B, parts),
         grid_names=("kvh", "b", "part"),
         **kw,
-    )(q64, k_cache, v_cache, tables, lens)
+    )(q64, k_cache, v_cache, tables, lens, *(() if factors is None else (factors,)))
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -308,6 +329,8 @@ def _paged_attention(
     v_cache,
     block_tables,
     seq_lens,
+    k_scale,
+    v_scale,
     *,
     scale,
     layout,
@@ -324,8 +347,14 @@ def _paged_attention(
     Hkv = geom.num_kv_heads
     G = Hq // Hkv
     capacity = block_tables.shape[1] * geom.page_size
+    fp8 = Q.is_fp8(k_cache.dtype)
+    factors = None
+    qk = q
+    if fp8:
+        qk, factor = M.to_float16(q, Hkv, k_scale)
+        factors = _pad_to(factor, 0, 32)
     # The group's heads as the first rows of 64 (wgmma's M), one [64, D] box per KV head.
-    q64 = jnp.zeros((B, Hkv, ROWS, D), q.dtype).at[:, :, :G].set(q.reshape(B, Hkv, G, D))
+    q64 = jnp.zeros((B, Hkv, ROWS, D), qk.dtype).at[:, :, :G].set(qk.reshape(B, Hkv, G, D))
     # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
     # table is 32 entries a step and the lengths are padded to 32 (the padding is never
     # read as a page of a sequence: capacity is the unpadded one).
@@ -352,7 +381,10 @@ def _paged_attention(
         registers=registers,
         specialized=specialized,
         interpret=interpret,
+        factors=factors,
     )
+    if fp8:  # the output is linear in the values
+        acc = acc * M.head_vector(v_scale, Hkv)[None, :, None, None, None]
     # [B, Hkv, parts, G, ...] -> the merge's [B, parts, Hq, ...].
     acc = acc.transpose(0, 2, 1, 3, 4).reshape(B, -1, Hq, D)
     m = ml[:, :, :, 0, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
@@ -392,10 +424,16 @@ def paged_attention(
     registers: tuple[int, int] | None = None,
     specialized: bool | None = None,
     interpret: bool | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode attention over a paged cache, ``q [B, Hq, D] -> [B, Hq, D]``, on the Mosaic GPU
-    lowering (see the module docstring). ``partition_pages``: pages per split-KV partition
-    (a multiple of ``pages_per_step``; default :func:`default_partition_pages`);
+    lowering (see the module docstring). An FP8 cache (e4m3 / e5m2, ``k_scale`` /
+    ``v_scale``: None, a scalar or f32 ``[Hkv]``) is widened to float16 a step at a time in
+    shared memory, with q moved to float16 by a power of two per KV head
+    (:func:`._mgpu.to_float16`); scales with a 16-bit cache are refused.
+    ``partition_pages``: pages per split-KV partition (a multiple of ``pages_per_step``;
+    default :func:`default_partition_pages`);
     ``pages_per_step``: pages a step copies, whole 64-row tiles (default: the fewest);
     ``specialized``: a copy warpgroup beside the compute warpgroup, or (False) one
     warpgroup that issues its own copies ``stages`` steps ahead in half the threads;
@@ -428,12 +466,16 @@ def paged_attention(
             raise ValueError(f"registers must be two multiples of 8 in [24, 256], got {registers}")
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
+    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
+        raise NotImplementedError("the Mosaic GPU decode takes k/v scales with FP8 caches only")
     return _paged_attention(
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        k_scale,
+        v_scale,
         scale=scale,
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),

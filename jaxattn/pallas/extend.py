@@ -52,7 +52,8 @@ class ExtendConfig:
       construction, for short ones, where unpacked tiles are mostly padding.
     lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
       (:mod:`jaxattn.pallas.prefill_mgpu`, sm_90 or Mosaic GPU's interpret mode; prefix
-      prefill over a paged cache, 16-bit, bshd/bhsd; the other fields do not apply to it).
+      prefill over a paged cache, 16-bit or FP8, bshd/bhsd; the other fields do not apply to
+      it).
       Triton stays the default until the Mosaic GPU kernel has been timed on an H200.
     """
 
@@ -547,11 +548,9 @@ def _mosaic_gpu(
     """``ExtendConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.prefill_mgpu`'s kernel."""
     from . import prefill_mgpu
 
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("the Mosaic GPU prefill reads 16-bit caches (no k/v scales)")
     if not interpret and not prefill_mgpu.is_sm90():
         raise NotImplementedError("the Mosaic GPU prefill is compiled for sm_90 GPUs only")
     return prefill_mgpu.prefix_prefill(
         q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=scale, layout=layout,
-        soft_cap=soft_cap, interpret=interpret,
+        soft_cap=soft_cap, interpret=interpret, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip

@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import layout as L
+from .. import quant as Q
 from ..reference import validity as _validity
 from . import _mgpu as M
 from ._mgpu import ROWS, available, is_sm90, plgpu
@@ -115,8 +116,10 @@ def _kernel_call(
     pages_per_step,
     stages,
     interpret,
+    factors=None,
 ):
-    """f32 ``[Hkv, R, D]``: each tile's normalised rows."""
+    """f32 ``[Hkv, R, D]``: each tile's normalised rows. FP8 caches: q_packed is float16
+    and ``factors`` f32[32] each KV head's score factor (:func:`._mgpu.to_float16`)."""
     Hkv, R, D = q_packed.shape
     NT = R // ROWS
     G = group
@@ -128,8 +131,10 @@ def _kernel_call(
     bshd = layout == "bshd"
     cast, iota = M.layout_ops(interpret)
 
-    def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, scoped):
-        (q_smem, k_and_o, v_smem, tab_smem, info_smem), bars = scoped
+    fp8 = factors is not None
+
+    def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref, scoped):
+        (q_smem, k_and_o, v_smem, tab_smem, info_smem, *fp8_smem), bars = scoped
         k_smem, o_smem = k_and_o  # the output tile reuses the K ring after the last step
         q_bar, meta_bar, k_bars, v_bars = bars
         h = lax.axis_index("kvh")
@@ -142,6 +147,8 @@ def _kernel_call(
         lk = info_smem[3]
         live = info_smem[4]
         plgpu.copy_gmem_to_smem(tab_ref.at[b], tab_smem, meta_bar.at[1])
+        if fp8:
+            plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], meta_bar.at[2])
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t * ROWS, ROWS)], q_smem, q_bar.at[0])
         shift = lk - lq
         # The tile's last row's token; keys up to its last visible one are loaded.
@@ -179,6 +186,10 @@ def _kernel_call(
 
         plgpu.barrier_wait(q_bar.at[0])
         state = M.initial_state(cast, D)
+        fp8_kw = {}
+        if fp8:
+            plgpu.barrier_wait(meta_bar.at[2])
+            fp8_kw = dict(wide=tuple(fp8_smem[1:]), factor=fp8_smem[0][h])
         # Last key each row sees: its token plus the prefix shift.
         limit = lax.div(m0 + iota((ROWS, T), 0), G) + shift
 
@@ -189,6 +200,7 @@ def _kernel_call(
                 visible=lambda key: (key <= limit) & (key < end), n_keys=end,
                 k_read=lambda: refill(k_ref, k_smem, k_bars, i),
                 v_read=lambda: refill(v_ref, v_smem, v_bars, i), interpret=interpret,
+                **fp8_kw,
             )  # fmt: skip
 
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, state)
@@ -198,28 +210,40 @@ def _kernel_call(
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[h, pl.ds(t * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref):
+    def entry(*refs):
+        if fp8:
+            q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref = refs
+        else:
+            (q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref), fac_ref = refs, None
         tiled = M.tiled()
         k_and_o = (
-            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            M.ring_smem(NS, T, D, k_cache.dtype),
             plgpu.SMEM((ROWS, D), jnp.float32),
         )
         smem = (
             plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
             # Aliased when compiled; interpret mode has no ref unions (two buffers there).
             k_and_o if interpret else plgpu.RefUnion(*k_and_o),
-            plgpu.SMEM((NS, T, D), dtype, transforms=tiled),
+            M.ring_smem(NS, T, D, v_cache.dtype),
             plgpu.SMEM((W,), jnp.int32),
             plgpu.SMEM((INFO,), jnp.int32),
         )
+        if fp8:  # the score factors, then one step's K and V widened to float16
+            smem += (
+                plgpu.SMEM((factors.shape[0],), jnp.float32),
+                plgpu.SMEM((T, D), dtype, transforms=tiled),
+                plgpu.SMEM((T, D), dtype, transforms=tiled),
+            )
         bars = (
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=3 if fp8 else 2),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
         )
         pl.run_scoped(
-            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, a), smem, bars
+            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref, a),
+            smem,
+            bars,
         )
 
     return plgpu.kernel(
@@ -228,15 +252,32 @@ def _kernel_call(
         grid=(Hkv, NT),
         grid_names=("kvh", "t"),
         **M.launch_params(interpret),
-    )(q_packed, k_cache, v_cache, tables, info)
+    )(q_packed, k_cache, v_cache, tables, info, *(() if factors is None else (factors,)))
 
 
 def _run(
-    q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, geom, layout, capacity, **kw
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_tables,
+    seq_lens,
+    k_scale,
+    v_scale,
+    *,
+    geom,
+    layout,
+    capacity,
+    **kw,
 ):
     """f32 ``[T, Hq, D]``: the kernel's rows back in q's order, zeros past the last request."""
     T, Hq, D = q.shape
-    G = Hq // geom.num_kv_heads
+    Hkv = geom.num_kv_heads
+    G = Hq // Hkv
+    fp8 = Q.is_fp8(k_cache.dtype)
+    if fp8:
+        q, factor = M.to_float16(q, Hkv, k_scale)
+        kw["factors"] = jnp.pad(factor, (0, -Hkv % 32))
     q_packed, info, dest = _tiles(q, cu_seqlens_q, seq_lens, group=G, capacity=capacity)
     # A copy moves a multiple of 128 bytes: the table row padded to 32 entries (the padding
     # is never read as a page of a request: the loop stops at its last key).
@@ -257,7 +298,10 @@ def _run(
     rows = out[:, jnp.minimum(dest, R - 1)]  # [Hkv, T, G, D]
     rows = rows.transpose(1, 0, 2, 3).reshape(T, Hq, D)
     placed = jnp.broadcast_to((dest < R)[:, None, :], (T, geom.num_kv_heads, G))
-    return jnp.where(placed.reshape(T, Hq, 1), rows, 0.0)
+    rows = jnp.where(placed.reshape(T, Hq, 1), rows, 0.0)
+    if fp8:  # the output is linear in the values
+        rows = rows * jnp.repeat(M.head_vector(v_scale, Hkv), G)[None, :, None]
+    return rows
 
 
 @functools.partial(
@@ -271,6 +315,8 @@ def _prefix_prefill(
     cu_seqlens_q,
     block_tables,
     seq_lens,
+    k_scale,
+    v_scale,
     *,
     scale,
     layout,
@@ -296,6 +342,8 @@ def _prefix_prefill(
             cu_seqlens_q,
             block_tables,
             seq_lens,
+            k_scale,
+            v_scale,
             geom=geom,
             layout=layout,
             capacity=capacity,
@@ -328,17 +376,23 @@ def prefix_prefill(
     pages_per_step: int | None = None,
     stages: int = 2,
     interpret: bool | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Prefix prefill over a paged cache, ``q [total_q, Hq, D] -> [total_q, Hq, D]``, on the
     Mosaic GPU lowering (see the module docstring): request ``b``'s new tokens are q rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, its ``seq_lens[b]`` keys (cached prefix, then
     the new tokens) in the pages of ``block_tables[b]``. ``pages_per_step``: pages a step
     copies, whole 64-row tiles (default: the fewest); ``stages``: steps in flight (>= 2).
-    ``interpret``: None runs interpret mode exactly on the CPU. Raises
+    ``interpret``: None runs interpret mode exactly on the CPU. An FP8 cache (``k_scale`` /
+    ``v_scale``: None, a scalar or f32 ``[Hkv]``) is widened to float16 a step at a time, as
+    in the decode kernel; scales with a 16-bit cache are refused. Raises
     ``NotImplementedError`` for what :func:`unsupported` refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
+    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
+        why = why or "the Mosaic GPU prefill takes k/v scales with FP8 caches only"
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     return _prefix_prefill(
         q,
@@ -347,6 +401,8 @@ def prefix_prefill(
         cu_seqlens_q,
         block_tables,
         seq_lens,
+        k_scale,
+        v_scale,
         scale=scale,
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
