@@ -139,6 +139,40 @@ def ring_smem(stages: int, keys: int, head_dim: int, dtype):
     return plgpu.SMEM((stages, keys, head_dim), dtype, transforms=tiled())
 
 
+def ring_buffers(stages, keys, head_dim, q_dtype, kv_dtype, interpret: bool):
+    """The kernels' shared memory for q and the ring: (q tile, K ring with the f32 output
+    tile over it -- aliased when compiled, written after the last K step is read; interpret
+    mode has no ref unions, so two buffers there -- V ring)."""
+    k_and_o = (
+        ring_smem(stages, keys, head_dim, kv_dtype),
+        plgpu.SMEM((ROWS, head_dim), jnp.float32),
+    )
+    return (
+        plgpu.SMEM((ROWS, head_dim), q_dtype, transforms=tiled()),
+        k_and_o if interpret else plgpu.RefUnion(*k_and_o),
+        ring_smem(stages, keys, head_dim, kv_dtype),
+    )
+
+
+def fp8_buffers(factors, keys: int, head_dim: int, dtype):
+    """FP8 caches: shared memory for the score factors, then one step's K and V widened to
+    ``dtype`` (float16)."""
+    return (
+        plgpu.SMEM((factors.shape[0],), jnp.float32),
+        plgpu.SMEM((keys, head_dim), dtype, transforms=tiled()),
+        plgpu.SMEM((keys, head_dim), dtype, transforms=tiled()),
+    )
+
+
+def split_refs(refs, n_inputs: int, fp8: bool):
+    """A kernel's refs with the factors' ref (None without FP8) after its ``n_inputs``
+    other inputs."""
+    refs = list(refs)
+    if not fp8:
+        refs.insert(n_inputs, None)
+    return refs
+
+
 def layout_ops(interpret: bool):
     """(cast, iota): a register-layout cast and an int32 iota in the WGMMA layout (plain jnp
     in interpret mode, which has no register layouts)."""

@@ -241,30 +241,14 @@ def _parts(
             lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
 
     def entry(*refs):
-        if fp8:
-            q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref = refs
-        else:
-            (q_ref, k_ref, v_ref, tab_ref, len_ref, acc_ref, ml_ref), fac_ref = refs, None
-        tiled = M.tiled()
-        k_and_o = (
-            M.ring_smem(NS, T, D, k_cache.dtype),
-            plgpu.SMEM((ROWS, D), jnp.float32),
-        )
-        smem = (
-            plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
-            # Aliased when compiled; interpret mode has no ref unions (two buffers there).
-            k_and_o if interpret else plgpu.RefUnion(*k_and_o),
-            M.ring_smem(NS, T, D, v_cache.dtype),
+        q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref = M.split_refs(refs, 5, fp8)
+        smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
             plgpu.SMEM((tab_window,), jnp.int32),
             plgpu.SMEM((len_ref.shape[0],), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.float32),
         )
-        if fp8:  # the score factors, then one step's K and V widened to float16
-            smem += (
-                plgpu.SMEM((factors.shape[0],), jnp.float32),
-                plgpu.SMEM((T, D), dtype, transforms=tiled),
-                plgpu.SMEM((T, D), dtype, transforms=tiled),
-            )
+        if fp8:
+            smem += M.fp8_buffers(factors, T, D, dtype)
         bars = (
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=3 if fp8 else 2),

@@ -211,29 +211,13 @@ def _kernel_call(
         plgpu.wait_smem_to_gmem(0)
 
     def entry(*refs):
-        if fp8:
-            q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref = refs
-        else:
-            (q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref), fac_ref = refs, None
-        tiled = M.tiled()
-        k_and_o = (
-            M.ring_smem(NS, T, D, k_cache.dtype),
-            plgpu.SMEM((ROWS, D), jnp.float32),
-        )
-        smem = (
-            plgpu.SMEM((ROWS, D), dtype, transforms=tiled),
-            # Aliased when compiled; interpret mode has no ref unions (two buffers there).
-            k_and_o if interpret else plgpu.RefUnion(*k_and_o),
-            M.ring_smem(NS, T, D, v_cache.dtype),
+        q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref = M.split_refs(refs, 5, fp8)
+        smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
             plgpu.SMEM((W,), jnp.int32),
             plgpu.SMEM((INFO,), jnp.int32),
         )
-        if fp8:  # the score factors, then one step's K and V widened to float16
-            smem += (
-                plgpu.SMEM((factors.shape[0],), jnp.float32),
-                plgpu.SMEM((T, D), dtype, transforms=tiled),
-                plgpu.SMEM((T, D), dtype, transforms=tiled),
-            )
+        if fp8:
+            smem += M.fp8_buffers(factors, T, D, dtype)
         bars = (
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=3 if fp8 else 2),
