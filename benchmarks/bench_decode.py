@@ -215,10 +215,10 @@ def main(argv=None):
                     jpallas.paged_attention, scale=scale, layout=args.layout, config=cfg
                 )
                 record("pallas-sweep", fn, copies, dict(config=common.config_label(cfg)))
-        if args.mgpu and not fp8:
+        if args.mgpu:
             for spec in args.mgpu.split(","):
                 kw = mgpu_config(spec)
-                fn = functools.partial(
+                fn = common.with_scales(
                     decode_mgpu.paged_attention, scale=scale, layout=args.layout, **kw
                 )
                 record("pallas-mgpu", fn, copies, dict(config=spec))

@@ -240,7 +240,7 @@ def main(argv=None):
         "--mgpu",
         default=None,
         help="also time the Pallas prefix prefill on the Mosaic GPU lowering "
-        "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit caches) in these "
+        "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit or FP8 caches) in these "
         "configurations: stages:pages_per_step|auto,... (e.g. 2:auto,3:8)",
     )
     p.set_defaults(impl="pallas,native")
@@ -334,10 +334,10 @@ def main(argv=None):
             record(
                 impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
-        if args.mgpu and args.form == "prefill" and not fp8:
+        if args.mgpu and args.form == "prefill":
             for spec in args.mgpu.split(","):
                 stages, per_step = spec.split(":")
-                fn = functools.partial(
+                fn = common.with_scales(
                     prefill_mgpu.prefix_prefill,
                     scale=scale,
                     stages=int(stages),
