@@ -116,9 +116,7 @@ def to_float16(q, num_kv_heads: int, k_scale):
     pre = jnp.ldexp(jnp.ones_like(qmax), jnp.clip(15 - ex, -100, 100))
     shape = (1,) * len(lead) + (num_kv_heads, 1, 1)
     q16 = (x * pre.reshape(shape)).astype(jnp.float16).reshape(q.shape)
-    ks = jnp.ones((num_kv_heads,), jnp.float32) if k_scale is None else k_scale
-    ks = jnp.broadcast_to(jnp.asarray(ks, jnp.float32), (num_kv_heads,))
-    return q16, ks / pre
+    return q16, head_vector(k_scale, num_kv_heads) / pre
 
 
 def head_vector(x, num_kv_heads: int):
@@ -191,6 +189,17 @@ def slab(ref, page, head, bshd: bool):
     """Page ``page``'s ``[page_size, head_dim]`` slab of KV head ``head``: a strided box of the
     bshd pool, a contiguous one of bhsd."""
     return ref.at[page, :, head, :] if bshd else ref.at[page, head]
+
+
+def issue_step(ref, ring, bars, i, *, page_of, head, bshd, pages_per_step, page_size, stages):
+    """Copies step ``i``'s pages (``page_of(c)``: the ``c``-th page, already clamped into the
+    pool) of KV head ``head`` in ``ref`` into slot ``i % stages`` of ``ring``, each copy
+    arriving on that slot's barrier."""
+    slot = lax.rem(i, stages)
+    for j in range(pages_per_step):
+        page = page_of(i * pages_per_step + j)
+        rows = pl.ds(j * page_size, page_size)
+        plgpu.copy_gmem_to_smem(slab(ref, page, head, bshd), ring.at[slot, rows], bars.at[slot])
 
 
 def tiled():

@@ -135,13 +135,10 @@ def _parts(
 
         def issue(ref, ring, bars_, i):
             """Copy step ``i``'s pages of ``ref`` into its slot of ``ring``."""
-            slot = lax.rem(i, NS)
-            for j in range(pages_per_step):
-                page, _ = page_at(i * pages_per_step + j)
-                rows = pl.ds(j * S, S)
-                plgpu.copy_gmem_to_smem(
-                    M.slab(ref, page, h, bshd), ring.at[slot, rows], bars_.at[slot]
-                )
+            M.issue_step(
+                ref, ring, bars_, i, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
+                pages_per_step=pages_per_step, page_size=S, stages=NS,
+            )  # fmt: skip
 
         if not specialized:
             # One warpgroup: the first NS steps' copies go out before q is awaited.

@@ -164,13 +164,10 @@ def _kernel_call(
             return jnp.where((page >= 0) & (page < P), page, 0)
 
         def issue(ref, ring, bars_, i):
-            slot = lax.rem(i, NS)
-            for j in range(pages_per_step):
-                page = page_at(i * pages_per_step + j)
-                rows = pl.ds(j * S, S)
-                plgpu.copy_gmem_to_smem(
-                    M.slab(ref, page, h, bshd), ring.at[slot, rows], bars_.at[slot]
-                )
+            M.issue_step(
+                ref, ring, bars_, i, page_of=page_at, head=h, bshd=bshd,
+                pages_per_step=pages_per_step, page_size=S, stages=NS,
+            )  # fmt: skip
 
         def prologue(i):
             issue(k_ref, k_smem, k_bars, i)
