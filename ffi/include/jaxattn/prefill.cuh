@@ -1257,11 +1257,13 @@ const char* launch_prefill_simt(const PrefillParams& p, gpuStream_t stream) {
 
 #if defined(JAXATTN_CUDA)
 // Launches a tensor-core prefill kernel of shape S (kBM rows a block, kThreads, kSmemBytes of
-// dynamic shared memory) over the tile grid: an upper bound on the tiles, times the heads.
+// dynamic shared memory) over the tile grid: an upper bound on the tiles, times the heads. With
+// p.pack_heads = G > 1 (the sm90 kernel's packed tiles) a tile holds kBM / G tokens of G heads.
 template <typename S, typename Kernel>
 const char* launch_prefill_tiles(Kernel kernel, const PrefillParams& p, gpuStream_t stream) {
   if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
-  const dim3 grid((p.total_q + S::kBM - 1) / S::kBM + p.batch, p.num_q_heads);
+  const int bm = S::kBM / p.pack_heads;
+  const dim3 grid((p.total_q + bm - 1) / bm + p.batch, p.num_q_heads / p.pack_heads);
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
 }

@@ -869,20 +869,13 @@ const char* launch_prefill_sm90_fp8_d(const PrefillParams& p, gpuStream_t stream
 
 template <typename T, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
-  const int group = p.num_q_heads / p.kv.num_kv_heads;
   if (!prefill_sm90_packs(p))
     return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D, false>, p, stream);
   // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
-  using S = Sm90Shape<D>;
-  auto kernel = prefill_sm90_kernel<T, D, true>;
-  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   PrefillParams q = p;
-  q.pack_heads = group;
-  q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(group) + 1);
-  const int bm = S::kBM / group;
-  const dim3 grid((p.total_q + bm - 1) / bm + p.batch, p.kv.num_kv_heads);
-  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(q);
-  return check_launch();
+  q.pack_heads = p.num_q_heads / p.kv.num_kv_heads;
+  q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(q.pack_heads) + 1);
+  return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D, true>, q, stream);
 }
 
 // Declared in prefill.cuh; instantiated in prefill_sm90.cu for T = bf16_t and f16_t, each with
