@@ -261,7 +261,29 @@ struct RowCursor {
       off = -1;
       return;
     }
-    const int next = table[tn / kv.page_size];
+    advance_to(kv, table[tn / kv.page_size], t, step, flags);
+  }
+
+  // The entry of key t + step loaded ahead by the caller (entry_ahead): advance's second half,
+  // so that the load's latency hides behind a tile of work.
+  __device__ __forceinline__ void advance_ahead(const KvGeometry& kv, int next, int t, int step,
+                                                int lim, int& flags) {
+    if (t + step >= lim || off < 0) {
+      off = -1;
+      return;
+    }
+    advance_to(kv, next, t, step, flags);
+  }
+
+  // The index entry of key t (0 at or past lim, where the cursor ends and reads nothing).
+  static __device__ __forceinline__ int entry_ahead(const KvGeometry& kv, const int32_t* table,
+                                                    int t, int lim) {
+    return t < lim ? table[t / kv.page_size] : 0;
+  }
+
+  __device__ __forceinline__ void advance_to(const KvGeometry& kv, int next, int t, int step,
+                                             int& flags) {
+    const int tn = t + step;
     if (!index_ok(next, kv.num_pages)) {
       flags |= kGuardIndexBad;
       off = -1;
@@ -1330,15 +1352,16 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
     const bool tc_dim = p.kv.head_dim == 64 || p.kv.head_dim == 128;
-    if (tc_dim && (which == PrefillKernel::kAuto || which == PrefillKernel::kSm90)) {
+    const bool forced = which == PrefillKernel::kSm90;
+    if (tc_dim && (which == PrefillKernel::kAuto || forced)) {
 #if defined(JAXATTN_HAVE_SM90A)
-      const bool long_enough = which == PrefillKernel::kSm90 ||
+      const bool long_enough = forced ||
                                int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch ||
                                (sizeof(C) == 2 && prefill_sm90_packs(p));
       if (long_enough && device_is_sm90() && prefill_sm90_fits(p))
         return launch_prefill_sm90<T, C>(p, stream);
 #endif
-      if (which == PrefillKernel::kSm90)
+      if (forced)
         return "jaxattn: the sm90 prefill kernel needs a compute capability 9.0 device, a "
                "library built with 90 in JAXATTN_CUDA_ARCHS and a cache under 64 GiB";
     }

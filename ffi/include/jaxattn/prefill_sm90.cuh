@@ -1,22 +1,21 @@
 // Hopper prefix prefill / extend attention: warpgroup MMA (wgmma.mma_async, sm_90a) for both
-// GEMMs, FlashAttention-3 style. Same contract as the kernels of prefill.cuh (PrefillParams:
-// paged K/V through a page-table row per request, the token pool as page size 1, bshd/bhsd
-// through KvGeometry strides, row i of a request sees key j iff j <= i + (Lk - Lq), logits in
-// base 2, f32 accumulation, output in q's dtype) and the same block -> (request, tile) map
-// (find_prefill_tile: heaviest tiles of a request first, padding rows zeroed by the spare blocks).
+// GEMMs and warp specialisation, FlashAttention-3 style. Same contract as the kernels of
+// prefill.cuh (PrefillParams: paged K/V through a page-table row per request, the token pool as
+// page size 1, bshd/bhsd through KvGeometry strides, row i of a request sees key j iff
+// j <= i + (Lk - Lq), logits in base 2, f32 accumulation, output in q's dtype) and the same
+// block -> (request, tile) map (find_prefill_tile: heaviest tiles of a request first, padding
+// rows zeroed by the spare blocks).
 //
 // Only built for sm_90a (prefill_sm90.cu, -gencode arch=compute_90a,code=sm_90a); every other
-// target sees the kernel with an empty body. Launched by launch_prefill_typed (prefill.cuh) for
-// 16-bit dtypes with head_dim 64 or 128 on compute capability 9.0.
+// target sees the kernels with an empty body. Launched by launch_prefill_typed (prefill.cuh) for
+// 16-bit q with head_dim 64 or 128 on compute capability 9.0.
 //
-// Block: 256 threads = two warpgroups, 128 query rows of one request and one query head
-// (warpgroup w owns rows 64w..64w+63), key tiles of 128. No warp specialisation: every thread
-// copies and every warpgroup computes. GQA groups of 2..16 (prefill_sm90_packs) pack the
-// group's query heads into the rows instead: row r is token r / G and head r % G of the
-// block's KV head (G = PrefillParams::pack_heads, 128 / G tokens a tile), so a short extend of
-// 24 new tokens x 4 heads fills 96 rows where one head filled 24, and each K/V tile is read
-// once per KV head. The causal mask, the guards and the store take a row's token; nothing else
-// changes.
+// Tiles: 128 query rows of one request and one query head, key tiles of 128. GQA groups of
+// 2..16 (prefill_sm90_packs) pack the group's query heads into the rows instead: row r is token
+// r / G and head r % G of the block's KV head (G = PrefillParams::pack_heads, 128 / G tokens a
+// tile), so a short extend of 24 new tokens x 4 heads fills 96 rows where one head filled 24,
+// and each K/V tile is read once per KV head. The causal mask, the guards and the store take a
+// row's token.
 //
 // Shared memory (1024-byte aligned), each tile stored as D/64 column blocks of [rows][64]
 // elements, 128 bytes a row, the 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte
@@ -25,33 +24,26 @@
 //   K  [128 x D]  K-major B operand of S (rows are keys, D contiguous),
 //   V  [128 x D]  MN-major B operand of O += P V (instruction transpose bit; LBO = distance
 //                 between the 64-column blocks, SBO = 8 rows = 1024 bytes),
-// a k step of 16 being +32 bytes inside the swizzled row (Q, K) or +16 rows (V). K and V tiles
-// live in a ring of 3 stages (K then V per stage), filled with 16-byte cp.async copies of
-// gathered rows (zero-filled past the request's keys, so unread slots and NaN-filled unused
-// pages never enter a product), then two tiles' row offsets (uint32, 16-byte units;
-// launch_prefill_typed falls back to the mma kernel when a cache is too large for them).
-// D = 128: 32 KB Q + 3 x 64 KB K/V + 1 KB offsets + 1 KB alignment slack = 226 KB, plus the
-// guards' first_bad as static shared memory (padded to 1 KB by the alignment of the dynamic
-// array): 227 KB, the per-block limit, one block per SM.
+// a k step of 16 being +32 bytes inside the swizzled row (Q, K) or +16 rows (V). Tiles are
+// filled with 16-byte cp.async copies of gathered rows (zero-filled past the request's keys, so
+// unread slots and NaN-filled unused pages never enter a product) from row offsets (uint32,
+// 16-byte units; launch_prefill_typed falls back to the mma kernel when a cache is too large
+// for them).
 //
-// Iteration n >= 1 (one barrier): wait for tile n's copies (in a tile the mask crosses, scan the
-// V chunks this thread copied: the guards, prefill.cuh), fence.proxy.async (cp.async and
-// sanitising writes are generic-proxy, wgmma reads async-proxy), __syncthreads; issue S = Q
-// K_n^T (D/16 x m64n128k16, both operands from shared memory) and O += P_{n-1} V_{n-1} (8 x
-// m64nDk16, P from
-// registers) as two wgmma groups; issue the copies of tile n + 1 into stage (n + 1) % 3
-// (neither stage n nor stage n - 1 is touched) and advance the row cursors (RowCursor,
-// incremental page addressing) for tile n + 2; wait for S only (wait_group 1); online softmax
-// on the accumulator fragments (no cap: maxima on the raw dot products, one FFMA + ex2 per
-// probability; with a cap: cap * tanh(s * q_scale) first; the mask only on tiles that cross
-// the diagonal or the last key) while P_{n-1} V_{n-1} still runs; wait for it; rescale O; pack
-// P_n to 16-bit A fragments (the m64nNk16 accumulator layout is the A-fragment layout). Tile 0
-// is peeled (S only) and the last P V follows the loop, so every wgmma group in the loop is
-// unconditional (with a conditional P V group ptxas either serialised the wgmma or turned the
-// empty commit into a dummy group that made wait_group 1 wait for P V as well). Key tiles stop at
-// the tile holding the last row's last visible key (key_range), exactly as the mma kernel.
+// The consumer loop, iteration n >= 1: issue S = Q K_n^T (D/16 x m64n128k16, both operands
+// from shared memory) and O += P_{n-1} V_{n-1} (8 x m64nDk16, P from registers) as two wgmma
+// groups; wait for S only (wait_group 1); online softmax on the accumulator fragments (no cap:
+// maxima on the raw dot products, one FFMA + ex2 per probability; with a cap: cap * tanh(s *
+// q_scale) first; the mask only on tiles that cross the diagonal or the last key) while
+// P_{n-1} V_{n-1} still runs; wait for it; rescale O; pack P_n to 16-bit A fragments (the
+// m64nNk16 accumulator layout is the A-fragment layout). Tile 0 is peeled (S only) and the
+// last P V follows the loop, so every wgmma group in the loop is unconditional (with a
+// conditional P V group ptxas either serialised the wgmma or turned the empty commit into a
+// dummy group that made wait_group 1 wait for P V as well). Key tiles stop at the tile holding
+// the last row's last visible key (key_range), exactly as the mma kernel.
 //
-// ptxas (nvcc 13.0): 247 registers (D = 64: 218), no spills, one block of 256 threads per SM.
+// 16-bit caches: prefill_sm90_kernel, warp-specialised (below). FP8 caches:
+// prefill_sm90_fp8_kernel, two warpgroups that copy, widen and compute (at the end).
 #pragma once
 
 #include <cstdint>
@@ -63,24 +55,6 @@
 
 namespace jaxattn {
 namespace gpu {
-
-template <int D>
-struct Sm90Shape {
-  static constexpr int kBM = 128;  // two consumer warpgroups x 64 rows
-  static constexpr int kBN = 128;  // keys per tile
-  static constexpr int kThreads = 256;
-  static constexpr int kStages = 3;
-  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kQBytes = kBM * D * 2;
-  static constexpr int kTileBytes = kBN * D * 2;
-  static constexpr int kStageBytes = 2 * kTileBytes;  // K tile, then V tile
-  static constexpr int kOffBytes = 2 * kBN * 4;       // row offsets of two key tiles
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kStageBytes + kOffBytes;
-  static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
-  static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
-  static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 block may have");
-};
 
 // A row offset in 16-byte units (every row starts on a multiple of head_dim elements);
 // kSm90NoRow marks keys past the request (zero-filled).
@@ -218,289 +192,413 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// ------------------------------------------------------------------------------------------
+// The 16-bit kernel, warp-specialised. Block: 384 threads = three warpgroups.
+//
+// Warpgroup 0 is the producer (setmaxnreg down to kSm90ProducerRegs). It copies q, then every
+// key tile's K and V rows with 16-byte cp.async gathers into separate K and V rings of kStages
+// stages. Its 128 threads each keep the RowCursor of one key row; a tile's row offsets are
+// published through a two-slot table and one producer-only named barrier a tile, and the
+// page-table entry a cursor needs is loaded a tile ahead of its use (its latency used to stall
+// the producer once a tile). A thread reads its rows' offsets 8 at a time before issuing their
+// copies: a copy is a memory clobber, so a shared load after it waited for it, and row by row
+// the producer fell behind the tensor cores (ncu: the consumers' top stall was the full wait).
+//
+// Warpgroups 1 and 2 are consumers (setmaxnreg up), 64 query rows each, running the loop above
+// with no block barrier:
+//   full[s]  (K and V each): 128 producer arrivals, by cp.async.mbarrier.arrive.noinc (the
+//            arrival lands when this thread's copies have), or -- in a tile the mask crosses,
+//            where the producer scans the V chunks it copied for the guards (sanitize_own_v)
+//            -- a plain arrive after its wait, scan and fence.proxy.async;
+//   empty[s] (K and V each): one arrival per consumer warp once its wgmma reading the stage
+//            has completed (K after S_n's wait, V after P V's).
+// A consumer executes fence.proxy.async after each full wait, before its wgmma reads the stage
+// (the copies are generic-proxy writes). The guards' flags live in the producer (index
+// entries) and first_bad (V values); the producer hands them over through shared memory and a
+// named barrier before the consumers store.
+//
+// JAXATTN_SM90_PINGPONG=1 builds FlashAttention-3's ping-pong: named barriers 2 and 3 order
+// warpgroup 1's S_n + P_{n-1} V_{n-1} issue before warpgroup 2's and that before warpgroup 1's
+// next, so one warpgroup's softmax runs while the other's products do. Off by default: on the
+// H200 it was 1-3% slower (prefill self-test, 8 x (2048 + 512) 424 against 433 TFLOP/s, 1 x
+// (0 + 8192) 495 against 505); the two warpgroups drift apart on their own.
+//
+// Shared memory, D = 128: 32 KB Q + 3 x (32 KB K + 32 KB V) + 1 KB row offsets + 1 KB alignment
+// = 226 KB, barriers and first_bad static. ptxas (nvcc 13.0): no spills at 64 / 216 registers
+// (producer / consumers).
+// ------------------------------------------------------------------------------------------
+template <int D>
+struct Sm90Shape {
+  static constexpr int kBM = 128;
+  static constexpr int kBN = 128;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kStages = 3;
+  static constexpr int kChunks = D / 8;
+  static constexpr int kRowsPerPass = kProducerThreads / kChunks;
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kTileBytes = kBN * D * 2;
+  static constexpr int kOffBytes = 2 * kBN * 4;
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + kOffBytes;
+  static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
+  static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
+  static_assert(kSmemBytes <= 232448 - 1024, "more shared memory than an sm_90 block may have");
+};
+
+constexpr int kSm90ProducerRegs = 64;
+constexpr int kSm90ConsumerRegs = 216;
+#ifndef JAXATTN_SM90_PINGPONG
+#define JAXATTN_SM90_PINGPONG 0
+#endif
+constexpr bool kSm90PingPong = JAXATTN_SM90_PINGPONG != 0;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// The arrival lands when every cp.async this thread issued before it has completed.
+__device__ __forceinline__ void mbar_arrive_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+#endif
+
 template <typename T, int D, bool kPack>
 __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     prefill_sm90_kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Sm90Shape<D>;
   constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
-  constexpr int NS = S::kStages;
+  constexpr int NS = S::kStages, NP = S::kProducerThreads;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(1024) unsigned char sm90_smem[];
   const uint32_t raw = smem_u32(sm90_smem);
-  const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle patterns start on 1024 bytes
+  const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t q_s = base;
-  const uint32_t kv_s = base + S::kQBytes;  // stage i: K at + i * kStageBytes, V kTileBytes on
-  uint32_t* rowoff =
-      reinterpret_cast<uint32_t*>(sm90_smem + (base - raw) + S::kQBytes + NS * S::kStageBytes);
+  const uint32_t k_s = base + S::kQBytes;                 // K stage i at + i * kTileBytes
+  const uint32_t v_s = k_s + NS * S::kTileBytes;          // V stage i at + i * kTileBytes
+  unsigned char* const gen = sm90_smem + (base - raw);    // generic pointer to `base`
+  uint32_t* rowoff = reinterpret_cast<uint32_t*>(gen + S::kQBytes + 2 * NS * S::kTileBytes);
 
-  // The guards' first_bad (above kNoBadKey in prefill.cuh): static shared memory costs no
-  // carveout (one block per SM at the per-block limit either way). find_prefill_tile's
-  // barriers order the initialisation before any update.
   __shared__ int first_bad[D];
-  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
-  // Packed tiles (G > 1): the block's G query heads share one KV head, tile row r is token
-  // r / G and head `head` + r % G, so a tile holds BM / G tokens.
+  // K full, K empty, V full, V empty (kStages each), then q full.
+  __shared__ __align__(8) uint64_t bars[4 * NS + 1];
+  __shared__ int block_flags;  // the producer's guard flags, ORed
+  const uint32_t bar0 = smem_u32(bars);
+  auto kfull = [&](int s) { return bar0 + 8u * uint32_t(s); };
+  auto kempty = [&](int s) { return bar0 + 8u * uint32_t(NS + s); };
+  auto vfull = [&](int s) { return bar0 + 8u * uint32_t(2 * NS + s); };
+  auto vempty = [&](int s) { return bar0 + 8u * uint32_t(3 * NS + s); };
+  const uint32_t qfull = bar0 + 8u * uint32_t(4 * NS);
+  const int tid = threadIdx.x;
+  init_first_bad<D>(first_bad, tid, S::kThreads);
+  if (tid == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(kfull(s), NP);
+      mbar_init(vfull(s), NP);
+      mbar_init(kempty(s), 8);  // the consumer warps
+      mbar_init(vempty(s), 8);
+    }
+    mbar_init(qfull, NP);
+    block_flags = 0;
+  }
   const int G = kPack ? p.pack_heads : 1;
   const int head = blockIdx.y * G;
   PrefillTile t;
-  // The tile search's scratch: stage 0 of the K/V ring, which the first copies fill after the
-  // barrier that follows the row offsets below.
+  // Scratch: V stage 0, which the producer fills after the barrier below.
   if (!find_prefill_tile<T, S::kThreads>(p, BM / G, blockIdx.x, head,
-                                         reinterpret_cast<int*>(sm90_smem + (kv_s - raw)), &t, G))
+                                         reinterpret_cast<int*>(sm90_smem + (v_s - raw)), &t, G))
     return;
+  __syncthreads();  // every thread has read its tile out of the scratch; barriers initialised
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
-  const int tid = threadIdx.x;
-  const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, tq = lane % 4;
   const int shift = t.lk - t.lq;
   const KeyRange range = key_range(t);
   const int ntiles = (range.end + BN - 1) / BN;
+  const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int lr0 = (wg - 1) * 64 + wl * 16 + g;  // a consumer's rows within the tile
 
-  int flags = 0;  // kGuardIndexBad, kGuardValueBad
-  // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
-  RowCursor cur;
-  if (tid < BN) {
+  if (wg == 0) {
+    // ---------------------------------- producer ----------------------------------
+    set_max_regs_dec<kSm90ProducerRegs>();
+    int flags = 0;  // kGuardIndexBad, kGuardValueBad
+    const T* qg = static_cast<const T*>(p.q);
+    const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+    const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+    const int c = tid % CH, r0 = tid / CH;  // chunk c of rows r0 + i * RP
+#pragma unroll
+    for (int i = 0; i < BM / RP; ++i) {
+      const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
+      const bool ok = tok < t.rows;
+      const T* src =
+          ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D + c * 8
+             : qg;
+      cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+    }
+    mbar_arrive_copies(qfull);
+    RowCursor cur;  // row tid of each key tile
     cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = sm90_pack_off(cur.off);
-    cur.advance(kv, t.table, tid, BN, range.end, flags);
-    rowoff[BN + tid] = sm90_pack_off(cur.off);
-  }
-  __syncthreads();
-
-  const T* qg = static_cast<const T*>(p.q);
-  const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
-  const int c = tid % CH, r0 = tid / CH;  // this thread copies chunk c of rows r0 + i * RP
+    // The entry of row tid of the next tile, loaded a tile ahead of its use.
+    int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
+    named_sync(1, NP);
+    check_entries<NP, 16>(t, kv, range.end, flags);
+    const uint32_t v_own = sm90_tile_off<BN>(r0, c);
+    for (int n = 0; n < ntiles; ++n) {
+      const int s = n % NS, slot = n & 1;
+      const uint32_t par = ((n / NS) & 1) ^ 1;
+      // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
+      cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
+      ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
+      // This thread's rows of tile n, kBatch at a time: their offsets are read before the
+      // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
+      // it: row by row, every copy waited for its offset).
+      constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
+      auto copy_rows = [&](uint32_t dst, const T* src) {
 #pragma unroll
-  for (int i = 0; i < BM / RP; ++i) {
-    const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
-    const bool ok = tok < t.rows;
-    const T* src =
-        ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D + c * 8
-           : qg;
-    cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
-  }
-  // K and V rows of one key tile into stage `stage`, from the offsets in slot `slot`.
-  auto load_kv = [&](int stage, int slot) {
-    const uint32_t kd = kv_s + uint32_t(stage * S::kStageBytes);
+        for (int b = 0; b < kRows; b += kBatch) {
+          uint32_t u[kBatch];
 #pragma unroll
-    for (int i = 0; i < BN / RP; ++i) {
-      const int r = r0 + i * RP;
-      const uint32_t u = rowoff[slot * BN + r];
-      const bool ok = u != kSm90NoRow;
-      const int64_t off = int64_t(u) << 3;
-      const uint32_t dst = kd + sm90_tile_off<BN>(r, c);
-      cp_async16(dst, ok ? kg + off + c * 8 : kg, ok);
-      cp_async16(dst + S::kTileBytes, ok ? vg + off + c * 8 : vg, ok);
+          for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            const bool ok = u[i] != kSm90NoRow;
+            cp_async16(dst + sm90_tile_off<BN>(r0 + (b + i) * RP, c),
+                       ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
+          }
+        }
+      };
+      if (n >= NS) mbar_wait(kempty(s), par);
+      copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
+      mbar_arrive_copies(kfull(s));
+      if (n >= NS) mbar_wait(vempty(s), par);
+      const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
+      copy_rows(vd, vg);
+      if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
+        async_copy_commit();
+        async_copy_wait<0>();
+        if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
+                                                     range.full_end, range.end, c * 8,
+                                                     first_bad))
+          flags |= kGuardValueBad;
+        sm90_fence_proxy_async();
+        mbar_arrive(vfull(s));
+      } else {
+        mbar_arrive_copies(vfull(s));
+      }
+      rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+      named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
     }
-  };
-  if (ntiles > 0) load_kv(0, 0);
-  async_copy_commit();
-  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
-
-  // Descriptors. Q (A) and K (B of S): K-major, 8-row groups 1024 bytes apart (SBO), the
-  // leading offset unused (1); k step kk is column block kk / 4 and 32 bytes per kk % 4.
-  // V (B of P V): MN-major, LBO = the distance between 64-column blocks (BN rows of 128 bytes),
-  // SBO = 8 key rows; k step j (16 keys) is 16 rows = 2048 bytes on.
-  const uint64_t dq = sm90_desc(q_s + uint32_t(wg * 64 * 128), 16, 1024);
-  const uint64_t dk = sm90_desc(kv_s, 16, 1024);
-  const uint64_t dv = sm90_desc(kv_s + S::kTileBytes, BN * 128, 1024);
-  auto kstep = [](int kk, int rows) {
-    return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
-  };
-
-  float o[D / 2];       // O accumulator fragment: m64nDk16 layout
-  float s[BN / 2];      // S accumulator fragment, then the probabilities
-  uint32_t pf[BN / 4];  // P as 16-bit A fragments: pf[4 kk + i] feeds k step kk
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
-  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
-  // Accumulator element 4j + e of this thread: row g (e < 2) or g + 8 of the warp's 16 rows,
-  // column 8j + 2 tq + (e & 1).
-  const int lr0 = wg * 64 + wl * 16 + g;  // this thread's rows within the tile
-  const int row0 = t.m0 + pack_token<kPack>(p, lr0);  // and their tokens within the request
-  const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
-  const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
-
-  // This thread's V chunks of tile n: chunk c of rows r0 + i * RP, which share their swizzle
-  // phase (RP % 8 == 0), so they lie RP rows apart. A sanitised chunk is published to wgmma by
-  // tile_ready's fence.proxy.async and barrier.
-  unsigned char* v_own = sm90_smem + (kv_s - raw) + S::kTileBytes + sm90_tile_off<BN>(r0, c);
-  // Waits for tile n's copies and publishes them to every warpgroup's wgmma (async proxy).
-  auto tile_ready = [&](int n) {
-    async_copy_wait<0>();  // tile n is the only copy group in flight
-    if (n * BN + BN > range.full_end &&
-        sanitize_own_v<T, BN / RP, RP * 128, RP>(v_own + (n % NS) * S::kStageBytes, n * BN + r0,
-                                                 range.full_end, range.end, c * 8, first_bad))
-      flags |= kGuardValueBad;
-    sm90_fence_proxy_async();
-    __syncthreads();  // tile n visible; every thread is done with iteration n - 1
-  };
-  // Tile n + 1 goes to the stage of tile n - 2 (its last reader, iteration n - 1, is past the
-  // barrier); its offsets were written in iteration n - 1. The cursors then step to tile n + 2,
-  // whose offsets replace tile n's (read when tile n was issued, before the barrier).
-  auto next_loads = [&](int n) {
-    if (n + 1 < ntiles) load_kv((n + 1) % NS, (n + 1) % 2);
     async_copy_commit();
-    if (tid < BN) {
-      cur.advance(kv, t.table, (n + 1) * BN + tid, BN, range.end, flags);
-      rowoff[(n % 2) * BN + tid] = sm90_pack_off(cur.off);
-    }
-  };
-  auto issue_s = [&](int n) {
-    const uint64_t dks = dk + uint64_t(((n % NS) * S::kStageBytes) >> 4);
+    async_copy_wait<0>();
+    // Hands the guards' flags (and, ordered by the barrier, first_bad) to the consumers.
+    if (flags) atomicOr(&block_flags, flags);
+    named_arrive(4, S::kThreads);
+  } else {
+    // ---------------------------------- consumers ----------------------------------
+    set_max_regs_inc<kSm90ConsumerRegs>();
+    const int cw = wg - 1;
+    const uint64_t dq = sm90_desc(q_s + uint32_t(cw * 64 * 128), 16, 1024);
+    const uint64_t dk = sm90_desc(k_s, 16, 1024);
+    const uint64_t dv = sm90_desc(v_s, BN * 128, 1024);
+    auto kstep = [](int kk, int rows) {
+      return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
+    };
+    float o[D / 2];  // O accumulator fragment (m64nDk16 layout)
+    float s[BN / 2];
+    uint32_t pf[BN / 4];
+    float l0 = 0.f, l1 = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      sm90_mma_ss_n128<T>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
-    }
-    sm90_wgmma_commit();
-  };
-  auto issue_pv = [&](int n) {  // O += P_n V_n
-    const uint64_t dvs = dv + uint64_t(((n % NS) * S::kStageBytes) >> 4);
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<T, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
-    sm90_wgmma_commit();
-  };
-
-  // Online softmax of tile n on the S fragments (left as probabilities in s): new row maxima,
-  // the factors a0 / a1 that rescale the old O and l, this thread's partial row sums.
-  // kFold (no soft cap, q_scale > 0, the usual case): maxima on the raw dot products and
-  // p = exp2(s * q_scale - max) as one FFMA; otherwise logits = [cap *] [tanh](s * q_scale)
-  // first, exactly as the mma kernel.
-  float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
-  auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
-    constexpr bool kFold = decltype(fold_tag)::value;
-    // Last visible key of each row, relative to this thread's first column of the tile.
-    const int n0 = n * BN;
-    const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
-    const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
-    float mx0 = kNegInf, mx1 = kNegInf;
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
+    float m0 = kNegInf, m1 = kNegInf;
+    const int row0 = t.m0 + pack_token<kPack>(p, lr0);
+    const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
+    const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
+    auto release = [&](uint32_t bar) {
+      if (lane == 0) mbar_arrive(bar);
+    };
+    auto issue_s = [&](int n) {
+      const uint64_t dks = dk + uint64_t(((n % NS) * S::kTileBytes) >> 4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[4 * j + e];
-        if constexpr (!kFold) {
-          v *= qs;
-          if (cap > 0.f) v = cap * tanhf(v);
+      for (int kk = 0; kk < D / 16; ++kk)
+        sm90_mma_ss_n128<T>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+      sm90_wgmma_commit();
+    };
+    auto issue_pv = [&](int n) {
+      const uint64_t dvs = dv + uint64_t(((n % NS) * S::kTileBytes) >> 4);
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<T, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
+      sm90_wgmma_commit();
+    };
+    float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
+    auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
+      constexpr bool kMask = decltype(mask_tag)::value;
+      constexpr bool kFold = decltype(fold_tag)::value;
+      const int n0 = n * BN;
+      const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
+      const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
+      float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[4 * j + e];
+          if constexpr (!kFold) {
+            v *= qs;
+            if (cap > 0.f) v = cap * tanhf(v);
+          }
+          if constexpr (kMask) {
+            if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+          }
+          s[4 * j + e] = v;
         }
-        if constexpr (kMask) {
-          if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      mx0 = group_max<4>(mx0);
+      mx1 = group_max<4>(mx1);
+      if constexpr (kFold) {
+        mx0 *= qs;
+        mx1 *= qs;
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+      a0 = fast_exp2(m0 - mu0);
+      a1 = fast_exp2(m1 - mu1);
+      m0 = mn0;
+      m1 = mn1;
+      sum0 = 0.f;
+      sum1 = 0.f;
+      const float sc = kFold ? qs : 1.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        s[4 * j] = fast_exp2(fmaf(s[4 * j], sc, -mu0));
+        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc, -mu0));
+        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc, -mu1));
+        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc, -mu1));
+        sum0 += s[4 * j] + s[4 * j + 1];
+        sum1 += s[4 * j + 2] + s[4 * j + 3];
+      }
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    const bool fold = !(cap > 0.f) && qs > 0.f;
+    auto softmax_tile = [&](int n) {
+      const bool masked = n * BN + BN > range.full_end;
+      if (fold) {
+        if (masked) {
+          softmax(n, True{}, True{});
+        } else {
+          softmax(n, False{}, True{});
         }
-        s[4 * j + e] = v;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = group_max<4>(mx0);
-    mx1 = group_max<4>(mx1);
-    if constexpr (kFold) {  // to logits (q_scale > 0 keeps the order; -inf stays -inf)
-      mx0 *= qs;
-      mx1 *= qs;
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-    a0 = fast_exp2(m0 - mu0);
-    a1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    sum0 = 0.f;
-    sum1 = 0.f;
-    const float sc = kFold ? qs : 1.f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      s[4 * j] = fast_exp2(fmaf(s[4 * j], sc, -mu0));
-      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc, -mu0));
-      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc, -mu1));
-      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc, -mu1));
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-  };
-  using True = std::true_type;
-  using False = std::false_type;
-  const bool fold = !(cap > 0.f) && qs > 0.f;
-  // Tiles wholly below full_end need no mask (the prefix stage); the rest cross the diagonal
-  // or the last key.
-  auto softmax_tile = [&](int n) {
-    const bool masked = n * BN + BN > range.full_end;
-    if (fold) {
-      if (masked) {
-        softmax(n, True{}, True{});
       } else {
-        softmax(n, False{}, True{});
+        if (masked) {
+          softmax(n, True{}, False{});
+        } else {
+          softmax(n, False{}, False{});
+        }
       }
-    } else {
-      if (masked) {
-        softmax(n, True{}, False{});
-      } else {
-        softmax(n, False{}, False{});
+    };
+    // Once the running maxima settle (most tiles of a long row) every factor is exactly 1
+    // (ex2 of 0): the warp then skips the D / 2 multiplies of its O fragment.
+    auto rescale_pack = [&]() {
+      l0 = l0 * a0 + sum0;
+      l1 = l1 * a1 + sum1;
+      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          o[4 * i] *= a0;
+          o[4 * i + 1] *= a0;
+          o[4 * i + 2] *= a1;
+          o[4 * i + 3] *= a1;
+        }
       }
-    }
-  };
-  // Once P_{n-1} V_{n-1} is done: rescale O and l, and pack P_n into A fragments. Accumulator
-  // elements (2i, 2i + 1) are one A register: rows g / g + 8 and key pairs in the order a0..a7
-  // of the m64nNk16 A layout (pf[4 kk .. 4 kk + 3] is k step kk).
-  auto rescale_pack = [&]() {
-    l0 = l0 * a0 + sum0;  // each lane keeps partial row sums; the quad adds them at the end
-    l1 = l1 * a1 + sum1;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
+      for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
+    };
+
+    if (ntiles > 0) {
+      mbar_wait(qfull, 0);
+      mbar_wait(kfull(0), 0);
+      sm90_fence_proxy_async();
+      sm90_wgmma_fence();
+      issue_s(0);
+      sm90_wgmma_wait<0>();
+      sm90_pin(s);
+      release(kempty(0));
+      softmax_tile(0);
+      rescale_pack();
     }
-#pragma unroll
-    for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
-  };
-
-  if (ntiles > 0) {
-    // Tile 0: S only (no P V yet).
-    tile_ready(0);
-    sm90_wgmma_fence();
-    issue_s(0);
-    next_loads(0);
-    sm90_wgmma_wait<0>();
-    sm90_pin(s);
-    softmax_tile(0);
-    rescale_pack();
+    // Warpgroup 2 lets warpgroup 1 issue first; every sync meets exactly one arrival.
+    if (kSm90PingPong && cw == 1 && ntiles > 1) named_arrive(2, 256);
+    for (int n = 1; n < ntiles; ++n) {
+      const int sk = n % NS, sv = (n - 1) % NS;
+      mbar_wait(kfull(sk), (n / NS) & 1);
+      mbar_wait(vfull(sv), ((n - 1) / NS) & 1);
+      sm90_fence_proxy_async();
+      if (kSm90PingPong) named_sync(2 + cw, 256);
+      sm90_wgmma_fence();
+      issue_s(n);       // group 1: S = Q K_n^T
+      issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
+      if (kSm90PingPong && (cw == 0 || n + 1 < ntiles)) named_arrive(3 - cw, 256);
+      sm90_wgmma_wait<1>();
+      sm90_pin(s);
+      release(kempty(sk));
+      softmax_tile(n);
+      sm90_wgmma_wait<0>();
+      sm90_pin(o);
+      sm90_pin(pf);
+      release(vempty(sv));
+      rescale_pack();
+    }
+    if (ntiles > 0) {
+      const int sv = (ntiles - 1) % NS;
+      mbar_wait(vfull(sv), ((ntiles - 1) / NS) & 1);
+      sm90_fence_proxy_async();
+      sm90_wgmma_fence();
+      issue_pv(ntiles - 1);
+      sm90_wgmma_wait<0>();
+      sm90_pin(o);
+      sm90_pin(pf);
+    }
+    l0 = group_sum<4>(l0);
+    l1 = group_sum<4>(l1);
+    named_sync(4, S::kThreads);  // the producer's flags
+    const int f = block_flags;
+    const bool poisoned = (f & kGuardIndexBad) != 0;
+    prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
+                                        f ? first_bad : nullptr, poisoned, f ? shift : 0);
   }
-  for (int n = 1; n < ntiles; ++n) {
-    tile_ready(n);
-    sm90_wgmma_fence();
-    issue_s(n);       // group 1: S = Q K_n^T
-    issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
-    next_loads(n);
-    sm90_wgmma_wait<1>();  // S done; P_{n-1} V_{n-1} may still run
-    sm90_pin(s);
-    softmax_tile(n);
-    sm90_wgmma_wait<0>();  // P_{n-1} V_{n-1} done: O and the P fragments are free
-    sm90_pin(o);
-    sm90_pin(pf);
-    rescale_pack();
-  }
-
-  if (ntiles > 0) {
-    sm90_wgmma_fence();
-    issue_pv(ntiles - 1);
-    sm90_wgmma_wait<0>();
-    sm90_pin(o);
-    sm90_pin(pf);
-  }
-  async_copy_wait<0>();
-
-  l0 = group_sum<4>(l0);
-  l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
-                          flags, first_bad);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
