@@ -8,6 +8,7 @@ transposed shared-memory operand nor a register one, and it has no register layo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -185,6 +186,17 @@ def layout_ops(interpret: bool):
     return plgpu.layout_cast, iota
 
 
+def pad_to(x, axis: int, multiple: int):
+    """``x`` zero-padded along ``axis`` to a multiple of ``multiple`` (a copy moves a multiple
+    of 128 bytes: int32 / f32 vectors go in multiples of 32)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
 def slab(ref, page, head, bshd: bool):
     """Page ``page``'s ``[page_size, head_dim]`` slab of KV head ``head``: a strided box of the
     bshd pool, a contiguous one of bhsd."""
@@ -200,6 +212,33 @@ def issue_step(ref, ring, bars, i, *, page_of, head, bshd, pages_per_step, page_
         page = page_of(i * pages_per_step + j)
         rows = pl.ds(j * page_size, page_size)
         plgpu.copy_gmem_to_smem(slab(ref, page, head, bshd), ring.at[slot, rows], bars.at[slot])
+
+
+class PageRing:
+    """The K and V page rings' copies of one kernel: ``k`` and ``v`` are (cache ref, ring,
+    barriers) triples; the rest is :func:`issue_step`'s. ``prologue`` issues the first
+    ``stages`` steps (those below ``n_steps``), ``refill(ring, i)`` step ``i + stages`` into
+    the slot step ``i`` has just read, ``issue(i)`` step ``i`` of both rings."""
+
+    def __init__(self, k, v, n_steps, *, page_of, head, bshd, pages_per_step, page_size, stages):
+        self.k, self.v, self.n_steps, self.stages = k, v, n_steps, stages
+        self.kw = dict(
+            page_of=page_of, head=head, bshd=bshd, pages_per_step=pages_per_step,
+            page_size=page_size, stages=stages,
+        )  # fmt: skip
+
+    def issue(self, i):
+        issue_step(*self.k, i, **self.kw)
+        issue_step(*self.v, i, **self.kw)
+
+    def prologue(self):
+        for i in range(self.stages):
+            pl.when(self.n_steps > i)(functools.partial(self.issue, i))
+
+    def refill(self, ring, i):
+        @pl.when(i + self.stages < self.n_steps)
+        def _():
+            issue_step(*ring, i + self.stages, **self.kw)
 
 
 def tiled():

@@ -133,29 +133,15 @@ def _parts(
             ok = (page >= 0) & (page < P)
             return jnp.where(ok, page, 0), ok
 
-        def issue(ref, ring, bars_, i):
-            """Copy step ``i``'s pages of ``ref`` into its slot of ``ring``."""
-            M.issue_step(
-                ref, ring, bars_, i, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
-                pages_per_step=pages_per_step, page_size=S, stages=NS,
-            )  # fmt: skip
-
+        k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
+        ring = M.PageRing(
+            k, v, n_steps, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
+            pages_per_step=pages_per_step, page_size=S, stages=NS,
+        )  # fmt: skip
         if not specialized:
-            # One warpgroup: the first NS steps' copies go out before q is awaited.
-            def prologue(i):
-                issue(k_ref, k_smem, k_bars, i)
-                issue(v_ref, v_smem, v_bars, i)
-
-            for i in range(NS):
-                pl.when(n_steps > i)(functools.partial(prologue, i))
-
-        def refill(ref, ring, bars_, i):
-            """After step ``i`` has read its slot: the single warpgroup copies step
-            ``i + NS`` into it."""
-
-            @pl.when(i + NS < n_steps)
-            def _():
-                issue(ref, ring, bars_, i + NS)
+            # One warpgroup: the first NS steps' copies go out before q is awaited; after step
+            # i has read its slot it copies step i + NS into it (ring.refill).
+            ring.prologue()
 
         @pl.when(wg == compute_wg)
         def _compute():
@@ -177,18 +163,17 @@ def _parts(
                     _, ok = page_at(c)
                     bad = bad | ((c < n_pages) & ~ok)
 
-                def released(free, ref, ring, bars_):
+                def released(free, triple):
                     # The copy warpgroup refills the slot, or this one does it now.
                     if specialized:
                         return lambda: plgpu.barrier_arrive(free.at[slot])
-                    return lambda: refill(ref, ring, bars_, i)
+                    return lambda: ring.refill(triple, i)
 
                 acc, m_i, l_i = M.ring_step(
                     i, slot, (acc, m_i, l_i), q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
                     k_bars=k_bars, v_bars=v_bars, keys=T, scale=scale, soft_cap=soft_cap,
                     iota=iota, visible=lambda key: key < n_tok, n_keys=n_tok,
-                    k_read=released(k_free, k_ref, k_smem, k_bars),
-                    v_read=released(v_free, v_ref, v_smem, v_bars), interpret=interpret,
+                    k_read=released(k_free, k), v_read=released(v_free, v), interpret=interpret,
                     **fp8_kw,
                 )  # fmt: skip
                 return acc, m_i, l_i, bad
@@ -222,8 +207,7 @@ def _parts(
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
 
-                issue(k_ref, k_smem, k_bars, i)
-                issue(v_ref, v_smem, v_bars, i)
+                ring.issue(i)
                 return carry
 
             lax.fori_loop(0, n_steps, body, 0)
@@ -280,16 +264,6 @@ def _parts(
     )(q64, k_cache, v_cache, tables, lens, *(() if factors is None else (factors,)))
 
 
-def _pad_to(x, axis: int, multiple: int):
-    n = x.shape[axis]
-    extra = -n % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -333,7 +307,7 @@ def _paged_attention(
     qk = q
     if fp8:
         qk, factor = M.to_float16(q, Hkv, k_scale)
-        factors = _pad_to(factor, 0, 32)
+        factors = M.pad_to(factor, 0, 32)
     # The group's heads as the first rows of 64 (wgmma's M), one [64, D] box per KV head.
     q64 = jnp.zeros((B, Hkv, ROWS, D), qk.dtype).at[:, :, :G].set(qk.reshape(B, Hkv, G, D))
     # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
@@ -343,7 +317,7 @@ def _paged_attention(
     width = (parts - 1) * partition_pages + -(-partition_pages // 32) * 32
     tables = block_tables.astype(jnp.int32)
     tables = jnp.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))
-    lens = _pad_to(seq_lens.astype(jnp.int32), 0, 32)
+    lens = M.pad_to(seq_lens.astype(jnp.int32), 0, 32)
     acc, ml = _parts(
         q64,
         k_cache,

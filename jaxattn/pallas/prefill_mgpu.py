@@ -163,23 +163,12 @@ def _kernel_call(
             page = tab_smem[jnp.minimum(c, W - 1)]
             return jnp.where((page >= 0) & (page < P), page, 0)
 
-        def issue(ref, ring, bars_, i):
-            M.issue_step(
-                ref, ring, bars_, i, page_of=page_at, head=h, bshd=bshd,
-                pages_per_step=pages_per_step, page_size=S, stages=NS,
-            )  # fmt: skip
-
-        def prologue(i):
-            issue(k_ref, k_smem, k_bars, i)
-            issue(v_ref, v_smem, v_bars, i)
-
-        for i in range(NS):
-            pl.when(n_steps > i)(functools.partial(prologue, i))
-
-        def refill(ref, ring, bars_, i):
-            @pl.when(i + NS < n_steps)
-            def _():
-                issue(ref, ring, bars_, i + NS)
+        k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
+        ring = M.PageRing(
+            k, v, n_steps, page_of=page_at, head=h, bshd=bshd, pages_per_step=pages_per_step,
+            page_size=S, stages=NS,
+        )  # fmt: skip
+        ring.prologue()
 
         plgpu.barrier_wait(q_bar.at[0])
         state = M.initial_state(cast, D)
@@ -195,8 +184,8 @@ def _kernel_call(
                 i, lax.rem(i, NS), state, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
                 k_bars=k_bars, v_bars=v_bars, keys=T, scale=scale, soft_cap=soft_cap, iota=iota,
                 visible=lambda key: (key <= limit) & (key < end), n_keys=end,
-                k_read=lambda: refill(k_ref, k_smem, k_bars, i),
-                v_read=lambda: refill(v_ref, v_smem, v_bars, i), interpret=interpret,
+                k_read=lambda: ring.refill(k, i), v_read=lambda: ring.refill(v, i),
+                interpret=interpret,
                 **fp8_kw,
             )  # fmt: skip
 
@@ -258,12 +247,11 @@ def _run(
     fp8 = Q.is_fp8(k_cache.dtype)
     if fp8:
         q, factor = M.to_float16(q, Hkv, k_scale)
-        kw["factors"] = jnp.pad(factor, (0, -Hkv % 32))
+        kw["factors"] = M.pad_to(factor, 0, 32)
     q_packed, info, dest = _tiles(q, cu_seqlens_q, seq_lens, group=G, capacity=capacity)
     # A copy moves a multiple of 128 bytes: the table row padded to 32 entries (the padding
     # is never read as a page of a request: the loop stops at its last key).
-    tables = block_tables.astype(jnp.int32)
-    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % 32)))
+    tables = M.pad_to(block_tables.astype(jnp.int32), 1, 32)
     out = _kernel_call(
         q_packed,
         k_cache,
