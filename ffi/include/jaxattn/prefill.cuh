@@ -19,8 +19,9 @@
 //
 // Three kernels:
 //   sm90  Hopper warpgroup MMA (wgmma, sm_90a only; prefill_sm90.cuh / prefill_sm90.cu):
-//         128-row tiles, two warpgroups, 3-stage cp.async ring of 128-key tiles, bf16/f16,
-//         head_dim 64 and 128. Used on compute capability 9.0 when the library was built with
+//         128-row tiles, 128-key tiles in 3-stage rings filled by cp.async gathers, bf16/f16,
+//         head_dim 64 and 128; 16-bit caches warp-specialised (a copying warpgroup, two
+//         computing ones), FP8 caches two warpgroups that copy, widen and compute. Used on compute capability 9.0 when the library was built with
 //         90 among JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A) and either the requests bring at
 //         least kSm90MinRowsPerRequest new tokens on average or the kernel can pack the query
 //         heads of a KV head into a tile's rows (16-bit caches, GQA groups of 2..16:

@@ -217,11 +217,10 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // entries) and first_bad (V values); the producer hands them over through shared memory and a
 // named barrier before the consumers store.
 //
-// JAXATTN_SM90_PINGPONG=1 builds FlashAttention-3's ping-pong: named barriers 2 and 3 order
-// warpgroup 1's S_n + P_{n-1} V_{n-1} issue before warpgroup 2's and that before warpgroup 1's
-// next, so one warpgroup's softmax runs while the other's products do. Off by default: on the
-// H200 it was 1-3% slower (prefill self-test, 8 x (2048 + 512) 424 against 433 TFLOP/s, 1 x
-// (0 + 8192) 495 against 505); the two warpgroups drift apart on their own.
+// FlashAttention-3's ping-pong (named barriers ordering the two consumer warpgroups' wgmma
+// issue, so one's softmax runs under the other's products) was 1-3% slower on the H200 (prefill
+// self-test, 8 x (2048 + 512) 425 against 434 TFLOP/s, 1 x (0 + 8192) 500 against 510): the
+// two warpgroups drift apart on their own. Not kept.
 //
 // Shared memory, D = 128: 32 KB Q + 3 x (32 KB K + 32 KB V) + 1 KB row offsets + 1 KB alignment
 // = 226 KB, barriers and first_bad static. ptxas (nvcc 13.0): no spills at 64 / 216 registers
@@ -242,15 +241,12 @@ struct Sm90Shape {
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + kOffBytes;
   static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
   static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
-  static_assert(kSmemBytes <= 232448 - 1024, "more shared memory than an sm_90 block may have");
+  static_assert(kSmemBytes <= 232448 - 1024,  // 1 KB for the static first_bad and barriers
+                "more shared memory than an sm_90 block may have");
 };
 
 constexpr int kSm90ProducerRegs = 64;
 constexpr int kSm90ConsumerRegs = 216;
-#ifndef JAXATTN_SM90_PINGPONG
-#define JAXATTN_SM90_PINGPONG 0
-#endif
-constexpr bool kSm90PingPong = JAXATTN_SM90_PINGPONG != 0;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -559,18 +555,14 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
       softmax_tile(0);
       rescale_pack();
     }
-    // Warpgroup 2 lets warpgroup 1 issue first; every sync meets exactly one arrival.
-    if (kSm90PingPong && cw == 1 && ntiles > 1) named_arrive(2, 256);
     for (int n = 1; n < ntiles; ++n) {
       const int sk = n % NS, sv = (n - 1) % NS;
       mbar_wait(kfull(sk), (n / NS) & 1);
       mbar_wait(vfull(sv), ((n - 1) / NS) & 1);
       sm90_fence_proxy_async();
-      if (kSm90PingPong) named_sync(2 + cw, 256);
       sm90_wgmma_fence();
       issue_s(n);       // group 1: S = Q K_n^T
       issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
-      if (kSm90PingPong && (cw == 0 || n + 1 < ntiles)) named_arrive(3 - cw, 256);
       sm90_wgmma_wait<1>();
       sm90_pin(s);
       release(kempty(sk));
