@@ -32,6 +32,21 @@ __device__ __forceinline__ uint4 lds128(const void* p) {
   return v;
 }
 
+// The same at a shared-memory address, and its store (st.shared.v4): address arithmetic in 32
+// bits, where generic pointers would hold 64.
+__device__ __forceinline__ uint4 lds128_at(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts128_at(uint32_t a, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // One 16-byte copy to a shared address (valid == false: 16 zero bytes, nothing read). Commit
 // and wait are async_copy_commit / async_copy_wait<N> of gpu_vendor.h.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {

@@ -19,22 +19,21 @@
 //
 // Three kernels:
 //   sm90  Hopper warpgroup MMA (wgmma, sm_90a only; prefill_sm90.cuh / prefill_sm90.cu):
-//         128-row tiles, 128-key tiles in 3-stage rings filled by cp.async gathers, bf16/f16,
-//         head_dim 64 and 128; 16-bit caches warp-specialised (a copying warpgroup, two
-//         computing ones), FP8 caches two warpgroups that copy, widen and compute. Used on compute capability 9.0 when the library was built with
-//         90 among JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A) and either the requests bring at
-//         least kSm90MinRowsPerRequest new tokens on average or the kernel can pack the query
-//         heads of a KV head into a tile's rows (16-bit caches, GQA groups of 2..16:
-//         prefill_sm90_packs). Without packing (MHA, FP8 caches), short
-//         extends leave most rows of a 128-row tile empty, and the mma kernel's 64-row tiles
-//         served them faster on an H200 (32 x (1000 + 24), bf16, 32/8: 179 us against 227 us).
+//         128-row tiles, 128-key tiles in rings filled by cp.async gathers, bf16/f16 q,
+//         head_dim 64 and 128, warp-specialised (a copying warpgroup, two computing ones).
+//         Used on compute capability 9.0 when the library was built with 90 among
+//         JAXATTN_CUDA_ARCHS (JAXATTN_HAVE_SM90A) and either the requests bring at least
+//         kSm90MinRowsPerRequest new tokens on average or the kernel can pack the query heads
+//         of a KV head into a tile's rows (GQA groups of 2..16: prefill_sm90_packs). Without
+//         packing (MHA), short extends leave most rows of a 128-row tile empty, and the mma
+//         kernel's 64-row tiles served them faster on an H200 (32 x (1000 + 24), bf16, 32/8:
+//         179 us against 227 us).
 //   mma   tensor-core mma.sync m16n8k16 (bf16/f16 with f32 accumulation, cp.async double
 //         buffering, swizzled shared memory) on NVIDIA sm_80+ for head_dim 64 and 128.
 //   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
 // FP8 caches (under a bf16 / f16 q): the simt kernel widens each element to float as it reads
-// it; the mma and sm90 kernels have FP8 variants (prefill_mma_fp8_kernel here,
-// prefill_sm90_fp8_kernel in prefill_sm90.cuh) that copy the tiles as stored, widen them to
-// float16 in shared memory, and compute in float16. The per-head scales: k_scale joins the
+// it; the mma kernel's FP8 variant (prefill_mma_fp8_kernel) and the sm90 kernel copy the tiles
+// as stored, widen them to float16 in shared memory, and compute in float16. The per-head scales: k_scale joins the
 // logit factor, v_scale the normalisation.
 // The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt; default auto:
 // the first of sm90, mma, simt that supports the call; jaxattn.native.PrefillConfig, whose
@@ -924,40 +923,6 @@ __device__ __forceinline__ void f16_row_factors(float qmax, float& pre, float& p
   post = __uint_as_float(uint32_t(254 - biased) << 23);
 }
 
-// Rows [0, rows) of a q tile in shared memory (bf16, 8-element chunks at chunk_off(r, c)) to
-// float16 in place, each row scaled by f16_row_factors; post[r] gets the inverse. Two threads a
-// row (NT >= 2 * rows), each over half of it. The sm90 kernel's q is a shared-memory operand.
-template <int D, int NT, typename Off>
-__device__ __forceinline__ void q_bf16_to_f16_rows(unsigned char* tile, int rows, float* post,
-                                                   Off chunk_off) {
-  constexpr int kHalf = D / 16;  // chunks in half a row
-  const int r = int(threadIdx.x) / 2, h = int(threadIdx.x) % 2;
-  const bool live = r < rows;
-  uint4 v[kHalf];
-  float qmax = 0.f;
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    v[i] = live ? *reinterpret_cast<const uint4*>(tile + chunk_off(r, h * kHalf + i))
-                : make_uint4(0u, 0u, 0u, 0u);
-    qmax = bf16x2_absmax(v[i].x, qmax);
-    qmax = bf16x2_absmax(v[i].y, qmax);
-    qmax = bf16x2_absmax(v[i].z, qmax);
-    qmax = bf16x2_absmax(v[i].w, qmax);
-  }
-  qmax = fmaxf(qmax, shfl_xor(qmax, 1));
-  float pre, inv;
-  f16_row_factors(qmax, pre, inv);
-  if (live) {
-    if (h == 0) post[r] = inv;
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      *reinterpret_cast<uint4*>(tile + chunk_off(r, h * kHalf + i)) =
-          make_uint4(bf16x2_to_f16x2(v[i].x, pre), bf16x2_to_f16x2(v[i].y, pre),
-                     bf16x2_to_f16x2(v[i].z, pre), bf16x2_to_f16x2(v[i].w, pre));
-    }
-  }
-}
-
 // A warp's q fragments (ldmatrix of 16 bf16 rows: registers 0 and 2 of every k step hold row g,
 // 1 and 3 row g + 8, and the quad's four lanes the whole row) to float16 in registers, each row
 // scaled by f16_row_factors; post0 / post1 get the inverses of rows g and g + 8. The mma
@@ -1328,13 +1293,12 @@ enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3 };
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles (when
 // the sm90 kernel cannot pack heads).
 constexpr int kSm90MinRowsPerRequest = 64;
-// Whether the 16-bit sm90 kernel packs the query heads of a KV head into each tile's rows
+// Whether the sm90 kernel packs the query heads of a KV head into each tile's rows
 // (PrefillParams::pack_heads; GQA groups of 2 to 16). A short extend then fills its 128-row
 // tiles (24 new tokens x 4 heads = 96 rows instead of 24) and every shape reads each K/V tile
 // once per KV head instead of once per query head. H200, bf16, 32/8 (prefill self-test): 32 x
 // (1000 + 24) 171 TFLOP/s against the mma kernel's 74 (the sm90 kernel unpacked: 57); 1 x
-// (0 + 8192) 381 against 366 unpacked; 8 x (2048 + 512) 337 against 339. The FP8 sm90 kernel
-// is not packed: at its 250 registers the packed instantiation spilled (f16 q, e4m3, D=128).
+// (0 + 8192) 381 against 366 unpacked; 8 x (2048 + 512) 337 against 339. FP8 caches pack too.
 inline bool prefill_sm90_packs(const PrefillParams& p) {
   const int group = p.kv.num_kv_heads > 0 ? p.num_q_heads / p.kv.num_kv_heads : 1;
   return group >= 2 && group <= 16;
@@ -1358,7 +1322,7 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
 #if defined(JAXATTN_HAVE_SM90A)
       const bool long_enough = forced ||
                                int64_t(p.total_q) >= int64_t(kSm90MinRowsPerRequest) * p.batch ||
-                               (sizeof(C) == 2 && prefill_sm90_packs(p));
+                               prefill_sm90_packs(p);
       if (long_enough && device_is_sm90() && prefill_sm90_fits(p))
         return launch_prefill_sm90<T, C>(p, stream);
 #endif

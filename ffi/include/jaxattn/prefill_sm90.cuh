@@ -42,8 +42,11 @@
 // dummy group that made wait_group 1 wait for P V as well). Key tiles stop at the tile holding
 // the last row's last visible key (key_range), exactly as the mma kernel.
 //
-// 16-bit caches: prefill_sm90_kernel, warp-specialised (below). FP8 caches:
-// prefill_sm90_fp8_kernel, two warpgroups that copy, widen and compute (at the end).
+// One kernel, prefill_sm90_kernel, warp-specialised (below), for 16-bit and FP8 caches. Over
+// an FP8 cache the products run in float16 (every FP8 value is exact there): the producer
+// copies the rows as stored (half the bytes) into the K ring and widens them into the
+// float16 K and V rings, and a bf16 q is moved to float16 per row by a power of two, undone in
+// the row's logit factor (as prefill.cuh's mma kernel does).
 #pragma once
 
 #include <cstdint>
@@ -226,7 +229,8 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // = 226 KB, barriers and first_bad static. ptxas (nvcc 13.0): no spills at 64 / 216 registers
 // (producer / consumers).
 // ------------------------------------------------------------------------------------------
-template <int D>
+// kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
+template <int D, bool kF8 = false>
 struct Sm90Shape {
   static constexpr int kBM = 128;
   static constexpr int kBN = 128;
@@ -235,12 +239,17 @@ struct Sm90Shape {
   static constexpr int kStages = 3;
   static constexpr int kChunks = D / 8;
   static constexpr int kRowsPerPass = kProducerThreads / kChunks;
+  static constexpr int kF8Chunks = D / 16;  // 16-byte FP8 chunks a row
+  static constexpr int kF8Rows = kProducerThreads / kF8Chunks;
   static constexpr int kQBytes = kBM * D * 2;
-  static constexpr int kTileBytes = kBN * D * 2;
+  static constexpr int kTileBytes = kBN * D * 2;  // a 16-bit K or V tile
+  static constexpr int kF8TileBytes = kBN * D;    // an FP8 K or V tile
   static constexpr int kOffBytes = 2 * kBN * 4;
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + kOffBytes;
   static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
   static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
+  static_assert(kF8Rows % 8 == 0, "a thread's widened rows must share one swizzle phase");
+  static_assert(2 * kF8TileBytes == kTileBytes, "an FP8 K and V tile fill one K stage");
   static_assert(kSmemBytes <= 232448 - 1024,  // 1 KB for the static first_bad and barriers
                 "more shared memory than an sm_90 block may have");
 };
@@ -284,11 +293,17 @@ __device__ __forceinline__ void set_max_regs_dec() {
 }
 #endif
 
-template <typename T, int D, bool kPack>
-__global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
+// T: q's and the output's type; C: the cache's (T, or an FP8 format: the products are then
+// float16, M below).
+template <typename T, typename C, int D, bool kPack>
+__global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     prefill_sm90_kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Sm90Shape<D>;
+  constexpr bool kF8 = sizeof(C) == 1;
+  // The wgmma operand type; a bf16 q over an FP8 cache is moved to float16 (kWidenQ).
+  using M = std::conditional_t<kF8, f16_t, T>;
+  constexpr bool kWidenQ = kF8 && std::is_same_v<T, bf16_t>;
+  using S = Sm90Shape<D, kF8>;
   constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
   constexpr int NS = S::kStages, NP = S::kProducerThreads;
   constexpr float kNegInf = -__builtin_huge_valf();
@@ -345,8 +360,6 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     set_max_regs_dec<kSm90ProducerRegs>();
     int flags = 0;  // kGuardIndexBad, kGuardValueBad
     const T* qg = static_cast<const T*>(p.q);
-    const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-    const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
     const int c = tid % CH, r0 = tid / CH;  // chunk c of rows r0 + i * RP
 #pragma unroll
     for (int i = 0; i < BM / RP; ++i) {
@@ -365,51 +378,153 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
     named_sync(1, NP);
     check_entries<NP, 16>(t, kv, range.end, flags);
-    const uint32_t v_own = sm90_tile_off<BN>(r0, c);
-    for (int n = 0; n < ntiles; ++n) {
-      const int s = n % NS, slot = n & 1;
-      const uint32_t par = ((n / NS) & 1) ^ 1;
-      // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
-      cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
-      ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
-      // This thread's rows of tile n, kBatch at a time: their offsets are read before the
-      // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
-      // it: row by row, every copy waited for its offset).
-      constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
-      auto copy_rows = [&](uint32_t dst, const T* src) {
+    if constexpr (kF8) {
+      // FP8: tile n's rows are copied as stored into K stage n % NS -- its K rows in the
+      // first half, its V rows in the second, plain rows of D bytes -- as soon as S_{n-NS} has
+      // released the stage (iteration n), and widened in iteration n + 1: V into V stage
+      // n % NS, then K in place, each thread its own chunks (16-byte chunk c8 of rows r8 + i *
+      // F8R: fp8_widen_chunk), visible to it after its own wait. In place, the float16 K rows
+      // overwrite FP8 rows other threads copied: every producer thread loads its FP8 K chunks,
+      // then a producer barrier, then the stores. So the float16 rings keep the 16-bit
+      // kernel's three stages and shared memory (a separate staging ring left room for two
+      // float16 stages: the same speed on an H200, while the 16-bit kernel with two stages
+      // lost 8%: the FP8 kernel is bound elsewhere, likely by the widening's instructions -- with
+      // the conversion in integer instructions instead of cvt it ran 38% slower). The stores
+      // are generic-proxy writes: fence.proxy.async, then a plain arrival on the full barrier.
+      // In a tile the mask crosses, the V pass of the guards scans the widened chunks (as
+      // prefill.cuh's mma kernel does).
+      constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows, R8 = BN / F8R, F8T = S::kF8TileBytes;
+      const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+      const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
+      int r8, c8;
+      fp8_widen_chunk<F8>(tid, r8, c8);
+      // 32-bit shared addresses (with generic pointers the producer spilled at its 64
+      // registers): this thread's rows lie F8R rows apart, F8R * D bytes in the FP8 rows and
+      // F8R * 128 in the swizzled tile (one swizzle phase).
+      const uint32_t src_own = uint32_t(r8 * D + c8 * 16);
+      const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
+      const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
+      auto load_own = [&](uint32_t src, uint4 (&raw)[R8]) {
 #pragma unroll
-        for (int b = 0; b < kRows; b += kBatch) {
-          uint32_t u[kBatch];
+        for (int i = 0; i < R8; ++i) raw[i] = lds128_at(src + src_own + i * F8R * D);
+      };
+      auto store_own = [&](const uint4 (&raw)[R8], uint32_t dst) {
 #pragma unroll
-          for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
-#pragma unroll
-          for (int i = 0; i < kBatch; ++i) {
-            const bool ok = u[i] != kSm90NoRow;
-            cp_async16(dst + sm90_tile_off<BN>(r0 + (b + i) * RP, c),
-                       ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
-          }
+        for (int i = 0; i < R8; ++i) {
+          uint4 lo, hi;
+          fp8x16_to_f16<C>(raw[i], lo, hi);
+          sts128_at(dst + lo_own + i * F8R * 128, lo);
+          sts128_at(dst + hi_own + i * F8R * 128, hi);
         }
       };
-      if (n >= NS) mbar_wait(kempty(s), par);
-      copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
-      mbar_arrive_copies(kfull(s));
-      if (n >= NS) mbar_wait(vempty(s), par);
-      const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
-      copy_rows(vd, vg);
-      if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
-        async_copy_commit();
-        async_copy_wait<0>();
-        if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
-                                                     range.full_end, range.end, c * 8,
-                                                     first_bad))
-          flags |= kGuardValueBad;
-        sm90_fence_proxy_async();
-        mbar_arrive(vfull(s));
-      } else {
-        mbar_arrive_copies(vfull(s));
+      for (int n = 0; n <= ntiles; ++n) {
+        const int slot = n & 1;
+        if (n < ntiles) {
+          const int s = n % NS;
+          cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
+          ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
+          if (n >= NS) mbar_wait(kempty(s), ((n / NS) & 1) ^ 1);
+          // K's rows, then V's, their offsets read before their copies.
+          auto copy_rows = [&](uint32_t dst, const C* src) {
+            uint32_t u[R8];
+#pragma unroll
+            for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
+#pragma unroll
+            for (int i = 0; i < R8; ++i) {
+              const bool ok = u[i] != kSm90NoRow;
+              cp_async16(dst + src_own + i * F8R * D,
+                         ok ? src + (int64_t(u[i]) << 3) + c8 * 16 : src, ok);
+            }
+          };
+          const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
+          copy_rows(kst, kg);
+          copy_rows(kst + F8T, vg);
+          async_copy_commit();
+        }
+        if (n >= 1) {
+          const int m = n - 1, s = m % NS;
+          if (n < ntiles) {
+            async_copy_wait<1>();
+          } else {
+            async_copy_wait<0>();
+          }
+          const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
+          const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
+          uint4 raw[R8];
+          load_own(kst + F8T, raw);
+          if (m >= NS) mbar_wait(vempty(s), ((m / NS) & 1) ^ 1);
+          store_own(raw, vt);
+          if (m * BN + BN > range.full_end) {
+            unsigned char* const vt_gen = gen + (vt - base);
+            const bool lo = sanitize_own_v<M, R8, F8R * 128, F8R>(
+                vt_gen + lo_own, m * BN + r8, range.full_end, range.end, c8 * 16, first_bad);
+            const bool hi = sanitize_own_v<M, R8, F8R * 128, F8R>(
+                vt_gen + hi_own, m * BN + r8, range.full_end, range.end, c8 * 16 + 8,
+                first_bad);
+            if (lo || hi) flags |= kGuardValueBad;
+          }
+          sm90_fence_proxy_async();
+          mbar_arrive(vfull(s));
+          load_own(kst, raw);
+          named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
+          store_own(raw, kst);
+          sm90_fence_proxy_async();
+          mbar_arrive(kfull(s));
+        }
+        if (n < ntiles) {
+          rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+          named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
+        }
       }
-      rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-      named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
+    } else {
+      const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+      const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+      const uint32_t v_own = sm90_tile_off<BN>(r0, c);
+      for (int n = 0; n < ntiles; ++n) {
+        const int s = n % NS, slot = n & 1;
+        const uint32_t par = ((n / NS) & 1) ^ 1;
+        // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
+        cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
+        ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
+        // This thread's rows of tile n, kBatch at a time: their offsets are read before the
+        // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
+        // it: row by row, every copy waited for its offset).
+        constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
+        auto copy_rows = [&](uint32_t dst, const T* src) {
+#pragma unroll
+          for (int b = 0; b < kRows; b += kBatch) {
+            uint32_t u[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              const bool ok = u[i] != kSm90NoRow;
+              cp_async16(dst + sm90_tile_off<BN>(r0 + (b + i) * RP, c),
+                         ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
+            }
+          }
+        };
+        if (n >= NS) mbar_wait(kempty(s), par);
+        copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
+        mbar_arrive_copies(kfull(s));
+        if (n >= NS) mbar_wait(vempty(s), par);
+        const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
+        copy_rows(vd, vg);
+        if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
+          async_copy_commit();
+          async_copy_wait<0>();
+          if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
+                                                       range.full_end, range.end, c * 8,
+                                                       first_bad))
+            flags |= kGuardValueBad;
+          sm90_fence_proxy_async();
+          mbar_arrive(vfull(s));
+        } else {
+          mbar_arrive_copies(vfull(s));
+        }
+        rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+        named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
+      }
     }
     async_copy_commit();
     async_copy_wait<0>();
@@ -439,7 +554,9 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
     float m0 = kNegInf, m1 = kNegInf;
     const int row0 = t.m0 + pack_token<kPack>(p, lr0);
     const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
-    const float qs = p.ls.q_scale * p.scales.k_of(kvh), cap = p.ls.cap_log2e;
+    // The rows' logit factors (a bf16 q over an FP8 cache: times the rows' q factors, below).
+    float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
+    const float cap = p.ls.cap_log2e;
     auto release = [&](uint32_t bar) {
       if (lane == 0) mbar_arrive(bar);
     };
@@ -447,13 +564,13 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
       const uint64_t dks = dk + uint64_t(((n % NS) * S::kTileBytes) >> 4);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        sm90_mma_ss_n128<T>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+        sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
       sm90_wgmma_commit();
     };
     auto issue_pv = [&](int n) {
       const uint64_t dvs = dv + uint64_t(((n % NS) * S::kTileBytes) >> 4);
 #pragma unroll
-      for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<T, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
+      for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<M, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
       sm90_wgmma_commit();
     };
     float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
@@ -470,7 +587,7 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
         for (int e = 0; e < 4; ++e) {
           float v = s[4 * j + e];
           if constexpr (!kFold) {
-            v *= qs;
+            v *= e < 2 ? qs0 : qs1;
             if (cap > 0.f) v = cap * tanhf(v);
           }
           if constexpr (kMask) {
@@ -484,8 +601,8 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
       mx0 = group_max<4>(mx0);
       mx1 = group_max<4>(mx1);
       if constexpr (kFold) {
-        mx0 *= qs;
-        mx1 *= qs;
+        mx0 *= qs0;
+        mx1 *= qs1;
       }
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
@@ -495,20 +612,20 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
       m1 = mn1;
       sum0 = 0.f;
       sum1 = 0.f;
-      const float sc = kFold ? qs : 1.f;
+      const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-        s[4 * j] = fast_exp2(fmaf(s[4 * j], sc, -mu0));
-        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc, -mu0));
-        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc, -mu1));
-        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc, -mu1));
+        s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
+        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
+        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
+        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
         sum0 += s[4 * j] + s[4 * j + 1];
         sum1 += s[4 * j + 2] + s[4 * j + 3];
       }
     };
     using True = std::true_type;
     using False = std::false_type;
-    const bool fold = !(cap > 0.f) && qs > 0.f;
+    const bool fold = !(cap > 0.f) && qs0 > 0.f && qs1 > 0.f;
     auto softmax_tile = [&](int n) {
       const bool masked = n * BN + BN > range.full_end;
       if (fold) {
@@ -540,11 +657,47 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
         }
       }
 #pragma unroll
-      for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
+      for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
     };
 
     if (ntiles > 0) {
       mbar_wait(qfull, 0);
+      if constexpr (kWidenQ) {
+        // A bf16 q over an FP8 cache: each quad moves its rows lr0 and lr0 + 8 to float16 in
+        // place (a quarter of each row a thread), scaled by the power of two that puts the
+        // row's largest |q| in [2^14, 2^15); the inverse joins the row's logit factor. The
+        // warpgroup's 64 rows are its wgmma A operand: fence, then a warpgroup barrier.
+        constexpr int QC = CH / 4;
+        uint4 v0[QC], v1[QC];
+        float mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < QC; ++i) {
+          v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
+          v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
+          mx0 = bf16x2_absmax(v0[i].w, bf16x2_absmax(v0[i].z, bf16x2_absmax(
+                    v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
+          mx1 = bf16x2_absmax(v1[i].w, bf16x2_absmax(v1[i].z, bf16x2_absmax(
+                    v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
+        }
+        mx0 = group_max<4>(mx0);
+        mx1 = group_max<4>(mx1);
+        float pre0, post0, pre1, post1;
+        f16_row_factors(mx0, pre0, post0);
+        f16_row_factors(mx1, pre1, post1);
+#pragma unroll
+        for (int i = 0; i < QC; ++i) {
+          *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0, tq * QC + i)) =
+              make_uint4(bf16x2_to_f16x2(v0[i].x, pre0), bf16x2_to_f16x2(v0[i].y, pre0),
+                         bf16x2_to_f16x2(v0[i].z, pre0), bf16x2_to_f16x2(v0[i].w, pre0));
+          *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i)) =
+              make_uint4(bf16x2_to_f16x2(v1[i].x, pre1), bf16x2_to_f16x2(v1[i].y, pre1),
+                         bf16x2_to_f16x2(v1[i].z, pre1), bf16x2_to_f16x2(v1[i].w, pre1));
+        }
+        qs0 *= post0;
+        qs1 *= post1;
+        sm90_fence_proxy_async();
+        named_sync(2 + cw, 128);
+      }
       mbar_wait(kfull(0), 0);
       sm90_fence_proxy_async();
       sm90_wgmma_fence();
@@ -594,378 +747,16 @@ __global__ void __launch_bounds__(Sm90Shape<D>::kThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// FP8 caches on the Hopper kernel: the same tiles and warpgroup products in float16 (every FP8
-// value is exact there; a bf16 q is moved to float16 per row by a power of two, undone in the
-// row's logit factor, as in the mma kernel). Key tiles are copied as stored (half the bytes)
-// into a staging area and widened into the float16 K and V rings in shared memory; each thread
-// widens exactly the chunks it copied (visible to it after its own wait, no barrier), so one
-// staging slot serves: tile n + 2 is copied into it as soon as this thread has widened tile
-// n + 1. Iteration n: barrier (tile n widened everywhere), S = Q K_n^T and O += P_{n-1} V_{n-1}
-// issued, then -- while the tensor cores run them -- this thread waits for its copies of tile
-// n + 1, widens them into K stage (n + 1) % 2 and V stage (n + 1) % 3 (their last readers, S_{n-1}
-// and P_{n-2} V_{n-2}, finished in iteration n - 1), scans the V chunks it widened where the
-// mask hides their keys from some rows (the guards, prefill.cuh), and issues its copies of tile
-// n + 2; then the softmax as in the 16-bit kernel. The next iteration's fence.proxy.async and
-// barrier publish the widened (and sanitised) tile, so nothing follows the loop but the last
-// P V. Shared memory at D = 128: 32 KB Q + 2 x 32 KB K + 3 x 32 KB V + 32 KB staging + 1 KB
-// offsets + 1 KB alignment slack = 226 KB, plus the guards' first_bad as static shared memory
-// (as in the 16-bit kernel): 227 KB, one block per SM; the rows' q factors live over V stage 2
-// until the first barrier of the loop has read them.
-template <int D>
-struct Sm90Fp8Shape {
-  static constexpr int kBM = 128;
-  static constexpr int kBN = 128;
-  static constexpr int kThreads = 256;
-  static constexpr int kKStages = 2;
-  static constexpr int kVStages = 3;
-  static constexpr int kChunks = D / 8;     // 16-byte float16 chunks a row
-  static constexpr int kF8Chunks = D / 16;  // 16-byte FP8 chunks a row
-  static constexpr int kF8Rows = kThreads / kF8Chunks;
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kQBytes = kBM * D * 2;
-  static constexpr int kTileBytes = kBN * D * 2;  // a float16 K or V tile
-  static constexpr int kStageBytes = kBN * D;     // an FP8 K or V tile
-  static constexpr int kOffBytes = 2 * kBN * 4;
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + (kKStages + kVStages) * kTileBytes + 2 * kStageBytes + kOffBytes;
-  static_assert(D == 64 || D == 128, "the sm90 kernel is built for head_dim 64 and 128");
-  static_assert(kRowsPerPass % 8 == 0, "a thread's copy rows must share one swizzle phase");
-  static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 block may have");
-  static_assert(kBM * 4 <= kTileBytes, "the rows' q factors fit in a V stage");
-};
-
 template <typename T, typename C, int D>
-__global__ void __launch_bounds__(Sm90Fp8Shape<D>::kThreads, 1)
-    prefill_sm90_fp8_kernel(const PrefillParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Sm90Fp8Shape<D>;
-  using M = f16_t;
-  constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
-  constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows;
-  constexpr int KS = S::kKStages, VS = S::kVStages;
-  constexpr float kNegInf = -__builtin_huge_valf();
-  extern __shared__ __align__(1024) unsigned char sm90_smem[];
-  const uint32_t raw = smem_u32(sm90_smem);
-  const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle patterns start on 1024 bytes
-  const uint32_t q_s = base;
-  const uint32_t k_s = q_s + S::kQBytes;                // K stage i at + i * kTileBytes
-  const uint32_t v_s = k_s + KS * S::kTileBytes;        // V stage i at + i * kTileBytes
-  unsigned char* const gen = sm90_smem + (base - raw);  // generic pointer to `base`
-  unsigned char* const st_s = gen + S::kQBytes + (KS + VS) * S::kTileBytes;  // FP8 K, then V
-  uint32_t* rowoff = reinterpret_cast<uint32_t*>(st_s + 2 * S::kStageBytes);
-  float* qpost = reinterpret_cast<float*>(gen + S::kQBytes + (KS + 2) * S::kTileBytes);
-
-  // The guards' first_bad, as in prefill_sm90_kernel.
-  __shared__ int first_bad[D];
-  init_first_bad<D>(first_bad, threadIdx.x, S::kThreads);
-  const int head = blockIdx.y;
-  PrefillTile t;
-  // The tile search's scratch: the FP8 staging, which the first copies fill after the barrier
-  // that follows the row offsets below.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(st_s), &t))
-    return;
-  const KvGeometry& kv = p.kv;
-  const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
-  const int tid = threadIdx.x;
-  const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const int shift = t.lk - t.lq;
-  const KeyRange range = key_range(t);
-  const int ntiles = (range.end + BN - 1) / BN;
-
-  int flags = 0;  // kGuardIndexBad, kGuardValueBad
-  // Row offsets of key tiles 0 and 1; thread r < BN keeps the cursor of row r.
-  RowCursor cur;
-  if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, flags);
-    rowoff[tid] = sm90_pack_off(cur.off);
-    cur.advance(kv, t.table, tid, BN, range.end, flags);
-    rowoff[BN + tid] = sm90_pack_off(cur.off);
-  }
-  __syncthreads();
-
-  const T* qg = static_cast<const T*>(p.q);
-  const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
-  const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
-  {
-    const int c = tid % CH, r0 = tid / CH;
-#pragma unroll
-    for (int i = 0; i < BM / RP; ++i) {
-      const int r = r0 + i * RP;
-      const bool ok = r < t.rows;
-      const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
-      cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
-    }
-  }
-  // This thread's FP8 chunks: chunk c8 of rows r8 + i * F8R, plain rows in the staging; it
-  // widens them into chunks 2 c8 and 2 c8 + 1 of the same rows, one column block, in rows that
-  // share their swizzle phase (F8R % 8 == 0), so they lie F8R rows apart.
-  static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
-  int r8, c8;
-  fp8_widen_chunk<F8>(tid, r8, c8);
-  auto load_fp8 = [&](int slot) {  // the tile whose offsets are in rowoff slot `slot`
-#pragma unroll
-    for (int i = 0; i < BN / F8R; ++i) {
-      const int r = r8 + i * F8R;
-      const uint32_t u = rowoff[slot * BN + r];
-      const bool ok = u != kSm90NoRow;
-      const int64_t off = int64_t(u) << 3;
-      unsigned char* dst = st_s + r * D + c8 * 16;
-      cp_async16(smem_u32(dst), ok ? kg + off + c8 * 16 : kg, ok);
-      cp_async16(smem_u32(dst + S::kStageBytes), ok ? vg + off + c8 * 16 : vg, ok);
-    }
-    async_copy_commit();
-  };
-  // Widens this thread's staged chunks of tile n into K stage n % 2 and V stage n % 3; in a tile
-  // the mask crosses, the guards' V pass then scans the V chunks just widened (this thread's
-  // own stores; prefill_mma_kernel's pass, on the widened values). Generic-proxy stores: the
-  // next tile_ready's fence.proxy.async and barrier publish them.
-  auto widen = [&](int n) {
-    async_copy_wait<0>();  // this thread's copies of tile n (the only group in flight)
-    unsigned char* kt = gen + S::kQBytes + (n % KS) * S::kTileBytes;
-    unsigned char* vt = gen + S::kQBytes + (KS + n % VS) * S::kTileBytes;
-    // K, then V: each half's staging loads issue back to back before its first widened store
-    // (ptxas keeps a shared load behind any earlier shared store it cannot prove disjoint, so
-    // row by row every conversion waited on its load).
-    constexpr int R = BN / F8R;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      unsigned char* dst = h == 0 ? kt : vt;
-      uint4 raw[R];
-#pragma unroll
-      for (int i = 0; i < R; ++i)
-        raw[i] = lds128(st_s + h * S::kStageBytes + (r8 + i * F8R) * D + c8 * 16);
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int r = r8 + i * F8R;
-        uint4 lo, hi;
-        fp8x16_to_f16<C>(raw[i], lo, hi);
-        *reinterpret_cast<uint4*>(dst + sm90_tile_off<BN>(r, 2 * c8)) = lo;
-        *reinterpret_cast<uint4*>(dst + sm90_tile_off<BN>(r, 2 * c8 + 1)) = hi;
-      }
-    }
-    if (n * BN + BN > range.full_end) {
-      const bool lo = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
-          vt + sm90_tile_off<BN>(r8, 2 * c8), n * BN + r8, range.full_end, range.end, c8 * 16,
-          first_bad);
-      const bool hi = sanitize_own_v<M, BN / F8R, F8R * 128, F8R>(
-          vt + sm90_tile_off<BN>(r8, 2 * c8 + 1), n * BN + r8, range.full_end, range.end,
-          c8 * 16 + 8, first_bad);
-      if (lo || hi) flags |= kGuardValueBad;
-    }
-  };
-  // Copies of tile n + 2 (offsets in slot n % 2), then the cursors step to tile n + 3, whose
-  // offsets replace those of tile n + 1 (read when its copies were issued, before a barrier).
-  auto next_copies = [&](int n) {
-    if (n + 2 < ntiles) load_fp8(n % 2);
-    if (tid < BN) {
-      cur.advance(kv, t.table, (n + 2) * BN + tid, BN, range.end, flags);
-      rowoff[((n + 1) % 2) * BN + tid] = sm90_pack_off(cur.off);
-    }
-  };
-
-  if (ntiles > 0) load_fp8(0);
-  if (ntiles == 0) async_copy_commit();
-  check_entries<S::kThreads, 16>(t, kv, range.end, flags);  // while tile 0 is in flight
-  async_copy_wait<0>();                                     // q and this thread's copies of tile 0
-  __syncthreads();  // every thread's q (the bf16 rows are scaled across threads)
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    q_bf16_to_f16_rows<D, S::kThreads>(gen, BM, qpost,
-                                       [](int r, int c) { return sm90_tile_off<BM>(r, c); });
-  }
-  if (ntiles > 0) widen(0);
-  if (ntiles > 1) load_fp8(1);
-  if (tid < BN) {  // tile 2's offsets into slot 0 (read by every thread before the barrier)
-    cur.advance(kv, t.table, BN + tid, BN, range.end, flags);
-    rowoff[tid] = sm90_pack_off(cur.off);
-  }
-
-  // Descriptors as in prefill_sm90_kernel; K stages and V stages are separate rings here.
-  const uint64_t dq = sm90_desc(q_s + uint32_t(wg * 64 * 128), 16, 1024);
-  const uint64_t dk = sm90_desc(k_s, 16, 1024);
-  const uint64_t dv = sm90_desc(v_s, BN * 128, 1024);
-  auto kstep = [](int kk, int rows) {
-    return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
-  };
-
-  float o[D / 2];
-  float s[BN / 2];
-  uint32_t pf[BN / 4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
-  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
-  const int lr0 = wg * 64 + wl * 16 + g;  // this thread's rows within the tile
-  const int row0 = t.m0 + lr0;            // and within the request
-  const int row1 = row0 + 8;
-  const float cap = p.ls.cap_log2e;
-  float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;  // times the rows' q factors
-
-  auto tile_ready = [&]() {
-    sm90_fence_proxy_async();  // this thread's widened stores (and q) to the async proxy
-    __syncthreads();
-  };
-  auto issue_s = [&](int n) {
-    const uint64_t dks = dk + uint64_t(((n % KS) * S::kTileBytes) >> 4);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
-    }
-    sm90_wgmma_commit();
-  };
-  auto issue_pv = [&](int n) {
-    const uint64_t dvs = dv + uint64_t(((n % VS) * S::kTileBytes) >> 4);
-#pragma unroll
-    for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<M, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
-    sm90_wgmma_commit();
-  };
-
-  float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
-  auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
-    constexpr bool kFold = decltype(fold_tag)::value;
-    const int n0 = n * BN;
-    const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
-    const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[4 * j + e];
-        if constexpr (!kFold) {
-          v *= e < 2 ? qs0 : qs1;
-          if (cap > 0.f) v = cap * tanhf(v);
-        }
-        if constexpr (kMask) {
-          if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
-        }
-        s[4 * j + e] = v;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = group_max<4>(mx0);
-    mx1 = group_max<4>(mx1);
-    if constexpr (kFold) {
-      mx0 *= qs0;
-      mx1 *= qs1;
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-    a0 = fast_exp2(m0 - mu0);
-    a1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    sum0 = 0.f;
-    sum1 = 0.f;
-    const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
-      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
-      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
-      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-  };
-  using True = std::true_type;
-  using False = std::false_type;
-  const bool fold = !(cap > 0.f) && qs0 > 0.f && qs1 > 0.f;
-  auto softmax_tile = [&](int n) {
-    const bool masked = n * BN + BN > range.full_end;
-    if (fold) {
-      if (masked) {
-        softmax(n, True{}, True{});
-      } else {
-        softmax(n, False{}, True{});
-      }
-    } else {
-      if (masked) {
-        softmax(n, True{}, False{});
-      } else {
-        softmax(n, False{}, False{});
-      }
-    }
-  };
-  auto rescale_pack = [&]() {
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[4 * i] *= a0;
-      o[4 * i + 1] *= a0;
-      o[4 * i + 2] *= a1;
-      o[4 * i + 3] *= a1;
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
-  };
-
-  if (ntiles > 0) {
-    tile_ready();
-    if constexpr (std::is_same_v<T, bf16_t>) {  // before V stage 2 (their home) is written
-      qs0 *= qpost[lr0];
-      qs1 *= qpost[lr0 + 8];
-    }
-    sm90_wgmma_fence();
-    issue_s(0);
-    if (ntiles > 1) widen(1);
-    next_copies(0);
-    sm90_wgmma_wait<0>();
-    sm90_pin(s);
-    softmax_tile(0);
-    rescale_pack();
-  }
-  for (int n = 1; n < ntiles; ++n) {
-    tile_ready();
-    sm90_wgmma_fence();
-    issue_s(n);       // group 1: S = Q K_n^T
-    issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
-    if (n + 1 < ntiles) widen(n + 1);
-    next_copies(n);
-    sm90_wgmma_wait<1>();
-    sm90_pin(s);
-    softmax_tile(n);
-    sm90_wgmma_wait<0>();
-    sm90_pin(o);
-    sm90_pin(pf);
-    rescale_pack();
-  }
-
-  if (ntiles > 0) {  // the last tile's V was published by the loop's last tile_ready
-    sm90_wgmma_fence();
-    issue_pv(ntiles - 1);
-    sm90_wgmma_wait<0>();
-    sm90_pin(o);
-    sm90_pin(pf);
-  }
-  async_copy_wait<0>();
-
-  l0 = group_sum<4>(l0);
-  l1 = group_sum<4>(l1);
-  prefill_mma_store<T, D>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o, flags, first_bad);
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-}
-
-template <typename T, typename C, int D>
-const char* launch_prefill_sm90_fp8_d(const PrefillParams& p, gpuStream_t stream) {
-  return launch_prefill_tiles<Sm90Fp8Shape<D>>(prefill_sm90_fp8_kernel<T, C, D>, p, stream);
-}
-
-template <typename T, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
+  using S = Sm90Shape<D, sizeof(C) == 1>;
   if (!prefill_sm90_packs(p))
-    return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D, false>, p, stream);
+    return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, false>, p, stream);
   // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
   PrefillParams q = p;
   q.pack_heads = p.num_q_heads / p.kv.num_kv_heads;
   q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(q.pack_heads) + 1);
-  return launch_prefill_tiles<Sm90Shape<D>>(prefill_sm90_kernel<T, D, true>, q, stream);
+  return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, true>, q, stream);
 }
 
 // Declared in prefill.cuh; instantiated in prefill_sm90.cu for T = bf16_t and f16_t, each with
@@ -974,13 +765,8 @@ template <typename T, typename C>
 const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream) {
   static_assert(sizeof(T) == 2, "the sm90 kernel takes a 16-bit q");
   if (!prefill_sm90_fits(p)) return "jaxattn: the sm90 prefill kernel does not take this shape";
-  if constexpr (sizeof(C) == 1) {
-    return p.kv.head_dim == 64 ? launch_prefill_sm90_fp8_d<T, C, 64>(p, stream)
-                               : launch_prefill_sm90_fp8_d<T, C, 128>(p, stream);
-  } else {
-    return p.kv.head_dim == 64 ? launch_prefill_sm90_d<T, 64>(p, stream)
-                               : launch_prefill_sm90_d<T, 128>(p, stream);
-  }
+  return p.kv.head_dim == 64 ? launch_prefill_sm90_d<T, C, 64>(p, stream)
+                             : launch_prefill_sm90_d<T, C, 128>(p, stream);
 }
 
 }  // namespace gpu
