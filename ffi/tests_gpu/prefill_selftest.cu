@@ -8,7 +8,8 @@
 //
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
-// skips the checks, --robust runs the robustness cases alone (small: for compute-sanitizer).
+// skips the checks, --robust runs the robustness cases alone, --fp8 the FP8 checks alone (both
+// small: for compute-sanitizer).
 //
 // Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
 // the whole cache NaN before the requests' keys are written, so unused pages and the slots
@@ -671,7 +672,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool checks = true, bench = true, robust = true;
+  bool checks = true, bench = true, robust = true, only_fp8 = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-bench") == 0) {
       bench = false;
@@ -679,8 +680,12 @@ int main(int argc, char** argv) {
       checks = robust = false;
     } else if (std::strcmp(argv[i], "--robust") == 0) {
       checks = bench = false;
+    } else if (std::strcmp(argv[i], "--fp8") == 0) {  // the FP8 checks alone (for racecheck)
+      only_fp8 = true;
+      bench = robust = false;
     } else {
-      std::fprintf(stderr, "usage: %s [--no-bench | --bench-only | --robust]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--no-bench | --bench-only | --robust | --fp8]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -758,6 +763,7 @@ int main(int argc, char** argv) {
     };
     std::printf("checks (vs CPU float64 reference):\n");
     for (const std::vector<Case>* list : {&cases, &fp8_cases}) {
+      if (only_fp8 && list == &cases) continue;
       for (const Case& c : *list) {
         const int r = check_case(c, rng);
         ++total;
