@@ -388,8 +388,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       // then a producer barrier, then the stores. So the float16 rings keep the 16-bit
       // kernel's three stages and shared memory (a separate staging ring left room for two
       // float16 stages: the same speed on an H200, while the 16-bit kernel with two stages
-      // lost 8%: the FP8 kernel is bound elsewhere, likely by the widening's instructions -- with
-      // the conversion in integer instructions instead of cvt it ran 38% slower). The stores
+      // lost 8%: the FP8 kernel is bound elsewhere. ncu: issue slots 39% busy in both kernels,
+      // the FP8 kernel's shared-memory wavefronts 1.5x the 16-bit kernel's; with the conversion
+      // in integer instructions instead of cvt it ran 38% slower, so the producer's chain of
+      // wait, load, convert, store and fence per tile is on the critical path). The stores
       // are generic-proxy writes: fence.proxy.async, then a plain arrival on the full barrier.
       // In a tile the mask crosses, the V pass of the guards scans the widened chunks (as
       // prefill.cuh's mma kernel does).
