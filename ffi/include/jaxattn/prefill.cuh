@@ -637,6 +637,110 @@ __device__ __forceinline__ void prefill_mma_store(const PrefillParams& p, const 
   }
 }
 
+// One key tile of the mma kernels, 16-bit and FP8 caches alike (M: the operand type, T or
+// float16): S = Q K^T from this warp's q fragments and the K tile at kb, the logits (times the
+// rows' factors qs0 / qs1; the soft cap and the mask as compile-time variants, so the common
+// tile -- no cap, no mask -- runs straight through: left to the compiler, they came out as a
+// test around every tanhf and mask selects on every tile once the loop grew), the online
+// softmax on this lane's rows row0 / row1 (m0, m1, and partial row sums l0, l1 that the quad
+// adds once at the end), O rescaled, and O += P V from the V tile at vb (the accumulator layout
+// of S is the A-operand layout of P: no shuffles).
+template <typename M, int D, int BN>
+__device__ __forceinline__ void prefill_mma_tile(const PrefillParams& p, const PrefillTile& t,
+                                                 const uint32_t (&qf)[D / 16][4], uint32_t kb,
+                                                 uint32_t vb, int n0, bool masked, int row0,
+                                                 int row1, int shift, float qs0, float qs1,
+                                                 float (&o)[D / 8][4], float& m0, float& m1,
+                                                 float& l0, float& l1) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int lane = int(threadIdx.x) % 32, tq = lane % 4;
+  float s[BN / 8][4];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      uint32_t bfr[4];
+      const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
+      ldmatrix_x4(bfr, kb + swz<D>(key, 2 * kk + (lane / 8) % 2));
+      mma16816<M>(s[2 * np], qf[kk], bfr[0], bfr[1]);
+      mma16816<M>(s[2 * np + 1], qf[kk], bfr[2], bfr[3]);
+    }
+  }
+
+  float mx0 = kNegInf, mx1 = kNegInf;
+  // Logits and row maxima.
+  auto logits = [&](auto cap_tag, auto mask_tag) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[j][e] * (e < 2 ? qs0 : qs1);
+        if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
+        if constexpr (decltype(mask_tag)::value) {
+          const int key = n0 + j * 8 + 2 * tq + (e & 1);
+          const int qi = e < 2 ? row0 : row1;
+          if (key >= t.lk || key > qi + shift) v = kNegInf;
+        }
+        s[j][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  if (p.ls.cap_log2e > 0.f) {
+    if (masked) {
+      logits(True{}, True{});
+    } else {
+      logits(True{}, False{});
+    }
+  } else {
+    if (masked) {
+      logits(False{}, True{});
+    } else {
+      logits(False{}, False{});
+    }
+  }
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+  const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    s[j][0] = fast_exp2(s[j][0] - mu0);
+    s[j][1] = fast_exp2(s[j][1] - mu0);
+    s[j][2] = fast_exp2(s[j][2] - mu1);
+    s[j][3] = fast_exp2(s[j][3] - mu1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = l0 * a0 + sum0;
+  l1 = l1 * a1 + sum1;
+  scale_c_rows(o, a0, a1);
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    const uint32_t pf[4] = {pack2<M>(s[2 * kk][0], s[2 * kk][1]),
+                            pack2<M>(s[2 * kk][2], s[2 * kk][3]),
+                            pack2<M>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            pack2<M>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t bfr[4];
+      const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      ldmatrix_x4_trans(bfr, vb + swz<D>(key, 2 * dp + lane / 16));
+      mma16816<M>(o[2 * dp], pf, bfr[0], bfr[1]);
+      mma16816<M>(o[2 * dp + 1], pf, bfr[2], bfr[3]);
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     prefill_mma_kernel(const PrefillParams p) {
@@ -758,95 +862,8 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     const uint32_t kb = smem_u32(k_s) + uint32_t(buf * S::kTileBytes);
     const uint32_t vb = smem_u32(v_s) + uint32_t(buf * S::kTileBytes);
 
-    float s[BN / 8][4];
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bfr[4];
-        const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
-        ldmatrix_x4(bfr, kb + swz<D>(key, 2 * kk + (lane / 8) % 2));
-        mma16816<T>(s[2 * np], qf[kk], bfr[0], bfr[1]);
-        mma16816<T>(s[2 * np + 1], qf[kk], bfr[2], bfr[3]);
-      }
-    }
-
-    float mx0 = kNegInf, mx1 = kNegInf;
-    // Logits and row maxima. The soft cap and the mask are compile-time variants, so the
-    // common tile (no cap, no mask) runs straight through: left to the compiler, they came out
-    // as a test around every tanhf and mask selects on every tile once the loop grew.
-    auto logits = [&](auto cap_tag, auto mask_tag) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[j][e] * q_scale;
-          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
-          if constexpr (decltype(mask_tag)::value) {
-            const int key = n0 + j * 8 + 2 * tq + (e & 1);
-            const int qi = e < 2 ? row0 : row1;
-            if (key >= t.lk || key > qi + shift) v = kNegInf;
-          }
-          s[j][e] = v;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-      }
-    };
-    using True = std::true_type;
-    using False = std::false_type;
-    if (p.ls.cap_log2e > 0.f) {
-      if (masked) {
-        logits(True{}, True{});
-      } else {
-        logits(True{}, False{});
-      }
-    } else {
-      if (masked) {
-        logits(False{}, True{});
-      } else {
-        logits(False{}, False{});
-      }
-    }
-    mx0 = group_max<4>(mx0);
-    mx1 = group_max<4>(mx1);
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      s[j][0] = fast_exp2(s[j][0] - mu0);
-      s[j][1] = fast_exp2(s[j][1] - mu0);
-      s[j][2] = fast_exp2(s[j][2] - mu1);
-      s[j][3] = fast_exp2(s[j][3] - mu1);
-      sum0 += s[j][0] + s[j][1];
-      sum1 += s[j][2] + s[j][3];
-    }
-    // Each lane keeps partial row sums; the quad's are added once at the end.
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    scale_c_rows(o, a0, a1);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      // The accumulator layout of S is the A-operand layout of P: no shuffles needed.
-      const uint32_t pf[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                              pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bfr[4];
-        const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        ldmatrix_x4_trans(bfr, vb + swz<D>(key, 2 * dp + lane / 16));
-        mma16816<T>(o[2 * dp], pf, bfr[0], bfr[1]);
-        mma16816<T>(o[2 * dp + 1], pf, bfr[2], bfr[3]);
-      }
-    }
+    prefill_mma_tile<T, D, BN>(p, t, qf, kb, vb, n0, masked, row0, row1, shift, q_scale,
+                               q_scale, o, m0, m1, l0, l1);
 
     if (tid < BN) {
       // Row offsets of tile n + 2 go where tile n's were: those loads were issued already.
@@ -1130,92 +1147,8 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
     }
     __syncthreads();  // the widened tile visible to every warp
 
-    float s[BN / 8][4];
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bfr[4];
-        const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
-        ldmatrix_x4(bfr, kb + swz<D>(key, 2 * kk + (lane / 8) % 2));
-        mma16816<M>(s[2 * np], qf[kk], bfr[0], bfr[1]);
-        mma16816<M>(s[2 * np + 1], qf[kk], bfr[2], bfr[3]);
-      }
-    }
-
-    float mx0 = kNegInf, mx1 = kNegInf;
-    // Logits and row maxima, with the soft cap and the mask as compile-time variants (as in
-    // prefill_mma_kernel: the common tile runs straight through).
-    auto logits = [&](auto cap_tag, auto mask_tag) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[j][e] * (e < 2 ? qs0 : qs1);
-          if constexpr (decltype(cap_tag)::value) v = p.ls.cap_log2e * tanhf(v);
-          if constexpr (decltype(mask_tag)::value) {
-            const int key = n0 + j * 8 + 2 * tq + (e & 1);
-            const int qi = e < 2 ? row0 : row1;
-            if (key >= t.lk || key > qi + shift) v = kNegInf;
-          }
-          s[j][e] = v;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-      }
-    };
-    using True = std::true_type;
-    using False = std::false_type;
-    if (p.ls.cap_log2e > 0.f) {
-      if (masked) {
-        logits(True{}, True{});
-      } else {
-        logits(True{}, False{});
-      }
-    } else {
-      if (masked) {
-        logits(False{}, True{});
-      } else {
-        logits(False{}, False{});
-      }
-    }
-    mx0 = group_max<4>(mx0);
-    mx1 = group_max<4>(mx1);
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      s[j][0] = fast_exp2(s[j][0] - mu0);
-      s[j][1] = fast_exp2(s[j][1] - mu0);
-      s[j][2] = fast_exp2(s[j][2] - mu1);
-      s[j][3] = fast_exp2(s[j][3] - mu1);
-      sum0 += s[j][0] + s[j][1];
-      sum1 += s[j][2] + s[j][3];
-    }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    scale_c_rows(o, a0, a1);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint32_t pf[4] = {pack2<M>(s[2 * kk][0], s[2 * kk][1]),
-                              pack2<M>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<M>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<M>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bfr[4];
-        const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        ldmatrix_x4_trans(bfr, vb + swz<D>(key, 2 * dp + lane / 16));
-        mma16816<M>(o[2 * dp], pf, bfr[0], bfr[1]);
-        mma16816<M>(o[2 * dp + 1], pf, bfr[2], bfr[3]);
-      }
-    }
+    prefill_mma_tile<M, D, BN>(p, t, qf, kb, vb, n0, masked, row0, row1, shift, qs0, qs1, o, m0,
+                               m1, l0, l1);
 
     if (tid < BN) {
       // Row offsets of tile n + 2 go where tile n's were: those copies were issued already.
