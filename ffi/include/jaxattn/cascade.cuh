@@ -310,58 +310,7 @@ __device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsign
 
   // Folds U rows (K and V vectors of this lane's slice) into the running state.
   auto consume = [&](const uint4(&kr)[U][NV], const uint4(&vr)[U][NV], const bool (&ok)[U]) {
-    float s[U][GC];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[EPL];
-#pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<T>(kr[u][j], &kf[j * VEC]);
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) dot = fmaf(q[g][e], kf[e], dot);
-        s[u][g] = dot;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        float v = group_sum<TG>(s[u][g]);
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        s[u][g] = ok[u] ? v : kNegInf;
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-      float mx = s[0][g];
-#pragma unroll
-      for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
-      const float m_new = fmaxf(m[g], mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m[g] - m_use);
-      l[g] *= alpha;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        s[u][g] = fast_exp2(s[u][g] - m_use);
-        l[g] += s[u][g];
-      }
-      m[g] = m_new;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[EPL];
-#pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<T>(vr[u][j], &vf[j * VEC]);
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
-      }
-    }
+    decode_fold_rows<T, U, NV, GC, EPL, VEC, TG>(kr, vr, ok, q, p.ls.cap_log2e, m, l, acc);
   };
 
   for (int n = 0; n < ntiles; ++n) {

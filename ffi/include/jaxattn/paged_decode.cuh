@@ -428,6 +428,71 @@ struct KvRing {
 // SIMT kernels (1 and 3).
 // ------------------------------------------------------------------------------------------
 
+// Folds U rows of K and V into the running softmax state of the GC query heads a lane holds
+// (the SIMT decode kernels: paged decode and cascade's own level): each lane holds NV vectors
+// of VEC elements of C of every row (TG lanes a row); the dot products with q are summed over
+// the row's lanes, soft-capped, masked where !ok[u], then the online max and sum, and acc +=
+// p v.
+template <typename C, int U, int NV, int GC, int EPL, int VEC, int TG, typename Vec>
+__device__ __forceinline__ void decode_fold_rows(const Vec (&kr)[U][NV], const Vec (&vr)[U][NV],
+                                                 const bool (&ok)[U], const float (&q)[GC][EPL],
+                                                 float cap_log2e, float (&m)[GC], float (&l)[GC],
+                                                 float (&acc)[GC][EPL]) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  float s[U][GC];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float kf[EPL];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) vec_to_float<C>(kr[u][j], &kf[j * VEC]);
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) dot = fmaf(q[g][e], kf[e], dot);
+      s[u][g] = dot;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      float v = group_sum<TG>(s[u][g]);
+      if (cap_log2e > 0.f) v = cap_log2e * tanhf(v);
+      s[u][g] = ok[u] ? v : kNegInf;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GC; ++g) {
+    float mx = s[0][g];
+#pragma unroll
+    for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+    const float m_new = fmaxf(m[g], mx);
+    const float m_use = m_new == kNegInf ? 0.f : m_new;
+    const float alpha = fast_exp2(m[g] - m_use);
+    l[g] *= alpha;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[u][g] = fast_exp2(s[u][g] - m_use);
+      l[g] += s[u][g];
+    }
+    m[g] = m_new;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float vf[EPL];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) vec_to_float<C>(vr[u][j], &vf[j * VEC]);
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
+    }
+  }
+}
+
 template <typename T, int D, int GT, bool DIRECT, typename C = T>
 __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
                                   (DecodeShape<T, D, GT, DIRECT, C>::kMinBlocks))
@@ -493,58 +558,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
 
   // Folds U rows (K and V vectors of this lane's slice) into the running state.
   auto consume = [&](const KvVec(&kr)[U][NV], const KvVec(&vr)[U][NV], const bool (&ok)[U]) {
-    float s[U][GC];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[EPL];
-#pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<C>(kr[u][j], &kf[j * VEC]);
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) dot = fmaf(q[g][e], kf[e], dot);
-        s[u][g] = dot;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-        float v = group_sum<TG>(s[u][g]);
-        if (p.ls.cap_log2e > 0.f) v = p.ls.cap_log2e * tanhf(v);
-        s[u][g] = ok[u] ? v : kNegInf;
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-      float mx = s[0][g];
-#pragma unroll
-      for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
-      const float m_new = fmaxf(m[g], mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m[g] - m_use);
-      l[g] *= alpha;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        s[u][g] = fast_exp2(s[u][g] - m_use);
-        l[g] += s[u][g];
-      }
-      m[g] = m_new;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[EPL];
-#pragma unroll
-      for (int j = 0; j < NV; ++j) vec_to_float<C>(vr[u][j], &vf[j * VEC]);
-#pragma unroll
-      for (int g = 0; g < GC; ++g) {
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(s[u][g], vf[e], acc[g][e]);
-      }
-    }
+    decode_fold_rows<C, U, NV, GC, EPL, VEC, TG>(kr, vr, ok, q, p.ls.cap_log2e, m, l, acc);
   };
 
   const KvVec zero{};

@@ -33,8 +33,8 @@
 //   simt  portable SIMT kernel (f32 math in shared memory) for everything else and for HIP.
 // FP8 caches (under a bf16 / f16 q): the simt kernel widens each element to float as it reads
 // it; the mma kernel's FP8 variant (prefill_mma_fp8_kernel) and the sm90 kernel copy the tiles
-// as stored, widen them to float16 in shared memory, and compute in float16. The per-head scales: k_scale joins the
-// logit factor, v_scale the normalisation.
+// as stored, widen them to float16 in shared memory, and compute in float16. The per-head
+// scales: k_scale joins the logit factor, v_scale the normalisation.
 // The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt; default auto:
 // the first of sm90, mma, simt that supports the call; jaxattn.native.PrefillConfig, whose
 // default comes from $JAXATTN_PREFILL_KERNEL) forces one: a forced kernel is used wherever it

@@ -311,9 +311,9 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
   const uint32_t raw = smem_u32(sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t q_s = base;
-  const uint32_t k_s = base + S::kQBytes;                 // K stage i at + i * kTileBytes
-  const uint32_t v_s = k_s + NS * S::kTileBytes;          // V stage i at + i * kTileBytes
-  unsigned char* const gen = sm90_smem + (base - raw);    // generic pointer to `base`
+  const uint32_t k_s = base + S::kQBytes;               // K stage i at + i * kTileBytes
+  const uint32_t v_s = k_s + NS * S::kTileBytes;        // V stage i at + i * kTileBytes
+  unsigned char* const gen = sm90_smem + (base - raw);  // generic pointer to `base`
   uint32_t* rowoff = reinterpret_cast<uint32_t*>(gen + S::kQBytes + 2 * NS * S::kTileBytes);
 
   __shared__ int first_bad[D];
@@ -406,11 +406,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const uint32_t src_own = uint32_t(r8 * D + c8 * 16);
       const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
       const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
-      auto load_own = [&](uint32_t src, uint4 (&raw)[R8]) {
+      auto load_own = [&](uint32_t src, uint4(&raw)[R8]) {
 #pragma unroll
         for (int i = 0; i < R8; ++i) raw[i] = lds128_at(src + src_own + i * F8R * D);
       };
-      auto store_own = [&](const uint4 (&raw)[R8], uint32_t dst) {
+      auto store_own = [&](const uint4(&raw)[R8], uint32_t dst) {
 #pragma unroll
         for (int i = 0; i < R8; ++i) {
           uint4 lo, hi;
