@@ -343,25 +343,7 @@ __device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsign
   }
   async_copy_wait<0>();
 
-  // Merge the lane groups of each warp (they saw disjoint rows).
-#pragma unroll
-  for (int off = TG; off < WARP_SIZE; off *= 2) {
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-      const float mo = shfl_xor(m[g], off);
-      const float lo = shfl_xor(l[g], off);
-      const float m_new = fmaxf(m[g], mo);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float a = fast_exp2(m[g] - m_use), ao = fast_exp2(mo - m_use);
-      l[g] = l[g] * a + lo * ao;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        const float other = shfl_xor(acc[g][e], off);
-        acc[g][e] = acc[g][e] * a + other * ao;
-      }
-      m[g] = m_new;
-    }
-  }
+  decode_merge_lane_groups<GC, EPL, TG>(m, l, acc);  // they saw disjoint rows
 
   // Then the warps, which split the tile's rows, through shared memory in a fixed order.
   float* red = reinterpret_cast<float*>(smem);

@@ -493,6 +493,31 @@ __device__ __forceinline__ void decode_fold_rows(const Vec (&kr)[U][NV], const V
   }
 }
 
+// Merges the states (m, l, acc) of the lane groups of each warp, which saw disjoint rows.
+template <int GC, int EPL, int TG>
+__device__ __forceinline__ void decode_merge_lane_groups(float (&m)[GC], float (&l)[GC],
+                                                         float (&acc)[GC][EPL]) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+#pragma unroll
+  for (int off = TG; off < WARP_SIZE; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < GC; ++g) {
+      const float mo = shfl_xor(m[g], off);
+      const float lo = shfl_xor(l[g], off);
+      const float m_new = fmaxf(m[g], mo);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float a = fast_exp2(m[g] - m_use), ao = fast_exp2(mo - m_use);
+      l[g] = l[g] * a + lo * ao;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const float other = shfl_xor(acc[g][e], off);
+        acc[g][e] = acc[g][e] * a + other * ao;
+      }
+      m[g] = m_new;
+    }
+  }
+}
+
 template <typename T, int D, int GT, bool DIRECT, typename C = T>
 __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
                                   (DecodeShape<T, D, GT, DIRECT, C>::kMinBlocks))
@@ -628,25 +653,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
     async_copy_wait<0>();
   }
 
-  // Merge the lane groups of each warp (they saw disjoint rows).
-#pragma unroll
-  for (int off = TG; off < WARP_SIZE; off *= 2) {
-#pragma unroll
-    for (int g = 0; g < GC; ++g) {
-      const float mo = shfl_xor(m[g], off);
-      const float lo = shfl_xor(l[g], off);
-      const float m_new = fmaxf(m[g], mo);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float a = fast_exp2(m[g] - m_use), ao = fast_exp2(mo - m_use);
-      l[g] = l[g] * a + lo * ao;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        const float other = shfl_xor(acc[g][e], off);
-        acc[g][e] = acc[g][e] * a + other * ao;
-      }
-      m[g] = m_new;
-    }
-  }
+  decode_merge_lane_groups<GC, EPL, TG>(m, l, acc);  // they saw disjoint rows
 
   // The value scale (with the widening factor), read once the loop no longer needs registers.
   const float v_scale = p.scales.v_of(kvh) * Widen<C>::kScale;
