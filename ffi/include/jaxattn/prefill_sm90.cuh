@@ -218,7 +218,9 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // A consumer executes fence.proxy.async after each full wait, before its wgmma reads the stage
 // (the copies are generic-proxy writes). The guards' flags live in the producer (index
 // entries) and first_bad (V values); the producer hands them over through shared memory and a
-// named barrier before the consumers store.
+// named barrier before the consumers store. Named barriers: 1 the producer's own, 2 and 3 each
+// consumer warpgroup's (its q rows moved to float16: a bf16 q over an FP8 cache), 4 the
+// flags' hand-over.
 //
 // FlashAttention-3's ping-pong (named barriers ordering the two consumer warpgroups' wgmma
 // issue, so one's softmax runs under the other's products) was 1-3% slower on the H200 (prefill
