@@ -549,25 +549,8 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
       mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
       mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
     }
-    mx0 = group_max<4>(mx0);
-    mx1 = group_max<4>(mx1);
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < TILE / 8; ++j) {
-      sc[j][0] = fast_exp2(sc[j][0] - mu0);
-      sc[j][1] = fast_exp2(sc[j][1] - mu0);
-      sc[j][2] = fast_exp2(sc[j][2] - mu1);
-      sc[j][3] = fast_exp2(sc[j][3] - mu1);
-      sum0 += sc[j][0] + sc[j][1];
-      sum1 += sc[j][2] + sc[j][3];
-    }
-    l0 = l0 * a0 + sum0;  // this lane's share; the quad's are added once at the end
-    l1 = l1 * a1 + sum1;
+    float a0, a1;  // this lane's share of l0 / l1; the quad's are added once at the end
+    mma_online_softmax(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {

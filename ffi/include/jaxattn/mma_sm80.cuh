@@ -106,6 +106,39 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // settle, every factor is exp2(0), exactly 1, and a NaN factor is not 1, so NaN still
 // propagates.
 //
+// The online softmax step of an m16n8 accumulator tile of logits in base 2, s[J][4] (this
+// lane's columns of row g in elements 0, 1, of row g + 8 in 2, 3) whose lane-local row maxima
+// are mx0 / mx1: the quad's maxima, the running maxima m0 / m1 updated, s replaced by exp2(s -
+// max) (a row that has seen only -inf subtracts 0, so its probabilities stay 0), this lane's
+// partial row sums l0 / l1 rescaled and increased (the quad's are added once at the end). a0 /
+// a1 get the factors that rescale the rows' O (scale_c_rows).
+template <int J>
+__device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, float mx1,
+                                                   float& m0, float& m1, float& l0, float& l1,
+                                                   float& a0, float& a1) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+  a0 = fast_exp2(m0 - mu0);
+  a1 = fast_exp2(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    s[j][0] = fast_exp2(s[j][0] - mu0);
+    s[j][1] = fast_exp2(s[j][1] - mu0);
+    s[j][2] = fast_exp2(s[j][2] - mu1);
+    s[j][3] = fast_exp2(s[j][3] - mu1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = l0 * a0 + sum0;
+  l1 = l1 * a1 + sum1;
+}
+
 // Row by row: a0 on row g (elements 0, 1), a1 on row g + 8 (2, 3).
 template <int N>
 __device__ __forceinline__ void scale_c_rows(float (&o)[N][4], float a0, float a1) {

@@ -704,25 +704,8 @@ __device__ __forceinline__ void prefill_mma_tile(const PrefillParams& p, const P
       logits(False{}, False{});
     }
   }
-  mx0 = group_max<4>(mx0);
-  mx1 = group_max<4>(mx1);
-  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-  const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-  const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
-  m0 = mn0;
-  m1 = mn1;
-  float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    s[j][0] = fast_exp2(s[j][0] - mu0);
-    s[j][1] = fast_exp2(s[j][1] - mu0);
-    s[j][2] = fast_exp2(s[j][2] - mu1);
-    s[j][3] = fast_exp2(s[j][3] - mu1);
-    sum0 += s[j][0] + s[j][1];
-    sum1 += s[j][2] + s[j][3];
-  }
-  l0 = l0 * a0 + sum0;
-  l1 = l1 * a1 + sum1;
+  float a0, a1;
+  mma_online_softmax(s, mx0, mx1, m0, m1, l0, l1, a0, a1);
   scale_c_rows(o, a0, a1);
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
