@@ -24,16 +24,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // out of nvcc as four 4-byte loads, and where a quarter-warp's 16-byte loads take one
 // wavefront, its 4-byte loads of rows 128 bytes apart meet 4-way bank conflicts (the FP8
 // prefill kernels' staging reads did).
-__device__ __forceinline__ uint4 lds128(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_u32(p)));
-  return v;
-}
-
-// The same at a shared-memory address, and its store (st.shared.v4): address arithmetic in 32
-// bits, where generic pointers would hold 64.
+// lds128_at takes the shared-memory address itself, and sts128_at stores (st.shared.v4):
+// address arithmetic in 32 bits, where generic pointers would hold 64.
 __device__ __forceinline__ uint4 lds128_at(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -41,6 +33,7 @@ __device__ __forceinline__ uint4 lds128_at(uint32_t a) {
                : "r"(a));
   return v;
 }
+__device__ __forceinline__ uint4 lds128(const void* p) { return lds128_at(smem_u32(p)); }
 __device__ __forceinline__ void sts128_at(uint32_t a, const uint4& v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
