@@ -10,11 +10,14 @@ a shell reports for it). Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 
 PROG = "python -m jaxattn"
@@ -657,6 +660,32 @@ def _end_progress_line() -> None:
         progress.end_line()
 
 
+@contextlib.contextmanager
+def _interrupts_remembered():
+    """Note every SIGINT while the command runs, besides raising KeyboardInterrupt as usual.
+
+    Yields a list that is non-empty once a SIGINT arrived. Where SIGINT is not Python's default
+    handler (ignored by a background launcher, or set by the embedding program), it is left
+    alone and the list stays empty.
+    """
+    seen: list = []
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield seen
+        return
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run(args) -> int:
     return info(args) if args.command == "info" else demo(args)
 
@@ -686,7 +715,14 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        return _run(args)
+        with _interrupts_remembered() as interrupted:
+            status = _run(args)
+        if interrupted:
+            # The KeyboardInterrupt was swallowed on its way up: one raised inside a garbage
+            # collector callback or a __del__ is printed and dropped by Python. Ctrl-C still
+            # means interrupted.
+            raise KeyboardInterrupt
+        return status
     except UsageError as e:
         _end_progress_line()
         message = str(e)
