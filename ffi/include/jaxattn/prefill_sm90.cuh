@@ -584,7 +584,13 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const int n0 = n * BN;
       const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
       const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
-      float mx0 = kNegInf, mx1 = kNegInf;
+#ifndef JAXATTN_SM90_CHAINS
+#define JAXATTN_SM90_CHAINS 1
+#endif
+      constexpr int NC = JAXATTN_SM90_CHAINS;
+      float mxp0[NC], mxp1[NC];
+#pragma unroll
+      for (int i = 0; i < NC; ++i) mxp0[i] = mxp1[i] = kNegInf;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -599,11 +605,16 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           }
           s[4 * j + e] = v;
         }
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        mxp0[j % NC] = fmaxf(mxp0[j % NC], fmaxf(s[4 * j], s[4 * j + 1]));
+        mxp1[j % NC] = fmaxf(mxp1[j % NC], fmaxf(s[4 * j + 2], s[4 * j + 3]));
       }
-      mx0 = group_max<4>(mx0);
-      mx1 = group_max<4>(mx1);
+#pragma unroll
+      for (int i = 1; i < NC; ++i) {
+        mxp0[0] = fmaxf(mxp0[0], mxp0[i]);
+        mxp1[0] = fmaxf(mxp1[0], mxp1[i]);
+      }
+      float mx0 = group_max<4>(mxp0[0]);
+      float mx1 = group_max<4>(mxp1[0]);
       if constexpr (kFold) {
         mx0 *= qs0;
         mx1 *= qs1;
@@ -614,18 +625,26 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       a1 = fast_exp2(m1 - mu1);
       m0 = mn0;
       m1 = mn1;
-      sum0 = 0.f;
-      sum1 = 0.f;
       const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
+      float smp0[NC], smp1[NC];
+#pragma unroll
+      for (int i = 0; i < NC; ++i) smp0[i] = smp1[i] = 0.f;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
         s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
         s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
         s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
-        sum0 += s[4 * j] + s[4 * j + 1];
-        sum1 += s[4 * j + 2] + s[4 * j + 3];
+        smp0[j % NC] += s[4 * j] + s[4 * j + 1];
+        smp1[j % NC] += s[4 * j + 2] + s[4 * j + 3];
       }
+#pragma unroll
+      for (int i = 1; i < NC; ++i) {
+        smp0[0] += smp0[i];
+        smp1[0] += smp1[i];
+      }
+      sum0 = smp0[0];
+      sum1 = smp1[0];
     };
     using True = std::true_type;
     using False = std::false_type;
