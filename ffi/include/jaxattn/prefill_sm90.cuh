@@ -256,6 +256,18 @@ struct Sm90Shape {
                 "more shared memory than an sm_90 block may have");
 };
 
+// Experiment switches (compile-time, default off; prefill_selftest builds them with -D): a
+// tree of JAXATTN_SM90_CHAINS partial maxima and sums per row in the softmax instead of one
+// dependent chain; JAXATTN_SM90_FP8_ONE_BARRIER: one producer barrier per FP8 tile instead of
+// two (the row offsets of the next tile published before the widening, so that the barrier
+// before the in-place K stores serves both). Neither has been timed yet.
+#ifndef JAXATTN_SM90_CHAINS
+#define JAXATTN_SM90_CHAINS 1
+#endif
+#ifndef JAXATTN_SM90_FP8_ONE_BARRIER
+#define JAXATTN_SM90_FP8_ONE_BARRIER 0
+#endif
+
 constexpr int kSm90ProducerRegs = 64;
 constexpr int kSm90ConsumerRegs = 216;
 
@@ -445,6 +457,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           copy_rows(kst + F8T, vg);
           async_copy_commit();
         }
+#if JAXATTN_SM90_FP8_ONE_BARRIER
+        // The next tile's row offsets first, so that one producer barrier a tile serves them
+        // and the in-place K stores below.
+        if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+        if (n == 0) named_sync(1, NP);
+#endif
         if (n >= 1) {
           const int m = n - 1, s = m % NS;
           if (n < ntiles) {
@@ -475,10 +493,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           sm90_fence_proxy_async();
           mbar_arrive(kfull(s));
         }
+#if !JAXATTN_SM90_FP8_ONE_BARRIER
         if (n < ntiles) {
           rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
           named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
         }
+#endif
       }
     } else {
       const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
@@ -584,9 +604,6 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const int n0 = n * BN;
       const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
       const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
-#ifndef JAXATTN_SM90_CHAINS
-#define JAXATTN_SM90_CHAINS 1
-#endif
       constexpr int NC = JAXATTN_SM90_CHAINS;
       float mxp0[NC], mxp1[NC];
 #pragma unroll
