@@ -3,7 +3,8 @@
 * ``JAXATTN_PARTITION_SIZE``: tokens per split-KV partition of the native decode kernel when
   the call gives no ``partition_size`` and no ``config`` (a positive integer);
 * ``JAXATTN_PREFILL_KERNEL``: the native GPU prefill kernel, ``auto`` (default), ``sm90``
-  (Hopper wgmma), ``mma`` (mma.sync) or ``simt``.
+  (Hopper wgmma), ``mma`` (mma.sync), ``simt`` or ``sm90_persistent`` (the Hopper kernel, one
+  block per multiprocessor looping over the tiles).
 
 The variables only change which configuration a backend's heuristic returns; the chosen
 values travel as the kernels' static attributes (``partition_size``, ``kernel`` of the FFI
@@ -20,7 +21,7 @@ import os
 
 PARTITION_SIZE = "JAXATTN_PARTITION_SIZE"
 PREFILL_KERNEL = "JAXATTN_PREFILL_KERNEL"
-PREFILL_KERNELS = ("auto", "sm90", "mma", "simt")
+PREFILL_KERNELS = ("auto", "sm90", "mma", "simt", "sm90_persistent")
 
 
 @dataclasses.dataclass(frozen=True)

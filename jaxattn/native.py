@@ -399,7 +399,7 @@ class DecodeConfig:
             raise ValueError(f"partition_size must be >= 0, got {self.partition_size}")
 
 
-_KERNEL_IDS = {"auto": 0, "sm90": 1, "mma": 2, "simt": 3}
+_KERNEL_IDS = {"auto": 0, "sm90": 1, "mma": 2, "simt": 3, "sm90_persistent": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +408,10 @@ class PrefillConfig:
     kernel: ``auto`` (the Hopper wgmma kernel on compute capability 9.0 for extends of 64
     or more new tokens a request on average, else the mma.sync one, else SIMT), ``sm90``,
     ``mma`` or ``simt``; a forced kernel is used wherever it supports the dtype and head
-    dim. The CPU has one kernel."""
+    dim. ``sm90_persistent``: the Hopper kernel launched one block per multiprocessor, each
+    looping over the tiles (overlapping one tile's last products with the next one's first
+    loads), which ``auto`` does not pick until it has been timed against the one-tile-a-block
+    launch. The CPU has one kernel."""
 
     kernel: str = "auto"
 

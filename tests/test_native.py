@@ -102,7 +102,7 @@ def test_config_reaches_the_kernel(rng):
     c = make_prefix_prefill(
         rng, [20, 0], [5, 33], num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=16
     )
-    for kernel in ("auto", "mma", "simt"):
+    for kernel in ("auto", "sm90", "sm90_persistent", "mma", "simt"):  # the CPU has one kernel
         out = call_prefill(
             jaxattn.prefix_prefill,
             c,
@@ -110,6 +110,52 @@ def test_config_reaches_the_kernel(rng):
             config=native.PrefillConfig(kernel=kernel),
         )
         assert_close(out, spec_prefill(c))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        # layout, kv dtype, heads, prefix lens, new lens: many more tiles than multiprocessors
+        # (each block loops over several), uneven requests, an empty prompt, padding rows.
+        ("bshd", jnp.bfloat16, (32, 8), [2048, 0, 1000, 37], [512, 1000, 24, 300]),
+        ("bhsd", jnp.float16, (16, 16), [300, 0], [700, 129]),
+        ("bshd", jnp.float8_e4m3fn, (32, 8), [1000, 2000], [24, 600]),
+        ("bshd", jnp.bfloat16, (8, 2), [5, 0, 64], [0, 3, 1]),
+    ],
+)
+def test_sm90_persistent_matches_the_spec_and_the_one_tile_launch(rng, case):
+    """The Hopper prefill launched one block per multiprocessor (each looping over tiles, the
+    guards' state handed from tile to tile) against the spec, every unread slot NaN, and
+    against the same kernel launched one tile a block (the same arithmetic per tile)."""
+    if str(getattr(jax.devices()[0], "compute_capability", "")) != "9.0":
+        pytest.skip("the sm90 kernels run on compute capability 9.0")
+    layout, kv_dtype, (hq, hkv), prefix, new = case
+    dtype = jnp.bfloat16 if kv_dtype == jnp.float8_e4m3fn else kv_dtype
+    c = make_prefix_prefill(
+        rng,
+        prefix,
+        new,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        page_size=16,
+        layout=layout,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        pad_rows=7,
+    )
+    outs = {
+        kernel: call_prefill(
+            jaxattn.prefix_prefill,
+            c,
+            implementation="native",
+            config=native.PrefillConfig(kernel=kernel),
+        )
+        for kernel in ("sm90_persistent", "sm90")
+    }
+    assert_close(outs["sm90_persistent"], spec_prefill(c), dtype)
+    assert_close(outs["sm90_persistent"], outs["sm90"], dtype)
 
 
 def test_prefill_kernel_override_is_in_the_program(rng, set_env):

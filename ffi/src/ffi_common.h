@@ -156,8 +156,9 @@ inline ffi::Error fill_prefill_query(const ffi::AnyBuffer& q, const ffi::Buffer<
                                      ffi::AnyBuffer out, float scale, float soft_cap,
                                      int32_t kernel, PrefillParams* p) {
   if (auto e = check_query(q, p->kv); e.failure()) return e;
-  if (kernel < 0 || kernel > 3)
-    return invalid("kernel attribute must be 0 (auto), 1 (sm90), 2 (mma) or 3 (simt)");
+  if (kernel < 0 || kernel > 4)
+    return invalid(
+        "kernel attribute must be 0 (auto), 1 (sm90), 2 (mma), 3 (simt) or 4 (sm90_persistent)");
   p->kernel = kernel;
   const auto qd = q.dimensions();
   if (cu_q.dimensions().size() != 1 || cu_q.dimensions()[0] < 1)

@@ -1,10 +1,11 @@
-// GPU self-test of the prefill kernels (sm90 wgmma, mma.sync, SIMT) against a CPU float64
-// reference, then timings. Build and run on the GPU machine from the repository root:
+// GPU self-test of the prefill kernels (sm90 wgmma -- one tile a block, and "sm90p", the
+// persistent launch --, mma.sync, SIMT) against a CPU float64 reference, then timings. Build and
+// run on the GPU machine from the repository root:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
 //     -Iffi/include -Iffi/src ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu \
-//     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu -o /tmp/prefill_selftest \
-//     && /tmp/prefill_selftest
+//     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu \
+//     -o /tmp/prefill_selftest && /tmp/prefill_selftest
 //
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
@@ -359,6 +360,8 @@ const char* kernel_name(PrefillKernel k) {
   switch (k) {
     case PrefillKernel::kSm90:
       return "sm90";
+    case PrefillKernel::kSm90Persistent:
+      return "sm90p";
     case PrefillKernel::kMma:
       return "mma";
     case PrefillKernel::kSimt:
@@ -370,7 +373,9 @@ const char* kernel_name(PrefillKernel k) {
 
 bool g_sm90_expected = false;  // compute capability 9.0: the sm90 path must run
 
-bool is_sm90(PrefillKernel k) { return k == PrefillKernel::kSm90; }
+bool is_sm90(PrefillKernel k) {
+  return k == PrefillKernel::kSm90 || k == PrefillKernel::kSm90Persistent;
+}
 
 // Runs every kernel on P and compares all total_q rows with the reference: a NaN expected
 // must be NaN, an infinity non-finite, a zero (a padding row) exactly zero, anything else
@@ -382,7 +387,8 @@ int check_problem(const Problem& P, const std::string& name) {
   Device dev(P);
   const double eps = c.f16 ? 1.0 / 2048 : 1.0 / 256;
   int worst = 0;
-  for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kMma, PrefillKernel::kSimt}) {
+  for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kSm90Persistent,
+                              PrefillKernel::kMma, PrefillKernel::kSimt}) {
     CK(cudaMemset(dev.out, 0xff, dev.out_bytes));  // NaN everywhere
     const char* err = dev.launch(c.f16, which);
     if (err != nullptr) {
@@ -626,7 +632,8 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
   const double flops = useful_flops(c.lq, c.prefix, c.hq, c.d);
   std::vector<std::vector<uint16_t>> outs;
   int rc = 0;
-  for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kMma}) {
+  for (PrefillKernel which :
+       {PrefillKernel::kSm90, PrefillKernel::kSm90Persistent, PrefillKernel::kMma}) {
     CK(cudaMemset(dev.out, 0xff, dev.out_bytes));
     const char* err = dev.launch(c.f16, which);
     if (err != nullptr) {

@@ -127,7 +127,8 @@ struct PrefillParams {
   int32_t total_q = 0;
   int32_t num_q_heads = 0;
   int32_t page_table_stride = 0;
-  // GPU prefill kernel: a PrefillKernel value (0 auto, 1 sm90, 2 mma, 3 simt); the CPU has one.
+  // GPU prefill kernel: a PrefillKernel value (0 auto, 1 sm90, 2 mma, 3 simt, 4 the sm90 kernel
+  // persistent); the CPU has one.
   int32_t kernel = 0;
   // GPU sm90 kernel: query heads of one KV head packed into the rows of one tile (row r is
   // token r / pack_heads, head r % pack_heads of the block's heads); 1: one head a tile.

@@ -35,7 +35,8 @@
 // it; the mma kernel's FP8 variant (prefill_mma_fp8_kernel) and the sm90 kernel copy the tiles
 // as stored, widen them to float16 in shared memory, and compute in float16. The per-head
 // scales: k_scale joins the logit factor, v_scale the normalisation.
-// The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt; default auto:
+// The `kernel` attribute of the call (PrefillParams::kernel: auto, sm90, mma, simt, and
+// sm90_persistent -- the sm90 kernel launched one block an SM, never chosen by auto; default auto:
 // the first of sm90, mma, simt that supports the call; jaxattn.native.PrefillConfig, whose
 // default comes from $JAXATTN_PREFILL_KERNEL) forces one: a forced kernel is used wherever it
 // supports the dtype and head_dim, the automatic choice elsewhere; sm90 forced on a device or
@@ -99,14 +100,15 @@ __device__ __forceinline__ void init_first_bad(int* first_bad, int i, int step) 
   for (int d = i; d < D; d += step) first_bad[d] = kNoBadKey;
 }
 
-// Rows [r0, r1) of heads [head, head + heads) of the output, every element `value`.
-template <typename T>
+// Rows [r0, r1) of heads [head, head + heads) of the output, every element `value`; written
+// by threads 0 .. kThreads - 1 of the block (0: all of them).
+template <typename T, int kThreads = 0>
 __device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int r1, float value,
                                   int heads = 1) {
   const int D = p.kv.head_dim;
   T* out = static_cast<T*>(p.out);
   const T v = from_float<T>(value);
-  for (int i = threadIdx.x; i < (r1 - r0) * heads * D; i += blockDim.x) {
+  for (int i = threadIdx.x; i < (r1 - r0) * heads * D; i += kThreads > 0 ? kThreads : blockDim.x) {
     const int r = r0 + i / (heads * D), h = head + (i / D) % heads;
     out[(int64_t(r) * p.num_q_heads + h) * D + i % D] = v;
   }
@@ -114,6 +116,13 @@ __device__ void fill_prefill_rows(const PrefillParams& p, int head, int r0, int 
 
 template <int NT>
 constexpr int kPrefillTileScratch = NT / WARP_SIZE + 6;
+
+// The barriers of find_prefill_tile when the whole block calls it (kThreads 0: all of them).
+struct PrefillBlockSync {
+  static constexpr int kThreads = 0;
+  static __device__ __forceinline__ void sync() { __syncthreads(); }
+  static __device__ __forceinline__ bool sync_or(bool v) { return __syncthreads_or(v); }
+};
 
 // Finds the tile of block x (heaviest tiles of a request first: they see the most keys) with
 // one coalesced pass of the block over the indptr arrays and a block-wide scan of the
@@ -124,11 +133,13 @@ constexpr int kPrefillTileScratch = NT / WARP_SIZE + 6;
 // has written the rows it owns: all NaN when the structure is broken (no row can be assigned
 // to a request: block x then owns rows [x bm, x bm + bm), so the grid covers every row); NaN
 // for a tile of an invalid request (prefill_bounds_ok); zeros for padding rows past
-// qo[batch]. All threads of the block must call it. `scratch`: kPrefillTileScratch<NT> ints of
-// shared memory, which the caller may reuse after its next barrier (every thread reads the
-// result out of it after the last barrier here); the kernels lend it memory that their first
-// copies fill later. bm counts tokens; the block owns heads [head, head + heads) of them.
-template <typename T, int NT>
+// qo[batch]. All threads of the block must call it -- or, with another Sync (the barriers, and
+// the number of threads calling: threads 0 .. NT - 1), those threads. `scratch`:
+// kPrefillTileScratch<NT> ints of shared memory, which the caller may reuse after its next
+// barrier (every thread reads the result out of it after the last barrier here); the kernels
+// lend it memory that their first copies fill later. bm counts tokens; the block owns heads
+// [head, head + heads) of them.
+template <typename T, int NT, typename Sync = PrefillBlockSync>
 __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int head, int* scratch,
                                   PrefillTile* t, int heads = 1) {
   constexpr int kWarps = NT / WARP_SIZE;
@@ -167,7 +178,7 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
       if (lane >= o) incl += n;
     }
     if (lane == WARP_SIZE - 1) warp_tiles[warp] = incl;
-    __syncthreads();
+    Sync::sync();
     int total = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -185,17 +196,17 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
       hit[5] = k1;
     }
     before += total;
-    if (c0 + NT < p.batch) __syncthreads();  // warp_tiles is rewritten by the next chunk
+    if (c0 + NT < p.batch) Sync::sync();  // warp_tiles is rewritten by the next chunk
   }
-  if (__syncthreads_or(bad)) {
-    fill_prefill_rows<T>(p, head, min(x * bm, p.total_q), min(x * bm + bm, p.total_q), quiet_nan(),
-                         heads);
+  if (Sync::sync_or(bad)) {
+    fill_prefill_rows<T, Sync::kThreads>(p, head, min(x * bm, p.total_q),
+                                         min(x * bm + bm, p.total_q), quiet_nan(), heads);
     return false;
   }
   const int b = hit[0];
   if (b < 0) {
     const int r0 = min(qo[p.batch], p.total_q) + (x - before) * bm;
-    fill_prefill_rows<T>(p, head, r0, min(r0 + bm, p.total_q), 0.f, heads);
+    fill_prefill_rows<T, Sync::kThreads>(p, head, r0, min(r0 + bm, p.total_q), 0.f, heads);
     return false;
   }
   const int q0 = hit[2], q1 = hit[3];
@@ -210,7 +221,8 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
   t->table =
       p.page_table + (kvp != nullptr ? int64_t(k1) - t->lk : int64_t(b) * p.page_table_stride);
   if (!prefill_bounds_ok(p, q0, q1, t->lk, k1)) {
-    fill_prefill_rows<T>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan(), heads);
+    fill_prefill_rows<T, Sync::kThreads>(p, head, q0 + t->m0, q0 + t->m0 + t->rows, quiet_nan(),
+                                         heads);
     return false;
   }
   return true;
@@ -1204,7 +1216,9 @@ const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 #endif
 
 // The values of PrefillParams::kernel (the FFI attribute `kernel`).
-enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3 };
+// kSm90Persistent: the sm90 kernel with one block an SM looping over the tiles (not chosen by
+// kAuto until it has been measured against the one-tile-a-block launch).
+enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3, kSm90Persistent = 4 };
 
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles (when
 // the sm90 kernel cannot pack heads).
@@ -1224,7 +1238,7 @@ inline bool prefill_sm90_packs(const PrefillParams& p) {
 // the tensor-core kernels then compute in float16, the SIMT kernel widens to float).
 template <typename T, typename C = T>
 const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
-  if (p.kernel < 0 || p.kernel > 3) return "jaxattn: prefill kernel must be 0..3";
+  if (p.kernel < 0 || p.kernel > 4) return "jaxattn: prefill kernel must be 0..4";
   // Unused in HIP builds, which have the SIMT kernel only.
   [[maybe_unused]] const PrefillKernel which = static_cast<PrefillKernel>(p.kernel);
   // batch 0 still launches: its rows are padding (zeros), or NaN when qo[0] != 0.
@@ -1233,7 +1247,7 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
     const bool tc_dim = p.kv.head_dim == 64 || p.kv.head_dim == 128;
-    const bool forced = which == PrefillKernel::kSm90;
+    const bool forced = which == PrefillKernel::kSm90 || which == PrefillKernel::kSm90Persistent;
     if (tc_dim && (which == PrefillKernel::kAuto || forced)) {
 #if defined(JAXATTN_HAVE_SM90A)
       const bool long_enough = forced ||

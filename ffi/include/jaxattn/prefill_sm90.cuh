@@ -230,6 +230,19 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // Shared memory, D = 128: 32 KB Q + 3 x (32 KB K + 32 KB V) + 1 KB row offsets + 1 KB alignment
 // = 226 KB, barriers and first_bad static. ptxas (nvcc 13.0): no spills at 64 / 216 registers
 // (producer / consumers).
+//
+// The persistent launch (kPersist; PrefillKernel::kSm90Persistent, not chosen by auto): one
+// block an SM, each looping over work items -- the one-tile-a-block grid's (tile, head group)
+// pairs, sm90_item's static snake -- so that an item's first q and K copies overlap the
+// previous item's last products and store instead of waiting for a new block to start. The
+// producer finds each item (find_prefill_tile over its own 128 threads: named barrier 1) and
+// publishes a record; the rings, their barriers and their phases run on across items (ring
+// position it0 + n). Hand-over barriers, each with a phase per record / valid item: record
+// full and empty, q empty (released by the consumer warps after the item's last S; the
+// producer's next q copy waits for it), flags full (the guards' flags, in place of named
+// barrier 4), item done (the consumers' store has read first_bad and block_flags and reset
+// them; the producer waits for it before its next guard). Registers 96 / 200: with the item
+// loop's state the producer spilled at 64 and at 80 / 208. Not yet run on a GPU.
 // ------------------------------------------------------------------------------------------
 // kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
 template <int D, bool kF8 = false>
@@ -270,6 +283,10 @@ struct Sm90Shape {
 
 constexpr int kSm90ProducerRegs = 64;
 constexpr int kSm90ConsumerRegs = 216;
+// The persistent kernel's split (96 + 2 x 200 <= 504): its producer also finds the next work
+// item and keeps the item loop's state, and at 64 registers (or 80 / 208) ptxas spilled.
+constexpr int kSm90PersistProducerRegs = 96;
+constexpr int kSm90PersistConsumerRegs = 200;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -307,9 +324,45 @@ __device__ __forceinline__ void set_max_regs_dec() {
 }
 #endif
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// find_prefill_tile in the persistent kernel, called by the producer warpgroup alone: its named
+// barrier 1, and barrier.red.or over the same 128 threads.
+struct Sm90ProducerSync {
+  static constexpr int kThreads = 128;
+  static __device__ __forceinline__ void sync() { named_sync(1, 128); }
+  static __device__ __forceinline__ bool sync_or(bool v) {
+    uint32_t out;
+    asm volatile(
+        "{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\nbar.red.or.pred po, 1, 128, pi;\n"
+        "selp.u32 %0, 1, 0, po;\n}\n"
+        : "=r"(out)
+        : "r"(uint32_t(v))
+        : "memory");
+    return out != 0;
+  }
+};
+#endif
+
+// The persistent kernel's work items: item w is tile w / heads of head group w % heads (the
+// grid of the one-tile-a-block launch, its x and y, heads varying fastest so that the tiles
+// that see the most keys come first). Block b takes item r * grid + b in even rounds r and
+// r * grid + grid - 1 - b in odd ones (a snake, so that the per-round differences of uneven
+// tiles cancel); -1 past the last item.
+__host__ __device__ __forceinline__ int64_t sm90_items(const PrefillParams& p) {
+  const int g = p.pack_heads > 1 ? p.pack_heads : 1;
+  const int bm = 128 / g;
+  return (int64_t(p.total_q + bm - 1) / bm + p.batch) * (p.num_q_heads / g);
+}
+__device__ __forceinline__ int sm90_item(int r, const PrefillParams& p) {
+  const int nb = gridDim.x, b = blockIdx.x;
+  const int64_t w = int64_t(r) * nb + ((r & 1) ? nb - 1 - b : b);
+  return w < sm90_items(p) ? int(w) : -1;
+}
+
 // T: q's and the output's type; C: the cache's (T, or an FP8 format: the products are then
-// float16, M below).
-template <typename T, typename C, int D, bool kPack>
+// float16, M below). kPersist: one block an SM loops over work items (sm90_item) instead of
+// one tile a block (launch_prefill_sm90_d says which runs).
+template <typename T, typename C, int D, bool kPack, bool kPersist = false>
 __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     prefill_sm90_kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -334,12 +387,25 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
   // K full, K empty, V full, V empty (kStages each), then q full.
   __shared__ __align__(8) uint64_t bars[4 * NS + 1];
   __shared__ int block_flags;  // the producer's guard flags, ORed
+  // kPersist: an item's record (valid, head, the PrefillTile's ints, its table's offset in
+  // p.page_table), the producer's scratch for find_prefill_tile, and the hand-over barriers:
+  // record full (the producer's thread 0) and empty (every consumer thread), q empty (the
+  // consumer warps, after their item's last S), flags full (every producer thread, after its
+  // item's last guard; replaces named barrier 4), item done (every consumer thread, after its
+  // store and the reset of first_bad and block_flags).
+  __shared__ int rec[kPersist ? 8 : 1];
+  __shared__ int64_t rec_table[1];
+  __shared__ int pscratch[kPersist ? kPrefillTileScratch<128> : 1];
+  __shared__ __align__(8) uint64_t pbars[kPersist ? 5 : 1];
   const uint32_t bar0 = smem_u32(bars);
   auto kfull = [&](int s) { return bar0 + 8u * uint32_t(s); };
   auto kempty = [&](int s) { return bar0 + 8u * uint32_t(NS + s); };
   auto vfull = [&](int s) { return bar0 + 8u * uint32_t(2 * NS + s); };
   auto vempty = [&](int s) { return bar0 + 8u * uint32_t(3 * NS + s); };
   const uint32_t qfull = bar0 + 8u * uint32_t(4 * NS);
+  const uint32_t pbar0 = smem_u32(pbars);
+  [[maybe_unused]] const uint32_t rec_full = pbar0, rec_empty = pbar0 + 8u, qempty = pbar0 + 16u;
+  [[maybe_unused]] const uint32_t flags_full = pbar0 + 24u, item_done = pbar0 + 32u;
   const int tid = threadIdx.x;
   init_first_bad<D>(first_bad, tid, S::kThreads);
   if (tid == 0) {
@@ -350,41 +416,108 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       mbar_init(vempty(s), 8);
     }
     mbar_init(qfull, NP);
+    if constexpr (kPersist) {
+      mbar_init(rec_full, 1);
+      mbar_init(rec_empty, 256);
+      mbar_init(qempty, 8);
+      mbar_init(flags_full, NP);
+      mbar_init(item_done, 256);
+    }
     block_flags = 0;
   }
   const int G = kPack ? p.pack_heads : 1;
-  const int head = blockIdx.y * G;
+  int head = blockIdx.y * G;
   PrefillTile t;
-  // Scratch: V stage 0, which the producer fills after the barrier below.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM / G, blockIdx.x, head,
-                                         reinterpret_cast<int*>(sm90_smem + (v_s - raw)), &t, G))
-    return;
+  if constexpr (!kPersist) {
+    // Scratch: V stage 0, which the producer fills after the barrier below.
+    if (!find_prefill_tile<T, S::kThreads>(
+            p, BM / G, blockIdx.x, head, reinterpret_cast<int*>(sm90_smem + (v_s - raw)), &t, G))
+      return;
+  }
   __syncthreads();  // every thread has read its tile out of the scratch; barriers initialised
   const KvGeometry& kv = p.kv;
-  const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
-  const int shift = t.lk - t.lq;
-  const KeyRange range = key_range(t);
-  const int ntiles = (range.end + BN - 1) / BN;
+  // The item's KV head, mask shift, key range and key tiles (once, or per item: set_item).
+  int kvh = 0, shift = 0, ntiles = 0;
+  KeyRange range{0, 0};
+  auto set_item = [&]() {
+    kvh = head / (p.num_q_heads / kv.num_kv_heads);
+    shift = t.lk - t.lq;
+    range = key_range(t);
+    ntiles = (range.end + BN - 1) / BN;
+  };
+  if constexpr (!kPersist) set_item();
+  // Ring position (key tiles of earlier items) and valid items so far (each loads q once);
+  // round r of the item loop reads record r.
+  [[maybe_unused]] int it0 = 0, nvalid = 0;
   const int wg = tid / 128, wl = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const int lr0 = (wg - 1) * 64 + wl * 16 + g;  // a consumer's rows within the tile
+  const int g = lane / 4;
+  int tq = lane % 4;
+  int lr0 = (wg - 1) * 64 + wl * 16 + g;  // a consumer's rows within the tile
 
   if (wg == 0) {
     // ---------------------------------- producer ----------------------------------
-    set_max_regs_dec<kSm90ProducerRegs>();
-    int flags = 0;  // kGuardIndexBad, kGuardValueBad
+    set_max_regs_dec<(kPersist ? kSm90PersistProducerRegs : kSm90ProducerRegs)>();
     const T* qg = static_cast<const T*>(p.q);
     const int c = tid % CH, r0 = tid / CH;  // chunk c of rows r0 + i * RP
-#pragma unroll
-    for (int i = 0; i < BM / RP; ++i) {
-      const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
-      const bool ok = tok < t.rows;
-      const T* src =
-          ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D + c * 8
-             : qg;
-      cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+    for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
+    if constexpr (kPersist) {
+      const int w = sm90_item(round, p), heads_y = p.num_q_heads / G;
+      if (w < 0) break;
+      head = (w % heads_y) * G;
+      named_sync(1, NP);  // every producer thread is done with the last item's scratch
+      const bool valid =
+          find_prefill_tile<T, NP, Sm90ProducerSync>(p, BM / G, w / heads_y, head, pscratch, &t, G);
+      if (tid == 0) {
+        if (round > 0) mbar_wait(rec_empty, (round - 1) & 1);
+        rec[0] = valid;
+        rec[1] = head;
+        rec[2] = t.b;
+        rec[3] = t.m0;
+        rec[4] = t.rows;
+        rec[5] = t.q0;
+        rec[6] = t.lq;
+        rec[7] = t.lk;
+        rec_table[0] = valid ? t.table - p.page_table : 0;
+        mbar_arrive(rec_full);
+      }
+      if (!valid) continue;  // find_prefill_tile wrote its rows
+      set_item();
     }
-    mbar_arrive_copies(qfull);
+    int flags = 0;  // kGuardIndexBad, kGuardValueBad
+    // kPersist: whether the consumers are done with the last valid item (its store read
+    // first_bad and block_flags, then reset them); waited for before this item's first guard.
+    [[maybe_unused]] bool last_done = !kPersist || nvalid == 0;
+    auto guards_free = [&]() {
+      if constexpr (kPersist) {
+        if (!last_done) mbar_wait(item_done, (nvalid - 1) & 1);
+        last_done = true;
+      }
+    };
+    // q, one item at a time: the persistent kernel waits for the consumers' last S of the
+    // previous item (an item without keys still takes q, so that the two counts agree).
+    {
+      if constexpr (kPersist) {
+        if (nvalid > 0) mbar_wait(qempty, (nvalid - 1) & 1);
+      }
+      auto copy_q_row = [&](int i) {
+        const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
+        const bool ok = tok < t.rows;
+        const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r -
+                                  tok * G) * D + c * 8
+                          : qg;
+        cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+      };
+      if constexpr (kPersist) {
+        // Rolled: unrolled, ptxas hoisted every row's addresses out of the item loop (into
+        // local memory).
+#pragma unroll 1
+        for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
+      }
+      mbar_arrive_copies(qfull);
+    }
     RowCursor cur;  // row tid of each key tile
     cur.init(kv, t.table, tid, range.end, flags);
     rowoff[tid] = sm90_pack_off(cur.off);
@@ -436,10 +569,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       for (int n = 0; n <= ntiles; ++n) {
         const int slot = n & 1;
         if (n < ntiles) {
-          const int s = n % NS;
+          const int gn = it0 + n, s = gn % NS;  // ring position
           cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
           ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
-          if (n >= NS) mbar_wait(kempty(s), ((n / NS) & 1) ^ 1);
+          if (gn >= NS) mbar_wait(kempty(s), ((gn / NS) & 1) ^ 1);
           // K's rows, then V's, their offsets read before their copies.
           auto copy_rows = [&](uint32_t dst, const C* src) {
             uint32_t u[R8];
@@ -464,7 +597,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         if (n == 0) named_sync(1, NP);
 #endif
         if (n >= 1) {
-          const int m = n - 1, s = m % NS;
+          const int m = n - 1, gm = it0 + m, s = gm % NS;
           if (n < ntiles) {
             async_copy_wait<1>();
           } else {
@@ -474,9 +607,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
           uint4 raw[R8];
           load_own(kst + F8T, raw);
-          if (m >= NS) mbar_wait(vempty(s), ((m / NS) & 1) ^ 1);
+          if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
           store_own(raw, vt);
           if (m * BN + BN > range.full_end) {
+            guards_free();
             unsigned char* const vt_gen = gen + (vt - base);
             const bool lo = sanitize_own_v<M, R8, F8R * 128, F8R>(
                 vt_gen + lo_own, m * BN + r8, range.full_end, range.end, c8 * 16, first_bad);
@@ -505,8 +639,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
       const uint32_t v_own = sm90_tile_off<BN>(r0, c);
       for (int n = 0; n < ntiles; ++n) {
-        const int s = n % NS, slot = n & 1;
-        const uint32_t par = ((n / NS) & 1) ^ 1;
+        const int gn = it0 + n, s = gn % NS, slot = n & 1;  // ring position gn
+        const uint32_t par = ((gn / NS) & 1) ^ 1;
         // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
         cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
         ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
@@ -523,20 +657,22 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
               const bool ok = u[i] != kSm90NoRow;
-              cp_async16(dst + sm90_tile_off<BN>(r0 + (b + i) * RP, c),
+              // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
+              cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
                          ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
             }
           }
         };
-        if (n >= NS) mbar_wait(kempty(s), par);
+        if (gn >= NS) mbar_wait(kempty(s), par);
         copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
         mbar_arrive_copies(kfull(s));
-        if (n >= NS) mbar_wait(vempty(s), par);
+        if (gn >= NS) mbar_wait(vempty(s), par);
         const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
         copy_rows(vd, vg);
         if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
           async_copy_commit();
           async_copy_wait<0>();
+          guards_free();
           if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
                                                        range.full_end, range.end, c * 8,
                                                        first_bad))
@@ -550,14 +686,36 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
       }
     }
-    async_copy_commit();
-    async_copy_wait<0>();
-    // Hands the guards' flags (and, ordered by the barrier, first_bad) to the consumers.
-    if (flags) atomicOr(&block_flags, flags);
-    named_arrive(4, S::kThreads);
+    if constexpr (kPersist) {
+      // The guards' flags (and first_bad) to the consumers, through flags_full.
+      guards_free();
+      if (flags) atomicOr(&block_flags, flags);
+      mbar_arrive(flags_full);
+      it0 += ntiles;
+      ++nvalid;
+    } else {
+      async_copy_commit();
+      async_copy_wait<0>();
+      // Hands the guards' flags (and, ordered by the barrier, first_bad) to the consumers.
+      if (flags) atomicOr(&block_flags, flags);
+      named_arrive(4, S::kThreads);
+    }
+    }  // items
+    if constexpr (kPersist) {
+      async_copy_commit();
+      async_copy_wait<0>();
+    }
   } else {
     // ---------------------------------- consumers ----------------------------------
-    set_max_regs_inc<kSm90ConsumerRegs>();
+    set_max_regs_inc<(kPersist ? kSm90PersistConsumerRegs : kSm90ConsumerRegs)>();
+    if constexpr (kPersist) {
+      // The thread's position, read again after the allocation (computed before it, ptxas
+      // kept a value across setmaxnreg in local memory).
+      uint32_t x;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
+      tq = int(x % 4u);
+      lr0 = int(x / 128u - 1u) * 64 + int((x / 32u) % 4u) * 16 + int((x % 32u) / 4u);
+    }
     const int cw = wg - 1;
     const uint64_t dq = sm90_desc(q_s + uint32_t(cw * 64 * 128), 16, 1024);
     const uint64_t dk = sm90_desc(k_s, 16, 1024);
@@ -565,6 +723,21 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     auto kstep = [](int kk, int rows) {
       return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
     };
+    for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
+    if constexpr (kPersist) {
+      if (sm90_item(round, p) < 0) break;
+      mbar_wait(rec_full, round & 1);
+      const bool valid = rec[0] != 0;
+      head = rec[1];  // the consumers need neither t.b nor t.table
+      t.m0 = rec[3];
+      t.rows = rec[4];
+      t.q0 = rec[5];
+      t.lq = rec[6];
+      t.lk = rec[7];
+      mbar_arrive(rec_empty);  // this thread has read the record
+      if (!valid) continue;
+      set_item();
+    }
     float o[D / 2];  // O accumulator fragment (m64nDk16 layout)
     float s[BN / 2];
     uint32_t pf[BN / 4];
@@ -700,8 +873,14 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
     };
 
+    if constexpr (kPersist) {
+      if (ntiles == 0) {  // q came all the same: take it and hand it back
+        mbar_wait(qfull, nvalid & 1);
+        release(qempty);
+      }
+    }
     if (ntiles > 0) {
-      mbar_wait(qfull, 0);
+      mbar_wait(qfull, nvalid & 1);
       if constexpr (kWidenQ) {
         // A bf16 q over an FP8 cache: each quad moves its rows lr0 and lr0 + 8 to float16 in
         // place (a quarter of each row a thread), scaled by the power of two that puts the
@@ -738,27 +917,33 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         sm90_fence_proxy_async();
         named_sync(2 + cw, 128);
       }
-      mbar_wait(kfull(0), 0);
+      mbar_wait(kfull(it0 % NS), (it0 / NS) & 1);
       sm90_fence_proxy_async();
       sm90_wgmma_fence();
-      issue_s(0);
+      issue_s(it0);
       sm90_wgmma_wait<0>();
       sm90_pin(s);
-      release(kempty(0));
+      release(kempty(it0 % NS));
+      if constexpr (kPersist) {
+        if (ntiles == 1) release(qempty);  // the item's last S has read q
+      }
       softmax_tile(0);
       rescale_pack();
     }
     for (int n = 1; n < ntiles; ++n) {
-      const int sk = n % NS, sv = (n - 1) % NS;
-      mbar_wait(kfull(sk), (n / NS) & 1);
-      mbar_wait(vfull(sv), ((n - 1) / NS) & 1);
+      const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
+      mbar_wait(kfull(sk), (gn / NS) & 1);
+      mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
       sm90_fence_proxy_async();
       sm90_wgmma_fence();
-      issue_s(n);       // group 1: S = Q K_n^T
-      issue_pv(n - 1);  // group 2: O += P_{n-1} V_{n-1}
+      issue_s(gn);       // group 1: S = Q K_n^T
+      issue_pv(gn - 1);  // group 2: O += P_{n-1} V_{n-1}
       sm90_wgmma_wait<1>();
       sm90_pin(s);
       release(kempty(sk));
+      if constexpr (kPersist) {
+        if (n == ntiles - 1) release(qempty);
+      }
       softmax_tile(n);
       sm90_wgmma_wait<0>();
       sm90_pin(o);
@@ -767,36 +952,80 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       rescale_pack();
     }
     if (ntiles > 0) {
-      const int sv = (ntiles - 1) % NS;
-      mbar_wait(vfull(sv), ((ntiles - 1) / NS) & 1);
+      const int gl = it0 + ntiles - 1, sv = gl % NS;
+      mbar_wait(vfull(sv), (gl / NS) & 1);
       sm90_fence_proxy_async();
       sm90_wgmma_fence();
-      issue_pv(ntiles - 1);
+      issue_pv(gl);
       sm90_wgmma_wait<0>();
       sm90_pin(o);
       sm90_pin(pf);
     }
     l0 = group_sum<4>(l0);
     l1 = group_sum<4>(l1);
-    named_sync(4, S::kThreads);  // the producer's flags
+    if constexpr (kPersist) {
+      mbar_wait(flags_full, nvalid & 1);  // the producer's flags
+    } else {
+      named_sync(4, S::kThreads);  // the producer's flags
+    }
     const int f = block_flags;
     const bool poisoned = (f & kGuardIndexBad) != 0;
     prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
                                         f ? first_bad : nullptr, poisoned, f ? shift : 0);
+    if constexpr (kPersist) {
+    if (f) {
+      // Every consumer has read them: the guards' state back to clean for the next item.
+      named_sync(5, 256);
+      init_first_bad<D>(first_bad, tid - 128, 256);
+      if (tid == 128) block_flags = 0;
+    }
+    mbar_arrive(item_done);
+    it0 += ntiles;
+    ++nvalid;
+    }
+    }  // items
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
+// The persistent launch: one block an SM (the kernel's shared memory allows no more), each
+// looping over the work items of sm90_item. Instantiated in prefill_sm90_persistent.cu, a
+// translation unit of its own so that the two launches' kernels compile in parallel.
+template <typename T, typename C, int D, bool kPack>
+const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t stream)
+#if defined(JAXATTN_SM90_PERSISTENT_TU)
+{
+  using S = Sm90Shape<D, sizeof(C) == 1>;
+  auto kernel = prefill_sm90_kernel<T, C, D, kPack, true>;
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
+  const int64_t items = sm90_items(p);
+  if (items > 0x7fffffff) return "jaxattn: too many prefill tiles for the persistent kernel";
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
+    return "jaxattn: cannot read the multiprocessor count";
+  const dim3 grid(unsigned(items < sms ? items : sms));
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+  return check_launch();
+}
+#else
+    ;
+#endif
+
 template <typename T, typename C, int D>
 const char* launch_prefill_sm90_d(const PrefillParams& p, gpuStream_t stream) {
   using S = Sm90Shape<D, sizeof(C) == 1>;
-  if (!prefill_sm90_packs(p))
-    return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, false>, p, stream);
-  // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
+  const bool persistent = p.kernel == int(PrefillKernel::kSm90Persistent);
   PrefillParams q = p;
-  q.pack_heads = p.num_q_heads / p.kv.num_kv_heads;
-  q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(q.pack_heads) + 1);
-  return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, true>, q, stream);
+  if (prefill_sm90_packs(p)) {
+    // GQA: the group's heads packed into each tile's rows (BM / group tokens a tile).
+    q.pack_heads = p.num_q_heads / p.kv.num_kv_heads;
+    q.pack_magic = uint32_t((uint64_t(1) << 32) / uint64_t(q.pack_heads) + 1);
+    if (persistent) return launch_prefill_sm90_persistent<T, C, D, true>(q, stream);
+    return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, true>, q, stream);
+  }
+  if (persistent) return launch_prefill_sm90_persistent<T, C, D, false>(q, stream);
+  return launch_prefill_tiles<S>(prefill_sm90_kernel<T, C, D, false>, q, stream);
 }
 
 // Declared in prefill.cuh; instantiated in prefill_sm90.cu for T = bf16_t and f16_t, each with
