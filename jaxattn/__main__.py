@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -660,13 +661,27 @@ def _end_progress_line() -> None:
         progress.end_line()
 
 
-@contextlib.contextmanager
-def _interrupts_remembered():
-    """Note every SIGINT while the command runs, besides raising KeyboardInterrupt as usual.
+def _inside_finalizer(frame) -> bool:
+    """Whether ``frame`` runs inside a garbage-collector callback or a ``__del__``, where
+    Python prints an exception raised and drops it."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
-    Yields a list that is non-empty once a SIGINT arrived. Where SIGINT is not Python's default
-    handler (ignored by a background launcher, or set by the embedding program), it is left
-    alone and the list stays empty.
+
+@contextlib.contextmanager
+def _interrupts_remembered(resend_after: float = 0.02):
+    """Raise KeyboardInterrupt on SIGINT while the command runs, as Python does, and note it.
+
+    A SIGINT that arrives inside a garbage-collector callback (JAX has one) or a ``__del__``
+    is not raised there, where Python would print the exception and drop it: the signal is
+    sent again ``resend_after`` seconds later. Yields a list that is non-empty once a SIGINT
+    arrived, so that the caller can still end as interrupted should an interrupt be lost on
+    its way up. Where SIGINT is not Python's default handler (ignored by a background
+    launcher, or set by the embedding program), it is left alone and the list stays empty.
     """
     seen: list = []
     if threading.current_thread() is not threading.main_thread() or (
@@ -674,15 +689,34 @@ def _interrupts_remembered():
     ):
         yield seen
         return
+    lock = threading.Lock()
+    pending: list = []  # the timers of signals to send again; cleared on the way out
+
+    def resend():
+        with lock:
+            if pending:
+                pending.clear()
+                os.kill(os.getpid(), signal.SIGINT)
 
     def on_sigint(signum, frame):
         seen.append(signum)
+        if _inside_finalizer(frame):
+            with lock:
+                timer = threading.Timer(resend_after, resend)
+                timer.daemon = True
+                pending.append(timer)
+            timer.start()
+            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
     try:
         yield seen
     finally:
+        with lock:
+            for timer in pending:
+                timer.cancel()
+            pending.clear()
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -718,9 +752,9 @@ def main(argv=None) -> int:
         with _interrupts_remembered() as interrupted:
             status = _run(args)
         if interrupted:
-            # The KeyboardInterrupt was swallowed on its way up: one raised inside a garbage
-            # collector callback or a __del__ is printed and dropped by Python. Ctrl-C still
-            # means interrupted.
+            # A SIGINT arrived and its KeyboardInterrupt never reached here (the command
+            # finished before the signal sent again arrived, or something caught it): Ctrl-C
+            # still means interrupted.
             raise KeyboardInterrupt
         return status
     except UsageError as e:
