@@ -1265,6 +1265,9 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
                                  : launch_prefill_mma<T, 128, C>(p, stream);
     }
   }
+#else
+  if (which == PrefillKernel::kSm90 || which == PrefillKernel::kSm90Persistent)
+    return "jaxattn: the sm90 prefill kernel is built for CUDA (compute capability 9.0) only";
 #endif
   switch (p.kv.head_dim) {
     case 32:
