@@ -8,14 +8,14 @@
 namespace jaxattn {
 namespace gpu {
 
-#define JAXATTN_SM90_PERSISTENT(T, C)                                                    \
-  template const char* launch_prefill_sm90_persistent<T, C, 64, false>(const PrefillParams&, \
-                                                                       gpuStream_t);     \
-  template const char* launch_prefill_sm90_persistent<T, C, 64, true>(const PrefillParams&,  \
-                                                                      gpuStream_t);      \
-  template const char* launch_prefill_sm90_persistent<T, C, 128, false>(                 \
-      const PrefillParams&, gpuStream_t);                                                \
-  template const char* launch_prefill_sm90_persistent<T, C, 128, true>(const PrefillParams&, \
+#define JAXATTN_SM90_PERSISTENT(T, C)                                                         \
+  template const char* launch_prefill_sm90_persistent<T, C, 64, false>(const PrefillParams&,  \
+                                                                       gpuStream_t);          \
+  template const char* launch_prefill_sm90_persistent<T, C, 64, true>(const PrefillParams&,   \
+                                                                      gpuStream_t);           \
+  template const char* launch_prefill_sm90_persistent<T, C, 128, false>(const PrefillParams&, \
+                                                                        gpuStream_t);         \
+  template const char* launch_prefill_sm90_persistent<T, C, 128, true>(const PrefillParams&,  \
                                                                        gpuStream_t);
 
 JAXATTN_SM90_PERSISTENT(bf16_t, bf16_t)

@@ -430,8 +430,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
   PrefillTile t;
   if constexpr (!kPersist) {
     // Scratch: V stage 0, which the producer fills after the barrier below.
-    if (!find_prefill_tile<T, S::kThreads>(
-            p, BM / G, blockIdx.x, head, reinterpret_cast<int*>(sm90_smem + (v_s - raw)), &t, G))
+    if (!find_prefill_tile<T, S::kThreads>(p, BM / G, blockIdx.x, head,
+                                           reinterpret_cast<int*>(sm90_smem + (v_s - raw)), &t, G))
       return;
   }
   __syncthreads();  // every thread has read its tile out of the scratch; barriers initialised
@@ -458,248 +458,248 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     // ---------------------------------- producer ----------------------------------
     set_max_regs_dec<(kPersist ? kSm90PersistProducerRegs : kSm90ProducerRegs)>();
     const T* qg = static_cast<const T*>(p.q);
-    const int c = tid % CH, r0 = tid / CH;  // chunk c of rows r0 + i * RP
+    const int c = tid % CH, r0 = tid / CH;                 // chunk c of rows r0 + i * RP
     for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
-    if constexpr (kPersist) {
-      const int w = sm90_item(round, p), heads_y = p.num_q_heads / G;
-      if (w < 0) break;
-      head = (w % heads_y) * G;
-      named_sync(1, NP);  // every producer thread is done with the last item's scratch
-      const bool valid =
-          find_prefill_tile<T, NP, Sm90ProducerSync>(p, BM / G, w / heads_y, head, pscratch, &t, G);
-      if (tid == 0) {
-        if (round > 0) mbar_wait(rec_empty, (round - 1) & 1);
-        rec[0] = valid;
-        rec[1] = head;
-        rec[2] = t.b;
-        rec[3] = t.m0;
-        rec[4] = t.rows;
-        rec[5] = t.q0;
-        rec[6] = t.lq;
-        rec[7] = t.lk;
-        rec_table[0] = valid ? t.table - p.page_table : 0;
-        mbar_arrive(rec_full);
-      }
-      if (!valid) continue;  // find_prefill_tile wrote its rows
-      set_item();
-    }
-    int flags = 0;  // kGuardIndexBad, kGuardValueBad
-    // kPersist: whether the consumers are done with the last valid item (its store read
-    // first_bad and block_flags, then reset them); waited for before this item's first guard.
-    [[maybe_unused]] bool last_done = !kPersist || nvalid == 0;
-    auto guards_free = [&]() {
       if constexpr (kPersist) {
-        if (!last_done) mbar_wait(item_done, (nvalid - 1) & 1);
-        last_done = true;
+        const int w = sm90_item(round, p), heads_y = p.num_q_heads / G;
+        if (w < 0) break;
+        head = (w % heads_y) * G;
+        named_sync(1, NP);  // every producer thread is done with the last item's scratch
+        const bool valid = find_prefill_tile<T, NP, Sm90ProducerSync>(p, BM / G, w / heads_y, head,
+                                                                      pscratch, &t, G);
+        if (tid == 0) {
+          if (round > 0) mbar_wait(rec_empty, (round - 1) & 1);
+          rec[0] = valid;
+          rec[1] = head;
+          rec[2] = t.b;
+          rec[3] = t.m0;
+          rec[4] = t.rows;
+          rec[5] = t.q0;
+          rec[6] = t.lq;
+          rec[7] = t.lk;
+          rec_table[0] = valid ? t.table - p.page_table : 0;
+          mbar_arrive(rec_full);
+        }
+        if (!valid) continue;  // find_prefill_tile wrote its rows
+        set_item();
       }
-    };
-    // q, one item at a time: the persistent kernel waits for the consumers' last S of the
-    // previous item (an item without keys still takes q, so that the two counts agree).
-    {
-      if constexpr (kPersist) {
-        if (nvalid > 0) mbar_wait(qempty, (nvalid - 1) & 1);
-      }
-      auto copy_q_row = [&](int i) {
-        const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
-        const bool ok = tok < t.rows;
-        const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r -
-                                  tok * G) * D + c * 8
-                          : qg;
-        cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+      int flags = 0;  // kGuardIndexBad, kGuardValueBad
+      // kPersist: whether the consumers are done with the last valid item (its store read
+      // first_bad and block_flags, then reset them); waited for before this item's first guard.
+      [[maybe_unused]] bool last_done = !kPersist || nvalid == 0;
+      auto guards_free = [&]() {
+        if constexpr (kPersist) {
+          if (!last_done) mbar_wait(item_done, (nvalid - 1) & 1);
+          last_done = true;
+        }
       };
-      if constexpr (kPersist) {
-        // Rolled: unrolled, ptxas hoisted every row's addresses out of the item loop (into
-        // local memory).
+      // q, one item at a time: the persistent kernel waits for the consumers' last S of the
+      // previous item (an item without keys still takes q, so that the two counts agree).
+      {
+        if constexpr (kPersist) {
+          if (nvalid > 0) mbar_wait(qempty, (nvalid - 1) & 1);
+        }
+        auto copy_q_row = [&](int i) {
+          const int r = r0 + i * RP, tok = pack_token<kPack>(p, r);
+          const bool ok = tok < t.rows;
+          const T* src =
+              ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D +
+                       c * 8
+                 : qg;
+          cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+        };
+        if constexpr (kPersist) {
+          // Rolled: unrolled, ptxas hoisted every row's addresses out of the item loop (into
+          // local memory).
 #pragma unroll 1
-        for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
-      } else {
+          for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
+        } else {
 #pragma unroll
-        for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
+          for (int i = 0; i < BM / RP; ++i) copy_q_row(i);
+        }
+        mbar_arrive_copies(qfull);
       }
-      mbar_arrive_copies(qfull);
-    }
-    RowCursor cur;  // row tid of each key tile
-    cur.init(kv, t.table, tid, range.end, flags);
-    rowoff[tid] = sm90_pack_off(cur.off);
-    // The entry of row tid of the next tile, loaded a tile ahead of its use.
-    int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
-    named_sync(1, NP);
-    check_entries<NP, 16>(t, kv, range.end, flags);
-    if constexpr (kF8) {
-      // FP8: tile n's rows are copied as stored into K stage n % NS -- its K rows in the
-      // first half, its V rows in the second, plain rows of D bytes -- as soon as S_{n-NS} has
-      // released the stage (iteration n), and widened in iteration n + 1: V into V stage
-      // n % NS, then K in place, each thread its own chunks (16-byte chunk c8 of rows r8 + i *
-      // F8R: fp8_widen_chunk), visible to it after its own wait. In place, the float16 K rows
-      // overwrite FP8 rows other threads copied: every producer thread loads its FP8 K chunks,
-      // then a producer barrier, then the stores. So the float16 rings keep the 16-bit
-      // kernel's three stages and shared memory (a separate staging ring left room for two
-      // float16 stages: the same speed on an H200, while the 16-bit kernel with two stages
-      // lost 8%: the FP8 kernel is bound elsewhere. ncu: issue slots 39% busy in both kernels,
-      // the FP8 kernel's shared-memory wavefronts 1.5x the 16-bit kernel's; with the conversion
-      // in integer instructions instead of cvt it ran 38% slower, so the producer's chain of
-      // wait, load, convert, store and fence per tile is on the critical path). The stores
-      // are generic-proxy writes: fence.proxy.async, then a plain arrival on the full barrier.
-      // In a tile the mask crosses, the V pass of the guards scans the widened chunks (as
-      // prefill.cuh's mma kernel does).
-      constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows, R8 = BN / F8R, F8T = S::kF8TileBytes;
-      const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
-      const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
-      int r8, c8;
-      fp8_widen_chunk<F8>(tid, r8, c8);
-      // 32-bit shared addresses (with generic pointers the producer spilled at its 64
-      // registers): this thread's rows lie F8R rows apart, F8R * D bytes in the FP8 rows and
-      // F8R * 128 in the swizzled tile (one swizzle phase).
-      const uint32_t src_own = uint32_t(r8 * D + c8 * 16);
-      const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
-      const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
-      auto load_own = [&](uint32_t src, uint4(&raw)[R8]) {
+      RowCursor cur;  // row tid of each key tile
+      cur.init(kv, t.table, tid, range.end, flags);
+      rowoff[tid] = sm90_pack_off(cur.off);
+      // The entry of row tid of the next tile, loaded a tile ahead of its use.
+      int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
+      named_sync(1, NP);
+      check_entries<NP, 16>(t, kv, range.end, flags);
+      if constexpr (kF8) {
+        // FP8: tile n's rows are copied as stored into K stage n % NS -- its K rows in the
+        // first half, its V rows in the second, plain rows of D bytes -- as soon as S_{n-NS} has
+        // released the stage (iteration n), and widened in iteration n + 1: V into V stage
+        // n % NS, then K in place, each thread its own chunks (16-byte chunk c8 of rows r8 + i *
+        // F8R: fp8_widen_chunk), visible to it after its own wait. In place, the float16 K rows
+        // overwrite FP8 rows other threads copied: every producer thread loads its FP8 K chunks,
+        // then a producer barrier, then the stores. So the float16 rings keep the 16-bit
+        // kernel's three stages and shared memory (a separate staging ring left room for two
+        // float16 stages: the same speed on an H200, while the 16-bit kernel with two stages
+        // lost 8%: the FP8 kernel is bound elsewhere. ncu: issue slots 39% busy in both kernels,
+        // the FP8 kernel's shared-memory wavefronts 1.5x the 16-bit kernel's; with the conversion
+        // in integer instructions instead of cvt it ran 38% slower, so the producer's chain of
+        // wait, load, convert, store and fence per tile is on the critical path). The stores
+        // are generic-proxy writes: fence.proxy.async, then a plain arrival on the full barrier.
+        // In a tile the mask crosses, the V pass of the guards scans the widened chunks (as
+        // prefill.cuh's mma kernel does).
+        constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows, R8 = BN / F8R, F8T = S::kF8TileBytes;
+        const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
+        const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
+        int r8, c8;
+        fp8_widen_chunk<F8>(tid, r8, c8);
+        // 32-bit shared addresses (with generic pointers the producer spilled at its 64
+        // registers): this thread's rows lie F8R rows apart, F8R * D bytes in the FP8 rows and
+        // F8R * 128 in the swizzled tile (one swizzle phase).
+        const uint32_t src_own = uint32_t(r8 * D + c8 * 16);
+        const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
+        const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
+        auto load_own = [&](uint32_t src, uint4(&raw)[R8]) {
 #pragma unroll
-        for (int i = 0; i < R8; ++i) raw[i] = lds128_at(src + src_own + i * F8R * D);
-      };
-      auto store_own = [&](const uint4(&raw)[R8], uint32_t dst) {
+          for (int i = 0; i < R8; ++i) raw[i] = lds128_at(src + src_own + i * F8R * D);
+        };
+        auto store_own = [&](const uint4(&raw)[R8], uint32_t dst) {
 #pragma unroll
-        for (int i = 0; i < R8; ++i) {
-          uint4 lo, hi;
-          fp8x16_to_f16<C>(raw[i], lo, hi);
-          sts128_at(dst + lo_own + i * F8R * 128, lo);
-          sts128_at(dst + hi_own + i * F8R * 128, hi);
-        }
-      };
-      for (int n = 0; n <= ntiles; ++n) {
-        const int slot = n & 1;
-        if (n < ntiles) {
-          const int gn = it0 + n, s = gn % NS;  // ring position
-          cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
-          ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
-          if (gn >= NS) mbar_wait(kempty(s), ((gn / NS) & 1) ^ 1);
-          // K's rows, then V's, their offsets read before their copies.
-          auto copy_rows = [&](uint32_t dst, const C* src) {
-            uint32_t u[R8];
-#pragma unroll
-            for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
-#pragma unroll
-            for (int i = 0; i < R8; ++i) {
-              const bool ok = u[i] != kSm90NoRow;
-              cp_async16(dst + src_own + i * F8R * D,
-                         ok ? src + (int64_t(u[i]) << 3) + c8 * 16 : src, ok);
-            }
-          };
-          const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
-          copy_rows(kst, kg);
-          copy_rows(kst + F8T, vg);
-          async_copy_commit();
-        }
-#if JAXATTN_SM90_FP8_ONE_BARRIER
-        // The next tile's row offsets first, so that one producer barrier a tile serves them
-        // and the in-place K stores below.
-        if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-        if (n == 0) named_sync(1, NP);
-#endif
-        if (n >= 1) {
-          const int m = n - 1, gm = it0 + m, s = gm % NS;
-          if (n < ntiles) {
-            async_copy_wait<1>();
-          } else {
-            async_copy_wait<0>();
-          }
-          const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
-          const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
-          uint4 raw[R8];
-          load_own(kst + F8T, raw);
-          if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
-          store_own(raw, vt);
-          if (m * BN + BN > range.full_end) {
-            guards_free();
-            unsigned char* const vt_gen = gen + (vt - base);
-            const bool lo = sanitize_own_v<M, R8, F8R * 128, F8R>(
-                vt_gen + lo_own, m * BN + r8, range.full_end, range.end, c8 * 16, first_bad);
-            const bool hi = sanitize_own_v<M, R8, F8R * 128, F8R>(
-                vt_gen + hi_own, m * BN + r8, range.full_end, range.end, c8 * 16 + 8,
-                first_bad);
-            if (lo || hi) flags |= kGuardValueBad;
-          }
-          sm90_fence_proxy_async();
-          mbar_arrive(vfull(s));
-          load_own(kst, raw);
-          named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
-          store_own(raw, kst);
-          sm90_fence_proxy_async();
-          mbar_arrive(kfull(s));
-        }
-#if !JAXATTN_SM90_FP8_ONE_BARRIER
-        if (n < ntiles) {
-          rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-          named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
-        }
-#endif
-      }
-    } else {
-      const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-      const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
-      const uint32_t v_own = sm90_tile_off<BN>(r0, c);
-      for (int n = 0; n < ntiles; ++n) {
-        const int gn = it0 + n, s = gn % NS, slot = n & 1;  // ring position gn
-        const uint32_t par = ((gn / NS) & 1) ^ 1;
-        // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
-        cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
-        ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
-        // This thread's rows of tile n, kBatch at a time: their offsets are read before the
-        // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
-        // it: row by row, every copy waited for its offset).
-        constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
-        auto copy_rows = [&](uint32_t dst, const T* src) {
-#pragma unroll
-          for (int b = 0; b < kRows; b += kBatch) {
-            uint32_t u[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-              const bool ok = u[i] != kSm90NoRow;
-              // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
-              cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
-                         ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
-            }
+          for (int i = 0; i < R8; ++i) {
+            uint4 lo, hi;
+            fp8x16_to_f16<C>(raw[i], lo, hi);
+            sts128_at(dst + lo_own + i * F8R * 128, lo);
+            sts128_at(dst + hi_own + i * F8R * 128, hi);
           }
         };
-        if (gn >= NS) mbar_wait(kempty(s), par);
-        copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
-        mbar_arrive_copies(kfull(s));
-        if (gn >= NS) mbar_wait(vempty(s), par);
-        const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
-        copy_rows(vd, vg);
-        if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
-          async_copy_commit();
-          async_copy_wait<0>();
-          guards_free();
-          if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
-                                                       range.full_end, range.end, c * 8,
-                                                       first_bad))
-            flags |= kGuardValueBad;
-          sm90_fence_proxy_async();
-          mbar_arrive(vfull(s));
-        } else {
-          mbar_arrive_copies(vfull(s));
+        for (int n = 0; n <= ntiles; ++n) {
+          const int slot = n & 1;
+          if (n < ntiles) {
+            const int gn = it0 + n, s = gn % NS;  // ring position
+            cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
+            ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
+            if (gn >= NS) mbar_wait(kempty(s), ((gn / NS) & 1) ^ 1);
+            // K's rows, then V's, their offsets read before their copies.
+            auto copy_rows = [&](uint32_t dst, const C* src) {
+              uint32_t u[R8];
+#pragma unroll
+              for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
+#pragma unroll
+              for (int i = 0; i < R8; ++i) {
+                const bool ok = u[i] != kSm90NoRow;
+                cp_async16(dst + src_own + i * F8R * D,
+                           ok ? src + (int64_t(u[i]) << 3) + c8 * 16 : src, ok);
+              }
+            };
+            const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
+            copy_rows(kst, kg);
+            copy_rows(kst + F8T, vg);
+            async_copy_commit();
+          }
+#if JAXATTN_SM90_FP8_ONE_BARRIER
+          // The next tile's row offsets first, so that one producer barrier a tile serves them
+          // and the in-place K stores below.
+          if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+          if (n == 0) named_sync(1, NP);
+#endif
+          if (n >= 1) {
+            const int m = n - 1, gm = it0 + m, s = gm % NS;
+            if (n < ntiles) {
+              async_copy_wait<1>();
+            } else {
+              async_copy_wait<0>();
+            }
+            const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
+            const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
+            uint4 raw[R8];
+            load_own(kst + F8T, raw);
+            if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
+            store_own(raw, vt);
+            if (m * BN + BN > range.full_end) {
+              guards_free();
+              unsigned char* const vt_gen = gen + (vt - base);
+              const bool lo = sanitize_own_v<M, R8, F8R * 128, F8R>(
+                  vt_gen + lo_own, m * BN + r8, range.full_end, range.end, c8 * 16, first_bad);
+              const bool hi = sanitize_own_v<M, R8, F8R * 128, F8R>(
+                  vt_gen + hi_own, m * BN + r8, range.full_end, range.end, c8 * 16 + 8, first_bad);
+              if (lo || hi) flags |= kGuardValueBad;
+            }
+            sm90_fence_proxy_async();
+            mbar_arrive(vfull(s));
+            load_own(kst, raw);
+            named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
+            store_own(raw, kst);
+            sm90_fence_proxy_async();
+            mbar_arrive(kfull(s));
+          }
+#if !JAXATTN_SM90_FP8_ONE_BARRIER
+          if (n < ntiles) {
+            rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+            named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
+          }
+#endif
         }
-        rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-        named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
+      } else {
+        const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+        const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+        const uint32_t v_own = sm90_tile_off<BN>(r0, c);
+        for (int n = 0; n < ntiles; ++n) {
+          const int gn = it0 + n, s = gn % NS, slot = n & 1;  // ring position gn
+          const uint32_t par = ((gn / NS) & 1) ^ 1;
+          // Row tid of tile n + 1 from the entry loaded last iteration; then tile n + 2's entry.
+          cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
+          ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
+          // This thread's rows of tile n, kBatch at a time: their offsets are read before the
+          // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
+          // it: row by row, every copy waited for its offset).
+          constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
+          auto copy_rows = [&](uint32_t dst, const T* src) {
+#pragma unroll
+            for (int b = 0; b < kRows; b += kBatch) {
+              uint32_t u[kBatch];
+#pragma unroll
+              for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+#pragma unroll
+              for (int i = 0; i < kBatch; ++i) {
+                const bool ok = u[i] != kSm90NoRow;
+                // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
+                cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
+                           ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
+              }
+            }
+          };
+          if (gn >= NS) mbar_wait(kempty(s), par);
+          copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
+          mbar_arrive_copies(kfull(s));
+          if (gn >= NS) mbar_wait(vempty(s), par);
+          const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
+          copy_rows(vd, vg);
+          if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
+            async_copy_commit();
+            async_copy_wait<0>();
+            guards_free();
+            if (sanitize_own_v<T, BN / RP, RP * 128, RP>(gen + (vd - base) + v_own, n * BN + r0,
+                                                         range.full_end, range.end, c * 8,
+                                                         first_bad))
+              flags |= kGuardValueBad;
+            sm90_fence_proxy_async();
+            mbar_arrive(vfull(s));
+          } else {
+            mbar_arrive_copies(vfull(s));
+          }
+          rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+          named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
+        }
       }
-    }
-    if constexpr (kPersist) {
-      // The guards' flags (and first_bad) to the consumers, through flags_full.
-      guards_free();
-      if (flags) atomicOr(&block_flags, flags);
-      mbar_arrive(flags_full);
-      it0 += ntiles;
-      ++nvalid;
-    } else {
-      async_copy_commit();
-      async_copy_wait<0>();
-      // Hands the guards' flags (and, ordered by the barrier, first_bad) to the consumers.
-      if (flags) atomicOr(&block_flags, flags);
-      named_arrive(4, S::kThreads);
-    }
+      if constexpr (kPersist) {
+        // The guards' flags (and first_bad) to the consumers, through flags_full.
+        guards_free();
+        if (flags) atomicOr(&block_flags, flags);
+        mbar_arrive(flags_full);
+        it0 += ntiles;
+        ++nvalid;
+      } else {
+        async_copy_commit();
+        async_copy_wait<0>();
+        // Hands the guards' flags (and, ordered by the barrier, first_bad) to the consumers.
+        if (flags) atomicOr(&block_flags, flags);
+        named_arrive(4, S::kThreads);
+      }
     }  // items
     if constexpr (kPersist) {
       async_copy_commit();
@@ -724,265 +724,267 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       return uint64_t(((kk / 4) * rows * 128 + (kk % 4) * 32) >> 4);
     };
     for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
-    if constexpr (kPersist) {
-      if (sm90_item(round, p) < 0) break;
-      mbar_wait(rec_full, round & 1);
-      const bool valid = rec[0] != 0;
-      head = rec[1];  // the consumers need neither t.b nor t.table
-      t.m0 = rec[3];
-      t.rows = rec[4];
-      t.q0 = rec[5];
-      t.lq = rec[6];
-      t.lk = rec[7];
-      mbar_arrive(rec_empty);  // this thread has read the record
-      if (!valid) continue;
-      set_item();
-    }
-    float o[D / 2];  // O accumulator fragment (m64nDk16 layout)
-    float s[BN / 2];
-    uint32_t pf[BN / 4];
-    float l0 = 0.f, l1 = 0.f;
+      if constexpr (kPersist) {
+        if (sm90_item(round, p) < 0) break;
+        mbar_wait(rec_full, round & 1);
+        const bool valid = rec[0] != 0;
+        head = rec[1];  // the consumers need neither t.b nor t.table
+        t.m0 = rec[3];
+        t.rows = rec[4];
+        t.q0 = rec[5];
+        t.lq = rec[6];
+        t.lk = rec[7];
+        mbar_arrive(rec_empty);  // this thread has read the record
+        if (!valid) continue;
+        set_item();
+      }
+      float o[D / 2];  // O accumulator fragment (m64nDk16 layout)
+      float s[BN / 2];
+      uint32_t pf[BN / 4];
+      float l0 = 0.f, l1 = 0.f;
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+      for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
-    float m0 = kNegInf, m1 = kNegInf;
-    const int row0 = t.m0 + pack_token<kPack>(p, lr0);
-    const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
-    // The rows' logit factors (a bf16 q over an FP8 cache: times the rows' q factors, below).
-    float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
-    const float cap = p.ls.cap_log2e;
-    auto release = [&](uint32_t bar) {
-      if (lane == 0) mbar_arrive(bar);
-    };
-    auto issue_s = [&](int n) {
-      const uint64_t dks = dk + uint64_t(((n % NS) * S::kTileBytes) >> 4);
+      for (int i = 0; i < BN / 4; ++i) pf[i] = 0u;
+      float m0 = kNegInf, m1 = kNegInf;
+      const int row0 = t.m0 + pack_token<kPack>(p, lr0);
+      const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
+      // The rows' logit factors (a bf16 q over an FP8 cache: times the rows' q factors, below).
+      float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
+      const float cap = p.ls.cap_log2e;
+      auto release = [&](uint32_t bar) {
+        if (lane == 0) mbar_arrive(bar);
+      };
+      auto issue_s = [&](int n) {
+        const uint64_t dks = dk + uint64_t(((n % NS) * S::kTileBytes) >> 4);
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
-      sm90_wgmma_commit();
-    };
-    auto issue_pv = [&](int n) {
-      const uint64_t dvs = dv + uint64_t(((n % NS) * S::kTileBytes) >> 4);
+        for (int kk = 0; kk < D / 16; ++kk)
+          sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+        sm90_wgmma_commit();
+      };
+      auto issue_pv = [&](int n) {
+        const uint64_t dvs = dv + uint64_t(((n % NS) * S::kTileBytes) >> 4);
 #pragma unroll
-      for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<M, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
-      sm90_wgmma_commit();
-    };
-    float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
-    auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
-      constexpr bool kMask = decltype(mask_tag)::value;
-      constexpr bool kFold = decltype(fold_tag)::value;
-      const int n0 = n * BN;
-      const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
-      const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
-      constexpr int NC = JAXATTN_SM90_CHAINS;
-      float mxp0[NC], mxp1[NC];
+        for (int j = 0; j < BN / 16; ++j) sm90_mma_rs<M, D>(o, pf + 4 * j, dvs + uint64_t(j * 128));
+        sm90_wgmma_commit();
+      };
+      float a0 = 0.f, a1 = 0.f, sum0 = 0.f, sum1 = 0.f;
+      auto softmax = [&](int n, auto mask_tag, auto fold_tag) {
+        constexpr bool kMask = decltype(mask_tag)::value;
+        constexpr bool kFold = decltype(fold_tag)::value;
+        const int n0 = n * BN;
+        const int lim0 = min(t.lk - 1, row0 + shift) - n0 - 2 * tq;
+        const int lim1 = min(t.lk - 1, row1 + shift) - n0 - 2 * tq;
+        constexpr int NC = JAXATTN_SM90_CHAINS;
+        float mxp0[NC], mxp1[NC];
 #pragma unroll
-      for (int i = 0; i < NC; ++i) mxp0[i] = mxp1[i] = kNegInf;
+        for (int i = 0; i < NC; ++i) mxp0[i] = mxp1[i] = kNegInf;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[4 * j + e];
-          if constexpr (!kFold) {
-            v *= e < 2 ? qs0 : qs1;
-            if (cap > 0.f) v = cap * tanhf(v);
+          for (int e = 0; e < 4; ++e) {
+            float v = s[4 * j + e];
+            if constexpr (!kFold) {
+              v *= e < 2 ? qs0 : qs1;
+              if (cap > 0.f) v = cap * tanhf(v);
+            }
+            if constexpr (kMask) {
+              if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+            }
+            s[4 * j + e] = v;
           }
-          if constexpr (kMask) {
-            if (j * 8 + (e & 1) > (e < 2 ? lim0 : lim1)) v = kNegInf;
+          mxp0[j % NC] = fmaxf(mxp0[j % NC], fmaxf(s[4 * j], s[4 * j + 1]));
+          mxp1[j % NC] = fmaxf(mxp1[j % NC], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+#pragma unroll
+        for (int i = 1; i < NC; ++i) {
+          mxp0[0] = fmaxf(mxp0[0], mxp0[i]);
+          mxp1[0] = fmaxf(mxp1[0], mxp1[i]);
+        }
+        float mx0 = group_max<4>(mxp0[0]);
+        float mx1 = group_max<4>(mxp1[0]);
+        if constexpr (kFold) {
+          mx0 *= qs0;
+          mx1 *= qs1;
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
+        a0 = fast_exp2(m0 - mu0);
+        a1 = fast_exp2(m1 - mu1);
+        m0 = mn0;
+        m1 = mn1;
+        const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
+        float smp0[NC], smp1[NC];
+#pragma unroll
+        for (int i = 0; i < NC; ++i) smp0[i] = smp1[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
+          s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
+          s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
+          s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
+          smp0[j % NC] += s[4 * j] + s[4 * j + 1];
+          smp1[j % NC] += s[4 * j + 2] + s[4 * j + 3];
+        }
+#pragma unroll
+        for (int i = 1; i < NC; ++i) {
+          smp0[0] += smp0[i];
+          smp1[0] += smp1[i];
+        }
+        sum0 = smp0[0];
+        sum1 = smp1[0];
+      };
+      using True = std::true_type;
+      using False = std::false_type;
+      const bool fold = !(cap > 0.f) && qs0 > 0.f && qs1 > 0.f;
+      auto softmax_tile = [&](int n) {
+        const bool masked = n * BN + BN > range.full_end;
+        if (fold) {
+          if (masked) {
+            softmax(n, True{}, True{});
+          } else {
+            softmax(n, False{}, True{});
           }
-          s[4 * j + e] = v;
-        }
-        mxp0[j % NC] = fmaxf(mxp0[j % NC], fmaxf(s[4 * j], s[4 * j + 1]));
-        mxp1[j % NC] = fmaxf(mxp1[j % NC], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-#pragma unroll
-      for (int i = 1; i < NC; ++i) {
-        mxp0[0] = fmaxf(mxp0[0], mxp0[i]);
-        mxp1[0] = fmaxf(mxp1[0], mxp1[i]);
-      }
-      float mx0 = group_max<4>(mxp0[0]);
-      float mx1 = group_max<4>(mxp1[0]);
-      if constexpr (kFold) {
-        mx0 *= qs0;
-        mx1 *= qs1;
-      }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-      a0 = fast_exp2(m0 - mu0);
-      a1 = fast_exp2(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
-      const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
-      float smp0[NC], smp1[NC];
-#pragma unroll
-      for (int i = 0; i < NC; ++i) smp0[i] = smp1[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        s[4 * j] = fast_exp2(fmaf(s[4 * j], sc0, -mu0));
-        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sc0, -mu0));
-        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sc1, -mu1));
-        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sc1, -mu1));
-        smp0[j % NC] += s[4 * j] + s[4 * j + 1];
-        smp1[j % NC] += s[4 * j + 2] + s[4 * j + 3];
-      }
-#pragma unroll
-      for (int i = 1; i < NC; ++i) {
-        smp0[0] += smp0[i];
-        smp1[0] += smp1[i];
-      }
-      sum0 = smp0[0];
-      sum1 = smp1[0];
-    };
-    using True = std::true_type;
-    using False = std::false_type;
-    const bool fold = !(cap > 0.f) && qs0 > 0.f && qs1 > 0.f;
-    auto softmax_tile = [&](int n) {
-      const bool masked = n * BN + BN > range.full_end;
-      if (fold) {
-        if (masked) {
-          softmax(n, True{}, True{});
         } else {
-          softmax(n, False{}, True{});
+          if (masked) {
+            softmax(n, True{}, False{});
+          } else {
+            softmax(n, False{}, False{});
+          }
         }
-      } else {
-        if (masked) {
-          softmax(n, True{}, False{});
-        } else {
-          softmax(n, False{}, False{});
-        }
-      }
-    };
-    // Once the running maxima settle (most tiles of a long row) every factor is exactly 1
-    // (ex2 of 0): the warp then skips the D / 2 multiplies of its O fragment.
-    auto rescale_pack = [&]() {
-      l0 = l0 * a0 + sum0;
-      l1 = l1 * a1 + sum1;
-      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+      };
+      // Once the running maxima settle (most tiles of a long row) every factor is exactly 1
+      // (ex2 of 0): the warp then skips the D / 2 multiplies of its O fragment.
+      auto rescale_pack = [&]() {
+        l0 = l0 * a0 + sum0;
+        l1 = l1 * a1 + sum1;
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          o[4 * i] *= a0;
-          o[4 * i + 1] *= a0;
-          o[4 * i + 2] *= a1;
-          o[4 * i + 3] *= a1;
+          for (int i = 0; i < D / 8; ++i) {
+            o[4 * i] *= a0;
+            o[4 * i + 1] *= a0;
+            o[4 * i + 2] *= a1;
+            o[4 * i + 3] *= a1;
+          }
         }
-      }
 #pragma unroll
-      for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
-    };
+        for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
+      };
 
-    if constexpr (kPersist) {
-      if (ntiles == 0) {  // q came all the same: take it and hand it back
+      if constexpr (kPersist) {
+        if (ntiles == 0) {  // q came all the same: take it and hand it back
+          mbar_wait(qfull, nvalid & 1);
+          release(qempty);
+        }
+      }
+      if (ntiles > 0) {
         mbar_wait(qfull, nvalid & 1);
-        release(qempty);
-      }
-    }
-    if (ntiles > 0) {
-      mbar_wait(qfull, nvalid & 1);
-      if constexpr (kWidenQ) {
-        // A bf16 q over an FP8 cache: each quad moves its rows lr0 and lr0 + 8 to float16 in
-        // place (a quarter of each row a thread), scaled by the power of two that puts the
-        // row's largest |q| in [2^14, 2^15); the inverse joins the row's logit factor. The
-        // warpgroup's 64 rows are its wgmma A operand: fence, then a warpgroup barrier.
-        constexpr int QC = CH / 4;
-        uint4 v0[QC], v1[QC];
-        float mx0 = 0.f, mx1 = 0.f;
+        if constexpr (kWidenQ) {
+          // A bf16 q over an FP8 cache: each quad moves its rows lr0 and lr0 + 8 to float16 in
+          // place (a quarter of each row a thread), scaled by the power of two that puts the
+          // row's largest |q| in [2^14, 2^15); the inverse joins the row's logit factor. The
+          // warpgroup's 64 rows are its wgmma A operand: fence, then a warpgroup barrier.
+          constexpr int QC = CH / 4;
+          uint4 v0[QC], v1[QC];
+          float mx0 = 0.f, mx1 = 0.f;
 #pragma unroll
-        for (int i = 0; i < QC; ++i) {
-          v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
-          v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
-          mx0 = bf16x2_absmax(v0[i].w, bf16x2_absmax(v0[i].z, bf16x2_absmax(
-                    v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
-          mx1 = bf16x2_absmax(v1[i].w, bf16x2_absmax(v1[i].z, bf16x2_absmax(
-                    v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
-        }
-        mx0 = group_max<4>(mx0);
-        mx1 = group_max<4>(mx1);
-        float pre0, post0, pre1, post1;
-        f16_row_factors(mx0, pre0, post0);
-        f16_row_factors(mx1, pre1, post1);
+          for (int i = 0; i < QC; ++i) {
+            v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
+            v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
+            mx0 = bf16x2_absmax(
+                v0[i].w,
+                bf16x2_absmax(v0[i].z, bf16x2_absmax(v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
+            mx1 = bf16x2_absmax(
+                v1[i].w,
+                bf16x2_absmax(v1[i].z, bf16x2_absmax(v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
+          }
+          mx0 = group_max<4>(mx0);
+          mx1 = group_max<4>(mx1);
+          float pre0, post0, pre1, post1;
+          f16_row_factors(mx0, pre0, post0);
+          f16_row_factors(mx1, pre1, post1);
 #pragma unroll
-        for (int i = 0; i < QC; ++i) {
-          *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0, tq * QC + i)) =
-              make_uint4(bf16x2_to_f16x2(v0[i].x, pre0), bf16x2_to_f16x2(v0[i].y, pre0),
-                         bf16x2_to_f16x2(v0[i].z, pre0), bf16x2_to_f16x2(v0[i].w, pre0));
-          *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i)) =
-              make_uint4(bf16x2_to_f16x2(v1[i].x, pre1), bf16x2_to_f16x2(v1[i].y, pre1),
-                         bf16x2_to_f16x2(v1[i].z, pre1), bf16x2_to_f16x2(v1[i].w, pre1));
+          for (int i = 0; i < QC; ++i) {
+            *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0, tq * QC + i)) =
+                make_uint4(bf16x2_to_f16x2(v0[i].x, pre0), bf16x2_to_f16x2(v0[i].y, pre0),
+                           bf16x2_to_f16x2(v0[i].z, pre0), bf16x2_to_f16x2(v0[i].w, pre0));
+            *reinterpret_cast<uint4*>(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i)) =
+                make_uint4(bf16x2_to_f16x2(v1[i].x, pre1), bf16x2_to_f16x2(v1[i].y, pre1),
+                           bf16x2_to_f16x2(v1[i].z, pre1), bf16x2_to_f16x2(v1[i].w, pre1));
+          }
+          qs0 *= post0;
+          qs1 *= post1;
+          sm90_fence_proxy_async();
+          named_sync(2 + cw, 128);
         }
-        qs0 *= post0;
-        qs1 *= post1;
+        mbar_wait(kfull(it0 % NS), (it0 / NS) & 1);
         sm90_fence_proxy_async();
-        named_sync(2 + cw, 128);
+        sm90_wgmma_fence();
+        issue_s(it0);
+        sm90_wgmma_wait<0>();
+        sm90_pin(s);
+        release(kempty(it0 % NS));
+        if constexpr (kPersist) {
+          if (ntiles == 1) release(qempty);  // the item's last S has read q
+        }
+        softmax_tile(0);
+        rescale_pack();
       }
-      mbar_wait(kfull(it0 % NS), (it0 / NS) & 1);
-      sm90_fence_proxy_async();
-      sm90_wgmma_fence();
-      issue_s(it0);
-      sm90_wgmma_wait<0>();
-      sm90_pin(s);
-      release(kempty(it0 % NS));
+      for (int n = 1; n < ntiles; ++n) {
+        const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
+        mbar_wait(kfull(sk), (gn / NS) & 1);
+        mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
+        sm90_fence_proxy_async();
+        sm90_wgmma_fence();
+        issue_s(gn);       // group 1: S = Q K_n^T
+        issue_pv(gn - 1);  // group 2: O += P_{n-1} V_{n-1}
+        sm90_wgmma_wait<1>();
+        sm90_pin(s);
+        release(kempty(sk));
+        if constexpr (kPersist) {
+          if (n == ntiles - 1) release(qempty);
+        }
+        softmax_tile(n);
+        sm90_wgmma_wait<0>();
+        sm90_pin(o);
+        sm90_pin(pf);
+        release(vempty(sv));
+        rescale_pack();
+      }
+      if (ntiles > 0) {
+        const int gl = it0 + ntiles - 1, sv = gl % NS;
+        mbar_wait(vfull(sv), (gl / NS) & 1);
+        sm90_fence_proxy_async();
+        sm90_wgmma_fence();
+        issue_pv(gl);
+        sm90_wgmma_wait<0>();
+        sm90_pin(o);
+        sm90_pin(pf);
+      }
+      l0 = group_sum<4>(l0);
+      l1 = group_sum<4>(l1);
       if constexpr (kPersist) {
-        if (ntiles == 1) release(qempty);  // the item's last S has read q
+        mbar_wait(flags_full, nvalid & 1);  // the producer's flags
+      } else {
+        named_sync(4, S::kThreads);  // the producer's flags
       }
-      softmax_tile(0);
-      rescale_pack();
-    }
-    for (int n = 1; n < ntiles; ++n) {
-      const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
-      mbar_wait(kfull(sk), (gn / NS) & 1);
-      mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
-      sm90_fence_proxy_async();
-      sm90_wgmma_fence();
-      issue_s(gn);       // group 1: S = Q K_n^T
-      issue_pv(gn - 1);  // group 2: O += P_{n-1} V_{n-1}
-      sm90_wgmma_wait<1>();
-      sm90_pin(s);
-      release(kempty(sk));
+      const int f = block_flags;
+      const bool poisoned = (f & kGuardIndexBad) != 0;
+      prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
+                                          f ? first_bad : nullptr, poisoned, f ? shift : 0);
       if constexpr (kPersist) {
-        if (n == ntiles - 1) release(qempty);
+        if (f) {
+          // Every consumer has read them: the guards' state back to clean for the next item.
+          named_sync(5, 256);
+          init_first_bad<D>(first_bad, tid - 128, 256);
+          if (tid == 128) block_flags = 0;
+        }
+        mbar_arrive(item_done);
+        it0 += ntiles;
+        ++nvalid;
       }
-      softmax_tile(n);
-      sm90_wgmma_wait<0>();
-      sm90_pin(o);
-      sm90_pin(pf);
-      release(vempty(sv));
-      rescale_pack();
-    }
-    if (ntiles > 0) {
-      const int gl = it0 + ntiles - 1, sv = gl % NS;
-      mbar_wait(vfull(sv), (gl / NS) & 1);
-      sm90_fence_proxy_async();
-      sm90_wgmma_fence();
-      issue_pv(gl);
-      sm90_wgmma_wait<0>();
-      sm90_pin(o);
-      sm90_pin(pf);
-    }
-    l0 = group_sum<4>(l0);
-    l1 = group_sum<4>(l1);
-    if constexpr (kPersist) {
-      mbar_wait(flags_full, nvalid & 1);  // the producer's flags
-    } else {
-      named_sync(4, S::kThreads);  // the producer's flags
-    }
-    const int f = block_flags;
-    const bool poisoned = (f & kGuardIndexBad) != 0;
-    prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
-                                        f ? first_bad : nullptr, poisoned, f ? shift : 0);
-    if constexpr (kPersist) {
-    if (f) {
-      // Every consumer has read them: the guards' state back to clean for the next item.
-      named_sync(5, 256);
-      init_first_bad<D>(first_bad, tid - 128, 256);
-      if (tid == 128) block_flags = 0;
-    }
-    mbar_arrive(item_done);
-    it0 += ntiles;
-    ++nvalid;
-    }
     }  // items
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
