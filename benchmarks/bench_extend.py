@@ -16,7 +16,8 @@ prefix-shifted mask is expressed as one non-causal call over the prefix plus one
 causal call over the new tokens, merged by their log-sum-exp (for an empty prefix,
 the causal call alone).
 
-``--sweep`` also times the Pallas kernel over a grid of tile configurations.
+``--sweep`` also times the Pallas kernel over a grid of tile configurations;
+``--native-kernels sm90,sm90_persistent`` the native op with each GPU prefill kernel forced.
 
 ``--kv-dtype bfloat16,float8_e4m3fn,float8_e5m2`` times each case over each cache dtype (q
 stays ``--dtype``; an FP8 cache holds the same random data quantised with per-head scales,
@@ -43,6 +44,7 @@ import common  # noqa: E402
 import fa4_peer  # noqa: E402
 
 import jaxattn  # noqa: E402
+from jaxattn import native  # noqa: E402
 from jaxattn import pallas as jpallas  # noqa: E402
 from jaxattn.pallas import prefill_mgpu  # noqa: E402
 
@@ -243,6 +245,12 @@ def main(argv=None):
         "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit or FP8 caches) in these "
         "configurations: stages:pages_per_step|auto,... (e.g. 2:auto,3:8)",
     )
+    p.add_argument(
+        "--native-kernels",
+        default=None,
+        help="also time the native op with each of these GPU prefill kernels forced "
+        "(jaxattn.native.PrefillConfig: sm90, sm90_persistent, mma, simt), in the same process",
+    )
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
 
@@ -334,6 +342,12 @@ def main(argv=None):
             record(
                 impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
+        if args.native_kernels and "native" in impls:
+            for name in args.native_kernels.split(","):
+                fn = common.with_scales(
+                    op, implementation="native", config=native.PrefillConfig(kernel=name), **kw
+                )
+                record("native", fn, copies, dict(config=f"kernel={name}"))
         if args.mgpu and args.form == "prefill":
             for spec in args.mgpu.split(","):
                 stages, per_step = spec.split(":")
