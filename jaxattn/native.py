@@ -399,7 +399,9 @@ class DecodeConfig:
             raise ValueError(f"partition_size must be >= 0, got {self.partition_size}")
 
 
-_KERNEL_IDS = {"auto": 0, "sm90": 1, "mma": 2, "simt": 3, "sm90_persistent": 4}
+# The FFI attribute `kernel`: a name's position in the names the environment variable takes
+# (PrefillKernel in ffi/include/jaxattn/prefill.cuh: auto, sm90, mma, simt, sm90_persistent).
+_KERNEL_IDS = {name: i for i, name in enumerate(_env.PREFILL_KERNELS)}
 
 
 @dataclasses.dataclass(frozen=True)

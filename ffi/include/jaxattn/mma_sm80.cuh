@@ -94,6 +94,22 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   mma16816<T>(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
+// The online softmax's maxima step for a lane's two rows: the running maxima m0 / m1 raised to
+// the tile's row maxima mx0 / mx1 (the quad's); a0 / a1 the factors that rescale what the rows
+// summed so far; mu0 / mu1 the maxima to subtract from the tile's logits (0 for a row that has
+// seen only -inf, so that its probabilities stay 0). Shared by the mma.sync and wgmma tiles.
+__device__ __forceinline__ void online_max_step(float mx0, float mx1, float& m0, float& m1,
+                                                float& a0, float& a1, float& mu0, float& mu1) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  mu0 = mn0 == kNegInf ? 0.f : mn0;
+  mu1 = mn1 == kNegInf ? 0.f : mn1;
+  a0 = fast_exp2(m0 - mu0);
+  a1 = fast_exp2(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+}
+
 // The online softmax's rescale of output accumulators held as m16n8 C fragments. Callers
 // may skip it when __any_sync(factor != 1) is false for the warp: once the running maxima
 // settle, every factor is exp2(0), exactly 1, and a NaN factor is not 1, so NaN still
@@ -109,15 +125,8 @@ template <int J>
 __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, float mx1,
                                                    float& m0, float& m1, float& l0, float& l1,
                                                    float& a0, float& a1) {
-  constexpr float kNegInf = -__builtin_huge_valf();
-  mx0 = group_max<4>(mx0);
-  mx1 = group_max<4>(mx1);
-  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-  const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-  a0 = fast_exp2(m0 - mu0);
-  a1 = fast_exp2(m1 - mu1);
-  m0 = mn0;
-  m1 = mn1;
+  float mu0, mu1;
+  online_max_step(group_max<4>(mx0), group_max<4>(mx1), m0, m1, a0, a1, mu0, mu1);
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {

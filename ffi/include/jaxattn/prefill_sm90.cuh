@@ -387,14 +387,13 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
   // K full, K empty, V full, V empty (kStages each), then q full.
   __shared__ __align__(8) uint64_t bars[4 * NS + 1];
   __shared__ int block_flags;  // the producer's guard flags, ORed
-  // kPersist: an item's record (valid, head, the PrefillTile's ints, its table's offset in
-  // p.page_table), the producer's scratch for find_prefill_tile, and the hand-over barriers:
+  // kPersist: an item's record (valid, head, and of the PrefillTile what the consumers use: m0,
+  // rows, q0, lq, lk), the producer's scratch for find_prefill_tile, and the hand-over barriers:
   // record full (the producer's thread 0) and empty (every consumer thread), q empty (the
   // consumer warps, after their item's last S), flags full (every producer thread, after its
   // item's last guard; replaces named barrier 4), item done (every consumer thread, after its
   // store and the reset of first_bad and block_flags).
-  __shared__ int rec[kPersist ? 8 : 1];
-  __shared__ int64_t rec_table[1];
+  __shared__ int rec[kPersist ? 7 : 1];
   __shared__ int pscratch[kPersist ? kPrefillTileScratch<128> : 1];
   __shared__ __align__(8) uint64_t pbars[kPersist ? 5 : 1];
   const uint32_t bar0 = smem_u32(bars);
@@ -471,13 +470,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           if (round > 0) mbar_wait(rec_empty, (round - 1) & 1);
           rec[0] = valid;
           rec[1] = head;
-          rec[2] = t.b;
-          rec[3] = t.m0;
-          rec[4] = t.rows;
-          rec[5] = t.q0;
-          rec[6] = t.lq;
-          rec[7] = t.lk;
-          rec_table[0] = valid ? t.table - p.page_table : 0;
+          rec[2] = t.m0;
+          rec[3] = t.rows;
+          rec[4] = t.q0;
+          rec[5] = t.lq;
+          rec[6] = t.lk;
           mbar_arrive(rec_full);
         }
         if (!valid) continue;  // find_prefill_tile wrote its rows
@@ -729,11 +726,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         mbar_wait(rec_full, round & 1);
         const bool valid = rec[0] != 0;
         head = rec[1];  // the consumers need neither t.b nor t.table
-        t.m0 = rec[3];
-        t.rows = rec[4];
-        t.q0 = rec[5];
-        t.lq = rec[6];
-        t.lk = rec[7];
+        t.m0 = rec[2];
+        t.rows = rec[3];
+        t.q0 = rec[4];
+        t.lq = rec[5];
+        t.lk = rec[6];
         mbar_arrive(rec_empty);  // this thread has read the record
         if (!valid) continue;
         set_item();
@@ -809,12 +806,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           mx0 *= qs0;
           mx1 *= qs1;
         }
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float mu0 = mn0 == kNegInf ? 0.f : mn0, mu1 = mn1 == kNegInf ? 0.f : mn1;
-        a0 = fast_exp2(m0 - mu0);
-        a1 = fast_exp2(m1 - mu1);
-        m0 = mn0;
-        m1 = mn1;
+        float mu0, mu1;
+        online_max_step(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
         const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
         float smp0[NC], smp1[NC];
 #pragma unroll
