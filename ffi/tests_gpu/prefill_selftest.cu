@@ -285,6 +285,11 @@ std::vector<double> reference(const Problem& P) {
   return out;
 }
 
+// The persistent launch's block count in the checks: a few blocks, so that every block loops
+// over many items (the rings, their phases and the guards' state handed on from item to item);
+// the timings launch one block a multiprocessor (0).
+int g_persistent_blocks = 0;
+
 struct Device {
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   int32_t *cu = nullptr, *table = nullptr, *indptr = nullptr, *seq = nullptr;
@@ -346,6 +351,7 @@ struct Device {
     using jaxattn::gpu::launch_prefill_typed;
     jaxattn::PrefillParams q = p;
     q.kernel = static_cast<int32_t>(which);
+    q.persistent_blocks = g_persistent_blocks;
     if (kv8 == 1)
       return f16 ? launch_prefill_typed<f16_t, e4m3_t>(q, 0)
                  : launch_prefill_typed<bf16_t, e4m3_t>(q, 0);
@@ -709,6 +715,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out at once (a hang shows where)
   int dev = 0, major = 0, minor = 0;
   CK(cudaGetDevice(&dev));
   cudaDeviceProp prop;
@@ -722,6 +729,7 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, g_sm90_expected ? "expected" : "not expected");
 
   std::mt19937 rng(1234);
+  g_persistent_blocks = 3;  // the checks and the robustness cases: several items a block
   int failed = 0, total = 0;
   const Layout bshd = Layout::kBSHD, bhsd = Layout::kBHSD;
   if (checks) {
@@ -797,6 +805,7 @@ int main(int argc, char** argv) {
     failed += run_robustness(rng);
   }
   if (bench) {
+    g_persistent_blocks = 0;
     std::printf("timings (bf16, D=128, 32/8, bshd, page 16 / pool; median of 10 after warm-up):\n");
     const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
                       bshd, false, 0.f, false, 0};

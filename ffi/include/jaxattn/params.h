@@ -139,6 +139,9 @@ struct PrefillParams {
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;
+  // GPU sm90 persistent launch: at most this many blocks (0: one a multiprocessor). The
+  // self-test launches few, so that every block loops over several items.
+  int32_t persistent_blocks = 0;
 };
 
 // out[m, n] = sum_k x[m, k] w[k, n], f32 accumulation (jaxattn/native.py: linear). x [m, k]

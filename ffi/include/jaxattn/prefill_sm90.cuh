@@ -242,7 +242,7 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // producer's next q copy waits for it), flags full (the guards' flags, in place of named
 // barrier 4), item done (the consumers' store has read first_bad and block_flags and reset
 // them; the producer waits for it before its next guard). Registers 96 / 200: with the item
-// loop's state the producer spilled at 64 and at 80 / 208. Not yet run on a GPU.
+// loop's state the producer spilled at 64 and at 80 / 208.
 // ------------------------------------------------------------------------------------------
 // kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
 template <int D, bool kF8 = false>
@@ -955,6 +955,9 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         sm90_wgmma_wait<0>();
         sm90_pin(o);
         sm90_pin(pf);
+        // The item's last V stage back to the producer: its ring runs on into the next item
+        // (the one-tile kernel ends here, and its producer waits for no later stage).
+        if constexpr (kPersist) release(vempty(sv));
       }
       l0 = group_sum<4>(l0);
       l1 = group_sum<4>(l1);
@@ -999,6 +1002,7 @@ const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t s
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
     return "jaxattn: cannot read the multiprocessor count";
+  if (p.persistent_blocks > 0 && p.persistent_blocks < sms) sms = p.persistent_blocks;
   const dim3 grid(unsigned(items < sms ? items : sms));
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
