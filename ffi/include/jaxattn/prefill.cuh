@@ -1217,7 +1217,8 @@ const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 
 // The values of PrefillParams::kernel (the FFI attribute `kernel`).
 // kSm90Persistent: the sm90 kernel with one block an SM looping over the tiles (not chosen by
-// kAuto until it has been measured against the one-tile-a-block launch).
+// kAuto: on an H200 2-6% slower than the one-tile-a-block launch on long extends, level on
+// short ones; ffi/NOTES.md, round 13).
 enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3, kSm90Persistent = 4 };
 
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles (when

@@ -242,7 +242,11 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // producer's next q copy waits for it), flags full (the guards' flags, in place of named
 // barrier 4), item done (the consumers' store has read first_bad and block_flags and reset
 // them; the producer waits for it before its next guard). Registers 96 / 200: with the item
-// loop's state the producer spilled at 64 and at 80 / 208.
+// loop's state the producer spilled at 64 and at 80 / 208. H200 (prefill self-test, bf16,
+// 32/8): 433 / 522 / 442 / 209 TFLOP/s on 8 x (2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096),
+// 32 x (1000 + 24), against the one-tile launch's 457 / 533 / 472 / 211: the static snake
+// balances causal items worse than the hardware's block order, and an item's q copy waits
+// for the consumers' last S of the one before (single q buffer). Opt-in.
 // ------------------------------------------------------------------------------------------
 // kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
 template <int D, bool kF8 = false>
