@@ -696,6 +696,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   bool checks = true, bench = true, robust = true, only_fp8 = false;
+  int bench_blocks = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-bench") == 0) {
       bench = false;
@@ -708,9 +709,12 @@ int main(int argc, char** argv) {
       bench = robust = false;
     } else if (std::strcmp(argv[i], "--flush-l2") == 0) {
       g_flush_l2 = true;
+    } else if (std::strcmp(argv[i], "--persistent-blocks") == 0 && i + 1 < argc) {
+      bench_blocks = std::atoi(argv[++i]);  // the persistent launch's grid in the timings
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--no-bench | --bench-only | --robust | --fp8] [--flush-l2]\n",
+                   "usage: %s [--no-bench | --bench-only | --robust | --fp8] [--flush-l2] "
+                   "[--persistent-blocks N]\n",
                    argv[0]);
       return 2;
     }
@@ -805,7 +809,7 @@ int main(int argc, char** argv) {
     failed += run_robustness(rng);
   }
   if (bench) {
-    g_persistent_blocks = 0;
+    g_persistent_blocks = bench_blocks;
     std::printf("timings (bf16, D=128, 32/8, bshd, page 16 / pool; median of 10 after warm-up):\n");
     const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
                       bshd, false, 0.f, false, 0};

@@ -139,8 +139,9 @@ struct PrefillParams {
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;
-  // GPU sm90 persistent launch: at most this many blocks (0: one a multiprocessor). The
-  // self-test launches few, so that every block loops over several items.
+  // GPU sm90 persistent launch: this many blocks, at most one an item (0: one a
+  // multiprocessor). The self-test's checks launch few, so that every block loops over
+  // several items; its timings may launch one an item (the persistent code, no item loop).
   int32_t persistent_blocks = 0;
 };
 

@@ -244,9 +244,9 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // them; the producer waits for it before its next guard). Registers 96 / 200: with the item
 // loop's state the producer spilled at 64 and at 80 / 208. H200 (prefill self-test, bf16,
 // 32/8): 433 / 522 / 442 / 209 TFLOP/s on 8 x (2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096),
-// 32 x (1000 + 24), against the one-tile launch's 457 / 533 / 472 / 211: the static snake
-// balances causal items worse than the hardware's block order, and an item's q copy waits
-// for the consumers' last S of the one before (single q buffer). Opt-in.
+// 32 x (1000 + 24), against the one-tile launch's 457 / 533 / 472 / 211. Launched one block an
+// item (PrefillParams::persistent_blocks) it is 3-5% slower too, so the loss is mostly in this
+// code (the 96 / 200 register split, the hand-over barriers), not in the item order. Opt-in.
 // ------------------------------------------------------------------------------------------
 // kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
 template <int D, bool kF8 = false>
@@ -1006,7 +1006,7 @@ const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t s
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
     return "jaxattn: cannot read the multiprocessor count";
-  if (p.persistent_blocks > 0 && p.persistent_blocks < sms) sms = p.persistent_blocks;
+  if (p.persistent_blocks > 0) sms = p.persistent_blocks;  // tests and experiments
   const dim3 grid(unsigned(items < sms ? items : sms));
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
