@@ -23,16 +23,49 @@ output is then ``out_dtype`` (bfloat16 unless stated), otherwise q's dtype.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import layout as _layout
 from .. import quant as _quant
 from . import validity as _validity
 
 _HI = jax.lax.Precision.HIGHEST
+
+# Keywords the spec reads as Python values (``float(scale)``, ``soft_cap is None``, ...).
+_PYTHON_KEYWORDS = ("scale", "soft_cap", "partition_size", "layout", "out_dtype")
+
+
+def _static(value, arrays) -> bool:
+    """A keyword's value is static in :func:`_compiled` unless it is an array or a
+    container (a list of per-head scales, say), which is traced."""
+    return not isinstance(value, arrays) and isinstance(value, Hashable)
+
+
+def _compiled(function):
+    """``function`` (one of the four ops) under ``jax.jit``: the keywords that are not arrays
+    static, so that an eager call compiles one program per shape and settings instead of
+    one per ``jax.numpy`` operation (inside a caller's jit it is inlined). A call that passes
+    an array where the spec reads a Python value runs the function as written."""
+    programs = {}
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        arrays = (jax.Array, np.ndarray)
+        if any(isinstance(kwargs.get(name), arrays) for name in _PYTHON_KEYWORDS):
+            return function(*args, **kwargs)
+        static = tuple(sorted(k for k, v in kwargs.items() if _static(v, arrays)))
+        program = programs.get(static)
+        if program is None:
+            program = programs[static] = jax.jit(function, static_argnames=static)
+        return program(*args, **kwargs)
+
+    return call
 
 
 def default_scale(head_dim: int) -> float:
@@ -183,6 +216,7 @@ def _poison(out, bad_rows):
     return jnp.where(bad_rows.reshape(bad_rows.shape + (1,) * (out.ndim - 1)), jnp.nan, out)
 
 
+@_compiled
 def paged_attention(
     q,
     k_cache,
@@ -276,6 +310,7 @@ def _paged_states(
     return o, lse
 
 
+@_compiled
 def cascade_attention(
     q,
     k_cache,
@@ -344,6 +379,7 @@ def _ragged_rows(indptr, total_rows):
     return req, rows - indptr[req], real
 
 
+@_compiled
 def extend_attention(
     q,
     k_cache,
@@ -401,6 +437,7 @@ def extend_attention(
     return _poison(out, bad_rows).astype(output_dtype(q.dtype, out_dtype))
 
 
+@_compiled
 def prefix_prefill(
     q,
     k_cache,
