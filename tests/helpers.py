@@ -469,17 +469,11 @@ def call_prefill(fn, case: PrefillCase, **kw):
     )
 
 
-# The spec under jit: one compile per shape instead of one per eager op, which otherwise
-# dominates a CPU test run.
-spec_paged_attention = jax.jit(
-    ref.paged_attention, static_argnames=("scale", "layout", "partition_size", "soft_cap")
-)
-spec_extend_attention = jax.jit(
-    ref.extend_attention, static_argnames=("scale", "soft_cap", "out_dtype")
-)
-spec_prefix_prefill = jax.jit(
-    ref.prefix_prefill, static_argnames=("scale", "layout", "soft_cap", "out_dtype")
-)
+# The spec's ops compile themselves when called (one program per shape and settings:
+# jaxattn.reference.attention._compiled).
+spec_paged_attention = ref.paged_attention
+spec_extend_attention = ref.extend_attention
+spec_prefix_prefill = ref.prefix_prefill
 
 
 def spec_decode(case: PagedCase, **kw):
@@ -655,9 +649,7 @@ def expected_cascade(case: CascadeCase, *, scale=None, soft_cap=None):
     )
 
 
-spec_cascade_attention = jax.jit(
-    ref.cascade_attention, static_argnames=("scale", "layout", "soft_cap")
-)
+spec_cascade_attention = ref.cascade_attention
 
 
 def spec_cascade(case: CascadeCase, **kw):

@@ -41,10 +41,13 @@ _HI = jax.lax.Precision.HIGHEST
 _PYTHON_KEYWORDS = ("scale", "soft_cap", "partition_size", "layout", "out_dtype")
 
 
-def _static(value, arrays) -> bool:
+_ARRAYS = (jax.Array, np.ndarray)
+
+
+def _static(value) -> bool:
     """A keyword's value is static in :func:`_compiled` unless it is an array or a
     container (a list of per-head scales, say), which is traced."""
-    return not isinstance(value, arrays) and isinstance(value, Hashable)
+    return not isinstance(value, _ARRAYS) and isinstance(value, Hashable)
 
 
 def _compiled(function):
@@ -56,10 +59,9 @@ def _compiled(function):
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        arrays = (jax.Array, np.ndarray)
-        if any(isinstance(kwargs.get(name), arrays) for name in _PYTHON_KEYWORDS):
+        if any(isinstance(kwargs.get(name), _ARRAYS) for name in _PYTHON_KEYWORDS):
             return function(*args, **kwargs)
-        static = tuple(sorted(k for k, v in kwargs.items() if _static(v, arrays)))
+        static = tuple(sorted(k for k, v in kwargs.items() if _static(v)))
         program = programs.get(static)
         if program is None:
             program = programs[static] = jax.jit(function, static_argnames=static)

@@ -1002,12 +1002,15 @@ const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t s
   if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   const int64_t items = sm90_items(p);
   if (items > 0x7fffffff) return "jaxattn: too many prefill tiles for the persistent kernel";
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
-    return "jaxattn: cannot read the multiprocessor count";
-  if (p.persistent_blocks > 0) sms = p.persistent_blocks;  // tests and experiments
-  const dim3 grid(unsigned(items < sms ? items : sms));
+  int blocks = p.persistent_blocks;  // set by tests and experiments; 0: one a multiprocessor
+  if (blocks <= 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        blocks < 1)
+      return "jaxattn: cannot read the multiprocessor count";
+  }
+  const dim3 grid(unsigned(items < blocks ? items : blocks));
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
 }
