@@ -98,10 +98,20 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // the tile's row maxima mx0 / mx1 (the quad's); a0 / a1 the factors that rescale what the rows
 // summed so far; mu0 / mu1 the maxima to subtract from the tile's logits (0 for a row that has
 // seen only -inf, so that its probabilities stay 0). Shared by the mma.sync and wgmma tiles.
+//
+// SLACK > 0 (base 2) raises a running maximum only when the tile's exceeds it by more than
+// SLACK (FlashAttention-4's lazy rescale): the probabilities then stay below 2^SLACK, the
+// factors are exactly 1 in most tiles (so the accumulators' rescale is skipped), and the sum
+// uses the same maximum as the products, so the normalised result is unchanged.
+template <int SLACK = 0>
 __device__ __forceinline__ void online_max_step(float mx0, float mx1, float& m0, float& m1,
                                                 float& a0, float& a1, float& mu0, float& mu1) {
   constexpr float kNegInf = -__builtin_huge_valf();
-  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  if constexpr (SLACK > 0) {
+    mn0 = mn0 > m0 + float(SLACK) ? mn0 : m0;  // m0 = -inf: raised unless the tile is all -inf
+    mn1 = mn1 > m1 + float(SLACK) ? mn1 : m1;
+  }
   mu0 = mn0 == kNegInf ? 0.f : mn0;
   mu1 = mn1 == kNegInf ? 0.f : mn1;
   a0 = fast_exp2(m0 - mu0);
@@ -121,12 +131,12 @@ __device__ __forceinline__ void online_max_step(float mx0, float mx1, float& m0,
 // max) (a row that has seen only -inf subtracts 0, so its probabilities stay 0), this lane's
 // partial row sums l0 / l1 rescaled and increased (the quad's are added once at the end). a0 /
 // a1 get the factors that rescale the rows' O (scale_c_rows).
-template <int J>
+template <int J, int SLACK = 0>
 __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, float mx1,
                                                    float& m0, float& m1, float& l0, float& l1,
                                                    float& a0, float& a1) {
   float mu0, mu1;
-  online_max_step(group_max<4>(mx0), group_max<4>(mx1), m0, m1, a0, a1, mu0, mu1);
+  online_max_step<SLACK>(group_max<4>(mx0), group_max<4>(mx1), m0, m1, a0, a1, mu0, mu1);
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -236,6 +246,12 @@ inline DeviceCaps current_device_caps() {
           cudaSuccess)
     return DeviceCaps{};
   return c;
+}
+
+// sm_90a code runs on compute capability 9.0 only.
+inline bool device_is_sm90() {
+  const DeviceCaps c = current_device_caps();
+  return c.major == 9 && c.minor == 0;
 }
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory (past the default 48 KiB a

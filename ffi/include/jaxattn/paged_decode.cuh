@@ -333,12 +333,25 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
 // The shared-memory ring of the pipelined kernels: kStages stages, each the element offsets
 // of its TILE rows (int64, -1 for a row past the end) followed by TILE rows of K and TILE rows
 // of V (RS elements apart). Tile n lives in stage n % STAGES.
+//
+// RS = 0 selects the Hopper tensor-core layout instead (cascade_sm90.cuh: operands of wgmma
+// through 128-byte-swizzle descriptors): each K and V tile is D * sizeof(T) / 128 column blocks
+// of [TILE rows][128 bytes], the 16-byte chunk c of a row at chunk c ^ (row % 8) of its block;
+// all the K tiles, then all the V tiles, then the offsets. `base` must then be 1024-byte
+// aligned.
 template <typename T, int D, int TILE, int STAGES, int RS, int NT>
 struct KvRing {
+  using Elem = T;
+  static constexpr int kTile = TILE;
   static constexpr int kVec = 16 / int(sizeof(T));
   static constexpr int kChunks = D / kVec;
-  static constexpr int kStageBytes = TILE * 8 + 2 * TILE * RS * int(sizeof(T));
+  static constexpr bool kSwizzled = RS == 0;
+  static constexpr int kTileBytes = TILE * D * int(sizeof(T));  // one K or V tile, swizzled
+  static constexpr int kStageBytes =
+      kSwizzled ? 2 * kTileBytes + TILE * 8 : TILE * 8 + 2 * TILE * RS * int(sizeof(T));
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static_assert(!kSwizzled || (D * int(sizeof(T))) % 128 == 0, "swizzled rows: 128-byte blocks");
+  static_assert(!kSwizzled || TILE % 8 == 0, "swizzled tiles: whole 8-row groups");
   static_assert(TILE <= NT, "one thread computes each row offset");
 
   unsigned char* base;
@@ -348,13 +361,26 @@ struct KvRing {
   KvGeometry kv;
   int start, end;
 
+  // Tiles of [start, end).
+  __device__ __forceinline__ int tiles() const { return (end - start + TILE - 1) / TILE; }
   __device__ __forceinline__ int64_t* offsets(int stage) const {
+    if constexpr (kSwizzled)
+      return reinterpret_cast<int64_t*>(base + 2 * STAGES * kTileBytes + stage * TILE * 8);
     return reinterpret_cast<int64_t*>(base + stage * kStageBytes);
   }
   __device__ __forceinline__ T* k_rows(int stage) const {
+    if constexpr (kSwizzled) return reinterpret_cast<T*>(base + stage * kTileBytes);
     return reinterpret_cast<T*>(base + stage * kStageBytes + TILE * 8);
   }
-  __device__ __forceinline__ T* v_rows(int stage) const { return k_rows(stage) + TILE * RS; }
+  __device__ __forceinline__ T* v_rows(int stage) const {
+    if constexpr (kSwizzled) return reinterpret_cast<T*>(base + (STAGES + stage) * kTileBytes);
+    return k_rows(stage) + TILE * RS;
+  }
+  // Byte offset of 16-byte chunk c of row r in a tile.
+  __device__ __forceinline__ static int chunk_at(int r, int c) {
+    if constexpr (kSwizzled) return (c >> 3) * (TILE * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    return (r * RS + c * kVec) * int(sizeof(T));
+  }
 
   // Page of this thread's row of tile n (0 when the row is past the end; only threads below
   // TILE have a row). Split from store_offset so that the block-table read can be issued a
@@ -390,19 +416,45 @@ struct KvRing {
   __device__ __forceinline__ void issue(int n) const {
     const int s = n % STAGES;
     const int64_t* off = offsets(s);
-    T* ks = k_rows(s);
-    T* vs = v_rows(s);
-    constexpr int kCopies = TILE * kChunks;
+    unsigned char* ks = reinterpret_cast<unsigned char*>(k_rows(s));
+    unsigned char* vs = reinterpret_cast<unsigned char*>(v_rows(s));
+    constexpr int kStep = NT / kChunks;  // rows between one thread's copies
+    if constexpr (NT % kChunks == 0 && (!kSwizzled || kStep % 8 == 0)) {
+      // Each thread copies chunk c of rows r0, r0 + kStep, ...: one chunk column, so its
+      // shared address moves by a constant a row (the swizzle phase r % 8 stays) and its
+      // source by the row's offset alone -- about a third of the instructions of a copy whose
+      // row and chunk come from a division.
+      constexpr int kRowBytes = kSwizzled ? 128 : RS * int(sizeof(T));
+      const int c = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
+      const int at0 = chunk_at(r0, c);
+      const T* kc = kbase + c * kVec;
+      const T* vc = vbase + c * kVec;
 #pragma unroll
-    for (int i = 0; i < (kCopies + NT - 1) / NT; ++i) {
-      const int idx = int(threadIdx.x) + i * NT;
-      if (kCopies % NT == 0 || idx < kCopies) {
-        const int r = idx / kChunks, c = idx % kChunks;
-        const int64_t o = off[r];
-        const bool ok = o >= 0;
-        const int64_t src = ok ? o + c * kVec : 0;
-        async_copy16(ks + r * RS + c * kVec, kbase + src, ok);
-        async_copy16(vs + r * RS + c * kVec, vbase + src, ok);
+      for (int i = 0; i < (TILE + kStep - 1) / kStep; ++i) {
+        const int r = r0 + i * kStep;
+        if (TILE % kStep == 0 || r < TILE) {
+          const int64_t o = off[r];
+          const bool ok = o >= 0;
+          const int64_t src = ok ? o : 0;
+          const int at = at0 + i * kStep * kRowBytes;
+          async_copy16(ks + at, kc + src, ok);
+          async_copy16(vs + at, vc + src, ok);
+        }
+      }
+    } else {
+      constexpr int kCopies = TILE * kChunks;
+#pragma unroll
+      for (int i = 0; i < (kCopies + NT - 1) / NT; ++i) {
+        const int idx = int(threadIdx.x) + i * NT;
+        if (kCopies % NT == 0 || idx < kCopies) {
+          const int r = idx / kChunks, c = idx % kChunks;
+          const int64_t o = off[r];
+          const bool ok = o >= 0;
+          const int64_t src = ok ? o + c * kVec : 0;
+          const int at = chunk_at(r, c);
+          async_copy16(ks + at, kbase + src, ok);
+          async_copy16(vs + at, vbase + src, ok);
+        }
       }
     }
   }

@@ -1195,11 +1195,6 @@ const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
 
 inline bool device_has_mma() { return current_device_caps().major >= 8; }
 
-// sm_90a code runs on compute capability 9.0 only.
-inline bool device_is_sm90() {
-  const DeviceCaps c = current_device_caps();
-  return c.major == 9 && c.minor == 0;
-}
 #endif
 
 // Shapes the sm90 kernel takes: head_dim 64 or 128, and every cache row offset representable

@@ -277,12 +277,23 @@ struct Sm90Shape {
 // tree of JAXATTN_SM90_CHAINS partial maxima and sums per row in the softmax instead of one
 // dependent chain; JAXATTN_SM90_FP8_ONE_BARRIER: one producer barrier per FP8 tile instead of
 // two (the row offsets of the next tile published before the widening, so that the barrier
-// before the in-place K stores serves both). Neither has been timed yet.
+// before the in-place K stores serves both) -- both timed in round 13 (ffi/NOTES.md), no gain
+// kept.
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
 #ifndef JAXATTN_SM90_FP8_ONE_BARRIER
 #define JAXATTN_SM90_FP8_ONE_BARRIER 0
+#endif
+// The lazy rescale (online_max_step<SLACK>, FlashAttention-4's): a row's running maximum is
+// raised only when a tile's exceeds it by more than SLACK (base 2), so probabilities stay below
+// 2^SLACK (in range for bf16 and float16 P) and, once the maxima are near their final values,
+// the warps skip the D / 2 multiplies of their O fragments in nearly every tile. Prefill
+// self-test, H200, SLACK 8 against 0 (two runs each, alternating): +1-2% on the long extends
+// (8 x (2048 + 512) bf16 454 / 456 -> 459 / 462 TFLOP/s, 1 x (0 + 8192) 529 / 534 -> 540 / 539),
+// level on the short one. 0 restores the exact-maximum recurrence.
+#ifndef JAXATTN_SM90_RESCALE_SLACK
+#define JAXATTN_SM90_RESCALE_SLACK 8
 #endif
 
 constexpr int kSm90ProducerRegs = 64;
@@ -811,7 +822,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           mx1 *= qs1;
         }
         float mu0, mu1;
-        online_max_step(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
+        online_max_step<JAXATTN_SM90_RESCALE_SLACK>(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
         const float sc0 = kFold ? qs0 : 1.f, sc1 = kFold ? qs1 : 1.f;
         float smp0[NC], smp1[NC];
 #pragma unroll
