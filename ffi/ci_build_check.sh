@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Compile every GPU source as a CUDA build and as a ROCm/DCU build would, warnings as errors,
-# on a machine without a GPU: nvcc for sm_90 (prefill_sm90.cu, the wgmma kernel, for sm_90a
-# alone, as the library builds it; the other sources with JAXATTN_HAVE_SM90A as well), hipcc
-# (HIP_PLATFORM=amd) for gfx906 and gfx90a (prefill_sm90.cu is not part of the HIP library).
+# on a machine without a GPU: nvcc for sm_90 (the *_sm90*.cu wgmma sources for sm_90a alone, as
+# the library builds them; the other sources with JAXATTN_HAVE_SM90A as well), hipcc
+# (HIP_PLATFORM=amd) for gfx906 and gfx90a (the sm_90a sources are not part of the HIP library).
 # Fails on any compiler warning, on register spills in the nvcc resource report, and on
 # ptxas serialising wgmma instructions.
 #
@@ -22,15 +22,15 @@ xla_inc="$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 sources=(ffi_gpu paged_decode paged_decode_f32 paged_decode_bf16 paged_decode_f16
   paged_decode_bf16_e4m3 paged_decode_bf16_e5m2 paged_decode_f16_e4m3 paged_decode_f16_e5m2
   prefill prefill_fp8 cascade linear)
-cuda_only=(prefill_sm90 prefill_sm90_persistent)
+cuda_only=(prefill_sm90 prefill_sm90_persistent cascade_sm90)
 includes=(-I"$here/include" -I"$here/src" -isystem "$xla_inc")
 
 check_nvcc() {
   local nvcc="${NVCC:-nvcc}"
   command -v "$nvcc" >/dev/null || { echo "nvcc not found" >&2; return 1; }
-  echo "== nvcc $("$nvcc" --version | tail -1) -> sm_90, sm_90a (prefill_sm90)"
+  echo "== nvcc $("$nvcc" --version | tail -1) -> sm_90, sm_90a (*_sm90*)"
   printf '%s\n' "${sources[@]}" "${cuda_only[@]}" | xargs -P "$jobs" -I{} sh -c \
-    "case {} in prefill_sm90*) arch='-gencode=arch=compute_90a,code=sm_90a' ;; \
+    "case {} in *_sm90*) arch='-gencode=arch=compute_90a,code=sm_90a' ;; \
        *) arch='-arch=sm_90 -DJAXATTN_HAVE_SM90A' ;; esac; \
      \"$nvcc\" -std=c++17 -O3 \$arch -Werror all-warnings \
        -Xcompiler -Wall,-Wextra,-Werror -Xptxas -v ${includes[*]} \

@@ -873,7 +873,7 @@ class _CascadeAttention(_Native):
             # the logit factor and the merged output); FP8 elements would need widening in
             # every ring the cascade kernels share with the 16-bit decode loop.
             reason = (
-                f"native GPU cascade decode reads 16-bit or float32 K/V (ldmatrix / mma.sync "
+                f"native GPU cascade decode reads 16-bit or float32 K/V (tensor-core "
                 f"fragments, the SIMT kernel's vectors), not a {a.kv_dtype} cache"
             )
         if reason is None and _platform() != "cpu" and a.group > _CASCADE_MAX_GROUP:

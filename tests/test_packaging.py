@@ -81,7 +81,7 @@ def test_auto_builds_the_cuda_library_for_the_visible_gpu(tmp_path):
     rc, out, info = configure(tmp_path / "b", "JAXATTN_HIP=OFF", path_prefix=tools)
     assert rc == 0, out
     assert "jaxattn: building libjaxattn_cuda.so for sm_90 (JAXATTN_CUDA=AUTO: nvcc found" in out
-    assert "architectures of the visible GPUs" in out and "Hopper prefill kernel" in out
+    assert "architectures of the visible GPUs" in out and "Hopper kernels for sm_90a" in out
     cuda = info["libraries"]["cuda"]
     assert cuda["architectures"] == ["sm_90"] and cuda["hopper_prefill"] == "sm_90a"
     assert cuda["compiler"].startswith("NVIDIA ")
@@ -94,12 +94,13 @@ def test_auto_builds_the_cuda_library_for_the_visible_gpu(tmp_path):
             check=True,
         ).stdout.splitlines()
         nvcc = [c for c in commands if " -c " in c and ".cu" in c]
-        # Every GPU source of ffi/src (the Hopper prefill kernel's included) is compiled.
+        # Every GPU source of ffi/src (the Hopper kernels' included) is compiled.
         sources = len(list((ROOT / "ffi" / "src").glob("*.cu")))
         assert len(nvcc) == sources and all(str(TIMER) in c.split("nvcc")[0] for c in nvcc)
-        # The Hopper objects (one-tile and persistent launches) are built for sm_90a alone.
-        hopper = len(list((ROOT / "ffi" / "src").glob("prefill_sm90*.cu")))
-        assert hopper == 2 and sum('--what "nvcc sm_90a"' in c for c in nvcc) == hopper
+        # The Hopper objects (the prefill's one-tile and persistent launches, cascade decode's
+        # wgmma prefix level) are built for sm_90a alone.
+        hopper = len(list((ROOT / "ffi" / "src").glob("*_sm90*.cu")))
+        assert hopper == 3 and sum('--what "nvcc sm_90a"' in c for c in nvcc) == hopper
 
 
 @cmake

@@ -2,7 +2,8 @@
 // Python or XLA needed:
 //
 // clang-format off
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Iffi/include -Iffi/src ffi/tests_gpu/cascade_selftest.cu -o /tmp/cascade_selftest
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A -Iffi/include -Iffi/src ffi/tests_gpu/cascade_selftest.cu -o /tmp/cascade_selftest
+//   (another GPU: -arch=sm_XY without -DJAXATTN_HAVE_SM90A; the wgmma prefix level then reports SKIP)
 //   /tmp/cascade_selftest            # correctness and robustness cases, then timing
 //   /tmp/cascade_selftest --check    # correctness and robustness only   (--perf: timing only)
 //   /tmp/cascade_selftest --robust   # robustness only: small, for compute-sanitizer
@@ -46,6 +47,8 @@
 
 #if defined(CASCADE_SELFTEST_ON_CPU)
 #include "jaxattn/cpu_cascade.h"
+#elif defined(JAXATTN_HAVE_SM90A)
+#include "jaxattn/cascade_sm90.cuh"
 #else
 #include "jaxattn/cascade.cuh"
 #endif
@@ -150,6 +153,7 @@ const char* launch(DT t, const CascadeParams& p) {
 }
 const char* sync_error() { return nullptr; }
 int num_sms() { return 132; }
+bool wgmma_available() { return false; }
 void tile_of(DT, int, int* rows, int* blocks) {
   *rows = 64;
   *blocks = 2;
@@ -176,6 +180,14 @@ const char* sync_error() {
   const cudaError_t e = cudaDeviceSynchronize();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
+// Whether this build and device run the wgmma prefix level (CascadeParams::prefix_kernel 2).
+bool wgmma_available() {
+#if defined(JAXATTN_HAVE_SM90A)
+  return gpu::device_is_sm90();
+#else
+  return false;
+#endif
+}
 int num_sms() {
   int dev = 0, n = 0;
   CUDA_OK(cudaGetDevice(&dev));
@@ -200,7 +212,8 @@ struct Case {
   int part = 0;    // own partition size, 0: one pass
   int target = 0;  // prefix blocks the split aims at, 0: jaxattn/native.py's rule
   float scale = 0.1f, cap = 0.f;
-  bool scaled = false;  // per-KV-head k_scale / v_scale (CascadeParams::scales), else 1
+  bool scaled = false;    // per-KV-head k_scale / v_scale (CascadeParams::scales), else 1
+  int prefix_kernel = 0;  // CascadeParams::prefix_kernel: 0 auto, 1 mma.sync, 2 wgmma
   std::vector<int> prefix_pages, prefix_of, own;
 };
 
@@ -211,13 +224,16 @@ std::string describe(const Case& c) {
     return v.size() > 12 ? s + ",..(" + std::to_string(v.size()) + ")" : s;
   };
   char buf[512];
-  std::snprintf(buf, sizeof(buf),
-                "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g%s prefixes=[%s] "
-                "of=[%s] own=[%s]",
-                dt_name(c.dt), c.hq, c.hkv, c.d, c.page,
-                c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.target, c.cap,
-                c.scaled ? " scaled" : "", list(c.prefix_pages).c_str(),
-                list(c.prefix_of).c_str(), list(c.own).c_str());
+  std::snprintf(
+      buf, sizeof(buf),
+      "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g%s%s prefixes=[%s] "
+      "of=[%s] own=[%s]",
+      dt_name(c.dt), c.hq, c.hkv, c.d, c.page, c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part,
+      c.target, c.cap, c.scaled ? " scaled" : "",
+      c.prefix_kernel == 1   ? " mma"
+      : c.prefix_kernel == 2 ? " wgmma"
+                             : "",
+      list(c.prefix_pages).c_str(), list(c.prefix_of).c_str(), list(c.own).c_str());
   return buf;
 }
 
@@ -386,6 +402,7 @@ CascadeParams params_of(const Case& c, int B, int G, int wp, int w, int page, in
   p.prefix_parts = std::max(
       1, std::min((wp * page + kCascadeMinChunk - 1) / kCascadeMinChunk, std::max(per_head, 1)));
   p.ls = make_logit_scale(c.scale, c.cap);
+  p.prefix_kernel = c.prefix_kernel;
   return p;
 }
 
@@ -563,17 +580,25 @@ int run_robustness(Rng& rng) {
     DT dt;
     int hq, hkv;
     const char* kernel;
+    int prefix_kernel;
   };
   const Variant variants[] = {
-      {DT::kBF16, 8, 2, "mma"}, {DT::kF16, 8, 8, "mma"},  {DT::kBF16, 16, 2, "mma"},
-      {DT::kF32, 8, 2, "simt"}, {DT::kF32, 4, 4, "simt"},
+      {DT::kBF16, 8, 2, "mma", 1},   {DT::kF16, 8, 8, "mma", 1},   {DT::kBF16, 16, 2, "mma", 1},
+      {DT::kBF16, 8, 2, "wgmma", 2}, {DT::kF16, 8, 8, "wgmma", 2}, {DT::kBF16, 16, 2, "wgmma", 2},
+      {DT::kF32, 8, 2, "simt", 0},   {DT::kF32, 4, 4, "simt", 0},
   };
   int failed = 0, total = 0;
-  for (const Variant& v : variants)
+  for (const Variant& v : variants) {
+    if (v.prefix_kernel == 2 && !wgmma_available()) {
+      std::printf(
+          "SKIP  [wgmma] robustness: no sm_90a build or not a compute capability 9.0 device\n");
+      continue;
+    }
     for (int part : {0, 64})
       for (const Edit& e : edits) {
         Case c;
         c.dt = v.dt;
+        c.prefix_kernel = v.prefix_kernel;
         c.hq = v.hq;
         c.hkv = v.hkv;
         c.d = 64;
@@ -588,6 +613,7 @@ int run_robustness(Rng& rng) {
         ++total;
         failed += run_problem(P, std::string("[") + v.kernel + "] " + e.name + ": ") ? 0 : 1;
       }
+  }
   Case empty;  // no requests at all: nothing to launch, nothing to write
   empty.prefix_pages = {2};
   ++total;
@@ -665,6 +691,17 @@ int run_checks() {
     c.prefix_of.assign(64, 0);
     c.own.assign(64, 256);
     cases.push_back(c);
+  }
+  // The tensor-core cases once on each prefix level where both run (auto picks wgmma there).
+  if (wgmma_available()) {
+    const size_t n = cases.size();
+    for (size_t i = 0; i < n; ++i)
+      if (cases[i].dt != DT::kF32 && (cases[i].d == 64 || cases[i].d == 128)) {
+        cases[i].prefix_kernel = 2;
+        Case c = cases[i];
+        c.prefix_kernel = 1;
+        cases.push_back(c);
+      }
   }
   int failed = 0;
   for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;
@@ -866,7 +903,7 @@ struct Bench {
     return make_geometry(Layout::kBSHD, int64_t(copies) * pages_per_copy, P, HKV, D);
   }
 
-  double time_cascade(int target, int part, int* used_target) const {
+  double time_cascade(int target, int part, int prefix_kernel, int* used_target) const {
     int rows = 0, blocks = 0;
     tile_of(DT::kBF16, D, &rows, &blocks);
     Case c;
@@ -875,6 +912,7 @@ struct Bench {
     c.part = part;
     c.target = target;
     c.scale = 0.0883883f;
+    c.prefix_kernel = prefix_kernel;
     CascadeParams p = params_of(c, B, G, wp, w, P, rows, blocks, num_sms());
     *used_target = p.prefix_target;
     if (cascade_workspace_floats(B, HQ, p.parts(), D) > int64_t(ws_floats)) return NAN;
@@ -939,6 +977,17 @@ void print_kernel_info() {
       "cascade mma kernel bf16 D=128: %d registers, %d stages x %d keys, %d B smem, %d "
       "blocks/SM\n",
       a.numRegs, S::kStages, S::kTile, S::kSmemBytes, blocks);
+#if defined(JAXATTN_HAVE_SM90A)
+  if (wgmma_available()) {
+    auto wk = gpu::cascade_mma_kernel<bf16_t, 128, true>;
+    CUDA_OK(cudaFuncSetAttribute(wk, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    CUDA_OK(cudaFuncGetAttributes(&a, wk));
+    CUDA_OK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, wk, S::kThreads, S::kSmemBytes));
+    std::printf(
+        "cascade kernel, wgmma prefix level: %d registers, %d prefix stages, %d blocks/SM\n",
+        a.numRegs, gpu::CascadeWgmmaShape<bf16_t, 128>::kStages, blocks);
+  }
+#endif
 }
 
 void run_perf() {
@@ -954,8 +1003,8 @@ void run_perf() {
   std::printf(
       "bf16, D=128, page 16, bshd, 32/8. floor = prefix once + own tokens once at the read "
       "ceiling.\n");
-  std::printf("%-9s %-7s %8s %10s %10s %8s %8s\n", "batch", "target", "floor", "cascade", "decode",
-              "speedup", "x floor");
+  std::printf("%-9s %-7s %-6s %8s %10s %10s %8s %8s\n", "batch", "target", "prefix", "floor",
+              "cascade", "decode", "speedup", "x floor");
   Rng rng(99);
   struct Named {
     const char* name;
@@ -980,7 +1029,12 @@ void run_perf() {
     }
     shapes.push_back(s);
   }
+  // The issue's batch with one level left (the other a token a request, or no prefix): where
+  // the whole batch's time goes.
+  shapes.push_back({"prefix", {4096}, std::vector<int>(64, 0), std::vector<int>(64, 1)});
+  shapes.push_back({"own", {4096}, std::vector<int>(64, -1), std::vector<int>(64, 256)});
   for (const Named& sh : shapes) {
+    const bool one_level = sh.name == std::string("prefix") || sh.name == std::string("own");
     Bench bench;
     bench.prefix_tokens = sh.prefix_tokens;
     bench.prefix_of = sh.prefix_of;
@@ -993,18 +1047,36 @@ void run_perf() {
         "%.0f GB/s)\n",
         sh.name, bench.unique_bytes() / 1e6, bench.joined_bytes() / 1e6,
         bench.joined_bytes() / (dec * 1e-6) / 1e9);
-    for (int target : {0, 64, 132, 264, 528}) {
-      int used = 0;
-      const double us = bench.time_cascade(target, 0, &used);
-      std::printf("%-9s %-7s %8.1f %10.1f %10.1f %7.2fx %7.2fx\n", sh.name,
-                  (std::to_string(used) + (target == 0 ? "*" : "")).c_str(), floor_us, us, dec,
-                  dec / us, us / floor_us);
-    }
+    for (int target : {0, 64, 132, 264, 528})
+      for (int kernel : {1, 2}) {
+        if (one_level && target != 0) continue;
+        if (kernel == 2 && !wgmma_available()) continue;
+        int used = 0;
+        const double us = bench.time_cascade(target, 0, kernel, &used);
+        std::printf("%-9s %-7s %-6s %8.1f %10.1f %10.1f %7.2fx %7.2fx\n", sh.name,
+                    (std::to_string(used) + (target == 0 ? "*" : "")).c_str(),
+                    kernel == 1 ? "mma" : "wgmma", floor_us, us, dec, dec / us, us / floor_us);
+      }
     bench.teardown();
   }
   std::printf(
       "(* = the prefix target jaxattn/native.py picks; decode: plain paged decode of the "
       "joined tables at its own split)\n");
+}
+
+// Three launches of the issue's batch ("issue"), or of its prefix or own level alone, with one
+// prefix kernel, for a profiler (ncu --launch-skip 2 --launch-count 1).
+void run_profile(int kernel, const std::string& which) {
+  Rng rng(99);
+  Bench bench;
+  bench.prefix_tokens = {4096};
+  bench.prefix_of.assign(64, which == "own" ? -1 : 0);
+  bench.own.assign(64, which == "prefix" ? 1 : 256);
+  bench.setup(rng);
+  int used = 0;
+  std::printf("%s, prefix kernel %d: %.1f us\n", which.c_str(), kernel,
+              bench.time_cascade(0, 0, kernel, &used));
+  bench.teardown();
 }
 
 #endif  // !CASCADE_SELFTEST_ON_CPU
@@ -1021,8 +1093,16 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--robust")) {
       perf = false;
       robust_only = true;
+#if !defined(CASCADE_SELFTEST_ON_CPU)
+    } else if (!std::strcmp(argv[i], "--profile") && i + 2 < argc) {
+      run_profile(std::atoi(argv[i + 1]), argv[i + 2]);
+      return 0;
+#endif
     } else {
-      std::fprintf(stderr, "usage: %s [--check | --robust | --perf]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--check | --robust | --perf | --profile KERNEL "
+                   "issue|prefix|own]\n",
+                   argv[0]);
       return 2;
     }
   }

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: E402
 
 NEG_INF = -np.inf
+RESCALE_SLACK = 8  # cascade.cuh: kCascadeRescaleSlack
 TILE, WARPS, NT, ROWS = 64, 4, 128, 64
 BINS = 1024
 STEP, MIN_CHUNK = 64, 256
@@ -283,6 +284,8 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
             mx = np.array([mx[4 * (x // 4) : 4 * (x // 4) + 4].max(axis=0) for x in range(32)])
             for lane, i in itertools.product(range(32), range(2)):
                 mn = np.fmax(m[warp, lane, i], mx[lane, i])
+                # The lazy rescale (kCascadeRescaleSlack): the maximum moves only past the slack.
+                mn = mn if mn > m[warp, lane, i] + RESCALE_SLACK else m[warp, lane, i]
                 mu = 0.0 if mn == NEG_INF else mn
                 a = 2.0 ** (m[warp, lane, i] - mu)
                 m[warp, lane, i] = mn

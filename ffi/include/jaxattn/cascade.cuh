@@ -109,12 +109,14 @@ __device__ __forceinline__ void count_prefix_requests(const CascadeParams& p, in
 }
 
 // Plans prefix block k of its KV head (see the top of the file): false when the block has no
-// tile or partition. Otherwise plan.g, plan.count and plan.members describe its tile and
-// *split its partition; *splits is the batch's partition count. bins: kCascadePlanBins ints of
-// shared memory. All threads of the block must call it.
+// tile or partition. The leader (the grid's first prefix block) leaves the split for the merge.
+// Otherwise plan.g, plan.count and plan.members describe its tile and *split its partition; *splits
+// is the batch's partition count. bins: kCascadePlanBins ints of shared memory. All threads of the
+// block must call it.
 template <int NT, int MAXR>
-__device__ bool plan_prefix_block(const CascadeParams& p, int k, int per_tile, int per_head,
-                                  int* bins, CascadePlan<NT, MAXR>& plan, int* split, int* splits) {
+__device__ bool plan_prefix_block(const CascadeParams& p, int k, bool leader, int per_tile,
+                                  int per_head, int* bins, CascadePlan<NT, MAXR>& plan, int* split,
+                                  int* splits) {
   const int tid = threadIdx.x;
   const int G = p.num_prefixes;
   const int chunks = (G + kCascadePlanBins - 1) / kCascadePlanBins;
@@ -135,7 +137,7 @@ __device__ bool plan_prefix_block(const CascadeParams& p, int k, int per_tile, i
     num_tiles += total;
   }
   *splits = cascade_splits(num_tiles, p.prefix_target, p.kv.num_kv_heads, per_head, p.prefix_parts);
-  if (blockIdx.x == 0 && tid == 0) *cascade_split_slot(p) = *splits;
+  if (leader && tid == 0) *cascade_split_slot(p) = *splits;
   if (num_tiles == 0 || k >= num_tiles * *splits) return false;
   const int t = k % num_tiles;
   *split = k / num_tiles;
@@ -367,6 +369,20 @@ __device__ __forceinline__ void cascade_simt_rows(const CascadeParams& p, unsign
   cascade_merge_warps<D, GC, WS, S::kThreads>(p, red, [&](int g) { return row_slot[g]; }, poisoned);
 }
 
+// The grid's block order: per_head prefix blocks a KV head (KV head fastest), then the own
+// blocks (request, KV head, partition). Block x is prefix block `index` or own block `index`.
+// The prefix blocks go first because they are the long ones: on the issue's batch (H200,
+// wgmma prefix level) the own blocks first took 66.5 us and the two kinds interleaved evenly
+// 65.4 us, against 49.5 us (ffi/NOTES.md, round 14).
+struct CascadeBlock {
+  bool prefix;
+  int index;
+};
+__device__ __forceinline__ CascadeBlock cascade_block(const CascadeParams& p, int per_head) {
+  const int x = int(blockIdx.x), pre = per_head * p.kv.num_kv_heads;
+  return x < pre ? CascadeBlock{true, x} : CascadeBlock{false, x - pre};
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
     cascade_simt_kernel(const CascadeParams p, const int per_tile, const int per_head) {
@@ -375,14 +391,16 @@ __global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
   __shared__ CascadePlan<NT, R> plan;
   __shared__ int64_t row_q[R], row_slot[R];
   const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
-  const int x = blockIdx.x, gi = threadIdx.x;
+  const int gi = threadIdx.x;
+  const CascadeBlock blk = cascade_block(p, per_head);
+  const int x = blk.index;
   const int32_t* table;
   int start, end, kvh;
-  if (x < per_head * hkv) {
+  if (blk.prefix) {
     kvh = x % hkv;
     int split, splits;
-    if (!plan_prefix_block<NT, R>(p, x / hkv, per_tile, per_head, reinterpret_cast<int*>(smem),
-                                  plan, &split, &splits))
+    if (!plan_prefix_block<NT, R>(p, x / hkv, x == 0, per_tile, per_head,
+                                  reinterpret_cast<int*>(smem), plan, &split, &splits))
       return;
     if (!prefix_range(p, plan.g, split, splits, &start, &end)) return;
     table = p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride;
@@ -394,7 +412,7 @@ __global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
       row_slot[gi] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
     }
   } else {
-    const int y = x - per_head * hkv;
+    const int y = x;
     const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
     kvh = (y / p.own_parts) % hkv;
     if (!own_range(p, b, part, &start, &end)) return;
@@ -433,12 +451,143 @@ struct CascadeMmaShape {
       cmax(cmax(kStages * kStageBytes, kMergeBytes), kCascadePlanBins * 4);
 };
 
+// The query rows a lane of a prefix block holds: rows 16 warp + g + 8 i (i = 0, 1) are request
+// slot row / group (plan.members) and head kvh * group + row % group. slot[i]: the row's
+// workspace slot (-1: padding); qa: its q as m16n8k16 A fragments, per 16-dim step kk (row g,
+// dims 16 kk + 2 tq, + 1), (row g + 8, the same), (row g, + 8), (row g + 8, + 8) -- the
+// A-fragment layout of mma.sync and of wgmma with A in registers alike; q_scale: the logit
+// factor with the KV head's key scale.
+template <int D>
+struct CascadePrefixRows {
+  int64_t slot[2];
+  uint32_t qa[D / 16][4];
+  float q_scale;
+};
+
+template <typename T, int D, typename Plan>
+__device__ __forceinline__ void cascade_prefix_q(const CascadeParams& p, const Plan& plan, int kvh,
+                                                 int split, CascadePrefixRows<D>& rows) {
+  int64_t (&slot)[2] = rows.slot;
+  uint32_t (&qa)[D / 16][4] = rows.qa;
+  rows.q_scale = p.ls.q_scale * p.scales.k_of(kvh);
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = warp * 16 + g + 8 * i, member = r / group, h = kvh * group + r % group;
+    const bool ok = member < plan.count;
+    const int b = plan.members[ok ? member : 0];
+    slot[i] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
+    const T* qp = static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + h) * D;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qa[kk][i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
+      qa[kk][2 + i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
+    }
+  }
+}
+
+// The prefix level's lazy rescale (online_max_step): a row's running maximum moves only when
+// a tile's exceeds it by more than 8 (base 2), so its probabilities stay below 256 and most
+// tiles skip the 64-register rescale of O (the mma.sync and wgmma prefix blocks alike).
+constexpr int kCascadeRescaleSlack = 8;
+
+// A prefix block's ring over tokens [start, end) of its prefix's pages (KV head kvh), built at
+// `base`, with the prologue's copies issued; *bad: whether the prologue met a page id outside
+// the cache. Then the block's rows (cascade_prefix_q).
+template <typename Ring, typename Plan>
+__device__ __forceinline__ Ring cascade_prefix_ring(const CascadeParams& p, unsigned char* base,
+                                                    const Plan& plan, int kvh, int start, int end,
+                                                    bool* bad) {
+  using E = typename Ring::Elem;
+  const E* k = static_cast<const E*>(p.k) + kvh * p.kv.head_stride;
+  const E* v = static_cast<const E*>(p.v) + kvh * p.kv.head_stride;
+  const Ring ring{base, k,     v,  p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride,
+                  p.kv, start, end};
+  *bad = ring.prologue(ring.tiles());
+  return ring;
+}
+
+// One key tile of a prefix block's softmax, on S in the m16n8 accumulator layout (lane (g, tq):
+// S[row g][keys 8 j + 2 tq, + 1] in sc[j][0..1], row g + 8 in sc[j][2..3]; the same for wgmma's
+// m64nN accumulators, warp by warp): logits in base 2, keys at or past `end` masked (zero-filled
+// rows), the online (lazily raised) max and sum of rows g and g + 8 (m0, m1, l0, l1: this lane's
+// share of the sums), sc turned into the probabilities. Returns the rows' rescale factors in a0,
+// a1. The soft cap and the mask are block-uniform choices made once a tile around branch-free loops
+// (a branch per element cost more than the products: with one warp a scheduler, every taken branch
+// waited for its instruction fetch).
+template <int J>
+__device__ __forceinline__ void cascade_prefix_softmax(const CascadeParams& p, float (&sc)[J][4],
+                                                       float q_scale, int n0, int end, float& m0,
+                                                       float& m1, float& l0, float& l1, float& a0,
+                                                       float& a1) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int tq = threadIdx.x % 4;
+  if (p.ls.cap_log2e > 0.f) {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[j][e] = p.ls.cap_log2e * tanhf(sc[j][e] * q_scale);
+  } else {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[j][e] *= q_scale;
+  }
+  if (n0 + 8 * J > end) {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sc[j][e] = n0 + j * 8 + 2 * tq + (e & 1) >= end ? kNegInf : sc[j][e];
+  }
+  float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+  }
+  mma_online_softmax<J, kCascadeRescaleSlack>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
+}
+
+// A prefix block's rows, finished: o in the m16n8 accumulator layout (o[i][0..1]: row g, dims
+// 8 i + 2 tq, + 1; o[i][2..3]: row g + 8), normalised into the rows' workspace slots with their
+// (max, sum); NaN states when the block is poisoned. l0, l1: this lane's shares of the sums.
+template <int D>
+__device__ __forceinline__ void cascade_prefix_store(const CascadeParams& p,
+                                                     const float (&o)[D / 8][4],
+                                                     const int64_t (&slot)[2], float m0, float m1,
+                                                     float l0, float l1, bool poisoned) {
+  const int tq = threadIdx.x % 4;
+  l0 = group_sum<4>(l0);
+  l1 = group_sum<4>(l1);
+  const float nan = quiet_nan();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (slot[i] < 0) continue;
+    const float l = poisoned ? nan : (i ? l1 : l0), m = poisoned ? nan : (i ? m1 : m0);
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
+    float* out = p.workspace + slot[i] * D;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<float2*>(out + j * 8 + 2 * tq) =
+          make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+    if (tq == 0) {
+      float* ml = cascade_ml(p);
+      ml[2 * slot[i]] = m;
+      ml[2 * slot[i] + 1] = l;
+    }
+  }
+}
+
 // Prefix block: the tile's 64 rows over tokens [start, end) of the prefix's pages. Warp w owns
 // rows 16 w .. 16 w + 15 (lane (g, tq) holds rows 16 w + g and 16 w + g + 8) and computes, for
 // every 64-key tile of the ring, S = Q K^T (A = Q from registers, B = K by ldmatrix) and
 // O += P V (A = P packed from S's accumulators, B = V by ldmatrix.trans): the fragment scheme of
 // prefill_mma_kernel, on the ring's padded rows (RS elements apart, so the 8 rows an ldmatrix
-// phase reads start in 8 different 16-byte bank groups).
+// phase reads start in 8 different 16-byte bank groups). On compute capability 9.0 the
+// launcher runs cascade_prefix_wgmma (cascade_sm90.cuh) instead.
 template <typename T, int D, typename Plan>
 __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsigned char* smem,
                                                    const Plan& plan, int kvh, int split, int start,
@@ -448,34 +597,11 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   constexpr float kNegInf = -__builtin_huge_valf();
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const KvGeometry& kv = p.kv;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
-  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
-  const Ring ring{smem, kbase, vbase, p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride,
-                  kv,   start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
-
-  // Rows 16 warp + g + 8 i (i = 0, 1): request slot row / group, head kvh * group + row % group.
-  int64_t slot[2];
-  uint32_t qa[KD]
-             [4];  // the A fragments: (row g, lo), (row g + 8, lo), (row g, hi), (row g + 8, hi)
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = warp * 16 + g + 8 * i, member = r / group, h = kvh * group + r % group;
-    const bool ok = member < plan.count;
-    const int b = plan.members[ok ? member : 0];
-    slot[i] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
-    const T* qp = static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + h) * D;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      qa[kk][i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
-      qa[kk][2 + i] = ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
-    }
-  }
+  bool bad;  // this thread met a page id outside the cache
+  const auto ring = cascade_prefix_ring<KvRing<T, D, TILE, NS, RS, S::kThreads>>(p, smem, plan, kvh,
+                                                                                 start, end, &bad);
+  CascadePrefixRows<D> rows;
+  cascade_prefix_q<T, D>(p, plan, kvh, split, rows);
 
   float o[D / 8][4];
 #pragma unroll
@@ -492,6 +618,7 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   // A warp whose 16 rows are all padding (a tile of few requests) only helps with the copies.
   const bool warp_live = warp * 16 < plan.count * group;
 
+  const int ntiles = ring.tiles();
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
@@ -515,42 +642,13 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
       for (int np = 0; np < TILE / 16; ++np) {
         uint32_t bfr[4];
         ldmatrix_x4(bfr, kb + uint32_t((np * 16 * RS + kk * 16) * 2));
-        mma16816<T>(sc[2 * np], qa[kk], bfr[0], bfr[1]);      // keys 16 np .. + 7
-        mma16816<T>(sc[2 * np + 1], qa[kk], bfr[2], bfr[3]);  // keys 16 np + 8 .. + 15
+        mma16816<T>(sc[2 * np], rows.qa[kk], bfr[0], bfr[1]);      // keys 16 np .. + 7
+        mma16816<T>(sc[2 * np + 1], rows.qa[kk], bfr[2], bfr[3]);  // keys 16 np + 8 .. + 15
       }
     }
 
-    // Lane (g, tq) holds S[row g][keys 8 j + 2 tq, + 1] in sc[j][0..1], row g + 8 in sc[j][2..3].
-    // Keys past the partition's end are zero-filled rows: masked out. The soft cap and the
-    // mask are block-uniform choices made once a tile around branch-free loops (a branch per
-    // element cost more than the products: with one warp a scheduler, every taken branch
-    // waited for its instruction fetch).
-    if (p.ls.cap_log2e > 0.f) {
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[j][e] = p.ls.cap_log2e * tanhf(sc[j][e] * q_scale);
-    } else {
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[j][e] *= q_scale;
-    }
-    if (n0 + TILE > end) {
-#pragma unroll
-      for (int j = 0; j < TILE / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sc[j][e] = n0 + j * 8 + 2 * tq + (e & 1) >= end ? kNegInf : sc[j][e];
-    }
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int j = 0; j < TILE / 8; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-    }
     float a0, a1;  // this lane's share of l0 / l1; the quad's are added once at the end
-    mma_online_softmax(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
+    cascade_prefix_softmax(p, sc, rows.q_scale, n0, end, m0, m1, l0, l1, a0, a1);
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {
@@ -570,28 +668,8 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
-  l0 = group_sum<4>(l0);
-  l1 = group_sum<4>(l1);
   const bool poisoned = __syncthreads_or(bad);
-
-  // o[i][0..1]: row g, dims 8 i + 2 tq, + 1; o[i][2..3]: row g + 8.
-  const float nan = quiet_nan();
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (slot[i] < 0) continue;
-    const float l = poisoned ? nan : (i ? l1 : l0), m = poisoned ? nan : (i ? m1 : m0);
-    const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
-    float* out = p.workspace + slot[i] * D;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<float2*>(out + j * 8 + 2 * tq) =
-          make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-    if (tq == 0) {
-      float* ml = cascade_ml(p);
-      ml[2 * slot[i]] = m;
-      ml[2 * slot[i] + 1] = l;
-    }
-  }
+  cascade_prefix_store<D>(p, o, rows.slot, m0, m1, l0, l1, poisoned);
 }
 
 // Own block: paged decode of request b's own tokens [start, end), the group's heads as the n = 8
@@ -713,7 +791,15 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       poisoned);
 }
 
-template <typename T, int D>
+// The Hopper prefix level (cascade_sm90.cuh, built for sm_90a only): the same block, rows,
+// ring and states, with wgmma for both products.
+template <typename T, int D, typename Plan>
+__device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, unsigned char* smem,
+                                                     const Plan& plan, int kvh, int split,
+                                                     int start, int end);
+
+// WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
+template <typename T, int D, bool WG = false>
 __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
 #if __CUDA_ARCH__ >= 800
@@ -721,17 +807,23 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ CascadePlan<S::kThreads, S::kRows> plan;
   const int hkv = p.kv.num_kv_heads;
-  const int x = blockIdx.x;
+  const CascadeBlock blk = cascade_block(p, per_head);
+  const int x = blk.index;
   int start, end;
-  if (x < per_head * hkv) {
+  if (blk.prefix) {
     int split, splits;
-    if (!plan_prefix_block<S::kThreads, S::kRows>(
-            p, x / hkv, per_tile, per_head, reinterpret_cast<int*>(smem), plan, &split, &splits))
+    if (!plan_prefix_block<S::kThreads, S::kRows>(p, x / hkv, x == 0, per_tile, per_head,
+                                                  reinterpret_cast<int*>(smem), plan, &split,
+                                                  &splits))
       return;
     if (!prefix_range(p, plan.g, split, splits, &start, &end)) return;
-    cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
+    if constexpr (WG) {
+      cascade_prefix_wgmma<T, D>(p, smem, plan, x % hkv, split, start, end);
+    } else {
+      cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
+    }
   } else {
-    const int y = x - per_head * hkv;
+    const int y = x;
     const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
     if (!own_range(p, b, part, &start, &end)) return;
     cascade_own_mma<T, D>(p, smem, b, (y / p.own_parts) % hkv, part, start, end);
@@ -809,6 +901,46 @@ bool cascade_uses_mma() {
   return false;
 }
 
+#if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
+// cascade_sm90.cu (sm_90a): the tensor-core kernel with the wgmma prefix level, T = bf16_t or
+// f16_t, D = 64 or 128 -- its launch over `blocks` blocks, and its resident blocks an SM.
+template <typename T, int D>
+const char* launch_cascade_sm90(const CascadeParams& p, gpuStream_t stream, int64_t blocks,
+                                int per_tile, int per_head);
+template <typename T, int D>
+const char* cascade_sm90_occupancy(int* blocks);
+#endif
+
+constexpr const char* kCascadeNoWgmma =
+    "jaxattn: the wgmma cascade prefix level needs 16-bit data, head_dim 64 or 128, a compute "
+    "capability 9.0 device and a library built with 90 in JAXATTN_CUDA_ARCHS";
+
+// Query rows a prefix tile holds on average when the batch's requests spread evenly over its
+// prefixes, below which auto keeps the mma.sync prefix level: its warps skip the products of
+// their rows when those are padding, where wgmma computes all 64. H200, bf16, 32/8 (cascade
+// self-test): 64 requests on one prefix (256 rows) 55.4 -> 49.9 us, on three (85) 74.3 -> 71.3
+// us, each on its own (4 rows) 294 -> 317 us (ffi/NOTES.md, round 14).
+constexpr int kCascadeWgmmaMinRows = 32;
+
+// Whether the tensor-core kernel's prefix level runs on wgmma (CascadeParams::prefix_kernel;
+// auto: on compute capability 9.0 when the library has the sm_90a build and the tiles fill,
+// kCascadeWgmmaMinRows). Sets *error when the wgmma level was asked for and is not available.
+template <typename T, int D>
+bool cascade_uses_wgmma(const CascadeParams& p, const char** error) {
+  *error = nullptr;
+  if (p.prefix_kernel == 1) return false;
+  if (p.prefix_kernel == 0 &&
+      int64_t(p.batch) * p.num_q_heads < int64_t(kCascadeWgmmaMinRows) * p.kv.num_kv_heads *
+                                             (p.num_prefixes > 0 ? p.num_prefixes : 1))
+    return false;
+  bool ok = false;
+#if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) ok = device_is_sm90();
+#endif
+  if (!ok && p.prefix_kernel == 2) *error = kCascadeNoWgmma;
+  return ok;
+}
+
 template <typename T, int D>
 int cascade_rows() {
   return cascade_uses_mma<T, D>() ? 16 * 4 : kCascadeSimtRows;
@@ -821,6 +953,14 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
     if (cascade_uses_mma<T, D>()) {
+      const char* error = nullptr;
+      const bool wg = cascade_uses_wgmma<T, D>(p, &error);
+      if (error) return error;
+#if defined(JAXATTN_HAVE_SM90A)
+      if (wg) return launch_cascade_sm90<T, D>(p, stream, blocks, per_tile, per_head);
+#else
+      (void)wg;
+#endif
       using S = CascadeMmaShape<T, D>;
       auto kernel = cascade_mma_kernel<T, D>;
       if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
@@ -829,6 +969,7 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
     }
   }
 #endif
+  if (p.prefix_kernel == 2) return kCascadeNoWgmma;
   using S = CascadeSimtShape<T, D>;
   cascade_simt_kernel<T, D>
       <<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
@@ -858,6 +999,8 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
 
 template <typename T>
 const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
+  if (p.prefix_kernel < 0 || p.prefix_kernel > 2)
+    return "jaxattn: cascade prefix_kernel must be 0 (auto), 1 (mma) or 2 (wgmma)";
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   switch (p.kv.head_dim) {
     case 32:
@@ -882,6 +1025,12 @@ const char* cascade_tile_dim(int* rows, int* blocks) {
   if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
     if (cascade_uses_mma<T, D>()) {
       using S = CascadeMmaShape<T, D>;
+#if defined(JAXATTN_HAVE_SM90A)
+      CascadeParams wg;  // the kernel with the wgmma level, where it is available
+      wg.prefix_kernel = 2;
+      const char* unavailable = nullptr;
+      if (cascade_uses_wgmma<T, D>(wg, &unavailable)) return cascade_sm90_occupancy<T, D>(blocks);
+#endif
       return occupancy_of(cascade_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
     }
   }

@@ -56,6 +56,10 @@ struct CascadeParams {
   // Per-KV-head scales of a scaled cache (params.h): k_scale joins each level's logit factor
   // and v_scale the merged output, so the parts' (max, sum) pairs stay comparable.
   HeadScales scales;
+  // GPU tensor-core kernel's prefix level: 0 auto (wgmma on compute capability 9.0 when the
+  // library has its sm_90a build, else mma.sync), 1 mma.sync, 2 wgmma (an error where it is
+  // not available). The self-test times both; the CPU ignores it.
+  int32_t prefix_kernel = 0;
 
   JAXATTN_HD int32_t parts() const { return own_parts + prefix_parts; }
   // Own tokens per partition (a one-pass partition covers the whole table row).
