@@ -181,13 +181,7 @@ const char* sync_error() {
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 // Whether this build and device run the wgmma prefix level (CascadeParams::prefix_kernel 2).
-bool wgmma_available() {
-#if defined(JAXATTN_HAVE_SM90A)
-  return gpu::device_is_sm90();
-#else
-  return false;
-#endif
-}
+bool wgmma_available() { return gpu::cascade_wgmma_available<bf16_t, 128>(); }
 int num_sms() {
   int dev = 0, n = 0;
   CUDA_OK(cudaGetDevice(&dev));
@@ -1064,8 +1058,9 @@ void run_perf() {
       "joined tables at its own split)\n");
 }
 
-// Three launches of the issue's batch ("issue"), or of its prefix or own level alone, with one
-// prefix kernel, for a profiler (ncu --launch-skip 2 --launch-count 1).
+// The timing of the issue's batch ("issue"), or of its prefix or own level alone, with one prefix
+// kernel, for a profiler: its first launches are warm-ups (ncu --launch-skip 2 --launch-count 1
+// profiles one after them).
 void run_profile(int kernel, const std::string& which) {
   Rng rng(99);
   Bench bench;

@@ -412,9 +412,8 @@ __global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
       row_slot[gi] = ok ? cascade_slot(p, b, h, p.own_parts + split) : -1;
     }
   } else {
-    const int y = x;
-    const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
-    kvh = (y / p.own_parts) % hkv;
+    const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
+    kvh = (x / p.own_parts) % hkv;
     if (!own_range(p, b, part, &start, &end)) return;
     table = p.block_tables + int64_t(b) * p.block_table_stride;
     if (gi < R) {
@@ -652,11 +651,8 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) {
-      // The accumulator layout of S is the A-operand layout of P: no shuffles.
-      const uint32_t pf[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]),
-                              pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
-                              pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                              pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+      uint32_t pf[4];  // S's accumulator layout is P's A-operand layout: no shuffles
+      p_fragment<T>(sc, kk, pf);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bfr[4];
@@ -823,10 +819,9 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
       cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
     }
   } else {
-    const int y = x;
-    const int part = y % p.own_parts, b = y / (p.own_parts * hkv);
+    const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
     if (!own_range(p, b, part, &start, &end)) return;
-    cascade_own_mma<T, D>(p, smem, b, (y / p.own_parts) % hkv, part, start, end);
+    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part, start, end);
   }
 #endif
 }
@@ -922,9 +917,19 @@ constexpr const char* kCascadeNoWgmma =
 // us, each on its own (4 rows) 294 -> 317 us (ffi/NOTES.md, round 14).
 constexpr int kCascadeWgmmaMinRows = 32;
 
+// Whether this library and device can run the wgmma prefix level for (T, D): 16-bit data,
+// head_dim 64 or 128, the sm_90a build, a compute capability 9.0 device.
+template <typename T, int D>
+bool cascade_wgmma_available() {
+#if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) return device_is_sm90();
+#endif
+  return false;
+}
+
 // Whether the tensor-core kernel's prefix level runs on wgmma (CascadeParams::prefix_kernel;
-// auto: on compute capability 9.0 when the library has the sm_90a build and the tiles fill,
-// kCascadeWgmmaMinRows). Sets *error when the wgmma level was asked for and is not available.
+// auto: where it is available and the tiles fill, kCascadeWgmmaMinRows). Sets *error when the
+// wgmma level was asked for and is not available.
 template <typename T, int D>
 bool cascade_uses_wgmma(const CascadeParams& p, const char** error) {
   *error = nullptr;
@@ -933,10 +938,7 @@ bool cascade_uses_wgmma(const CascadeParams& p, const char** error) {
       int64_t(p.batch) * p.num_q_heads < int64_t(kCascadeWgmmaMinRows) * p.kv.num_kv_heads *
                                              (p.num_prefixes > 0 ? p.num_prefixes : 1))
     return false;
-  bool ok = false;
-#if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
-  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) ok = device_is_sm90();
-#endif
+  const bool ok = cascade_wgmma_available<T, D>();
   if (!ok && p.prefix_kernel == 2) *error = kCascadeNoWgmma;
   return ok;
 }
@@ -1026,10 +1028,7 @@ const char* cascade_tile_dim(int* rows, int* blocks) {
     if (cascade_uses_mma<T, D>()) {
       using S = CascadeMmaShape<T, D>;
 #if defined(JAXATTN_HAVE_SM90A)
-      CascadeParams wg;  // the kernel with the wgmma level, where it is available
-      wg.prefix_kernel = 2;
-      const char* unavailable = nullptr;
-      if (cascade_uses_wgmma<T, D>(wg, &unavailable)) return cascade_sm90_occupancy<T, D>(blocks);
+      if (cascade_wgmma_available<T, D>()) return cascade_sm90_occupancy<T, D>(blocks);
 #endif
       return occupancy_of(cascade_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, blocks);
     }

@@ -140,12 +140,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) scale_c_rows(o, a0, a1);
     uint32_t pf[TILE / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < TILE / 16; ++kk) {
-      pf[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
-      pf[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-      pf[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pf[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < TILE / 16; ++kk) p_fragment<T>(sc, kk, pf[kk]);
     sm90_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk) sm90_mma_rs<T, D>(of, pf[kk], dvs + uint64_t(kk * 128));

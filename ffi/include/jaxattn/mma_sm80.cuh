@@ -186,6 +186,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
+// The A fragment of P's 16-key step kk, packed to T from probabilities in the m16n8 accumulator
+// layout (s[j][0..1]: row g, keys 8 j + 2 tq, + 1; s[j][2..3]: row g + 8): the accumulator
+// layout of S is the A-operand layout of P, for mma.sync and for wgmma with A in registers.
+template <typename T, int J>
+__device__ __forceinline__ void p_fragment(const float (&s)[J][4], int kk, uint32_t (&pf)[4]) {
+  pf[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+  pf[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+  pf[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pf[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // FP8 -> float16 for the tensor cores: four codes of a 32-bit word (lowest byte first) as two
 // float16 pairs, lo = (byte 0, byte 1), hi = (byte 2, byte 3), exact (every FP8 value is a
 // float16; NaN stays NaN, e5m2's infinities stay infinite). e5m2 is the high byte of a

@@ -721,10 +721,8 @@ __device__ __forceinline__ void prefill_mma_tile(const PrefillParams& p, const P
   scale_c_rows(o, a0, a1);
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
-    const uint32_t pf[4] = {pack2<M>(s[2 * kk][0], s[2 * kk][1]),
-                            pack2<M>(s[2 * kk][2], s[2 * kk][3]),
-                            pack2<M>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                            pack2<M>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t pf[4];
+    p_fragment<M>(s, kk, pf);
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t bfr[4];
@@ -1194,7 +1192,6 @@ const char* launch_prefill_mma(const PrefillParams& p, gpuStream_t stream) {
 }
 
 inline bool device_has_mma() { return current_device_caps().major >= 8; }
-
 #endif
 
 // Shapes the sm90 kernel takes: head_dim 64 or 128, and every cache row offset representable
