@@ -6,6 +6,8 @@
 //   /tmp/decode_selftest --check    # correctness and robustness only   (--perf: timing only)
 //   /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
 //   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only (and the bf16 time of each shape)
+//   /tmp/decode_selftest --one e4m3 64 4096 0   # one shape (bf16|e4m3 B ctx partition), for ncu
+//   (built with -DJAXATTN_DECODE_TRACE) --trace 1 32768 512: the FP8 kernel's block timelines
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -1072,6 +1074,79 @@ void run_perf(bool fp8_only) {
 
 int main(int argc, char** argv) {
   bool check = true, perf = true, robust_only = false, fp8_only = false;
+#ifdef JAXATTN_DECODE_TRACE
+  if (argc == 5 && !std::strcmp(argv[1], "--trace")) {
+    // --trace B ctx part: block timelines of the FP8 tensor-core kernel (e4m3, 32/8).
+    Rng rng(99);
+    Bench bench(std::atoi(argv[2]), std::atoi(argv[3]), 32, 8, true);
+    bench.setup(rng);
+    const int part = std::atoi(argv[4]);
+    std::printf("untraced: %.1f us (kernel alone %.1f)\n", bench.time(part, 0), bench.time(part, 3));
+    dim3 grid;
+    const DecodeParams p0 = bench.params(part, 0);
+    if (const char* e = gpu::decode_grid(p0, &grid)) {
+      std::fprintf(stderr, "%s\n", e);
+      return 2;
+    }
+    const int nb = int(grid.x * grid.y * grid.z);
+    unsigned long long* tr;
+    CUDA_OK(cudaMalloc(&tr, size_t(nb) * 16 * 8));
+    CUDA_OK(cudaMemset(tr, 0, size_t(nb) * 16 * 8));
+    CUDA_OK(cudaMemcpyToSymbol(gpu::g_decode_trace, &tr, sizeof(tr)));
+    for (int rep = 0; rep < 3; ++rep) bench.time(part, 3);  // the last launch's stamps remain
+    std::vector<unsigned long long> h(size_t(nb) * 16);
+    CUDA_OK(cudaMemcpy(h.data(), tr, h.size() * 8, cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ull, t1 = 0;
+    for (int b = 0; b < nb; ++b) {
+      t0 = std::min(t0, h[b * 16]);
+      t1 = std::max(t1, h[b * 16 + 13]);
+    }
+    std::printf("blocks %d, span %.2f us\n", nb, (t1 - t0) * 1e-3);
+    const char* names[14] = {"start", "range", "prologue", "q", "tile0", "tile1", "tile2",
+                             "tile3", "tile4", "tile5", "tile6", "tile7", "loop end", "written"};
+    for (int i = 0; i < 14; ++i) {
+      std::vector<double> v;
+      for (int b = 0; b < nb; ++b)
+        if (h[b * 16 + i]) v.push_back((h[b * 16 + i] - t0) * 1e-3);
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      std::printf("%-9s n=%4zu  min %6.2f  p10 %6.2f  p50 %6.2f  p90 %6.2f  max %6.2f us\n",
+                  names[i], v.size(), v.front(), v[v.size() / 10], v[v.size() / 2],
+                  v[v.size() * 9 / 10], v.back());
+    }
+    // Per-block phase durations (medians).
+    for (int i = 1; i < 14; ++i) {
+      std::vector<double> v;
+      for (int b = 0; b < nb; ++b) {
+        int j = i - 1;
+        while (j >= 0 && !h[b * 16 + j]) --j;
+        if (h[b * 16 + i] && j >= 0) v.push_back((h[b * 16 + i] - h[b * 16 + j]) * 1e-3);
+      }
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      std::printf("  d(%-9s) p10 %6.2f  p50 %6.2f  p90 %6.2f us\n", names[i], v[v.size() / 10],
+                  v[v.size() / 2], v[v.size() * 9 / 10]);
+    }
+    bench.teardown();
+    return 0;
+  }
+#endif
+  if (argc == 6 && !std::strcmp(argv[1], "--one")) {
+    // --one bf16|e4m3 B ctx part: one shape, 32/8, timed as in the tables (a handle for ncu).
+    const bool fp8 = !std::strcmp(argv[2], "e4m3");
+    Rng rng(99);
+    Bench bench(std::atoi(argv[3]), std::atoi(argv[4]), 32, 8, fp8);
+    bench.setup(rng);
+    const int part = std::atoi(argv[5]);
+    const double us = bench.time(part, 0);
+    std::printf("%s B=%d ctx=%d part=%d: %.1f us, %.0f GB/s\n", argv[2], bench.B, bench.ctx, part,
+                us, bench.kv_bytes() / (us * 1e-6) / 1e9);
+    if (fp8 && part > 0)
+      std::printf("  kernel alone %.1f us, combine alone %.1f us\n", bench.time(part, 3),
+                  bench.time(part, 4));
+    bench.teardown();
+    return 0;
+  }
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check")) {
       perf = false;

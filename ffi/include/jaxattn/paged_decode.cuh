@@ -459,6 +459,40 @@ struct KvRing {
     }
   }
 
+  // The pages of this thread's rows of tiles 0 .. STAGES-1 of the block's rows starting at
+  // `start` (threads below TILE), loaded before the sequence's length is known, beside its load
+  // instead of after it: entries past the table row's width read its last entry, and prologue
+  // uses an entry only for a row below the length (as page_of does). The tensor-core decode
+  // kernels load q the same way (H200, decode self-test: bf16 batch 1 x 32768 and 8 x 4096
+  // 44.7 -> 43.9 us, batch 64 x 4096 -0.7%).
+  __device__ __forceinline__ static void early_pages(const int32_t* table, int width, int page_size,
+                                                     int start, int (&pages)[STAGES]) {
+    const int ps = page_size;
+    const bool pow2 = (ps & (ps - 1)) == 0;
+#pragma unroll
+    for (int n = 0; n < STAGES; ++n) {
+      const int t = start + n * TILE + int(threadIdx.x);
+      const int i = ps <= 0 ? 0 : pow2 ? t >> (__ffs(ps) - 1) : t / ps;
+      pages[n] =
+          (int(threadIdx.x) < TILE && width > 0) ? table[min(unsigned(i), unsigned(width - 1))] : 0;
+    }
+  }
+
+  // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
+  // commit group each (empty groups past the last tile keep the group count uniform). Returns
+  // whether this thread saw a bad page id. `pages`: early_pages of this ring's table and start.
+  __device__ __forceinline__ bool prologue(int ntiles, const int (&pages)[STAGES]) const {
+    bool bad = false;
+#pragma unroll
+    for (int n = 0; n < STAGES; ++n) bad |= store_offset(n, pages[n]);
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < STAGES - 1; ++n) {
+      if (n < ntiles) issue(n);
+      async_copy_commit();
+    }
+    return bad;
+  }
   // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
   // commit group each (empty groups past the last tile keep the group count uniform). Returns
   // whether this thread saw a bad page id.
@@ -806,22 +840,13 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
 
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
-  DecodeRange range;
-  pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range)) return;
-  const int start = range.start, end = range.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
-
-  const KvGeometry& kv = p.kv;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
-  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
-                  kv,   start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
+  // What needs no sequence length is loaded beside it, not after: q and the pages of the first
+  // tiles (at batch 1 the q loads used to queue behind the first tiles' copies, ~3 us).
   // Q as the A operand, unscaled (16-bit, exact); the scale (with the KV head's key scale) is
   // applied to S in f32.
   const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
@@ -836,6 +861,21 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
       qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
     }
   }
+  int pages[NS];
+  Ring::early_pages(table, p.block_table_stride, p.kv.page_size,
+                    p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0, pages);
+
+  DecodeRange range;
+  pdl_launch_dependents();
+  if (!decode_range<T>(p, kvh, group, &range)) return;
+  const int start = range.start, end = range.end;
+
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
+  const Ring ring{smem, kbase, vbase, table, kv, start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles, pages);  // this thread met a page id outside the cache
 
   float o[KD][4];
 #pragma unroll
@@ -972,6 +1012,31 @@ __device__ __forceinline__ int fp8_out_dim(int j, int r) {
   return 32 * (j / 2) + 4 * (r % 8) + 2 * (j % 2) + r / 8;
 }
 
+// Block timelines of the FP8 tensor-core kernel, for the decode self-test's --trace (compile
+// with -DJAXATTN_DECODE_TRACE; never in the library): thread 0 of each block stamps the global
+// timer at its start (0), once its range is known (1), after the prologue's copies (2), after
+// q (3), at the top of tiles 0..7 (4..11), after the loop (12) and after its writes (13), and
+// slot 15 keeps its SM. ffi/NOTES.md, round 15, reads them.
+#ifdef JAXATTN_DECODE_TRACE
+__device__ unsigned long long* g_decode_trace;
+__device__ __forceinline__ void decode_trace(int i) {
+  if (threadIdx.x == 0 && g_decode_trace) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    g_decode_trace[blk * 16 + i] = t;
+    if (i == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      g_decode_trace[blk * 16 + 15] = sm;
+    }
+  }
+}
+#define JAXATTN_TRACE(i) decode_trace(i)
+#else
+#define JAXATTN_TRACE(i)
+#endif
+
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
                                   MmaFp8DecodeShape<C, D>::kMinBlocks)
@@ -985,37 +1050,53 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
 
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
+  JAXATTN_TRACE(0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  using Ring = KvRing<C, D, TILE, NS, RS, S::kThreads>;
+  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
+
+  // What needs no sequence length is loaded beside it, not after: q (its 16-bit words) and the
+  // pages of the first tiles (at batch 1 the q loads used to queue behind the first tiles'
+  // copies, ~3 us of the block's start).
+  const bool head_ok = g < group;
+  uint2 qw[KD];
+  {
+    const T* qp = static_cast<const T*>(p.q) +
+                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk)
+      qw[kk] =
+          head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
+  }
+  int pages[NS];
+  Ring::early_pages(table, p.block_table_stride, p.kv.page_size,
+                    p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0, pages);
+
   DecodeRange range;
   pdl_launch_dependents();
   if (!decode_range<T>(p, kvh, group, &range)) return;
+  JAXATTN_TRACE(1);
   const int start = range.start, end = range.end;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
 
   const KvGeometry& kv = p.kv;
   const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
   const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
-  using Ring = KvRing<C, D, TILE, NS, RS, S::kThreads>;
-  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
-                  kv,   start, end};
+  const Ring ring{smem, kbase, vbase, table, kv, start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles);  // this thread met a page id outside the cache
+  bool bad = ring.prologue(ntiles, pages);  // this thread met a page id outside the cache
+  JAXATTN_TRACE(2);
 
   // Q as float16 A fragments: qa[kk] = q[head g][16 kk + 4t .. 16 kk + 4t + 3] (rows 8..15 are
   // zero), times pre; the logit factor takes post = 1 / pre.
   uint32_t qa[KD][2];
   float post = 1.f;
   {
-    const bool head_ok = g < group;
-    const T* qp = static_cast<const T*>(p.q) +
-                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
     float qf[KD][4];
     float qmax = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
-      const uint2 r =
-          head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
-      const uint32_t w[2] = {r.x, r.y};
+      const uint32_t w[2] = {qw[kk].x, qw[kk].y};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint16_t h = uint16_t(w[i / 2] >> (16 * (i % 2)));
@@ -1039,6 +1120,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
     }
   }
   const float q_scale = p.ls.q_scale * p.scales.k_of(kvh) * post;
+  JAXATTN_TRACE(3);
 
   float o[KD][4];
 #pragma unroll
@@ -1055,6 +1137,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n < 8) JAXATTN_TRACE(4 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     const int page = ring.page_of(n + NS);  // consumed after this tile's compute
@@ -1125,6 +1208,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
+  JAXATTN_TRACE(12);
   l = group_sum<4>(l);
 
   // Per-warp states to shared memory (over the ring), each accumulator at its dim, then the
@@ -1147,6 +1231,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   __syncthreads();
   merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
                                                             p.scales.v_of(kvh));
+  JAXATTN_TRACE(13);
 #endif
 }
 
@@ -1173,11 +1258,13 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   constexpr float kNegInf = -__builtin_huge_valf();
   __shared__ float red_o[kWarps][D];
   __shared__ float red_x[2][kWarps];
-  pdl_wait();  // the partitions are written (a no-op after an ordinary launch)
   const int h = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + h) * D;
+  // The length is an input of the op, complete before the partitions' kernel started (which
+  // launched this one), so its load goes before the wait: one memory latency less after it.
   const int L = p.seq_lens[b];
+  pdl_wait();  // the partitions are written (a no-op after an ordinary launch)
   if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) {
     for (int d = threadIdx.x; d < D; d += kThreads) out[d] = from_float<T>(quiet_nan());
     return;
