@@ -279,6 +279,13 @@ struct Sm90Shape {
 // two (the row offsets of the next tile published before the widening, so that the barrier
 // before the in-place K stores serves both) -- both timed in round 13 (ffi/NOTES.md), no gain
 // kept.
+// JAXATTN_SM90_FP8_TIMING_NO_WIDEN (timing only: the FP8 rows' results are then wrong): 1
+// skips the widening of K (and the producer barrier before its in-place stores), 2 that of V
+// as well, so that the consumers compute on whatever the float16 stages hold. Measured in
+// round 15 (ffi/NOTES.md): FP8 8 x (2048 + 512) 400 -> 433 -> 462 TFLOP/s against bf16's 458.
+#ifndef JAXATTN_SM90_FP8_TIMING_NO_WIDEN
+#define JAXATTN_SM90_FP8_TIMING_NO_WIDEN 0
+#endif
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
@@ -619,9 +626,13 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
             const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
             uint4 raw[R8];
+#if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
             load_own(kst + F8T, raw);
+#endif
             if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
+#if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
             store_own(raw, vt);
+#endif
             if (m * BN + BN > range.full_end) {
               guards_free();
               unsigned char* const vt_gen = gen + (vt - base);
@@ -633,9 +644,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             }
             sm90_fence_proxy_async();
             mbar_arrive(vfull(s));
+#if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 1
             load_own(kst, raw);
             named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
             store_own(raw, kst);
+#endif
             sm90_fence_proxy_async();
             mbar_arrive(kfull(s));
           }
