@@ -30,6 +30,11 @@ step t runs), ``multistep`` (overlap, and up to ``--decode-steps`` steps per dis
 
 ``--kv-dtype fp8_e4m3`` runs the same steps over an FP8 pool (its floor counts one byte per
 K/V element).
+
+A batch runs in the engine's own decode bucket (at least ``Buckets().decode_batch`` rows, 4,
+as the engine runs it by default; the extra rows are empty), and so does the ``device`` time;
+``--exact-rows`` runs exactly ``B`` rows instead (a one-row step then pads each projection to
+two rows, ``llama._padded_linear``). The floor counts the real rows' bytes either way.
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=32, help="timed engine steps")
     p.add_argument("--device-steps", type=int, default=8, help="steps per timed device call")
+    p.add_argument(
+        "--exact-rows",
+        action="store_true",
+        help="decode exactly B rows, not the engine's default bucket (at least 4 rows)",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill step")
     p.add_argument("--implementation", choices=["reference", "pallas", "native"])
@@ -171,16 +181,19 @@ def weight_bytes(params, cfg) -> int:
 
 def device_time(
     engine, batch: int, steps: int, reps: int = 5, profile: bool = False
-) -> tuple[float, dict | None]:
+) -> tuple[float, dict | None, int]:
     """Seconds per decode step of the decode program alone: ``steps`` steps a call,
     calls enqueued back to back on the engine's rows (a copy whose budgets never run
     out; the rows keep their positions, so every call reads the same KV). With
-    ``profile``, also :func:`common.device_profile` of a few calls."""
+    ``profile``, also :func:`common.device_profile` of a few calls; and the rows run."""
     from jaxattn.engine import runner as R
 
     runner = engine.runner
     rows = [s.row for s in engine.scheduler.running if s.row is not None]
-    num_rows = max(rows) + 1
+    # As the engine runs it: the rows' bucket (Engine._work).
+    num_rows = min(
+        R.bucket(max(rows) + 1, engine._buckets.decode_batch), runner.state.positions.shape[0]
+    )
     state = runner.state._replace(remaining=jnp.full_like(runner.state.remaining, 1 << 30))
     control = np.zeros(num_rows + 1, np.int32)
     control[0] = steps
@@ -233,7 +246,7 @@ def device_time(
         jax.block_until_ready(run(calls))
         times.append((time.perf_counter() - t0) / (calls * steps))
     prof = device_profile(lambda: run(4), steps=4 * steps) if profile else None
-    return statistics.median(times), prof
+    return statistics.median(times), prof, num_rows
 
 
 def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> dict:
@@ -248,7 +261,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         num_pages=pages,
         page_size=p,
         max_batch_tokens=max(args.prefill_tokens, batch),
-        max_running=batch,
+        max_running=batch if args.exact_rows else max(batch, Buckets().decode_batch),
         radix_cache=False,
         implementation=args.implementation,
         kv_dtype=args.kv_dtype,
@@ -258,7 +271,10 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         device_paging=MODES[mode].get("device_paging", False),
         **execution_kwargs(args),
         # One row bucket and one table width for the whole run: no compile in the timed part.
-        buckets=Buckets(decode_batch=batch, pages=-(-(args.context + max_new) // p)),
+        buckets=Buckets(
+            decode_batch=batch if args.exact_rows else max(batch, Buckets().decode_batch),
+            pages=-(-(args.context + max_new) // p),
+        ),
     )
     rng = np.random.default_rng(args.seed + batch)
     for _ in range(batch):
@@ -288,10 +304,11 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
     )
     wb = weight_bytes(engine.runner.params, cfg)
     floor = (wb + kv_read) / ceiling_bps
-    device, prof = device_time(engine, batch, args.device_steps, profile=args.profile)
+    device, prof, num_rows = device_time(engine, batch, args.device_steps, profile=args.profile)
     row = dict(
         mode=mode,
         batch=batch,
+        rows=num_rows,
         decode_steps_per_dispatch=s["decode_steps"] / max(s["decode_calls"], 1),
         wall_ms=wall / n * 1e3,
         schedule_ms=s["schedule_s"] / n * 1e3,
@@ -350,6 +367,7 @@ def main(argv=None) -> int:
     columns = [
         ("mode", "mode", ""),
         ("batch", "B", "d"),
+        ("rows", "rows", "d"),
         ("decode_steps_per_dispatch", "steps/disp", ".1f"),
         ("wall_ms", "wall ms", ".3f"),
         *[(f"{k}_ms", k, ".3f") for k in PHASES],
