@@ -463,8 +463,8 @@ struct KvRing {
   // `start` (threads below TILE), loaded before the sequence's length is known, beside its load
   // instead of after it: entries past the table row's width read its last entry, and prologue
   // uses an entry only for a row below the length (as page_of does). The tensor-core decode
-  // kernels load q the same way (H200, decode self-test: bf16 batch 1 x 32768 and 8 x 4096
-  // 44.7 -> 43.9 us, batch 64 x 4096 -0.7%).
+  // kernels load q the same way (H200, decode self-test, with the combine's early length read:
+  // bf16 batch 1 x 32768 and 8 x 4096 44.5 -> 43.1 us, 64 x 4096 -1%; ffi/NOTES.md, round 15).
   __device__ __forceinline__ static void early_pages(const int32_t* table, int width, int page_size,
                                                      int start, int (&pages)[STAGES]) {
     const int ps = page_size;
