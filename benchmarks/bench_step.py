@@ -191,9 +191,7 @@ def device_time(
     runner = engine.runner
     rows = [s.row for s in engine.scheduler.running if s.row is not None]
     # As the engine runs it: the rows' bucket (Engine._work).
-    num_rows = min(
-        R.bucket(max(rows) + 1, engine._buckets.decode_batch), runner.state.positions.shape[0]
-    )
+    num_rows = min(R.bucket(max(rows) + 1, runner.buckets.decode_batch), runner.max_rows)
     state = runner.state._replace(remaining=jnp.full_like(runner.state.remaining, 1 << 30))
     control = np.zeros(num_rows + 1, np.int32)
     control[0] = steps
