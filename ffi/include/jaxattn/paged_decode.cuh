@@ -225,6 +225,11 @@ struct DecodeRange {
 // partition past the sequence's end (the combine reads only partitions that hold tokens, so
 // such a block writes nothing), or a sequence whose length does not fit its block-table row,
 // whose rows are NaN (written here in one pass, by the combine when split).
+// The first token of the block's partition (0 in one pass), known before the sequence length.
+__device__ __forceinline__ int decode_block_start(const DecodeParams& p) {
+  return p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0;
+}
+
 template <typename T>
 __device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int group,
                                              DecodeRange* r) {
@@ -238,10 +243,9 @@ __device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int
     }
     return false;
   }
-  r->start = 0;
+  r->start = decode_block_start(p);
   r->end = L;
   if (p.partition_size > 0) {
-    r->start = int(blockIdx.z) * p.partition_size;
     if (r->start >= L) return false;
     r->end = min(L, r->start + p.partition_size);
   }
@@ -343,6 +347,7 @@ template <typename T, int D, int TILE, int STAGES, int RS, int NT>
 struct KvRing {
   using Elem = T;
   static constexpr int kTile = TILE;
+  static constexpr int kStages = STAGES;
   static constexpr int kVec = 16 / int(sizeof(T));
   static constexpr int kChunks = D / kVec;
   static constexpr bool kSwizzled = RS == 0;
@@ -391,10 +396,10 @@ struct KvRing {
   }
   // t / page_size and t % page_size (t >= 0), a shift and a mask for the usual power-of-two
   // page sizes (the block's choice is uniform; an integer division costs ~20 instructions).
-  __device__ __forceinline__ int page_index(int t) const {
-    const int ps = kv.page_size;
+  __device__ __forceinline__ static int page_index_of(int t, int ps) {
     return (ps & (ps - 1)) == 0 ? t >> (__ffs(ps) - 1) : t / ps;
   }
+  __device__ __forceinline__ int page_index(int t) const { return page_index_of(t, kv.page_size); }
   __device__ __forceinline__ int page_offset(int t) const {
     const int ps = kv.page_size;
     return (ps & (ps - 1)) == 0 ? t & (ps - 1) : t % ps;
@@ -467,12 +472,10 @@ struct KvRing {
   // bf16 batch 1 x 32768 and 8 x 4096 44.5 -> 43.1 us, 64 x 4096 -1%; ffi/NOTES.md, round 15).
   __device__ __forceinline__ static void early_pages(const int32_t* table, int width, int page_size,
                                                      int start, int (&pages)[STAGES]) {
-    const int ps = page_size;
-    const bool pow2 = (ps & (ps - 1)) == 0;
 #pragma unroll
     for (int n = 0; n < STAGES; ++n) {
       const int t = start + n * TILE + int(threadIdx.x);
-      const int i = ps <= 0 ? 0 : pow2 ? t >> (__ffs(ps) - 1) : t / ps;
+      const int i = page_size <= 0 ? 0 : page_index_of(t, page_size);
       pages[n] =
           (int(threadIdx.x) < TILE && width > 0) ? table[min(unsigned(i), unsigned(width - 1))] : 0;
     }
@@ -493,22 +496,35 @@ struct KvRing {
     }
     return bad;
   }
-  // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
-  // commit group each (empty groups past the last tile keep the group count uniform). Returns
-  // whether this thread saw a bad page id.
+  // The same, the pages read now (page_of).
   __device__ __forceinline__ bool prologue(int ntiles) const {
-    bool bad = false;
+    int pages[STAGES];
 #pragma unroll
-    for (int n = 0; n < STAGES; ++n) bad |= store_offset(n, page_of(n));
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < STAGES - 1; ++n) {
-      if (n < ntiles) issue(n);
-      async_copy_commit();
-    }
-    return bad;
+    for (int n = 0; n < STAGES; ++n) pages[n] = page_of(n);
+    return prologue(ntiles, pages);
   }
 };
+
+// The tensor-core decode kernels' start once their early loads are issued (q, and `pages` from
+// Ring::early_pages at decode_block_start): the block's range (decode_range; false: nothing to
+// compute), its ring over this KV head and the prologue's copies. `bad`: this thread met a page
+// id outside the cache.
+template <typename T, typename Ring>
+__device__ __forceinline__ bool decode_ring_start(const DecodeParams& p, int kvh, int group,
+                                                  const int32_t* table, unsigned char* smem,
+                                                  const int (&pages)[Ring::kStages], Ring& ring,
+                                                  bool& bad) {
+  DecodeRange range;
+  pdl_launch_dependents();
+  if (!decode_range<T>(p, kvh, group, &range)) return false;
+  using E = typename Ring::Elem;
+  const int64_t head = kvh * p.kv.head_stride;
+  const E* k = static_cast<const E*>(p.k) + head;
+  const E* v = static_cast<const E*>(p.v) + head;
+  ring = Ring{smem, k, v, table, p.kv, range.start, range.end};
+  bad = ring.prologue(ring.tiles(), pages);
+  return true;
+}
 
 // ------------------------------------------------------------------------------------------
 // SIMT kernels (1 and 3).
@@ -862,20 +878,11 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     }
   }
   int pages[NS];
-  Ring::early_pages(table, p.block_table_stride, p.kv.page_size,
-                    p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0, pages);
-
-  DecodeRange range;
-  pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range)) return;
-  const int start = range.start, end = range.end;
-
-  const KvGeometry& kv = p.kv;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
-  const Ring ring{smem, kbase, vbase, table, kv, start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles, pages);  // this thread met a page id outside the cache
+  Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
+  Ring ring;
+  bool bad;  // this thread met a page id outside the cache
+  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
+  const int start = ring.start, end = ring.end, ntiles = ring.tiles();
 
   float o[KD][4];
 #pragma unroll
@@ -1014,9 +1021,10 @@ __device__ __forceinline__ int fp8_out_dim(int j, int r) {
 
 // Block timelines of the FP8 tensor-core kernel, for the decode self-test's --trace (compile
 // with -DJAXATTN_DECODE_TRACE; never in the library): thread 0 of each block stamps the global
-// timer at its start (0), once its range is known (1), after the prologue's copies (2), after
-// q (3), at the top of tiles 0..7 (4..11), after the loop (12) and after its writes (13), and
-// slot 15 keeps its SM. ffi/NOTES.md, round 15, reads them.
+// timer at its start (0), after the prologue's copies (2; stamp 1, the length read, went with
+// the kernels' shared start, decode_ring_start), after q (3), at the top of tiles 0..7
+// (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM. ffi/NOTES.md,
+// round 15, reads them.
 #ifdef JAXATTN_DECODE_TRACE
 __device__ unsigned long long* g_decode_trace;
 __device__ __forceinline__ void decode_trace(int i) {
@@ -1070,22 +1078,12 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
           head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
   }
   int pages[NS];
-  Ring::early_pages(table, p.block_table_stride, p.kv.page_size,
-                    p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0, pages);
-
-  DecodeRange range;
-  pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range)) return;
-  JAXATTN_TRACE(1);
-  const int start = range.start, end = range.end;
-
-  const KvGeometry& kv = p.kv;
-  const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
-  const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
-  const Ring ring{smem, kbase, vbase, table, kv, start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles, pages);  // this thread met a page id outside the cache
+  Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
+  Ring ring;
+  bool bad;  // this thread met a page id outside the cache
+  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
   JAXATTN_TRACE(2);
+  const int start = ring.start, end = ring.end, ntiles = ring.tiles();
 
   // Q as float16 A fragments: qa[kk] = q[head g][16 kk + 4t .. 16 kk + 4t + 3] (rows 8..15 are
   // zero), times pre; the logit factor takes post = 1 / pre.
