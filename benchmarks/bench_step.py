@@ -114,6 +114,9 @@ def parse_args(argv=None):
         help="also trace the decode program (jax.profiler): GPU busy time per step, idle "
         "gaps, the top kernels",
     )
+    p.add_argument(
+        "--profile-top", type=int, default=12, help="kernels --profile lists (by time per step)"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -180,7 +183,7 @@ def weight_bytes(params, cfg) -> int:
 
 
 def device_time(
-    engine, batch: int, steps: int, reps: int = 5, profile: bool = False
+    engine, batch: int, steps: int, reps: int = 5, profile: bool = False, top: int = 12
 ) -> tuple[float, dict | None, int]:
     """Seconds per decode step of the decode program alone: ``steps`` steps a call,
     calls enqueued back to back on the engine's rows (a copy whose budgets never run
@@ -243,7 +246,7 @@ def device_time(
         t0 = time.perf_counter()
         jax.block_until_ready(run(calls))
         times.append((time.perf_counter() - t0) / (calls * steps))
-    prof = device_profile(lambda: run(4), steps=4 * steps) if profile else None
+    prof = device_profile(lambda: run(4), steps=4 * steps, top=top) if profile else None
     return statistics.median(times), prof, num_rows
 
 
@@ -302,7 +305,9 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
     )
     wb = weight_bytes(engine.runner.params, cfg)
     floor = (wb + kv_read) / ceiling_bps
-    device, prof, num_rows = device_time(engine, batch, args.device_steps, profile=args.profile)
+    device, prof, num_rows = device_time(
+        engine, batch, args.device_steps, profile=args.profile, top=args.profile_top
+    )
     row = dict(
         mode=mode,
         batch=batch,
