@@ -286,6 +286,13 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_FP8_TIMING_NO_WIDEN
 #define JAXATTN_SM90_FP8_TIMING_NO_WIDEN 0
 #endif
+// JAXATTN_SM90_TIMING_NO_COPY (timing only: results wrong): the 16-bit producer issues no K
+// (1) or no K and V (2) row copies -- its page-table walk, offsets, barriers and arrivals stay
+// -- so that the consumers compute on whatever the stages hold: what the gathers cost.
+// Measured in round 16 (ffi/NOTES.md): 8 x (2048 + 512) 456 -> 470 -> 514 TFLOP/s.
+#ifndef JAXATTN_SM90_TIMING_NO_COPY
+#define JAXATTN_SM90_TIMING_NO_COPY 0
+#endif
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
@@ -689,11 +696,15 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             }
           };
           if (gn >= NS) mbar_wait(kempty(s), par);
+#if JAXATTN_SM90_TIMING_NO_COPY < 1
           copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
+#endif
           mbar_arrive_copies(kfull(s));
           if (gn >= NS) mbar_wait(vempty(s), par);
           const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
+#if JAXATTN_SM90_TIMING_NO_COPY < 2
           copy_rows(vd, vg);
+#endif
           if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
             async_copy_commit();
             async_copy_wait<0>();
