@@ -4,10 +4,11 @@ An H200 running a long prefill back to back reaches its power limit within a fra
 second and lowers its SM clock; a short burst after an idle pause runs at the full clock.
 This script shows both for jaxattn's native ``prefix_prefill`` and, where it is installed,
 FlashAttention-4 on the same device buffers (``fa4_peer``): ``--seconds`` of back-to-back
-calls after a one-second pause, one line per ~0.1 s window (TFLOP/s), the median after the
-first half second, and, from ``nvidia-smi`` sampled meanwhile, the median SM clock, power and
-whether the software power cap was active. ``--ncu`` instead runs one call of each between
-``cudaProfilerStart`` / ``cudaProfilerStop`` (for ``ncu --profile-from-start off``).
+calls after a one-second pause in ~0.1 s windows: the first window's TFLOP/s, the median of
+the windows after the first sixth of the run, and, from ``nvidia-smi`` sampled meanwhile, the
+median SM clock, power and whether the software power cap was active. ``--ncu`` instead runs
+one call of each between ``cudaProfilerStart`` / ``cudaProfilerStop`` (for ``ncu
+--profile-from-start off``).
 
     python3 benchmarks/prefill_power.py --cases 1:0:8192,8:2048:512 --seconds 3
     ncu --profile-from-start off --section SpeedOfLight --section InstructionStats \\
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import os
 import shutil
 import statistics
 import subprocess
@@ -34,6 +36,8 @@ import jax.numpy as jnp
 import jaxattn
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap"
+# The problem: bf16, GQA 32/8, head_dim 128, bshd pages of 16 (bench_extend.py's).
+HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def _smi_start(path: str):
@@ -122,15 +126,15 @@ def main(argv=None) -> int:
                 batch=b,
                 prefix=pre,
                 new=new,
-                num_q_heads=32,
-                num_kv_heads=8,
-                head_dim=128,
+                num_q_heads=HQ,
+                num_kv_heads=HKV,
+                head_dim=D,
                 dtype=jnp.bfloat16,
                 kv_dtype=jnp.bfloat16,
             )
-            build = functools.partial(be.build_prefill, **shape, page_size=16, layout="bshd")
+            build = functools.partial(be.build_prefill, **shape, page_size=PAGE, layout="bshd")
             copies = common.make_copies(build, 1 if args.ncu else 4)
-            flops = be.useful_flops(b, pre, new, 32, 128)
+            flops = be.useful_flops(b, pre, new, HQ, D)
             op = functools.partial(jaxattn.prefix_prefill, implementation="native", layout="bshd")
             calls = jax.jit(functools.partial(_all_calls, op))
             jax.block_until_ready(calls(copies))
@@ -143,13 +147,14 @@ def main(argv=None) -> int:
                         batch=b,
                         prefix=pre,
                         new=new,
-                        scale=128**-0.5,
+                        scale=D**-0.5,
                         pack_gqa=True,
                     )
                     for c in copies
                 ]
                 if all(callable(f) for f in fa4):
-                    torch, _, _ = fa4_peer._load()
+                    import torch  # importable: fa4_peer built its calls with it
+
                     for f in fa4:
                         f()
                     torch.cuda.synchronize()
@@ -189,6 +194,8 @@ def main(argv=None) -> int:
     finally:
         if smi is not None:
             smi.terminate()
+            smi.wait()
+        os.unlink(log)
     return 0
 
 
