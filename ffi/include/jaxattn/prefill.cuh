@@ -257,9 +257,9 @@ struct RowCursor {
                                        int& flags) {
     off = -1;
     if (t < lim) {
-      page = table[t / kv.page_size];
+      page = table[kv.page_of(t)];
       if (index_ok(page, kv.num_pages)) {
-        off = int64_t(page) * kv.page_stride + int64_t(t % kv.page_size) * kv.token_stride;
+        off = int64_t(page) * kv.page_stride + int64_t(kv.slot_of(t)) * kv.token_stride;
       } else {
         flags |= kGuardIndexBad;
       }
@@ -273,7 +273,7 @@ struct RowCursor {
       off = -1;
       return;
     }
-    advance_to(kv, table[tn / kv.page_size], t, step, flags);
+    advance_to(kv, table[kv.page_of(tn)], t, step, flags);
   }
 
   // The entry of key t + step loaded ahead by the caller (entry_ahead): advance's second half,
@@ -290,7 +290,7 @@ struct RowCursor {
   // The index entry of key t (0 at or past lim, where the cursor ends and reads nothing).
   static __device__ __forceinline__ int entry_ahead(const KvGeometry& kv, const int32_t* table,
                                                     int t, int lim) {
-    return t < lim ? table[t / kv.page_size] : 0;
+    return t < lim ? table[kv.page_of(t)] : 0;
   }
 
   __device__ __forceinline__ void advance_to(const KvGeometry& kv, int next, int t, int step,
@@ -302,7 +302,7 @@ struct RowCursor {
       return;
     }
     off += int64_t(next - page) * kv.page_stride +
-           int64_t(tn % kv.page_size - t % kv.page_size) * kv.token_stride;
+           int64_t(kv.slot_of(tn) - kv.slot_of(t)) * kv.token_stride;
     page = next;
   }
 };

@@ -59,6 +59,14 @@
 namespace jaxattn {
 namespace gpu {
 
+// base + 16 * off as one wide multiply-add (written in C++, the compiler kept the offset in
+// elements and added the cache's base with two more instructions a copy).
+__device__ __forceinline__ const void* sm90_row_address(uint64_t base, uint32_t off) {
+  uint64_t a;
+  asm("mad.wide.u32 %0, %1, 16, %2;\n" : "=l"(a) : "r"(off), "l"(base));
+  return reinterpret_cast<const void*>(a);
+}
+
 // A row offset in 16-byte units (every row starts on a multiple of head_dim elements);
 // kSm90NoRow marks keys past the request (zero-filled).
 constexpr uint32_t kSm90NoRow = 0xffffffffu;
@@ -680,7 +688,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           // batch's copies (a copy is a memory clobber, so a shared load after one would wait for
           // it: row by row, every copy waited for its offset).
           constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
+          // A copy's source in bytes from this thread's chunk of the head: one wide multiply-add
+          // of the row's 16-byte offset (a missing row reads nothing, from the chunk itself).
           auto copy_rows = [&](uint32_t dst, const T* src) {
+            const uint64_t chunk = reinterpret_cast<uint64_t>(src) + uint64_t(c) * 16u;
 #pragma unroll
             for (int b = 0; b < kRows; b += kBatch) {
               uint32_t u[kBatch];
@@ -691,7 +702,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
                 const bool ok = u[i] != kSm90NoRow;
                 // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
                 cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
-                           ok ? src + (int64_t(u[i]) << 3) + c * 8 : src, ok);
+                           sm90_row_address(chunk, ok ? u[i] : 0u), ok);
               }
             }
           };
