@@ -7,6 +7,7 @@
 //   /tmp/decode_selftest --robust   # robustness only: small, for compute-sanitizer
 //   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only (and the bf16 time of each shape)
 //   /tmp/decode_selftest --one e4m3 64 4096 0   # one shape (bf16|e4m3 B ctx partition), for ncu
+//   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
 //   (built with -DJAXATTN_DECODE_TRACE) --trace 1 32768 512: the FP8 kernel's block timelines
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
@@ -813,12 +814,16 @@ double copy_ceiling_gbs() {
 }
 
 // One timing case: its pool, tables and buffers; time() runs a variant.
+#ifndef JAXATTN_BENCH_HEAD_DIM
+#define JAXATTN_BENCH_HEAD_DIM 128  // the head_dim of the timing shapes (--perf, --one, --trace)
+#endif
+
 struct Bench {
   Bench(int b, int c, int q_heads, int kv_heads, bool fp8_cache = false)
       : B(b), ctx(c), hq(q_heads), hkv(kv_heads), fp8(fp8_cache) {}
   int B, ctx, hq, hkv;
   bool fp8;  // an e4m3 cache with per-head scales (bf16 q either way)
-  static constexpr int D = 128, P = 16;
+  static constexpr int D = JAXATTN_BENCH_HEAD_DIM, P = 16;
   int copies = 1, pages_per_copy = 0, width = 0;
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   float* ws = nullptr;
@@ -913,9 +918,18 @@ struct Bench {
       if (variant == 0 && !fp8) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
       if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
       if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
-      if (variant == 3 || variant == 4) {  // the FP8 tensor-core kernel alone / the combine alone
+      if ((variant == 3 || variant == 4) && fp8) {  // the FP8 tensor-core kernel / the combine
         using F = gpu::MmaFp8DecodeShape<e4m3_t, D>;
         auto kernel = gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>;
+        dim3 grid;
+        e = gpu::decode_grid(p, &grid);
+        if (!e) e = gpu::allow_dynamic_smem(kernel, F::kSmemBytes);
+        if (!e && variant == 3) kernel<<<grid, F::kThreads, F::kSmemBytes>>>(p);
+        if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
+      }
+      if ((variant == 3 || variant == 4) && !fp8) {  // the 16-bit tensor-core kernel / the combine
+        using F = gpu::MmaDecodeShape<bf16_t, D>;
+        auto kernel = gpu::paged_decode_mma_kernel<bf16_t, D>;
         dim3 grid;
         e = gpu::decode_grid(p, &grid);
         if (!e) e = gpu::allow_dynamic_smem(kernel, F::kSmemBytes);
@@ -1141,7 +1155,7 @@ int main(int argc, char** argv) {
     const double us = bench.time(part, 0);
     std::printf("%s B=%d ctx=%d part=%d: %.1f us, %.0f GB/s\n", argv[2], bench.B, bench.ctx, part,
                 us, bench.kv_bytes() / (us * 1e-6) / 1e9);
-    if (fp8 && part > 0)
+    if (part > 0)
       std::printf("  kernel alone %.1f us, combine alone %.1f us\n", bench.time(part, 3),
                   bench.time(part, 4));
     bench.teardown();

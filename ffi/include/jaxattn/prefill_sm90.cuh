@@ -59,11 +59,12 @@
 namespace jaxattn {
 namespace gpu {
 
-// base + 16 * off as one wide multiply-add (written in C++, the compiler kept the offset in
+// base + kUnit * off as one wide multiply-add (written in C++, the compiler kept the offset in
 // elements and added the cache's base with two more instructions a copy).
+template <int kUnit>
 __device__ __forceinline__ const void* sm90_row_address(uint64_t base, uint32_t off) {
   uint64_t a;
-  asm("mad.wide.u32 %0, %1, 16, %2;\n" : "=l"(a) : "r"(off), "l"(base));
+  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(a) : "r"(off), "n"(kUnit), "l"(base));
   return reinterpret_cast<const void*>(a);
 }
 
@@ -608,16 +609,19 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             cur.advance_ahead(kv, ahead, n * BN + tid, BN, range.end, flags);
             ahead = RowCursor::entry_ahead(kv, t.table, (n + 2) * BN + tid, range.end);
             if (gn >= NS) mbar_wait(kempty(s), ((gn / NS) & 1) ^ 1);
-            // K's rows, then V's, their offsets read before their copies.
+            // K's rows, then V's, their offsets read before their copies; a copy's source is one
+            // wide multiply-add of the row's offset (8-byte units for 1-byte elements) onto this
+            // thread's chunk.
             auto copy_rows = [&](uint32_t dst, const C* src) {
+              const uint64_t chunk = reinterpret_cast<uint64_t>(src) + uint64_t(c8) * 16u;
               uint32_t u[R8];
 #pragma unroll
               for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
 #pragma unroll
               for (int i = 0; i < R8; ++i) {
                 const bool ok = u[i] != kSm90NoRow;
-                cp_async16(dst + src_own + i * F8R * D,
-                           ok ? src + (int64_t(u[i]) << 3) + c8 * 16 : src, ok);
+                cp_async16(dst + src_own + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u),
+                           ok);
               }
             };
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
@@ -702,7 +706,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
                 const bool ok = u[i] != kSm90NoRow;
                 // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
                 cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
-                           sm90_row_address(chunk, ok ? u[i] : 0u), ok);
+                           sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
               }
             }
           };
