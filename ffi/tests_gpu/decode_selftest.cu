@@ -918,24 +918,20 @@ struct Bench {
       if (variant == 0 && !fp8) e = gpu::launch_paged_decode_typed<bf16_t>(p, 0);
       if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
       if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
-      if ((variant == 3 || variant == 4) && fp8) {  // the FP8 tensor-core kernel / the combine
-        using F = gpu::MmaFp8DecodeShape<e4m3_t, D>;
-        auto kernel = gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>;
+      // A tensor-core kernel alone (3) / the combine alone (4): FP8 or 16-bit, as the cache.
+      auto alone = [&](auto kernel, int threads, int smem) {
         dim3 grid;
         e = gpu::decode_grid(p, &grid);
-        if (!e) e = gpu::allow_dynamic_smem(kernel, F::kSmemBytes);
-        if (!e && variant == 3) kernel<<<grid, F::kThreads, F::kSmemBytes>>>(p);
+        if (!e) e = gpu::allow_dynamic_smem(kernel, smem);
+        if (!e && variant == 3) kernel<<<grid, threads, smem>>>(p);
         if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
-      }
-      if ((variant == 3 || variant == 4) && !fp8) {  // the 16-bit tensor-core kernel / the combine
-        using F = gpu::MmaDecodeShape<bf16_t, D>;
-        auto kernel = gpu::paged_decode_mma_kernel<bf16_t, D>;
-        dim3 grid;
-        e = gpu::decode_grid(p, &grid);
-        if (!e) e = gpu::allow_dynamic_smem(kernel, F::kSmemBytes);
-        if (!e && variant == 3) kernel<<<grid, F::kThreads, F::kSmemBytes>>>(p);
-        if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
-      }
+      };
+      using F8 = gpu::MmaFp8DecodeShape<e4m3_t, D>;
+      using M16 = gpu::MmaDecodeShape<bf16_t, D>;
+      if ((variant == 3 || variant == 4) && fp8)
+        alone(gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>, F8::kThreads, F8::kSmemBytes);
+      if ((variant == 3 || variant == 4) && !fp8)
+        alone(gpu::paged_decode_mma_kernel<bf16_t, D>, M16::kThreads, M16::kSmemBytes);
       if (e) {
         std::fprintf(stderr, "launch failed: %s\n", e);
         std::exit(2);
