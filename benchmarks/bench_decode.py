@@ -113,6 +113,19 @@ def to_peer_layout(copy, layout):
     return q, jnp.transpose(kb, (2, 0, 1, 3)), jnp.transpose(vb, (2, 0, 1, 3)), bt, sl
 
 
+def profile_row(fn, copies, top):
+    """common.device_profile of fn over every copy, four times over (the timed program's
+    shape: one call per copy in one jitted function), printed per call."""
+    run = jax.jit(lambda all_copies: [fn(*c) for c in all_copies])
+    copies = [tuple(c) for c in copies]
+    jax.block_until_ready(run(copies))  # compile outside the trace
+    prof = common.device_profile(
+        lambda: [run(copies) for _ in range(4)], steps=4 * len(copies), top=top
+    )
+    print(common.profile_lines(prof, unit="call"), flush=True)
+    return prof
+
+
 def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--layout", default="bshd")
@@ -141,6 +154,14 @@ def main(argv=None):
         "warpgroup; w2: a copy warpgroup too; rC/M: their registers; e.g. auto:4:auto,2:4:auto:w1)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace each jaxattn row (jax.profiler): per call, the span from its first "
+        "kernel to its last, the time kernels ran (the rest: the GPU waiting for the host), "
+        "and the kernels by time",
+    )
+    p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
     args = p.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)
@@ -209,6 +230,8 @@ def main(argv=None):
                 jaxattn.ops.PAGED_ATTENTION, copies[0], impl, layout=args.layout
             )
             record(impl, fn, copies, dict(config=label))
+            if args.profile:
+                result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(

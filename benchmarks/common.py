@@ -223,12 +223,14 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
     )
 
 
-def profile_lines(prof: dict | None) -> str:
-    """A few lines that summarise :func:`device_profile`'s result."""
+def profile_lines(prof: dict | None, unit: str = "step") -> str:
+    """A few lines that summarise :func:`device_profile`'s result (``unit``: what one of its
+    ``steps`` is, for the heading)."""
     if prof is None:
         return "  (no GPU trace)"
     lines = [
-        f"  GPU per step: span {prof['span_us']:.1f} us, kernels running {prof['busy_us']:.1f} us "
+        f"  GPU per {unit}: span {prof['span_us']:.1f} us, "
+        f"kernels running {prof['busy_us']:.1f} us "
         f"({100 * (1 - prof['idle_fraction']):.0f}%), {prof['kernels_per_step']:.0f} kernels"
     ]
     for k in prof["top"]:
