@@ -116,7 +116,7 @@ def to_peer_layout(copy, layout):
 def profile_row(fn, copies, top):
     """common.device_profile of fn over every copy, four times over (the timed program's
     shape: one call per copy in one jitted function), printed per call."""
-    run = jax.jit(lambda all_copies: [fn(*c) for c in all_copies])
+    run = common.calls_over_copies(fn)
     copies = [tuple(c) for c in copies]
     jax.block_until_ready(run(copies))  # compile outside the trace
     prof = common.device_profile(

@@ -116,6 +116,12 @@ def make_copies(build: Callable[[int], tuple], n: int) -> list[tuple]:
     return [build(i) for i in range(n)]
 
 
+def calls_over_copies(fn: Callable) -> Callable:
+    """One jitted function that calls fn once on every copy it is given (a list of argument
+    tuples), unrolled: the program :func:`time_calls` times."""
+    return jax.jit(lambda all_copies: [fn(*args) for args in all_copies])
+
+
 def time_calls(
     fn: Callable,
     copies: Sequence[tuple],
@@ -134,10 +140,7 @@ def time_calls(
     work out of the loop and times an empty body.
     """
     copies = [tuple(c) for c in copies]
-
-    @jax.jit
-    def all_calls(all_copies):
-        return [fn(*args) for args in all_copies]
+    all_calls = calls_over_copies(fn)
 
     def sample(dispatches: int) -> float:
         t0 = time.perf_counter()

@@ -91,10 +91,6 @@ def _profiler(name: str) -> None:
     raise RuntimeError("--ncu needs the CUDA runtime library (libcudart.so)")
 
 
-def _all_calls(op, copies):
-    return [op(*c) for c in copies]
-
-
 def _run_jax(calls, copies, n: int) -> None:
     jax.block_until_ready([calls(copies) for _ in range(n)])
 
@@ -136,7 +132,7 @@ def main(argv=None) -> int:
             copies = common.make_copies(build, 1 if args.ncu else 4)
             flops = be.useful_flops(b, pre, new, HQ, D)
             op = functools.partial(jaxattn.prefix_prefill, implementation="native", layout="bshd")
-            calls = jax.jit(functools.partial(_all_calls, op))
+            calls = common.calls_over_copies(op)
             jax.block_until_ready(calls(copies))
             runs = {"jaxattn": functools.partial(_run_jax, calls, copies)}
             if not args.no_peers:
