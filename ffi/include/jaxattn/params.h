@@ -13,20 +13,6 @@ enum class Layout : int32_t {
   kBHSD = 1,  // [num_pages, num_kv_heads, page_size, head_dim]
 };
 
-// t / ps and t % ps for t >= 0, ps > 0: a shift and a mask for the usual power-of-two page
-// sizes (uniform across a kernel, so the test and the bit scan are hoisted), a division (~20
-// instructions) otherwise.
-JAXATTN_HD int page_index_of(int t, int ps) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return (ps & (ps - 1)) == 0 ? t >> (__ffs(ps) - 1) : t / ps;
-#else
-  return (ps & (ps - 1)) == 0 ? t >> __builtin_ctz(unsigned(ps)) : t / ps;
-#endif
-}
-JAXATTN_HD int page_offset_of(int t, int ps) {
-  return (ps & (ps - 1)) == 0 ? t & (ps - 1) : t % ps;
-}
-
 // Where token `off` of page `page`, head `h`, element `d` lives:
 // page * page_stride + off * token_stride + h * head_stride + d (head_dim is contiguous).
 struct KvGeometry {
@@ -37,11 +23,23 @@ struct KvGeometry {
   int64_t page_stride = 0;
   int64_t token_stride = 0;
   int64_t head_stride = 0;
+  // log2(page_size) when it is a power of two, else -1 (set by make_geometry / pool_geometry):
+  // the page and the offset of a key without an integer division.
+  int32_t page_shift = -1;
 
   // Page-table index and offset in its page of key t >= 0.
-  JAXATTN_HD int page_of(int t) const { return page_index_of(t, page_size); }
-  JAXATTN_HD int slot_of(int t) const { return page_offset_of(t, page_size); }
+  JAXATTN_HD int page_of(int t) const { return page_shift >= 0 ? t >> page_shift : t / page_size; }
+  JAXATTN_HD int slot_of(int t) const {
+    return page_shift >= 0 ? t & (page_size - 1) : t % page_size;
+  }
 };
+
+inline int32_t page_shift_of(int64_t page_size) {
+  if (page_size <= 0 || (page_size & (page_size - 1)) != 0) return -1;
+  int32_t s = 0;
+  while ((int64_t(1) << s) < page_size) ++s;
+  return s;
+}
 
 inline KvGeometry make_geometry(Layout layout, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
   KvGeometry g;
@@ -59,6 +57,7 @@ inline KvGeometry make_geometry(Layout layout, int64_t d0, int64_t d1, int64_t d
     g.head_stride = d2 * d3;
   }
   g.page_stride = d1 * d2 * d3;
+  g.page_shift = page_shift_of(g.page_size);
   return g;
 }
 
@@ -72,6 +71,7 @@ inline KvGeometry pool_geometry(int64_t num_slots, int64_t num_kv_heads, int64_t
   g.page_stride = num_kv_heads * head_dim;
   g.token_stride = 0;
   g.head_stride = head_dim;
+  g.page_shift = 0;
   return g;
 }
 
