@@ -76,6 +76,13 @@ def add_execution_args(group) -> None:
         help="the decode loop as a command buffer (ExecutionConfig.decode_graph; auto: on "
         "with CUDA GPUs)",
     )
+    group.add_argument(
+        "--kv-write",
+        choices=["auto", "native", "reference"],
+        default="auto",
+        help="who stores each step's K/V (ExecutionConfig.kv_write; auto: the native kernel "
+        "on GPUs, XLA's scatters on the CPU)",
+    )
 
 
 def execution_kwargs(args) -> dict:
@@ -83,6 +90,7 @@ def execution_kwargs(args) -> dict:
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         decode_linear=args.decode_linear,
         decode_graph={"auto": None, "on": True, "off": False}[args.decode_graph],
+        kv_write=args.kv_write,
     )
 
 

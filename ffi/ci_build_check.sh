@@ -21,7 +21,7 @@ mkdir -p "$out"
 xla_inc="$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 sources=(ffi_gpu paged_decode paged_decode_f32 paged_decode_bf16 paged_decode_f16
   paged_decode_bf16_e4m3 paged_decode_bf16_e5m2 paged_decode_f16_e4m3 paged_decode_f16_e5m2
-  prefill prefill_fp8 cascade linear)
+  prefill prefill_fp8 cascade linear kv_write)
 cuda_only=(prefill_sm90 prefill_sm90_persistent cascade_sm90)
 includes=(-I"$here/include" -I"$here/src" -isystem "$xla_inc")
 

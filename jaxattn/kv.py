@@ -5,7 +5,9 @@ Both are pure functions that return new caches. Under ``jax.jit`` with the cache
 XLA aliases each cache output to its input buffer and updates it in place, so a step
 writes only the touched slots instead of copying the whole pool::
 
-    write = jax.jit(write_kv, static_argnames="layout", donate_argnums=(0, 1))
+    write = jax.jit(
+        write_kv, static_argnames=("layout", "implementation"), donate_argnums=(0, 1)
+    )
     k_cache, v_cache = write(k_cache, v_cache, k, v, slot_mapping, layout="vllm")
 
 After the call the donated input arrays are deleted; always rebind the names to the
@@ -20,6 +22,13 @@ the largest finite value, never an infinity or a NaN; NaN stays NaN); the attent
 the element back as ``float32(element) * scale``. :func:`fp8_scales` computes per-head scales
 from a calibration batch.
 
+``write_kv`` is an op of the backend contract (:mod:`jaxattn.backend`): the reference
+backend is XLA's scatter (one per cache), the native one a single kernel that stores both
+caches' rows (``ffi/src/kv_write.cu``; the CPU library has the same handler), with the
+cache aliased to its result. Both store the same bits; on a GPU the native kernel is the
+default (a decode step then launches one small kernel a layer for its K/V instead of two
+scatters).
+
 On XLA's CPU backend a bfloat16 scatter goes through float32 temporaries (there is no
 native bf16 scatter there); the output still aliases the donated input. float32 and
 float16 caches, and every dtype on GPU, are updated with no scratch copy of the pool.
@@ -27,15 +36,26 @@ float16 caches, and every dtype on GPU, are updated with no scratch copy of the 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import layout as L
 from jaxattn import quant as Q
+from jaxattn.backend import Implementation, Op
 from jaxattn.quant import fp8_scales
 
-__all__ = ["copy_blocks", "copy_blocks_donated", "fp8_scales", "write_kv", "write_kv_donated"]
+__all__ = [
+    "WRITE_KV",
+    "copy_blocks",
+    "copy_blocks_donated",
+    "fp8_scales",
+    "write_kv",
+    "write_kv_donated",
+]
 
 
 def _shape(x) -> str:
@@ -51,8 +71,120 @@ def _check_index_vector(name: str, x, expected: str):
         raise ValueError(f"{name} must be {expected}, got {_shape(x)}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class WriteArgs:
+    """Validated arguments of :func:`write_kv`: the caches, the new rows k, v ``[T, Hkv, D]``,
+    ``slot_mapping`` (any integer dtype; :attr:`slots` as int32) and the scales as float32
+    ``[Hkv]`` (None: no scale)."""
+
+    k_cache: Any
+    v_cache: Any
+    k: Any
+    v: Any
+    slot_mapping: Any
+    layout: L.Layout
+    geometry: L.CacheGeometry
+    k_scale: Any = None
+    v_scale: Any = None
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        return np.dtype(self.k_cache.dtype)
+
+    @property
+    def slots(self):
+        """``slot_mapping`` as int32."""
+        return self.slot_mapping.astype(jnp.int32)
+
+    @property
+    def in_dtype(self) -> np.dtype:
+        return np.dtype(self.k.dtype)
+
+
+class WriteKV(Op):
+    """:func:`write_kv` as an op of the backend contract: the reference backend scatters
+    with XLA (one scatter a cache), the native one runs one kernel for both caches."""
+
+    name = "write_kv"
+    roles = ("k", "v", "q", "q", None)
+
+    def bind(
+        self, k_cache, v_cache, k, v, slot_mapping, *, layout="bshd", k_scale=None, v_scale=None
+    ) -> WriteArgs:
+        lay = L.get(layout)
+        geom = L.cache_geometry(k_cache, v_cache, layout)
+        want = f"[T, num_kv_heads={geom.num_kv_heads}, head_dim={geom.head_dim}]"
+        for name, x in (("k", k), ("v", v)):
+            if not hasattr(x, "shape") or x.ndim != 3 or tuple(x.shape[1:]) != geom[2:]:
+                got = _shape(x) if hasattr(x, "shape") else type(x).__name__
+                raise ValueError(f"{name} must be {want} to match the cache, got {got}")
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {_shape(v)}")
+        _check_index_vector("slot_mapping", slot_mapping, f"i32[T={k.shape[0]}]")
+        if slot_mapping.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"slot_mapping must be i32[T={k.shape[0]}], got {_shape(slot_mapping)}"
+            )
+        k_scale = Q.check_scale("k_scale", k_scale, geom.num_kv_heads)
+        v_scale = Q.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        for x, scale in ((k, k_scale), (v, v_scale)):
+            if (scale is not None or Q.is_fp8(k_cache.dtype)) and not jnp.issubdtype(
+                x.dtype, jnp.floating
+            ):
+                raise TypeError(f"k and v must be float arrays, got {np.dtype(x.dtype)}")
+        return WriteArgs(
+            k_cache,
+            v_cache,
+            k,
+            v,
+            slot_mapping,
+            layout=lay,
+            geometry=geom,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+    def implementation(self, backend: str) -> Implementation:
+        if backend == "reference":  # the spec lives here, not in jaxattn.ops
+            return _REFERENCE_WRITE
+        return super().implementation(backend)
+
+    def trivial(self, a: WriteArgs):
+        if a.k.shape[0] and a.geometry.num_pages:
+            return None
+        return a.k_cache, a.v_cache  # no token, or no page to write to
+
+
+class _ReferenceWrite(Implementation):
+    backend = "reference"
+
+    def run(self, a: WriteArgs, config):
+        name = a.layout.name
+        return (
+            L.scatter_tokens(
+                a.k_cache, a.slots, _stored(a.k, a.k_cache.dtype, a.k_scale), name, "k"
+            ),
+            L.scatter_tokens(
+                a.v_cache, a.slots, _stored(a.v, a.v_cache.dtype, a.v_scale), name, "v"
+            ),
+        )
+
+
+_REFERENCE_WRITE = _ReferenceWrite()
+WRITE_KV = WriteKV()
+
+
 def write_kv(
-    k_cache, v_cache, k, v, slot_mapping, *, layout: str = "bshd", k_scale=None, v_scale=None
+    k_cache,
+    v_cache,
+    k,
+    v,
+    slot_mapping,
+    *,
+    layout: str = "bshd",
+    k_scale=None,
+    v_scale=None,
+    implementation=None,
 ):
     """Store the K/V of ``T`` tokens at their pool slots.
 
@@ -66,27 +198,24 @@ def write_kv(
         must be distinct.
       k_scale, v_scale: None (1.0), a scalar or f32 ``[num_kv_heads]`` (traced under jit):
         the scales the attention ops are given for this cache.
+      implementation: None (the fastest backend that serves the arguments: the native
+        kernel on a GPU, one launch for both caches; XLA's scatters elsewhere), a backend
+        name (``"reference"``: XLA's scatters, ``"native"``), or a sequence of names tried
+        in order. Every backend stores the same bits.
 
     Returns:
       ``(k_cache, v_cache)`` with the tokens written; everything else is unchanged.
     """
-    geom = L.cache_geometry(k_cache, v_cache, layout)
-    want = f"[T, num_kv_heads={geom.num_kv_heads}, head_dim={geom.head_dim}]"
-    for name, x in (("k", k), ("v", v)):
-        if not hasattr(x, "shape") or x.ndim != 3 or tuple(x.shape[1:]) != geom[2:]:
-            got = _shape(x) if hasattr(x, "shape") else type(x).__name__
-            raise ValueError(f"{name} must be {want} to match the cache, got {got}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {_shape(v)}")
-    _check_index_vector("slot_mapping", slot_mapping, f"i32[T={k.shape[0]}]")
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must be i32[T={k.shape[0]}], got {_shape(slot_mapping)}")
-    k_scale = Q.check_scale("k_scale", k_scale, geom.num_kv_heads)
-    v_scale = Q.check_scale("v_scale", v_scale, geom.num_kv_heads)
-    slots = slot_mapping.astype(jnp.int32)
-    return (
-        L.scatter_tokens(k_cache, slots, _stored(k, k_cache.dtype, k_scale), layout, "k"),
-        L.scatter_tokens(v_cache, slots, _stored(v, v_cache.dtype, v_scale), layout, "v"),
+    return WRITE_KV(
+        k_cache,
+        v_cache,
+        k,
+        v,
+        slot_mapping,
+        layout=layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        implementation=implementation,
     )
 
 
@@ -95,8 +224,6 @@ def _stored(x, dtype, scale):
     for an FP8 (or scaled) cache, a plain cast otherwise."""
     if scale is None and not Q.is_fp8(dtype):
         return x
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"k and v must be float arrays, got {np.dtype(x.dtype)}")
     return Q.quantize(x, dtype, scale, head_axis=1, saturate=True)
 
 
@@ -135,5 +262,7 @@ def copy_blocks(k_cache, v_cache, src, dst, *, layout: str = "bshd"):
 
 
 # The in-place forms: the caches passed in are consumed, rebind to the returned ones.
-write_kv_donated = jax.jit(write_kv, static_argnames="layout", donate_argnums=(0, 1))
+write_kv_donated = jax.jit(
+    write_kv, static_argnames=("layout", "implementation"), donate_argnums=(0, 1)
+)
 copy_blocks_donated = jax.jit(copy_blocks, static_argnames="layout", donate_argnums=(0, 1))

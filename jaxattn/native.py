@@ -73,6 +73,8 @@ __all__ = [
     "linear_unsupported",
     "paged_attention",
     "prefix_prefill",
+    "write_kv",
+    "write_unsupported",
 ]
 
 _LIBRARIES = {
@@ -88,6 +90,7 @@ _TARGETS = {
     "jaxattn_extend_attention": "JaxattnExtendAttention",
     "jaxattn_cascade_attention": "JaxattnCascadeAttention",
     "jaxattn_linear": "JaxattnLinear",
+    "jaxattn_write_kv": "JaxattnWriteKv",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -99,7 +102,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 4
+_FFI_ABI = 5
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -571,6 +574,50 @@ def extend_attention(
     )
 
 
+# --- KV writes ---------------------------------------------------------------------------------
+
+# The cache dtypes the write kernel stores into (any of them from a _DTYPES input).
+_WRITE_CACHE_DTYPES = (*_DTYPES, *(np.dtype(d) for d in _quant.FP8_DTYPES))
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout, k_scale=None, v_scale=None):
+    """:func:`jaxattn.write_kv` in one kernel launch for both caches, each result aliased
+    to its cache (in place when the caller donates them, as the engine does)."""
+    _ensure_registered()
+    call = jax.ffi.ffi_call(
+        "jaxattn_write_kv",
+        (
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ),
+        input_output_aliases={0: 0, 1: 1},
+        vmap_method="sequential",
+    )
+    return call(
+        k_cache,
+        v_cache,
+        k,
+        v,
+        slot_mapping,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
+        layout=np.int32(_layout_id(layout)),
+    )
+
+
+def write_unsupported(a, platform: str) -> str | None:
+    """Why the native write kernel cannot serve these :class:`jaxattn.kv.WriteArgs`, or None."""
+    if a.layout.name not in _LAYOUT_IDS:
+        return f"native write_kv stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
+    if a.in_dtype not in _DTYPES or np.dtype(a.v.dtype) != a.in_dtype:
+        return f"native write_kv takes k and v in one of {[d.name for d in _DTYPES]}"
+    if a.kv_dtype not in _WRITE_CACHE_DTYPES or np.dtype(a.v_cache.dtype) != a.kv_dtype:
+        return f"native write_kv stores into a float or FP8 cache, got {a.kv_dtype}"
+    if platform != "cpu" and a.geometry.head_dim % 8:
+        return f"the GPU write_kv needs head_dim a multiple of 8, got {a.geometry.head_dim}"
+    return None
+
+
 # --- skinny matmul: the projections of a decode step at small batch ---------------------------
 
 # The GPU kernel (ffi/include/jaxattn/linear.cuh): up to this many rows of x, n a multiple of
@@ -890,7 +937,25 @@ class _CascadeAttention(_Native):
     function = staticmethod(cascade_attention)
 
 
+class _WriteKV(_Native):
+    def supports(self, a):
+        return write_unsupported(a, _platform())
+
+    def run(self, a, config):
+        return write_kv(
+            a.k_cache,
+            a.v_cache,
+            a.k,
+            a.v,
+            a.slots,
+            layout=a.layout.name,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+        )
+
+
 IMPLEMENTATIONS = {
+    "write_kv": _WriteKV(),
     "paged_attention": _PagedAttention(),
     "prefix_prefill": _PrefixPrefill(),
     "extend_attention": _ExtendAttention(),

@@ -368,6 +368,7 @@ def write_kv(
     layout: str = "bshd",
     k_scale=None,
     v_scale=None,
+    implementation=None,
 ):
     """:func:`jaxattn.write_kv` on each device's KV heads: k, v [T, Hkv, D] split on
     axis 1, slot_mapping replicated, per-KV-head scales split with the heads; the caches
@@ -398,6 +399,7 @@ def write_kv(
             layout=layout,
             k_scale=None if ks is None else ks_,
             v_scale=None if vs is None else vs_,
+            implementation=implementation,
         )
 
     split = PartitionSpec(axis_name)

@@ -372,6 +372,7 @@ def test_bad_arguments():
         (lambda: CacheConfig(num_pages=4, layout="thd"), ValueError, "layout"),
         (lambda: ExecutionConfig(extend_attention="flash"), ValueError, "extend_attention"),
         (lambda: ExecutionConfig(decode_linear="cublas"), ValueError, "decode_linear"),
+        (lambda: ExecutionConfig(kv_write="pallas"), ValueError, "kv_write"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
@@ -414,6 +415,28 @@ def test_native_decode_projections_match_xla():
     if jax.device_count() >= 2:
         with pytest.raises(ValueError, match="tensor parallelism"):
             Engine(cfg, params, decode_linear="native", mesh=mesh_of(2), **args)
+
+
+def test_native_kv_writes_match_xla():
+    """kv_write='native': every step's K/V stores go through the native write kernel (the
+    CPU handler here): the same greedy outputs as XLA's scatters, verified against the dense
+    model. "auto" is the native kernel on GPUs and XLA's scatters on the CPU."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    prompts = workload(5)
+    outs = {}
+    for choice in ("native", "reference"):
+        engine = make_engine(kv_write=choice, decode_steps=4)
+        assert engine.runner.kv_write == engine.stats["kv_write"] == choice
+        outs[choice] = engine.generate(prompts, 6)
+        assert_whole(engine)
+    assert_verified(prompts, outs["native"], 6)
+    if jax.default_backend() == "cpu":
+        assert outs["native"] == outs["reference"]
+    auto = "reference" if jax.default_backend() == "cpu" else "native"
+    assert make_engine(decode_steps=4).runner.kv_write == auto
 
 
 def test_decode_graph_matches():

@@ -11,12 +11,27 @@ from helpers import assert_close, naive_attention, tol
 
 import jaxattn
 from jaxattn import layout as L
-from jaxattn import reference
-from jaxattn.kv import copy_blocks, copy_blocks_donated, write_kv, write_kv_donated
+from jaxattn import native, reference
+from jaxattn.kv import WRITE_KV, copy_blocks, copy_blocks_donated, write_kv, write_kv_donated
 from jaxattn.paging import BlockManager
 from jaxattn.radix import RadixCache, TokenPool
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+# write_kv's backends: XLA's scatters, and the native kernel (the C++ handler on the CPU,
+# the CUDA/HIP kernel on a GPU), which must store the same bits.
+WRITERS = [
+    "reference",
+    pytest.param(
+        "native", marks=pytest.mark.skipif(not native.is_available(), reason="no native library")
+    ),
+]
+_jit_write = jax.jit(write_kv, static_argnames=("layout", "implementation"))
+
+
+def _writer_serves(implementation, layout):
+    if implementation == "native" and layout not in ("bshd", "bhsd"):
+        pytest.skip("the native write_kv stores the bshd and bhsd layouts")
 
 
 def nan_cache(layout, num_pages, page_size, hkv, d, dtype):
@@ -39,9 +54,11 @@ def rand(rng, shape, dtype):
 # --- exact data movement -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("implementation", WRITERS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", L.LAYOUTS)
-def test_write_kv_matches_numpy(layout, dtype):
+def test_write_kv_matches_numpy(layout, dtype, implementation):
+    _writer_serves(implementation, layout)
     rng = np.random.default_rng(0)
     num_pages, page_size, hkv, d, t = 7, 5, 3, 16, 13
     k0 = rand(rng, (num_pages, page_size, hkv, d), dtype)
@@ -50,8 +67,8 @@ def test_write_kv_matches_numpy(layout, dtype):
     k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
     slots = rng.choice(num_pages * page_size, size=t, replace=False).astype(np.int32)
     slots[[2, 7, 12]] = [-1, -5, -1]  # padding writes nothing
-    kc, vc = jax.jit(write_kv, static_argnames="layout")(
-        kc, vc, k, v, jnp.asarray(slots), layout=layout
+    kc, vc = _jit_write(
+        kc, vc, k, v, jnp.asarray(slots), layout=layout, implementation=implementation
     )
     want_k = np.array(k0.astype(jnp.float32)).reshape(num_pages * page_size, hkv, d)
     want_v = np.array(v0.astype(jnp.float32)).reshape(num_pages * page_size, hkv, d)
@@ -64,10 +81,11 @@ def test_write_kv_matches_numpy(layout, dtype):
     np.testing.assert_array_equal(got_v.reshape(want_v.shape), want_v)
 
 
-def test_write_kv_casts_to_the_cache_dtype():
+@pytest.mark.parametrize("implementation", WRITERS)
+def test_write_kv_casts_to_the_cache_dtype(implementation):
     kc, vc = nan_cache("bshd", 2, 4, 1, 8, jnp.bfloat16)
     k = jnp.full((1, 1, 8), 1.5, jnp.float32)
-    kc, vc = write_kv(kc, vc, k, k, jnp.asarray([5], jnp.int32))
+    kc, vc = write_kv(kc, vc, k, k, jnp.asarray([5], jnp.int32), implementation=implementation)
     assert kc.dtype == jnp.bfloat16 and float(kc[1, 1, 0, 0]) == 1.5
 
 
@@ -290,7 +308,6 @@ def test_bad_arguments_name_the_argument():
 
 # --- FP8 caches: quantising writes ------------------------------------------------------
 
-FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 _fp8_id = lambda d: np.dtype(d).name  # noqa: E731
 
 
@@ -302,9 +319,11 @@ def _stored_np(x, scale, dtype):
     return np.clip(y, -big, big).astype(np.dtype(dtype))
 
 
+@pytest.mark.parametrize("implementation", WRITERS)
 @pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
 @pytest.mark.parametrize("layout", L.LAYOUTS)
-def test_write_kv_quantises_with_per_head_scales(layout, dtype):
+def test_write_kv_quantises_with_per_head_scales(layout, dtype, implementation):
+    _writer_serves(implementation, layout)
     rng = np.random.default_rng(5)
     num_pages, page_size, hkv, d, t = 6, 4, 3, 32, 11
     kc, vc = nan_cache(layout, num_pages, page_size, hkv, d, dtype)
@@ -313,9 +332,16 @@ def test_write_kv_quantises_with_per_head_scales(layout, dtype):
     v = rng.standard_normal((t, hkv, d), dtype=np.float32) * mags[::-1]
     k_scale, v_scale = jaxattn.fp8_scales(jnp.asarray(k), jnp.asarray(v), dtype)
     slots = rng.choice(num_pages * page_size, size=t, replace=False).astype(np.int32)
-    write = jax.jit(write_kv, static_argnames="layout")
-    kc, vc = write(
-        kc, vc, k, v, jnp.asarray(slots), layout=layout, k_scale=k_scale, v_scale=v_scale
+    kc, vc = _jit_write(
+        kc,
+        vc,
+        k,
+        v,
+        jnp.asarray(slots),
+        layout=layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        implementation=implementation,
     )
     assert kc.dtype == dtype and vc.dtype == dtype
     got_k = L.gather_tokens(kc, jnp.asarray(slots), layout, "k")
@@ -331,15 +357,18 @@ def test_write_kv_quantises_with_per_head_scales(layout, dtype):
         np.testing.assert_allclose(back, x, rtol=t_["rtol"], atol=t_["atol"] * np.asarray(s).max())
 
 
+@pytest.mark.parametrize("implementation", WRITERS)
 @pytest.mark.parametrize("dtype", FP8, ids=_fp8_id)
-def test_write_kv_saturates_and_keeps_nan(dtype):
+def test_write_kv_saturates_and_keeps_nan(dtype, implementation):
     kc, vc = nan_cache("bshd", 2, 4, 2, 8, dtype)
     big = float(jnp.finfo(dtype).max)
     x = np.zeros((5, 2, 8), np.float32)
     x[0, 0, :4] = [1e30, -1e30, np.inf, -np.inf]
     x[1, 1, :3] = [big * 1.06, -big * 1.2, np.nan]  # past the largest finite value
     x[2] = 3.0
-    kc, vc = jax.jit(write_kv)(kc, vc, x, x, jnp.arange(5, dtype=jnp.int32), k_scale=0.5)
+    kc, vc = _jit_write(
+        kc, vc, x, x, jnp.arange(5, dtype=jnp.int32), k_scale=0.5, implementation=implementation
+    )
     got = np.asarray(kc[:2].reshape(8, 2, 8)[:5], np.float32)
     np.testing.assert_array_equal(got[0, 0, :4], [big, -big, big, -big])  # never inf / NaN
     np.testing.assert_array_equal(got[1, 1, :2], [big, -big])
@@ -426,3 +455,141 @@ def test_write_kv_scale_validation():
         write_kv(kc, vc, x, x, s, v_scale=jnp.array([1.0, -1.0]))
     with pytest.raises(TypeError, match="k and v must be float"):
         write_kv(kc, vc, x.astype(jnp.int32), x, s)
+
+
+# --- the backends of write_kv store the same bits ----------------------------------------------
+
+
+def _bits(x):
+    """The stored bits, with every NaN alike (the backends may pick different NaN payloads)."""
+    x = np.asarray(x)
+    bits = x.view(f"u{x.dtype.itemsize}").astype(np.uint32)
+    return np.where(np.isnan(x.astype(np.float32)), np.uint32(0xFFFFFFFF), bits)
+
+
+def _special_rows(rng, t, hkv, d, dtype, mag):
+    """Random rows over many magnitudes with infinities, NaN, huge values, values in the FP8
+    subnormal range and ties of the FP8 roundings."""
+    x = rng.standard_normal((t, hkv, d)).astype(np.float32) * mag
+    x *= np.exp2(rng.integers(-12, 12, size=x.shape)).astype(np.float32)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=min(flat.size, 24), replace=False)
+    specials = [
+        np.nan,
+        np.inf,
+        -np.inf,
+        1e30,
+        -1e30,
+        448.0,
+        464.0,
+        -480.0,
+        57344.0,
+        61440.0,
+        2.0**-9,
+        1.5 * 2.0**-9,
+        2.0**-16,
+        2.5 * 2.0**-16,
+        0.0,
+        -0.0,
+        1.0625,
+        65520.0,
+        -65504.0,
+        3e-8,
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-9,
+        2.0**-7 * 1.5,
+        70000.0,
+    ]
+    flat[picks] = np.asarray(specials[: picks.size], np.float32)
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.skipif(not native.is_available(), reason="no native library")
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("cache", [*DTYPES, *FP8], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_write_kv_backends_store_the_same_bits(layout, dtype, cache, scaled, rng):
+    num_pages, page_size, hkv, d, t = 7, 4, 3, 16, 19
+    kc = jnp.asarray(
+        rng.standard_normal(L.cache_shape(layout, "k", num_pages, page_size, hkv, d, jnp.float32)),
+        cache,
+    )
+    vc = jnp.full(L.cache_shape(layout, "v", num_pages, page_size, hkv, d, cache), jnp.nan, cache)
+    k = _special_rows(rng, t, hkv, d, dtype, 3.0)
+    v = _special_rows(rng, t, hkv, d, dtype, 0.01)
+    slots = rng.permutation(num_pages * page_size)[:t].astype(np.int32)
+    slots[[1, 4, 9]] = [-1, num_pages * page_size, num_pages * page_size + 5]  # all dropped
+    scales = {}
+    if scaled:
+        scales = dict(k_scale=jnp.asarray([0.37, 3.0, 1e-3], jnp.float32), v_scale=0.01)
+    args = (kc, vc, k, v, jnp.asarray(slots))
+    want = _jit_write(*args, layout=layout, implementation="reference", **scales)
+    got = _jit_write(*args, layout=layout, implementation="native", **scales)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+@pytest.mark.parametrize("implementation", WRITERS)
+def test_write_kv_leaves_an_undonated_cache_alone(implementation):
+    """A cache that is not donated keeps its contents (the native call's result aliases its
+    cache operand, so XLA must copy it first); a donated one is consumed."""
+    kc = jnp.zeros((3, 4, 2, 8), jnp.bfloat16)
+    vc = jnp.ones((3, 4, 2, 8), jnp.bfloat16)
+    new = jnp.full((2, 2, 8), 7.0, jnp.bfloat16)
+    slots = jnp.asarray([2, 11], jnp.int32)
+    k2, v2 = _jit_write(kc, vc, new, new, slots, implementation=implementation)
+    assert float(kc.astype(jnp.float32).sum()) == 0.0 and float(vc[0, 2, 0, 0]) == 1.0
+    assert float(k2[0, 2, 0, 0]) == 7.0 and float(v2[2, 3, 1, 7]) == 7.0
+    # The same array as both caches: each result gets its own copy of it.
+    k3, v3 = _jit_write(vc, vc, new, new * 2, slots, implementation=implementation)
+    assert float(k3[0, 2, 0, 0]) == 7.0 and float(v3[0, 2, 0, 0]) == 14.0
+    assert float(vc[0, 2, 0, 0]) == 1.0
+    donated = jax.jit(write_kv, static_argnames=("layout", "implementation"), donate_argnums=(0, 1))
+    kd, vd = jnp.array(kc), jnp.array(vc)
+    k4, _ = donated(kd, vd, new, new, slots, implementation=implementation)
+    assert float(k4[2, 3, 1, 7]) == 7.0
+    if jax.default_backend() != "cpu":  # the CPU backend may ignore donation
+        assert kd.is_deleted()
+
+
+def test_write_kv_resolves_its_backend():
+    kc = jax.ShapeDtypeStruct((4, 16, 2, 64), jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((3, 2, 64), jnp.bfloat16)
+    args = WRITE_KV.bind(kc, kc, row, row, jax.ShapeDtypeStruct((3,), jnp.int32))
+    assert WRITE_KV.resolve(args, "reference").backend == "reference"
+    want = "native" if jax.default_backend() != "cpu" and native.is_available() else "reference"
+    assert WRITE_KV.resolve(args).backend == want
+    vllm = WRITE_KV.bind(
+        jax.ShapeDtypeStruct((4, 2, 8, 16, 8), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 2, 64, 16), jnp.bfloat16),
+        row,
+        row,
+        jax.ShapeDtypeStruct((3,), jnp.int32),
+        layout="vllm",
+    )
+    if native.is_available():
+        with pytest.raises(NotImplementedError, match="bshd"):
+            WRITE_KV.resolve(vllm, "native")
+    assert WRITE_KV.resolve(vllm, ("native", "reference")).backend == "reference"
+    with pytest.raises(ValueError, match="implementation must name backends"):
+        write_kv(
+            jnp.zeros((1, 2, 1, 8)),
+            jnp.zeros((1, 2, 1, 8)),
+            jnp.zeros((1, 1, 8)),
+            jnp.zeros((1, 1, 8)),
+            jnp.zeros((1,), jnp.int32),
+            implementation="fast",
+        )
+
+
+@pytest.mark.parametrize("implementation", WRITERS)
+def test_write_kv_with_nothing_to_write(implementation):
+    kc = jnp.ones((2, 4, 1, 8), jnp.float16)
+    none = jnp.zeros((0, 1, 8), jnp.float16)
+    k2, v2 = _jit_write(
+        kc, kc, none, none, jnp.zeros((0,), jnp.int32), implementation=implementation
+    )
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(kc))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(kc))

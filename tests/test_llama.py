@@ -15,6 +15,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxattn import native
 from jaxattn.models import llama
 from jaxattn.models.llama import DecodeBatch, ExtendBatch, LlamaConfig
 
@@ -368,20 +369,26 @@ class PagedSeqs:
         )
 
 
+_NATIVE_WRITE = pytest.mark.skipif(not native.is_available(), reason="no native library")
+
+
 @pytest.mark.parametrize(
-    "layout, attention, form",
+    "layout, attention, form, kv_write",
     [
-        ("bshd", "extend", "stacked"),
-        ("vllm", "prefix_prefill", "stacked"),
-        ("bhsd", "prefix_prefill", "stacked"),
-        ("bshd", "extend", "serving"),
-        ("vllm", "prefix_prefill", "serving-2"),
-        ("bhsd", "prefix_prefill", "serving-scan"),
+        ("bshd", "extend", "stacked", None),
+        ("vllm", "prefix_prefill", "stacked", None),
+        ("bhsd", "prefix_prefill", "stacked", None),
+        ("bshd", "extend", "serving", None),
+        ("vllm", "prefix_prefill", "serving-2", None),
+        ("bhsd", "prefix_prefill", "serving-scan", None),
+        pytest.param("bshd", "extend", "serving", "native", marks=_NATIVE_WRITE),
+        pytest.param("bhsd", "prefix_prefill", "serving-scan", "native", marks=_NATIVE_WRITE),
     ],
 )
-def test_cached_paths_match_dense(layout, attention, form):
+def test_cached_paths_match_dense(layout, attention, form, kv_write):
     """Stacked weights (a scan over layers) and the serving forms (fused projections, one
-    block per shard; straight-line layers or a scan) give the dense oracle's logits."""
+    block per shard; straight-line layers or a scan) give the dense oracle's logits, with
+    the K/V stores of either backend."""
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
     dense_params = params
@@ -403,12 +410,12 @@ def test_cached_paths_match_dense(layout, attention, form):
 
     extend = jax.jit(
         lambda p, k, v, b: llama.forward_extend(
-            p, CFG, k, v, b, layout=layout, attention=attention
+            p, CFG, k, v, b, layout=layout, attention=attention, kv_write=kv_write
         ),
         donate_argnums=(1, 2),
     )
     decode = jax.jit(
-        lambda p, k, v, b: llama.forward_decode(p, CFG, k, v, b, layout=layout),
+        lambda p, k, v, b: llama.forward_decode(p, CFG, k, v, b, layout=layout, kv_write=kv_write),
         donate_argnums=(1, 2),
     )
     pad = dict(t_pad=16, b_pad=4, k_pad=32, w_pad=6)

@@ -214,10 +214,20 @@ def test_merge_states_propagates_nan_and_inf():
 # --- the KV writers drop what is out of range ---------------------------------------------------
 
 
-def test_writers_drop_out_of_range():
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        "reference",
+        pytest.param(
+            "native", marks=pytest.mark.skipif(not NATIVE, reason="native library not built")
+        ),
+    ],
+)
+def test_writers_drop_out_of_range(implementation):
     k = jnp.zeros((4, 2, 2, 8))  # bshd: 4 pages of 2 slots
     new = jnp.ones((3, 2, 8))
-    kc, vc = jax.jit(jaxattn.write_kv)(k, k, new, new, jnp.array([1, 8, -1], jnp.int32))
+    write = jax.jit(jaxattn.write_kv, static_argnames="implementation")
+    kc, vc = write(k, k, new, new, jnp.array([1, 8, -1], jnp.int32), implementation=implementation)
     assert float(kc.sum()) == 16.0  # only slot 1 written; 8 (past the pool) and -1 dropped
     assert float(kc[0, 1].sum()) == 16.0
     k = k.at[3].set(5.0)

@@ -20,8 +20,8 @@ namespace ffi = xla::ffi;
 // The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
 // count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
-// 4: the linear target.
-constexpr int kFfiAbi = 4;
+// 4: the linear target; 5: the write_kv target.
+constexpr int kFfiAbi = 5;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -40,6 +40,26 @@ inline DType dtype_of(ffi::DataType t) {
 
 // The cache's element type relative to q's: the same, or an FP8 format.
 enum class KvType { kSame, kE4M3, kE5M2, kUnsupported };
+
+// A cache's own element type (write_kv stores any float input into any of these).
+enum class CacheDType { kF32, kBF16, kF16, kE4M3, kE5M2, kUnsupported };
+
+inline CacheDType cache_dtype_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return CacheDType::kF32;
+    case ffi::DataType::BF16:
+      return CacheDType::kBF16;
+    case ffi::DataType::F16:
+      return CacheDType::kF16;
+    case ffi::DataType::F8E4M3FN:
+      return CacheDType::kE4M3;
+    case ffi::DataType::F8E5M2:
+      return CacheDType::kE5M2;
+    default:
+      return CacheDType::kUnsupported;
+  }
+}
 
 inline std::string dims_str(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
@@ -266,6 +286,47 @@ inline ffi::Error make_linear_params(const ffi::AnyBuffer& x, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// write_kv: k_cache, v_cache (paged, `layout`) and the results they alias; k, v [T, Hkv, D] in
+// one float32/bfloat16/float16 dtype; slots i32[T]; the scales f32 [Hkv] or empty. The
+// results' buffers are the caches' when XLA honours the aliasing; otherwise the handlers copy
+// the caches into them first.
+inline ffi::Error make_write_kv_params(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache,
+                                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                       const ffi::Buffer<ffi::S32>& slots,
+                                       const ffi::Buffer<ffi::F32>& k_scale,
+                                       const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer k_out,
+                                       ffi::AnyBuffer v_out, int32_t layout, WriteKvParams* p,
+                                       DType* in, CacheDType* cache) {
+  if (auto e = paged_geometry(k_cache, v_cache, layout, &p->kv); e.failure()) return e;
+  *in = dtype_of(k.element_type());
+  *cache = cache_dtype_of(k_cache.element_type());
+  if (*in == DType::kUnsupported || v.element_type() != k.element_type())
+    return invalid("write_kv takes k and v in one float32/bfloat16/float16 dtype");
+  if (*cache == CacheDType::kUnsupported || v_cache.element_type() != k_cache.element_type())
+    return invalid("write_kv: k_cache and v_cache must share one float or FP8 dtype");
+  if (k_out.element_type() != k_cache.element_type() ||
+      v_out.element_type() != v_cache.element_type() ||
+      dims_str(k_out.dimensions()) != dims_str(k_cache.dimensions()) ||
+      dims_str(v_out.dimensions()) != dims_str(v_cache.dimensions()))
+    return invalid("write_kv's results must be the caches' shapes and dtypes");
+  const auto kd = k.dimensions();
+  if (kd.size() != 3 || kd[1] != p->kv.num_kv_heads || kd[2] != p->kv.head_dim ||
+      dims_str(kd) != dims_str(v.dimensions()))
+    return invalid("write_kv: k and v must be [T, num_kv_heads, head_dim] of the cache, got " +
+                   dims_str(kd) + " and " + dims_str(v.dimensions()));
+  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != kd[0])
+    return invalid("write_kv: slots must be [T]");
+  if (kd[0] > INT32_MAX) return invalid("write_kv: too many tokens");
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
+  p->k_cache = k_out.untyped_data();
+  p->v_cache = v_out.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->slots = slots.typed_data();
+  p->num_tokens = static_cast<int32_t>(kd[0]);
+  return ffi::Error::Success();
+}
+
 // The operands and attributes of each op, appended to a binding that already holds the
 // platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
 // cannot drift apart. Order: q, k_cache, v_cache, index arrays..., k_scale, v_scale, out,
@@ -331,6 +392,21 @@ auto bind_linear(B&& b) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<int32_t>("rows_per_split");
+}
+
+template <typename B>
+auto bind_write_kv(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("layout");
 }
 
 }  // namespace ffi_common

@@ -1,12 +1,14 @@
 // XLA FFI handlers for the CPU platform: shape checks, dtype dispatch, then the plain C++
 // implementation in jaxattn/cpu_attention.h.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cascade_ffi.h"
 #include "ffi_common.h"
 #include "jaxattn/cpu_attention.h"
 #include "jaxattn/cpu_cascade.h"
+#include "jaxattn/kv_write.h"
 
 namespace ffi = xla::ffi;
 
@@ -159,8 +161,60 @@ ffi::Error LinearCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
+                      ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> k_out,
+                      ffi::Result<ffi::AnyBuffer> v_out, int32_t layout) {
+  WriteKvParams p;
+  DType in;
+  ffi_common::CacheDType cache;
+  if (auto e = ffi_common::make_write_kv_params(k_cache, v_cache, k, v, slots, k_scale, v_scale,
+                                                *k_out, *v_out, layout, &p, &in, &cache);
+      e.failure())
+    return e;
+  // Unaliased results start as copies of the caches.
+  if (p.k_cache != k_cache.untyped_data())
+    std::memcpy(p.k_cache, k_cache.untyped_data(), k_cache.size_bytes());
+  if (p.v_cache != v_cache.untyped_data())
+    std::memcpy(p.v_cache, v_cache.untyped_data(), v_cache.size_bytes());
+  auto with_input = [&](auto c) -> ffi::Error {
+    using C = decltype(c);
+    switch (in) {
+      case DType::kF32:
+        cpu::write_kv<float, C>(p);
+        return ffi::Error::Success();
+      case DType::kBF16:
+        cpu::write_kv<bf16_t, C>(p);
+        return ffi::Error::Success();
+      case DType::kF16:
+        cpu::write_kv<f16_t, C>(p);
+        return ffi::Error::Success();
+      default:
+        return ffi_common::invalid("unsupported dtype");
+    }
+  };
+  using ffi_common::CacheDType;
+  switch (cache) {
+    case CacheDType::kF32:
+      return with_input(float{});
+    case CacheDType::kBF16:
+      return with_input(bf16_t{});
+    case CacheDType::kF16:
+      return with_input(f16_t{});
+    case CacheDType::kE4M3:
+      return with_input(e4m3_t{});
+    case CacheDType::kE5M2:
+      return with_input(e5m2_t{});
+    default:
+      return ffi_common::invalid("unsupported KV cache dtype");
+  }
+}
+
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnWriteKvCpu, jaxattn::WriteKvCpu,
+                              jaxattn::ffi_common::bind_write_kv(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnLinearCpu, jaxattn::LinearCpu,
                               jaxattn::ffi_common::bind_linear(ffi::Ffi::Bind()));

@@ -36,6 +36,8 @@ _LAYOUTS = ("bshd", "bhsd", "vllm")
 KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _CASCADE = ("auto", "on", "off")
 _DECODE_LINEAR = ("auto", "native", "hybrid", "xla")
+# ExecutionConfig.kv_write: "auto" or a backend of jaxattn.write_kv.
+KV_WRITE_CHOICES = ("auto", "native", "reference")
 
 
 def _int(owner: str, name: str, value, minimum: int) -> int:
@@ -314,6 +316,10 @@ class ExecutionConfig:
       decode step's wall time from 1.241 to 0.990 ms at batch 1 and from 1.854 to 1.463
       at 64 (``bench_step.py``). None (the default): on with CUDA GPUs, off elsewhere
       (the CPU has no command buffers; ROCm's are not measured).
+    kv_write: who stores each step's new K/V in the pool (:func:`jaxattn.write_kv`'s
+      backend): ``"auto"`` the fastest that serves it (on a GPU the native kernel, one
+      launch a layer for K and V; XLA's scatters on the CPU), ``"native"`` or
+      ``"reference"`` (XLA's scatters, one a cache and layer). The same bits either way.
     """
 
     extend_attention: str | None = None
@@ -327,6 +333,7 @@ class ExecutionConfig:
     cascade_min_tokens: int = 128
     decode_linear: str = "auto"
     decode_graph: bool | None = None
+    kv_write: str = "auto"
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -349,6 +356,10 @@ class ExecutionConfig:
             raise ValueError(
                 f"ExecutionConfig.decode_linear must be one of {_DECODE_LINEAR}, "
                 f"got {self.decode_linear!r}"
+            )
+        if not isinstance(self.kv_write, str) or self.kv_write not in KV_WRITE_CHOICES:
+            raise ValueError(
+                f"ExecutionConfig.kv_write must be one of {KV_WRITE_CHOICES}, got {self.kv_write!r}"
             )
         if not isinstance(self.cascade, str) or self.cascade not in _CASCADE:
             raise ValueError(

@@ -202,6 +202,7 @@ class Engine:
             unroll_layers=execution.unroll_layers,
             decode_linear=execution.decode_linear,
             decode_graph=execution.decode_graph,
+            kv_write=execution.kv_write,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
         )
@@ -599,6 +600,7 @@ class Engine:
             compiles=dict(getattr(runner, "trace_counts", {})),
             attention_backend=dict(getattr(runner, "backends", {})),
             decode_linear=getattr(runner, "decode_linear", None),
+            kv_write=getattr(runner, "kv_write", None),
             kv_pool_bytes=getattr(runner, "kv_bytes", 0),
             kv_pool_bytes_per_device=getattr(
                 runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
@@ -628,7 +630,8 @@ class Engine:
         sequence); compiles: programs traced per step kind; attention_backend: what the
         extend and decode steps run; decode_linear: who runs the decode step's projections
         (``"xla"``, ``"pad"``: XLA with one row padded to two, ``"native"``; see
-        ``ExecutionConfig.decode_linear``); cascade_steps: decode steps that ran cascade decode
+        ``ExecutionConfig.decode_linear``); kv_write: the backend that stores the new K/V
+        (``ExecutionConfig.kv_write``); cascade_steps: decode steps that ran cascade decode
         (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes they did not
         read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per shared
         prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import kv as _kv
 from jaxattn import layout as _layout
 from jaxattn import ops
 from jaxattn import sharding as _sharding
@@ -65,7 +66,7 @@ from jaxattn.models.llama import DecodeBatch, ExtendBatch
 from jaxattn.paging import token_slots
 
 from . import scheduler
-from .config import Buckets, bucket, check_kv_scales, kv_cache_dtype
+from .config import KV_WRITE_CHOICES, Buckets, bucket, check_kv_scales, kv_cache_dtype
 from .sampling import sample, sample_keys
 
 __all__ = [
@@ -617,6 +618,9 @@ class ModelRunner:
       decode_linear: ``"auto"``, ``"native"``, ``"hybrid"`` or ``"xla"``: the decode step's
         projections (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto
         on GPUs) is in :attr:`decode_linear`.
+      kv_write: ``"auto"``, ``"native"`` or ``"reference"``: who stores each step's K/V
+        (:func:`jaxattn.write_kv`'s backend; :class:`~jaxattn.engine.ExecutionConfig`);
+        the backend it resolved to is in :attr:`kv_write`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -645,6 +649,7 @@ class ModelRunner:
         unroll_layers: bool | None = None,
         decode_linear: str = "auto",
         decode_graph: bool | None = None,
+        kv_write: str = "auto",
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -720,21 +725,28 @@ class ModelRunner:
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
+        self.kv_write = self._resolve_write(kv_write)
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
         linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
         self._options = {
             "extend": _Options(
-                layout=layout, attention=extend_attention, implementation=self.backends["extend"]
+                layout=layout,
+                attention=extend_attention,
+                implementation=self.backends["extend"],
+                kv_write=self.kv_write,
             ),
             "decode": _Options(
                 layout=layout,
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
+                kv_write=self.kv_write,
                 **linear,
             ),
-            "cascade": _Options(layout=layout, implementation=self.cascade_backend, **linear),
+            "cascade": _Options(
+                layout=layout, implementation=self.cascade_backend, kv_write=self.kv_write, **linear
+            ),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
         # the jitted calls (which return before the device is done).
@@ -759,6 +771,27 @@ class ModelRunner:
             for shard in cache.addressable_shards:
                 held[shard.device] += shard.data.nbytes
         return max(held.values())
+
+    def _resolve_write(self, choice: str) -> str:
+        """The backend of :func:`jaxattn.write_kv` for this pool (``choice``: ``"auto"`` or
+        a backend name, which must serve it)."""
+        if choice not in KV_WRITE_CHOICES:
+            raise ValueError(f"kv_write must be one of {KV_WRITE_CHOICES}, got {choice!r}")
+        cfg, tp = self.model, self.tp_size
+        hkv, d = cfg.num_key_value_heads // tp, cfg.head_dim
+        sds = jax.ShapeDtypeStruct
+        lay = _layout.get(self.layout)
+        geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
+        kv_dt = self.kv_dtype
+        k, v = sds(lay.shape("k", geom, kv_dt), kv_dt), sds(lay.shape("v", geom, kv_dt), kv_dt)
+        row = sds((1, hkv, d), cfg.jnp_dtype)
+        scale = sds((hkv,), jnp.float32) if self.kv_scales is not None else None
+        args = _kv.WRITE_KV.bind(
+            k, v, row, row, sds((1,), jnp.int32), layout=self.layout, k_scale=scale, v_scale=scale
+        )
+        platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
+        implementation = None if choice == "auto" else choice
+        return _kv.WRITE_KV.resolve(args, implementation, platform=platform).backend
 
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own

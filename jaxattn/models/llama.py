@@ -685,10 +685,10 @@ def _check_batch_scales(batch, cfg: LlamaConfig):
             raise ValueError(f"batch.{name} must be f32 {list(want)}, got shape {tuple(s.shape)}")
 
 
-def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, scales):
+def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, scales, kv_write):
     slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
     writer = write_kv if kernels is None else kernels.write_kv
-    return writer(k_cache, v_cache, k, v, slots, layout=layout, **scales)
+    return writer(k_cache, v_cache, k, v, slots, layout=layout, implementation=kv_write, **scales)
 
 
 def forward_extend(
@@ -702,6 +702,7 @@ def forward_extend(
     attention: str = "extend",
     implementation=None,
     kernels=None,
+    kv_write=None,
 ):
     """Prefill new tokens after cached prefixes; return ``(logits f32[R, V], k, v)``.
 
@@ -713,6 +714,8 @@ def forward_extend(
     ``kernels``: an object with ``write_kv``, ``extend_attention``, ``prefix_prefill`` and
     ``paged_attention`` of the public signatures to call instead of :mod:`jaxattn.ops`
     and :func:`jaxattn.kv.write_kv` (e.g. :class:`jaxattn.sharding.TensorParallel`).
+    ``kv_write``: the ``implementation=`` of the K/V writes (:func:`jaxattn.write_kv`; None:
+    the fastest backend that serves them).
     """
     attn = ops if kernels is None else kernels
     if attention not in ("extend", "prefix_prefill"):
@@ -730,7 +733,9 @@ def forward_extend(
     def attend(q, k, v, layer, caches):
         scales = _layer_scales(batch, layer)
         offset = layer * slots_per_layer
-        kc, vc = _write(kernels, *caches, k, v, batch.slot_mapping, offset, layout, scales)
+        kc, vc = _write(
+            kernels, *caches, k, v, batch.slot_mapping, offset, layout, scales, kv_write
+        )
         if attention == "extend":
             n = kc.shape[0] * page_size
             o = attn.extend_attention(
@@ -775,6 +780,7 @@ def forward_decode(
     implementation=None,
     kernels=None,
     linear=None,
+    kv_write=None,
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
@@ -783,6 +789,7 @@ def forward_decode(
     ``linear``: None / ``"xla"`` runs the projections through XLA's dot, ``"pad"`` too but
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
+    ``kv_write``: as in :func:`forward_extend`.
     """
     if linear not in _LINEAR:
         raise ValueError(f"linear must be one of {sorted(map(str, _LINEAR))}, got {linear!r}")
@@ -795,7 +802,15 @@ def forward_decode(
         offset = layer * pages_per_layer
         scales = _layer_scales(batch, layer)
         kc, vc = _write(
-            kernels, *caches, k, v, batch.slot_mapping, offset * page_size, layout, scales
+            kernels,
+            *caches,
+            k,
+            v,
+            batch.slot_mapping,
+            offset * page_size,
+            layout,
+            scales,
+            kv_write,
         )
         if batch.prefix_tables is not None:
             o = attn.cascade_attention(

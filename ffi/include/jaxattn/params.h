@@ -187,4 +187,18 @@ struct LinearParams {
   bool out_f32 = false;
 };
 
+// write_kv (jaxattn/kv_write.h): the K and V rows [num_tokens, num_kv_heads, head_dim] of new
+// tokens stored at their slots of a paged cache (page * page_size + offset), in place; the
+// per-KV-head scales divide what is stored (nullptr: none).
+struct WriteKvParams {
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* slots = nullptr;  // [num_tokens]
+  int32_t num_tokens = 0;
+  KvGeometry kv;
+  HeadScales scales;
+};
+
 }  // namespace jaxattn

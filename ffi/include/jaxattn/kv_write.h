@@ -1,0 +1,102 @@
+// write_kv's element and row steps, one source for the CPU handler and the GPU kernel
+// (ffi/src/kv_write.cu): what jaxattn.kv.write_kv stores, bit for bit.
+//
+// A row (token t, KV head h) of k or v, in the input dtype In, goes to the cache row of slot
+// slots[t] in the cache's dtype C:
+//   * In == C and no scale: the bits as they are (NaN payloads included);
+//   * no scale into a 16-bit / float32 cache: the cast (round to nearest even);
+//   * a scale, or an FP8 cache: float32(x) * (1 / scale[h]) (both rounded to nearest: how
+//     XLA evaluates quantize's x / scale, a division by a broadcast), clipped to C's finite
+//     range (NaN stays NaN), then the cast.
+// A negative slot, or one at or past num_pages * page_size, writes nothing.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "jaxattn/dtypes.h"
+#include "jaxattn/params.h"
+
+namespace jaxattn {
+
+// The largest finite value of a cache element type (what jaxattn.quant.format_max gives).
+template <typename C>
+struct FiniteMax;
+template <>
+struct FiniteMax<float> {
+  static constexpr float value = 3.40282346638528859812e+38f;
+};
+template <>
+struct FiniteMax<bf16_t> {
+  static constexpr float value = 3.38953138925153547590e+38f;  // 0x7f7f
+};
+template <>
+struct FiniteMax<f16_t> {
+  static constexpr float value = 65504.f;
+};
+template <>
+struct FiniteMax<e4m3_t> {
+  static constexpr float value = 448.f;
+};
+template <>
+struct FiniteMax<e5m2_t> {
+  static constexpr float value = 57344.f;
+};
+
+// x * (1 / s), each step rounded to nearest (also where the device code is built with fast
+// division).
+JAXATTN_HD float mul_rcp_rn(float x, float s) {
+#if defined(JAXATTN_DEVICE_PASS)
+  return __fmul_rn(x, __frcp_rn(s));
+#else
+  return x * (1.f / s);
+#endif
+}
+
+// One element as the cache stores it; `scale` is the row's head scale, or nullptr.
+template <typename In, typename C>
+JAXATTN_HD C stored_element(In x, const float* scale) {
+  if constexpr (std::is_same_v<In, C>) {
+    if (scale == nullptr) return x;
+  }
+  float y = to_float(x);
+  if (scale == nullptr && !is_fp8_v<C>) return from_float<C>(y);
+  if (scale != nullptr) y = mul_rcp_rn(y, *scale);
+  constexpr float big = FiniteMax<C>::value;
+  y = y > big ? big : (y < -big ? -big : y);  // comparisons with NaN are false: NaN stays
+  return from_float<C>(y);
+}
+
+// Element offset of the cache row (slot, head h), or -1 when the slot writes nothing.
+JAXATTN_HD int64_t write_kv_row(const KvGeometry& g, int32_t slot, int h) {
+  if (slot < 0) return -1;
+  const int32_t page = slot / g.page_size;
+  if (page >= g.num_pages) return -1;
+  const int32_t off = slot - page * g.page_size;
+  return page * g.page_stride + off * g.token_stride + h * g.head_stride;
+}
+
+namespace cpu {
+
+template <typename In, typename C>
+void write_kv(const WriteKvParams& p) {
+  const KvGeometry& g = p.kv;
+  const int D = g.head_dim, H = g.num_kv_heads;
+  for (int which = 0; which < 2; ++which) {
+    const In* src = static_cast<const In*>(which ? p.v : p.k);
+    C* cache = static_cast<C*>(which ? p.v_cache : p.k_cache);
+    const float* scales = which ? p.scales.v : p.scales.k;
+    for (int32_t t = 0; t < p.num_tokens; ++t) {
+      for (int h = 0; h < H; ++h) {
+        const int64_t row = write_kv_row(g, p.slots[t], h);
+        if (row < 0) continue;
+        const In* x = src + (int64_t(t) * H + h) * D;
+        const float* s = scales ? scales + h : nullptr;
+        for (int d = 0; d < D; ++d) cache[row + d] = stored_element<In, C>(x[d], s);
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace jaxattn
