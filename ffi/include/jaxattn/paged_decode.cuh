@@ -1346,13 +1346,9 @@ const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
   if (p.partition_size == 0) return nullptr;
   const dim3 grid(p.num_q_heads, p.batch);
 #if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
-  // Programmatic dependent launch (see pdl_wait), except while XLA captures the stream into a
-  // command buffer: the captured graph already launches back to back, and an attribute the
-  // capture rejected would invalidate the whole graph.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (current_device_caps().major >= 9 &&
-      cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-      capture == cudaStreamCaptureStatusNone) {
+  // Programmatic dependent launch (see pdl_wait), also while XLA captures the stream into a
+  // command buffer (CUDA 12.3+ records it as a programmatic edge of the graph).
+  if (current_device_caps().major >= 9) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(256);
