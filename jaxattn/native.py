@@ -13,7 +13,8 @@ implementation of each op, with its configuration (:class:`DecodeConfig`,
 :class:`PrefillConfig`) and the heuristic that picks one. The functions
 :func:`paged_attention`, :func:`prefix_prefill` and :func:`extend_attention` take arguments
 already validated by :mod:`jaxattn.ops` and raise ``NotImplementedError`` for anything this
-backend cannot serve.
+backend cannot serve; :func:`write_kv` likewise after :mod:`jaxattn.kv` (its results alias the
+caches, so a donated pool is written in place).
 
 Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> that many tokens
 per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU

@@ -41,9 +41,6 @@ inline DType dtype_of(ffi::DataType t) {
 // The cache's element type relative to q's: the same, or an FP8 format.
 enum class KvType { kSame, kE4M3, kE5M2, kUnsupported };
 
-// A cache's own element type (write_kv stores any float input into any of these).
-enum class CacheDType { kF32, kBF16, kF16, kE4M3, kE5M2, kUnsupported };
-
 inline CacheDType cache_dtype_of(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32:

@@ -167,7 +167,7 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
                       ffi::Result<ffi::AnyBuffer> v_out, int32_t layout) {
   WriteKvParams p;
   DType in;
-  ffi_common::CacheDType cache;
+  CacheDType cache;
   if (auto e = ffi_common::make_write_kv_params(k_cache, v_cache, k, v, slots, k_scale, v_scale,
                                                 *k_out, *v_out, layout, &p, &in, &cache);
       e.failure())
@@ -193,7 +193,6 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
         return ffi_common::invalid("unsupported dtype");
     }
   };
-  using ffi_common::CacheDType;
   switch (cache) {
     case CacheDType::kF32:
       return with_input(float{});

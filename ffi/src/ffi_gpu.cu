@@ -156,33 +156,13 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
                       int32_t layout) {
   WriteKvParams p;
   ffi_common::DType in;
-  ffi_common::CacheDType cache;
+  CacheDType cache;
   if (auto e = ffi_common::make_write_kv_params(k_cache, v_cache, k, v, slots, k_scale, v_scale,
                                                 *k_out, *v_out, layout, &p, &in, &cache);
       e.failure())
     return e;
   gpu::DType dt;
   if (auto e = gpu_dtype(k.element_type(), &dt); e.failure()) return e;
-  gpu::CacheType ct;
-  switch (cache) {
-    case ffi_common::CacheDType::kF32:
-      ct = gpu::CacheType::kF32;
-      break;
-    case ffi_common::CacheDType::kBF16:
-      ct = gpu::CacheType::kBF16;
-      break;
-    case ffi_common::CacheDType::kF16:
-      ct = gpu::CacheType::kF16;
-      break;
-    case ffi_common::CacheDType::kE4M3:
-      ct = gpu::CacheType::kE4M3;
-      break;
-    case ffi_common::CacheDType::kE5M2:
-      ct = gpu::CacheType::kE5M2;
-      break;
-    default:
-      return ffi_common::invalid("unsupported KV cache dtype");
-  }
   // Unaliased results start as copies of the caches.
   const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
   void* dst[2] = {p.k_cache, p.v_cache};
@@ -192,7 +172,7 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
         gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDeviceToDevice, stream) != gpuSuccess)
       return launched("write_kv copy", gpu::check_launch());
   }
-  return launched("write_kv", gpu::launch_write_kv(dt, ct, p, stream));
+  return launched("write_kv", gpu::launch_write_kv(dt, cache, p, stream));
 }
 
 }  // namespace

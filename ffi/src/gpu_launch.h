@@ -25,10 +25,8 @@ const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream)
 template <typename T, typename C>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks);
 
-// Any cache element type write_kv stores into.
-enum class CacheType { kF32, kBF16, kF16, kE4M3, kE5M2 };
 // write_kv's rows in dtype `in` into a cache of `cache`'s type (ffi/src/kv_write.cu).
-const char* launch_write_kv(DType in, CacheType cache, const WriteKvParams& p, gpuStream_t stream);
+const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p, gpuStream_t stream);
 
 // Resident blocks per multiprocessor of the decode kernel for (dtype, kv, head_dim, group).
 const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, int* blocks);

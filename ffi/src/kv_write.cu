@@ -58,25 +58,27 @@ const char* launch_typed(const WriteKvParams& p, gpuStream_t stream) {
 }
 
 template <typename In>
-const char* launch_cache(CacheType cache, const WriteKvParams& p, gpuStream_t stream) {
+const char* launch_cache(CacheDType cache, const WriteKvParams& p, gpuStream_t stream) {
   switch (cache) {
-    case CacheType::kF32:
+    case CacheDType::kF32:
       return launch_typed<In, float>(p, stream);
-    case CacheType::kBF16:
+    case CacheDType::kBF16:
       return launch_typed<In, bf16_t>(p, stream);
-    case CacheType::kF16:
+    case CacheDType::kF16:
       return launch_typed<In, f16_t>(p, stream);
-    case CacheType::kE4M3:
+    case CacheDType::kE4M3:
       return launch_typed<In, e4m3_t>(p, stream);
-    case CacheType::kE5M2:
+    case CacheDType::kE5M2:
       return launch_typed<In, e5m2_t>(p, stream);
+    case CacheDType::kUnsupported:
+      break;
   }
   return "jaxattn: unsupported KV cache dtype";
 }
 
 }  // namespace
 
-const char* launch_write_kv(DType in, CacheType cache, const WriteKvParams& p,
+const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p,
                             gpuStream_t stream) {
   if (p.kv.head_dim % 8 != 0) return "jaxattn: the GPU write_kv needs head_dim a multiple of 8";
   switch (in) {

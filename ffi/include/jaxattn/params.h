@@ -187,6 +187,9 @@ struct LinearParams {
   bool out_f32 = false;
 };
 
+// A KV cache's element type: write_kv stores any float input into any of these.
+enum class CacheDType : int32_t { kF32, kBF16, kF16, kE4M3, kE5M2, kUnsupported };
+
 // write_kv (jaxattn/kv_write.h): the K and V rows [num_tokens, num_kv_heads, head_dim] of new
 // tokens stored at their slots of a paged cache (page * page_size + offset), in place; the
 // per-KV-head scales divide what is stored (nullptr: none).
