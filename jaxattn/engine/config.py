@@ -317,8 +317,10 @@ class ExecutionConfig:
       at 64 (``bench_step.py``). None (the default): on with CUDA GPUs, off elsewhere
       (the CPU has no command buffers; ROCm's are not measured).
     kv_write: who stores each step's new K/V in the pool (:func:`jaxattn.write_kv`'s
-      backend): ``"auto"`` the fastest that serves it (on a GPU the native kernel, one
-      launch a layer for K and V; XLA's scatters on the CPU), ``"native"`` or
+      backend): ``"auto"`` the fastest that serves it (on one GPU the native kernel, one
+      launch a layer for K and V: the 1B decode step at batch 1 took 0.929-0.935 ms against
+      0.951-0.954 with XLA's scatters on an H200, the same at 64; XLA's scatters on the CPU
+      and under tensor parallelism, where the kernel is not measured), ``"native"`` or
       ``"reference"`` (XLA's scatters, one a cache and layer). The same bits either way.
     """
 

@@ -619,8 +619,9 @@ class ModelRunner:
         projections (:class:`~jaxattn.engine.ExecutionConfig`); the choice (``"pad"`` for auto
         on GPUs) is in :attr:`decode_linear`.
       kv_write: ``"auto"``, ``"native"`` or ``"reference"``: who stores each step's K/V
-        (:func:`jaxattn.write_kv`'s backend; :class:`~jaxattn.engine.ExecutionConfig`);
-        the backend it resolved to is in :attr:`kv_write`.
+        (:func:`jaxattn.write_kv`'s backend; :class:`~jaxattn.engine.ExecutionConfig`; auto:
+        the fastest that serves one device, XLA's scatters under a mesh); the backend it
+        resolved to is in :attr:`kv_write`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -791,6 +792,8 @@ class ModelRunner:
         )
         platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
         implementation = None if choice == "auto" else choice
+        if choice == "auto" and self.tp is not None:
+            implementation = "reference"  # the native write is not measured under a mesh
         return _kv.WRITE_KV.resolve(args, implementation, platform=platform).backend
 
     def _resolve(self, kind: str, implementation) -> str:
