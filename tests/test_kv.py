@@ -505,10 +505,11 @@ def _special_rows(rng, t, hkv, d, dtype, mag):
 
 
 @pytest.mark.skipif(not native.is_available(), reason="no native library")
-@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize(
+    "layout, scaled", [("bshd", False), ("bhsd", True)], ids=["bshd-plain", "bhsd-scaled"]
+)
 @pytest.mark.parametrize("cache", [*DTYPES, *FP8], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_write_kv_backends_store_the_same_bits(layout, dtype, cache, scaled, rng):
     num_pages, page_size, hkv, d, t = 7, 4, 3, 16, 19
     kc = jnp.asarray(
