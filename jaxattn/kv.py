@@ -159,14 +159,10 @@ class _ReferenceWrite(Implementation):
     backend = "reference"
 
     def run(self, a: WriteArgs, config):
-        name = a.layout.name
+        name, slots = a.layout.name, a.slots
         return (
-            L.scatter_tokens(
-                a.k_cache, a.slots, _stored(a.k, a.k_cache.dtype, a.k_scale), name, "k"
-            ),
-            L.scatter_tokens(
-                a.v_cache, a.slots, _stored(a.v, a.v_cache.dtype, a.v_scale), name, "v"
-            ),
+            L.scatter_tokens(a.k_cache, slots, _stored(a.k, a.k_cache.dtype, a.k_scale), name, "k"),
+            L.scatter_tokens(a.v_cache, slots, _stored(a.v, a.v_cache.dtype, a.v_scale), name, "v"),
         )
 
 

@@ -773,43 +773,45 @@ class ModelRunner:
                 held[shard.device] += shard.data.nbytes
         return max(held.values())
 
+    def _pool_structs(self):
+        """The pool as one device sees it, as shape/dtype structs for the ops' resolvers:
+        ``(geometry, k_cache, v_cache, scales)``, scales the ``k_scale`` / ``v_scale``
+        keywords (f32 ``[Hkv]`` structs with a scaled pool, else None)."""
+        cfg, tp = self.model, self.tp_size
+        hkv, d = cfg.num_key_value_heads // tp, cfg.head_dim
+        sds, kv_dt = jax.ShapeDtypeStruct, self.kv_dtype
+        lay = _layout.get(self.layout)
+        geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
+        k, v = sds(lay.shape("k", geom, kv_dt), kv_dt), sds(lay.shape("v", geom, kv_dt), kv_dt)
+        scale = sds((hkv,), jnp.float32) if self.kv_scales is not None else None
+        return geom, k, v, {"k_scale": scale, "v_scale": scale}
+
+    @property
+    def _mesh_platform(self) -> str | None:
+        """The mesh's platform for the resolvers (None without a mesh: the default one)."""
+        return None if self.tp is None else self.tp.mesh.devices.flat[0].platform
+
     def _resolve_write(self, choice: str) -> str:
         """The backend of :func:`jaxattn.write_kv` for this pool (``choice``: ``"auto"`` or
         a backend name, which must serve it)."""
         if choice not in KV_WRITE_CHOICES:
             raise ValueError(f"kv_write must be one of {KV_WRITE_CHOICES}, got {choice!r}")
-        cfg, tp = self.model, self.tp_size
-        hkv, d = cfg.num_key_value_heads // tp, cfg.head_dim
-        sds = jax.ShapeDtypeStruct
-        lay = _layout.get(self.layout)
-        geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
-        kv_dt = self.kv_dtype
-        k, v = sds(lay.shape("k", geom, kv_dt), kv_dt), sds(lay.shape("v", geom, kv_dt), kv_dt)
-        row = sds((1, hkv, d), cfg.jnp_dtype)
-        scale = sds((hkv,), jnp.float32) if self.kv_scales is not None else None
-        args = _kv.WRITE_KV.bind(
-            k, v, row, row, sds((1,), jnp.int32), layout=self.layout, k_scale=scale, v_scale=scale
-        )
-        platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
+        geom, k, v, scales = self._pool_structs()
+        row = jax.ShapeDtypeStruct((1, geom.num_kv_heads, geom.head_dim), self.model.jnp_dtype)
+        slots = jax.ShapeDtypeStruct((1,), jnp.int32)
+        args = _kv.WRITE_KV.bind(k, v, row, row, slots, layout=self.layout, **scales)
         implementation = None if choice == "auto" else choice
         if choice == "auto" and self.tp is not None:
             implementation = "reference"  # the native write is not measured under a mesh
-        return _kv.WRITE_KV.resolve(args, implementation, platform=platform).backend
+        return _kv.WRITE_KV.resolve(args, implementation, platform=self._mesh_platform).backend
 
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own
         resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device sees)."""
-        cfg, tp = self.model, self.tp_size
-        hq, hkv, d = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim
-        dt, kv_dt = cfg.jnp_dtype, self.kv_dtype
+        geom, k, v, scales = self._pool_structs()
+        hkv, d, kv_dt = geom.num_kv_heads, geom.head_dim, self.kv_dtype
         sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-        lay = _layout.get(self.layout)
-        geom = _layout.CacheGeometry(self.num_pages * cfg.num_hidden_layers, self.page_size, hkv, d)
-        k, v = sds(lay.shape("k", geom, kv_dt), kv_dt), sds(lay.shape("v", geom, kv_dt), kv_dt)
-        q = sds((1, hq, d), dt)
-        scaled = self.kv_scales is not None
-        scale = sds((hkv,), jnp.float32) if scaled else None
-        scales = {"k_scale": scale, "v_scale": scale}
+        q = sds((1, self.model.num_attention_heads // self.tp_size, d), self.model.jnp_dtype)
         if kind == "cascade":
             op = ops.CASCADE_ATTENTION
             args = op.bind(
@@ -852,8 +854,7 @@ class ModelRunner:
                 layout=self.layout,
                 **scales,
             )
-        platform = None if self.tp is None else self.tp.mesh.devices.flat[0].platform
-        return op.resolve(args, implementation, platform=platform).backend
+        return op.resolve(args, implementation, platform=self._mesh_platform).backend
 
     # -- transfers and calls ---------------------------------------------------------------
 

@@ -70,10 +70,9 @@ JAXATTN_HD C stored_element(In x, const float* scale) {
 // Element offset of the cache row (slot, head h), or -1 when the slot writes nothing.
 JAXATTN_HD int64_t write_kv_row(const KvGeometry& g, int32_t slot, int h) {
   if (slot < 0) return -1;
-  const int32_t page = slot / g.page_size;
+  const int32_t page = g.page_of(slot);
   if (page >= g.num_pages) return -1;
-  const int32_t off = slot - page * g.page_size;
-  return page * g.page_stride + off * g.token_stride + h * g.head_stride;
+  return page * g.page_stride + g.slot_of(slot) * g.token_stride + h * g.head_stride;
 }
 
 namespace cpu {
