@@ -305,6 +305,19 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
+// JAXATTN_SM90_ALL_ROWS: the producer's copies of a key tile whose rows are all present (every
+// page within the pool, every key below the request's length: the usual interior tile) skip
+// the per-row test and select of a missing row: one barrier with an AND reduction per tile
+// (named_sync_and, where a plain barrier was) says so. Prefill self-test, H200, +0.3-2% on the
+// long rows (round 19, ffi/NOTES.md). 0 takes the general copy for every tile.
+#ifndef JAXATTN_SM90_ALL_ROWS
+#define JAXATTN_SM90_ALL_ROWS 1
+#endif
+// The same for the FP8 producer's copies: off (with it ptxas spilled 20-36 bytes in the e4m3
+// head_dim 128 kernels at the producer's 64 registers).
+#ifndef JAXATTN_SM90_FP8_ALL_ROWS
+#define JAXATTN_SM90_FP8_ALL_ROWS 0
+#endif
 #ifndef JAXATTN_SM90_FP8_ONE_BARRIER
 #define JAXATTN_SM90_FP8_ONE_BARRIER 0
 #endif
@@ -351,6 +364,17 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 }
 __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// bar.sync over `count` threads that also returns whether v held in every one of them.
+__device__ __forceinline__ bool named_sync_and(int id, int count, bool v) {
+  uint32_t out;
+  asm volatile(
+      "{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\nbar.red.and.pred po, %2, %3, pi;\n"
+      "selp.u32 %0, 1, 0, po;\n}\n"
+      : "=r"(out)
+      : "r"(uint32_t(v)), "r"(id), "r"(count)
+      : "memory");
+  return out != 0;
 }
 template <int R>
 __device__ __forceinline__ void set_max_regs_inc() {
@@ -559,7 +583,9 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       rowoff[tid] = sm90_pack_off(cur.off);
       // The entry of row tid of the next tile, loaded a tile ahead of its use.
       int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
-      named_sync(1, NP);
+      // Whether every row of the tile the table holds is present (a page within the pool, a key
+      // below the request's length): the copies then need no per-row test (copy_rows).
+      bool all_rows = named_sync_and(1, NP, cur.off >= 0);
       check_entries<NP, 16>(t, kv, range.end, flags);
       if constexpr (kF8) {
         // FP8: tile n's rows are copied as stored into K stage n % NS -- its K rows in the
@@ -614,14 +640,22 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             // thread's chunk.
             auto copy_rows = [&](uint32_t dst, const C* src) {
               const uint64_t chunk = reinterpret_cast<uint64_t>(src) + uint64_t(c8) * 16u;
-              uint32_t u[R8];
+              auto rows = [&](auto all_tag) {
+                constexpr bool kAll = decltype(all_tag)::value;
+                uint32_t u[R8];
 #pragma unroll
-              for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
+                for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
 #pragma unroll
-              for (int i = 0; i < R8; ++i) {
-                const bool ok = u[i] != kSm90NoRow;
-                cp_async16(dst + src_own + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u),
-                           ok);
+                for (int i = 0; i < R8; ++i) {
+                  const bool ok = kAll || u[i] != kSm90NoRow;
+                  cp_async16(dst + src_own + i * F8R * D,
+                             sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
+                }
+              };
+              if (JAXATTN_SM90_FP8_ALL_ROWS && all_rows) {
+                rows(std::true_type{});
+              } else {
+                rows(std::false_type{});
               }
             };
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
@@ -634,6 +668,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           // and the in-place K stores below.
           if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
           if (n == 0) named_sync(1, NP);
+          all_rows = false;  // the tables this barrier publishes are not reduced
 #endif
           if (n >= 1) {
             const int m = n - 1, gm = it0 + m, s = gm % NS;
@@ -674,7 +709,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #if !JAXATTN_SM90_FP8_ONE_BARRIER
           if (n < ntiles) {
             rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-            named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
+            all_rows = named_sync_and(1, NP, cur.off >= 0);  // slot ^ 1 written, as below
           }
 #endif
         }
@@ -694,20 +729,31 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           constexpr int kRows = BN / RP, kBatch = kRows < 8 ? kRows : 8;
           // A copy's source in bytes from this thread's chunk of the head: one wide multiply-add
           // of the row's 16-byte offset (a missing row reads nothing, from the chunk itself).
+          // When every row of the tile is present (all_rows, uniform over the producer) a copy
+          // is its offset's load, the multiply-add and the copy; otherwise a missing row also
+          // needs its test and a select, and reads nothing.
           auto copy_rows = [&](uint32_t dst, const T* src) {
             const uint64_t chunk = reinterpret_cast<uint64_t>(src) + uint64_t(c) * 16u;
+            auto batches = [&](auto all_tag) {
+              constexpr bool kAll = decltype(all_tag)::value;
 #pragma unroll
-            for (int b = 0; b < kRows; b += kBatch) {
-              uint32_t u[kBatch];
+              for (int b = 0; b < kRows; b += kBatch) {
+                uint32_t u[kBatch];
 #pragma unroll
-              for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+                for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
 #pragma unroll
-              for (int i = 0; i < kBatch; ++i) {
-                const bool ok = u[i] != kSm90NoRow;
-                // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
-                cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
-                           sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
+                for (int i = 0; i < kBatch; ++i) {
+                  const bool ok = kAll || u[i] != kSm90NoRow;
+                  // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
+                  cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
+                             sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
+                }
               }
+            };
+            if (JAXATTN_SM90_ALL_ROWS && all_rows) {
+              batches(std::true_type{});
+            } else {
+              batches(std::false_type{});
             }
           };
           if (gn >= NS) mbar_wait(kempty(s), par);
@@ -734,7 +780,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             mbar_arrive_copies(vfull(s));
           }
           rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-          named_sync(1, NP);  // slot ^ 1 written; every producer thread is done reading it
+          // slot ^ 1 written; every producer thread is done reading it
+          all_rows = named_sync_and(1, NP, cur.off >= 0);
         }
       }
       if constexpr (kPersist) {
