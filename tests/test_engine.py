@@ -345,6 +345,42 @@ def test_verify_reports_a_wrong_token():
     assert not report.ok and "stops at 4" in report.problems[0]
 
 
+def test_token_ids_every_form():
+    """The prompt check's fast paths (integer arrays, plain int lists) and its general one
+    accept and refuse the same prompts."""
+    from jaxattn.engine.config import token_ids
+
+    ok = [
+        [0, 5, 9],
+        np.array([0, 5, 9], np.int32),
+        np.array([0, 5, 9], np.uint8),
+        (0, 5, 9),
+        [np.int64(0), 5, np.int32(9)],
+    ]
+    for prompt in ok:
+        got = token_ids("p", prompt, 10)
+        assert got == [0, 5, 9] and all(type(t) is int for t in got), prompt
+    bad = [
+        [],
+        [0, 10],
+        [-1, 2],
+        np.array([0, 10]),
+        np.array([-1, 2]),
+        np.array([], np.int32),
+        [0, True],
+        [True],
+        np.array([True, False]),
+        [0, 1.0],
+        np.array([0.0, 1.0]),
+        np.array([[0, 1]]),
+        "01",
+        [0, np.int64(10)],
+    ]
+    for prompt in bad:
+        with pytest.raises(ValueError, match="^p must"):
+            token_ids("p", prompt, 10)
+
+
 def test_bad_arguments():
     engine = make_engine()
     cases = [

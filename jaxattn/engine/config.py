@@ -124,18 +124,27 @@ def token_ids(where: str, prompt, vocab_size: int) -> list[int]:
     """``prompt`` (a sequence of token ids, or a 1-D numpy array) as a list of ints, after
     checking that it is not empty and that every id lies in ``[0, vocab_size)``; each error
     names ``where`` (e.g. ``"prompts[3]"``)."""
+    bad = f"{where} must hold token ids in [0, {vocab_size}), got {{}}"
     if isinstance(prompt, np.ndarray):
+        if prompt.ndim == 1 and prompt.size and prompt.dtype.kind in "iu":
+            # An integer vector: its range checked in numpy (a prompt is thousands of ids).
+            if prompt.min() < 0 or prompt.max() >= vocab_size:
+                raise ValueError(bad.format(prompt[:16].tolist()))
+            return prompt.tolist()
         prompt = prompt.tolist()
     if not isinstance(prompt, SequenceABC) or isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where} must be a non-empty list of token ids")
+    if set(map(type, prompt)) <= {int}:
+        # Plain Python ints (no bool, whose type is its own): the range by min and max.
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(bad.format(list(prompt)[:16]))
+        return list(prompt)
     ok = all(
         isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size
         for t in prompt
     )
     if not ok:
-        raise ValueError(
-            f"{where} must hold token ids in [0, {vocab_size}), got {list(prompt)[:16]}"
-        )
+        raise ValueError(bad.format(list(prompt)[:16]))
     return [int(t) for t in prompt]
 
 
