@@ -26,11 +26,20 @@ ran it and the KV bytes they did not read.
     python benchmarks/bench_engine.py                      # small random model (CPU)
     python benchmarks/bench_engine.py --preset 1b --num-pages 8192 --max-batch-tokens 2048
     python benchmarks/bench_engine.py --preset 1b --step-modes multistep,sync --modes on
+    python benchmarks/bench_engine.py --preset tiny --modes on --profile-host 30   # host time
+
+``--profile-host N`` runs cProfile over each timed run and prints its N costliest functions
+by own time; a jitted call's dispatch (the C++ side of ``jax.jit``) shows as the own time of
+the runner's ``_call``. The profiler slows the Python side, so the table's times are then
+not comparable with unprofiled runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -137,6 +146,13 @@ def parse_args(argv=None):
         choices=list(KV_DTYPES),
         help="FP8 KV pool (scales per layer and KV head calibrated on the first 4 prompts)",
     )
+    p.add_argument(
+        "--profile-host",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile each timed run; print its N costliest functions (by own time) to stderr",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -177,7 +193,7 @@ STEP_MODES = {
 def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales) -> dict:
     settings = dict(decode_steps=args.decode_steps) | STEP_MODES[step_mode]
 
-    def once():
+    def once(profile=False):
         engine = Engine(
             cfg,
             params,
@@ -194,12 +210,24 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             **settings,
             **execution_kwargs(args),
         )
+        profiler = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         records = run_workload(engine, workload, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        return engine, records, time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        if profiler is not None:
+            # The profiler slows Python down: this run's wall time is not the table's figure
+            # unless --profile-host is off.
+            profiler.disable()
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile_host)
+            mode = f"{'radix on' if radix else 'radix off'}, {step_mode}"
+            print(f"host profile, {mode}:\n{out.getvalue()}", file=sys.stderr)
+        return engine, records, wall
 
     warm, _, warm_s = once()  # compiles
-    engine, records, wall = once()
+    engine, records, wall = once(profile=args.profile_host > 0)
     s = engine.stats
     served = s["prompt_tokens"] + s["generated_tokens"]
     outputs = {(r.kind, tuple(r.prompt)): r.output for r in records}
