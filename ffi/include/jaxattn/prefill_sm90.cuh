@@ -313,11 +313,8 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_ALL_ROWS
 #define JAXATTN_SM90_ALL_ROWS 1
 #endif
-// The same for the FP8 producer's copies: off (with it ptxas spilled 20-36 bytes in the e4m3
-// head_dim 128 kernels at the producer's 64 registers).
-#ifndef JAXATTN_SM90_FP8_ALL_ROWS
-#define JAXATTN_SM90_FP8_ALL_ROWS 0
-#endif
+// The 16-bit producer only: the same fast copy in the FP8 producer made ptxas spill 20-36
+// bytes in the e4m3 head_dim 128 kernels at the producer's 64 registers.
 #ifndef JAXATTN_SM90_FP8_ONE_BARRIER
 #define JAXATTN_SM90_FP8_ONE_BARRIER 0
 #endif
@@ -583,9 +580,15 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       rowoff[tid] = sm90_pack_off(cur.off);
       // The entry of row tid of the next tile, loaded a tile ahead of its use.
       int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
-      // Whether every row of the tile the table holds is present (a page within the pool, a key
-      // below the request's length): the copies then need no per-row test (copy_rows).
-      bool all_rows = named_sync_and(1, NP, cur.off >= 0);
+      // 16-bit: whether every row of the tile the table holds is present (a page within the
+      // pool, a key below the request's length): the copies then need no per-row test
+      // (copy_rows).
+      [[maybe_unused]] bool all_rows = false;
+      if constexpr (kF8) {
+        named_sync(1, NP);
+      } else {
+        all_rows = named_sync_and(1, NP, cur.off >= 0);
+      }
       check_entries<NP, 16>(t, kv, range.end, flags);
       if constexpr (kF8) {
         // FP8: tile n's rows are copied as stored into K stage n % NS -- its K rows in the
@@ -640,22 +643,14 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             // thread's chunk.
             auto copy_rows = [&](uint32_t dst, const C* src) {
               const uint64_t chunk = reinterpret_cast<uint64_t>(src) + uint64_t(c8) * 16u;
-              auto rows = [&](auto all_tag) {
-                constexpr bool kAll = decltype(all_tag)::value;
-                uint32_t u[R8];
+              uint32_t u[R8];
 #pragma unroll
-                for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
+              for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
 #pragma unroll
-                for (int i = 0; i < R8; ++i) {
-                  const bool ok = kAll || u[i] != kSm90NoRow;
-                  cp_async16(dst + src_own + i * F8R * D,
-                             sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
-                }
-              };
-              if (JAXATTN_SM90_FP8_ALL_ROWS && all_rows) {
-                rows(std::true_type{});
-              } else {
-                rows(std::false_type{});
+              for (int i = 0; i < R8; ++i) {
+                const bool ok = u[i] != kSm90NoRow;
+                cp_async16(dst + src_own + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u),
+                           ok);
               }
             };
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
@@ -668,7 +663,6 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           // and the in-place K stores below.
           if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
           if (n == 0) named_sync(1, NP);
-          all_rows = false;  // the tables this barrier publishes are not reduced
 #endif
           if (n >= 1) {
             const int m = n - 1, gm = it0 + m, s = gm % NS;
@@ -709,7 +703,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #if !JAXATTN_SM90_FP8_ONE_BARRIER
           if (n < ntiles) {
             rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-            all_rows = named_sync_and(1, NP, cur.off >= 0);  // slot ^ 1 written, as below
+            named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
           }
 #endif
         }
