@@ -19,17 +19,18 @@ jobs="${JOBS:-$(nproc)}"
 out="${JAXATTN_CHECK_DIR:-$(mktemp -d)}"
 mkdir -p "$out"
 xla_inc="$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
-sources=(ffi_gpu paged_decode paged_decode_f32 paged_decode_bf16 paged_decode_f16
-  paged_decode_bf16_e4m3 paged_decode_bf16_e5m2 paged_decode_f16_e4m3 paged_decode_f16_e5m2
-  prefill prefill_fp8 cascade linear kv_write)
-cuda_only=(prefill_sm90 prefill_sm90_persistent cascade_sm90)
+# Longest compiles first, so that the parallel jobs end together.
+sources=(paged_decode_bf16 paged_decode_bf16_e4m3 paged_decode_f16 paged_decode_bf16_e5m2
+  paged_decode_f16_e4m3 paged_decode_f16_e5m2 paged_decode_f32 ffi_gpu cascade prefill_fp8
+  prefill linear kv_write paged_decode)
+cuda_only=(prefill_sm90_persistent prefill_sm90 cascade_sm90)
 includes=(-I"$here/include" -I"$here/src" -isystem "$xla_inc")
 
 check_nvcc() {
   local nvcc="${NVCC:-nvcc}"
   command -v "$nvcc" >/dev/null || { echo "nvcc not found" >&2; return 1; }
   echo "== nvcc $("$nvcc" --version | tail -1) -> sm_90, sm_90a (*_sm90*)"
-  printf '%s\n' "${sources[@]}" "${cuda_only[@]}" | xargs -P "$jobs" -I{} sh -c \
+  printf '%s\n' "${cuda_only[@]}" "${sources[@]}" | xargs -P "$jobs" -I{} sh -c \
     "case {} in *_sm90*) arch='-gencode=arch=compute_90a,code=sm_90a' ;; \
        *) arch='-arch=sm_90 -DJAXATTN_HAVE_SM90A' ;; esac; \
      \"$nvcc\" -std=c++17 -O3 \$arch -Werror all-warnings \

@@ -776,7 +776,7 @@ def stand_in(cfg, engine_kw):
     return Engine(cfg, None, runner=model, debug=True, **engine_kw)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_on_a_simulated_pool(w):
     cfg = LlamaConfig(

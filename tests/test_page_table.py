@@ -307,7 +307,7 @@ def check_against_host(host: HostModel, op, state, statuses, extra):
         np.testing.assert_array_equal(got[field], value, err_msg=f"{where}: {field}")
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_matches_host_block_manager_step_by_step(data):
     state, bm = fresh()
