@@ -11,6 +11,10 @@ op under ``jax.jit`` with one backend and returns what the contract says to comp
 
 ``python robustness_probes.py PROBE BACKEND OUT.npz`` runs one probe and saves those three
 arrays, so that a crash in a native kernel fails one test instead of the test process.
+``python robustness_probes.py --batch BACKEND DIR PROBE...`` runs several in one process (one
+import of JAX for all), each into ``DIR/<n>.npz`` (``<n>``: its position in the list), or
+``<n>.skip`` / ``<n>.err`` with the backend's refusal / the traceback; a probe that crashes
+the process leaves no file, for the caller to run alone.
 """
 
 from __future__ import annotations
@@ -349,12 +353,50 @@ def run(probe: str, backend: str, seed: int = 0):
 # capability contract; the refusals themselves are tested in test_kernels.py).
 NOT_SERVED = 3
 
+
+def _refused(e: NotImplementedError, backend: str) -> bool:
+    """Whether e is the backend contract's refusal of the case (and not another error)."""
+    return f"{backend} cannot serve" in str(e)
+
+
+def _batch(backend: str, directory: str, probes: list[str]) -> None:
+    import os
+    import traceback
+
+    for n, probe in enumerate(probes):
+        base = os.path.join(directory, str(n))
+        try:
+            out, want_nan, want = run(probe, backend)
+        except NotImplementedError as e:
+            if not _refused(e, backend):
+                _write(base + ".err", traceback.format_exc())
+                continue
+            _write(base + ".skip", str(e))
+            continue
+        except Exception:  # noqa: BLE001 - reported by the probe's own test
+            _write(base + ".err", traceback.format_exc())
+            continue
+        np.savez(base + ".tmp.npz", out=out, want_nan=want_nan, want=want)
+        os.replace(base + ".tmp.npz", base + ".npz")  # whole or absent
+
+
+def _write(path: str, text: str) -> None:
+    import os
+
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--batch":
+        _batch(sys.argv[2], sys.argv[3], sys.argv[4:])
+        sys.exit(0)
     probe, backend, path = sys.argv[1:4]
     try:
         out, want_nan, want = run(probe, backend)
     except NotImplementedError as e:
-        if f"{backend} cannot serve" not in str(e):  # only the backend contract's refusal
+        if not _refused(e, backend):
             raise
         print(e, file=sys.stderr)
         sys.exit(NOT_SERVED)

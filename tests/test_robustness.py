@@ -10,9 +10,11 @@ the checked mode, empty inputs, merge_states' NaN rules, and the KV writers' dro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +35,16 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxattn.__file__)
 NATIVE = native.is_available()
 
 
+def _probe_env():
+    search = [HERE, PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(search))
+
+
 def _in_subprocess(probe, backend, tmp_path):
     path = tmp_path / "out.npz"
-    search = [HERE, PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(search))
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "robustness_probes.py"), probe, backend, str(path)],
-        env=env,
+        env=_probe_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -53,6 +58,57 @@ def _in_subprocess(probe, backend, tmp_path):
     return got["out"], got["want_nan"], got["want"]
 
 
+# Native probes run in batches: the sorted probes cut into groups of PROBE_BATCH, each group
+# in one subprocess (one import of JAX for all of them) by the first test that needs one of
+# its probes, into a directory the xdist workers share; a test of another worker waits for
+# the group's `done` marker. A probe that its batch did not finish (a crash, a timeout) runs
+# alone in a subprocess of its own, so a crash still fails just its test.
+PROBE_BATCH = 8
+
+
+def _batch_root(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base lies in one directory per test run: share that one.
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _batched(probe, backend, tmp_path, tmp_path_factory):
+    names = sorted(PROBES)
+    group = names.index(probe) // PROBE_BATCH
+    probes = names[group * PROBE_BATCH : (group + 1) * PROBE_BATCH]
+    directory = _batch_root(tmp_path_factory) / f"probes-{backend}-{group}"
+    done = directory / "done"
+    try:
+        directory.mkdir(parents=True)  # atomic: this test runs the group
+    except FileExistsError:
+        deadline = time.monotonic() + 60 * len(probes) + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    else:
+        # On a timeout, what finished is on disk; the rest run alone.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(
+                [sys.executable, os.path.join(HERE, "robustness_probes.py"), "--batch", backend]
+                + [str(directory)]
+                + probes,
+                env=_probe_env(),
+                capture_output=True,
+                text=True,
+                timeout=60 * len(probes),
+            )
+        done.touch()
+    n = probes.index(probe)
+    npz, skip, err = (directory / f"{n}.{ext}" for ext in ("npz", "skip", "err"))
+    if npz.exists():
+        got = np.load(npz)
+        return got["out"], got["want_nan"], got["want"]
+    if skip.exists():
+        pytest.skip(f"{backend}: {skip.read_text().strip().splitlines()[-1]}")
+    if err.exists():
+        pytest.fail(f"probe {probe} on {backend} raised:\n{err.read_text()[-3000:]}")
+    return _in_subprocess(probe, backend, tmp_path)  # the batch died before it: alone
+
+
 BACKEND_PARAMS = [
     "reference",
     "pallas",
@@ -62,9 +118,9 @@ BACKEND_PARAMS = [
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("probe", sorted(PROBES))
-def test_contract(probe, backend, tmp_path):
+def test_contract(probe, backend, tmp_path, tmp_path_factory):
     if backend == "native":
-        out, want_nan, want = _in_subprocess(probe, backend, tmp_path)
+        out, want_nan, want = _batched(probe, backend, tmp_path, tmp_path_factory)
     else:
         out, want_nan, want = run(probe, backend)
     row_nan = np.isnan(out).all(axis=-1)
