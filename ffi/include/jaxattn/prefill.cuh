@@ -609,7 +609,16 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
   const int tk0 = pack_token<kPack>(p, lr0), h0 = head + lr0 - tk0 * G;
   lr0 = tk0;
   const int row0 = t.m0 + lr0, row1 = t.m0 + lr1;  // within the request
-  T* out = static_cast<T*>(p.out);
+  const bool ok0 = lr0 < t.rows, ok1 = lr1 < t.rows;
+  // This thread's first pair of each row (a row past the tile's points at the tile's first),
+  // computed once: each pair is then its conversion and a store at an immediate offset (with
+  // the address inside every conditional store, ptxas rebuilt it there: ~18 instructions a
+  // pair in the sm90 kernel).
+  T* const out = static_cast<T*>(p.out);
+  T* const out0 =
+      out + (int64_t(t.q0 + (ok0 ? row0 : t.m0)) * p.num_q_heads + h0) * D + 2 * tq;
+  T* const out1 =
+      out + (int64_t(t.q0 + (ok1 ? row1 : t.m0)) * p.num_q_heads + h1) * D + 2 * tq;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) {
     const int d = i * 8 + 2 * tq;
@@ -622,14 +631,8 @@ __device__ __forceinline__ void prefill_mma_store_rows(const PrefillParams& p, c
       if (guard_nan(first_bad, poisoned, d, row1, shift)) a1 = nan;
       if (guard_nan(first_bad, poisoned, d + 1, row1, shift)) b1 = nan;
     }
-    if (lr0 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row0) * p.num_q_heads + h0) * D + d) =
-          pack2<T>(a0, b0);
-    }
-    if (lr1 < t.rows) {
-      *reinterpret_cast<uint32_t*>(out + (int64_t(t.q0 + row1) * p.num_q_heads + h1) * D + d) =
-          pack2<T>(a1, b1);
-    }
+    if (ok0) *reinterpret_cast<uint32_t*>(out0 + i * 8) = pack2<T>(a0, b0);
+    if (ok1) *reinterpret_cast<uint32_t*>(out1 + i * 8) = pack2<T>(a1, b1);
   }
 }
 
