@@ -3,8 +3,9 @@
 Under ``jax.jit`` no index value may make a kernel read or write outside its buffers: a
 sequence with an out-of-range page id, kv index, length or indptr gets NaN in all its rows,
 every other sequence is exact, and table entries past a length never poison. NaN in q or in
-an attended K/V element gives NaN in exactly the rows that read it. Each native probe runs
-in a subprocess, so that a crash fails its test instead of the test process. Also here:
+an attended K/V element gives NaN in exactly the rows that read it. The native probes run in
+subprocesses (eight to a batch; one that its batch did not finish, alone), so that a crash
+fails its test instead of the test process. Also here:
 the checked mode, empty inputs, merge_states' NaN rules, and the KV writers' drops.
 """
 
