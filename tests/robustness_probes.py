@@ -20,6 +20,7 @@ the process leaves no file, for the caller to run alone.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import jax
@@ -360,29 +361,23 @@ def _refused(e: NotImplementedError, backend: str) -> bool:
 
 
 def _batch(backend: str, directory: str, probes: list[str]) -> None:
-    import os
     import traceback
 
     for n, probe in enumerate(probes):
         base = os.path.join(directory, str(n))
         try:
             out, want_nan, want = run(probe, backend)
-        except NotImplementedError as e:
-            if not _refused(e, backend):
+        except Exception as e:  # noqa: BLE001 - reported by the probe's own test
+            if isinstance(e, NotImplementedError) and _refused(e, backend):
+                _write(base + ".skip", str(e))
+            else:
                 _write(base + ".err", traceback.format_exc())
-                continue
-            _write(base + ".skip", str(e))
-            continue
-        except Exception:  # noqa: BLE001 - reported by the probe's own test
-            _write(base + ".err", traceback.format_exc())
             continue
         np.savez(base + ".tmp.npz", out=out, want_nan=want_nan, want=want)
         os.replace(base + ".tmp.npz", base + ".npz")  # whole or absent
 
 
 def _write(path: str, text: str) -> None:
-    import os
-
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

@@ -86,18 +86,21 @@ def _batched(probe, backend, tmp_path, tmp_path_factory):
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
     else:
-        # On a timeout, what finished is on disk; the rest run alone.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run(
-                [sys.executable, os.path.join(HERE, "robustness_probes.py"), "--batch", backend]
-                + [str(directory)]
-                + probes,
-                env=_probe_env(),
-                capture_output=True,
-                text=True,
-                timeout=60 * len(probes),
-            )
-        done.touch()
+        # On a timeout, what finished is on disk; the rest run alone. The marker is set
+        # whatever happens, so that no other worker waits out its deadline.
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(
+                    [sys.executable, os.path.join(HERE, "robustness_probes.py"), "--batch"]
+                    + [backend, str(directory)]
+                    + probes,
+                    env=_probe_env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=60 * len(probes),
+                )
+        finally:
+            done.touch()
     n = probes.index(probe)
     npz, skip, err = (directory / f"{n}.{ext}" for ext in ("npz", "skip", "err"))
     if npz.exists():
