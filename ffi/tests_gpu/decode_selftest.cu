@@ -8,7 +8,8 @@
 //   /tmp/decode_selftest --perf-fp8 # the FP8 timing table only (and the bf16 time of each shape)
 //   /tmp/decode_selftest --one e4m3 64 4096 0   # one shape (bf16|e4m3 B ctx partition), for ncu
 //   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
-//   (built with -DJAXATTN_DECODE_TRACE) --trace 1 32768 512: the FP8 kernel's block timelines
+//   (built with -DJAXATTN_DECODE_TRACE) --trace e4m3 1 32768 512: a tensor-core kernel's block
+//   timelines (bf16 or e4m3 cache)
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -1085,12 +1086,12 @@ void run_perf(bool fp8_only) {
 int main(int argc, char** argv) {
   bool check = true, perf = true, robust_only = false, fp8_only = false;
 #ifdef JAXATTN_DECODE_TRACE
-  if (argc == 5 && !std::strcmp(argv[1], "--trace")) {
-    // --trace B ctx part: block timelines of the FP8 tensor-core kernel (e4m3, 32/8).
+  if (argc == 6 && !std::strcmp(argv[1], "--trace")) {
+    // --trace bf16|e4m3 B ctx part: block timelines of the tensor-core kernel (32/8).
     Rng rng(99);
-    Bench bench(std::atoi(argv[2]), std::atoi(argv[3]), 32, 8, true);
+    Bench bench(std::atoi(argv[3]), std::atoi(argv[4]), 32, 8, !std::strcmp(argv[2], "e4m3"));
     bench.setup(rng);
-    const int part = std::atoi(argv[4]);
+    const int part = std::atoi(argv[5]);
     std::printf("untraced: %.1f us (kernel alone %.1f)\n", bench.time(part, 0), bench.time(part, 3));
     dim3 grid;
     const DecodeParams p0 = bench.params(part, 0);

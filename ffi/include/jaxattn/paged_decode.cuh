@@ -834,6 +834,32 @@ struct MmaDecodeShape {
   static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
 };
 
+// Block timelines of the tensor-core kernels, for the decode self-test's --trace (compile
+// with -DJAXATTN_DECODE_TRACE; never in the library): thread 0 of each block stamps the global
+// timer at its start (0), after the prologue's copies (2; stamp 1, the length read, went with
+// the kernels' shared start, decode_ring_start), after q (3, the FP8 kernel), at the top of
+// tiles 0..7 (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM. ffi/NOTES.md,
+// round 15, reads them.
+#ifdef JAXATTN_DECODE_TRACE
+__device__ unsigned long long* g_decode_trace;
+__device__ __forceinline__ void decode_trace(int i) {
+  if (threadIdx.x == 0 && g_decode_trace) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    g_decode_trace[blk * 16 + i] = t;
+    if (i == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      g_decode_trace[blk * 16 + 15] = sm;
+    }
+  }
+}
+#define JAXATTN_TRACE(i) decode_trace(i)
+#else
+#define JAXATTN_TRACE(i)
+#endif
+
 // Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
 // (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
 // 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
@@ -853,6 +879,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   constexpr int H = S::kHeads;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem[];
+  JAXATTN_TRACE(0);
 
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
@@ -883,6 +910,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   bool bad;  // this thread met a page id outside the cache
   if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
   const int start = ring.start, end = ring.end, ntiles = ring.tiles();
+  JAXATTN_TRACE(2);
 
   float o[KD][4];
 #pragma unroll
@@ -898,6 +926,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n < 8) JAXATTN_TRACE(4 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     const int page = ring.page_of(n + NS);  // consumed after this tile's compute
@@ -950,6 +979,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
+  JAXATTN_TRACE(12);
   l = group_sum<4>(l);
 
   // Per-warp states to shared memory (over the ring), then the fixed-order merge.
@@ -971,6 +1001,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   __syncthreads();
   merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
                                                             p.scales.v_of(kvh));
+  JAXATTN_TRACE(13);
 #endif
 }
 
@@ -1019,31 +1050,6 @@ __device__ __forceinline__ int fp8_out_dim(int j, int r) {
   return 32 * (j / 2) + 4 * (r % 8) + 2 * (j % 2) + r / 8;
 }
 
-// Block timelines of the FP8 tensor-core kernel, for the decode self-test's --trace (compile
-// with -DJAXATTN_DECODE_TRACE; never in the library): thread 0 of each block stamps the global
-// timer at its start (0), after the prologue's copies (2; stamp 1, the length read, went with
-// the kernels' shared start, decode_ring_start), after q (3), at the top of tiles 0..7
-// (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM. ffi/NOTES.md,
-// round 15, reads them.
-#ifdef JAXATTN_DECODE_TRACE
-__device__ unsigned long long* g_decode_trace;
-__device__ __forceinline__ void decode_trace(int i) {
-  if (threadIdx.x == 0 && g_decode_trace) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    const int blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    g_decode_trace[blk * 16 + i] = t;
-    if (i == 0) {
-      unsigned sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      g_decode_trace[blk * 16 + 15] = sm;
-    }
-  }
-}
-#define JAXATTN_TRACE(i) decode_trace(i)
-#else
-#define JAXATTN_TRACE(i)
-#endif
 
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
