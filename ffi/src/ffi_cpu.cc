@@ -193,20 +193,7 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
         return ffi_common::invalid("unsupported dtype");
     }
   };
-  switch (cache) {
-    case CacheDType::kF32:
-      return with_input(float{});
-    case CacheDType::kBF16:
-      return with_input(bf16_t{});
-    case CacheDType::kF16:
-      return with_input(f16_t{});
-    case CacheDType::kE4M3:
-      return with_input(e4m3_t{});
-    case CacheDType::kE5M2:
-      return with_input(e5m2_t{});
-    default:
-      return ffi_common::invalid("unsupported KV cache dtype");
-  }
+  return with_cache_type(cache, with_input, ffi_common::invalid("unsupported KV cache dtype"));
 }
 
 }  // namespace

@@ -14,8 +14,8 @@ namespace {
 
 using ffi_common::dtype_of;
 
-ffi::Error gpu_dtype(ffi::DataType t, gpu::DType* out) {
-  switch (dtype_of(t)) {
+ffi::Error gpu_dtype(ffi_common::DType t, gpu::DType* out) {
+  switch (t) {
     case ffi_common::DType::kF32:
       *out = gpu::DType::kF32;
       return ffi::Error::Success();
@@ -29,6 +29,8 @@ ffi::Error gpu_dtype(ffi::DataType t, gpu::DType* out) {
       return ffi_common::invalid("unsupported dtype");
   }
 }
+
+ffi::Error gpu_dtype(ffi::DataType t, gpu::DType* out) { return gpu_dtype(dtype_of(t), out); }
 
 ffi::Error launched(const char* what, const char* err) {
   if (err == nullptr) return ffi::Error::Success();
@@ -162,7 +164,7 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
       e.failure())
     return e;
   gpu::DType dt;
-  if (auto e = gpu_dtype(k.element_type(), &dt); e.failure()) return e;
+  if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
   // Unaliased results start as copies of the caches.
   const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
   void* dst[2] = {p.k_cache, p.v_cache};

@@ -59,21 +59,9 @@ const char* launch_typed(const WriteKvParams& p, gpuStream_t stream) {
 
 template <typename In>
 const char* launch_cache(CacheDType cache, const WriteKvParams& p, gpuStream_t stream) {
-  switch (cache) {
-    case CacheDType::kF32:
-      return launch_typed<In, float>(p, stream);
-    case CacheDType::kBF16:
-      return launch_typed<In, bf16_t>(p, stream);
-    case CacheDType::kF16:
-      return launch_typed<In, f16_t>(p, stream);
-    case CacheDType::kE4M3:
-      return launch_typed<In, e4m3_t>(p, stream);
-    case CacheDType::kE5M2:
-      return launch_typed<In, e5m2_t>(p, stream);
-    case CacheDType::kUnsupported:
-      break;
-  }
-  return "jaxattn: unsupported KV cache dtype";
+  return with_cache_type(
+      cache, [&](auto c) { return launch_typed<In, decltype(c)>(p, stream); },
+      static_cast<const char*>("jaxattn: unsupported KV cache dtype"));
 }
 
 }  // namespace

@@ -75,6 +75,27 @@ JAXATTN_HD int64_t write_kv_row(const KvGeometry& g, int32_t slot, int h) {
   return page * g.page_stride + g.slot_of(slot) * g.token_stride + h * g.head_stride;
 }
 
+// Calls f(C{}) with C the element type of `cache` and returns its result; `unsupported`
+// for kUnsupported. The CPU handler and the GPU launcher both pick their instantiation here.
+template <typename R, typename F>
+R with_cache_type(CacheDType cache, F&& f, R unsupported) {
+  switch (cache) {
+    case CacheDType::kF32:
+      return f(float{});
+    case CacheDType::kBF16:
+      return f(bf16_t{});
+    case CacheDType::kF16:
+      return f(f16_t{});
+    case CacheDType::kE4M3:
+      return f(e4m3_t{});
+    case CacheDType::kE5M2:
+      return f(e5m2_t{});
+    case CacheDType::kUnsupported:
+      break;
+  }
+  return unsupported;
+}
+
 namespace cpu {
 
 template <typename In, typename C>
