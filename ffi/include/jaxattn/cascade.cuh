@@ -390,6 +390,7 @@ __global__ void __launch_bounds__((CascadeSimtShape<T, D>::kThreads))
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ CascadePlan<NT, R> plan;
   __shared__ int64_t row_q[R], row_slot[R];
+  pdl_launch_dependents();  // the merge may launch now and waits for this grid (see there)
   const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
   const int gi = threadIdx.x;
   const CascadeBlock blk = cascade_block(p, per_head);
@@ -668,11 +669,13 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   cascade_prefix_store<D>(p, o, rows.slot, m0, m1, l0, l1, poisoned);
 }
 
-// Own block: paged decode of request b's own tokens [start, end), the group's heads as the n = 8
+// Own block: paged decode of own partition `part` of request b, the group's heads as the n = 8
 // side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
+// As there, q and the pages of the first tiles are loaded beside the request's length, not
+// after it.
 template <typename T, int D>
 __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned char* smem, int b,
-                                                int kvh, int part, int start, int end) {
+                                                int kvh, int part) {
   using S = CascadeMmaShape<T, D>;
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
   constexpr int H = S::kHeads;
@@ -684,12 +687,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   const T* kbase = static_cast<const T*>(p.k) + kvh * kv.head_stride;
   const T* vbase = static_cast<const T*>(p.v) + kvh * kv.head_stride;
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
-  const Ring ring{smem, kbase, vbase, p.block_tables + int64_t(b) * p.block_table_stride,
-                  kv,   start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles);
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
-
+  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
   uint32_t qa[KD][2];
   {
     const bool head_ok = g < group;
@@ -701,6 +699,14 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
     }
   }
+  int pages[NS];
+  Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
+  int start, end;
+  if (!own_range(p, b, part, &start, &end)) return;
+  const Ring ring{smem, kbase, vbase, table, kv, start, end};
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles, pages);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   float o[KD][4];
 #pragma unroll
@@ -802,6 +808,7 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
   using S = CascadeMmaShape<T, D>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ CascadePlan<S::kThreads, S::kRows> plan;
+  pdl_launch_dependents();  // the merge may launch now and waits for this grid (see there)
   const int hkv = p.kv.num_kv_heads;
   const CascadeBlock blk = cascade_block(p, per_head);
   const int x = blk.index;
@@ -820,8 +827,7 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     }
   } else {
     const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
-    if (!own_range(p, b, part, &start, &end)) return;
-    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part, start, end);
+    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part);
   }
 #endif
 }
@@ -836,46 +842,77 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
 // [0, n_own), prefix partitions [own_parts, own_parts + n_prefix) -- the maximum of their maxima
 // first, then the weighted sums in a fixed order. A part with a NaN sum (a poisoned block, NaN
 // in q or a key) makes the row NaN; an invalid request is NaN without reading its parts.
+//
+// Launched dependent on step 1's grid (programmatic dependent launch, as the split decode's
+// combine): the request's scalars -- inputs of the op, complete before step 1 started -- are
+// read before the wait for step 1's writes, and the parts' (max, sum) pairs a lane each (up to
+// 32 parts a pass), then their outputs kBatch parts at a time with every load of a batch issued
+// before its first use: a memory latency or two a row instead of one a part.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams p) {
   constexpr int kWarps = 256 / WARP_SIZE;
   constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
+  constexpr int kBatch = kPerLane > 4 ? 4 : 8;  // parts whose outputs a warp has in flight
   constexpr float kNegInf = -__builtin_huge_valf();
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
-  if (row >= int64_t(p.batch) * p.num_q_heads) return;
-  const int b = int(row / p.num_q_heads), h = int(row % p.num_q_heads);
+  const bool live = row < int64_t(p.batch) * p.num_q_heads;
+  const int b = live ? int(row / p.num_q_heads) : 0, h = live ? int(row % p.num_q_heads) : 0;
+  int32_t lp = 0;
+  const bool ok = live && cascade_request_ok(p, b, &lp);
+  const int n_own = ok ? cascade_own_parts(p, p.seq_lens[b]) : 0;
   // The KV head's value scale, on the merged row (exact: the parts' weights do not involve it).
   const float vs = p.scales.v_of(h / (p.num_q_heads / p.kv.num_kv_heads));
+  pdl_wait();  // step 1's parts are written (a no-op after an ordinary launch)
+  if (!live) return;
   T* out = static_cast<T*>(p.out) + row * D;
-  int32_t lp;
-  if (!cascade_request_ok(p, b, &lp)) {
+  if (!ok) {
     for (int d = lane; d < D; d += WARP_SIZE) out[d] = from_float<T>(quiet_nan());
     return;
   }
-  const int n_own = cascade_own_parts(p, p.seq_lens[b]);
   const int n = n_own + (lp > 0 ? cascade_prefix_parts(lp, *cascade_split_slot(p)) : 0);
   const int64_t slot0 = cascade_slot(p, b, h, 0);
-  const float* ml = cascade_ml(p) + 2 * slot0;
+  const float2* ml = reinterpret_cast<const float2*>(cascade_ml(p) + 2 * slot0);
   const float* parts = p.workspace + slot0 * D;
   const int skip = p.own_parts - n_own;  // part i >= n_own lives at i + skip
+  auto at = [&](int i) { return i < n_own ? i : i + skip; };
 
   float mx = kNegInf;
-  for (int i = lane; i < n; i += WARP_SIZE) mx = fmaxf(mx, ml[2 * (i < n_own ? i : i + skip)]);
+  for (int i = lane; i < n; i += WARP_SIZE) mx = fmaxf(mx, ml[at(i)].x);
   mx = group_max<WARP_SIZE>(mx);
   const float m_use = mx == kNegInf ? 0.f : mx;
 
   float o[kPerLane], ls = 0.f;
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
-  for (int i = 0; i < n; ++i) {
-    const int q = i < n_own ? i : i + skip;
-    const float w = ml[2 * q + 1] * fast_exp2(ml[2 * q] - m_use);
-    ls += w;
+  for (int i0 = 0; i0 < n; i0 += WARP_SIZE) {
+    // Lane j's weight is part i0 + j's (its max read again: a cached line of this row).
+    float w_lane = 0.f;
+    if (i0 + lane < n) {
+      const float2 x = ml[at(i0 + lane)];
+      w_lane = x.y * fast_exp2(x.x - m_use);
+    }
+    const int cnt = min(WARP_SIZE, n - i0);
+    for (int j0 = 0; j0 < cnt; j0 += kBatch) {
+      float v[kBatch][kPerLane];
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const int d = lane + k * WARP_SIZE;
-      if (D % WARP_SIZE == 0 || d < D) o[k] = fmaf(w, parts[int64_t(q) * D + d], o[k]);
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = j0 + j < cnt ? at(i0 + j0 + j) : 0;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int d = lane + k * WARP_SIZE;
+          v[j][k] = j0 + j < cnt && (D % WARP_SIZE == 0 || d < D) ? parts[int64_t(q) * D + d] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = shfl(w_lane, (j0 + j) % WARP_SIZE);
+        if (j0 + j < cnt) {  // warp-uniform; parts added in order, as their sum
+          ls += w;
+#pragma unroll
+          for (int k = 0; k < kPerLane; ++k) o[k] = fmaf(w, v[j][k], o[k]);
+        }
+      }
     }
   }
 #pragma unroll
@@ -994,8 +1031,26 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   }
   constexpr int kRowsPerBlock = 256 / WARP_SIZE;
   const int64_t rows = int64_t(p.batch) * p.num_q_heads;
-  cascade_merge_kernel<T, D>
-      <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), 256, 0, stream>>>(p);
+  const dim3 grid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock));
+#if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
+  // Dependent on step 1's grid (see the merge kernel), also inside XLA's command buffers; only
+  // after a step-1 launch, whose blocks trigger it.
+  if (blocks > 0 && current_device_caps().major >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, cascade_merge_kernel<T, D>, p) == cudaSuccess) return nullptr;
+    (void)cudaGetLastError();  // an ordinary launch below
+  }
+#endif
+  cascade_merge_kernel<T, D><<<grid, 256, 0, stream>>>(p);
   return check_launch();
 }
 
