@@ -1092,7 +1092,8 @@ int main(int argc, char** argv) {
     Bench bench(std::atoi(argv[3]), std::atoi(argv[4]), 32, 8, !std::strcmp(argv[2], "e4m3"));
     bench.setup(rng);
     const int part = std::atoi(argv[5]);
-    std::printf("untraced: %.1f us (kernel alone %.1f)\n", bench.time(part, 0), bench.time(part, 3));
+    std::printf("untraced: %.1f us (kernel alone %.1f)\n", bench.time(part, 0),
+                bench.time(part, 3));
     dim3 grid;
     const DecodeParams p0 = bench.params(part, 0);
     if (const char* e = gpu::decode_grid(p0, &grid)) {

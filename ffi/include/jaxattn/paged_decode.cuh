@@ -838,8 +838,8 @@ struct MmaDecodeShape {
 // with -DJAXATTN_DECODE_TRACE; never in the library): thread 0 of each block stamps the global
 // timer at its start (0), after the prologue's copies (2; stamp 1, the length read, went with
 // the kernels' shared start, decode_ring_start), after q (3, the FP8 kernel), at the top of
-// tiles 0..7 (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM. ffi/NOTES.md,
-// round 15, reads them.
+// tiles 0..7 (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM.
+// ffi/NOTES.md, rounds 15 and 21, reads them.
 #ifdef JAXATTN_DECODE_TRACE
 __device__ unsigned long long* g_decode_trace;
 __device__ __forceinline__ void decode_trace(int i) {
@@ -1049,7 +1049,6 @@ struct MmaFp8DecodeShape {
 __device__ __forceinline__ int fp8_out_dim(int j, int r) {
   return 32 * (j / 2) + 4 * (r % 8) + 2 * (j % 2) + r / 8;
 }
-
 
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
