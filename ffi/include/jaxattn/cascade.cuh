@@ -1032,24 +1032,10 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   constexpr int kRowsPerBlock = 256 / WARP_SIZE;
   const int64_t rows = int64_t(p.batch) * p.num_q_heads;
   const dim3 grid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock));
-#if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
-  // Dependent on step 1's grid (see the merge kernel), also inside XLA's command buffers; only
-  // after a step-1 launch, whose blocks trigger it.
-  if (blocks > 0 && current_device_caps().major >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, cascade_merge_kernel<T, D>, p) == cudaSuccess) return nullptr;
-    (void)cudaGetLastError();  // an ordinary launch below
-  }
-#endif
+  // Dependent on step 1's grid (see the merge kernel), only after a step-1 launch, whose
+  // blocks trigger it.
+  if (blocks > 0 && launch_dependent(cascade_merge_kernel<T, D>, grid, 256, stream, p))
+    return nullptr;
   cascade_merge_kernel<T, D><<<grid, 256, 0, stream>>>(p);
   return check_launch();
 }

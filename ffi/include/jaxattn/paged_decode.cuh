@@ -1346,28 +1346,40 @@ inline const char* decode_grid(const DecodeParams& p, dim3* grid) {
   return nullptr;
 }
 
+// Launches kernel<<<grid, threads, 0, stream>>>(args) dependent on the kernel before it in the
+// stream (programmatic dependent launch; the kernel calls pdl_wait before it reads that one's
+// results), also while XLA captures the stream into a command buffer (CUDA 12.3+ records it
+// as a programmatic edge of the graph). False where it was not launched -- before compute
+// capability 9.0, under HIP, with -DJAXATTN_NO_PDL (to time without), or when the runtime
+// refused it -- and the caller launches it the ordinary way.
+template <typename... Params, typename... Args>
+bool launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, gpuStream_t stream,
+                      const Args&... args) {
+#if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)
+  if (current_device_caps().major < 9) return false;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+#else
+  (void)kernel, (void)grid, (void)threads, (void)stream, ((void)args, ...);
+#endif
+  return false;
+}
+
 template <typename T, int D>
 const char* launch_decode_combine(const DecodeParams& p, gpuStream_t stream) {
   if (p.partition_size == 0) return nullptr;
   const dim3 grid(p.num_q_heads, p.batch);
-#if defined(JAXATTN_CUDA) && !defined(JAXATTN_NO_PDL)  // -DJAXATTN_NO_PDL: to time without
-  // Programmatic dependent launch (see pdl_wait), also while XLA captures the stream into a
-  // command buffer (CUDA 12.3+ records it as a programmatic edge of the graph).
-  if (current_device_caps().major >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p) == cudaSuccess) return nullptr;
-    (void)cudaGetLastError();  // an ordinary launch below
-  }
-#endif
+  if (launch_dependent(decode_combine_kernel<T, D>, grid, 256, stream, p)) return nullptr;
   decode_combine_kernel<T, D><<<grid, 256, 0, stream>>>(p);
   return check_launch();
 }
