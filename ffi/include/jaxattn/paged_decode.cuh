@@ -313,10 +313,11 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
                                                       int b, int kvh, int group, bool poisoned,
                                                       float vs) {
   constexpr float kNegInf = -__builtin_huge_valf();
-  for (int i = threadIdx.x; i < HC * GC * D; i += NT) {
-    const int hci = i / (GC * D), g = (i / D) % GC, d = i % D;
-    const int gh = hci * GC + g;
-    if (gh >= group) continue;
+  // The group's heads only: the tensor-core kernels' 8 columns hold 4 padding heads at GQA 4.
+  const int items = min(group, HC * GC) * D;
+  for (int i = threadIdx.x; i < items; i += NT) {
+    const int gh = i / D, d = i % D;
+    const int hci = gh / GC, g = gh % GC;
     float mx = kNegInf;
 #pragma unroll
     for (int w = 0; w < WS; ++w) mx = fmaxf(mx, red[((w * HC + hci) * GC + g) * (D + 2) + D]);
