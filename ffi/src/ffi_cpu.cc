@@ -193,7 +193,8 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
         return ffi_common::invalid("unsupported dtype");
     }
   };
-  return with_cache_type(cache, with_input, ffi_common::invalid("unsupported KV cache dtype"));
+  return with_cache_type(cache, with_input,
+                         [] { return ffi_common::invalid("unsupported KV cache dtype"); });
 }
 
 }  // namespace

@@ -61,7 +61,7 @@ template <typename In>
 const char* launch_cache(CacheDType cache, const WriteKvParams& p, gpuStream_t stream) {
   return with_cache_type(
       cache, [&](auto c) { return launch_typed<In, decltype(c)>(p, stream); },
-      static_cast<const char*>("jaxattn: unsupported KV cache dtype"));
+      []() -> const char* { return "jaxattn: unsupported KV cache dtype"; });
 }
 
 }  // namespace

@@ -75,10 +75,11 @@ JAXATTN_HD int64_t write_kv_row(const KvGeometry& g, int32_t slot, int h) {
   return page * g.page_stride + g.slot_of(slot) * g.token_stride + h * g.head_stride;
 }
 
-// Calls f(C{}) with C the element type of `cache` and returns its result; `unsupported`
-// for kUnsupported. The CPU handler and the GPU launcher both pick their instantiation here.
-template <typename R, typename F>
-R with_cache_type(CacheDType cache, F&& f, R unsupported) {
+// Calls f(C{}) with C the element type of `cache` and returns its result; unsupported() for
+// kUnsupported (called only then). The CPU handler and the GPU launcher both pick their
+// instantiation here.
+template <typename F, typename U>
+auto with_cache_type(CacheDType cache, F&& f, U&& unsupported) -> decltype(unsupported()) {
   switch (cache) {
     case CacheDType::kF32:
       return f(float{});
@@ -93,7 +94,7 @@ R with_cache_type(CacheDType cache, F&& f, R unsupported) {
     case CacheDType::kUnsupported:
       break;
   }
-  return unsupported;
+  return unsupported();
 }
 
 namespace cpu {
