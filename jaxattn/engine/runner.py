@@ -25,7 +25,11 @@ independently (new tokens, KV length and requests for one; rows and table width 
 other), so two programs compile ``|extend shapes| + |decode shapes|`` variants where a
 fused one would compile their product. Every shape is rounded up to a power of two (with a
 floor), so a long generation compiles O(log) programs; :attr:`ModelRunner.trace_counts`
-counts them. The caches are donated to every program and updated in place. The jitted
+counts them. The caches and the decode rows' state are donated to every program that
+takes them and updated in place: besides the memory, that keeps their buffers at the same
+addresses from one call to the next, so that on GPUs XLA's command buffers (CUDA graphs)
+replay as recorded instead of being updated for new addresses on every call, which cost
+the host about half of a decode dispatch (``benchmarks/RESULTS.md``, round 22). The jitted
 programs are module level, keyed on the model and the attention choices, so every engine
 of one model reuses the programs another engine compiled.
 
@@ -514,9 +518,10 @@ def _counted(kind: str, fn):
     return traced
 
 
+# Donated: the caches and the rows' state (see the module docstring).
 _EXTEND = jax.jit(
     _counted("extend", _extend_fn),
-    donate_argnums=(1, 2),
+    donate_argnums=(1, 2, 3),
     static_argnames=("model", "options", "greedy", "tp"),
 )
 _DECODE_STATICS = (
@@ -530,7 +535,7 @@ _DECODE_STATICS = (
     "tp",
 )
 _DECODE = jax.jit(
-    _counted("decode", _decode_fn), donate_argnums=(1, 2), static_argnames=_DECODE_STATICS
+    _counted("decode", _decode_fn), donate_argnums=(1, 2, 3), static_argnames=_DECODE_STATICS
 )
 # The decode program with its while loop as a command buffer (ExecutionConfig.decode_graph):
 # XLA's default command-buffer kinds plus WHILE and CONDITIONAL, so that the multistep loop
@@ -539,11 +544,11 @@ _DECODE = jax.jit(
 DECODE_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 _DECODE_GRAPH = jax.jit(
     _counted("decode", _decode_fn),
-    donate_argnums=(1, 2),
+    donate_argnums=(1, 2, 3),
     static_argnames=_DECODE_STATICS,
     compiler_options={"xla_gpu_enable_command_buffer": DECODE_GRAPH_COMMANDS},
 )
-_UPDATE = jax.jit(_counted("update", _update_fn))
+_UPDATE = jax.jit(_counted("update", _update_fn), donate_argnums=(0,))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
