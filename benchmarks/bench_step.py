@@ -223,6 +223,7 @@ def device_time(
     # The program takes the rows' state donated (as the engine runs it): each call gets a
     # copy of the same rows (one small device copy a call).
     fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+    no_updates = runner._folded_updates(None)  # the engine's program takes row updates
 
     def run(n):
         out = None
@@ -235,6 +236,9 @@ def device_time(
                 control,
                 pages,
                 entries,
+                None,
+                runner.kv_scales,
+                no_updates,
                 **statics,
             )
         return out

@@ -303,7 +303,8 @@ def test_non_finite_logits_end_the_request_with_an_error():
 def test_compiled_programs_stay_bounded():
     """A 110-token generation compiles one decode program per power-of-two table width,
     whatever the number of steps each dispatch runs (a dynamic trip count), and at most a
-    few small row-update programs; running it again compiles nothing."""
+    few small row-update programs (none here: every step's updates ride with its first
+    program); running it again compiles nothing."""
     engine = make_engine(
         num_pages=8, page_size=16, buckets=Buckets(tokens=16, kv=16, pages=1, decode_batch=1)
     )
@@ -314,13 +315,29 @@ def test_compiled_programs_stay_bounded():
     # position 9 already needs two pages).
     before = collections.Counter(engine.runner.trace_counts)
     counts = dict(before)
-    assert counts.pop("update") <= 2 and counts.pop("decode") <= 4
+    assert counts.pop("update", 0) <= 2 and counts.pop("decode") <= 4
     assert counts == dict(extend=1)
     stats = engine.stats
     assert stats["decode_steps"] == 109 and stats["decode_calls"] <= -(-109 // 8) + 1
     assert engine.generate([prompt], 110, ignore_eos=True) == out
     assert engine.runner.trace_counts == before
     assert_verified([prompt], out, 110)
+    assert_whole(engine)
+
+
+def test_row_updates_folded_or_alone():
+    """A step's row updates ride with its first program when they fit its folded shapes
+    (every row once, two table entries a row) and are dispatched alone before it otherwise
+    (here: four prompts of three pages admitted at once into four rows, 12 entries > 8);
+    the outputs are the no-cache recompute's either way."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab_size, 40).tolist() for _ in range(4)]
+    engine = make_engine(max_running=4, max_batch_tokens=256)
+    out = engine.generate(prompts, 20)
+    counts = engine.runner.update_counts
+    assert counts["alone"] >= 1 and counts["folded"] >= 1, counts
+    assert engine.runner.trace_counts["update"] >= 1
+    assert_verified(prompts, out, 20)
     assert_whole(engine)
 
 

@@ -339,7 +339,11 @@ def _keep_split(tp, layout, k, v):
     return jax.lax.with_sharding_constraint(k, ks), jax.lax.with_sharding_constraint(v, vs)
 
 
-def _extend_fn(params, k, v, state, batch, samples, sample_rows, *, model, options, greedy, tp):
+def _extend_fn(
+    params, k, v, state, batch, samples, sample_rows, updates=None, *, model, options, greedy, tp
+):
+    if updates is not None:  # the step's row updates (ModelRunner.launch), first
+        state = _update_fn(state, *updates)
     logits, k, v = model.forward_extend(params, k, v, batch, kernels=tp, **options)
     tokens = _draw(logits, samples, greedy)
     # Prompts that end here start decoding from their row: the drawn token (and whether it
@@ -379,6 +383,7 @@ def _decode_fn(
     entries,
     levels=None,
     scales=None,
+    updates=None,
     *,
     model,
     options,
@@ -405,7 +410,13 @@ def _decode_fn(
 
     ``scales`` (``(k_scale, v_scale)`` f32 ``[num_layers, num_kv_heads]``, or None): the
     scales of a quantised pool, handed to the model in every step's batch.
+
+    ``updates`` (:func:`_update_fn`'s ``rows, ints, floats, cells``, or None): row updates
+    applied first (:meth:`ModelRunner.launch` folds a step's small updates into its first
+    program instead of dispatching them alone).
     """
+    if updates is not None:
+        state = _update_fn(state, *updates)
     steps, active = control[0], control[1:] != 0
     rows = jax.tree.map(lambda x: x[:num_rows], state)
     if pages is None:
@@ -719,6 +730,9 @@ class ModelRunner:
         # Device paging: the pages as a PageTable over the decode rows (sent by the host
         # whenever something other than a decode step changed them).
         self.pages = None
+        self._no_updates = None  # the all-padding row updates, sent once (_folded_updates)
+        # Steps whose row updates rode with their first program / were dispatched alone.
+        self.update_counts: collections.Counter = collections.Counter(folded=0, alone=0)
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
         self.backends = {
@@ -961,12 +975,22 @@ class ModelRunner:
         waits for the device."""
         if work.copies:
             self.copy_pages(work.copies)
+        # Row updates that fit the folded shapes ride with the step's first program (one
+        # dispatch less a step: ~0.5 ms of host time each on an H200's host); larger ones
+        # (admitting many prompts at once) are dispatched alone first.
+        folded = None
         if work.updates is not None:
-            self.apply_updates(work.updates)
-        ext = self.extend(work.extend) if work.extend else None
+            if work.extend or work.decode is not None:
+                folded = self._folded_updates(work.updates)
+            self.update_counts["alone" if folded is None else "folded"] += 1
+            if folded is None:
+                self.apply_updates(work.updates)
+        ext = None
+        if work.extend:
+            ext, folded = self.extend(work.extend, updates=folded), None
         if work.pages is not None:
             self.upload_pages(work.pages)
-        dec = self.decode(work.decode) if work.decode is not None else None
+        dec = self.decode(work.decode, updates=folded) if work.decode is not None else None
         for out in (ext, dec):
             if out is not None:
                 out.copy_to_host_async()
@@ -980,10 +1004,10 @@ class ModelRunner:
             np.asarray(dec) if dec is not None else None,
         )
 
-    def apply_updates(self, updates: RowUpdates) -> None:
-        bk, r = self.buckets, self.max_rows
-        u = bucket(len(updates.rows), bk.updates)
-        c = bucket(len(updates.cells), bk.updates)
+    def _update_arrays(self, updates: RowUpdates, u: int, c: int) -> tuple:
+        """``updates`` padded to ``u`` rows and ``c`` cells (padding: row ``max_rows``,
+        which every scatter drops), as host arrays."""
+        r = self.max_rows
         rows = _pad(updates.rows, u, r)
         ints = np.zeros((u, 5 + self.stop_width), np.int32)
         ints[: len(updates.rows)] = updates.ints
@@ -991,11 +1015,45 @@ class ModelRunner:
         floats[: len(updates.rows)] = updates.floats
         cells = np.full((c, 3), r, np.int32)
         cells[: len(updates.cells)] = updates.cells
-        args = self._put(rows, ints, floats, cells)
+        return rows, ints, floats, cells
+
+    def _folded_shape(self) -> tuple[int, int]:
+        """(rows, cells) of the updates the step programs take: every row once, two
+        table entries a row (a dispatch of ``decode_steps`` <= a page's tokens adds one
+        page a row at most)."""
+        return self.max_rows, 2 * self.max_rows
+
+    def _folded_updates(self, updates: RowUpdates | None):
+        """The arrays the step programs take for ``updates`` (None: no updates, all
+        padding), or None when they do not fit :meth:`_folded_shape`."""
+        u, c = self._folded_shape()
+        if updates is None:
+            if self._no_updates is None:
+                empty = RowUpdates(
+                    np.zeros(0, np.int32),
+                    np.zeros((0, 5 + self.stop_width), np.int32),
+                    np.zeros((0, 2), np.float32),
+                    np.zeros((0, 3), np.int32),
+                )
+                self._no_updates = self._put(*self._update_arrays(empty, u, c), keep=True)
+            return self._no_updates
+        if len(updates.rows) > u or len(updates.cells) > c:
+            return None
+        return self._put(*self._update_arrays(updates, u, c))
+
+    def apply_updates(self, updates: RowUpdates) -> None:
+        """Dispatch ``updates`` alone (the step programs fold in the small ones)."""
+        bk = self.buckets
+        u = bucket(len(updates.rows), bk.updates)
+        c = bucket(len(updates.cells), bk.updates)
+        args = self._put(*self._update_arrays(updates, u, c))
         self.state = self._call("update", _UPDATE, self.state, *args)
 
-    def extend(self, items: list[ExtendItem]) -> jax.Array:
-        """Run the chunks; return the drawn tokens ``i32[>= sum(len(samples))]`` (device)."""
+    def extend(self, items: list[ExtendItem], *, updates=None) -> jax.Array:
+        """Run the chunks (after ``updates``: :meth:`_folded_updates`' arrays, None for
+        none); return the drawn tokens ``i32[>= sum(len(samples))]`` (device)."""
+        if updates is None:
+            updates = self._folded_updates(None)
         batch, samples, sample_rows = self._extend_args(items)
         temperatures = [s[2] for it in items for s in it.samples]
         # A step that draws nothing reuses the last variant rather than compiling another.
@@ -1011,6 +1069,7 @@ class ModelRunner:
             batch,
             samples,
             sample_rows,
+            updates,
             model=self.model,
             options=self._options["extend"],
             greedy=greedy,
@@ -1034,9 +1093,10 @@ class ModelRunner:
         )
         self.pages = PageTable(*arrays, block_size=self.page_size)
 
-    def decode(self, work: DecodeWork) -> jax.Array:
-        """Run up to ``work.steps`` decode steps; return the tokens
-        ``i32[decode_steps, work.num_rows]`` (device)."""
+    def decode(self, work: DecodeWork, *, updates=None) -> jax.Array:
+        """Run up to ``work.steps`` decode steps (after ``updates``: :meth:`_folded_updates`'
+        arrays, None for none); return the tokens ``i32[decode_steps, work.num_rows]``
+        (device)."""
         if work.steps > self.decode_steps:
             raise ValueError(f"{work.steps} steps exceed decode_steps={self.decode_steps}")
         control = np.zeros(work.num_rows + 1, np.int32)
@@ -1055,7 +1115,9 @@ class ModelRunner:
             )
         if work.counts is None:
             (control,) = self._put(control)
-            return self.decode_call(control, work.num_rows, work.width, work.greedy, levels=levels)
+            return self.decode_call(
+                control, work.num_rows, work.width, work.greedy, levels=levels, updates=updates
+            )
         if self.pages is None:
             raise RuntimeError("device paging needs the host's pages sent first")
         # Entries in plan order (the host reserved in that order); padding rows are ids
@@ -1066,16 +1128,27 @@ class ModelRunner:
         entries[1, : len(work.rows)] = work.counts
         control, entries = self._put(control, entries)
         return self.decode_call(
-            control, work.num_rows, work.width, work.greedy, entries, levels=levels
+            control, work.num_rows, work.width, work.greedy, entries, levels=levels, updates=updates
         )
 
     def decode_call(
-        self, control, num_rows: int, width: int, greedy: bool, entries=None, *, levels=None
+        self,
+        control,
+        num_rows: int,
+        width: int,
+        greedy: bool,
+        entries=None,
+        *,
+        levels=None,
+        updates=None,
     ) -> jax.Array:
         """The decode program on the current rows (``control``: the step count, then one
         flag per row; ``entries``: device paging's rows and slot counts; ``levels``: the
-        cascade levels on the device, or None for paged decode); for benchmarks that time
+        cascade levels on the device, or None for paged decode; ``updates``: row updates
+        first, :meth:`_folded_updates`' arrays, None for none); for benchmarks that time
         it alone."""
+        if updates is None:
+            updates = self._folded_updates(None)
         pages = self.pages if entries is not None else None
         out, self.k_cache, self.v_cache, self.state, pages = self._call(
             "decode",
@@ -1089,6 +1162,7 @@ class ModelRunner:
             entries,
             levels,
             self.kv_scales,
+            updates,
             model=self.model,
             options=self._options["decode" if levels is None else "cascade"],
             num_rows=num_rows,
