@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         example_tokens=args.example_tokens,
     )
     if args.warm_runs < 1:
-        raise SystemExit(f"--warm-runs must be at least 1 (the compiling run), got {args.warm_runs}")
+        raise SystemExit(f"--warm-runs must be at least 1 (it compiles), got {args.warm_runs}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
         raise SystemExit(f"--modes must list 'on' and/or 'off', got {args.modes!r}")
