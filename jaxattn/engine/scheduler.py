@@ -74,6 +74,18 @@ class Sequence:
     error: str | None = None  # why, when finish_reason is "error"
     tag: object = None  # the caller's handle (e.g. the output index)
     row: int | None = None  # the device decode row serving this sequence
+    # tokens as an int64 array (token_array), rebuilt when tokens has grown
+    _array: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    def token_array(self) -> np.ndarray:
+        """``tokens`` as an int64 array, the form the radix trees take, cached: the
+        scheduler compares and matches a waiting prompt's tokens every step, and a list of
+        hundreds of ints costs tens of microseconds to convert each time. ``tokens`` only
+        grows (appended at commit), so an array of its current length is current."""
+        arr = self._array
+        if arr is None or len(arr) != len(self.tokens):
+            arr = self._array = np.asarray(self.tokens, np.int64)
+        return arr
 
     @property
     def num_generated(self) -> int:
@@ -289,7 +301,7 @@ class Scheduler:
     def _candidates(self) -> list[Sequence]:
         if self.config.policy == "fcfs" or self.kv.cache is None or len(self.waiting) > 256:
             return sorted(self.waiting, key=lambda s: s.arrival)
-        hit = {id(s): self.kv.prefix_len(s.tokens[:-1]) for s in self.waiting}
+        hit = {id(s): self.kv.prefix_len(s.token_array()[:-1]) for s in self.waiting}
         return sorted(self.waiting, key=lambda s: (-hit[id(s)], s.arrival))
 
     def _shares_inflight(self, seq: Sequence, cached: int, plan: StepPlan) -> bool:
@@ -298,10 +310,10 @@ class Scheduler:
         waits until those pages are in the cache)."""
         if not self.dedup_tokens:
             return False
-        mine = np.asarray(seq.tokens[:-1])
+        mine = seq.token_array()[:-1]
         chunks = [c for p in self._uncommitted for c in p.extend] + plan.extend
         for chunk in chunks:
-            theirs = np.asarray(chunk.seq.tokens[: len(mine)])
+            theirs = chunk.seq.token_array()[: len(mine)]
             n = min(len(mine), len(theirs))
             diff = np.flatnonzero(mine[:n] != theirs[:n])
             common = int(diff[0]) if diff.size else n
@@ -318,9 +330,10 @@ class Scheduler:
             width = 1 + len(seq.fork_ids)
             if budget <= 0 or (running and running + width > self.config.max_running):
                 break
-            if self._shares_inflight(seq, kv.prefix_len(seq.tokens[:-1]), plan):
+            prompt = seq.token_array()[:-1]
+            if self._shares_inflight(seq, kv.prefix_len(prompt), plan):
                 continue
-            match = kv.match(seq.tokens[:-1])
+            match = kv.match(prompt)
             need = self.pages_for(len(seq.tokens)) - len(match.pages)
             future = self._future_pages(seq)
             avail = kv.available_pages()
@@ -361,7 +374,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Only with nothing in flight: the sequence's state is exact."""
         assert seq.num_scheduled == seq.num_computed and not seq.pending, "preempted in flight"
-        self.kv.release(seq.seq_id, seq.tokens, seq.num_computed, keep=True)
+        self.kv.release(seq.seq_id, seq.token_array(), seq.num_computed, keep=True)
         seq.num_computed = seq.num_scheduled = 0
         seq.prefilling = True
         seq.admitted = -1
@@ -442,7 +455,7 @@ class Scheduler:
         for seq, start, end, draws in plan.extend:
             seq.num_computed = end
             self.stats.count("prefill_tokens", end - start)
-            self.kv.cache_progress(seq.seq_id, seq.tokens, end)
+            self.kv.cache_progress(seq.seq_id, seq.token_array(), end)
             if not draws:
                 continue
             seq.pending -= 1
@@ -469,7 +482,7 @@ class Scheduler:
             self.stats.count("decode_tokens", computed)
         for seq in done:
             self.kv.release(
-                seq.seq_id, seq.tokens, seq.num_computed, keep=seq.finish_reason != "error"
+                seq.seq_id, seq.token_array(), seq.num_computed, keep=seq.finish_reason != "error"
             )
             self.running.remove(seq)
         return done
