@@ -75,7 +75,7 @@ class Sequence:
     tag: object = None  # the caller's handle (e.g. the output index)
     row: int | None = None  # the device decode row serving this sequence
     # tokens as an int64 array (token_array), rebuilt when tokens has grown
-    _array: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    _array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
 
     def token_array(self) -> np.ndarray:
         """``tokens`` as an int64 array, the form the radix trees take, cached: the
