@@ -96,6 +96,13 @@ def add_execution_args(group) -> None:
         help="who stores each step's K/V (ExecutionConfig.kv_write; auto: the native kernel "
         "on GPUs, XLA's scatters on the CPU)",
     )
+    group.add_argument(
+        "--fused-rope",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="rotate q, k and store K/V in one pass a layer (ExecutionConfig.fused_rope; auto: "
+        "where the K/V write is the native kernel on one device)",
+    )
 
 
 def execution_kwargs(args) -> dict:
@@ -104,6 +111,7 @@ def execution_kwargs(args) -> dict:
         decode_linear=args.decode_linear,
         decode_graph={"auto": None, "on": True, "off": False}[args.decode_graph],
         kv_write=args.kv_write,
+        fused_rope={"auto": None, "on": True, "off": False}[args.fused_rope],
     )
 
 

@@ -339,6 +339,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         decode_linear=engine.runner.decode_linear,
         decode_graph=engine.runner.decode_graph,
         kv_write=engine.runner.kv_write,
+        fused_rope=engine.runner.fused_rope,
     )
     if args.profile:
         row["profile"] = prof
@@ -371,7 +372,8 @@ def main(argv=None) -> int:
             r = rows[-1]
             print(
                 f"  B={b} {mode}: {r['wall_ms']:.3f} ms a step, device {r['device_ms']:.3f}, "
-                f"floor {r['floor_ms']:.3f} (K/V writes: {r['kv_write']})",
+                f"floor {r['floor_ms']:.3f} (K/V writes: {r['kv_write']}"
+                f"{', rope fused' if r['fused_rope'] else ''})",
                 file=sys.stderr,
             )
             if args.profile:

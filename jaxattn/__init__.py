@@ -21,6 +21,7 @@ _LAZY = {
     "reference": ("jaxattn.reference", None),
     "copy_blocks": ("jaxattn.kv", "copy_blocks"),
     "write_kv": ("jaxattn.kv", "write_kv"),
+    "rope_write_kv": ("jaxattn.kv", "rope_write_kv"),
     "fp8_scales": ("jaxattn.kv", "fp8_scales"),
     "quant": ("jaxattn.quant", None),
     "checked": ("jaxattn.backend", "checked"),
@@ -57,6 +58,7 @@ __all__ = [
     "quant",
     "radix",
     "reference",
+    "rope_write_kv",
     "write_kv",
 ]
 

@@ -49,10 +49,13 @@ from jaxattn.backend import Implementation, Op
 from jaxattn.quant import fp8_scales
 
 __all__ = [
+    "ROPE_WRITE_KV",
     "WRITE_KV",
     "copy_blocks",
     "copy_blocks_donated",
     "fp8_scales",
+    "rope_write_kv",
+    "rotate_half",
     "write_kv",
     "write_kv_donated",
 ]
@@ -168,6 +171,159 @@ class _ReferenceWrite(Implementation):
 
 _REFERENCE_WRITE = _ReferenceWrite()
 WRITE_KV = WriteKV()
+
+
+def rotate_half(x, cos, sin):
+    """Rotate-half RoPE of ``x [T, H, D]`` by per-token tables ``cos, sin f32 [T, D // 2]``:
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` in float32 (x1, x2 the halves of each row), cast
+    back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeWriteArgs(WriteArgs):
+    """Validated arguments of :func:`rope_write_kv`: :class:`WriteArgs` with ``k`` the fused
+    rows ``qkv`` (``v`` too), the tables and the query head count."""
+
+    cos: Any = None
+    sin: Any = None
+    num_q_heads: int = 0
+
+    @property
+    def qkv(self):
+        return self.k
+
+
+class RopeWriteKV(Op):
+    """:func:`rope_write_kv` as an op of the backend contract: the reference rotates and
+    scatters with XLA (:func:`rotate_half`, then :func:`write_kv`'s reference), the native
+    one runs one kernel for the rotation, the q rows and both caches' stores."""
+
+    name = "rope_write_kv"
+    roles = ("q", None, None, "k", "v", None)
+
+    def bind(
+        self, qkv, cos, sin, k_cache, v_cache, slot_mapping, *, layout="bshd", k_scale=None,
+        v_scale=None,
+    ) -> RopeWriteArgs:  # fmt: skip
+        lay = L.get(layout)
+        geom = L.cache_geometry(k_cache, v_cache, layout)
+        hkv, d = geom.num_kv_heads, geom.head_dim
+        if (
+            not hasattr(qkv, "shape")
+            or qkv.ndim != 3
+            or qkv.shape[2] != d
+            or qkv.shape[1] <= 2 * hkv
+        ):
+            got = _shape(qkv) if hasattr(qkv, "shape") else type(qkv).__name__
+            raise ValueError(
+                f"qkv must be [T, num_q_heads + 2 * num_kv_heads (={2 * hkv}), head_dim={d}] "
+                f"with num_q_heads >= 1, got {got}"
+            )
+        if not jnp.issubdtype(qkv.dtype, jnp.floating):
+            raise TypeError(f"qkv must be a float array, got {_shape(qkv)}")
+        if d % 2:
+            raise ValueError(
+                f"rope_write_kv rotates halves of each row: head_dim must be even, got {d}"
+            )
+        t = qkv.shape[0]
+        for name, x in (("cos", cos), ("sin", sin)):
+            if not hasattr(x, "shape") or x.shape != (t, d // 2) or x.dtype != jnp.float32:
+                got = _shape(x) if hasattr(x, "shape") else type(x).__name__
+                raise ValueError(f"{name} must be f32[T={t}, head_dim // 2={d // 2}], got {got}")
+        _check_index_vector("slot_mapping", slot_mapping, f"i32[T={t}]")
+        if slot_mapping.shape[0] != t:
+            raise ValueError(f"slot_mapping must be i32[T={t}], got {_shape(slot_mapping)}")
+        k_scale = Q.check_scale("k_scale", k_scale, hkv)
+        v_scale = Q.check_scale("v_scale", v_scale, hkv)
+        return RopeWriteArgs(
+            k_cache, v_cache, qkv, qkv, slot_mapping, layout=lay, geometry=geom,
+            k_scale=k_scale, v_scale=v_scale, cos=cos, sin=sin,
+            num_q_heads=qkv.shape[1] - 2 * hkv,
+        )  # fmt: skip
+
+    def implementation(self, backend: str) -> Implementation:
+        if backend == "reference":
+            return _REFERENCE_ROPE_WRITE
+        return super().implementation(backend)
+
+    def trivial(self, a: RopeWriteArgs):
+        if a.qkv.shape[0]:
+            return None
+        return a.qkv[:, : a.num_q_heads], a.k_cache, a.v_cache
+
+
+class _ReferenceRopeWrite(Implementation):
+    backend = "reference"
+
+    def run(self, a: RopeWriteArgs, config):
+        hq, hkv = a.num_q_heads, a.geometry.num_kv_heads
+        q, k, v = jnp.split(a.qkv, [hq, hq + hkv], axis=1)
+        k_cache, v_cache = WRITE_KV(
+            a.k_cache,
+            a.v_cache,
+            rotate_half(k, a.cos, a.sin),
+            v,
+            a.slot_mapping,
+            layout=a.layout.name,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+            implementation="reference",
+        )
+        return rotate_half(q, a.cos, a.sin), k_cache, v_cache
+
+
+_REFERENCE_ROPE_WRITE = _ReferenceRopeWrite()
+ROPE_WRITE_KV = RopeWriteKV()
+
+
+def rope_write_kv(
+    qkv,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    layout: str = "bshd",
+    k_scale=None,
+    v_scale=None,
+    implementation=None,
+):
+    """A fused q|k|v projection's rows, rotated and stored: RoPE on q and k, k and v into
+    the cache (vLLM's ``rotary_embedding`` followed by ``reshape_and_cache``, in one pass).
+
+    Args:
+      qkv: ``[T, Hq + 2 * Hkv, D]``: each token's Hq query heads, then its Hkv key heads, then
+        its Hkv value heads (a fused projection's output reshaped; Hkv and D are the cache's).
+      cos, sin: f32 ``[T, D // 2]``, each token's rotary tables (angle ``position *
+        inv_freq[j]``).
+      k_cache, v_cache, slot_mapping, layout, k_scale, v_scale: as for :func:`write_kv`.
+      implementation: None (the native kernel on a GPU; XLA elsewhere), a backend name
+        (``"reference"``, ``"native"``) or a sequence of names tried in order.
+
+    Returns:
+      ``(q, k_cache, v_cache)``: the rotated queries ``[T, Hq, D]`` in qkv's dtype, and the
+      caches with :func:`rotate_half` of the key heads and the value heads written as
+      :func:`write_kv` stores them. The rotation is computed in float32 and rounded to
+      qkv's dtype (as the model's rotation), then stored.
+    """
+    return ROPE_WRITE_KV(
+        qkv,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        layout=layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        implementation=implementation,
+    )
 
 
 def write_kv(

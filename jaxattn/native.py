@@ -92,6 +92,7 @@ _TARGETS = {
     "jaxattn_cascade_attention": "JaxattnCascadeAttention",
     "jaxattn_linear": "JaxattnLinear",
     "jaxattn_write_kv": "JaxattnWriteKv",
+    "jaxattn_rope_write_kv": "JaxattnRopeWriteKv",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -103,7 +104,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 5
+_FFI_ABI = 6
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -619,6 +620,49 @@ def write_unsupported(a, platform: str) -> str | None:
     return None
 
 
+def rope_write_kv(
+    qkv, cos, sin, k_cache, v_cache, slot_mapping, *, layout, k_scale=None, v_scale=None
+):
+    """:func:`jaxattn.rope_write_kv` in one kernel launch: the rotated q rows and both
+    caches' stores, each cache result aliased to its cache."""
+    _ensure_registered()
+    hq = qkv.shape[1] - 2 * L.cache_geometry(k_cache, v_cache, layout).num_kv_heads
+    call = jax.ffi.ffi_call(
+        "jaxattn_rope_write_kv",
+        (
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            jax.ShapeDtypeStruct((qkv.shape[0], hq, qkv.shape[2]), qkv.dtype),
+        ),
+        input_output_aliases={0: 0, 1: 1},
+        vmap_method="sequential",
+    )
+    k_cache, v_cache, q = call(
+        k_cache,
+        v_cache,
+        qkv,
+        cos,
+        sin,
+        slot_mapping,
+        _scale_operand(k_scale),
+        _scale_operand(v_scale),
+        layout=np.int32(_layout_id(layout)),
+        num_q_heads=np.int32(hq),
+    )
+    return q, k_cache, v_cache
+
+
+def rope_write_unsupported(a, platform: str) -> str | None:
+    """Why the native rope_write_kv kernel cannot serve these
+    :class:`jaxattn.kv.RopeWriteArgs`, or None."""
+    why = write_unsupported(a, platform)
+    if why is not None:
+        return why.replace("write_kv", "rope_write_kv")
+    if platform != "cpu" and a.geometry.head_dim % 16:
+        return f"the GPU rope_write_kv needs head_dim a multiple of 16, got {a.geometry.head_dim}"
+    return None
+
+
 # --- skinny matmul: the projections of a decode step at small batch ---------------------------
 
 # The GPU kernel (ffi/include/jaxattn/linear.cuh): up to this many rows of x, n a multiple of
@@ -955,8 +999,27 @@ class _WriteKV(_Native):
         )
 
 
+class _RopeWriteKV(_Native):
+    def supports(self, a):
+        return rope_write_unsupported(a, _platform())
+
+    def run(self, a, config):
+        return rope_write_kv(
+            a.qkv,
+            a.cos,
+            a.sin,
+            a.k_cache,
+            a.v_cache,
+            a.slots,
+            layout=a.layout.name,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
+        )
+
+
 IMPLEMENTATIONS = {
     "write_kv": _WriteKV(),
+    "rope_write_kv": _RopeWriteKV(),
     "paged_attention": _PagedAttention(),
     "prefix_prefill": _PrefixPrefill(),
     "extend_attention": _ExtendAttention(),

@@ -492,6 +492,35 @@ def test_native_kv_writes_match_xla():
     assert make_engine(decode_steps=4).runner.kv_write == auto
 
 
+def test_fused_rope_matches_the_separate_rotation():
+    """fused_rope: each layer's q/k rotation and K/V stores in one pass (the native kernel's
+    CPU handler here), in extend, decode and cascade steps: the same greedy outputs as the
+    rotation in XLA followed by the write, verified against the dense model. None turns it
+    on exactly where the write is the native kernel on one device."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    prompts = workload(11, num=6, system=24, suffix=(1, 9))
+    outs = {}
+    for fused in (True, False):
+        engine = make_engine(
+            kv_write="native", fused_rope=fused, decode_steps=4, cascade="on", cascade_min_tokens=8
+        )
+        assert engine.runner.fused_rope == engine.stats["fused_rope"] == fused
+        outs[fused] = engine.generate(prompts, 6)
+        assert_whole(engine)
+        assert engine.stats["cascade_steps"] > 0
+    assert_verified(prompts, outs[True], 6)
+    if jax.default_backend() == "cpu":
+        assert outs[True] == outs[False]
+    assert make_engine(kv_write="native").runner.fused_rope
+    assert not make_engine(kv_write="reference").runner.fused_rope
+    assert make_engine(kv_write="reference", fused_rope=True).runner.fused_rope
+    auto = jax.default_backend() != "cpu"  # the native write is auto's choice on GPUs only
+    assert make_engine().runner.fused_rope == auto
+
+
 def test_decode_graph_matches():
     """ExecutionConfig(decode_graph=True): the decode program compiled with its loop as a
     command buffer (a GPU setting; the CPU compiles the same program): the same greedy

@@ -373,28 +373,43 @@ _NATIVE_WRITE = pytest.mark.skipif(not native.is_available(), reason="no native 
 
 
 @pytest.mark.parametrize(
-    "layout, attention, form, kv_write",
+    "layout, attention, form, kv_write, fused",
     [
-        ("bshd", "extend", "stacked", None),
-        ("vllm", "prefix_prefill", "stacked", None),
-        ("bhsd", "prefix_prefill", "stacked", None),
-        ("bshd", "extend", "serving", None),
-        ("vllm", "prefix_prefill", "serving-2", None),
-        ("bhsd", "prefix_prefill", "serving-scan", None),
-        pytest.param("bshd", "extend", "serving", "native", marks=_NATIVE_WRITE),
-        pytest.param("bhsd", "prefix_prefill", "serving-scan", "native", marks=_NATIVE_WRITE),
+        ("bshd", "extend", "stacked", None, False),
+        ("vllm", "prefix_prefill", "stacked", None, False),
+        ("bhsd", "prefix_prefill", "stacked", None, False),
+        ("bshd", "extend", "serving", None, False),
+        ("vllm", "prefix_prefill", "serving-2", None, False),
+        ("bhsd", "prefix_prefill", "serving-scan", None, False),
+        ("vllm", "prefix_prefill", "serving-scan", None, True),
+        pytest.param("bshd", "extend", "serving", "native", False, marks=_NATIVE_WRITE),
+        pytest.param(
+            "bhsd", "prefix_prefill", "serving-scan", "native", False, marks=_NATIVE_WRITE
+        ),
+        pytest.param("bshd", "extend", "serving", "native", True, marks=_NATIVE_WRITE),
+        pytest.param("bhsd", "prefix_prefill", "serving", "native", True, marks=_NATIVE_WRITE),
     ],
 )
-def test_cached_paths_match_dense(layout, attention, form, kv_write):
+def test_cached_paths_match_dense(layout, attention, form, kv_write, fused):
     """Stacked weights (a scan over layers) and the serving forms (fused projections, one
     block per shard; straight-line layers or a scan) give the dense oracle's logits, with
-    the K/V stores of either backend. float32 products in full precision: on a GPU XLA's
-    default for a float32 dot rounds its inputs (TF32), which the tolerance is not for."""
+    the K/V stores of either backend, and with the rotation and stores in one pass
+    (``fused_rope``). float32 products in full precision: on a GPU XLA's default for a
+    float32 dot rounds its inputs (TF32), which the tolerance is not for."""
     with jax.default_matmul_precision("highest"):
-        _cached_paths_match_dense(layout, attention, form, kv_write)
+        _cached_paths_match_dense(layout, attention, form, kv_write, fused)
 
 
-def _cached_paths_match_dense(layout, attention, form, kv_write):
+def test_fused_rope_needs_the_fused_unsplit_projection():
+    params = llama.init_params(CFG, jax.random.key(1))
+    k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4)
+    b = PagedSeqs(np.random.default_rng(0), 8, 4).decode_batch([(0, [1, 2, 3])], b_pad=2, w_pad=2)
+    for form in (params, llama.serving_params(CFG, params, shards=2)):
+        with pytest.raises(ValueError, match="fused, unsplit q\\|k\\|v projection"):
+            llama.forward_decode(form, CFG, k_cache, v_cache, b, fused_rope=True)
+
+
+def _cached_paths_match_dense(layout, attention, form, kv_write, fused=False):
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
     dense_params = params
@@ -416,12 +431,15 @@ def _cached_paths_match_dense(layout, attention, form, kv_write):
 
     extend = jax.jit(
         lambda p, k, v, b: llama.forward_extend(
-            p, CFG, k, v, b, layout=layout, attention=attention, kv_write=kv_write
+            p, CFG, k, v, b, layout=layout, attention=attention, kv_write=kv_write,
+            fused_rope=fused,
         ),
         donate_argnums=(1, 2),
-    )
+    )  # fmt: skip
     decode = jax.jit(
-        lambda p, k, v, b: llama.forward_decode(p, CFG, k, v, b, layout=layout, kv_write=kv_write),
+        lambda p, k, v, b: llama.forward_decode(
+            p, CFG, k, v, b, layout=layout, kv_write=kv_write, fused_rope=fused
+        ),
         donate_argnums=(1, 2),
     )
     pad = dict(t_pad=16, b_pad=4, k_pad=32, w_pad=6)

@@ -20,8 +20,8 @@ namespace ffi = xla::ffi;
 // The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
 // count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
-// 4: the linear target; 5: the write_kv target.
-constexpr int kFfiAbi = 5;
+// 4: the linear target; 5: the write_kv target; 6: the rope_write_kv target.
+constexpr int kFfiAbi = 6;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -324,6 +324,64 @@ inline ffi::Error make_write_kv_params(const ffi::AnyBuffer& k_cache, const ffi:
   return ffi::Error::Success();
 }
 
+// rope_write_kv: the caches as for write_kv; qkv [T, num_q_heads + 2 Hkv, D] in one
+// float32/bfloat16/float16 dtype; cos, sin f32 [T, D / 2]; slots i32[T]; the scales; the
+// results k_out, v_out (aliasing the caches) and q_out [T, num_q_heads, D] in qkv's dtype.
+inline ffi::Error make_rope_write_kv_params(
+    const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& qkv,
+    const ffi::Buffer<ffi::F32>& cos, const ffi::Buffer<ffi::F32>& sin,
+    const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::F32>& k_scale,
+    const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer k_out, ffi::AnyBuffer v_out,
+    ffi::AnyBuffer q_out, int32_t layout, int32_t num_q_heads, RopeWriteKvParams* p, DType* in,
+    CacheDType* cache) {
+  WriteKvParams& w = p->w;
+  if (auto e = paged_geometry(k_cache, v_cache, layout, &w.kv); e.failure()) return e;
+  *in = dtype_of(qkv.element_type());
+  *cache = cache_dtype_of(k_cache.element_type());
+  if (*in == DType::kUnsupported)
+    return invalid("rope_write_kv takes qkv in a float32/bfloat16/float16 dtype");
+  if (*cache == CacheDType::kUnsupported || v_cache.element_type() != k_cache.element_type())
+    return invalid("rope_write_kv: k_cache and v_cache must share one float or FP8 dtype");
+  if (k_out.element_type() != k_cache.element_type() ||
+      v_out.element_type() != v_cache.element_type() ||
+      dims_str(k_out.dimensions()) != dims_str(k_cache.dimensions()) ||
+      dims_str(v_out.dimensions()) != dims_str(v_cache.dimensions()))
+    return invalid("rope_write_kv's cache results must be the caches' shapes and dtypes");
+  const int64_t D = w.kv.head_dim, Hkv = w.kv.num_kv_heads;
+  const auto xd = qkv.dimensions();
+  if (num_q_heads < 1 || D % 2 != 0 || xd.size() != 3 || xd[1] != num_q_heads + 2 * Hkv ||
+      xd[2] != D)
+    return invalid(
+        "rope_write_kv: qkv must be [T, num_q_heads + 2 num_kv_heads, head_dim] of "
+        "the cache (head_dim even), got " +
+        dims_str(xd));
+  const int64_t T = xd[0];
+  const auto qd = q_out.dimensions();
+  if (q_out.element_type() != qkv.element_type() || qd.size() != 3 || qd[0] != T ||
+      qd[1] != num_q_heads || qd[2] != D)
+    return invalid("rope_write_kv: q_out must be [T, num_q_heads, head_dim] in qkv's dtype");
+  for (const auto* table : {&cos, &sin}) {
+    const auto td = table->dimensions();
+    if (td.size() != 2 || td[0] != T || td[1] != D / 2)
+      return invalid("rope_write_kv: cos and sin must be f32 [T, head_dim / 2], got " +
+                     dims_str(td));
+  }
+  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != T)
+    return invalid("rope_write_kv: slots must be [T]");
+  if (T > INT32_MAX) return invalid("rope_write_kv: too many tokens");
+  if (auto e = head_scales(k_scale, v_scale, w.kv, &w.scales); e.failure()) return e;
+  w.k_cache = k_out.untyped_data();
+  w.v_cache = v_out.untyped_data();
+  w.slots = slots.typed_data();
+  w.num_tokens = static_cast<int32_t>(T);
+  p->qkv = qkv.untyped_data();
+  p->cos = cos.typed_data();
+  p->sin = sin.typed_data();
+  p->q_out = q_out.untyped_data();
+  p->num_q_heads = num_q_heads;
+  return ffi::Error::Success();
+}
+
 // The operands and attributes of each op, appended to a binding that already holds the
 // platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
 // cannot drift apart. Order: q, k_cache, v_cache, index arrays..., k_scale, v_scale, out,
@@ -404,6 +462,24 @@ auto bind_write_kv(B&& b) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int32_t>("layout");
+}
+
+template <typename B>
+auto bind_rope_write_kv(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("layout")
+      .template Attr<int32_t>("num_q_heads");
 }
 
 }  // namespace ffi_common

@@ -197,8 +197,49 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
                          [] { return ffi_common::invalid("unsupported KV cache dtype"); });
 }
 
+ffi::Error RopeWriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer qkv,
+                          ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> k_out,
+                          ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> q_out,
+                          int32_t layout, int32_t num_q_heads) {
+  RopeWriteKvParams p;
+  DType in;
+  CacheDType cache;
+  if (auto e = ffi_common::make_rope_write_kv_params(k_cache, v_cache, qkv, cos, sin, slots,
+                                                     k_scale, v_scale, *k_out, *v_out, *q_out,
+                                                     layout, num_q_heads, &p, &in, &cache);
+      e.failure())
+    return e;
+  if (p.w.k_cache != k_cache.untyped_data())
+    std::memcpy(p.w.k_cache, k_cache.untyped_data(), k_cache.size_bytes());
+  if (p.w.v_cache != v_cache.untyped_data())
+    std::memcpy(p.w.v_cache, v_cache.untyped_data(), v_cache.size_bytes());
+  auto with_input = [&](auto c) -> ffi::Error {
+    using C = decltype(c);
+    switch (in) {
+      case DType::kF32:
+        cpu::rope_write_kv<float, C>(p);
+        return ffi::Error::Success();
+      case DType::kBF16:
+        cpu::rope_write_kv<bf16_t, C>(p);
+        return ffi::Error::Success();
+      case DType::kF16:
+        cpu::rope_write_kv<f16_t, C>(p);
+        return ffi::Error::Success();
+      default:
+        return ffi_common::invalid("unsupported dtype");
+    }
+  };
+  return with_cache_type(cache, with_input,
+                         [] { return ffi_common::invalid("unsupported KV cache dtype"); });
+}
+
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnRopeWriteKvCpu, jaxattn::RopeWriteKvCpu,
+                              jaxattn::ffi_common::bind_rope_write_kv(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnWriteKvCpu, jaxattn::WriteKvCpu,
                               jaxattn::ffi_common::bind_write_kv(ffi::Ffi::Bind()));

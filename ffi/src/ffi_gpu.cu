@@ -177,8 +177,40 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   return launched("write_kv", gpu::launch_write_kv(dt, cache, p, stream));
 }
 
+ffi::Error RopeWriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                          ffi::AnyBuffer qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> k_out,
+                          ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> q_out,
+                          int32_t layout, int32_t num_q_heads) {
+  RopeWriteKvParams p;
+  ffi_common::DType in;
+  CacheDType cache;
+  if (auto e = ffi_common::make_rope_write_kv_params(k_cache, v_cache, qkv, cos, sin, slots,
+                                                     k_scale, v_scale, *k_out, *v_out, *q_out,
+                                                     layout, num_q_heads, &p, &in, &cache);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
+  const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
+  void* dst[2] = {p.w.k_cache, p.w.v_cache};
+  const size_t bytes[2] = {k_cache.size_bytes(), v_cache.size_bytes()};
+  for (int i = 0; i < 2; ++i) {
+    if (dst[i] != src[i] && bytes[i] != 0 &&
+        gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDeviceToDevice, stream) != gpuSuccess)
+      return launched("rope_write_kv copy", gpu::check_launch());
+  }
+  return launched("rope_write_kv", gpu::launch_rope_write_kv(dt, cache, p, stream));
+}
+
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnRopeWriteKvGpu, jaxattn::RopeWriteKvGpu,
+                              jaxattn::ffi_common::bind_rope_write_kv(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnWriteKvGpu, jaxattn::WriteKvGpu,
                               jaxattn::ffi_common::bind_write_kv(

@@ -27,6 +27,9 @@ const char* decode_occupancy_typed(int head_dim, int group, int* blocks);
 
 // write_kv's rows in dtype `in` into a cache of `cache`'s type (ffi/src/kv_write.cu).
 const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p, gpuStream_t stream);
+// rope_write_kv: the same store from a fused projection's rows, q and k rotated (kv_write.cu).
+const char* launch_rope_write_kv(DType in, CacheDType cache, const RopeWriteKvParams& p,
+                                 gpuStream_t stream);
 
 // Resident blocks per multiprocessor of the decode kernel for (dtype, kv, head_dim, group).
 const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, int* blocks);

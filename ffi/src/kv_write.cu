@@ -3,6 +3,8 @@
 // The rows arrive as [num_tokens, num_kv_heads, head_dim] with head_dim a multiple of 8, so a
 // thread's 8 inputs and 8 outputs are each one or two vector accesses. One launch writes both
 // caches: a decode step's K and V of one layer take one small kernel instead of two scatters.
+// rope_write_kv does the same from a fused projection's q|k|v rows, with the rotary embedding
+// of q and k in the same pass: one kernel for what was three elementwise passes and the write.
 #include "gpu_launch.h"
 #include "jaxattn/kv_write.h"
 
@@ -47,6 +49,70 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_kernel(const WriteKvPa
   }
 }
 
+// rope_write_kv: one thread takes 8 elements of the first half of one (token, head) row of qkv
+// and their 8 RoPE partners in the second half (head_dim a multiple of 16), rotates them for q
+// and k heads, and stores them: q heads into q_out, k and v heads at the token's cache slot.
+template <typename In, typename C>
+__global__ void __launch_bounds__(kWriteThreads) rope_write_kv_kernel(const RopeWriteKvParams p) {
+  const KvGeometry& g = p.w.kv;
+  const int half = g.head_dim / 2, chunks = half / 8;
+  const int Hq = p.num_q_heads, Hkv = g.num_kv_heads, H = Hq + 2 * Hkv;
+  const int64_t i = int64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
+  const int64_t per_token = int64_t(H) * chunks;
+  if (i >= per_token * p.w.num_tokens) return;
+  const int32_t t = int32_t(i / per_token);
+  const int rest = int(i - int64_t(t) * per_token);
+  const int h = rest / chunks, c = rest - h * chunks;
+  const bool is_v = h >= Hq + Hkv;
+  int64_t dst = -1;
+  if (h >= Hq) {
+    dst = write_kv_row(g, p.w.slots[t], h - Hq - (is_v ? Hkv : 0));
+    if (dst < 0) return;
+  }
+  const In* x = static_cast<const In*>(p.qkv) + (int64_t(t) * H + h) * g.head_dim + c * 8;
+  Chunk8<In> a = *reinterpret_cast<const Chunk8<In>*>(x);
+  Chunk8<In> b = *reinterpret_cast<const Chunk8<In>*>(x + half);
+  if (!is_v) {
+    const int64_t at = int64_t(t) * half + c * 8;
+    const float4 c0 = *reinterpret_cast<const float4*>(p.cos + at);
+    const float4 c1 = *reinterpret_cast<const float4*>(p.cos + at + 4);
+    const float4 s0 = *reinterpret_cast<const float4*>(p.sin + at);
+    const float4 s1 = *reinterpret_cast<const float4*>(p.sin + at + 4);
+    const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) rope_pair(&a.e[e], &b.e[e], cs[e], sn[e]);
+  }
+  if (h < Hq) {
+    In* y = static_cast<In*>(p.q_out) + (int64_t(t) * Hq + h) * g.head_dim + c * 8;
+    *reinterpret_cast<Chunk8<In>*>(y) = a;
+    *reinterpret_cast<Chunk8<In>*>(y + half) = b;
+    return;
+  }
+  C* y = static_cast<C*>(is_v ? p.w.v_cache : p.w.k_cache) + dst + c * 8;
+  const float* s = is_v ? p.w.scales.v : p.w.scales.k;
+  if (s != nullptr) s += h - Hq - (is_v ? Hkv : 0);
+  Chunk8<C> lo, hi;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    lo.e[e] = stored_element<In, C>(a.e[e], s);
+    hi.e[e] = stored_element<In, C>(b.e[e], s);
+  }
+  *reinterpret_cast<Chunk8<C>*>(y) = lo;
+  *reinterpret_cast<Chunk8<C>*>(y + half) = hi;
+}
+
+template <typename In, typename C>
+const char* launch_rope_typed(const RopeWriteKvParams& p, gpuStream_t stream) {
+  const int H = p.num_q_heads + 2 * p.w.kv.num_kv_heads;
+  const int64_t threads = int64_t(p.w.num_tokens) * H * (p.w.kv.head_dim / 16);
+  if (threads == 0) return nullptr;
+  const int64_t blocks = (threads + kWriteThreads - 1) / kWriteThreads;
+  if (blocks > 0x7fffffff) return "jaxattn: rope_write_kv has too many rows for one launch";
+  rope_write_kv_kernel<In, C><<<dim3(unsigned(blocks)), kWriteThreads, 0, stream>>>(p);
+  return check_launch();
+}
+
 template <typename In, typename C>
 const char* launch_typed(const WriteKvParams& p, gpuStream_t stream) {
   const int64_t threads = int64_t(p.num_tokens) * p.kv.num_kv_heads * (p.kv.head_dim / 8);
@@ -64,6 +130,13 @@ const char* launch_cache(CacheDType cache, const WriteKvParams& p, gpuStream_t s
       []() -> const char* { return "jaxattn: unsupported KV cache dtype"; });
 }
 
+template <typename In>
+const char* launch_rope_cache(CacheDType cache, const RopeWriteKvParams& p, gpuStream_t stream) {
+  return with_cache_type(
+      cache, [&](auto c) { return launch_rope_typed<In, decltype(c)>(p, stream); },
+      []() -> const char* { return "jaxattn: unsupported KV cache dtype"; });
+}
+
 }  // namespace
 
 const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p,
@@ -76,6 +149,21 @@ const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p,
       return launch_cache<bf16_t>(cache, p, stream);
     case DType::kF16:
       return launch_cache<f16_t>(cache, p, stream);
+  }
+  return "jaxattn: unsupported dtype";
+}
+
+const char* launch_rope_write_kv(DType in, CacheDType cache, const RopeWriteKvParams& p,
+                                 gpuStream_t stream) {
+  if (p.w.kv.head_dim % 16 != 0)
+    return "jaxattn: the GPU rope_write_kv needs head_dim a multiple of 16";
+  switch (in) {
+    case DType::kF32:
+      return launch_rope_cache<float>(cache, p, stream);
+    case DType::kBF16:
+      return launch_rope_cache<bf16_t>(cache, p, stream);
+    case DType::kF16:
+      return launch_rope_cache<f16_t>(cache, p, stream);
   }
   return "jaxattn: unsupported dtype";
 }

@@ -331,6 +331,12 @@ class ExecutionConfig:
       0.951-0.954 with XLA's scatters on an H200, the same at 64; XLA's scatters on the CPU
       and under tensor parallelism, where the kernel is not measured), ``"native"`` or
       ``"reference"`` (XLA's scatters, one a cache and layer). The same bits either way.
+    fused_rope: rotate each layer's new q and k and store its K/V in one pass
+      (:func:`jaxattn.rope_write_kv` with the ``kv_write`` backend) instead of the rotation in
+      XLA (three small fusions a layer on a GPU) followed by the write. None (the default):
+      on where the write is the native kernel on one device; True: on (one device; an error
+      under a mesh); False: off. The same values either way, up to the rounding of the
+      rotation's products.
     """
 
     extend_attention: str | None = None
@@ -345,6 +351,7 @@ class ExecutionConfig:
     decode_linear: str = "auto"
     decode_graph: bool | None = None
     kv_write: str = "auto"
+    fused_rope: bool | None = None
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -363,6 +370,8 @@ class ExecutionConfig:
             object.__setattr__(self, "decode_graph", bool(self.decode_graph))
         if self.unroll_layers is not None:
             object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
+        if self.fused_rope is not None:
+            object.__setattr__(self, "fused_rope", bool(self.fused_rope))
         if not isinstance(self.decode_linear, str) or self.decode_linear not in _DECODE_LINEAR:
             raise ValueError(
                 f"ExecutionConfig.decode_linear must be one of {_DECODE_LINEAR}, "

@@ -203,6 +203,7 @@ class Engine:
             decode_linear=execution.decode_linear,
             decode_graph=execution.decode_graph,
             kv_write=execution.kv_write,
+            fused_rope=execution.fused_rope,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
         )
@@ -601,6 +602,7 @@ class Engine:
             attention_backend=dict(getattr(runner, "backends", {})),
             decode_linear=getattr(runner, "decode_linear", None),
             kv_write=getattr(runner, "kv_write", None),
+            fused_rope=bool(getattr(runner, "fused_rope", False)),
             kv_pool_bytes=getattr(runner, "kv_bytes", 0),
             kv_pool_bytes_per_device=getattr(
                 runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
@@ -631,11 +633,12 @@ class Engine:
         extend and decode steps run; decode_linear: who runs the decode step's projections
         (``"xla"``, ``"pad"``: XLA with one row padded to two, ``"native"``; see
         ``ExecutionConfig.decode_linear``); kv_write: the backend that stores the new K/V
-        (``ExecutionConfig.kv_write``); cascade_steps: decode steps that ran cascade decode
-        (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes they did not
-        read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per shared
-        prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:
-        devices the model is split over (1 without a mesh); kv_dtype: the pool's dtype
+        (``ExecutionConfig.kv_write``); fused_rope: whether each layer rotates and stores its
+        new K/V in one pass (``ExecutionConfig.fused_rope``); cascade_steps: decode steps that
+        ran cascade decode (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes
+        they did not read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token``
+        per shared prefix and step (all layers, K and V, over all devices, in the pool's
+        dtype); tp: devices the model is split over (1 without a mesh); kv_dtype: the pool's dtype
         (e.g. ``float8_e4m3fn``); kv_pool_bytes: the pool over all devices,
         kv_pool_bytes_per_device: what one device holds of it; time_s: wall time in
         :meth:`step`, compile_steps_time_s: the part spent in steps that compiled a program;

@@ -638,6 +638,10 @@ class ModelRunner:
         (:func:`jaxattn.write_kv`'s backend; :class:`~jaxattn.engine.ExecutionConfig`; auto:
         the fastest that serves one device, XLA's scatters under a mesh); the backend it
         resolved to is in :attr:`kv_write`.
+      fused_rope: rotate q, k and store K/V in one pass a layer (:func:`jaxattn.rope_write_kv`
+        with the ``kv_write`` backend; None: where that backend is the native kernel on one
+        device; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
+        :attr:`fused_rope`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -667,6 +671,7 @@ class ModelRunner:
         decode_linear: str = "auto",
         decode_graph: bool | None = None,
         kv_write: str = "auto",
+        fused_rope: bool | None = None,
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -746,6 +751,8 @@ class ModelRunner:
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
         self.kv_write = self._resolve_write(kv_write)
+        self.fused_rope = self._resolve_fused_rope(fused_rope)
+        rope = {"fused_rope": True} if self.fused_rope else {}
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
@@ -756,6 +763,7 @@ class ModelRunner:
                 attention=extend_attention,
                 implementation=self.backends["extend"],
                 kv_write=self.kv_write,
+                **rope,
             ),
             "decode": _Options(
                 layout=layout,
@@ -763,9 +771,14 @@ class ModelRunner:
                 implementation=self.backends["decode"],
                 kv_write=self.kv_write,
                 **linear,
+                **rope,
             ),
             "cascade": _Options(
-                layout=layout, implementation=self.cascade_backend, kv_write=self.kv_write, **linear
+                layout=layout,
+                implementation=self.cascade_backend,
+                kv_write=self.kv_write,
+                **linear,
+                **rope,
             ),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
@@ -823,6 +836,33 @@ class ModelRunner:
         if choice == "auto" and self.tp is not None:
             implementation = "reference"  # the native write is not measured under a mesh
         return _kv.WRITE_KV.resolve(args, implementation, platform=self._mesh_platform).backend
+
+    def _resolve_fused_rope(self, choice: bool | None) -> bool:
+        """Whether each layer rotates and stores its K/V in one pass (``choice``: None for
+        where the write backend is the native kernel on one device, or a bool)."""
+        if choice is False:
+            return False
+        if self.tp is not None:
+            if choice:
+                raise ValueError("fused_rope=True runs on one device, not under a mesh")
+            return False
+        if choice is None and self.kv_write != "native":
+            return False
+        geom, k, v, scales = self._pool_structs()
+        cfg = self.model
+        qkv = jax.ShapeDtypeStruct(
+            (1, cfg.num_attention_heads + 2 * geom.num_kv_heads, geom.head_dim), cfg.jnp_dtype
+        )
+        table = jax.ShapeDtypeStruct((1, geom.head_dim // 2), jnp.float32)
+        slots = jax.ShapeDtypeStruct((1,), jnp.int32)
+        args = _kv.ROPE_WRITE_KV.bind(qkv, table, table, k, v, slots, layout=self.layout, **scales)
+        try:
+            _kv.ROPE_WRITE_KV.resolve(args, self.kv_write)
+        except NotImplementedError:
+            if choice:
+                raise
+            return False
+        return True
 
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own

@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxattn import layout as _layout
 from jaxattn import ops
-from jaxattn.kv import write_kv
+from jaxattn.kv import rope_write_kv, rotate_half, write_kv
 
 __all__ = [
     "DecodeBatch",
@@ -376,10 +376,8 @@ def _rope_table(positions, inv_freq):
 
 
 def _rotate(x, cos, sin):
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    """:func:`jaxattn.kv.rotate_half` with the tables of :func:`_rope_table`."""
+    return rotate_half(x, cos[:, 0], sin[:, 0])
 
 
 def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: bool = True) -> dict:
@@ -445,14 +443,19 @@ def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: b
     return dict(params, layers=split)
 
 
-def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state, matmul=None):
+def _decoder(
+    params: dict, cfg: LlamaConfig, tokens, positions, attend, state, matmul=None, rope_write=None
+):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
     ``attend(q, k, v, layer, state) -> (out [T, Hq, D], state)`` is the only thing that
     differs between the dense and the cached forward passes. Stacked layer weights run as
     one ``lax.scan`` (one compiled layer body whatever the depth); split ones
     (:func:`serving_params`) as straight-line code with a Python int ``layer``.
-    ``matmul``: who runs the projections (:func:`_linear`).
+    ``matmul``: who runs the projections (:func:`_linear`). ``rope_write(qkv [T, Hq + 2 Hkv,
+    D], cos, sin f32 [T, D // 2], layer, state) -> (q, state)``, with the fused projection
+    (:func:`serving_params`): rotates and stores the new K/V itself
+    (:func:`jaxattn.kv.rope_write_kv`), and ``attend`` is then called with k and v None.
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -462,7 +465,16 @@ def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state, m
 
     def layer_body(x, layer, state, lp):
         h = rms_norm(x, lp["attn_norm"], eps)
-        if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
+        if rope_write is not None:
+            if "wqkv" not in lp or lp["wqkv"].shape[1] != 1:
+                raise ValueError(
+                    "rotating and storing K/V in one pass needs the fused, unsplit q|k|v "
+                    "projection (serving_params with shards=1)"
+                )
+            qkv = _linear(h, lp["wqkv"], matmul).reshape(t, hq + 2 * hkv, d)
+            q, state = rope_write(qkv, cos[:, 0], sin[:, 0], layer, state)
+            o, state = attend(q, None, None, layer, state)
+        elif "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
             shards = lp["wqkv"].shape[1]
             q, k, v = jnp.split(
                 _linear(h, lp["wqkv"], matmul),
@@ -474,7 +486,8 @@ def _decoder(params: dict, cfg: LlamaConfig, tokens, positions, attend, state, m
             q = _linear(h, lp["wq"], matmul).reshape(t, hq, d)
             k = _linear(h, lp["wk"], matmul).reshape(t, hkv, d)
             v = _linear(h, lp["wv"], matmul).reshape(t, hkv, d)
-        o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
+        if rope_write is None:
+            o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
         x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"], matmul)
         h = rms_norm(x, lp["mlp_norm"], eps)
         if "w_gate_up" in lp:
@@ -686,9 +699,31 @@ def _check_batch_scales(batch, cfg: LlamaConfig):
 
 
 def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, scales, kv_write):
+    if k is None:  # rope_write stored them already
+        return k_cache, v_cache
     slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
     writer = write_kv if kernels is None else kernels.write_kv
     return writer(k_cache, v_cache, k, v, slots, layout=layout, implementation=kv_write, **scales)
+
+
+def _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope):
+    """The ``rope_write`` of :func:`_decoder` when ``fused_rope`` (None otherwise): each
+    layer's new K/V rotated and stored by :func:`jaxattn.kv.rope_write_kv` with the
+    ``kv_write`` backend."""
+    if not fused_rope:
+        return None
+    if kernels is not None:
+        raise ValueError("fused_rope runs on one device; with a tensor-parallel mesh pass False")
+
+    def rope_write(qkv, cos, sin, layer, caches):
+        slots = jnp.where(batch.slot_mapping >= 0, batch.slot_mapping + layer * slots_per_layer, -1)
+        q, k_cache, v_cache = rope_write_kv(
+            qkv, cos, sin, *caches, slots, layout=layout, implementation=kv_write,
+            **_layer_scales(batch, layer),
+        )  # fmt: skip
+        return q, (k_cache, v_cache)
+
+    return rope_write
 
 
 def forward_extend(
@@ -703,6 +738,7 @@ def forward_extend(
     implementation=None,
     kernels=None,
     kv_write=None,
+    fused_rope: bool = False,
 ):
     """Prefill new tokens after cached prefixes; return ``(logits f32[R, V], k, v)``.
 
@@ -715,7 +751,10 @@ def forward_extend(
     ``paged_attention`` of the public signatures to call instead of :mod:`jaxattn.ops`
     and :func:`jaxattn.kv.write_kv` (e.g. :class:`jaxattn.sharding.TensorParallel`).
     ``kv_write``: the ``implementation=`` of the K/V writes (:func:`jaxattn.write_kv`; None:
-    the fastest backend that serves them).
+    the fastest backend that serves them). ``fused_rope``: rotate q and k and store the new
+    K/V in one pass per layer (:func:`jaxattn.rope_write_kv`, same backend), instead of the
+    rotation in XLA followed by the write; needs the fused projection (:func:`serving_params`)
+    and one device.
     """
     attn = ops if kernels is None else kernels
     if attention not in ("extend", "prefix_prefill"):
@@ -762,9 +801,11 @@ def forward_extend(
             )
         return o, (kc, vc)
 
+    rope_write = _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope)
     h, (k_cache, v_cache) = _decoder(
-        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache)
-    )
+        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache),
+        rope_write=rope_write,
+    )  # fmt: skip
     return lm_head(params, cfg, h[batch.logit_rows]), k_cache, v_cache
 
 
@@ -781,6 +822,7 @@ def forward_decode(
     kernels=None,
     linear=None,
     kv_write=None,
+    fused_rope: bool = False,
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
@@ -789,7 +831,7 @@ def forward_decode(
     ``linear``: None / ``"xla"`` runs the projections through XLA's dot, ``"pad"`` too but
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
-    ``kv_write``: as in :func:`forward_extend`.
+    ``kv_write``, ``fused_rope``: as in :func:`forward_extend`.
     """
     if linear not in _LINEAR:
         raise ValueError(f"linear must be one of {sorted(map(str, _LINEAR))}, got {linear!r}")
@@ -840,9 +882,13 @@ def forward_decode(
         )
         return o, (kc, vc)
 
-    h, (k_cache, v_cache) = _decoder(
-        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache), matmul
+    rope_write = _rope_writer(
+        kernels, batch, pages_per_layer * page_size, layout, kv_write, fused_rope
     )
+    h, (k_cache, v_cache) = _decoder(
+        params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache), matmul,
+        rope_write,
+    )  # fmt: skip
     return lm_head(params, cfg, h, matmul), k_cache, v_cache
 
 

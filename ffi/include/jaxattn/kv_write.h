@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "jaxattn/dtypes.h"
 #include "jaxattn/params.h"
@@ -75,6 +76,24 @@ JAXATTN_HD int64_t write_kv_row(const KvGeometry& g, int32_t slot, int h) {
   return page * g.page_stride + g.slot_of(slot) * g.token_stride + h * g.head_stride;
 }
 
+// One rotate-half RoPE pair of rope_write_kv: x1 (element j < head_dim / 2) and x2 (element j +
+// head_dim / 2) become x1 cos - x2 sin and x2 cos + x1 sin, in float32 (each product and the sum
+// rounded, no fused multiply-add), then rounded to In: what jaxattn.models.llama's rotation
+// computes before the cache stores the row.
+template <typename In>
+JAXATTN_HD void rope_pair(In* x1, In* x2, float c, float s) {
+  const float a = to_float(*x1), b = to_float(*x2);
+#if defined(JAXATTN_DEVICE_PASS)
+  const float r1 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  const float r2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+#else
+  volatile float ac = a * c, bs = b * s, bc = b * c, as = a * s;
+  const float r1 = ac - bs, r2 = bc + as;
+#endif
+  *x1 = from_float<In>(r1);
+  *x2 = from_float<In>(r2);
+}
+
 // Calls f(C{}) with C the element type of `cache` and returns its result; unsupported() for
 // kUnsupported (called only then). The CPU handler and the GPU launcher both pick their
 // instantiation here.
@@ -115,6 +134,38 @@ void write_kv(const WriteKvParams& p) {
         const float* s = scales ? scales + h : nullptr;
         for (int d = 0; d < D; ++d) cache[row + d] = stored_element<In, C>(x[d], s);
       }
+    }
+  }
+}
+
+template <typename In, typename C>
+void rope_write_kv(const RopeWriteKvParams& p) {
+  const KvGeometry& g = p.w.kv;
+  const int D = g.head_dim, half = D / 2, Hq = p.num_q_heads, Hkv = g.num_kv_heads;
+  const int H = Hq + 2 * Hkv;
+  const In* qkv = static_cast<const In*>(p.qkv);
+  In* q_out = static_cast<In*>(p.q_out);
+  std::vector<In> row(D);
+  for (int32_t t = 0; t < p.w.num_tokens; ++t) {
+    const float* cs = p.cos + int64_t(t) * half;
+    const float* sn = p.sin + int64_t(t) * half;
+    for (int h = 0; h < H; ++h) {
+      const In* x = qkv + (int64_t(t) * H + h) * D;
+      for (int d = 0; d < D; ++d) row[d] = x[d];
+      if (h < Hq + Hkv)
+        for (int j = 0; j < half; ++j) rope_pair(&row[j], &row[j + half], cs[j], sn[j]);
+      if (h < Hq) {
+        for (int d = 0; d < D; ++d) q_out[(int64_t(t) * Hq + h) * D + d] = row[d];
+        continue;
+      }
+      const bool is_v = h >= Hq + Hkv;
+      const int kh = h - Hq - (is_v ? Hkv : 0);
+      const int64_t dst = write_kv_row(g, p.w.slots[t], kh);
+      if (dst < 0) continue;
+      C* cache = static_cast<C*>(is_v ? p.w.v_cache : p.w.k_cache);
+      const float* scales = is_v ? p.w.scales.v : p.w.scales.k;
+      const float* s = scales ? scales + kh : nullptr;
+      for (int d = 0; d < D; ++d) cache[dst + d] = stored_element<In, C>(row[d], s);
     }
   }
 }

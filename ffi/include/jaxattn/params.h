@@ -204,4 +204,18 @@ struct WriteKvParams {
   HeadScales scales;
 };
 
+// rope_write_kv (jaxattn/kv_write.h): a fused projection's rows qkv [num_tokens, num_q_heads +
+// 2 num_kv_heads, head_dim] (q heads, then k, then v) with rotate-half RoPE applied to q and k
+// by the per-token tables cos, sin f32 [num_tokens, head_dim / 2]; the rotated q goes to q_out
+// [num_tokens, num_q_heads, head_dim], the rotated k and the v rows into the caches as write_kv
+// stores them (w.k and w.v unused).
+struct RopeWriteKvParams {
+  WriteKvParams w;
+  const void* qkv = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  void* q_out = nullptr;
+  int32_t num_q_heads = 0;
+};
+
 }  // namespace jaxattn
