@@ -103,6 +103,13 @@ def add_execution_args(group) -> None:
         help="rotate q, k and store K/V in one pass a layer (ExecutionConfig.fused_rope; auto: "
         "where the K/V write is the native kernel on one device)",
     )
+    group.add_argument(
+        "--fused-norm",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="each residual add and its RMSNorm in one native kernel (ExecutionConfig."
+        "fused_norm; auto: with the native library on one GPU and straight-line layers)",
+    )
 
 
 def execution_kwargs(args) -> dict:
@@ -112,6 +119,7 @@ def execution_kwargs(args) -> dict:
         decode_graph={"auto": None, "on": True, "off": False}[args.decode_graph],
         kv_write=args.kv_write,
         fused_rope={"auto": None, "on": True, "off": False}[args.fused_rope],
+        fused_norm={"auto": None, "on": True, "off": False}[args.fused_norm],
     )
 
 

@@ -340,6 +340,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         decode_graph=engine.runner.decode_graph,
         kv_write=engine.runner.kv_write,
         fused_rope=engine.runner.fused_rope,
+        fused_norm=engine.runner.fused_norm,
     )
     if args.profile:
         row["profile"] = prof
@@ -373,7 +374,8 @@ def main(argv=None) -> int:
             print(
                 f"  B={b} {mode}: {r['wall_ms']:.3f} ms a step, device {r['device_ms']:.3f}, "
                 f"floor {r['floor_ms']:.3f} (K/V writes: {r['kv_write']}"
-                f"{', rope fused' if r['fused_rope'] else ''})",
+                f"{', rope fused' if r['fused_rope'] else ''}"
+                f"{', add+norm fused' if r['fused_norm'] else ''})",
                 file=sys.stderr,
             )
             if args.profile:

@@ -93,6 +93,7 @@ _TARGETS = {
     "jaxattn_linear": "JaxattnLinear",
     "jaxattn_write_kv": "JaxattnWriteKv",
     "jaxattn_rope_write_kv": "JaxattnRopeWriteKv",
+    "jaxattn_add_rms_norm": "JaxattnAddRmsNorm",
 }
 _LAYOUT_IDS = {"bshd": 0, "bhsd": 1}
 _GPU_HEAD_DIMS = (32, 64, 128, 256)
@@ -661,6 +662,45 @@ def rope_write_unsupported(a, platform: str) -> str | None:
     if platform != "cpu" and a.geometry.head_dim % 16:
         return f"the GPU rope_write_kv needs head_dim a multiple of 16, got {a.geometry.head_dim}"
     return None
+
+
+# --- a residual add followed by RMSNorm: the decode step's glue between projections ----------
+
+
+def add_rms_norm_unsupported(x, d, w, platform: str | None = None) -> str | None:
+    """Why :func:`add_rms_norm` cannot serve these arguments, or None."""
+    platform = _platform() if platform is None else platform
+    dt = np.dtype(x.dtype)
+    if dt not in _DTYPES:
+        return f"add_rms_norm takes float32/bfloat16/float16 rows, got {dt}"
+    if np.dtype(d.dtype) != dt or np.dtype(w.dtype) != dt:
+        return f"add_rms_norm takes x, d and w in one dtype, got {dt}, {d.dtype} and {w.dtype}"
+    if x.ndim != 2 or d.shape != x.shape or w.shape != x.shape[1:]:
+        return (
+            f"add_rms_norm takes x and d [rows, cols] and w [cols], got {tuple(x.shape)}, "
+            f"{tuple(d.shape)} and {tuple(w.shape)}"
+        )
+    if platform != "cpu" and x.shape[1] % 8:
+        return f"the GPU add_rms_norm needs cols a multiple of 8, got {x.shape[1]}"
+    return None
+
+
+def add_rms_norm(x, d, w, *, eps: float):
+    """``s = x + d`` and ``RMSNorm(s) * w`` in one kernel launch, as XLA computes the model's
+    ``x + d`` and ``jaxattn.models.llama.rms_norm``: the sum rounded to x's dtype, the mean of
+    its squares, the scaling and the weight's product in float32, rounded once (XLA keeps
+    the excess precision of the normalised row before the weight, and so does the kernel):
+    ``(s, normed)``, each ``[rows, cols]`` in x's dtype. The mean and the reciprocal square
+    root may differ from XLA's in their last float32 bits, so a 16-bit result may be one
+    step off XLA's. Raises ``NotImplementedError`` for what :func:`add_rms_norm_unsupported`
+    refuses."""
+    platform = _ensure_registered()
+    why = add_rms_norm_unsupported(x, d, w, platform)
+    if why is not None:
+        raise NotImplementedError(why)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    call = jax.ffi.ffi_call("jaxattn_add_rms_norm", (out, out), vmap_method="sequential")
+    return call(x, d, w, eps=np.float32(eps))
 
 
 # --- skinny matmul: the projections of a decode step at small batch ---------------------------

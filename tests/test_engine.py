@@ -521,6 +521,29 @@ def test_fused_rope_matches_the_separate_rotation():
     assert make_engine().runner.fused_rope == auto
 
 
+def test_fused_norm_matches_the_separate_add_and_norm():
+    """fused_norm: each residual add and its RMSNorm in one native kernel (the CPU handler
+    here) with straight-line layers: the outputs verified against the dense model, the same
+    greedy tokens as XLA's add and norm. None turns it on on GPUs only."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    prompts = workload(7)
+    outs = {}
+    for fused in (True, False):
+        engine = make_engine(fused_norm=fused, unroll_layers=True, decode_steps=4)
+        assert engine.runner.fused_norm == engine.stats["fused_norm"] == fused
+        outs[fused] = engine.generate(prompts, 6)
+        assert_whole(engine)
+    assert_verified(prompts, outs[True], 6)
+    if jax.default_backend() == "cpu":
+        assert outs[True] == outs[False]
+        assert not make_engine(unroll_layers=True).runner.fused_norm
+    with pytest.raises(ValueError, match="straight-line layers"):
+        make_engine(fused_norm=True, unroll_layers=False)
+
+
 def test_decode_graph_matches():
     """ExecutionConfig(decode_graph=True): the decode program compiled with its loop as a
     command buffer (a GPU setting; the CPU compiles the same program): the same greedy

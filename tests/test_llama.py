@@ -381,20 +381,24 @@ _NATIVE_WRITE = pytest.mark.skipif(not native.is_available(), reason="no native 
         ("bshd", "extend", "serving", None, False),
         ("vllm", "prefix_prefill", "serving-2", None, False),
         ("bhsd", "prefix_prefill", "serving-scan", None, False),
-        ("vllm", "prefix_prefill", "serving-scan", None, True),
+        ("vllm", "prefix_prefill", "serving-scan", None, "rope"),
         pytest.param("bshd", "extend", "serving", "native", False, marks=_NATIVE_WRITE),
         pytest.param(
             "bhsd", "prefix_prefill", "serving-scan", "native", False, marks=_NATIVE_WRITE
         ),
-        pytest.param("bshd", "extend", "serving", "native", True, marks=_NATIVE_WRITE),
-        pytest.param("bhsd", "prefix_prefill", "serving", "native", True, marks=_NATIVE_WRITE),
+        pytest.param("bshd", "extend", "serving", "native", "rope", marks=_NATIVE_WRITE),
+        pytest.param(
+            "bhsd", "prefix_prefill", "serving", "native", "rope+norm", marks=_NATIVE_WRITE
+        ),
+        pytest.param("vllm", "prefix_prefill", "serving", None, "norm", marks=_NATIVE_WRITE),
     ],
 )
 def test_cached_paths_match_dense(layout, attention, form, kv_write, fused):
     """Stacked weights (a scan over layers) and the serving forms (fused projections, one
     block per shard; straight-line layers or a scan) give the dense oracle's logits, with
-    the K/V stores of either backend, and with the rotation and stores in one pass
-    (``fused_rope``). float32 products in full precision: on a GPU XLA's default for a
+    the K/V stores of either backend, with the rotation and stores in one pass
+    (``fused_rope``) and with each residual add and its norm in one kernel (``fused_norm``).
+    float32 products in full precision: on a GPU XLA's default for a
     float32 dot rounds its inputs (TF32), which the tolerance is not for."""
     with jax.default_matmul_precision("highest"):
         _cached_paths_match_dense(layout, attention, form, kv_write, fused)
@@ -410,6 +414,7 @@ def test_fused_rope_needs_the_fused_unsplit_projection():
 
 
 def _cached_paths_match_dense(layout, attention, form, kv_write, fused=False):
+    fused = dict(fused_rope="rope" in str(fused), fused_norm="norm" in str(fused))
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
     dense_params = params
@@ -431,14 +436,13 @@ def _cached_paths_match_dense(layout, attention, form, kv_write, fused=False):
 
     extend = jax.jit(
         lambda p, k, v, b: llama.forward_extend(
-            p, CFG, k, v, b, layout=layout, attention=attention, kv_write=kv_write,
-            fused_rope=fused,
+            p, CFG, k, v, b, layout=layout, attention=attention, kv_write=kv_write, **fused
         ),
         donate_argnums=(1, 2),
     )  # fmt: skip
     decode = jax.jit(
         lambda p, k, v, b: llama.forward_decode(
-            p, CFG, k, v, b, layout=layout, kv_write=kv_write, fused_rope=fused
+            p, CFG, k, v, b, layout=layout, kv_write=kv_write, **fused
         ),
         donate_argnums=(1, 2),
     )

@@ -20,7 +20,7 @@ namespace ffi = xla::ffi;
 // The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
 // count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
-// 4: the linear target; 5: the write_kv target; 6: the rope_write_kv target.
+// 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets.
 constexpr int kFfiAbi = 6;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
@@ -382,6 +382,38 @@ inline ffi::Error make_rope_write_kv_params(
   return ffi::Error::Success();
 }
 
+// add_rms_norm: x, d [rows, cols] and w [cols] in one float32/bfloat16/float16 dtype; the
+// results sum and normed [rows, cols] in that dtype.
+inline ffi::Error make_add_norm_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& d,
+                                       const ffi::AnyBuffer& w, ffi::AnyBuffer sum,
+                                       ffi::AnyBuffer normed, float eps, AddNormParams* p,
+                                       DType* dtype) {
+  *dtype = dtype_of(x.element_type());
+  if (*dtype == DType::kUnsupported)
+    return invalid("add_rms_norm takes float32/bfloat16/float16 rows");
+  const auto xd = x.dimensions();
+  for (const ffi::AnyBuffer* b : {&d, &w, static_cast<const ffi::AnyBuffer*>(&sum),
+                                  static_cast<const ffi::AnyBuffer*>(&normed)})
+    if (b->element_type() != x.element_type())
+      return invalid("add_rms_norm: every operand and result must be in x's dtype");
+  if (xd.size() != 2 || dims_str(d.dimensions()) != dims_str(xd) ||
+      dims_str(sum.dimensions()) != dims_str(xd) || dims_str(normed.dimensions()) != dims_str(xd))
+    return invalid("add_rms_norm: x, d and the results must be one [rows, cols] shape, got " +
+                   dims_str(xd) + " and " + dims_str(d.dimensions()));
+  if (w.dimensions().size() != 1 || w.dimensions()[0] != xd[1])
+    return invalid("add_rms_norm: w must be [cols], got " + dims_str(w.dimensions()));
+  if (xd[0] > INT32_MAX || xd[1] > INT32_MAX) return invalid("add_rms_norm: too large");
+  p->x = x.untyped_data();
+  p->d = d.untyped_data();
+  p->w = w.untyped_data();
+  p->sum = sum.untyped_data();
+  p->normed = normed.untyped_data();
+  p->rows = static_cast<int32_t>(xd[0]);
+  p->cols = static_cast<int32_t>(xd[1]);
+  p->eps = eps;
+  return ffi::Error::Success();
+}
+
 // The operands and attributes of each op, appended to a binding that already holds the
 // platform's context (nothing on the CPU, the stream on a GPU), so the CPU and GPU handlers
 // cannot drift apart. Order: q, k_cache, v_cache, index arrays..., k_scale, v_scale, out,
@@ -462,6 +494,17 @@ auto bind_write_kv(B&& b) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Attr<int32_t>("layout");
+}
+
+template <typename B>
+auto bind_add_rms_norm(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<float>("eps");
 }
 
 template <typename B>

@@ -6,6 +6,7 @@
 
 #include "cascade_ffi.h"
 #include "ffi_common.h"
+#include "jaxattn/add_norm.h"
 #include "jaxattn/cpu_attention.h"
 #include "jaxattn/cpu_cascade.h"
 #include "jaxattn/kv_write.h"
@@ -197,6 +198,30 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
                          [] { return ffi_common::invalid("unsupported KV cache dtype"); });
 }
 
+ffi::Error AddRmsNormCpu(ffi::AnyBuffer x, ffi::AnyBuffer d, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> normed,
+                         float eps) {
+  AddNormParams p;
+  DType in;
+  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in);
+      e.failure())
+    return e;
+  switch (in) {
+    case DType::kF32:
+      cpu::add_rms_norm<float>(p);
+      break;
+    case DType::kBF16:
+      cpu::add_rms_norm<bf16_t>(p);
+      break;
+    case DType::kF16:
+      cpu::add_rms_norm<f16_t>(p);
+      break;
+    default:
+      return ffi_common::invalid("unsupported dtype");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error RopeWriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer qkv,
                           ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                           ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
@@ -237,6 +262,9 @@ ffi::Error RopeWriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
 
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnAddRmsNormCpu, jaxattn::AddRmsNormCpu,
+                              jaxattn::ffi_common::bind_add_rms_norm(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnRopeWriteKvCpu, jaxattn::RopeWriteKvCpu,
                               jaxattn::ffi_common::bind_rope_write_kv(ffi::Ffi::Bind()));

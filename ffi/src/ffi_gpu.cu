@@ -177,6 +177,19 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
   return launched("write_kv", gpu::launch_write_kv(dt, cache, p, stream));
 }
 
+ffi::Error AddRmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d, ffi::AnyBuffer w,
+                         ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> normed,
+                         float eps) {
+  AddNormParams p;
+  ffi_common::DType in;
+  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in);
+      e.failure())
+    return e;
+  gpu::DType dt;
+  if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
+  return launched("add_rms_norm", gpu::launch_add_rms_norm(dt, p, stream));
+}
+
 ffi::Error RopeWriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                           ffi::AnyBuffer qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                           ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
@@ -206,6 +219,11 @@ ffi::Error RopeWriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBu
 
 }  // namespace
 }  // namespace jaxattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnAddRmsNormGpu, jaxattn::AddRmsNormGpu,
+                              jaxattn::ffi_common::bind_add_rms_norm(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnRopeWriteKvGpu, jaxattn::RopeWriteKvGpu,
                               jaxattn::ffi_common::bind_rope_write_kv(

@@ -16,6 +16,8 @@ const char* launch_paged_decode(DType dtype, KvType kv, const DecodeParams& p, g
 const char* launch_prefill(DType dtype, KvType kv, const PrefillParams& p, gpuStream_t stream);
 // out = x w for a 16-bit x and w (jaxattn/linear.cuh); out in their dtype, or f32.
 const char* launch_linear(DType dtype, bool out_f32, const LinearParams& p, gpuStream_t stream);
+// sum = x + d, normed = RMSNorm(sum) * w, row by row (jaxattn/add_norm.h, ffi/src/linear.cu).
+const char* launch_add_rms_norm(DType dtype, const AddNormParams& p, gpuStream_t stream);
 
 // Defined in jaxattn/paged_decode.cuh (where C defaults to T); instantiated once per (q, cache)
 // dtype pair in its own translation unit (paged_decode_<dtype>[_<fp8>].cu) so that the many

@@ -337,6 +337,11 @@ class ExecutionConfig:
       on where the write is the native kernel on one device; True: on (one device; an error
       under a mesh); False: off. The same values either way, up to the rounding of the
       rotation's products.
+    fused_norm: each residual add and the RMSNorm after it in one native kernel
+      (:func:`jaxattn.native.add_rms_norm`) instead of XLA's two fusions. None (the default):
+      on with the native library on one GPU and straight-line layers; True: on (one device,
+      straight-line layers, the native library; its CPU handler on the CPU); False: off.
+      The same values up to the last float32 bits of the norm's mean.
     """
 
     extend_attention: str | None = None
@@ -352,6 +357,7 @@ class ExecutionConfig:
     decode_graph: bool | None = None
     kv_write: str = "auto"
     fused_rope: bool | None = None
+    fused_norm: bool | None = None
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -370,8 +376,9 @@ class ExecutionConfig:
             object.__setattr__(self, "decode_graph", bool(self.decode_graph))
         if self.unroll_layers is not None:
             object.__setattr__(self, "unroll_layers", bool(self.unroll_layers))
-        if self.fused_rope is not None:
-            object.__setattr__(self, "fused_rope", bool(self.fused_rope))
+        for name in ("fused_rope", "fused_norm"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, bool(getattr(self, name)))
         if not isinstance(self.decode_linear, str) or self.decode_linear not in _DECODE_LINEAR:
             raise ValueError(
                 f"ExecutionConfig.decode_linear must be one of {_DECODE_LINEAR}, "

@@ -642,6 +642,10 @@ class ModelRunner:
         with the ``kv_write`` backend; None: where that backend is the native kernel on one
         device; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
         :attr:`fused_rope`.
+      fused_norm: each residual add and its RMSNorm in one native kernel
+        (:func:`jaxattn.native.add_rms_norm`; None: with the native library on one GPU and
+        straight-line layers; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
+        :attr:`fused_norm`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -672,6 +676,7 @@ class ModelRunner:
         decode_graph: bool | None = None,
         kv_write: str = "auto",
         fused_rope: bool | None = None,
+        fused_norm: bool | None = None,
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -752,7 +757,10 @@ class ModelRunner:
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
         self.kv_write = self._resolve_write(kv_write)
         self.fused_rope = self._resolve_fused_rope(fused_rope)
-        rope = {"fused_rope": True} if self.fused_rope else {}
+        self.fused_norm = self._resolve_fused_norm(fused_norm, platform)
+        fused = {"fused_rope": True} if self.fused_rope else {}
+        if self.fused_norm:
+            fused["fused_norm"] = True
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
@@ -763,7 +771,7 @@ class ModelRunner:
                 attention=extend_attention,
                 implementation=self.backends["extend"],
                 kv_write=self.kv_write,
-                **rope,
+                **fused,
             ),
             "decode": _Options(
                 layout=layout,
@@ -771,14 +779,14 @@ class ModelRunner:
                 implementation=self.backends["decode"],
                 kv_write=self.kv_write,
                 **linear,
-                **rope,
+                **fused,
             ),
             "cascade": _Options(
                 layout=layout,
                 implementation=self.cascade_backend,
                 kv_write=self.kv_write,
                 **linear,
-                **rope,
+                **fused,
             ),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
@@ -863,6 +871,28 @@ class ModelRunner:
                 raise
             return False
         return True
+
+    def _resolve_fused_norm(self, choice: bool | None, platform: str) -> bool:
+        """Whether each residual add and its norm run as one native kernel (``choice``: None
+        for where the native library serves one GPU with straight-line layers, or a bool)."""
+        if choice is False or (choice is None and platform == "cpu"):
+            return False
+        if self.tp is not None:
+            why = "it runs on one device, not under a mesh"
+        elif not self.unroll_layers:
+            why = "it needs straight-line layers (unroll_layers)"
+        else:
+            from jaxattn import native
+
+            row = jax.ShapeDtypeStruct((1, self.model.hidden_size), self.model.jnp_dtype)
+            weight = jax.ShapeDtypeStruct((self.model.hidden_size,), self.model.jnp_dtype)
+            if not native.is_available():
+                why = "the native library is not available"
+            else:
+                why = native.add_rms_norm_unsupported(row, row, weight, platform)
+        if why is not None and choice:
+            raise ValueError(f"fused_norm=True: {why}")
+        return why is None
 
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own

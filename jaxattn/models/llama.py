@@ -444,7 +444,15 @@ def serving_params(cfg: LlamaConfig, params: dict, *, shards: int = 1, unroll: b
 
 
 def _decoder(
-    params: dict, cfg: LlamaConfig, tokens, positions, attend, state, matmul=None, rope_write=None
+    params: dict,
+    cfg: LlamaConfig,
+    tokens,
+    positions,
+    attend,
+    state,
+    matmul=None,
+    rope_write=None,
+    add_norm=None,
 ):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
@@ -456,6 +464,8 @@ def _decoder(
     D], cos, sin f32 [T, D // 2], layer, state) -> (q, state)``, with the fused projection
     (:func:`serving_params`): rotates and stores the new K/V itself
     (:func:`jaxattn.kv.rope_write_kv`), and ``attend`` is then called with k and v None.
+    ``add_norm(x, d, w) -> (x + d, rms_norm(x + d, w))`` (straight-line layers only): each
+    residual add and the norm that follows it in one call (:func:`jaxattn.native.add_rms_norm`).
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -463,8 +473,8 @@ def _decoder(
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens]
 
-    def layer_body(x, layer, state, lp):
-        h = rms_norm(x, lp["attn_norm"], eps)
+    def attention_block(h, layer, state, lp):
+        """The attention half of a layer on normed rows h: its output projection, state."""
         if rope_write is not None:
             if "wqkv" not in lp or lp["wqkv"].shape[1] != 1:
                 raise ValueError(
@@ -474,31 +484,47 @@ def _decoder(
             qkv = _linear(h, lp["wqkv"], matmul).reshape(t, hq + 2 * hkv, d)
             q, state = rope_write(qkv, cos[:, 0], sin[:, 0], layer, state)
             o, state = attend(q, None, None, layer, state)
-        elif "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
-            shards = lp["wqkv"].shape[1]
-            q, k, v = jnp.split(
-                _linear(h, lp["wqkv"], matmul),
-                [cfg.q_size // shards, (cfg.q_size + cfg.kv_size) // shards],
-                -1,
-            )
-            q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         else:
-            q = _linear(h, lp["wq"], matmul).reshape(t, hq, d)
-            k = _linear(h, lp["wk"], matmul).reshape(t, hkv, d)
-            v = _linear(h, lp["wv"], matmul).reshape(t, hkv, d)
-        if rope_write is None:
+            if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
+                shards = lp["wqkv"].shape[1]
+                q, k, v = jnp.split(
+                    _linear(h, lp["wqkv"], matmul),
+                    [cfg.q_size // shards, (cfg.q_size + cfg.kv_size) // shards],
+                    -1,
+                )
+                q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+            else:
+                q = _linear(h, lp["wq"], matmul).reshape(t, hq, d)
+                k = _linear(h, lp["wk"], matmul).reshape(t, hkv, d)
+                v = _linear(h, lp["wv"], matmul).reshape(t, hkv, d)
             o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
-        x = x + _linear(o.astype(x.dtype).reshape(t, hq * d), lp["wo"], matmul)
-        h = rms_norm(x, lp["mlp_norm"], eps)
+        return _linear(o.astype(h.dtype).reshape(t, hq * d), lp["wo"], matmul), state
+
+    def mlp_block(h, lp):
         if "w_gate_up" in lp:
             gate, up = jnp.split(_linear(h, lp["w_gate_up"], matmul), 2, -1)
             act = (jax.nn.silu(gate) * up).reshape(t, cfg.intermediate_size)
         else:
             act = jax.nn.silu(_linear(h, lp["w_gate"], matmul)) * _linear(h, lp["w_up"], matmul)
-        x = x + _linear(act, lp["w_down"], matmul)
+        return _linear(act, lp["w_down"], matmul)
+
+    def layer_body(x, layer, state, lp):
+        a, state = attention_block(rms_norm(x, lp["attn_norm"], eps), layer, state, lp)
+        x = x + a
+        x = x + mlp_block(rms_norm(x, lp["mlp_norm"], eps), lp)
         return x, state
 
     layers = params["layers"]
+    if isinstance(layers, list | tuple) and add_norm is not None:
+        # Each residual add and the norm after it in one call; the next layer's (or the
+        # final) norm follows the MLP's add.
+        h = rms_norm(x, layers[0]["attn_norm"], eps)
+        for layer, lp in enumerate(layers):
+            a, state = attention_block(h, layer, state, lp)
+            x, h = add_norm(x, a, lp["mlp_norm"])
+            following = layers[layer + 1]["attn_norm"] if layer + 1 < len(layers) else None
+            x, h = add_norm(x, mlp_block(h, lp), params["norm"] if following is None else following)
+        return h, state
     if isinstance(layers, list | tuple):
         for layer, lp in enumerate(layers):
             x, state = layer_body(x, layer, state, lp)
@@ -706,6 +732,24 @@ def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, s
     return writer(k_cache, v_cache, k, v, slots, layout=layout, implementation=kv_write, **scales)
 
 
+def _add_norm(params: dict, cfg: LlamaConfig, kernels, fused_norm: bool):
+    """The ``add_norm`` of :func:`_decoder` when ``fused_norm`` (None otherwise)."""
+    if not fused_norm:
+        return None
+    if kernels is not None:
+        raise ValueError("fused_norm runs on one device; with a tensor-parallel mesh pass False")
+    if not isinstance(params["layers"], list | tuple):
+        raise ValueError("fused_norm needs straight-line layers (serving_params with unroll=True)")
+    from jaxattn import native
+
+    eps = cfg.rms_norm_eps
+
+    def add_norm(x, d, w):
+        return native.add_rms_norm(x, d.astype(x.dtype), w.astype(x.dtype), eps=eps)
+
+    return add_norm
+
+
 def _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope):
     """The ``rope_write`` of :func:`_decoder` when ``fused_rope`` (None otherwise): each
     layer's new K/V rotated and stored by :func:`jaxattn.kv.rope_write_kv` with the
@@ -739,6 +783,7 @@ def forward_extend(
     kernels=None,
     kv_write=None,
     fused_rope: bool = False,
+    fused_norm: bool = False,
 ):
     """Prefill new tokens after cached prefixes; return ``(logits f32[R, V], k, v)``.
 
@@ -754,7 +799,9 @@ def forward_extend(
     the fastest backend that serves them). ``fused_rope``: rotate q and k and store the new
     K/V in one pass per layer (:func:`jaxattn.rope_write_kv`, same backend), instead of the
     rotation in XLA followed by the write; needs the fused projection (:func:`serving_params`)
-    and one device.
+    and one device. ``fused_norm``: each residual add and the RMSNorm after it in one native
+    kernel (:func:`jaxattn.native.add_rms_norm`); needs straight-line layers
+    (:func:`serving_params`), the native library and one device.
     """
     attn = ops if kernels is None else kernels
     if attention not in ("extend", "prefix_prefill"):
@@ -804,7 +851,7 @@ def forward_extend(
     rope_write = _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope)
     h, (k_cache, v_cache) = _decoder(
         params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache),
-        rope_write=rope_write,
+        rope_write=rope_write, add_norm=_add_norm(params, cfg, kernels, fused_norm),
     )  # fmt: skip
     return lm_head(params, cfg, h[batch.logit_rows]), k_cache, v_cache
 
@@ -823,6 +870,7 @@ def forward_decode(
     linear=None,
     kv_write=None,
     fused_rope: bool = False,
+    fused_norm: bool = False,
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
@@ -831,7 +879,7 @@ def forward_decode(
     ``linear``: None / ``"xla"`` runs the projections through XLA's dot, ``"pad"`` too but
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
-    ``kv_write``, ``fused_rope``: as in :func:`forward_extend`.
+    ``kv_write``, ``fused_rope``, ``fused_norm``: as in :func:`forward_extend`.
     """
     if linear not in _LINEAR:
         raise ValueError(f"linear must be one of {sorted(map(str, _LINEAR))}, got {linear!r}")
@@ -887,7 +935,7 @@ def forward_decode(
     )
     h, (k_cache, v_cache) = _decoder(
         params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache), matmul,
-        rope_write,
+        rope_write, _add_norm(params, cfg, kernels, fused_norm),
     )  # fmt: skip
     return lm_head(params, cfg, h, matmul), k_cache, v_cache
 

@@ -187,6 +187,19 @@ struct LinearParams {
   bool out_f32 = false;
 };
 
+// add_rms_norm (jaxattn/add_norm.h): sum = x + d and normed = RMSNorm(sum) * w, rows of
+// x, d, sum, normed [rows, cols] and w [cols], all in one float dtype.
+struct AddNormParams {
+  const void* x = nullptr;
+  const void* d = nullptr;
+  const void* w = nullptr;
+  void* sum = nullptr;
+  void* normed = nullptr;
+  int32_t rows = 0;
+  int32_t cols = 0;
+  float eps = 0.f;
+};
+
 // A KV cache's element type: write_kv stores any float input into any of these.
 enum class CacheDType : int32_t { kF32, kBF16, kF16, kE4M3, kE5M2, kUnsupported };
 
