@@ -686,14 +686,13 @@ def add_rms_norm_unsupported(x, d, w, platform: str | None = None) -> str | None
 
 
 def add_rms_norm(x, d, w, *, eps: float):
-    """``s = x + d`` and ``RMSNorm(s) * w`` in one kernel launch, as XLA computes the model's
-    ``x + d`` and ``jaxattn.models.llama.rms_norm``: the sum rounded to x's dtype, the mean of
-    its squares, the scaling and the weight's product in float32, rounded once (XLA keeps
-    the excess precision of the normalised row before the weight, and so does the kernel):
-    ``(s, normed)``, each ``[rows, cols]`` in x's dtype. The mean and the reciprocal square
-    root may differ from XLA's in their last float32 bits, so a 16-bit result may be one
-    step off XLA's. Raises ``NotImplementedError`` for what :func:`add_rms_norm_unsupported`
-    refuses."""
+    """``s = x + d`` and ``RMSNorm(s) * w`` in one kernel launch, as the model computes them
+    (``jaxattn.models.llama.rms_norm``: the sum rounded to x's dtype, the mean of its squares
+    and the scaling in float32, the normalised row rounded to x's dtype, then the weight's
+    product): ``(s, normed)``, each ``[rows, cols]`` in x's dtype. The mean and the
+    reciprocal square root may differ from XLA's in their last float32 bits, so a 16-bit
+    result may be one step off XLA's. Raises ``NotImplementedError`` for what
+    :func:`add_rms_norm_unsupported` refuses."""
     platform = _ensure_registered()
     why = add_rms_norm_unsupported(x, d, w, platform)
     if why is not None:

@@ -162,6 +162,37 @@ ffi::Error LinearCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// The cache writers' results start as copies of the caches where XLA did not alias them.
+void copy_unaliased_caches(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache,
+                           const WriteKvParams& p) {
+  if (p.k_cache != k_cache.untyped_data())
+    std::memcpy(p.k_cache, k_cache.untyped_data(), k_cache.size_bytes());
+  if (p.v_cache != v_cache.untyped_data())
+    std::memcpy(p.v_cache, v_cache.untyped_data(), v_cache.size_bytes());
+}
+
+// Calls f(In{}, C{}) for the rows' dtype In and the cache's element type C.
+template <typename F>
+ffi::Error with_write_types(DType in, CacheDType cache, F&& f) {
+  auto with_input = [&](auto c) -> ffi::Error {
+    switch (in) {
+      case DType::kF32:
+        f(float{}, c);
+        return ffi::Error::Success();
+      case DType::kBF16:
+        f(bf16_t{}, c);
+        return ffi::Error::Success();
+      case DType::kF16:
+        f(f16_t{}, c);
+        return ffi::Error::Success();
+      default:
+        return ffi_common::invalid("unsupported dtype");
+    }
+  };
+  return with_cache_type(cache, with_input,
+                         [] { return ffi_common::invalid("unsupported KV cache dtype"); });
+}
+
 ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
                       ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> k_out,
@@ -173,29 +204,9 @@ ffi::Error WriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBu
                                                 *k_out, *v_out, layout, &p, &in, &cache);
       e.failure())
     return e;
-  // Unaliased results start as copies of the caches.
-  if (p.k_cache != k_cache.untyped_data())
-    std::memcpy(p.k_cache, k_cache.untyped_data(), k_cache.size_bytes());
-  if (p.v_cache != v_cache.untyped_data())
-    std::memcpy(p.v_cache, v_cache.untyped_data(), v_cache.size_bytes());
-  auto with_input = [&](auto c) -> ffi::Error {
-    using C = decltype(c);
-    switch (in) {
-      case DType::kF32:
-        cpu::write_kv<float, C>(p);
-        return ffi::Error::Success();
-      case DType::kBF16:
-        cpu::write_kv<bf16_t, C>(p);
-        return ffi::Error::Success();
-      case DType::kF16:
-        cpu::write_kv<f16_t, C>(p);
-        return ffi::Error::Success();
-      default:
-        return ffi_common::invalid("unsupported dtype");
-    }
-  };
-  return with_cache_type(cache, with_input,
-                         [] { return ffi_common::invalid("unsupported KV cache dtype"); });
+  copy_unaliased_caches(k_cache, v_cache, p);
+  return with_write_types(in, cache,
+                          [&](auto x, auto c) { cpu::write_kv<decltype(x), decltype(c)>(p); });
 }
 
 ffi::Error AddRmsNormCpu(ffi::AnyBuffer x, ffi::AnyBuffer d, ffi::AnyBuffer w,
@@ -203,8 +214,7 @@ ffi::Error AddRmsNormCpu(ffi::AnyBuffer x, ffi::AnyBuffer d, ffi::AnyBuffer w,
                          float eps) {
   AddNormParams p;
   DType in;
-  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in);
-      e.failure())
+  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in); e.failure())
     return e;
   switch (in) {
     case DType::kF32:
@@ -236,28 +246,10 @@ ffi::Error RopeWriteKvCpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::A
                                                      layout, num_q_heads, &p, &in, &cache);
       e.failure())
     return e;
-  if (p.w.k_cache != k_cache.untyped_data())
-    std::memcpy(p.w.k_cache, k_cache.untyped_data(), k_cache.size_bytes());
-  if (p.w.v_cache != v_cache.untyped_data())
-    std::memcpy(p.w.v_cache, v_cache.untyped_data(), v_cache.size_bytes());
-  auto with_input = [&](auto c) -> ffi::Error {
-    using C = decltype(c);
-    switch (in) {
-      case DType::kF32:
-        cpu::rope_write_kv<float, C>(p);
-        return ffi::Error::Success();
-      case DType::kBF16:
-        cpu::rope_write_kv<bf16_t, C>(p);
-        return ffi::Error::Success();
-      case DType::kF16:
-        cpu::rope_write_kv<f16_t, C>(p);
-        return ffi::Error::Success();
-      default:
-        return ffi_common::invalid("unsupported dtype");
-    }
-  };
-  return with_cache_type(cache, with_input,
-                         [] { return ffi_common::invalid("unsupported KV cache dtype"); });
+  copy_unaliased_caches(k_cache, v_cache, p.w);
+  return with_write_types(in, cache, [&](auto x, auto c) {
+    cpu::rope_write_kv<decltype(x), decltype(c)>(p);
+  });
 }
 
 }  // namespace

@@ -151,6 +151,20 @@ ffi::Error LinearGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return launched("linear", gpu::launch_linear(dt, p.out_f32, p, stream));
 }
 
+// The cache writers' results start as copies of the caches where XLA did not alias them.
+ffi::Error copy_unaliased_caches(gpuStream_t stream, const ffi::AnyBuffer& k_cache,
+                                 const ffi::AnyBuffer& v_cache, const WriteKvParams& p) {
+  const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
+  void* dst[2] = {p.k_cache, p.v_cache};
+  const size_t bytes[2] = {k_cache.size_bytes(), v_cache.size_bytes()};
+  for (int i = 0; i < 2; ++i) {
+    if (dst[i] != src[i] && bytes[i] != 0 &&
+        gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDeviceToDevice, stream) != gpuSuccess)
+      return launched("KV cache copy", gpu::check_launch());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
@@ -165,15 +179,7 @@ ffi::Error WriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBuffer
     return e;
   gpu::DType dt;
   if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
-  // Unaliased results start as copies of the caches.
-  const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
-  void* dst[2] = {p.k_cache, p.v_cache};
-  const size_t bytes[2] = {k_cache.size_bytes(), v_cache.size_bytes()};
-  for (int i = 0; i < 2; ++i) {
-    if (dst[i] != src[i] && bytes[i] != 0 &&
-        gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDeviceToDevice, stream) != gpuSuccess)
-      return launched("write_kv copy", gpu::check_launch());
-  }
+  if (auto e = copy_unaliased_caches(stream, k_cache, v_cache, p); e.failure()) return e;
   return launched("write_kv", gpu::launch_write_kv(dt, cache, p, stream));
 }
 
@@ -182,8 +188,7 @@ ffi::Error AddRmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d,
                          float eps) {
   AddNormParams p;
   ffi_common::DType in;
-  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in);
-      e.failure())
+  if (auto e = ffi_common::make_add_norm_params(x, d, w, *sum, *normed, eps, &p, &in); e.failure())
     return e;
   gpu::DType dt;
   if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
@@ -206,14 +211,7 @@ ffi::Error RopeWriteKvGpu(gpuStream_t stream, ffi::AnyBuffer k_cache, ffi::AnyBu
     return e;
   gpu::DType dt;
   if (auto e = gpu_dtype(in, &dt); e.failure()) return e;
-  const void* src[2] = {k_cache.untyped_data(), v_cache.untyped_data()};
-  void* dst[2] = {p.w.k_cache, p.w.v_cache};
-  const size_t bytes[2] = {k_cache.size_bytes(), v_cache.size_bytes()};
-  for (int i = 0; i < 2; ++i) {
-    if (dst[i] != src[i] && bytes[i] != 0 &&
-        gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDeviceToDevice, stream) != gpuSuccess)
-      return launched("rope_write_kv copy", gpu::check_launch());
-  }
+  if (auto e = copy_unaliased_caches(stream, k_cache, v_cache, p.w); e.failure()) return e;
   return launched("rope_write_kv", gpu::launch_rope_write_kv(dt, cache, p, stream));
 }
 

@@ -3,12 +3,13 @@
 // between a projection and the next one, in one pass over each row.
 //
 // Row r of x and d ([rows, cols], dtype T) and the weight w [cols] (T) give
-//   sum[r]    = T(float(x) + float(d))                       (the residual stream)
-//   normed[r] = T(s * rsqrt(mean(s * s) + eps) * float(w))   with s = float(sum[r]),
-// in float32: the model casts the normalised row to T before the weight's product, a rounding
-// XLA leaves out (it may keep excess precision), and so does this kernel. The mean and the
-// reciprocal square root may differ from XLA's in their last float32 bits (the order of the
-// sum, the rsqrt instruction), so a 16-bit result may differ from XLA's by one step.
+//   sum[r]    = T(float(x) + float(d))                               (the residual stream)
+//   normed[r] = T(float(T(s * rsqrt(mean(s * s) + eps))) * float(w))  with s = float(sum[r]),
+// in float32, the normalised row rounded to T before the weight's product as the model (and
+// Hugging Face's Llama) writes it. The mean and the reciprocal square root may differ from
+// XLA's in their last float32 bits (the order of the sum, the rsqrt instruction), so a 16-bit
+// result may be one step off XLA's; so may XLA's own where it keeps the normalised row's
+// excess precision (xla_allow_excess_precision).
 #pragma once
 
 #include <cmath>
@@ -27,7 +28,8 @@ JAXATTN_HD T add_rounded(T x, T d) {
 // The normalised, weighted element of s (already the rounded sum) given inv = rsqrt(mean + eps).
 template <typename T>
 JAXATTN_HD T norm_weighted(T s, float inv, T w) {
-  return from_float<T>(to_float(s) * inv * to_float(w));
+  const T y = from_float<T>(to_float(s) * inv);
+  return from_float<T>(to_float(y) * to_float(w));
 }
 
 namespace cpu {
@@ -49,8 +51,7 @@ void add_rms_norm(const AddNormParams& p) {
       squares += f * f;
     }
     const float inv = 1.f / std::sqrt(squares / float(p.cols) + p.eps);
-    for (int64_t c = 0; c < p.cols; ++c)
-      normed[base + c] = norm_weighted(sum[base + c], inv, w[c]);
+    for (int64_t c = 0; c < p.cols; ++c) normed[base + c] = norm_weighted(sum[base + c], inv, w[c]);
   }
 }
 
