@@ -108,7 +108,7 @@ def add_execution_args(group) -> None:
         choices=["auto", "on", "off"],
         default="auto",
         help="each residual add and its RMSNorm in one native kernel (ExecutionConfig."
-        "fused_norm; auto: with the native library on one GPU and straight-line layers)",
+        "fused_norm; auto: off)",
     )
 
 

@@ -524,7 +524,7 @@ def test_fused_rope_matches_the_separate_rotation():
 def test_fused_norm_matches_the_separate_add_and_norm():
     """fused_norm: each residual add and its RMSNorm in one native kernel (the CPU handler
     here) with straight-line layers: the outputs verified against the dense model, the same
-    greedy tokens as XLA's add and norm. None turns it on on GPUs only."""
+    greedy tokens as XLA's add and norm. None (the default) is off."""
     from jaxattn import native
 
     if not native.is_available():
@@ -539,7 +539,7 @@ def test_fused_norm_matches_the_separate_add_and_norm():
     assert_verified(prompts, outs[True], 6)
     if jax.default_backend() == "cpu":
         assert outs[True] == outs[False]
-        assert not make_engine(unroll_layers=True).runner.fused_norm
+    assert not make_engine(unroll_layers=True).runner.fused_norm
     with pytest.raises(ValueError, match="straight-line layers"):
         make_engine(fused_norm=True, unroll_layers=False)
 

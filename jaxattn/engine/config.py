@@ -338,10 +338,11 @@ class ExecutionConfig:
       under a mesh); False: off. The same values either way, up to the rounding of the
       rotation's products.
     fused_norm: each residual add and the RMSNorm after it in one native kernel
-      (:func:`jaxattn.native.add_rms_norm`) instead of XLA's two fusions. None (the default):
-      on with the native library on one GPU and straight-line layers; True: on (one device,
-      straight-line layers, the native library; its CPU handler on the CPU); False: off.
-      The same values up to the last float32 bits of the norm's mean.
+      (:func:`jaxattn.native.add_rms_norm`) instead of XLA's fusions. Off unless True (one
+      device, straight-line layers, the native library; its CPU handler on the CPU): on an
+      H200 the 1B decode step took 0.964 / 1.490 ms of device time with it at batch 1 / 64
+      against 0.947 / 1.474 without (``bench_step.py --fused-norm``). The same values up to
+      the last float32 bits of the norm's mean.
     """
 
     extend_attention: str | None = None

@@ -643,9 +643,8 @@ class ModelRunner:
         device; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
         :attr:`fused_rope`.
       fused_norm: each residual add and its RMSNorm in one native kernel
-        (:func:`jaxattn.native.add_rms_norm`; None: with the native library on one GPU and
-        straight-line layers; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
-        :attr:`fused_norm`.
+        (:func:`jaxattn.native.add_rms_norm`; only when True; see
+        :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`fused_norm`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -873,9 +872,10 @@ class ModelRunner:
         return True
 
     def _resolve_fused_norm(self, choice: bool | None, platform: str) -> bool:
-        """Whether each residual add and its norm run as one native kernel (``choice``: None
-        for where the native library serves one GPU with straight-line layers, or a bool)."""
-        if choice is False or (choice is None and platform == "cpu"):
+        """Whether each residual add and its norm run as one native kernel: only when
+        ``choice`` is True (None, the default, is off: not faster on an H200), which then
+        needs one device, straight-line layers and the native library."""
+        if not choice:
             return False
         if self.tp is not None:
             why = "it runs on one device, not under a mesh"
