@@ -42,6 +42,29 @@ def workload(seed, num=5, system=18):
     return prompts + [prompts[0]]
 
 
+def test_fused_rope_stores_with_the_pool_s_scales():
+    """fused_rope over a scaled e4m3 pool (the native kernel's CPU handler): each layer's
+    rotated keys and values stored with that layer's scales, the same greedy tokens as the
+    rotation in XLA followed by the native write."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    prompts = workload(5)
+    scales = calibrate_kv_scales(CFG, PARAMS, prompts[:2], "fp8_e4m3")
+    outs = {}
+    for fused in (True, False):
+        engine = make_engine(
+            kv_dtype="fp8_e4m3", kv_scales=scales, kv_write="native", fused_rope=fused,
+            decode_steps=4,
+        )  # fmt: skip
+        assert engine.runner.fused_rope == fused
+        outs[fused] = engine.generate(prompts, 6)
+    assert outs[True] == outs[False]
+    report = check_outputs(PARAMS, CFG, prompts, outs[True], max_new_tokens=6, kv_dtype="fp8_e4m3")
+    assert report.ok, report.problems[:5]
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_pool_serves_and_verifies_against_the_dense_model(kv_dtype):
     prompts = workload(3)
