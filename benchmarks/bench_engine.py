@@ -67,6 +67,31 @@ PRESETS = {
 }
 
 
+# ExecutionConfig switches that take None (the engine's choice), True or False, as auto/on/off
+# options: (option, field, help).
+_SWITCHES = (
+    (
+        "--decode-graph",
+        "decode_graph",
+        "the decode loop as a command buffer (ExecutionConfig.decode_graph; auto: on with CUDA "
+        "GPUs)",
+    ),
+    (
+        "--fused-rope",
+        "fused_rope",
+        "rotate q, k and store K/V in one pass a layer (ExecutionConfig.fused_rope; auto: where "
+        "the K/V write is the native kernel on one device)",
+    ),
+    (
+        "--fused-norm",
+        "fused_norm",
+        "each residual add and its RMSNorm in one native kernel (ExecutionConfig.fused_norm; "
+        "auto: off)",
+    ),
+)
+_TRISTATE = {"auto": None, "on": True, "off": False}
+
+
 def add_execution_args(group) -> None:
     """How the engine runs the model (``ExecutionConfig``), the options bench_engine.py and
     bench_step.py share; :func:`execution_kwargs` turns them into Engine keywords."""
@@ -83,44 +108,25 @@ def add_execution_args(group) -> None:
         help="the decode step's projections (ExecutionConfig.decode_linear)",
     )
     group.add_argument(
-        "--decode-graph",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="the decode loop as a command buffer (ExecutionConfig.decode_graph; auto: on "
-        "with CUDA GPUs)",
-    )
-    group.add_argument(
         "--kv-write",
         choices=["auto", "native", "reference"],
         default="auto",
         help="who stores each step's K/V (ExecutionConfig.kv_write; auto: the native kernel "
         "on GPUs, XLA's scatters on the CPU)",
     )
-    group.add_argument(
-        "--fused-rope",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="rotate q, k and store K/V in one pass a layer (ExecutionConfig.fused_rope; auto: "
-        "where the K/V write is the native kernel on one device)",
-    )
-    group.add_argument(
-        "--fused-norm",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="each residual add and its RMSNorm in one native kernel (ExecutionConfig."
-        "fused_norm; auto: off)",
-    )
+    for option, _, text in _SWITCHES:
+        group.add_argument(option, choices=list(_TRISTATE), default="auto", help=text)
 
 
 def execution_kwargs(args) -> dict:
-    return dict(
+    out = dict(
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         decode_linear=args.decode_linear,
-        decode_graph={"auto": None, "on": True, "off": False}[args.decode_graph],
         kv_write=args.kv_write,
-        fused_rope={"auto": None, "on": True, "off": False}[args.fused_rope],
-        fused_norm={"auto": None, "on": True, "off": False}[args.fused_norm],
     )
+    for _, field, _ in _SWITCHES:
+        out[field] = _TRISTATE[getattr(args, field)]
+    return out
 
 
 def parse_args(argv=None):
