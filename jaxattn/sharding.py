@@ -68,6 +68,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "prefix_prefill",
+    "rope_write_kv",
     "shard_kv_cache",
     "shard_params",
     "write_kv",
@@ -414,6 +415,59 @@ def write_kv(
     )
 
 
+def rope_write_kv(
+    qkv,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    mesh: Mesh,
+    axis_name: str = AXIS,
+    layout: str = "bshd",
+    k_scale=None,
+    v_scale=None,
+    implementation=None,
+):
+    """:func:`jaxattn.rope_write_kv` on each device's heads: qkv [T, Hq + 2 Hkv, D] split on
+    axis 1 with each device's q, k and v heads side by side (the fused projection of
+    ``serving_params(..., shards=n)``), cos, sin and slot_mapping replicated, per-KV-head
+    scales split with the heads. Returns q [T, Hq, D] split on axis 1 and the caches split
+    as they went in."""
+    n = _mesh_size(mesh, axis_name)
+    bound = _kv.ROPE_WRITE_KV.bind(
+        qkv, cos, sin, k_cache, v_cache, slot_mapping, layout=layout, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+    geom = bound.geometry
+    check_heads(n, bound.num_q_heads, geom.num_kv_heads)
+    specs = (
+        kv_cache_spec(layout, "k", axis_name=axis_name),
+        kv_cache_spec(layout, "v", axis_name=axis_name),
+    )
+    heads, rep, split = _heads_spec(axis_name), PartitionSpec(), PartitionSpec(axis_name)
+    ones = jax.numpy.ones((geom.num_kv_heads,), jax.numpy.float32)
+    ks, vs = bound.k_scale, bound.v_scale
+
+    def body(x, c, s_, kc, vc, slots, ks_, vs_):
+        return _kv.rope_write_kv(
+            x, c, s_, kc, vc, slots, layout=layout, k_scale=None if ks is None else ks_,
+            v_scale=None if vs is None else vs_, implementation=implementation,
+        )  # fmt: skip
+
+    fn = _shard_map(
+        body,
+        mesh,
+        in_specs=(heads, rep, rep, *specs, rep, split, split),
+        out_specs=(heads, *specs),
+    )
+    return fn(
+        qkv, cos, sin, k_cache, v_cache, slot_mapping, ones if ks is None else ks,
+        ones if vs is None else vs,
+    )  # fmt: skip
+
+
 def copy_blocks(
     k_cache, v_cache, src, dst, *, mesh: Mesh, axis_name: str = AXIS, layout: str = "bshd"
 ):
@@ -466,6 +520,9 @@ class TensorParallel:
 
     def write_kv(self, *args, **kwargs):
         return self._bound(write_kv, *args, **kwargs)
+
+    def rope_write_kv(self, *args, **kwargs):
+        return self._bound(rope_write_kv, *args, **kwargs)
 
     def copy_blocks(self, *args, **kwargs):
         return self._bound(copy_blocks, *args, **kwargs)

@@ -575,6 +575,10 @@ def test_tensor_parallel_engine_matches_one_device(layout):
     engine = make_engine(layout=layout, mesh=mesh_of(2), unroll_layers=True)
     out = engine.generate(prompts, 6, n=2)
     assert out == single
+    assert not engine.runner.fused_rope  # None: off under a mesh
+    if layout == "bshd":  # each device rotates and stores its own heads in one pass
+        fused = make_engine(layout=layout, mesh=mesh_of(2), unroll_layers=True, fused_rope=True)
+        assert fused.runner.fused_rope and fused.generate(prompts, 6, n=2) == single
     assert_verified(prompts, out, 6, n=2)
     stats = engine.stats
     assert stats["tp"] == 2

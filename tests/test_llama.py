@@ -409,7 +409,7 @@ def test_fused_rope_needs_the_fused_unsplit_projection():
     k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4)
     b = PagedSeqs(np.random.default_rng(0), 8, 4).decode_batch([(0, [1, 2, 3])], b_pad=2, w_pad=2)
     for form in (params, llama.serving_params(CFG, params, shards=2)):
-        with pytest.raises(ValueError, match="fused, unsplit q\\|k\\|v projection"):
+        with pytest.raises(ValueError, match="fused q\\|k\\|v projection split as"):
             llama.forward_decode(form, CFG, k_cache, v_cache, b, fused_rope=True)
 
 

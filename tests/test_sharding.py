@@ -425,6 +425,37 @@ def test_fp8_scales_split_with_the_heads(rng, impl):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rope_write_kv_split_over_heads_matches_one_device(scaled, rng):
+    """The fused projection's rows in shard-major order (each device's q, k, v heads side by
+    side, as serving_params(shards=n) fuses them): each device rotates and stores its own
+    heads; q comes back split as paged_attention takes it."""
+    mesh = mesh_of(2)
+    n, t, hq, hkv, d = 2, 5, 8, 4, 16
+    x = jnp.asarray(rng.standard_normal((t, hq + 2 * hkv, d), np.float32))
+    q, k, v = x[:, :hq], x[:, hq : hq + hkv], x[:, hq + hkv :]
+    # Shard-major: device i's q heads, then its k heads, then its v heads.
+    parts = [
+        jnp.concatenate([a.reshape(t, n, -1, d)[:, i] for a in (q, k, v)], axis=1) for i in range(n)
+    ]
+    shard_major = jnp.concatenate(parts, axis=1)
+    angles = rng.standard_normal((t, d // 2)).astype(np.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    kc = jnp.zeros(L.cache_shape("bshd", "k", 6, 8, hkv, d, jnp.float32))
+    slots = jnp.asarray([5, -1, 30, 47, 2], jnp.int32)
+    scales = dict(k_scale=jnp.asarray([0.5, 1.0, 2.0, 4.0], jnp.float32), v_scale=2.0)
+    scales = scales if scaled else {}
+    want = jaxattn.rope_write_kv(x, cos, sin, kc, kc, slots, **scales)
+    sk, sv = S.shard_kv_cache(kc, kc, mesh)
+    got = jax.jit(functools.partial(S.rope_write_kv, mesh=mesh))(
+        shard_major, cos, sin, sk, sv, slots, **scales
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="heads"):
+        S.rope_write_kv(x[:, 1:], cos, sin, sk, sv, slots, mesh=mesh)  # 7 q heads
+
+
 def _dense_cache(rng, layout):
     """A small NaN-free cache (copy_blocks moves whole pages, NaN padding included)."""
     shape_k = L.cache_shape(layout, "k", 6, 8, 4, 16, jnp.float32)

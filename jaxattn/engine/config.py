@@ -334,8 +334,8 @@ class ExecutionConfig:
     fused_rope: rotate each layer's new q and k and store its K/V in one pass
       (:func:`jaxattn.rope_write_kv` with the ``kv_write`` backend) instead of the rotation in
       XLA (three small fusions a layer on a GPU) followed by the write. None (the default):
-      on where the write is the native kernel on one device; True: on (one device; an error
-      under a mesh); False: off. The same values either way, up to the rounding of the
+      on where the write is the native kernel on one device; True: on (under a mesh too,
+      each device its heads); False: off. The same values either way, up to the rounding of the
       rotation's products.
     fused_norm: each residual add and the RMSNorm after it in one native kernel
       (:func:`jaxattn.native.add_rms_norm`) instead of XLA's fusions. Off unless True (one

@@ -639,9 +639,9 @@ class ModelRunner:
         the fastest that serves one device, XLA's scatters under a mesh); the backend it
         resolved to is in :attr:`kv_write`.
       fused_rope: rotate q, k and store K/V in one pass a layer (:func:`jaxattn.rope_write_kv`
-        with the ``kv_write`` backend; None: where that backend is the native kernel on one
-        device; :class:`~jaxattn.engine.ExecutionConfig`); the choice is in
-        :attr:`fused_rope`.
+        with the ``kv_write`` backend, split over the mesh with one; None: where that backend
+        is the native kernel on one device; :class:`~jaxattn.engine.ExecutionConfig`); the
+        choice is in :attr:`fused_rope`.
       fused_norm: each residual add and its RMSNorm in one native kernel
         (:func:`jaxattn.native.add_rms_norm`; only when True; see
         :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`fused_norm`.
@@ -849,22 +849,18 @@ class ModelRunner:
         where the write backend is the native kernel on one device, or a bool)."""
         if choice is False:
             return False
-        if self.tp is not None:
-            if choice:
-                raise ValueError("fused_rope=True runs on one device, not under a mesh")
+        if choice is None and (self.kv_write != "native" or self.tp is not None):
             return False
-        if choice is None and self.kv_write != "native":
-            return False
+        # What one device sees (under a mesh its share of the heads, as the write resolves).
         geom, k, v, scales = self._pool_structs()
         cfg = self.model
-        qkv = jax.ShapeDtypeStruct(
-            (1, cfg.num_attention_heads + 2 * geom.num_kv_heads, geom.head_dim), cfg.jnp_dtype
-        )
+        hq = cfg.num_attention_heads // self.tp_size
+        qkv = jax.ShapeDtypeStruct((1, hq + 2 * geom.num_kv_heads, geom.head_dim), cfg.jnp_dtype)
         table = jax.ShapeDtypeStruct((1, geom.head_dim // 2), jnp.float32)
         slots = jax.ShapeDtypeStruct((1,), jnp.int32)
         args = _kv.ROPE_WRITE_KV.bind(qkv, table, table, k, v, slots, layout=self.layout, **scales)
         try:
-            _kv.ROPE_WRITE_KV.resolve(args, self.kv_write)
+            _kv.ROPE_WRITE_KV.resolve(args, self.kv_write, platform=self._mesh_platform)
         except NotImplementedError:
             if choice:
                 raise

@@ -476,10 +476,11 @@ def _decoder(
     def attention_block(h, layer, state, lp):
         """The attention half of a layer on normed rows h: its output projection, state."""
         if rope_write is not None:
-            if "wqkv" not in lp or lp["wqkv"].shape[1] != 1:
+            shards = getattr(rope_write, "shards", 1)
+            if "wqkv" not in lp or lp["wqkv"].shape[1] != shards:
                 raise ValueError(
-                    "rotating and storing K/V in one pass needs the fused, unsplit q|k|v "
-                    "projection (serving_params with shards=1)"
+                    "rotating and storing K/V in one pass needs the fused q|k|v projection "
+                    f"split as the kernels are (serving_params with shards={shards})"
                 )
             qkv = _linear(h, lp["wqkv"], matmul).reshape(t, hq + 2 * hkv, d)
             q, state = rope_write(qkv, cos[:, 0], sin[:, 0], layer, state)
@@ -752,21 +753,22 @@ def _add_norm(params: dict, cfg: LlamaConfig, kernels, fused_norm: bool):
 
 def _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope):
     """The ``rope_write`` of :func:`_decoder` when ``fused_rope`` (None otherwise): each
-    layer's new K/V rotated and stored by :func:`jaxattn.kv.rope_write_kv` with the
-    ``kv_write`` backend."""
+    layer's new K/V rotated and stored by :func:`jaxattn.kv.rope_write_kv` (``kernels``'
+    when given, e.g. split over a mesh) with the ``kv_write`` backend. Its ``shards`` is
+    the split of the fused projection it takes (the mesh's size, or 1)."""
     if not fused_rope:
         return None
-    if kernels is not None:
-        raise ValueError("fused_rope runs on one device; with a tensor-parallel mesh pass False")
+    writer = rope_write_kv if kernels is None else kernels.rope_write_kv
 
     def rope_write(qkv, cos, sin, layer, caches):
         slots = jnp.where(batch.slot_mapping >= 0, batch.slot_mapping + layer * slots_per_layer, -1)
-        q, k_cache, v_cache = rope_write_kv(
+        q, k_cache, v_cache = writer(
             qkv, cos, sin, *caches, slots, layout=layout, implementation=kv_write,
             **_layer_scales(batch, layer),
         )  # fmt: skip
         return q, (k_cache, v_cache)
 
+    rope_write.shards = 1 if kernels is None else getattr(kernels, "size", 1)
     return rope_write
 
 
@@ -798,10 +800,10 @@ def forward_extend(
     ``kv_write``: the ``implementation=`` of the K/V writes (:func:`jaxattn.write_kv`; None:
     the fastest backend that serves them). ``fused_rope``: rotate q and k and store the new
     K/V in one pass per layer (:func:`jaxattn.rope_write_kv`, same backend), instead of the
-    rotation in XLA followed by the write; needs the fused projection (:func:`serving_params`)
-    and one device. ``fused_norm``: each residual add and the RMSNorm after it in one native
-    kernel (:func:`jaxattn.native.add_rms_norm`); needs straight-line layers
-    (:func:`serving_params`), the native library and one device.
+    rotation in XLA followed by the write; needs the fused projection (:func:`serving_params`,
+    split as ``kernels`` split the heads). ``fused_norm``: each residual add and the RMSNorm
+    after it in one native kernel (:func:`jaxattn.native.add_rms_norm`); needs straight-line
+    layers (:func:`serving_params`), the native library and one device.
     """
     attn = ops if kernels is None else kernels
     if attention not in ("extend", "prefix_prefill"):
