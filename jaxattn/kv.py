@@ -104,6 +104,18 @@ class WriteArgs:
         return np.dtype(self.k.dtype)
 
 
+def _checked_slots_and_scales(slot_mapping, t: int, num_kv_heads: int, k_scale, v_scale):
+    """A K/V writer's ``slot_mapping`` (an integer vector of ``t`` entries) checked, and its
+    scales as :func:`jaxattn.quant.check_scale` returns them."""
+    _check_index_vector("slot_mapping", slot_mapping, f"i32[T={t}]")
+    if slot_mapping.shape[0] != t:
+        raise ValueError(f"slot_mapping must be i32[T={t}], got {_shape(slot_mapping)}")
+    return (
+        Q.check_scale("k_scale", k_scale, num_kv_heads),
+        Q.check_scale("v_scale", v_scale, num_kv_heads),
+    )
+
+
 class WriteKV(Op):
     """:func:`write_kv` as an op of the backend contract: the reference backend scatters
     with XLA (one scatter a cache), the native one runs one kernel for both caches."""
@@ -123,13 +135,9 @@ class WriteKV(Op):
                 raise ValueError(f"{name} must be {want} to match the cache, got {got}")
         if v.shape != k.shape:
             raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {_shape(v)}")
-        _check_index_vector("slot_mapping", slot_mapping, f"i32[T={k.shape[0]}]")
-        if slot_mapping.shape[0] != k.shape[0]:
-            raise ValueError(
-                f"slot_mapping must be i32[T={k.shape[0]}], got {_shape(slot_mapping)}"
-            )
-        k_scale = Q.check_scale("k_scale", k_scale, geom.num_kv_heads)
-        v_scale = Q.check_scale("v_scale", v_scale, geom.num_kv_heads)
+        k_scale, v_scale = _checked_slots_and_scales(
+            slot_mapping, k.shape[0], geom.num_kv_heads, k_scale, v_scale
+        )
         for x, scale in ((k, k_scale), (v, v_scale)):
             if (scale is not None or Q.is_fp8(k_cache.dtype)) and not jnp.issubdtype(
                 x.dtype, jnp.floating
@@ -235,11 +243,7 @@ class RopeWriteKV(Op):
             if not hasattr(x, "shape") or x.shape != (t, d // 2) or x.dtype != jnp.float32:
                 got = _shape(x) if hasattr(x, "shape") else type(x).__name__
                 raise ValueError(f"{name} must be f32[T={t}, head_dim // 2={d // 2}], got {got}")
-        _check_index_vector("slot_mapping", slot_mapping, f"i32[T={t}]")
-        if slot_mapping.shape[0] != t:
-            raise ValueError(f"slot_mapping must be i32[T={t}], got {_shape(slot_mapping)}")
-        k_scale = Q.check_scale("k_scale", k_scale, hkv)
-        v_scale = Q.check_scale("v_scale", v_scale, hkv)
+        k_scale, v_scale = _checked_slots_and_scales(slot_mapping, t, hkv, k_scale, v_scale)
         return RopeWriteArgs(
             k_cache, v_cache, qkv, qkv, slot_mapping, layout=lay, geometry=geom,
             k_scale=k_scale, v_scale=v_scale, cos=cos, sin=sin,
@@ -263,17 +267,9 @@ class _ReferenceRopeWrite(Implementation):
     def run(self, a: RopeWriteArgs, config):
         hq, hkv = a.num_q_heads, a.geometry.num_kv_heads
         q, k, v = jnp.split(a.qkv, [hq, hq + hkv], axis=1)
-        k_cache, v_cache = WRITE_KV(
-            a.k_cache,
-            a.v_cache,
-            rotate_half(k, a.cos, a.sin),
-            v,
-            a.slot_mapping,
-            layout=a.layout.name,
-            k_scale=a.k_scale,
-            v_scale=a.v_scale,
-            implementation="reference",
-        )
+        # The arguments are bound already: write_kv's reference runs on them directly.
+        rows = dataclasses.replace(a, k=rotate_half(k, a.cos, a.sin), v=v)
+        k_cache, v_cache = _REFERENCE_WRITE.run(rows, None)
         return rotate_half(q, a.cos, a.sin), k_cache, v_cache
 
 

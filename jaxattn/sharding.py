@@ -217,27 +217,31 @@ def _heads_spec(axis_name):
     return _split(3, 1, axis_name)
 
 
-def _shard_op(op, args: tuple, kwargs: dict, mesh: Mesh, axis_name: str):
+def _role_spec(role, lay, axis_name: str) -> PartitionSpec:
+    """How an op's array of ``role`` splits: query heads (``"q"``), a KV cache's KV-head
+    axis (``"k"`` / ``"v"``), or replicated (None)."""
+    if role == "q":
+        return _heads_spec(axis_name)
+    if role in ("k", "v"):
+        return _split(lay.rank(role), lay.kv_head_axis(role), axis_name)
+    return PartitionSpec()
+
+
+def _shard_op(op, args: tuple, kwargs: dict, mesh: Mesh, axis_name: str, out_roles="q"):
     """Run ``op`` under ``shard_map`` on each device's heads.
 
     The arguments are first validated on their global shapes by the op's own
     :meth:`~jaxattn.backend.Op.bind` (index values too, when they are concrete), exactly as
     the single-device op validates them; the op's ``roles`` say how each positional
-    argument is split (query heads, a KV cache's KV-head axis, or replicated).
+    argument is split (query heads, a KV cache's KV-head axis, or replicated), and
+    ``out_roles`` (one role, or a tuple for a tuple of results) how the results are.
     """
     n = _mesh_size(mesh, axis_name)
     call_kw = {k: kwargs[k] for k in ("implementation", "config") if k in kwargs}
     bound = op.bind(*args, **{k: v for k, v in kwargs.items() if k not in call_kw})
     check_heads(n, bound.num_q_heads, bound.geometry.num_kv_heads)
     lay = bound.layout
-    specs = []
-    for role in op.roles:
-        if role == "q":
-            specs.append(_heads_spec(axis_name))
-        elif role in ("k", "v"):
-            specs.append(_split(lay.rank(role), lay.kv_head_axis(role), axis_name))
-        else:
-            specs.append(PartitionSpec())
+    specs = [_role_spec(role, lay, axis_name) for role in op.roles]
     # Scales are data (traced arrays): a per-KV-head scale is split with its cache's heads,
     # q's scalar scale is replicated. They travel as operands, validated above.
     scales = {}
@@ -259,7 +263,11 @@ def _shard_op(op, args: tuple, kwargs: dict, mesh: Mesh, axis_name: str):
         body,
         mesh,
         in_specs=(*specs, *(spec for _, spec in scales.values())),
-        out_specs=_heads_spec(axis_name),
+        out_specs=(
+            tuple(_role_spec(r, lay, axis_name) for r in out_roles)
+            if isinstance(out_roles, tuple)
+            else _role_spec(out_roles, lay, axis_name)
+        ),
     )
     return fn(*args, *(value for value, _ in scales.values()))
 
@@ -435,37 +443,9 @@ def rope_write_kv(
     ``serving_params(..., shards=n)``), cos, sin and slot_mapping replicated, per-KV-head
     scales split with the heads. Returns q [T, Hq, D] split on axis 1 and the caches split
     as they went in."""
-    n = _mesh_size(mesh, axis_name)
-    bound = _kv.ROPE_WRITE_KV.bind(
-        qkv, cos, sin, k_cache, v_cache, slot_mapping, layout=layout, k_scale=k_scale,
-        v_scale=v_scale,
-    )  # fmt: skip
-    geom = bound.geometry
-    check_heads(n, bound.num_q_heads, geom.num_kv_heads)
-    specs = (
-        kv_cache_spec(layout, "k", axis_name=axis_name),
-        kv_cache_spec(layout, "v", axis_name=axis_name),
-    )
-    heads, rep, split = _heads_spec(axis_name), PartitionSpec(), PartitionSpec(axis_name)
-    ones = jax.numpy.ones((geom.num_kv_heads,), jax.numpy.float32)
-    ks, vs = bound.k_scale, bound.v_scale
-
-    def body(x, c, s_, kc, vc, slots, ks_, vs_):
-        return _kv.rope_write_kv(
-            x, c, s_, kc, vc, slots, layout=layout, k_scale=None if ks is None else ks_,
-            v_scale=None if vs is None else vs_, implementation=implementation,
-        )  # fmt: skip
-
-    fn = _shard_map(
-        body,
-        mesh,
-        in_specs=(heads, rep, rep, *specs, rep, split, split),
-        out_specs=(heads, *specs),
-    )
-    return fn(
-        qkv, cos, sin, k_cache, v_cache, slot_mapping, ones if ks is None else ks,
-        ones if vs is None else vs,
-    )  # fmt: skip
+    args = (qkv, cos, sin, k_cache, v_cache, slot_mapping)
+    kwargs = dict(layout=layout, k_scale=k_scale, v_scale=v_scale, implementation=implementation)
+    return _shard_op(_kv.ROPE_WRITE_KV, args, kwargs, mesh, axis_name, out_roles=("q", "k", "v"))
 
 
 def copy_blocks(

@@ -283,10 +283,43 @@ inline ffi::Error make_linear_params(const ffi::AnyBuffer& x, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// write_kv: k_cache, v_cache (paged, `layout`) and the results they alias; k, v [T, Hkv, D] in
-// one float32/bfloat16/float16 dtype; slots i32[T]; the scales f32 [Hkv] or empty. The
-// results' buffers are the caches' when XLA honours the aliasing; otherwise the handlers copy
-// the caches into them first.
+// The caches of a K/V writer (`what`: write_kv, rope_write_kv): k_cache, v_cache (paged,
+// `layout`) in one float or FP8 dtype and the results they alias (the results' buffers are the
+// caches' when XLA honours the aliasing; otherwise the handlers copy the caches into them
+// first). Sets the geometry, the cache dtype and the destination pointers.
+inline ffi::Error write_kv_caches(const char* what, const ffi::AnyBuffer& k_cache,
+                                  const ffi::AnyBuffer& v_cache, ffi::AnyBuffer k_out,
+                                  ffi::AnyBuffer v_out, int32_t layout, WriteKvParams* p,
+                                  CacheDType* cache) {
+  if (auto e = paged_geometry(k_cache, v_cache, layout, &p->kv); e.failure()) return e;
+  *cache = cache_dtype_of(k_cache.element_type());
+  if (*cache == CacheDType::kUnsupported || v_cache.element_type() != k_cache.element_type())
+    return invalid(std::string(what) + ": k_cache and v_cache must share one float or FP8 dtype");
+  if (k_out.element_type() != k_cache.element_type() ||
+      v_out.element_type() != v_cache.element_type() ||
+      dims_str(k_out.dimensions()) != dims_str(k_cache.dimensions()) ||
+      dims_str(v_out.dimensions()) != dims_str(v_cache.dimensions()))
+    return invalid(std::string(what) + "'s results must be the caches' shapes and dtypes");
+  p->k_cache = k_out.untyped_data();
+  p->v_cache = v_out.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The rest of a K/V writer's operands: slots i32[T] and the scales f32 [Hkv] or empty.
+inline ffi::Error write_kv_slots(const char* what, const ffi::Buffer<ffi::S32>& slots, int64_t T,
+                                 const ffi::Buffer<ffi::F32>& k_scale,
+                                 const ffi::Buffer<ffi::F32>& v_scale, WriteKvParams* p) {
+  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != T)
+    return invalid(std::string(what) + ": slots must be [T]");
+  if (T > INT32_MAX) return invalid(std::string(what) + ": too many tokens");
+  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
+  p->slots = slots.typed_data();
+  p->num_tokens = static_cast<int32_t>(T);
+  return ffi::Error::Success();
+}
+
+// write_kv: the caches (write_kv_caches); k, v [T, Hkv, D] in one float32/bfloat16/float16
+// dtype; slots and scales (write_kv_slots).
 inline ffi::Error make_write_kv_params(const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache,
                                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                        const ffi::Buffer<ffi::S32>& slots,
@@ -294,39 +327,26 @@ inline ffi::Error make_write_kv_params(const ffi::AnyBuffer& k_cache, const ffi:
                                        const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer k_out,
                                        ffi::AnyBuffer v_out, int32_t layout, WriteKvParams* p,
                                        DType* in, CacheDType* cache) {
-  if (auto e = paged_geometry(k_cache, v_cache, layout, &p->kv); e.failure()) return e;
+  if (auto e = write_kv_caches("write_kv", k_cache, v_cache, k_out, v_out, layout, p, cache);
+      e.failure())
+    return e;
   *in = dtype_of(k.element_type());
-  *cache = cache_dtype_of(k_cache.element_type());
   if (*in == DType::kUnsupported || v.element_type() != k.element_type())
     return invalid("write_kv takes k and v in one float32/bfloat16/float16 dtype");
-  if (*cache == CacheDType::kUnsupported || v_cache.element_type() != k_cache.element_type())
-    return invalid("write_kv: k_cache and v_cache must share one float or FP8 dtype");
-  if (k_out.element_type() != k_cache.element_type() ||
-      v_out.element_type() != v_cache.element_type() ||
-      dims_str(k_out.dimensions()) != dims_str(k_cache.dimensions()) ||
-      dims_str(v_out.dimensions()) != dims_str(v_cache.dimensions()))
-    return invalid("write_kv's results must be the caches' shapes and dtypes");
   const auto kd = k.dimensions();
   if (kd.size() != 3 || kd[1] != p->kv.num_kv_heads || kd[2] != p->kv.head_dim ||
       dims_str(kd) != dims_str(v.dimensions()))
     return invalid("write_kv: k and v must be [T, num_kv_heads, head_dim] of the cache, got " +
                    dims_str(kd) + " and " + dims_str(v.dimensions()));
-  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != kd[0])
-    return invalid("write_kv: slots must be [T]");
-  if (kd[0] > INT32_MAX) return invalid("write_kv: too many tokens");
-  if (auto e = head_scales(k_scale, v_scale, p->kv, &p->scales); e.failure()) return e;
-  p->k_cache = k_out.untyped_data();
-  p->v_cache = v_out.untyped_data();
+  if (auto e = write_kv_slots("write_kv", slots, kd[0], k_scale, v_scale, p); e.failure()) return e;
   p->k = k.untyped_data();
   p->v = v.untyped_data();
-  p->slots = slots.typed_data();
-  p->num_tokens = static_cast<int32_t>(kd[0]);
   return ffi::Error::Success();
 }
 
-// rope_write_kv: the caches as for write_kv; qkv [T, num_q_heads + 2 Hkv, D] in one
-// float32/bfloat16/float16 dtype; cos, sin f32 [T, D / 2]; slots i32[T]; the scales; the
-// results k_out, v_out (aliasing the caches) and q_out [T, num_q_heads, D] in qkv's dtype.
+// rope_write_kv: the caches (write_kv_caches); qkv [T, num_q_heads + 2 Hkv, D] in one
+// float32/bfloat16/float16 dtype; cos, sin f32 [T, D / 2]; slots and scales
+// (write_kv_slots); the result q_out [T, num_q_heads, D] in qkv's dtype.
 inline ffi::Error make_rope_write_kv_params(
     const ffi::AnyBuffer& k_cache, const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& qkv,
     const ffi::Buffer<ffi::F32>& cos, const ffi::Buffer<ffi::F32>& sin,
@@ -335,18 +355,12 @@ inline ffi::Error make_rope_write_kv_params(
     ffi::AnyBuffer q_out, int32_t layout, int32_t num_q_heads, RopeWriteKvParams* p, DType* in,
     CacheDType* cache) {
   WriteKvParams& w = p->w;
-  if (auto e = paged_geometry(k_cache, v_cache, layout, &w.kv); e.failure()) return e;
+  if (auto e = write_kv_caches("rope_write_kv", k_cache, v_cache, k_out, v_out, layout, &w, cache);
+      e.failure())
+    return e;
   *in = dtype_of(qkv.element_type());
-  *cache = cache_dtype_of(k_cache.element_type());
   if (*in == DType::kUnsupported)
     return invalid("rope_write_kv takes qkv in a float32/bfloat16/float16 dtype");
-  if (*cache == CacheDType::kUnsupported || v_cache.element_type() != k_cache.element_type())
-    return invalid("rope_write_kv: k_cache and v_cache must share one float or FP8 dtype");
-  if (k_out.element_type() != k_cache.element_type() ||
-      v_out.element_type() != v_cache.element_type() ||
-      dims_str(k_out.dimensions()) != dims_str(k_cache.dimensions()) ||
-      dims_str(v_out.dimensions()) != dims_str(v_cache.dimensions()))
-    return invalid("rope_write_kv's cache results must be the caches' shapes and dtypes");
   const int64_t D = w.kv.head_dim, Hkv = w.kv.num_kv_heads;
   const auto xd = qkv.dimensions();
   if (num_q_heads < 1 || D % 2 != 0 || xd.size() != 3 || xd[1] != num_q_heads + 2 * Hkv ||
@@ -366,14 +380,8 @@ inline ffi::Error make_rope_write_kv_params(
       return invalid("rope_write_kv: cos and sin must be f32 [T, head_dim / 2], got " +
                      dims_str(td));
   }
-  if (slots.dimensions().size() != 1 || slots.dimensions()[0] != T)
-    return invalid("rope_write_kv: slots must be [T]");
-  if (T > INT32_MAX) return invalid("rope_write_kv: too many tokens");
-  if (auto e = head_scales(k_scale, v_scale, w.kv, &w.scales); e.failure()) return e;
-  w.k_cache = k_out.untyped_data();
-  w.v_cache = v_out.untyped_data();
-  w.slots = slots.typed_data();
-  w.num_tokens = static_cast<int32_t>(T);
+  if (auto e = write_kv_slots("rope_write_kv", slots, T, k_scale, v_scale, &w); e.failure())
+    return e;
   p->qkv = qkv.untyped_data();
   p->cos = cos.typed_data();
   p->sin = sin.typed_data();

@@ -886,9 +886,9 @@ class ModelRunner:
                 why = "the native library is not available"
             else:
                 why = native.add_rms_norm_unsupported(row, row, weight, platform)
-        if why is not None and choice:
+        if why is not None:
             raise ValueError(f"fused_norm=True: {why}")
-        return why is None
+        return True
 
     def _resolve(self, kind: str, implementation) -> str:
         """The backend the attention op of this step kind resolves to (the op's own

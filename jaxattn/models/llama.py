@@ -725,10 +725,15 @@ def _check_batch_scales(batch, cfg: LlamaConfig):
             raise ValueError(f"batch.{name} must be f32 {list(want)}, got shape {tuple(s.shape)}")
 
 
+def _layer_slots(slot_mapping, slot_offset):
+    """A layer's pool slots of the batch's tokens (padding stays -1)."""
+    return jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
+
+
 def _write(kernels, k_cache, v_cache, k, v, slot_mapping, slot_offset, layout, scales, kv_write):
     if k is None:  # rope_write stored them already
         return k_cache, v_cache
-    slots = jnp.where(slot_mapping >= 0, slot_mapping + slot_offset, -1)
+    slots = _layer_slots(slot_mapping, slot_offset)
     writer = write_kv if kernels is None else kernels.write_kv
     return writer(k_cache, v_cache, k, v, slots, layout=layout, implementation=kv_write, **scales)
 
@@ -761,7 +766,7 @@ def _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope):
     writer = rope_write_kv if kernels is None else kernels.rope_write_kv
 
     def rope_write(qkv, cos, sin, layer, caches):
-        slots = jnp.where(batch.slot_mapping >= 0, batch.slot_mapping + layer * slots_per_layer, -1)
+        slots = _layer_slots(batch.slot_mapping, layer * slots_per_layer)
         q, k_cache, v_cache = writer(
             qkv, cos, sin, *caches, slots, layout=layout, implementation=kv_write,
             **_layer_scales(batch, layer),
