@@ -159,6 +159,13 @@ def parse_args(argv=None):
     )
     e.add_argument("--decode-steps", type=int, default=8, help="steps per dispatch (multistep)")
     e.add_argument(
+        "--cache-on-plan",
+        choices=["on", "off"],
+        default="on",
+        help="a prompt's pages enter the prefix cache when its prefill is planned, not when "
+        "its results are read (SchedulerConfig.cache_on_plan)",
+    )
+    e.add_argument(
         "--cascade",
         choices=["auto", "on", "off"],
         default="auto",
@@ -228,7 +235,8 @@ STEP_MODES = {
 
 
 def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales) -> dict:
-    settings = dict(decode_steps=args.decode_steps) | STEP_MODES[step_mode]
+    settings = dict(decode_steps=args.decode_steps, cache_on_plan=args.cache_on_plan == "on")
+    settings |= STEP_MODES[step_mode]
 
     def once(profile=False, runner=None):
         engine = Engine(

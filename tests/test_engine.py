@@ -262,6 +262,54 @@ def test_one_memory_model():
     assert_whole(engine)
 
 
+def test_prefixes_are_shared_in_the_step_that_computes_them():
+    """With cache_on_plan (the default), a prompt's pages enter the cache when its prefill is
+    planned: requests submitted together behind one system prompt are all admitted in the
+    first step, the later ones hitting pages that step computes (every chunk writes its K/V
+    before any attends), instead of waiting a step for them."""
+    prompts = workload(11, num=6, system=16, suffix=(2, 6))
+    kw = dict(max_batch_tokens=256)
+    now = make_engine(**kw)
+    out = now.generate(prompts, 6)
+    assert_verified(prompts, out, 6)
+    assert_whole(now)
+    later = make_engine(cache_on_plan=False, **kw)
+    assert later.generate(prompts, 6) == out
+    assert_whole(later)
+    a, b = now.stats, later.stats
+    # One extend call admits everything; the system prompt (4 pages) is computed once.
+    assert a["extend_calls"] == 1 < b["extend_calls"]
+    assert a["steps"] < b["steps"]
+    assert a["prefix_hit_tokens"] >= 16 * (len(prompts) - 2)
+    assert a["prefill_tokens"] + a["prefix_hit_tokens"] == a["prompt_tokens"]
+    assert a["prefill_tokens"] <= b["prefill_tokens"]
+
+
+def test_publish_refuses_pages_the_cache_holds_elsewhere():
+    """KVCacheManager.publish inserts a planned prefill's whole pages and moves the lock to
+    them, unless the cache already holds some of those tokens in other pages (adopting them
+    would redirect this step's writes): then nothing changes."""
+    engine = make_engine()
+    kv = engine.kv
+    tokens = np.arange(100, 112)
+    kv.allocate("a", 12, kv.match(tokens[:-1]))
+    assert kv.publish("a", tokens, 6) == kv.table("a")[:1]  # one whole page of 4
+    assert kv.cached_len("a") == 4 and kv.prefix_len(tokens) == 4
+    assert kv.publish("a", tokens, 7) == []  # still one whole page
+    assert kv.publish("a", tokens, 12) == kv.table("a")[1:3]
+    kv.check_invariants(["a"])
+    # "b" computes the same tokens in pages of its own (admitted before "a" published).
+    kv.allocate("b", 12, kv.match(tokens[:0]))
+    pages_b, free = kv.table("b"), kv.allocator.num_free
+    assert kv.publish("b", tokens, 12) == []
+    assert kv.table("b") == pages_b and kv.cached_len("b") == 0
+    assert kv.allocator.num_free == free
+    kv.check_invariants(["a", "b"])
+    for seq_id in ("a", "b"):
+        kv.release(seq_id, tokens, 12, keep=True)
+    kv.check_invariants([])
+
+
 def test_stop_tokens():
     prompts = workload(4, num=4)
     full = make_engine(eos_token_id=None).generate(prompts, 8)
@@ -830,6 +878,7 @@ def workloads(draw):
             policy=draw(st.sampled_from(["lpm", "fcfs"])),
             new_token_ratio=draw(st.sampled_from([0.0, 0.3])),
             dedup_tokens=draw(st.sampled_from([0, 1, None])),
+            cache_on_plan=draw(st.booleans()),
             eos_token_id=draw(st.sampled_from([None, 0, 5])),
             decode_steps=draw(st.sampled_from([1, 3, 8])),
             overlap=draw(st.booleans()),

@@ -240,6 +240,11 @@ class SchedulerConfig:
     dedup_tokens: a waiting request that shares at least this many uncached tokens with a
       prompt being prefilled in the step waits one step and then hits the cache instead of
       computing them again (None: ``max(page_size, 32)``; 0: off).
+    cache_on_plan: a prompt's whole pages enter the prefix cache when their prefill is
+      planned (the dispatch that writes them runs before any that reads them, and within a
+      dispatch every chunk writes before any attends), so requests admitted in the same
+      step or the next share them; False: when the step's results are read, a step later
+      with ``overlap``.
     decode_steps: decode steps one dispatch runs on the device (sampling and stop checks
       included) when no request needs the host in between: no prompt to prefill and no
       request waiting for a free row. The dispatch stops at the first length limit, so a
@@ -255,6 +260,7 @@ class SchedulerConfig:
     policy: str = "lpm"
     new_token_ratio: float = 0.3
     dedup_tokens: int | None = None
+    cache_on_plan: bool = True
     decode_steps: int = 8
     overlap: bool = True
 
@@ -273,6 +279,7 @@ class SchedulerConfig:
                 self, "dedup_tokens", _int(name, "dedup_tokens", self.dedup_tokens, 0)
             )
         object.__setattr__(self, "overlap", bool(self.overlap))
+        object.__setattr__(self, "cache_on_plan", bool(self.cache_on_plan))
 
 
 @dataclasses.dataclass(frozen=True)

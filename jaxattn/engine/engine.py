@@ -657,15 +657,23 @@ class Engine:
         return self.collector.snapshot()
 
     def _check_writes(self, plan: StepPlan) -> None:
-        """Every slot this step writes lies on a page with a single reference."""
+        """Every slot this step writes lies on a page with a single reference, or on a page
+        this step's prefill published to the cache (written by this step only)."""
         kv = self.kv
         cached = kv.cached_pages()
+        published = set(plan.published)
         writes = [(c.seq, c.start, c.end) for c in plan.extend]
         writes += [(d.seq, d.position, d.position + plan.decode_steps) for d in plan.decode]
         refs = kv.allocator.ref_counts
+        written: dict[int, int] = {}
         for seq, start, end in writes:
             slots = kv.slots(seq.seq_id, start, end)
             for page in set((slots // self.page_size).tolist()):
+                assert written.setdefault(page, seq.seq_id) == seq.seq_id, (
+                    f"seqs {written[page]} and {seq.seq_id} both write page {page}"
+                )
+                if page in published:
+                    continue
                 assert refs[page] == 1, f"seq {seq.seq_id} writes page {page} held {refs[page]}x"
                 assert page not in cached, f"seq {seq.seq_id} writes page {page} of the cache"
 

@@ -216,6 +216,29 @@ class KVCacheManager:
         self._locks[seq_id] = m.node
         self._cached[seq_id] = aligned
 
+    def publish(self, seq_id: Hashable, tokens, num_scheduled: int) -> list[int]:
+        """Insert the whole pages of ``tokens[:num_scheduled]`` before they are computed, and
+        move the sequence's lock down to them; return the pages that entered the cache.
+
+        For a prompt whose prefill was just planned: the dispatch that writes those pages is
+        enqueued before any that can read them, and within one dispatch every chunk writes
+        its K/V before any chunk attends, so requests admitted in the same step or the next
+        share the pages instead of computing them again. Nothing is published (and the
+        pages enter at :meth:`cache_progress`, as before) where the cache already holds some
+        of these tokens in other pages: adopting those would redirect writes this step
+        makes."""
+        p = self.page_size
+        aligned = num_scheduled - num_scheduled % p
+        cached = self._cached.get(seq_id, 0)
+        if self.cache is None or aligned <= cached:
+            return []
+        table = self.blocks.block_table(seq_id)
+        held = self.cache.match_prefix(tokens[:aligned])
+        if (held.indices[::p] // p).tolist() != table[: held.length // p]:
+            return []
+        self.cache_progress(seq_id, tokens, aligned)
+        return table[cached // p : aligned // p]
+
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every page of the parent and locks the same cache path."""
         self.blocks.fork(parent_id, child_id)

@@ -243,11 +243,14 @@ class DecodeRows:
             self._uploaded[row] = list(table)
             return
         have = self._uploaded[row]
-        for col in range(start, len(table)):
-            page = table[col]
-            if col >= len(have) or have[col] != page:
-                self._cells.append((row, col, int(page)))
-        self._uploaded[row] = list(table)
+        table = [int(page) for page in table]
+        if not have and not start:  # a new row: every entry
+            self._cells += [(row, col, page) for col, page in enumerate(table)]
+        else:
+            for col in range(start, len(table)):
+                if col >= len(have) or have[col] != table[col]:
+                    self._cells.append((row, col, table[col]))
+        self._uploaded[row] = table
 
     def table(self, row: int) -> list[int]:
         """The entries the device holds (after the queued updates)."""

@@ -147,6 +147,9 @@ class StepPlan:
     # The decode slots are promised, not reserved yet: whoever runs the plan reserves them
     # (``kv.reserve(seq, position + decode_steps)`` in plan order).
     deferred: bool = False
+    # Pages whose prefill this plan computes and that entered the prefix cache when it was
+    # planned (SchedulerConfig.cache_on_plan): written once, by this plan, though shared.
+    published: list[int] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.extend or self.decode)
@@ -240,6 +243,8 @@ class Scheduler:
         draws = end == seq.length
         plan.extend.append(Chunk(seq, start, end, draws))
         seq.num_scheduled = end
+        if self.config.cache_on_plan:
+            plan.published += self.kv.publish(seq.seq_id, seq.token_array(), end)
         if draws:
             seq.prefilling = False
             seq.pending += 1  # forks draw theirs into sequences made at commit
@@ -311,13 +316,18 @@ class Scheduler:
         if not self.dedup_tokens:
             return False
         mine = seq.token_array()[:-1]
+        upto = cached + self.dedup_tokens  # shared through here: wait
+        if len(mine) < upto:
+            return False
         chunks = [c for p in self._uncommitted for c in p.extend] + plan.extend
         for chunk in chunks:
-            theirs = chunk.seq.token_array()[: len(mine)]
-            n = min(len(mine), len(theirs))
-            diff = np.flatnonzero(mine[:n] != theirs[:n])
-            common = int(diff[0]) if diff.size else n
-            if common - cached >= self.dedup_tokens:
+            theirs = chunk.seq.token_array()
+            # The window past the cached tokens first: it tells most prompts apart.
+            if (
+                len(theirs) >= upto
+                and np.array_equal(mine[cached:upto], theirs[cached:upto])
+                and np.array_equal(mine[:cached], theirs[:cached])
+            ):
                 return True
         return False
 
