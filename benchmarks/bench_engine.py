@@ -32,6 +32,8 @@ ran it and the KV bytes they did not read.
     python benchmarks/bench_engine.py --preset 1b --step-modes multistep,sync --modes on
     python benchmarks/bench_engine.py --preset tiny --modes on --profile-host 30   # host time
 
+``--timeline`` prints every step of each timed run (its start, length, the dispatch it
+launched, the runner's launch and waits), which shows where the device waits for the host.
 ``--profile-host N`` runs cProfile over each timed run and prints its N costliest functions
 by own time; a jitted call's dispatch (the C++ side of ``jax.jit``) shows as the own time of
 the runner's ``_call``. The profiler slows the Python side, so the table's times are then
@@ -197,6 +199,12 @@ def parse_args(argv=None):
         metavar="N",
         help="cProfile each timed run; print its N costliest functions (by own time) to stderr",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each timed step to stderr: start, length, the dispatch it launched, the "
+        "runner's launch and waits (where the device idles)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
 
@@ -234,11 +242,62 @@ STEP_MODES = {
 }
 
 
+def trace_steps(engine) -> list[str]:
+    """Time every ``engine.step()`` and, inside it, the runner's ``launch`` (enqueueing a
+    dispatch) and ``collect`` (blocking on one); return the list the lines go to, one a step:
+    its start and length, what the dispatch it launched runs (extend tokens / chunks, decode
+    rows x steps), when its launch started and how long it took, its waits, and how many
+    requests it finished. The device idles where a wait ends and the next launch ends."""
+    lines: list[str] = []
+    t0 = [None]
+    calls: dict = {}
+    runner, step = engine.runner, engine.step
+
+    def timed(name, fn):
+        def call(*a):
+            t = time.perf_counter()
+            out = fn(*a)
+            calls.setdefault(name, []).append((t - t0[0], time.perf_counter() - t))
+            return out
+
+        return call
+
+    runner.launch = timed("launch", runner.launch)
+    runner.collect = timed("wait", runner.collect)
+
+    def traced():
+        t = time.perf_counter()
+        if t0[0] is None:
+            t0[0] = t
+        calls.clear()
+        done = step()
+        inflight = engine._inflight
+        what = "-"
+        if inflight is not None:
+            plan = inflight.plan
+            new = sum(c.end - c.start for c in plan.extend)
+            what = f"extend {new}/{len(plan.extend)}" if plan.extend else ""
+            if plan.decode:
+                what += f" decode {len(plan.decode)}x{plan.decode_steps}"
+        parts = [
+            f"{name}@{a * 1e3:.1f}+{b * 1e3:.2f}" for name in ("launch", "wait")
+            for a, b in calls.get(name, [])
+        ]  # fmt: skip
+        lines.append(
+            f"{(t - t0[0]) * 1e3:8.1f} +{(time.perf_counter() - t) * 1e3:6.2f}  "
+            f"{what.strip():28s} {' '.join(parts)}  finished {len(done)}"
+        )
+        return done
+
+    engine.step = traced
+    return lines
+
+
 def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales) -> dict:
     settings = dict(decode_steps=args.decode_steps, cache_on_plan=args.cache_on_plan == "on")
     settings |= STEP_MODES[step_mode]
 
-    def once(profile=False, runner=None):
+    def once(profile=False, runner=None, timeline=False):
         engine = Engine(
             cfg,
             params,
@@ -257,6 +316,7 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             **execution_kwargs(args),
         )
         profiler = cProfile.Profile() if profile else None
+        steps = trace_steps(engine) if timeline else None
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
@@ -270,6 +330,10 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile_host)
             mode = f"{'radix on' if radix else 'radix off'}, {step_mode}"
             print(f"host profile, {mode}:\n{out.getvalue()}", file=sys.stderr)
+        if steps is not None:
+            mode = f"{'radix on' if radix else 'radix off'}, {step_mode}"
+            print(f"step timeline, {mode} (ms from the first step):", file=sys.stderr)
+            print("\n".join(steps), file=sys.stderr)
         return engine, records, wall
 
     warm, _, warm_s = once()  # compiles
@@ -280,7 +344,9 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
         for _ in range(args.warm_runs - 1):
             once(runner=runner)
     compiled = sum(runner.trace_counts.values()) if runner is not None else 0
-    engine, records, wall = once(profile=args.profile_host > 0, runner=runner)
+    engine, records, wall = once(
+        profile=args.profile_host > 0, runner=runner, timeline=args.timeline
+    )
     s = engine.stats
     served = s["prompt_tokens"] + s["generated_tokens"]
     outputs = {(r.kind, tuple(r.prompt)): r.output for r in records}
