@@ -43,10 +43,14 @@
 // the last row's last visible key (key_range), exactly as the mma kernel.
 //
 // One kernel, prefill_sm90_kernel, warp-specialised (below), for 16-bit and FP8 caches. Over
-// an FP8 cache the products run in float16 (every FP8 value is exact there): the producer
-// copies the rows as stored (half the bytes) into the K ring and widens them into the
-// float16 K and V rings, and a bf16 q is moved to float16 per row by a power of two, undone in
-// the row's logit factor (as prefill.cuh's mma kernel does).
+// an FP8 cache the producer copies the rows as stored (half the bytes) into the K ring. With a
+// bf16 q at head_dim 128 (kSplitQ) K stays there as stored and S = Q K^T runs on FP8 wgmma, q
+// split per row into two e4m3 terms (hi + lo: a bf16 value exactly, but for terms below 2^-10
+// of the row's largest); P V runs in float16 over V widened into the float16 V ring. Otherwise
+// (a float16 q, whose 11 bits two e4m3 terms do not hold, or head_dim 64) both products run in
+// float16 (every FP8 value is exact there): K and V are widened, and a bf16 q is moved to
+// float16 per row by a power of two, undone in the row's logit factor (as prefill.cuh's mma
+// kernel does).
 #pragma once
 
 #include <cstdint>
@@ -165,6 +169,27 @@ __device__ __forceinline__ void sm90_pin(uint32_t (&r)[N]) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)                 \
       : "memory")
 
+// D[64 x 128] (+)= A[64 x 32] B[32 x 128], FP8 operands (K-major in shared memory: FP8 wgmma
+// takes no transpose), A e4m3, B of type TB.
+#define JAXATTN_SM90_SS_N128_F8(TB)                                                \
+  asm volatile(                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                 \
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." TB " {" JAXATTN_SM90_R64 \
+      "}, %64, %65, p, 1, 1;\n}\n"                                                 \
+      : JAXATTN_SM90_ACC64                                                         \
+      : "l"(da), "l"(db), "r"(scale_d)                                             \
+      : "memory")
+
+template <typename C>
+__device__ __forceinline__ void sm90_mma_ss_n128_f8(float (&d)[64], uint64_t da, uint64_t db,
+                                                    int scale_d) {
+  if constexpr (std::is_same_v<C, e4m3_t>) {
+    JAXATTN_SM90_SS_N128_F8("e4m3");
+  } else {
+    JAXATTN_SM90_SS_N128_F8("e5m2");
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void sm90_mma_ss_n128(float (&d)[64], uint64_t da, uint64_t db,
                                                  int scale_d) {
@@ -194,6 +219,7 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 }
 
 #undef JAXATTN_SM90_SS_N128
+#undef JAXATTN_SM90_SS_N128_F8
 #undef JAXATTN_SM90_RS_N128
 #undef JAXATTN_SM90_RS_N64
 #undef JAXATTN_SM90_ACC64
@@ -337,6 +363,37 @@ constexpr int kSm90PersistProducerRegs = 96;
 constexpr int kSm90PersistConsumerRegs = 200;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^7, 2^8) (2^(134 - e), clamped
+// to normal floats; e4m3's largest finite value is 448), and its inverse `post`.
+__device__ __forceinline__ void e4m3_row_factors(float qmax, float& pre, float& post) {
+  const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
+  const int biased = min(max(261 - e, 1), 253);
+  pre = __uint_as_float(uint32_t(biased) << 23);
+  post = __uint_as_float(uint32_t(254 - biased) << 23);
+}
+
+// A bf16 pair times `pre` as two e4m3 terms, hi = e4m3(x) and lo = e4m3(x - hi) (x - hi is
+// exact in float32), each pair in 16 bits (the first element in the low byte). With |x| below
+// 2^8, hi + lo is x exactly unless lo falls below e4m3's normal range (|x| < 2^-2: terms 2^-10
+// of the row's largest or less). An infinite x becomes NaN: e4m3 has no infinity, and a row of
+// q holding one is NaN in the spec's softmax either way.
+__device__ __forceinline__ void bf16x2_to_e4m3x2_split(uint32_t w, float pre, uint32_t& hi,
+                                                       uint32_t& lo) {
+  float x0 = __uint_as_float(w << 16) * pre, x1 = __uint_as_float(w & 0xffff0000u) * pre;
+  const float nan = __uint_as_float(0x7fc00000u);
+  if (fabsf(x0) == __builtin_huge_valf()) x0 = nan;
+  if (fabsf(x1) == __builtin_huge_valf()) x1 = nan;
+  uint16_t h, l;
+  uint32_t hf;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(h) : "f"(x1), "f"(x0));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hf) : "h"(h));
+  const float r0 = x0 - f16_to_float(uint16_t(hf & 0xffffu));
+  const float r1 = x1 - f16_to_float(uint16_t(hf >> 16));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(l) : "f"(r1), "f"(r0));
+  hi = h;
+  lo = l;
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -426,9 +483,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     prefill_sm90_kernel(const PrefillParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kF8 = sizeof(C) == 1;
-  // The wgmma operand type; a bf16 q over an FP8 cache is moved to float16 (kWidenQ).
+  // The P V operand type. A bf16 q over an FP8 cache at head_dim 128 (kSplitQ) is split into
+  // two e4m3 terms, hi and lo, and S = Q K^T runs on FP8 wgmma over the K rows as stored (no
+  // widening of K); at head_dim 64 it is moved to float16 (kWidenQ) and K widened as V is.
   using M = std::conditional_t<kF8, f16_t, T>;
-  constexpr bool kWidenQ = kF8 && std::is_same_v<T, bf16_t>;
+  constexpr bool kSplitQ = kF8 && std::is_same_v<T, bf16_t> && D == 128;
+  constexpr bool kWidenQ = kF8 && std::is_same_v<T, bf16_t> && !kSplitQ;
   using S = Sm90Shape<D, kF8>;
   constexpr int BM = S::kBM, BN = S::kBN, CH = S::kChunks, RP = S::kRowsPerPass;
   constexpr int NS = S::kStages, NP = S::kProducerThreads;
@@ -606,7 +666,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         // wait, load, convert, store and fence per tile is on the critical path). The stores
         // are generic-proxy writes: fence.proxy.async, then a plain arrival on the full barrier.
         // In a tile the mask crosses, the V pass of the guards scans the widened chunks (as
-        // prefill.cuh's mma kernel does).
+        // prefill.cuh's mma kernel does). kSplitQ: K is not widened; its rows are copied into
+        // the stage's first half in the swizzled layout wgmma reads, and its full barrier takes
+        // the copies' own arrivals (as the 16-bit kernel's): one producer barrier a tile. Prefill
+        // self-test, H200, e4m3 with per-head scales, bf16 q: 8 x (2048 + 512) 433-435 -> 466-467
+        // TFLOP/s, 1 x (0 + 8192) 513-515 -> 553-554 (ffi/NOTES.md, round 25).
         constexpr int F8 = S::kF8Chunks, F8R = S::kF8Rows, R8 = BN / F8R, F8T = S::kF8TileBytes;
         const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
         const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
@@ -615,7 +679,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         // 32-bit shared addresses (with generic pointers the producer spilled at its 64
         // registers): this thread's rows lie F8R rows apart, F8R * D bytes in the FP8 rows and
         // F8R * 128 in the swizzled tile (one swizzle phase).
-        const uint32_t src_own = uint32_t(r8 * D + c8 * 16);
+        // kSplitQ: the FP8 rows (K, the B operand of the FP8 S, and V's staging alike) are
+        // [128 keys][128 bytes] with the 128-byte swizzle; F8R rows keep the swizzle phase, and
+        // a quarter-warp's staging reads still meet 8 bank groups.
+        const uint32_t src_own = kSplitQ ? sm90_tile_off<BN>(r8, c8) : uint32_t(r8 * D + c8 * 16);
         const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
         const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
         auto load_own = [&](uint32_t src, uint4(&raw)[R8]) {
@@ -629,6 +696,23 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             fp8x16_to_f16<C>(raw[i], lo, hi);
             sts128_at(dst + lo_own + i * F8R * 128, lo);
             sts128_at(dst + hi_own + i * F8R * 128, hi);
+          }
+        };
+        // kSplitQ: V widened half a thread's rows at a time (rows h * R8 / 2 ..): the whole
+        // set of FP8 chunks held at once made ptxas spill in the producer once K's widening
+        // was gone.
+        constexpr int R8H = R8 / 2;
+        auto widen_half = [&](uint32_t src, uint32_t dst, int h, auto wait) {
+          uint4 raw[R8H];
+#pragma unroll
+          for (int i = 0; i < R8H; ++i) raw[i] = lds128_at(src + src_own + (h * R8H + i) * F8R * D);
+          wait();
+#pragma unroll
+          for (int i = 0; i < R8H; ++i) {
+            uint4 lo, hi;
+            fp8x16_to_f16<C>(raw[i], lo, hi);
+            sts128_at(dst + lo_own + (h * R8H + i) * F8R * 128, lo);
+            sts128_at(dst + hi_own + (h * R8H + i) * F8R * 128, hi);
           }
         };
         for (int n = 0; n <= ntiles; ++n) {
@@ -649,13 +733,14 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #pragma unroll
               for (int i = 0; i < R8; ++i) {
                 const bool ok = u[i] != kSm90NoRow;
-                cp_async16(dst + src_own + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u),
-                           ok);
+                cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
               }
             };
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
-            copy_rows(kst, kg);
-            copy_rows(kst + F8T, vg);
+            copy_rows(kst + src_own, kg);
+            copy_rows(kst + F8T + src_own, vg);
+            // kSplitQ: K is ready as copied; its arrival lands with this thread's copies.
+            if constexpr (kSplitQ) mbar_arrive_copies(kfull(s));
             async_copy_commit();
           }
 #if JAXATTN_SM90_FP8_ONE_BARRIER
@@ -673,14 +758,26 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             }
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
             const uint32_t vt = v_s + uint32_t(s * S::kTileBytes);
-            uint4 raw[R8];
+            [[maybe_unused]] uint4 raw[R8];
+            auto wait_v = [&]() {
+              if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
+            };
+            if constexpr (kSplitQ) {
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
-            load_own(kst + F8T, raw);
+              widen_half(kst + F8T, vt, 0, wait_v);
+              widen_half(kst + F8T, vt, 1, [] {});
+#else
+              wait_v();
 #endif
-            if (gm >= NS) mbar_wait(vempty(s), ((gm / NS) & 1) ^ 1);
+            } else {
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
-            store_own(raw, vt);
+              load_own(kst + F8T, raw);
 #endif
+              wait_v();
+#if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
+              store_own(raw, vt);
+#endif
+            }
             if (m * BN + BN > range.full_end) {
               guards_free();
               unsigned char* const vt_gen = gen + (vt - base);
@@ -692,13 +789,15 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             }
             sm90_fence_proxy_async();
             mbar_arrive(vfull(s));
+            if constexpr (!kSplitQ) {
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 1
-            load_own(kst, raw);
-            named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
-            store_own(raw, kst);
+              load_own(kst, raw);
+              named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
+              store_own(raw, kst);
 #endif
-            sm90_fence_proxy_async();
-            mbar_arrive(kfull(s));
+              sm90_fence_proxy_async();
+              mbar_arrive(kfull(s));
+            }
           }
 #if !JAXATTN_SM90_FP8_ONE_BARRIER
           if (n < ntiles) {
@@ -830,6 +929,69 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         if (!valid) continue;
         set_item();
       }
+      // kSplitQ, before the accumulators are live (with them, ptxas spilled around the split).
+      [[maybe_unused]] float qpost0 = 1.f, qpost1 = 1.f;
+      if constexpr (kSplitQ) {
+        if (ntiles > 0) {
+          mbar_wait(qfull, nvalid & 1);
+          // A bf16 q over an FP8 cache at head_dim 128: each quad splits its rows lr0 and lr0 + 8
+          // (a quarter row a thread: bf16 chunks 4 tq .. 4 tq + 3, FP8 chunks 2 tq, 2 tq + 1) into
+          // e4m3 hi and lo terms, scaled by the power of two that puts the row's largest |q| in
+          // [2^7, 2^8); the inverse joins the row's logit factor. The hi tile takes the bytes of
+          // the 16-bit q's first column block, the lo tile the second's, and a warpgroup's rows
+          // stay in its own half of each, so a warpgroup barrier between the loads and the
+          // stores is all the rewrite needs.
+          constexpr int QC = CH / 4;
+          uint4 v0[QC], v1[QC];
+          float mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+          for (int i = 0; i < QC; ++i) {
+            v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
+            v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
+            mx0 = bf16x2_absmax(
+                v0[i].w,
+                bf16x2_absmax(v0[i].z, bf16x2_absmax(v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
+            mx1 = bf16x2_absmax(
+                v1[i].w,
+                bf16x2_absmax(v1[i].z, bf16x2_absmax(v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
+          }
+          mx0 = group_max<4>(mx0);
+          mx1 = group_max<4>(mx1);
+          float pre0, post0, pre1, post1;
+          e4m3_row_factors(mx0, pre0, post0);
+          e4m3_row_factors(mx1, pre1, post1);
+          named_sync(2 + cw, 128);  // the warpgroup's rows are all loaded
+          auto split_row = [&](const uint4(&v)[QC], float pre, int r) {
+            uint32_t hw[2 * QC], lw[2 * QC];
+#pragma unroll
+            for (int i = 0; i < QC; ++i) {
+              const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                uint32_t h0, l0, h1, l1;
+                bf16x2_to_e4m3x2_split(w[2 * j], pre, h0, l0);
+                bf16x2_to_e4m3x2_split(w[2 * j + 1], pre, h1, l1);
+                hw[2 * i + j] = h0 | (h1 << 16);
+                lw[2 * i + j] = l0 | (l1 << 16);
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const uint32_t off = sm90_tile_off<BM>(r, 2 * tq + j);
+              *reinterpret_cast<uint4*>(gen + off) =
+                  make_uint4(hw[4 * j], hw[4 * j + 1], hw[4 * j + 2], hw[4 * j + 3]);
+              *reinterpret_cast<uint4*>(gen + BM * 128 + off) =
+                  make_uint4(lw[4 * j], lw[4 * j + 1], lw[4 * j + 2], lw[4 * j + 3]);
+            }
+          };
+          split_row(v0, pre0, lr0);
+          split_row(v1, pre1, lr0 + 8);
+          qpost0 = post0;
+          qpost1 = post1;
+          sm90_fence_proxy_async();
+          named_sync(2 + cw, 128);
+        }
+      }
       float o[D / 2];  // O accumulator fragment (m64nDk16 layout)
       float s[BN / 2];
       uint32_t pf[BN / 4];
@@ -844,16 +1006,36 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const int row0 = t.m0 + pack_token<kPack>(p, lr0);
       const int row1 = t.m0 + pack_token<kPack>(p, lr0 + 8);
       // The rows' logit factors (a bf16 q over an FP8 cache: times the rows' q factors, below).
-      float qs0 = p.ls.q_scale * p.scales.k_of(kvh), qs1 = qs0;
+      float qs0 = p.ls.q_scale * p.scales.k_of(kvh) * qpost0,
+            qs1 = p.ls.q_scale * p.scales.k_of(kvh) * qpost1;
       const float cap = p.ls.cap_log2e;
       auto release = [&](uint32_t bar) {
         if (lane == 0) mbar_arrive(bar);
       };
       auto issue_s = [&](int n) {
         const uint64_t dks = dk + uint64_t(((n % NS) * S::kTileBytes) >> 4);
+        if constexpr (kSplitQ) {
+          // S = Q_lo K^T + Q_hi K^T, k steps of 32 FP8 elements (32 bytes, as 16 of 16 bits).
+          // q's hi terms [128 rows][128 bytes] lie where the first column block of the 16-bit q
+          // was, the lo terms where the second was (kQLo further, in 16-byte units).
+          // The order matters: FP8 wgmma adds its products and the accumulator aligned to the
+          // largest of them, keeping ~14 bits. The lo products first, into an accumulator of
+          // their own size; then the hi products (exact: 4 x 4 significant bits), beside which
+          // only the lo sum's bits below ~2^-10 of it are lost. Hi first, the lo products were
+          // added to a sum ~2^4 times larger: up to 4.4x the kernel's error of the float16
+          // path in the prefill self-test's FP8 cases, against at most 1.4x this way.
+          constexpr uint64_t kQLo = (BM * 128) >> 4;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-          sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+          for (int kk = 0; kk < D / 32; ++kk)
+            sm90_mma_ss_n128_f8<C>(s, dq + kstep(kk, BM) + kQLo, dks + kstep(kk, BN), kk);
+#pragma unroll
+          for (int kk = 0; kk < D / 32; ++kk)
+            sm90_mma_ss_n128_f8<C>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), 1);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk)
+            sm90_mma_ss_n128<M>(s, dq + kstep(kk, BM), dks + kstep(kk, BN), kk);
+        }
         sm90_wgmma_commit();
       };
       auto issue_pv = [&](int n) {
