@@ -715,7 +715,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             sts128_at(dst + hi_own + (h * R8H + i) * F8R * 128, hi);
           }
         };
-        for (int n = 0; n <= ntiles; ++n) {
+        // Tile n's V is widened in iteration n + kLag, after the copies of the tiles after it
+        // are issued. kSplitQ: two tiles of copies in flight before the producer waits for
+        // one (K needs no widening there, so only V waits the extra tile).
+        constexpr int kLag = kSplitQ ? 2 : 1;
+        for (int n = 0; n < ntiles + kLag; ++n) {
           const int slot = n & 1;
           if (n < ntiles) {
             const int gn = it0 + n, s = gn % NS;  // ring position
@@ -749,10 +753,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           if (n < ntiles) rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
           if (n == 0) named_sync(1, NP);
 #endif
-          if (n >= 1) {
-            const int m = n - 1, gm = it0 + m, s = gm % NS;
+          if (n >= kLag) {
+            const int m = n - kLag, gm = it0 + m, s = gm % NS;
             if (n < ntiles) {
-              async_copy_wait<1>();
+              async_copy_wait<kLag>();
             } else {
               async_copy_wait<0>();
             }
