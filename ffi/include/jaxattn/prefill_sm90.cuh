@@ -339,8 +339,9 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_ALL_ROWS
 #define JAXATTN_SM90_ALL_ROWS 1
 #endif
-// The 16-bit producer only: the same fast copy in the FP8 producer made ptxas spill 20-36
-// bytes in the e4m3 head_dim 128 kernels at the producer's 64 registers.
+// The 16-bit producer and the FP8 one of kSplitQ (which widens no K): with K's widening the
+// same fast copy made ptxas spill 20-36 bytes in the e4m3 head_dim 128 kernels at the
+// producer's 64 registers. kSplitQ, H200 self-test, e4m3: +0-1% (round 25).
 #ifndef JAXATTN_SM90_FP8_ONE_BARRIER
 #define JAXATTN_SM90_FP8_ONE_BARRIER 0
 #endif
@@ -640,14 +641,16 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       rowoff[tid] = sm90_pack_off(cur.off);
       // The entry of row tid of the next tile, loaded a tile ahead of its use.
       int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
-      // 16-bit: whether every row of the tile the table holds is present (a page within the
-      // pool, a key below the request's length): the copies then need no per-row test
-      // (copy_rows).
+      // 16-bit and kSplitQ (kAllRows): whether every row of the tile the table holds is
+      // present (a page within the pool, a key below the request's length): the copies then
+      // need no per-row test (copy_rows).
+      constexpr bool kAllRows =
+          !kF8 || (kSplitQ && JAXATTN_SM90_ALL_ROWS && !JAXATTN_SM90_FP8_ONE_BARRIER);
       [[maybe_unused]] bool all_rows = false;
-      if constexpr (kF8) {
-        named_sync(1, NP);
-      } else {
+      if constexpr (kAllRows) {
         all_rows = named_sync_and(1, NP, cur.off >= 0);
+      } else {
+        named_sync(1, NP);
       }
       check_entries<NP, 16>(t, kv, range.end, flags);
       if constexpr (kF8) {
@@ -734,10 +737,16 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
               uint32_t u[R8];
 #pragma unroll
               for (int i = 0; i < R8; ++i) u[i] = rowoff[slot * BN + r8 + i * F8R];
+              if (kAllRows && all_rows) {  // every row present: no test, no select
 #pragma unroll
-              for (int i = 0; i < R8; ++i) {
-                const bool ok = u[i] != kSm90NoRow;
-                cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
+                for (int i = 0; i < R8; ++i)
+                  cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, u[i]), true);
+              } else {
+#pragma unroll
+                for (int i = 0; i < R8; ++i) {
+                  const bool ok = u[i] != kSm90NoRow;
+                  cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
+                }
               }
             };
             const uint32_t kst = k_s + uint32_t(s * S::kTileBytes);
@@ -806,7 +815,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #if !JAXATTN_SM90_FP8_ONE_BARRIER
           if (n < ntiles) {
             rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
-            named_sync(1, NP);  // slot ^ 1 written, as in the 16-bit loop
+            // slot ^ 1 written, as in the 16-bit loop
+            if constexpr (kAllRows) {
+              all_rows = named_sync_and(1, NP, cur.off >= 0);
+            } else {
+              named_sync(1, NP);
+            }
           }
 #endif
         }
