@@ -395,6 +395,27 @@ __device__ __forceinline__ void bf16x2_to_e4m3x2_split(uint32_t w, float pre, ui
   lo = l;
 }
 
+// A bf16 q over an FP8 cache (the sm90 kernel's kSplitQ and kWidenQ): the quad's quarters of
+// q rows r and r + 8 of a tile of R rows (lane tq: bf16 chunks 4 tq .. 4 tq + 3) and the two
+// rows' largest magnitudes over the quad.
+template <int R, int QC>
+__device__ __forceinline__ void sm90_q_quarter_rows(const unsigned char* tile, int r, int tq,
+                                                    uint4 (&v0)[QC], uint4 (&v1)[QC], float& mx0,
+                                                    float& mx1) {
+  mx0 = mx1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < QC; ++i) {
+    v0[i] = lds128(tile + sm90_tile_off<R>(r, tq * QC + i));
+    v1[i] = lds128(tile + sm90_tile_off<R>(r + 8, tq * QC + i));
+    mx0 = bf16x2_absmax(
+        v0[i].w, bf16x2_absmax(v0[i].z, bf16x2_absmax(v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
+    mx1 = bf16x2_absmax(
+        v1[i].w, bf16x2_absmax(v1[i].z, bf16x2_absmax(v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
+  }
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -961,20 +982,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           // stores is all the rewrite needs.
           constexpr int QC = CH / 4;
           uint4 v0[QC], v1[QC];
-          float mx0 = 0.f, mx1 = 0.f;
-#pragma unroll
-          for (int i = 0; i < QC; ++i) {
-            v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
-            v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
-            mx0 = bf16x2_absmax(
-                v0[i].w,
-                bf16x2_absmax(v0[i].z, bf16x2_absmax(v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
-            mx1 = bf16x2_absmax(
-                v1[i].w,
-                bf16x2_absmax(v1[i].z, bf16x2_absmax(v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
-          }
-          mx0 = group_max<4>(mx0);
-          mx1 = group_max<4>(mx1);
+          float mx0, mx1;
+          sm90_q_quarter_rows<BM>(gen, lr0, tq, v0, v1, mx0, mx1);
           float pre0, post0, pre1, post1;
           e4m3_row_factors(mx0, pre0, post0);
           e4m3_row_factors(mx1, pre1, post1);
@@ -1176,20 +1185,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           // warpgroup's 64 rows are its wgmma A operand: fence, then a warpgroup barrier.
           constexpr int QC = CH / 4;
           uint4 v0[QC], v1[QC];
-          float mx0 = 0.f, mx1 = 0.f;
-#pragma unroll
-          for (int i = 0; i < QC; ++i) {
-            v0[i] = lds128(gen + sm90_tile_off<BM>(lr0, tq * QC + i));
-            v1[i] = lds128(gen + sm90_tile_off<BM>(lr0 + 8, tq * QC + i));
-            mx0 = bf16x2_absmax(
-                v0[i].w,
-                bf16x2_absmax(v0[i].z, bf16x2_absmax(v0[i].y, bf16x2_absmax(v0[i].x, mx0))));
-            mx1 = bf16x2_absmax(
-                v1[i].w,
-                bf16x2_absmax(v1[i].z, bf16x2_absmax(v1[i].y, bf16x2_absmax(v1[i].x, mx1))));
-          }
-          mx0 = group_max<4>(mx0);
-          mx1 = group_max<4>(mx1);
+          float mx0, mx1;
+          sm90_q_quarter_rows<BM>(gen, lr0, tq, v0, v1, mx0, mx1);
           float pre0, post0, pre1, post1;
           f16_row_factors(mx0, pre0, post0);
           f16_row_factors(mx1, pre1, post1);
