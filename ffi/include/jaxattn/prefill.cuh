@@ -927,13 +927,18 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float pre) {
   return pack2<f16_t>(__uint_as_float(w << 16) * pre, __uint_as_float(w & 0xffff0000u) * pre);
 }
 
-// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^14, 2^15) (2^(141 - e),
-// clamped to normal floats), and its inverse `post`.
-__device__ __forceinline__ void f16_row_factors(float qmax, float& pre, float& post) {
+// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^E, 2^(E + 1)) (2^(E + 127 -
+// e), clamped to normal floats), and its inverse `post`: a row of q scaled into a narrower
+// format's range (float16: E = 14; e4m3, whose largest finite value is 448: E = 7).
+template <int E>
+__device__ __forceinline__ void pow2_row_factors(float qmax, float& pre, float& post) {
   const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
-  const int biased = min(max(268 - e, 1), 253);
+  const int biased = min(max(254 + E - e, 1), 253);
   pre = __uint_as_float(uint32_t(biased) << 23);
   post = __uint_as_float(uint32_t(254 - biased) << 23);
+}
+__device__ __forceinline__ void f16_row_factors(float qmax, float& pre, float& post) {
+  pow2_row_factors<14>(qmax, pre, post);
 }
 
 // A warp's q fragments (ldmatrix of 16 bf16 rows: registers 0 and 2 of every k step hold row g,

@@ -364,15 +364,6 @@ constexpr int kSm90PersistProducerRegs = 96;
 constexpr int kSm90PersistConsumerRegs = 200;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The power of two `pre` that puts qmax = 1.x * 2^(e - 127) in [2^7, 2^8) (2^(134 - e), clamped
-// to normal floats; e4m3's largest finite value is 448), and its inverse `post`.
-__device__ __forceinline__ void e4m3_row_factors(float qmax, float& pre, float& post) {
-  const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
-  const int biased = min(max(261 - e, 1), 253);
-  pre = __uint_as_float(uint32_t(biased) << 23);
-  post = __uint_as_float(uint32_t(254 - biased) << 23);
-}
-
 // A bf16 pair times `pre` as two e4m3 terms, hi = e4m3(x) and lo = e4m3(x - hi) (x - hi is
 // exact in float32), each pair in 16 bits (the first element in the low byte). With |x| below
 // 2^8, hi + lo is x exactly unless lo falls below e4m3's normal range (|x| < 2^-2: terms 2^-10
@@ -709,35 +700,31 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         const uint32_t src_own = kSplitQ ? sm90_tile_off<BN>(r8, c8) : uint32_t(r8 * D + c8 * 16);
         const uint32_t lo_own = sm90_tile_off<BN>(r8, 2 * c8);
         const uint32_t hi_own = sm90_tile_off<BN>(r8, 2 * c8 + 1);
-        auto load_own = [&](uint32_t src, uint4(&raw)[R8]) {
+        // A thread's rows first .. first + N - 1 (of its R8): their staged FP8 chunks loaded,
+        // and widened into the swizzled float16 tile.
+        auto load_own = [&](uint32_t src, auto& raw, int first) {
+          constexpr int N = sizeof(raw) / sizeof(raw[0]);
 #pragma unroll
-          for (int i = 0; i < R8; ++i) raw[i] = lds128_at(src + src_own + i * F8R * D);
+          for (int i = 0; i < N; ++i) raw[i] = lds128_at(src + src_own + (first + i) * F8R * D);
         };
-        auto store_own = [&](const uint4(&raw)[R8], uint32_t dst) {
+        auto store_own = [&](const auto& raw, uint32_t dst, int first) {
+          constexpr int N = sizeof(raw) / sizeof(raw[0]);
 #pragma unroll
-          for (int i = 0; i < R8; ++i) {
+          for (int i = 0; i < N; ++i) {
             uint4 lo, hi;
             fp8x16_to_f16<C>(raw[i], lo, hi);
-            sts128_at(dst + lo_own + i * F8R * 128, lo);
-            sts128_at(dst + hi_own + i * F8R * 128, hi);
+            sts128_at(dst + lo_own + (first + i) * F8R * 128, lo);
+            sts128_at(dst + hi_own + (first + i) * F8R * 128, hi);
           }
         };
-        // kSplitQ: V widened half a thread's rows at a time (rows h * R8 / 2 ..): the whole
-        // set of FP8 chunks held at once made ptxas spill in the producer once K's widening
-        // was gone.
+        // kSplitQ: V widened half a thread's rows at a time: the whole set of FP8 chunks held
+        // at once made ptxas spill in the producer once K's widening was gone.
         constexpr int R8H = R8 / 2;
         auto widen_half = [&](uint32_t src, uint32_t dst, int h, auto wait) {
           uint4 raw[R8H];
-#pragma unroll
-          for (int i = 0; i < R8H; ++i) raw[i] = lds128_at(src + src_own + (h * R8H + i) * F8R * D);
+          load_own(src, raw, h * R8H);
           wait();
-#pragma unroll
-          for (int i = 0; i < R8H; ++i) {
-            uint4 lo, hi;
-            fp8x16_to_f16<C>(raw[i], lo, hi);
-            sts128_at(dst + lo_own + (h * R8H + i) * F8R * 128, lo);
-            sts128_at(dst + hi_own + (h * R8H + i) * F8R * 128, hi);
-          }
+          store_own(raw, dst, h * R8H);
         };
         // Tile n's V is widened in iteration n + kLag, after the copies of the tiles after it
         // are issued. kSplitQ: two tiles of copies in flight before the producer waits for
@@ -805,11 +792,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #endif
             } else {
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
-              load_own(kst + F8T, raw);
+              load_own(kst + F8T, raw, 0);
 #endif
               wait_v();
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 2
-              store_own(raw, vt);
+              store_own(raw, vt, 0);
 #endif
             }
             if (m * BN + BN > range.full_end) {
@@ -825,9 +812,9 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
             mbar_arrive(vfull(s));
             if constexpr (!kSplitQ) {
 #if JAXATTN_SM90_FP8_TIMING_NO_WIDEN < 1
-              load_own(kst, raw);
+              load_own(kst, raw, 0);
               named_sync(1, NP);  // every producer thread holds its FP8 K (and V) chunks
-              store_own(raw, kst);
+              store_own(raw, kst, 0);
 #endif
               sm90_fence_proxy_async();
               mbar_arrive(kfull(s));
@@ -985,8 +972,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           float mx0, mx1;
           sm90_q_quarter_rows<BM>(gen, lr0, tq, v0, v1, mx0, mx1);
           float pre0, post0, pre1, post1;
-          e4m3_row_factors(mx0, pre0, post0);
-          e4m3_row_factors(mx1, pre1, post1);
+          pow2_row_factors<7>(mx0, pre0, post0);
+          pow2_row_factors<7>(mx1, pre1, post1);
           named_sync(2 + cw, 128);  // the warpgroup's rows are all loaded
           auto split_row = [&](const uint4(&v)[QC], float pre, int r) {
             uint32_t hw[2 * QC], lw[2 * QC];
