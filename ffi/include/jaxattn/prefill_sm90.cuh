@@ -141,15 +141,19 @@ __device__ __forceinline__ void sm90_pin(uint32_t (&r)[N]) {
   JAXATTN_SM90_ACC32, JAXATTN_SM90_ACC8(32), JAXATTN_SM90_ACC8(40), JAXATTN_SM90_ACC8(48), \
       JAXATTN_SM90_ACC8(56)
 
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B K-major in shared memory.
-#define JAXATTN_SM90_SS_N128(TY)                                                     \
-  asm volatile(                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                   \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" JAXATTN_SM90_R64 \
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                             \
-      : JAXATTN_SM90_ACC64                                                           \
-      : "l"(da), "l"(db), "r"(scale_d)                                               \
+// D[64 x 128] (+)= A[64 x k] B[k x 128], A and B K-major in shared memory: SHAPE_TYPES the
+// instruction's shape and types (m64n128k16 16-bit, m64n128k32 FP8), IMM its immediate scales
+// (and, 16-bit only, transposes: FP8 wgmma takes none).
+#define JAXATTN_SM90_SS_N128_ASM(SHAPE_TYPES, IMM)                                             \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {" JAXATTN_SM90_R64 "}, %64, %65, p, " IMM \
+      ";\n}\n"                                                                                 \
+      : JAXATTN_SM90_ACC64                                                                     \
+      : "l"(da), "l"(db), "r"(scale_d)                                                         \
       : "memory")
+// The 16-bit form: A and B of type TY.
+#define JAXATTN_SM90_SS_N128(TY) JAXATTN_SM90_SS_N128_ASM("m64n128k16.f32." TY "." TY, "1, 1, 0, 0")
 // D[64 x 128] += A[64 x 16] B[16 x 128], A in registers, B MN-major in shared memory.
 #define JAXATTN_SM90_RS_N128(TY)                                                     \
   asm volatile(                                                                      \
@@ -169,16 +173,8 @@ __device__ __forceinline__ void sm90_pin(uint32_t (&r)[N]) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1)                 \
       : "memory")
 
-// D[64 x 128] (+)= A[64 x 32] B[32 x 128], FP8 operands (K-major in shared memory: FP8 wgmma
-// takes no transpose), A e4m3, B of type TB.
-#define JAXATTN_SM90_SS_N128_F8(TB)                                                \
-  asm volatile(                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                 \
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." TB " {" JAXATTN_SM90_R64 \
-      "}, %64, %65, p, 1, 1;\n}\n"                                                 \
-      : JAXATTN_SM90_ACC64                                                         \
-      : "l"(da), "l"(db), "r"(scale_d)                                             \
-      : "memory")
+// The FP8 form (k 32): A e4m3, B of type TB.
+#define JAXATTN_SM90_SS_N128_F8(TB) JAXATTN_SM90_SS_N128_ASM("m64n128k32.f32.e4m3." TB, "1, 1")
 
 template <typename C>
 __device__ __forceinline__ void sm90_mma_ss_n128_f8(float (&d)[64], uint64_t da, uint64_t db,
@@ -220,6 +216,7 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 
 #undef JAXATTN_SM90_SS_N128
 #undef JAXATTN_SM90_SS_N128_F8
+#undef JAXATTN_SM90_SS_N128_ASM
 #undef JAXATTN_SM90_RS_N128
 #undef JAXATTN_SM90_RS_N64
 #undef JAXATTN_SM90_ACC64
