@@ -8,7 +8,10 @@ statistics) over the same model runner (the KV pool, the decode rows and the com
 programs): the first run compiles every program the schedule needs, the next ones let the
 device allocator and XLA's command buffers reach their steady state, as in a server that
 has served a while. ``--fresh-runner`` times a run on a new runner instead (new pool and
-rows after one compiling run: the first workload a new engine serves). Reported
+rows after one compiling run: the first workload a new engine serves). ``--timed-runs N``
+times N runs the same way (each a new engine over the warm runner, or each on a new runner
+with ``--fresh-runner``) and reports the run of median wall time, with every run's
+generated tokens/s below the table: a run's figure varies by several percent. Reported
 per mode: prompt tokens served from the radix cache, prefill tokens computed, generated
 tokens, dispatches and the decode steps they ran, wall time, generated tokens/s, all
 tokens (prompt + generated) served per second, and where the host's time went.
@@ -192,6 +195,13 @@ def parse_args(argv=None):
         action="store_true",
         help="time the workload on a new runner (new pool) after one untimed run on another",
     )
+    e.add_argument(
+        "--timed-runs",
+        type=int,
+        default=1,
+        help="timed runs after the warm ones, each on a new engine over the warm runner: the "
+        "table reports the run of median wall time and every run's generated tok/s",
+    )
     p.add_argument(
         "--profile-host",
         type=int,
@@ -344,15 +354,20 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
         for _ in range(args.warm_runs - 1):
             once(runner=runner)
     compiled = sum(runner.trace_counts.values()) if runner is not None else 0
-    engine, records, wall = once(
-        profile=args.profile_host > 0, runner=runner, timeline=args.timeline
-    )
+    runs = []
+    for _ in range(args.timed_runs):
+        runs.append(once(profile=args.profile_host > 0, runner=runner, timeline=args.timeline))
+    # The run of median wall time stands for the mode (an even count: the slower middle one).
+    order = sorted(range(len(runs)), key=lambda i: runs[i][2])
+    engine, records, wall = runs[order[len(runs) // 2]]
+    run_outputs = [{(r.kind, tuple(r.prompt)): r.output for r in rec} for _, rec, _ in runs]
     s = engine.stats
     served = s["prompt_tokens"] + s["generated_tokens"]
     outputs = {(r.kind, tuple(r.prompt)): r.output for r in records}
     return dict(
         mode=("radix on" if radix else "radix off") + f", {step_mode}",
-        outputs=outputs,
+        outputs=outputs if all(o == outputs for o in run_outputs) else None,
+        run_gen_tok_s=[e.stats["generated_tokens"] / w for e, _, w in runs],
         requests=len(records),
         prompt_tokens=s["prompt_tokens"],
         cache_hit_tokens=s["prefix_hit_tokens"],
@@ -394,6 +409,8 @@ def main(argv=None) -> int:
     )
     if args.warm_runs < 1:
         raise SystemExit(f"--warm-runs must be at least 1 (it compiles), got {args.warm_runs}")
+    if args.timed_runs < 1:
+        raise SystemExit(f"--timed-runs must be at least 1, got {args.timed_runs}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
         raise SystemExit(f"--modes must list 'on' and/or 'off', got {args.modes!r}")
@@ -419,7 +436,8 @@ def main(argv=None) -> int:
             outputs = rows[-1].pop("outputs")
             if first is None:
                 first = outputs
-            rows[-1]["same_outputs"] = outputs == first
+            # None: the timed runs of this mode disagreed among themselves.
+            rows[-1]["same_outputs"] = outputs is not None and outputs == first
     columns = [
         ("mode", "mode", ""),
         ("requests", "requests", "d"),
@@ -440,6 +458,14 @@ def main(argv=None) -> int:
         ("same_outputs", "same outputs", ""),
     ]
     print(table(rows, columns))
+    if args.timed_runs > 1:
+        print(
+            f"\ngenerated tok/s of each of the {args.timed_runs} timed runs (the table: the run "
+            "of median wall time)"
+        )
+        for r in rows:
+            runs = ", ".join(f"{x:.0f}" for x in r["run_gen_tok_s"])
+            print(f"  {r['mode']}: {runs}")
     host = [
         ("mode", "mode", ""),
         ("schedule_s", "schedule s", ".3f"),
