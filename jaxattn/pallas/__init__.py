@@ -33,8 +33,9 @@ expressible there. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written
 (paged decode: TMA page copies into a ring, wgmma, split-KV partitions merged exactly),
 tested in interpret mode and compiled on an H200 against the reference with the unread slots
 poisoned, and reached with ``DecodeConfig(lowering="mosaic_gpu")``. On an H200 it reads the
-KV at 84% of the read ceiling at B=64 x 4096 (the Triton kernel 85%), 68% at B=8 (75%), 61%
-at B=1 x 32768 (71%): the Triton kernel stays the default until the port is as fast.
+KV at 86% of the read ceiling at B=64 x 4096 (the Triton kernel 88%), 65% at B=8 (73%), 62%
+at B=1 x 32768 (68%), and 91% (95%) with 32/32 heads at B=64: the Triton kernel stays the
+default until the port is as fast.
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
 page ring, the query heads of a KV head packed into 64-row tiles, the shifted causal mask),
 reached with ``ExtendConfig(lowering="mosaic_gpu")``; tested in interpret mode and compiled
@@ -42,8 +43,9 @@ on an H200 (FP8 caches included), where it is correct but slower than the Triton
 (2048 + 512): 201 against 292 TFLOP/s), which stays the default. Both take FP8 caches (e4m3,
 e5m2, per-KV-head scales): the ring holds the codes, each step is widened to float16 tiles in
 shared memory (Mosaic GPU converts FP8 to float16, not to bfloat16), and q is moved to
-float16 by a power of two per KV head; the decode kernel's FP8 path is interpret-tested and
-exported, its compiled run on a GPU not yet complete.
+float16 by a power of two per KV head; compiled on the H200 the decode kernel's FP8 path is
+correct but slower than its bf16 one (28-30% of the read ceiling), so the native kernels serve
+FP8 caches.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

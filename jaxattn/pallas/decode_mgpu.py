@@ -393,8 +393,8 @@ def paged_attention(
     ``specialized``: a copy warpgroup beside the compute warpgroup, or (False) one
     warpgroup that issues its own copies ``stages`` steps ahead in half the threads;
     ``stages``: steps in flight. The defaults (None) are the fastest of an H200 sweep
-    (bf16, head_dim 128, page 16): a one-pass grid (every (sequence, KV head) its own
-    block) takes the copy warpgroup and 3 stages, a split grid one warpgroup and 2.
+    (bf16, head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids
+    alike (the copy warpgroup takes 3 stages when asked for without a count).
     ``registers``: (compute, copy) warpgroup register counts set at entry (``specialized``
     only), or None to leave the compiler's. ``interpret``: None runs interpret mode
     exactly on the CPU. Raises ``NotImplementedError`` for what :func:`unsupported`
@@ -405,9 +405,8 @@ def paged_attention(
         partition_pages = default_partition_pages(
             q.shape[0], geom.num_kv_heads, block_tables.shape[1], pages_per_step
         )
-    one_pass = partition_pages >= block_tables.shape[1]
     if specialized is None:
-        specialized = one_pass
+        specialized = False
     if stages is None:
         stages = 3 if specialized else 2
     if partition_pages < 1 or partition_pages % pages_per_step:
