@@ -358,12 +358,12 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
     for _ in range(args.timed_runs):
         runs.append(once(profile=args.profile_host > 0, runner=runner, timeline=args.timeline))
     # The run of median wall time stands for the mode (an even count: the slower middle one).
-    order = sorted(range(len(runs)), key=lambda i: runs[i][2])
-    engine, records, wall = runs[order[len(runs) // 2]]
+    median = sorted(range(len(runs)), key=lambda i: runs[i][2])[len(runs) // 2]
+    engine, records, wall = runs[median]
     run_outputs = [{(r.kind, tuple(r.prompt)): r.output for r in rec} for _, rec, _ in runs]
+    outputs = run_outputs[median]
     s = engine.stats
     served = s["prompt_tokens"] + s["generated_tokens"]
-    outputs = {(r.kind, tuple(r.prompt)): r.output for r in records}
     return dict(
         mode=("radix on" if radix else "radix off") + f", {step_mode}",
         outputs=outputs if all(o == outputs for o in run_outputs) else None,

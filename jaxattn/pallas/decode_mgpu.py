@@ -377,7 +377,7 @@ def paged_attention(
     pages_per_step: int | None = None,
     stages: int | None = None,
     registers: tuple[int, int] | None = None,
-    specialized: bool | None = None,
+    specialized: bool = False,
     interpret: bool | None = None,
     k_scale=None,
     v_scale=None,
@@ -392,9 +392,9 @@ def paged_attention(
     ``pages_per_step``: pages a step copies, whole 64-row tiles (default: the fewest);
     ``specialized``: a copy warpgroup beside the compute warpgroup, or (False) one
     warpgroup that issues its own copies ``stages`` steps ahead in half the threads;
-    ``stages``: steps in flight. The defaults (None) are the fastest of an H200 sweep
-    (bf16, head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids
-    alike (the copy warpgroup takes 3 stages when asked for without a count).
+    ``stages``: steps in flight. The defaults are the fastest of an H200 sweep (bf16,
+    head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids alike
+    (the copy warpgroup takes 3 stages when asked for without a count).
     ``registers``: (compute, copy) warpgroup register counts set at entry (``specialized``
     only), or None to leave the compiler's. ``interpret``: None runs interpret mode
     exactly on the CPU. Raises ``NotImplementedError`` for what :func:`unsupported`
@@ -405,8 +405,6 @@ def paged_attention(
         partition_pages = default_partition_pages(
             q.shape[0], geom.num_kv_heads, block_tables.shape[1], pages_per_step
         )
-    if specialized is None:
-        specialized = False
     if stages is None:
         stages = 3 if specialized else 2
     if partition_pages < 1 or partition_pages % pages_per_step:
