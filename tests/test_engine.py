@@ -61,7 +61,9 @@ CFG = LlamaConfig(
 PARAMS = llama.init_params(CFG, jax.random.key(0))
 # One pool shape and bucket floors for most tests, so that their engines share programs.
 POOL = dict(num_pages=48, page_size=4)
-BUCKETS = Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16)
+# folded_cells=1: the step programs take two table entries a decode row (the alone
+# dispatch of larger row updates is then exercised by small prompts).
+BUCKETS = Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16, folded_cells=1)
 
 
 def make_engine(**kw):

@@ -26,7 +26,9 @@ def generate(cfg=CFG, params=PARAMS, **kw):
         num_pages=32,
         page_size=4,
         max_batch_tokens=32,
-        buckets=Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16),
+        buckets=Buckets(
+            tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16, folded_cells=1
+        ),
     )
     return engine.generate(PROMPTS, MAX_NEW, **kw)
 

@@ -180,6 +180,10 @@ class Buckets:
     pages: int = 4  # block-table width (pages per sequence)
     copies: int = 8  # copy-on-write page copies
     updates: int = 8  # decode rows (re)initialised, and table entries sent, in one step
+    # Table entries that ride with a step's extend or decode program (at least two a decode
+    # row); a step that sends more (many long prompts admitted at once) dispatches them
+    # alone first. 2048 covers eight full tables of 256 pages: a turn of a chat workload.
+    folded_cells: int = 2048
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

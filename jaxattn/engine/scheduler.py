@@ -81,10 +81,14 @@ class Sequence:
         """``tokens`` as an int64 array, the form the radix trees take, cached: the
         scheduler compares and matches a waiting prompt's tokens every step, and a list of
         hundreds of ints costs tens of microseconds to convert each time. ``tokens`` only
-        grows (appended at commit), so an array of its current length is current."""
-        arr = self._array
-        if arr is None or len(arr) != len(self.tokens):
+        grows (appended at commit), so an array of its current length is current, and
+        one that is shorter only lacks the tokens appended since."""
+        arr, n = self._array, len(self.tokens)
+        if arr is None or len(arr) > n:
             arr = self._array = np.asarray(self.tokens, np.int64)
+        elif len(arr) < n:
+            tail = np.asarray(self.tokens[len(arr) :], np.int64)
+            arr = self._array = np.concatenate([arr, tail])
         return arr
 
     @property

@@ -135,13 +135,16 @@ def run_workload(
                 c, t = extra
                 if t + 1 < len(workload.chats[c]):
                     submit("chat", prompt + seq.output + workload.chats[c][t + 1], (c, t + 1))
-        stats = engine.stats
-        tokens_s = stats["generated_tokens"] / max(stats["time_s"], 1e-9)
-        bar.update(
-            len(records),
-            tokens=stats["generated_tokens"],
-            cached=stats["prefix_hit_tokens"],
-            tok_s=f"{tokens_s:.0f}",
-        )
-    bar.close(len(records), tokens=engine.stats["generated_tokens"])
+        if progress:
+            # The statistics snapshot costs ~0.2 ms of host time: taken only for the bar.
+            stats = engine.stats
+            tokens_s = stats["generated_tokens"] / max(stats["time_s"], 1e-9)
+            bar.update(
+                len(records),
+                tokens=stats["generated_tokens"],
+                cached=stats["prefix_hit_tokens"],
+                tok_s=f"{tokens_s:.0f}",
+            )
+    if progress:
+        bar.close(len(records), tokens=engine.stats["generated_tokens"])
     return records

@@ -23,8 +23,7 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from jaxattn.paging.allocator import BlockAllocator, NoFreeBlocksError, check_int
-from jaxattn.paging.slots import token_slots
+from jaxattn.paging.allocator import BlockAllocator, NoFreeBlocksError, _as_ids, check_int
 
 __all__ = ["BlockAllocator", "BlockManager", "NoFreeBlocksError"]
 
@@ -166,14 +165,19 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
         """``i32[end - start]``: pool slots of the sequence's tokens ``[start, end)``."""
-        table = self._tables[self._check_seq(seq_id)]
+        self._check_seq(seq_id)
         start = _check_int("start", start)
         end = _check_int("end", end)
         length = self._lens[seq_id]
         if not start <= end <= length:
             raise ValueError(f"need 0 <= start <= end <= seq_len={length}, got [{start}, {end})")
-        row = self._mat[self._rows[seq_id], : len(table)]
-        return token_slots(row, np.arange(start, end, dtype=np.int64), self.block_size)
+        # token_slots' formula, a page at a time: the pages of [start, end), each expanded
+        # to its P slots, then trimmed to the range (no per-token division).
+        p = self.block_size
+        first, last = start // p, -(-end // p)
+        pages = self._mat[self._rows[seq_id], first:last].astype(np.int64)
+        slots = (pages[:, None] * p + np.arange(p)).reshape(-1)
+        return slots[start - first * p : end - first * p].astype(np.int32)
 
     # -- mutations -------------------------------------------------------------------------
 
@@ -189,7 +193,9 @@ class BlockManager:
         if seq_id in self._tables:
             raise ValueError(f"seq_id={seq_id!r} is already allocated")
         num_tokens = _check_int("num_tokens", num_tokens)
-        prefix = [_check_int("prefix block", b) for b in prefix]
+        # One array check for the whole prefix (ints, 1-D); incref_blocks below checks that
+        # every block lies in the pool and is allocated.
+        prefix = _as_ids("prefix", prefix).tolist()
         if len(prefix) * self.block_size > num_tokens:
             raise ValueError(
                 f"prefix of {len(prefix)} blocks holds more than num_tokens={num_tokens}"
