@@ -542,6 +542,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.m.free(seq)
         del self.tables[seq], self.tokens[seq]
 
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 100), data=st.data())
+    def free_handing_over(self, idx, data):
+        """The other holder takes over the table's references on a run of its full blocks
+        (as a prefix cache does when a finished request's pages enter it)."""
+        seq = self.pick(idx)
+        table, full = self.tables[seq], len(self.full_blocks(seq))
+        before = snapshot(self.m)
+        with pytest.raises(ValueError, match="handed_over"):
+            self.m.free(seq, handed_over=(0, len(table) + 1))
+        assert snapshot(self.m) == before
+        start = data.draw(st.integers(0, full))
+        stop = data.draw(st.integers(start, full))
+        if any(b in self.cached for b in table[start:stop]):
+            return
+        self.m.free(seq, handed_over=(start, stop))
+        for b in table[start:stop]:
+            self.cached[b] = 1
+        del self.tables[seq], self.tokens[seq]
+
     @rule(seq=st.integers(-3, -1))
     def misuse(self, seq):
         before = snapshot(self.m)

@@ -253,14 +253,20 @@ class KVCacheManager:
         """Drop the sequence: with ``keep``, its computed whole pages go into the cache
         first (unlocked, so evicted only when needed); then unlock and free the table."""
         cached = self._cached.pop(seq_id, 0)
+        handed = None
         if self.cache is not None and keep:
-            aligned = num_computed - num_computed % self.page_size
+            p = self.page_size
+            aligned = num_computed - num_computed % p
             if aligned > cached:
-                self._insert(seq_id, tokens, aligned)
+                # The tree takes over the table's references on the pages it did not have
+                # (as in _insert); the table then drops only the others.
+                slots = self.blocks.slot_mapping(seq_id, 0, aligned)
+                had = self.cache.insert(tokens[:aligned], slots)
+                handed = (had // p, aligned // p)
         node = self._locks.pop(seq_id, None)
         if node is not None:
             self.cache.dec_lock_ref(node)
-        self.blocks.free(seq_id)
+        self.blocks.free(seq_id, handed_over=handed)
         self._changed.pop(seq_id, None)
 
     # -- inspection and checks -------------------------------------------------------------

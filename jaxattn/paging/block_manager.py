@@ -308,13 +308,28 @@ class BlockManager:
         self._lens[child_id] = self._lens[parent_id]
         self._mirror_new(child_id)
 
-    def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence; blocks no other holder has return to the free list."""
-        table = self._tables.pop(self._check_seq(seq_id))
-        del self._lens[seq_id]
+    def free(self, seq_id: Hashable, *, handed_over: tuple[int, int] | None = None) -> None:
+        """Drop the sequence; blocks no other holder has return to the free list.
+
+        ``handed_over=(start, stop)``: the table's references on entries ``[start, stop)``
+        pass to another holder (a prefix cache that took those blocks over) instead of
+        being dropped: the same end state as that holder taking references of its own
+        and this call dropping the table's, without the two passes over them.
+        """
+        self._check_seq(seq_id)
+        table = self._tables[seq_id]
+        start = stop = 0
+        if handed_over is not None:
+            start, stop = (_check_int("handed_over", v) for v in handed_over)
+            if not start <= stop <= len(table):
+                raise ValueError(
+                    f"handed_over=({start}, {stop}) is not a range of the table's "
+                    f"{len(table)} entries"
+                )
+        del self._tables[seq_id], self._lens[seq_id]
         self._free_rows.append(self._rows.pop(seq_id))
         # Tail first: the LIFO free list then hands these blocks out again in table order.
-        self.allocator.free_blocks(table[::-1])
+        self.allocator.free_blocks((table[:start] + table[stop:])[::-1] if stop else table[::-1])
 
     def check_invariants(self, other_holders: dict[int, int] | None = None) -> None:
         """Raise AssertionError unless ref counts equal table membership (plus
