@@ -1199,9 +1199,13 @@ class ModelRunner:
                     np.zeros((0, 2), np.float32),
                     np.zeros((0, 3), np.int32),
                 )
-                # Host arrays like every other step's (one program layout): they travel
-                # in the step's packed buffers (pack_host).
-                self._no_updates = self._put(*self._update_arrays(empty, u, c))
+                arrays = self._update_arrays(empty, u, c)
+                # Without a mesh, host arrays like every other step's (one program layout):
+                # they travel in each step's packed buffers (pack_host), counted there; over
+                # a mesh, sent once.
+                self._no_updates = arrays if self.tp is None else self._put(*arrays, keep=True)
+            if self.tp is None:
+                self.timing["h2d_bytes"] += sum(a.nbytes for a in self._no_updates)
             return self._no_updates
         if len(updates.rows) > u or len(updates.cells) > c:
             return None
