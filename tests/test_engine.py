@@ -983,3 +983,36 @@ def test_demo_on_two_devices(capsys):
     assert "--devices 3 must divide --heads (4)" in capsys.readouterr().err
     assert main(["demo", *args.split(), "--kv-heads", "1"]) == 2
     assert "--devices 2 must divide --kv-heads (1)" in capsys.readouterr().err
+
+
+def test_packed_host_arrays_round_trip():
+    """pack_host / unpack_host (the step programs' one int32 and one float32 transfer): every
+    numpy leaf comes back with its shape, dtype and values inside jit, device arrays and
+    other leaves pass through, None stays None, and the layout is static (equal layouts for
+    equal shapes, so a step of the same buckets reuses its program)."""
+    from jaxattn.engine.runner import pack_host, unpack_host
+
+    rng = np.random.default_rng(0)
+    tree = (
+        rng.integers(-5, 5, (3, 4)).astype(np.int32),
+        dict(flags=rng.random(6) < 0.5, ids=rng.integers(0, 9, 5).astype(np.uint8)),
+        None,
+        rng.random((2, 3)).astype(np.float32),
+        jnp.arange(4, dtype=jnp.float32),  # a device array: passed as it is
+        np.arange(3, dtype=np.int64),  # wider than int32: passed as it is
+        (np.zeros((0, 3), np.int32), np.float32(2.5) * np.ones(1, np.float32)),
+    )
+    (ints, floats, others), layout = pack_host(tree)
+    assert ints.dtype == np.int32 and ints.size == 12 + 6 + 5
+    assert floats.dtype == np.float32 and floats.size == 6 + 1
+    assert len(others) == 2
+    back = jax.jit(unpack_host, static_argnums=3)(ints, floats, others, layout)
+    want, got = jax.tree.leaves(tree), jax.tree.leaves(back)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for w, g in zip(want, got, strict=True):
+        # (jit's own canonical dtype for the int64 leaf passed through, as without packing)
+        dtype = jax.dtypes.canonicalize_dtype(w.dtype)
+        assert g.shape == w.shape and np.dtype(g.dtype) == dtype, (w, g)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _, again = pack_host(jax.tree.map(lambda x: x, tree))
+    assert again == layout and hash(again) == hash(layout)
