@@ -35,7 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CascadeCostModel", "cascade_cost", "cascade_pays_off", "cascade_features"]
+__all__ = [
+    "CascadeCostModel",
+    "cascade_cost",
+    "cascade_features",
+    "cascade_may_pay_off",
+    "cascade_pays_off",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,3 +169,28 @@ def cascade_pays_off(
         model=m,
     )
     return bool(cascade <= (1.0 - m.margin) * paged and math.isfinite(cascade))
+
+
+def cascade_may_pay_off(
+    context_lens,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int = 2,
+    model: CascadeCostModel | None = None,
+) -> bool:
+    """False when no choice of shared prefixes can make :func:`cascade_pays_off` true for
+    requests of these context lengths (each one's prefix plus own tokens): cascade's fixed
+    and per-row costs alone already exceed what the margin allows against paged decode,
+    whose time depends on the context lengths only. A test an engine can ask before it
+    looks for shared prefixes at all. (True, undecided, for a model whose byte or FLOP
+    rates are not positive: the bound needs those terms >= 0.)"""
+    m = model or CascadeCostModel()
+    if m.cascade_bytes_per_us <= 0 or m.cascade_flops_per_us <= 0:
+        return True
+    ctx = np.asarray(context_lens, np.int64)
+    token_bytes = 2 * num_kv_heads * head_dim * itemsize
+    paged = m.paged_fixed_us + float(ctx.sum()) * token_bytes / m.paged_bytes_per_us
+    floor = m.cascade_fixed_us + len(ctx) * num_q_heads * m.cascade_row_us
+    return bool(floor <= (1.0 - m.margin) * paged)

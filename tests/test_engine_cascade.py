@@ -263,6 +263,8 @@ def test_auto_follows_the_cost_model(monkeypatch):
         return verdict
 
     monkeypatch.setattr(engine_module, "cascade_pays_off", pays_off)
+    # The bound asked first (cascade_may_pay_off) would spare this tiny model the search.
+    monkeypatch.setattr(engine_module, "cascade_may_pay_off", lambda *a, **k: True)
     # No shared prefix: the levels are empty, the cost model is never asked, no cascade.
     rng = np.random.default_rng(9)
     distinct = [rng.integers(0, 128, int(k)).tolist() for k in (13, 21, 17, 30)]

@@ -567,6 +567,42 @@ def test_cascade_split_rule_matches_the_kernels():
         assert int(B.cascade_chunk(jnp.int32(length), jnp.int32(splits))) == want
 
 
+def test_cascade_bound_never_hides_a_gain():
+    """cascade_may_pay_off (the engine's test before it looks for shared prefixes) is False
+    only where cascade_pays_off is False for every grouping of the same context lengths."""
+    rng = np.random.default_rng(4)
+    from jaxattn.cascade_cost import CascadeCostModel, cascade_may_pay_off
+
+    models = [None, CascadeCostModel(cascade_fixed_us=2.0, paged_fixed_us=1.0, margin=0.0)]
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        b = int(rng.integers(2, 40))
+        kw = dict(
+            num_q_heads=int(rng.choice([4, 8, 32])),
+            num_kv_heads=int(rng.choice([1, 2, 8])),
+            head_dim=int(rng.choice([16, 64, 128])),
+            itemsize=int(rng.choice([1, 2, 4])),
+            model=models[int(rng.integers(0, 2))],
+        )
+        context = rng.integers(1, int(rng.choice([64, 1024, 8192])), b)
+        groups = int(rng.integers(1, b + 1))
+        prefix_lens = rng.integers(0, 4096, groups) // 16 * 16
+        prefix_of = rng.integers(-1, groups, b)
+        prefix = np.where(prefix_of >= 0, prefix_lens[np.maximum(prefix_of, 0)], 0)
+        prefix = np.minimum(prefix, context - 1) // 16 * 16  # a prefix leaves own tokens
+        prefix_lens = prefix_lens.copy()
+        for g in range(groups):  # each group's length as its members see it
+            members = prefix_of == g
+            if members.any():
+                prefix_lens[g] = prefix[members].min()
+        prefix = np.where(prefix_of >= 0, prefix_lens[np.maximum(prefix_of, 0)], 0)
+        may = cascade_may_pay_off(context, **kw)
+        seen[may] += 1
+        if not may:
+            assert not jaxattn.cascade_pays_off(prefix_lens, prefix_of, context - prefix, **kw)
+    assert seen[True] and seen[False], seen
+
+
 def test_cascade_switch_rule():
     """The engine's switch: shared long prefixes pay off, a batch with nothing shared never
     does, and a model written by the benchmark reads back."""

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxattn.cascade_cost import cascade_pays_off
+from jaxattn.cascade_cost import cascade_may_pay_off, cascade_pays_off
 
 from .cascade import CascadeLevels, cascade_levels
 from .config import (
@@ -468,6 +468,17 @@ class Engine:
         if self.cascade == "off" or len(plan.decode) < 2:
             return None
         positions = [d.position for d in plan.decode]
+        cfg, tp = self.cfg, getattr(self.runner, "tp_size", 1)
+        heads = dict(
+            num_q_heads=cfg.num_attention_heads // tp,
+            num_kv_heads=cfg.num_key_value_heads // tp,
+            head_dim=cfg.head_dim,
+            itemsize=self.kv_dtype.itemsize,
+        )
+        if self.cascade == "auto" and not cascade_may_pay_off(np.asarray(positions) + 1, **heads):
+            # No grouping could pay off for these lengths: skip looking for one (a few
+            # hundred microseconds of host time a dispatch for a batch of tens of rows).
+            return None
         levels = cascade_levels(
             [self.kv.table(d.seq.seq_id) for d in plan.decode],
             positions,
@@ -479,17 +490,10 @@ class Engine:
         )
         if levels is None or self.cascade == "on":
             return levels
-        cfg, tp = self.cfg, getattr(self.runner, "tp_size", 1)
         prefix_of = levels.prefix_of[row_ids]
         prefix = np.where(prefix_of >= 0, levels.prefix_lens[np.maximum(prefix_of, 0)], 0)
         pays = cascade_pays_off(
-            levels.prefix_lens,
-            prefix_of,
-            np.asarray(positions) + 1 - prefix,
-            num_q_heads=cfg.num_attention_heads // tp,
-            num_kv_heads=cfg.num_key_value_heads // tp,
-            head_dim=cfg.head_dim,
-            itemsize=self.kv_dtype.itemsize,
+            levels.prefix_lens, prefix_of, np.asarray(positions) + 1 - prefix, **heads
         )
         return levels if pays else None
 
