@@ -224,6 +224,8 @@ def device_time(
     # copy of the same rows (one small device copy a call).
     fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
     no_updates = runner._folded_updates(None)  # the engine's program takes row updates
+    # Its arguments as the engine sends them: host arrays packed (R.pack_host).
+    packed, layout = R.pack_host((control, pages, entries, None, runner.kv_scales, no_updates))
 
     def run(n):
         out = None
@@ -233,12 +235,8 @@ def device_time(
                 runner.k_cache,
                 runner.v_cache,
                 fresh(state),
-                control,
-                pages,
-                entries,
-                None,
-                runner.kv_scales,
-                no_updates,
+                *packed,
+                layout=layout,
                 **statics,
             )
         return out

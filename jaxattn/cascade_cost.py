@@ -190,7 +190,16 @@ def cascade_may_pay_off(
     if m.cascade_bytes_per_us <= 0 or m.cascade_flops_per_us <= 0:
         return True
     ctx = np.asarray(context_lens, np.int64)
-    token_bytes = 2 * num_kv_heads * head_dim * itemsize
-    paged = m.paged_fixed_us + float(ctx.sum()) * token_bytes / m.paged_bytes_per_us
-    floor = m.cascade_fixed_us + len(ctx) * num_q_heads * m.cascade_row_us
+    f = cascade_features(
+        [],
+        np.full(len(ctx), -1),
+        ctx,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        itemsize=itemsize,
+    )
+    # paged decode's time depends on the lengths alone; cascade's, without the byte and FLOP
+    # terms (>= 0 whatever the prefixes), is its floor.
+    floor, paged = m.predict({**f, "unique_bytes": 0.0, "prefix_flops": 0.0})
     return bool(floor <= (1.0 - m.margin) * paged)

@@ -175,6 +175,21 @@ def test_allocate_append_and_slot_mapping():
     m.check_invariants()
 
 
+def test_range_slots_is_token_slots_of_the_range():
+    from jaxattn.paging import token_slots
+    from jaxattn.paging.slots import range_slots
+
+    rng = np.random.default_rng(1)
+    for p in (1, 3, 16):
+        table = rng.permutation(40).astype(np.int32)[: int(rng.integers(1, 12))]
+        n = len(table) * p
+        for start, end in [(0, n), (0, 0), (n, n), *rng.integers(0, n + 1, (20, 2)).tolist()]:
+            start, end = min(start, end), max(start, end)
+            got = range_slots(table, start, end, p)
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, token_slots(table, np.arange(start, end), p))
+
+
 def test_block_tables_padding():
     m = BlockManager(16, 4)
     m.allocate(0, 9)

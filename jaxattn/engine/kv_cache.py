@@ -179,11 +179,16 @@ class KVCacheManager:
 
     # -- progress --------------------------------------------------------------------------
 
-    def _insert(self, seq_id: Hashable, tokens, aligned: int) -> int:
-        """Insert the first ``aligned`` tokens (whole pages) into the cache; the sequence
-        keeps its own reference on the pages the cache took over. Return the tokens the
+    def _tree_insert(self, seq_id: Hashable, tokens, aligned: int) -> int:
+        """Insert the first ``aligned`` tokens (whole pages) into the cache, which takes
+        over the table's references on the pages it did not have; return the tokens the
         cache had before."""
-        had = self.cache.insert(tokens[:aligned], self.blocks.slot_mapping(seq_id, 0, aligned))
+        return self.cache.insert(tokens[:aligned], self.blocks.slot_mapping(seq_id, 0, aligned))
+
+    def _insert(self, seq_id: Hashable, tokens, aligned: int) -> int:
+        """:meth:`_tree_insert`, the sequence keeping its own reference on the pages the
+        cache took over. Return the tokens the cache had before."""
+        had = self._tree_insert(seq_id, tokens, aligned)
         p = self.page_size
         # The tree took over the references on the pages it did not have: give the
         # sequence its own back (dropped with the rest of the table later).
@@ -258,10 +263,8 @@ class KVCacheManager:
             p = self.page_size
             aligned = num_computed - num_computed % p
             if aligned > cached:
-                # The tree takes over the table's references on the pages it did not have
-                # (as in _insert); the table then drops only the others.
-                slots = self.blocks.slot_mapping(seq_id, 0, aligned)
-                had = self.cache.insert(tokens[:aligned], slots)
+                # The table then drops only the references the tree did not take over.
+                had = self._tree_insert(seq_id, tokens, aligned)
                 handed = (had // p, aligned // p)
         node = self._locks.pop(seq_id, None)
         if node is not None:

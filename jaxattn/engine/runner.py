@@ -69,6 +69,7 @@ from jaxattn import sharding as _sharding
 from jaxattn.kv import copy_blocks
 from jaxattn.models.llama import DecodeBatch, ExtendBatch
 from jaxattn.paging import token_slots
+from jaxattn.paging.slots import range_slots
 
 from . import scheduler
 from .config import KV_WRITE_CHOICES, Buckets, bucket, check_kv_scales, kv_cache_dtype
@@ -542,38 +543,6 @@ def _counted(kind: str, fn):
     return traced
 
 
-# Donated: the caches and the rows' state (see the module docstring).
-_EXTEND = jax.jit(
-    _counted("extend", _extend_fn),
-    donate_argnums=(1, 2, 3),
-    static_argnames=("model", "options", "greedy", "tp"),
-)
-_DECODE_STATICS = (
-    "model",
-    "options",
-    "num_rows",
-    "width",
-    "max_steps",
-    "page_size",
-    "greedy",
-    "tp",
-)
-_DECODE = jax.jit(
-    _counted("decode", _decode_fn), donate_argnums=(1, 2, 3), static_argnames=_DECODE_STATICS
-)
-# The decode program with its while loop as a command buffer (ExecutionConfig.decode_graph):
-# XLA's default command-buffer kinds plus WHILE and CONDITIONAL, so that the multistep loop
-# is one CUDA graph (conditional nodes) instead of a loop whose predicate the host reads every
-# iteration, which keeps the dispatch from returning before the loop ends. Ignored off GPUs.
-DECODE_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-_DECODE_GRAPH = jax.jit(
-    _counted("decode", _decode_fn),
-    donate_argnums=(1, 2, 3),
-    static_argnames=_DECODE_STATICS,
-    compiler_options={"xla_gpu_enable_command_buffer": DECODE_GRAPH_COMMANDS},
-)
-
-
 # --- host arrays packed into one transfer ----------------------------------------------
 # A jitted call sends each numpy argument to the device by itself: on an H200's host that
 # measured ~35 us an array inside the call (0.57 ms for the extend program with its 17
@@ -632,20 +601,38 @@ def _packed(fn):
     return run
 
 
-_EXTEND_PACKED = jax.jit(
+# Donated: the caches and the rows' state (see the module docstring). The step programs
+# take their host arrays packed (above).
+_EXTEND = jax.jit(
     _counted("extend", _packed(_extend_fn)),
     donate_argnums=(1, 2, 3),
     static_argnames=("model", "options", "greedy", "tp", "layout"),
 )
-_DECODE_PACKED = jax.jit(
-    _counted("decode", _packed(_decode_fn)),
-    donate_argnums=(1, 2, 3),
-    static_argnames=(*_DECODE_STATICS, "layout"),
+_DECODE_STATICS = (
+    "model",
+    "options",
+    "num_rows",
+    "width",
+    "max_steps",
+    "page_size",
+    "greedy",
+    "tp",
+    "layout",
 )
-_DECODE_GRAPH_PACKED = jax.jit(
+_DECODE = jax.jit(
     _counted("decode", _packed(_decode_fn)),
     donate_argnums=(1, 2, 3),
-    static_argnames=(*_DECODE_STATICS, "layout"),
+    static_argnames=_DECODE_STATICS,
+)
+# The decode program with its while loop as a command buffer (ExecutionConfig.decode_graph):
+# XLA's default command-buffer kinds plus WHILE and CONDITIONAL, so that the multistep loop
+# is one CUDA graph (conditional nodes) instead of a loop whose predicate the host reads every
+# iteration, which keeps the dispatch from returning before the loop ends. Ignored off GPUs.
+DECODE_GRAPH_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+_DECODE_GRAPH = jax.jit(
+    _counted("decode", _packed(_decode_fn)),
+    donate_argnums=(1, 2, 3),
+    static_argnames=_DECODE_STATICS,
     compiler_options={"xla_gpu_enable_command_buffer": DECODE_GRAPH_COMMANDS},
 )
 _UPDATE = jax.jit(_counted("update", _update_fn), donate_argnums=(0,))
@@ -852,7 +839,6 @@ class ModelRunner:
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
-        self._decode_packed = _DECODE_GRAPH_PACKED if self.decode_graph else _DECODE_PACKED
         linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
         self._options = {
             "extend": _Options(
@@ -1075,14 +1061,8 @@ class ModelRunner:
         p = self.page_size
         tokens = np.concatenate([it.tokens for it in items])
         positions = np.concatenate([np.arange(it.start, it.end) for it in items])
-        # Each request's slots, token_slots' formula a page at a time (every page expanded
-        # to its P slots): all of them index its keys, the new tokens' ones are written.
-        every = [
-            (it.table[: -(-it.end // p)].astype(np.int64)[:, None] * p + np.arange(p))
-            .reshape(-1)[: it.end]
-            .astype(np.int32)
-            for it in items
-        ]
+        # Each request's slots: all of them index its keys, the new tokens' ones are written.
+        every = [range_slots(it.table, 0, it.end, p) for it in items]
         slots = np.concatenate([e[it.start :] for e, it in zip(every, items, strict=True)])
         indices = np.concatenate(every)
         qo = np.cumsum([0] + [it.end - it.start for it in items])
@@ -1232,7 +1212,7 @@ class ModelRunner:
         packed, layout = pack_host((batch, samples, sample_rows, updates))
         tokens, self.k_cache, self.v_cache, self.state = self._call(
             "extend",
-            _EXTEND_PACKED,
+            _EXTEND,
             self.params,
             self.k_cache,
             self.v_cache,
@@ -1322,7 +1302,7 @@ class ModelRunner:
         packed, layout = pack_host((control, pages, entries, levels, self.kv_scales, updates))
         out, self.k_cache, self.v_cache, self.state, pages = self._call(
             "decode",
-            self._decode_packed,
+            self.decode_program,
             self.params,
             self.k_cache,
             self.v_cache,

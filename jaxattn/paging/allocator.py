@@ -262,13 +262,14 @@ class BlockAllocator:
         ids = self._check_blocks("blocks", blocks)
         if not ids.size:
             return
-        distinct = _distinct(ids)
-        if distinct:
+        if _distinct(ids):
             short = self._ref[ids] < 1
             if short.any():
                 b = int(ids[short][0])
                 raise ValueError(f"block {b} is freed but holds no reference (double free)")
-        else:
+            self._ref[ids] -= 1
+            released = ids[self._ref[ids] == 0]
+        else:  # a repeated block is released at its last listed occurrence
             uniq, counts = np.unique(ids, return_counts=True)
             short = self._ref[uniq] < counts
             if short.any():
@@ -277,10 +278,6 @@ class BlockAllocator:
                     f"block {b} is freed {int(counts[short][0])} times but holds "
                     f"{int(self._ref[b])} references (double free)"
                 )
-        if distinct:
-            self._ref[ids] -= 1
-            released = ids[self._ref[ids] == 0]
-        else:  # a repeated block is released at its last listed occurrence
             out = []
             for b in ids.tolist():
                 self._ref[b] -= 1

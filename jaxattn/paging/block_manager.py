@@ -24,6 +24,7 @@ from collections.abc import Hashable, Iterable
 import numpy as np
 
 from jaxattn.paging.allocator import BlockAllocator, NoFreeBlocksError, _as_ids, check_int
+from jaxattn.paging.slots import range_slots
 
 __all__ = ["BlockAllocator", "BlockManager", "NoFreeBlocksError"]
 
@@ -171,13 +172,7 @@ class BlockManager:
         length = self._lens[seq_id]
         if not start <= end <= length:
             raise ValueError(f"need 0 <= start <= end <= seq_len={length}, got [{start}, {end})")
-        # token_slots' formula, a page at a time: the pages of [start, end), each expanded
-        # to its P slots, then trimmed to the range (no per-token division).
-        p = self.block_size
-        first, last = start // p, -(-end // p)
-        pages = self._mat[self._rows[seq_id], first:last].astype(np.int64)
-        slots = (pages[:, None] * p + np.arange(p)).reshape(-1)
-        return slots[start - first * p : end - first * p].astype(np.int32)
+        return range_slots(self._mat[self._rows[seq_id]], start, end, self.block_size)
 
     # -- mutations -------------------------------------------------------------------------
 
@@ -329,7 +324,7 @@ class BlockManager:
         del self._tables[seq_id], self._lens[seq_id]
         self._free_rows.append(self._rows.pop(seq_id))
         # Tail first: the LIFO free list then hands these blocks out again in table order.
-        self.allocator.free_blocks((table[:start] + table[stop:])[::-1] if stop else table[::-1])
+        self.allocator.free_blocks((table[:start] + table[stop:])[::-1])
 
     def check_invariants(self, other_holders: dict[int, int] | None = None) -> None:
         """Raise AssertionError unless ref counts equal table membership (plus

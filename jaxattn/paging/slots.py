@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["token_slots"]
+__all__ = ["range_slots", "token_slots"]
 
 
 def token_slots(table, positions, block_size: int):
@@ -35,3 +35,14 @@ def token_slots(table, positions, block_size: int):
         pages = xp.take_along_axis(table, col, axis=1)
     slots = pages * block_size + pos % block_size
     return slots.astype(np.int32) if xp is np else slots
+
+
+def range_slots(table: np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
+    """``i32[end - start]``: :func:`token_slots` of positions ``[start, end)`` of one numpy
+    table, a page at a time (each page of the range expanded to its ``P`` slots, then
+    trimmed to the range): no division per token, for the host's per-request slot lists."""
+    p = block_size
+    first, last = start // p, -(-end // p)
+    pages = np.asarray(table[first:last], np.int64)
+    slots = (pages[:, None] * p + np.arange(p)).reshape(-1)
+    return slots[start - first * p : end - first * p].astype(np.int32)
