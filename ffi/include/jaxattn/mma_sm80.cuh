@@ -209,39 +209,43 @@ __device__ __forceinline__ uint32_t hmul2_f16(uint32_t a, uint32_t b) {
   return d;
 }
 
-template <typename C>
-__device__ __forceinline__ void fp8x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi);
-
-template <>
-__device__ __forceinline__ void fp8x4_to_f16x2<e5m2_t>(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  lo = fp8_hi_bytes_lo(w);
-  hi = fp8_hi_bytes_hi(w);
-}
-
+// kUpperBySelector (e4m3 on sm_89+): the word's two code pairs split in PTX (not as `w >> 16`
+// in C++), so that ptxas reads the upper pair through the conversion's .H1 operand selector
+// instead of shifting it down first (4 instructions fewer per 16 codes; the decode kernels).
+// The prefill producers pass false: there the selector gained nothing and made ptxas spill in
+// the persistent Hopper kernel at the producer's 64 registers (ffi/NOTES.md, round 28).
 // JAXATTN_FP8_SOFTWARE_CVT (compile-time, e.g. on ffi/tests_gpu/decode_selftest.cu) selects
 // the bit trick on sm_89+ as well, to time the cvt instruction's pipe against the integer and
 // half-precision pipes.
-template <>
-__device__ __forceinline__ void fp8x4_to_f16x2<e4m3_t>(uint32_t w, uint32_t& lo, uint32_t& hi) {
+template <typename C, bool kUpperBySelector = true>
+__device__ __forceinline__ void fp8x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  static_assert(std::is_same_v<C, e5m2_t> || std::is_same_v<C, e4m3_t>, "an FP8 code type");
+  if constexpr (std::is_same_v<C, e5m2_t>) {
+    lo = fp8_hi_bytes_lo(w);
+    hi = fp8_hi_bytes_hi(w);
+  } else {
 #if __CUDA_ARCH__ >= 890 && !defined(JAXATTN_FP8_SOFTWARE_CVT)
-  // The halves split in PTX (not as `w >> 16` in C++): ptxas then reads the upper pair through
-  // the conversion's .H1 operand selector instead of shifting it down first (4 instructions
-  // fewer per 16 codes).
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
-      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(w));
+    if constexpr (kUpperBySelector) {
+      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+          "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+          : "=r"(lo), "=r"(hi)
+          : "r"(w));
+    } else {
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"(uint16_t(w & 0xffffu)));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"(uint16_t(w >> 16)));
+    }
 #else
-  constexpr uint32_t k256 = 0x5c005c00u;  // 256.0 in both halves
-  lo = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_lo(w)), k256);
-  hi = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_hi(w)), k256);
-  if (__builtin_expect(e4m3x4_has_nan(w), 0)) {
-    if ((w & 0x7fu) == 0x7fu) lo |= 0x7fffu;
-    if (((w >> 8) & 0x7fu) == 0x7fu) lo |= 0x7fff0000u;
-    if (((w >> 16) & 0x7fu) == 0x7fu) hi |= 0x7fffu;
-    if (((w >> 24) & 0x7fu) == 0x7fu) hi |= 0x7fff0000u;
-  }
+    constexpr uint32_t k256 = 0x5c005c00u;  // 256.0 in both halves
+    lo = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_lo(w)), k256);
+    hi = hmul2_f16(e4m3x2_as_f16x2_scaled(fp8_hi_bytes_hi(w)), k256);
+    if (__builtin_expect(e4m3x4_has_nan(w), 0)) {
+      if ((w & 0x7fu) == 0x7fu) lo |= 0x7fffu;
+      if (((w >> 8) & 0x7fu) == 0x7fu) lo |= 0x7fff0000u;
+      if (((w >> 16) & 0x7fu) == 0x7fu) hi |= 0x7fffu;
+      if (((w >> 24) & 0x7fu) == 0x7fu) hi |= 0x7fff0000u;
+    }
 #endif
+  }
 }
 
 // What the launchers ask of the current device. All zero when a query fails, so no

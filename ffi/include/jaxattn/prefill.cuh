@@ -910,10 +910,10 @@ __device__ __forceinline__ void fp8_widen_chunk(int tid, int& r8, int& c8) {
 // 16 FP8 codes -> 16 float16 (two 16-byte chunks), exact.
 template <typename C>
 __device__ __forceinline__ void fp8x16_to_f16(const uint4& in, uint4& lo, uint4& hi) {
-  fp8x4_to_f16x2<C>(in.x, lo.x, lo.y);
-  fp8x4_to_f16x2<C>(in.y, lo.z, lo.w);
-  fp8x4_to_f16x2<C>(in.z, hi.x, hi.y);
-  fp8x4_to_f16x2<C>(in.w, hi.z, hi.w);
+  fp8x4_to_f16x2<C, false>(in.x, lo.x, lo.y);
+  fp8x4_to_f16x2<C, false>(in.y, lo.z, lo.w);
+  fp8x4_to_f16x2<C, false>(in.z, hi.x, hi.y);
+  fp8x4_to_f16x2<C, false>(in.w, hi.z, hi.w);
 }
 
 // The larger of m and the magnitudes of a bf16 pair (fmaxf skips NaN: a NaN q stays NaN when
