@@ -122,6 +122,10 @@ def calls_over_copies(fn: Callable) -> Callable:
     return jax.jit(lambda all_copies: [fn(*args) for args in all_copies])
 
 
+HOST_PROBE_DISPATCHES = 3  # dispatches whose enqueue time measures the host's cost of one
+HOST_BOUND_FRACTION = 0.8  # host enqueue time per dispatch over measured time: host-bound
+
+
 def time_calls(
     fn: Callable,
     copies: Sequence[tuple],
@@ -135,22 +139,34 @@ def time_calls(
 
     One jitted function calls fn once on every copy (unrolled: distinct inputs, so XLA
     can neither merge nor hoist the calls); a sample enqueues that function several
-    times back to back and waits once, so the device never idles on the host. A
+    times back to back and waits once, so the device does not idle on the host -- unless
+    the host takes longer to enqueue a dispatch than the device takes to run it, which the
+    result reports (``host_s_per_dispatch``, ``host_bound``: then the figure is an upper
+    bound of the device's time). On an H200 a dispatch of 8-15 native decode calls took the
+    host 330-680 us, about what the calls' kernels take at batch 1. A
     ``fori_loop`` over the same inputs does not work here: XLA moves loop-invariant
     work out of the loop and times an empty body.
     """
     copies = [tuple(c) for c in copies]
     all_calls = calls_over_copies(fn)
+    calls = len(copies)  # calls a dispatch makes
+    host: list[float] = []  # seconds the host took to enqueue one dispatch, per sample
 
     def sample(dispatches: int) -> float:
         t0 = time.perf_counter()
-        outs = [all_calls(copies) for _ in range(dispatches)]
+        outs = []
+        for i in range(dispatches):
+            outs.append(all_calls(copies))
+            if i == min(HOST_PROBE_DISPATCHES, dispatches) - 1:
+                # The first few dispatches' enqueue time, before a full device queue could
+                # make an enqueue wait: the host's own cost of one dispatch.
+                host.append((time.perf_counter() - t0) / (i + 1))
         jax.block_until_ready(outs)
-        return (time.perf_counter() - t0) / (dispatches * len(copies))
+        return (time.perf_counter() - t0) / (dispatches * calls)
 
     jax.block_until_ready(all_calls(copies))  # compile
     per_call = min(sample(1) for _ in range(3))
-    dispatches = int(max(2, min(1000, round(target_s / max(per_call * len(copies), 1e-7)))))
+    dispatches = int(max(2, min(1000, round(target_s / max(per_call * calls, 1e-7)))))
     # Warm up for a fixed wall time, not a fixed count: an idle GPU starts at a low clock
     # (an H200 read 345 MHz before a run), and with a count-based warm-up the first,
     # shortest case of a run (a 45 us decode) measured up to 1.5x slower than in the
@@ -159,14 +175,22 @@ def time_calls(
     sample(dispatches)
     while time.perf_counter() < t_end:
         sample(dispatches)
+    host.clear()
     times = sorted(sample(dispatches) for _ in range(samples))
+    median = statistics.median(times)
+    host_s = statistics.median(host)
     return dict(
-        median_s=statistics.median(times),
+        median_s=median,
         min_s=times[0],
         p90_s=times[int(0.9 * (len(times) - 1))],
-        calls_per_sample=dispatches * len(copies),
+        calls_per_sample=dispatches * calls,
         samples=samples,
         copies=len(copies),
+        host_s_per_dispatch=host_s,
+        # The host's enqueue of a dispatch took most of what a dispatch measured: the device
+        # may have waited for the host, and the figure is then an upper bound of the calls'
+        # device time.
+        host_bound=host_s >= HOST_BOUND_FRACTION * median * calls,
     )
 
 
@@ -383,7 +407,15 @@ def status_line(name: str, row: dict, metric: str) -> str:
     if "error" in row:
         return f"  {name}: ERROR {row['error']}"
     err = f", rel err {row['rel_err']:.1e}" if "rel_err" in row else ""
-    return f"  {name}: {row['us']:.1f} us, {metric}{err}"
+    timing = row.get("timing") or {}
+    host = ""
+    if timing.get("host_bound"):
+        per = row["us"] * timing["copies"]
+        host = (
+            f"  [host-bound: {timing['host_s_per_dispatch'] * 1e6:.0f} us to enqueue a dispatch"
+            f" of {per:.0f} us; an upper bound]"
+        )
+    return f"  {name}: {row['us']:.1f} us, {metric}{err}{host}"
 
 
 def resolved_label(op, args: tuple, impl: str, **kw) -> str:
