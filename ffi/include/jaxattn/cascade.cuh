@@ -1034,7 +1034,7 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   const dim3 grid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock));
   // Dependent on step 1's grid (see the merge kernel), only after a step-1 launch, whose
   // blocks trigger it.
-  if (blocks > 0 && launch_dependent(cascade_merge_kernel<T, D>, grid, 256, stream, p))
+  if (blocks > 0 && launch_dependent(cascade_merge_kernel<T, D>, grid, 256, 0, stream, p))
     return nullptr;
   cascade_merge_kernel<T, D><<<grid, 256, 0, stream>>>(p);
   return check_launch();
