@@ -63,6 +63,10 @@ def test_partition_choice():
     assert choose(None, platform="cuda", batch=2, group=4, **common) == 256
     assert choose(None, platform="cuda", batch=1, group=4, **common) == 128
     assert choose(None, platform="cuda", batch=1, group=16, **common) == 128
+    # The FP8 kernel fits 4 blocks an SM at head_dim 128; its split grids aim at 2.
+    fp8 = native._split_occupancy((4, 132), jnp.float8_e4m3fn)
+    assert fp8 == (2, 132) and native._split_occupancy((4, 132), jnp.bfloat16) == (4, 132)
+    assert choose(None, platform="cuda", batch=1, group=4, **dict(long_ctx, occupancy=fp8)) == 1024
     # A kernel with 8 resident blocks per SM (the one-head kernel) has a 4x larger wave.
     mha = dict(num_kv_heads=32, capacity=32768, occupancy=(8, 132))
     assert choose(None, platform="cuda", batch=1, group=1, **mha) == 1024
