@@ -208,7 +208,11 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
     """What the first GPU did while ``run()`` ran (traced with ``jax.profiler``): per step
     (``run`` covers ``steps``), the span from the first kernel's start to the last one's end,
     the time some kernel was running (the rest: the GPU idle between kernels, waiting for the
-    host), the kernel count, and the ``top`` kernel names by time. None without a GPU trace."""
+    host), the kernel count, and the ``top`` kernel names by time. None without a GPU trace.
+
+    A kernel launched dependent on the one before it (the native decode kernels outside a
+    command buffer) appears from its launch, not from the end of its wait, so its listed time
+    can exceed its share of the span; the span and the busy time are unions and stay right."""
     import glob
     import tempfile
 
