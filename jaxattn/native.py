@@ -125,8 +125,8 @@ _MIN_PARTITION = 128
 # The FP8 tensor-core kernel fits four blocks an SM at head_dim 128, but its split grids ran
 # faster at two: H200, e4m3, 32/8, 1024-token partitions (256 blocks) against 512 (512 blocks),
 # batch 1 x 32768 27.3 / 27.4 against 27.9 / 27.7 us, 4 x 8192 27.3 / 27.2 against 28.2 / 28.1,
-# 8 x 4096 27.3 / 27.3 against 28.3 / 28.4, 16 x 2048 the same (27.6); fewer, longer blocks pay
-# fewer pipeline starts and a combine over half the partitions.
+# 8 x 4096 27.3 / 27.3 against 28.3 / 28.4, 16 x 2048 27.6 / 27.6 against 27.8 / 27.7; fewer,
+# longer blocks pay fewer pipeline starts and a combine over half the partitions.
 _FP8_SPLIT_BLOCKS_PER_SM = 2
 
 _BUILD_HINT = (
