@@ -376,7 +376,8 @@ class CascadeGrid:
     tiles: upper bound on the prefix tiles (:func:`cascade_prefix_tiles`);
     target: prefix blocks wanted in all (the split aims at it);
     blocks_per_head: prefix blocks per KV head in the grid, enough for every tile unsplit
-      and for ``target``; blocks past the tiles x splits the device picks exit at once;
+      and for the tiles x splits :func:`cascade_splits` picks for any real tile count;
+      blocks past those exit at once;
     max_splits: workspace parts reserved per query row for prefix partitions.
     """
 
@@ -407,7 +408,9 @@ def cascade_grid(
     tiles = cascade_prefix_tiles(batch=batch, num_prefixes=num_prefixes, per_tile=per_tile)
     if target is None:
         target = max(1, slots // 2, slots - own_blocks)
-    per_head = max(tiles, -(-target // num_kv_heads)) if tiles else 0
+    # Room for the split of any real tile count up to ``tiles`` (cascade_splits rounds half
+    # up, so tiles x splits can pass target / num_kv_heads by half the tiles).
+    per_head = max(tiles, -(-target // num_kv_heads) + (tiles + 1) // 2) if tiles else 0
     max_splits = max(1, min(-(-prefix_capacity // CASCADE_MIN_CHUNK), max(per_head, 1)))
     return CascadeGrid(tiles, target, per_head, max_splits)
 

@@ -54,7 +54,7 @@ def cascade_tiles(batch, num_prefixes, per_tile):
 
 
 def cascade_blocks_per_head(tiles, target, kv_heads):
-    want = (target + kv_heads - 1) // kv_heads
+    want = (target + kv_heads - 1) // kv_heads + (tiles + 1) // 2
     return 0 if tiles == 0 else max(tiles, want)
 
 

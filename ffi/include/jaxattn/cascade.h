@@ -87,9 +87,14 @@ JAXATTN_HD int32_t cascade_tiles(int32_t batch, int32_t num_prefixes, int32_t pe
   return bound < batch ? bound : batch;
 }
 
-// Prefix blocks per KV head in the grid: every tile unsplit, and the target.
+// Prefix blocks per KV head in the grid (`tiles`: the batch's upper bound on tiles): every
+// tile unsplit, and room for the split the rule picks for any real tile count T <= tiles. That
+// split rounds target / (kv_heads T) half up, so T x splits can pass ceil(target / kv_heads)
+// by up to T / 2: the grid holds that much more, or the split would be cut to fit (a batch of
+// 6 tiles at target 132 and 8 KV heads: 2 partitions a tile instead of 3, and its longest
+// prefix's blocks half as long again).
 JAXATTN_HD int32_t cascade_blocks_per_head(int32_t tiles, int32_t target, int32_t kv_heads) {
-  const int32_t want = (target + kv_heads - 1) / kv_heads;
+  const int32_t want = (target + kv_heads - 1) / kv_heads + (tiles + 1) / 2;
   return tiles == 0 ? 0 : (tiles > want ? tiles : want);
 }
 
