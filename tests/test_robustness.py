@@ -196,9 +196,7 @@ def test_checked_cascade_names_the_prefix_and_request(rng):
         c.block_tables,
         c.seq_lens,
     ]
-    np.testing.assert_allclose(
-        f(*args), call_cascade(jaxattn.reference.cascade_attention, c), rtol=1e-6
-    )
+    assert_close(f(*args), call_cascade(jaxattn.reference.cascade_attention, c))
 
     def swap(i, x):
         return f(*args[:i], x, *args[i + 1 :])
