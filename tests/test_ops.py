@@ -567,6 +567,41 @@ def test_cascade_split_rule_matches_the_kernels():
         assert int(B.cascade_chunk(jnp.int32(length), jnp.int32(splits))) == want
 
 
+def test_cascade_grid_holds_the_rounded_split():
+    """The grid has room for the split the rule picks for every real tile count up to the
+    bound: the split is never cut to fit it (only by max_splits), and tiles x splits fits."""
+    from jaxattn import backend as B
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        batch = int(rng.integers(1, 300))
+        g = int(rng.integers(1, 80))
+        per_tile = int(rng.integers(1, 65))
+        hkv = int(rng.choice([1, 2, 4, 8, 16]))
+        grid = B.cascade_grid(
+            batch=batch,
+            num_prefixes=g,
+            per_tile=per_tile,
+            num_kv_heads=hkv,
+            prefix_capacity=int(rng.integers(1, 40)) * 256,
+            own_blocks=int(rng.integers(0, 2000)),
+            slots=int(rng.choice([132, 264, 528])),
+            target=None if rng.random() < 0.5 else int(rng.integers(1, 600)),
+        )
+        for tiles in range(1, grid.tiles + 1):
+            t = max(tiles, 1)
+            rounded = (2 * grid.target + hkv * t) // (2 * hkv * t)
+            s = B.cascade_splits(
+                tiles,
+                target=grid.target,
+                num_kv_heads=hkv,
+                blocks_per_head=grid.blocks_per_head,
+                max_splits=grid.max_splits,
+            )
+            assert s == max(1, min(rounded, grid.max_splits))
+            assert tiles * s <= grid.blocks_per_head
+
+
 def test_cascade_bound_never_hides_a_gain():
     """cascade_may_pay_off (the engine's test before it looks for shared prefixes) is False
     only where cascade_pays_off is False for every grouping of the same context lengths."""
