@@ -589,8 +589,7 @@ def test_cascade_grid_holds_the_rounded_split():
             target=None if rng.random() < 0.5 else int(rng.integers(1, 600)),
         )
         for tiles in range(1, grid.tiles + 1):
-            t = max(tiles, 1)
-            rounded = (2 * grid.target + hkv * t) // (2 * hkv * t)
+            rounded = (2 * grid.target + hkv * tiles) // (2 * hkv * tiles)
             s = B.cascade_splits(
                 tiles,
                 target=grid.target,
