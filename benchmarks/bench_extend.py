@@ -243,7 +243,8 @@ def main(argv=None):
         default=None,
         help="also time the Pallas prefix prefill on the Mosaic GPU lowering "
         "(jaxattn.pallas.prefill_mgpu; --form prefill, 16-bit or FP8 caches) in these "
-        "configurations: stages:pages_per_step|auto,... (e.g. 2:auto,3:8)",
+        "configurations: stages:pages_per_step|auto[:ws|single],... (e.g. 2:auto,3:8:single; "
+        "the form defaults to the kernel's: warp-specialised for 16-bit caches)",
     )
     p.add_argument(
         "--native-kernels",
@@ -350,12 +351,13 @@ def main(argv=None):
                 record("native", fn, copies, dict(config=f"kernel={name}"))
         if args.mgpu and args.form == "prefill":
             for spec in args.mgpu.split(","):
-                stages, per_step = spec.split(":")
+                stages, per_step, *form = spec.split(":")
                 fn = common.with_scales(
                     prefill_mgpu.prefix_prefill,
                     scale=scale,
                     stages=int(stages),
                     pages_per_step=None if per_step == "auto" else int(per_step),
+                    form={"ws": "warp_specialized", "single": "single"}[form[0]] if form else None,
                     **kw,
                 )
                 record("pallas-mgpu", fn, copies, dict(config=spec))

@@ -28,6 +28,12 @@ if prefill_mgpu.available() is not None:
     pytest.skip(prefill_mgpu.available(), allow_module_level=True)
 
 MODES = [True] + ([False] if prefill_mgpu.is_sm90() else [])
+# (interpret, form): interpret mode runs the one-warpgroup form (the warp-specialised one's
+# three warpgroups interpret ~10x slower: test_warp_specialized_interpreted covers it);
+# compiled, both forms.
+RUNS = [(True, "single")] + (
+    [(False, "warp_specialized"), (False, "single")] if prefill_mgpu.is_sm90() else []
+)
 
 
 def poisoned_case(seed, *, hq, hkv, d, page, width, lq, prefix, layout, dtype, pad_rows=3):
@@ -60,16 +66,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("interpret, form", RUNS)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference_with_unread_slots_poisoned(case, interpret):
+def test_matches_reference_with_unread_slots_poisoned(case, interpret, form):
     layout, dtype, (hq, hkv), d, page, lq, prefix, kw = CASES[case]
     q, k, v, cu, tables, lens = poisoned_case(
         case, hq=hq, hkv=hkv, d=d, page=page, width=24, lq=lq, prefix=prefix, layout=layout,
         dtype=dtype,
     )  # fmt: skip
     out = prefill_mgpu.prefix_prefill(
-        q, k, v, cu, tables, lens, layout=layout, interpret=interpret, **kw
+        q, k, v, cu, tables, lens, layout=layout, interpret=interpret, form=form, **kw
     )
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = reference(q, k, v, cu, tables, lens, layout=layout)
@@ -77,19 +83,41 @@ def test_matches_reference_with_unread_slots_poisoned(case, interpret):
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)  # padding rows
 
 
-@pytest.mark.parametrize("interpret", MODES)
-def test_soft_cap_and_scale(interpret):
+@pytest.mark.parametrize("interpret, form", RUNS)
+def test_soft_cap_and_scale(interpret, form):
     q, k, v, cu, tables, lens = poisoned_case(
         7, hq=4, hkv=1, d=64, page=16, width=8, lq=[20, 3], prefix=[70, 14], layout="bshd",
         dtype=jnp.bfloat16,
     )  # fmt: skip
-    kw = dict(scale=0.3, soft_cap=5.0)
-    out = prefill_mgpu.prefix_prefill(q, k, v, cu, tables, lens, interpret=interpret, **kw)
-    assert_close(out, reference(q, k, v, cu, tables, lens, **kw))
+    for kw in (dict(scale=0.3, soft_cap=5.0), dict(scale=0.3)):
+        out = prefill_mgpu.prefix_prefill(
+            q, k, v, cu, tables, lens, interpret=interpret, form=form, **kw
+        )
+        assert_close(out, reference(q, k, v, cu, tables, lens, **kw))
 
 
-@pytest.mark.parametrize("interpret", MODES)
-def test_memory_safety_contract(interpret):
+def test_warp_specialized_interpreted():
+    """The warp-specialised form in interpret mode (its three warpgroups as threads, the
+    ring's release barriers, the consumers' turns): GQA rows packed into 128-row tiles, a
+    request whose second warpgroup's rows are all padding, one whose first warpgroup stops
+    steps before the second (the flush), page tails and unused pages poisoned, and one with
+    fewer keys than queries (NaN rows by the contract; no step of its tile may go below 0)."""
+    q, k, v, cu, tables, lens = poisoned_case(
+        12, hq=4, hkv=1, d=64, page=16, width=16, lq=[20, 3, 50, 6], prefix=[70, 14, 100, 0],
+        layout="bshd", dtype=jnp.bfloat16,
+    )  # fmt: skip
+    ref = np.asarray(reference(q, k, v, cu, tables, lens), np.float32)
+    out = prefill_mgpu.prefix_prefill(
+        q, k, v, cu, tables, lens.at[3].set(2), interpret=True, form="warp_specialized", stages=3
+    )
+    out = np.asarray(out, np.float32)
+    assert_close(out[:73], ref[:73], dtype=jnp.bfloat16)
+    assert np.isnan(out[73:79]).all()
+    np.testing.assert_array_equal(out[-3:], 0.0)
+
+
+@pytest.mark.parametrize("interpret, form", RUNS)
+def test_memory_safety_contract(interpret, form):
     """A bad page id among the pages a request reads, a length past the table, fewer keys
     than queries: that request's rows alone are NaN; a bad id past its keys is never read; a
     broken cu_seqlens_q makes every row NaN."""
@@ -104,8 +132,8 @@ def test_memory_safety_contract(interpret):
     tables = tables.at[2, 4].set(-5)  # past request 2's 25 keys: never read
     lens = lens.at[1].set(5 * 16 + 1)  # over capacity
     lens = lens.at[3].set(3)  # fewer keys than its 7 queries
-    out = prefill_mgpu.prefix_prefill(q, k, v, cu, tables, lens, interpret=interpret)
-    out = np.asarray(out, np.float32)
+    run = lambda *a: prefill_mgpu.prefix_prefill(*a, interpret=interpret, form=form)  # noqa: E731
+    out = np.asarray(run(q, k, v, cu, tables, lens), np.float32)
     cu_ = np.asarray(cu)
     for b, bad in enumerate([True, True, False, True, False]):
         rows = out[cu_[b] : cu_[b + 1]]
@@ -115,7 +143,7 @@ def test_memory_safety_contract(interpret):
             assert not np.isnan(rows).any(), b
             assert_close(rows, ref[cu_[b] : cu_[b + 1]], dtype=jnp.bfloat16)
     broken = cu.at[2].set(cu[1] - 1)
-    out = prefill_mgpu.prefix_prefill(q, k, v, broken, tables, lens, interpret=interpret)
+    out = run(q, k, v, broken, tables, lens)
     assert np.isnan(np.asarray(out, np.float32)).all()
 
 
@@ -153,7 +181,9 @@ _H200 = dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16)
     "kw",
     [
         _H200,
-        _H200 | dict(stages=3, pages_per_step=8),
+        _H200 | dict(stages=3, pages_per_step=8, form="single"),
+        _H200 | dict(stages=4, pages_per_step=4),
+        _H200 | dict(form="single"),
         dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8),
         dict(layout="bshd", dtype=jnp.bfloat16, heads=(28, 4), d=128, page=32, cap=5.0),
     ],

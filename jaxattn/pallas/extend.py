@@ -53,8 +53,10 @@ class ExtendConfig:
     lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
       (:mod:`jaxattn.pallas.prefill_mgpu`, sm_90 or Mosaic GPU's interpret mode; prefix
       prefill over a paged cache, 16-bit or FP8, bshd/bhsd; the other fields do not apply to
-      it). Triton stays the default: on an H200 the Mosaic GPU kernel ran 8 x (2048 + 512)
-      at 201 TFLOP/s against Triton's 292 (``benchmarks/RESULTS.md``).
+      it). On an H200 its warp-specialised kernel (16-bit caches) ran 8 x (2048 + 512), 1 x
+      (0 + 8192) and 4 x (0 + 4096) at 367 / 498 / 416 TFLOP/s against Triton's 291 / 378 /
+      338 in the same run (``benchmarks/RESULTS.md``, round 31); Triton stays the default
+      until the short extends (32 x (1000 + 24): both host-bound there) are timed too.
     """
 
     block_q: int = 128

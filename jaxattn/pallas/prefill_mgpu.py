@@ -1,23 +1,45 @@
 """Prefix prefill over a paged cache on Pallas' Mosaic GPU lowering (sm_90): the extend-side
 kernel of the port off the Triton lowering, beside :mod:`jaxattn.pallas.decode_mgpu`, whose
 page ring it shares. Reached through the public op with ``implementation="pallas",
-config=ExtendConfig(lowering="mosaic_gpu")``; the Triton-lowered kernel stays the default.
+config=ExtendConfig(lowering="mosaic_gpu")``; the Triton-lowered kernel stays the default
+(see :class:`jaxattn.pallas.ExtendConfig`).
 
-Rows. A tile is 64 rows (wgmma's M) of one request and one KV head; row ``r`` is token
-``(m0 + r) // G`` and query head ``(m0 + r) % G`` of the KV head's group (``G`` = the GQA
-group), so the heads that share a KV head share every K/V tile, and a short extend (24 new
-tokens x 4 heads) fills 96 rows of two tiles instead of 24 rows of four. The wrapper lays q
-out as ``[Hkv, R, D]`` with every request's rows starting on a tile boundary (one TMA box a
-tile) and gathers the output back; the ragged batch becomes a static list of tiles (an upper
-bound, ``ceil(total_q * G / 64) + batch``), each with its request, first row and lengths.
+Rows. A tile is 64 rows (wgmma's M) of one request and one KV head, or 128 in the
+warp-specialised form; row ``r`` is token ``(m0 + r) // G`` and query head ``(m0 + r) % G``
+of the KV head's group (``G`` = the GQA group), so the heads that share a KV head share
+every K/V tile, and a short extend (24 new tokens x 4 heads) fills 96 rows of two tiles
+instead of 24 rows of four. The wrapper lays q out as ``[Hkv, R, D]`` with every request's
+rows starting on a tile boundary (one TMA box a tile; a gather, each packed row naming its
+token and head) and gathers the output back; the ragged batch becomes a static list of tiles
+(an upper bound, ``ceil(total_q * G / rows) + batch``), each with its request, first row and
+lengths.
 
-Keys. A block copies the request's block-table row into shared memory, then each page's
-``[page_size, head_dim]`` slab of its KV head (a strided box of the bshd pool, a contiguous
-one of bhsd) by TMA into a ring of ``stages`` steps of ``pages_per_step`` pages, and issues
-step ``i + stages`` once step ``i`` has read its slot (one warpgroup, as the decode kernel's
-split grid). The loop stops at the tile's last visible key: row ``i`` of a request (``Lq``
-new tokens, ``Lk`` keys) sees key ``j`` iff ``j <= i + Lk - Lq``; S = q K^T and O += P V are
-wgmma, the softmax is online in base 2.
+Keys. A block copies the request's block-table row into shared memory (as ``[width / 32,
+32]``: one copy, at most 8192 pages), then each page's ``[page_size, head_dim]`` slab of its
+KV head (a strided box of the bshd pool, a contiguous one of bhsd) by TMA into a ring of
+``stages`` steps of ``pages_per_step`` pages. The loop stops at the tile's last visible key:
+row ``i`` of a request (``Lq`` new tokens, ``Lk`` keys) sees key ``j`` iff
+``j <= i + Lk - Lq``; S = q K^T and O += P V are wgmma, the softmax is online in base 2.
+
+Two forms of the kernel (``form=``):
+
+- ``"warp_specialized"`` (16-bit caches; the default when compiled): FlashAttention-3's
+  schedule. A block is a 128-row tile and three warpgroups: a producer (its registers
+  lowered to 40) issues the page copies of step ``i + stages`` once both consumers have
+  released step ``i``'s slot (K and V on barriers of their own), and two consumers (232
+  registers) take 64 rows each and alternate on a barrier, so one's softmax runs beside the
+  other's wgmma. Each consumer runs its unmasked steps (every key visible to all its rows)
+  without the mask, then the masked ones, then releases the steps only the other consumer
+  reads. Tiles are launched longest first (by the keys their last row sees), so the grid
+  ends on short ones. 128-key steps in two stages by default (64-key steps with more).
+- ``"single"`` (FP8 caches; the default in interpret mode, where the three warpgroups run
+  ~10x slower as threads): a 64-row tile on one warpgroup, which issues step
+  ``i + stages`` once step ``i`` has read its slot, as the decode kernel's split grid.
+
+On an H200 (bf16, D=128, GQA 32/8, page 16; ``benchmarks/RESULTS.md``, round 31) the
+warp-specialised kernel alone runs 8 x (2048 + 512) at 495 TFLOP/s and 1 x (0 + 8192) at 546;
+through this entry point (q packed and unpacked by XLA gathers) 367-498 TFLOP/s, 1.23-1.32x
+the Triton-lowered kernel in the same run.
 
 The memory-safety contract (:mod:`jaxattn.reference.validity`): page ids are clamped into
 the pool before any copy, lengths into the table, request and tile indices into their
@@ -26,12 +48,13 @@ invalid (a structurally broken ``cu_seqlens_q``, rows past q, ``Lk < Lq``, a bad
 page id outside the pool among the pages a request uses) get NaN rows from the wrapper,
 which computes the contract once in ``jax.numpy``. Rows past the last request are zeros. A
 step's keys past the tile's last visible key (a page's tail, pages past the request) are
-copied but masked out of S, and their V rows zeroed in shared memory before P V, so NaN there
+copied but masked out of S, and their V rows zeroed in shared memory before P V (in the
+warp-specialised form the rows at or past Lk, which its two consumers share), so NaN there
 never reaches the output. NaN in q or in a key or value a row attends to propagates.
 
 Interpret mode (``interpret=True``, the CPU) runs the products as ``jnp.dot``, as the decode
-kernel's does; ``tests/test_pallas_mgpu_prefill.py`` also lowers the compiled kernel for CUDA
-on any machine.
+kernel's does (and sets no register limits); ``tests/test_pallas_mgpu_prefill.py`` also
+lowers the compiled kernel for CUDA on any machine.
 """
 
 from __future__ import annotations
@@ -46,6 +69,7 @@ from jax.experimental import pallas as pl
 from .. import layout as L
 from .. import quant as Q
 from ..reference import validity as _validity
+from . import _common as C
 from . import _mgpu as M
 from ._mgpu import ROWS, available, is_sm90, plgpu
 from ._mgpu import unsupported as _unsupported
@@ -53,6 +77,11 @@ from ._mgpu import unsupported as _unsupported
 __all__ = ["available", "is_sm90", "prefix_prefill", "unsupported"]
 
 INFO = 32  # int32 fields of a tile's record (128 bytes, one TMA box)
+PAIR = 2 * ROWS  # the warp-specialised form's tile: 64 rows for each consumer warpgroup
+FORMS = ("warp_specialized", "single")
+SMEM_BYTES = 227 * 1024  # an sm_90 block's shared memory
+MAX_PAGES = 256 * 32  # a table row is one copy of [width / 32, 32] (<= 256 along an axis)
+SMEM_SLACK = 8 * 1024  # the records, barriers and 1 KiB alignments beside the ring and q
 
 
 def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
@@ -60,19 +89,24 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill")
 
 
-def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
+def _tiles(
+    q, cu_seqlens_q, seq_lens, *, group: int, capacity: int, tile_rows: int = ROWS,
+    longest_first: bool = False,
+):  # fmt: skip
     """The packed q ``[Hkv, R, D]``, the tile records ``int32 [NT, INFO]`` (request, first
-    row, Lq, Lk, live) and each q element's packed row ``int32 [T, G]`` (R: not placed)."""
+    row within it, Lq, Lk, live, its place in the packed q) of tiles of ``tile_rows`` rows
+    (``longest_first``: ordered by decreasing work), and each q element's packed row
+    ``int32 [T, G]`` (R: not placed)."""
     T, Hq, D = q.shape
     G = group
     Hkv = Hq // G
     B = seq_lens.shape[0]
-    NT = -(-T * G // ROWS) + B
-    R = NT * ROWS
+    NT = -(-T * G // tile_rows) + B
+    R = NT * tile_rows
     cu = cu_seqlens_q.astype(jnp.int32)
     start = jnp.clip(cu[:-1], 0, T)
     lq = jnp.clip(jnp.minimum(cu[1:], T) - start, 0, T)  # each request's rows inside q
-    tiles = (lq * G + ROWS - 1) // ROWS
+    tiles = (lq * G + tile_rows - 1) // tile_rows
     first_tile = jnp.cumsum(tiles) - tiles
     total = jnp.sum(tiles)
     # Token t belongs to the first request whose end lies past it (empty requests skipped);
@@ -81,23 +115,34 @@ def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
     b_of = jnp.searchsorted(jnp.minimum(cu[1:], T), t, side="right").astype(jnp.int32)
     placed = (b_of < B) & (t >= cu[0])
     bc = jnp.clip(b_of, 0, B - 1)
-    row = first_tile[bc] * ROWS + (t - start[bc]) * G
+    row = first_tile[bc] * tile_rows + (t - start[bc]) * G
     dest = jnp.where(placed[:, None], row[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :], R)
-    qg = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3)  # [Hkv, T, G, D]
-    q_packed = (
-        jnp.zeros((Hkv, R, D), q.dtype)
-        .at[:, dest.reshape(-1)]
-        .set(qg.reshape(Hkv, T * G, D), mode="drop")
-    )
     k = jnp.arange(NT, dtype=jnp.int32)
     b_k = jnp.clip(jnp.searchsorted(jnp.cumsum(tiles), k, side="right").astype(jnp.int32), 0, B - 1)
+    # q_packed by a gather: row r of tile k is token (r - first row of its request) // G of
+    # the request, head (that) % G; rows past a request's tokens are zeros.
+    r = jnp.arange(R, dtype=jnp.int32)
+    b_r = b_k[r // tile_rows]
+    local = r - first_tile[b_r] * tile_rows
+    tok = local // G
+    filled = (r // tile_rows < total) & (tok < lq[b_r])
+    src_t = jnp.where(filled, start[b_r] + tok, 0)
+    picked = q.reshape(T, Hkv, G, D)[src_t, :, local % G, :]  # [R, Hkv, D]
+    q_packed = jnp.where(filled[:, None, None], picked, jnp.zeros((), q.dtype)).transpose(1, 0, 2)
     live = k < total
     info = jnp.zeros((NT, INFO), jnp.int32)
     info = info.at[:, 0].set(jnp.where(live, b_k, 0))
-    info = info.at[:, 1].set(jnp.where(live, (k - first_tile[b_k]) * ROWS, 0))
+    info = info.at[:, 1].set(jnp.where(live, (k - first_tile[b_k]) * tile_rows, 0))
     info = info.at[:, 2].set(jnp.where(live, lq[b_k], 0))
     info = info.at[:, 3].set(jnp.where(live, jnp.clip(seq_lens[b_k], 0, capacity), 0))
     info = info.at[:, 4].set(live.astype(jnp.int32))
+    info = info.at[:, 5].set(k)  # the tile's place in q_packed (its first row / tile_rows)
+    if longest_first:
+        # Records in decreasing order of the keys their last row sees (dead tiles last), so
+        # the grid's tail is short tiles: info[5] keeps each one's rows.
+        last = jnp.minimum(info[:, 2] - 1, (info[:, 1] + tile_rows - 1) // G)
+        work = jnp.where(live, last + info[:, 3] - info[:, 2] + 1, -1)
+        info = info[jnp.argsort(-work, stable=True)]
     return q_packed, info, dest
 
 
@@ -124,7 +169,7 @@ def _kernel_call(
     NT = R // ROWS
     G = group
     P, S = geom.num_pages, geom.page_size
-    W = tables.shape[1]
+    W = tables.shape[1] * tables.shape[2]
     T = pages_per_step * S
     NS = stages
     dtype = q_packed.dtype
@@ -160,7 +205,8 @@ def _kernel_call(
         def page_at(c):
             """The request's ``c``-th page, clamped into the pool (the wrapper poisons a
             request whose pages are not)."""
-            page = tab_smem[jnp.minimum(c, W - 1)]
+            c = jnp.minimum(c, W - 1)
+            page = tab_smem[lax.div(c, 32), lax.rem(c, 32)]
             return jnp.where((page >= 0) & (page < P), page, 0)
 
         k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
@@ -199,7 +245,7 @@ def _kernel_call(
     def entry(*refs):
         q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref = M.split_refs(refs, 5, fp8)
         smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
-            plgpu.SMEM((W,), jnp.int32),
+            plgpu.SMEM(tables.shape[1:], jnp.int32),
             plgpu.SMEM((INFO,), jnp.int32),
         )
         if fp8:
@@ -225,6 +271,233 @@ def _kernel_call(
     )(q_packed, k_cache, v_cache, tables, info, *(() if factors is None else (factors,)))
 
 
+def _ws_kernel_call(
+    q_packed,
+    k_cache,
+    v_cache,
+    tables,
+    info,
+    *,
+    geom,
+    layout,
+    group,
+    scale,
+    soft_cap,
+    pages_per_step,
+    stages,
+    interpret,
+):
+    """The warp-specialised form, 16-bit caches: ``q_packed.dtype`` ``[Hkv, R, D]``, each
+    128-row tile's normalised rows (see the module docstring)."""
+    Hkv, R, D = q_packed.shape
+    NT = R // PAIR
+    G = group
+    P, S = geom.num_pages, geom.page_size
+    W = tables.shape[1] * tables.shape[2]
+    T = pages_per_step * S
+    NS = stages
+    dtype = q_packed.dtype
+    bshd = layout == "bshd"
+    cast, iota = M.layout_ops(interpret)
+    # raw score -> base-2 logit, folded into the exponent (a positive scale, no cap)
+    c2 = scale * C.LOG2E if soft_cap is None and scale > 0 else None
+
+    def bounds(info_smem, w):
+        """Warpgroup ``w``'s rows: (first row, Lk, Lk - Lq, keys to read, steps)."""
+        m0 = info_smem[1] + w * ROWS
+        lq, lk, live = info_smem[2], info_smem[3], info_smem[4]
+        last = jnp.minimum(lq - 1, lax.div(m0 + ROWS - 1, G))  # its last row's token
+        end = jnp.where(live > 0, jnp.clip(last + lk - lq + 1, 0, lk), 0)
+        return m0, lk, lk - lq, end, (end + T - 1) // T
+
+    def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, scoped):
+        (q2, k_smem, v_smem, tab_smem, info_smem), bars = scoped
+        meta, q_bars, k_bars, v_bars, k_free, v_free, sched = bars
+        wg = lax.axis_index("wg")
+        h = lax.axis_index("kvh")
+        t = lax.axis_index("t")
+
+        def take_turn():  # the consumers' ping-pong: one's softmax beside the other's wgmma
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg == 2)
+        def _producer():
+            if not interpret:
+                plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(info_ref.at[t], info_smem, meta.at[0])
+            plgpu.barrier_wait(meta.at[0])
+            plgpu.copy_gmem_to_smem(tab_ref.at[info_smem[0]], tab_smem, meta.at[1])
+            n = bounds(info_smem, 1)[-1]  # the second warpgroup's rows see the most keys
+            plgpu.barrier_wait(meta.at[1])
+
+            def page_at(c):
+                c = jnp.minimum(c, W - 1)
+                page = tab_smem[lax.div(c, 32), lax.rem(c, 32)]
+                return jnp.where((page >= 0) & (page < P), page, 0)
+
+            kw = dict(
+                page_of=page_at, head=h, bshd=bshd, pages_per_step=pages_per_step,
+                page_size=S, stages=NS,
+            )  # fmt: skip
+            for i in range(NS):
+
+                @pl.when(n > i)
+                def _(i=i):
+                    M.issue_step(k_ref, k_smem, k_bars, i, **kw)
+                    M.issue_step(v_ref, v_smem, v_bars, i, **kw)
+
+            @pl.loop(0, jnp.maximum(n - NS, 0))
+            def _(i):
+                slot = lax.rem(i, NS)
+                plgpu.barrier_wait(k_free.at[slot])
+                M.issue_step(k_ref, k_smem, k_bars, i + NS, **kw)
+                plgpu.barrier_wait(v_free.at[slot])
+                M.issue_step(v_ref, v_smem, v_bars, i + NS, **kw)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            if not interpret:
+                plgpu.set_max_registers(232, action="increase")
+            q_smem = q2.at[wg]
+            plgpu.barrier_wait(meta.at[0])
+            # A tile's index times its rows: the lowering sees the copy's rows aligned.
+            rows = pl.ds(info_smem[5] * PAIR + wg * ROWS, ROWS)
+            plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bars.at[wg])
+            m0, lk, shift, end, n = bounds(info_smem, wg)
+            n_all = bounds(info_smem, 1)[-1]
+            # Steps whose every key each of these rows sees (and below Lk): no mask.
+            # (None where Lk < Lq, a request the contract poisons: never a negative step.)
+            full = jnp.maximum(jnp.minimum(lax.div(m0, G) + shift + 1, end), 0) // T
+            plgpu.barrier_wait(q_bars.at[wg])
+            state = M.initial_state(cast, D)
+
+            @pl.when(n > 0)
+            def _():
+                plgpu.barrier_wait(k_bars.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def step(i, carry, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, NS)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                if interpret:
+                    s = jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+                    take_turn()
+                else:
+
+                    def qk(ref):
+                        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                        take_turn()
+                        return ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if c2 is None:
+                    s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
+                if masked:
+                    key = iota((ROWS, T), 1) + i * T
+                    limit = lax.div(m0 + iota((ROWS, T), 0), G) + shift
+                    s = jnp.where((key <= limit) & (key < end), s, -jnp.inf)
+                if c2 is None:
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                else:  # the scale folded into the exponent's multiply-add
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
+                    p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m_i - m_new)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                if not interpret:
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_wait(sched)
+                if masked:
+                    # The step that crosses Lk: its rows there (a page's tail, pages past
+                    # the request) are not the request's; zeros, so 0 * NaN never happens.
+                    @pl.when((i + 1) * T > lk)
+                    def _():
+                        keep = iota((T, D), 0) < lk - i * T
+                        v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((T, D), dtype))
+                        plgpu.commit_smem()
+
+                if interpret:
+                    acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                else:
+
+                    def pv(ref):
+                        plgpu.wgmma(ref, p16, v_tile)
+
+                        @pl.when(i + 1 < n)
+                        def _():
+                            plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, NS)])
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if interpret:
+
+                    @pl.when(i + 1 < n)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, NS)])
+
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            def flush(i, _):
+                # Steps only the other warpgroup reads: release them, keep the turns even.
+                slot = lax.rem(i, NS)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
+                take_turn()
+
+            state = lax.fori_loop(0, full, functools.partial(step, masked=False), state)
+            acc, m_i, l_i = lax.fori_loop(full, n, functools.partial(step, masked=True), state)
+            lax.fori_loop(n, n_all, flush, None)
+            pl.when(wg == 0)(take_turn)
+            # Rows that saw no key (padding rows, empty tiles) divide 0 by 0: never gathered.
+            q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    def entry(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref):
+        smem = (
+            plgpu.SMEM((2, ROWS, D), dtype, transforms=M.tiled()),
+            M.ring_smem(NS, T, D, dtype),
+            M.ring_smem(NS, T, D, dtype),
+            plgpu.SMEM(tables.shape[1:], jnp.int32),
+            plgpu.SMEM((INFO,), jnp.int32),
+        )
+        bars = (
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=NS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=NS),
+            plgpu.Barrier(num_arrivals=2),
+        )
+        pl.run_scoped(
+            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, a),
+            smem,
+            bars,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((Hkv, R, D), dtype),
+        grid=(Hkv, NT),
+        grid_names=("kvh", "t"),
+        num_threads=3,
+        thread_name="wg",
+        **M.launch_params(interpret),
+    )(q_packed, k_cache, v_cache, tables, info)
+
+
 def _run(
     q,
     k_cache,
@@ -248,11 +521,17 @@ def _run(
     if fp8:
         q, factor = M.to_float16(q, Hkv, k_scale)
         kw["factors"] = M.pad_to(factor, 0, 32)
-    q_packed, info, dest = _tiles(q, cu_seqlens_q, seq_lens, group=G, capacity=capacity)
-    # A copy moves a multiple of 128 bytes: the table row padded to 32 entries (the padding
-    # is never read as a page of a request: the loop stops at its last key).
+    ws = kw.pop("form") == "warp_specialized"
+    q_packed, info, dest = _tiles(
+        q, cu_seqlens_q, seq_lens, group=G, capacity=capacity, tile_rows=PAIR if ws else ROWS,
+        longest_first=ws,
+    )  # fmt: skip
+    # A copy moves a multiple of 128 bytes and at most 256 elements along a dimension: the
+    # table row padded to 32 entries (the padding is never read as a page of a request: the
+    # loop stops at its last key), as [width / 32, 32].
     tables = M.pad_to(block_tables.astype(jnp.int32), 1, 32)
-    out = _kernel_call(
+    tables = tables.reshape(tables.shape[0], -1, 32)
+    out = (_ws_kernel_call if ws else _kernel_call)(
         q_packed,
         k_cache,
         v_cache,
@@ -275,7 +554,15 @@ def _run(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "layout", "soft_cap", "pages_per_step", "stages", "interpret"),
+    static_argnames=(
+        "scale",
+        "layout",
+        "soft_cap",
+        "pages_per_step",
+        "stages",
+        "form",
+        "interpret",
+    ),
 )
 def _prefix_prefill(
     q,
@@ -292,6 +579,7 @@ def _prefix_prefill(
     soft_cap,
     pages_per_step,
     stages,
+    form,
     interpret,
 ):
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
@@ -320,6 +608,7 @@ def _prefix_prefill(
             soft_cap=soft_cap,
             pages_per_step=pages_per_step,
             stages=stages,
+            form=form,
             interpret=interpret,
         )
     # The contract's NaN rows (jaxattn.reference.validity), computed once here.
@@ -343,7 +632,8 @@ def prefix_prefill(
     layout="bshd",
     soft_cap=None,
     pages_per_step: int | None = None,
-    stages: int = 2,
+    stages: int | None = None,
+    form: str | None = None,
     interpret: bool | None = None,
     k_scale=None,
     v_scale=None,
@@ -351,18 +641,50 @@ def prefix_prefill(
     """Prefix prefill over a paged cache, ``q [total_q, Hq, D] -> [total_q, Hq, D]``, on the
     Mosaic GPU lowering (see the module docstring): request ``b``'s new tokens are q rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, its ``seq_lens[b]`` keys (cached prefix, then
-    the new tokens) in the pages of ``block_tables[b]``. ``pages_per_step``: pages a step
-    copies, whole 64-row tiles (default: the fewest); ``stages``: steps in flight (>= 2).
-    ``interpret``: None runs interpret mode exactly on the CPU. An FP8 cache (``k_scale`` /
-    ``v_scale``: None, a scalar or f32 ``[Hkv]``) is widened to float16 a step at a time, as
-    in the decode kernel; scales with a 16-bit cache are refused. Raises
-    ``NotImplementedError`` for what :func:`unsupported` refuses."""
+    the new tokens) in the pages of ``block_tables[b]``. ``form``: ``"warp_specialized"``
+    or ``"single"`` (None: the former for 16-bit caches when compiled, the latter for FP8
+    caches and in interpret mode). ``pages_per_step``: pages a step copies, a multiple of 64
+    keys (default: 128 keys in the warp-specialised form with two stages, else the fewest);
+    ``stages``: steps in flight (>= 2, default 2; a ValueError where the warp-specialised
+    ring would not fit in shared memory). ``interpret``: None runs interpret mode exactly on
+    the CPU. An FP8 cache (``k_scale`` / ``v_scale``: None, a scalar or f32 ``[Hkv]``) is
+    widened to float16 a step at a time, as in the decode kernel; scales with a 16-bit cache
+    are refused. Raises ``NotImplementedError`` for what :func:`unsupported` refuses (and
+    for block tables wider than 8192 pages)."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    fp8 = Q.is_fp8(k_cache.dtype)
+    if form is None:  # interpret mode: the one-warpgroup form (the other interprets ~10x slower)
+        interpreted = jax.default_backend() == "cpu" if interpret is None else interpret
+        form = "single" if fp8 or interpreted else "warp_specialized"
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    ws = form == "warp_specialized"
+    if stages is None:
+        stages = 2
+    if pages_per_step is None and ws:  # 128-key steps in two stages, else 64
+        pages_per_step = max(1, (128 if stages <= 2 else 64) // geom.page_size)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
-    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
+    if (k_scale is not None or v_scale is not None) and not fp8:
         why = why or "the Mosaic GPU prefill takes k/v scales with FP8 caches only"
+    if block_tables.ndim == 2 and block_tables.shape[1] > MAX_PAGES:
+        why = why or (
+            f"the Mosaic GPU prefill copies block-table rows of up to {MAX_PAGES} pages, got "
+            f"{block_tables.shape[1]}"
+        )
+    if ws and fp8:
+        why = why or "the warp-specialised Mosaic GPU prefill reads 16-bit caches (FP8: 'single')"
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
+    if ws:
+        ring = 2 * stages * pages_per_step * geom.page_size * geom.head_dim * q.dtype.itemsize
+        smem = ring + PAIR * geom.head_dim * q.dtype.itemsize + 4 * block_tables.shape[1]
+        smem += SMEM_SLACK
+        if smem > SMEM_BYTES:
+            raise ValueError(
+                f"the warp-specialised Mosaic GPU prefill's ring ({stages} stages of "
+                f"{pages_per_step} pages of {geom.page_size} tokens) and q tiles take {smem} "
+                f"bytes of shared memory, more than {SMEM_BYTES}: fewer stages or pages_per_step"
+            )
     return _prefix_prefill(
         q,
         k_cache,
@@ -377,5 +699,6 @@ def prefix_prefill(
         soft_cap=None if soft_cap is None else float(soft_cap),
         pages_per_step=pages_per_step,
         stages=int(stages),
+        form=form,
         interpret=interpret,
     )
