@@ -167,6 +167,10 @@ _H200 = dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16, w
         _H200 | dict(width=2048, batch=1, stages=3, registers=(168, 40)),
         _H200 | dict(stages=3, specialized=True),
         _H200 | dict(stages=3, specialized=False),
+        # One pass over 512 pages, and 300 lengths: copies of more than 256 elements split.
+        _H200 | dict(width=512, batch=64),
+        _H200 | dict(width=512, batch=64, specialized=True),
+        _H200 | dict(width=20, batch=300),
         dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8, width=40),
         dict(layout="bshd", dtype=jnp.bfloat16, heads=(4, 1), d=64, page=16, width=6, cap=5.0),
     ],

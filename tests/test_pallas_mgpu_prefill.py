@@ -164,6 +164,12 @@ def test_refusals():
         f(q, k, k, cu, t, n, stages=1)
     with pytest.raises(ValueError, match="multiple of 64"):
         f(q, k, k, cu, t, n, pages_per_step=2)
+    with pytest.raises(NotImplementedError, match="8192 pages"):
+        f(q, k, k, cu, jnp.zeros((1, 8193), jnp.int32), n)
+    with pytest.raises(ValueError, match="shared memory"):
+        f(q, k, k, cu, t, n, form="warp_specialized", stages=8, pages_per_step=8)
+    with pytest.raises(ValueError, match="form"):
+        f(q, k, k, cu, t, n, form="pingpong")
     # Through the public op: a token pool (extend_attention) has no pages to copy.
     cfg = jaxattn.pallas.ExtendConfig(lowering="mosaic_gpu")
     pool = jnp.zeros((8, 2, 64), jnp.bfloat16)
@@ -184,6 +190,8 @@ _H200 = dict(layout="bshd", dtype=jnp.bfloat16, heads=(32, 8), d=128, page=16)
         _H200 | dict(stages=3, pages_per_step=8, form="single"),
         _H200 | dict(stages=4, pages_per_step=4),
         _H200 | dict(form="single"),
+        _H200 | dict(width=512),  # a table row of more than 256 pages: copied as [16, 32]
+        _H200 | dict(width=512, form="single"),
         dict(layout="bhsd", dtype=jnp.float16, heads=(8, 8), d=64, page=8),
         dict(layout="bshd", dtype=jnp.bfloat16, heads=(28, 4), d=128, page=32, cap=5.0),
     ],
@@ -196,7 +204,7 @@ def test_lowers_for_cuda(kw):
         kw.pop(n) for n in ("layout", "dtype", "heads", "d", "page")
     )
     cap = kw.pop("cap", None)
-    batch, total, width = 4, 600, 64
+    batch, total, width = 4, 600, kw.pop("width", 64)
     pool = (256, page, hkv, d) if layout == "bshd" else (256, hkv, page, d)
     args = (
         jax.ShapeDtypeStruct((total, hq, d), dtype),

@@ -197,6 +197,24 @@ def pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
+COPY_ELEMS = 256  # an async copy moves at most 256 elements along each dimension
+
+
+def vector_copies(n: int) -> int:
+    """How many copies :func:`copy_vector` issues for ``n`` elements."""
+    return -(-n // COPY_ELEMS)
+
+
+def copy_vector(src, start, dst, barrier):
+    """``dst[:] = src[start : start + len(dst)]`` (a 1-D int32 / f32 window of a multiple of
+    32 elements) in copies of at most 256 elements, each arriving on ``barrier``, which takes
+    :func:`vector_copies` arrivals."""
+    n = dst.shape[0]
+    for i in range(0, n, COPY_ELEMS):
+        size = min(COPY_ELEMS, n - i)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(start + i, size)], dst.at[pl.ds(i, size)], barrier)
+
+
 def slab(ref, page, head, bshd: bool):
     """Page ``page``'s ``[page_size, head_dim]`` slab of KV head ``head``: a strided box of the
     bshd pool, a contiguous one of bhsd."""

@@ -101,7 +101,7 @@ def _parts(
         (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem, *fp8_smem), bars = scoped
         # The output tile reuses the K ring: it is written after the last K step is read.
         k_smem, o_smem = k_and_o
-        q_bar, meta_bar, k_bars, v_bars, k_free, v_free = bars
+        q_bar, (tab_bar, len_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
         h = lax.axis_index("kvh")
         b = lax.axis_index("b")
         part = lax.axis_index("part")
@@ -111,14 +111,13 @@ def _parts(
         @pl.when(wg == memory_wg)
         def _():
             # The partition's window of the table row (padded by the wrapper).
-            window = tab_ref.at[b, pl.ds(part * partition_pages, tab_window)]
-            plgpu.copy_gmem_to_smem(window, tab_smem, meta_bar.at[0])
-            plgpu.copy_gmem_to_smem(len_ref, len_smem, meta_bar.at[1])
+            M.copy_vector(tab_ref.at[b], part * partition_pages, tab_smem, tab_bar)
+            M.copy_vector(len_ref, 0, len_smem, len_bar)
             if fp8:
-                plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], meta_bar.at[2])
+                plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], fac_bar)
 
-        plgpu.barrier_wait(meta_bar.at[0])
-        plgpu.barrier_wait(meta_bar.at[1])
+        plgpu.barrier_wait(tab_bar)
+        plgpu.barrier_wait(len_bar)
         length = len_smem[b]
         bad_len = (length < 0) | (length > capacity)
         length = jnp.clip(length, 0, capacity)
@@ -152,7 +151,7 @@ def _parts(
             acc, m_i, l_i = M.initial_state(cast, D)
             fp8_kw = {}
             if fp8:
-                plgpu.barrier_wait(meta_bar.at[2])
+                plgpu.barrier_wait(fac_bar)
                 fp8_kw = dict(wide=tuple(fp8_smem[1:]), factor=fp8_smem[0][h])
 
             def step(i, carry):
@@ -232,7 +231,11 @@ def _parts(
             smem += M.fp8_buffers(factors, T, D, dtype)
         bars = (
             plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_barriers=3 if fp8 else 2),
+            (
+                plgpu.Barrier(num_arrivals=M.vector_copies(tab_window)),
+                plgpu.Barrier(num_arrivals=M.vector_copies(len_ref.shape[0])),
+                plgpu.Barrier() if fp8 else None,
+            ),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             *(
