@@ -146,6 +146,16 @@ def _tiles(
     return q_packed, info, dest
 
 
+def _page_of(tab_smem, c, *, num_pages: int):
+    """The request's ``c``-th page from its table row in shared memory (``[width / 32, 32]``;
+    ``c`` past the row reads its last entry), clamped into the pool (the wrapper poisons a
+    request whose pages are not)."""
+    rows, cols = tab_smem.shape
+    c = jnp.minimum(c, rows * cols - 1)
+    page = tab_smem[lax.div(c, cols), lax.rem(c, cols)]
+    return jnp.where((page >= 0) & (page < num_pages), page, 0)
+
+
 def _kernel_call(
     q_packed,
     k_cache,
@@ -166,16 +176,11 @@ def _kernel_call(
     """f32 ``[Hkv, R, D]``: each tile's normalised rows. FP8 caches: q_packed is float16
     and ``factors`` f32[32] each KV head's score factor (:func:`._mgpu.to_float16`)."""
     Hkv, R, D = q_packed.shape
-    NT = R // ROWS
-    G = group
+    NT, G, NS, dtype = R // ROWS, group, stages, q_packed.dtype
     P, S = geom.num_pages, geom.page_size
-    W = tables.shape[1] * tables.shape[2]
     T = pages_per_step * S
-    NS = stages
-    dtype = q_packed.dtype
     bshd = layout == "bshd"
     cast, iota = M.layout_ops(interpret)
-
     fp8 = factors is not None
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, fac_ref, out_ref, scoped):
@@ -202,12 +207,7 @@ def _kernel_call(
         n_steps = (end + T - 1) // T
         plgpu.barrier_wait(meta_bar.at[1])
 
-        def page_at(c):
-            """The request's ``c``-th page, clamped into the pool (the wrapper poisons a
-            request whose pages are not)."""
-            c = jnp.minimum(c, W - 1)
-            page = tab_smem[lax.div(c, 32), lax.rem(c, 32)]
-            return jnp.where((page >= 0) & (page < P), page, 0)
+        page_at = functools.partial(_page_of, tab_smem, num_pages=P)
 
         k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
         ring = M.PageRing(
@@ -272,33 +272,16 @@ def _kernel_call(
 
 
 def _ws_kernel_call(
-    q_packed,
-    k_cache,
-    v_cache,
-    tables,
-    info,
-    *,
-    geom,
-    layout,
-    group,
-    scale,
-    soft_cap,
-    pages_per_step,
-    stages,
-    interpret,
-):
+    q_packed, k_cache, v_cache, tables, info, *, geom, layout, group, scale, soft_cap,
+    pages_per_step, stages, interpret,
+):  # fmt: skip
     """The warp-specialised form, 16-bit caches: ``q_packed.dtype`` ``[Hkv, R, D]``, each
     128-row tile's normalised rows (see the module docstring)."""
     Hkv, R, D = q_packed.shape
-    NT = R // PAIR
-    G = group
-    P, S = geom.num_pages, geom.page_size
-    W = tables.shape[1] * tables.shape[2]
-    T = pages_per_step * S
-    NS = stages
-    dtype = q_packed.dtype
-    bshd = layout == "bshd"
+    NT, G, NS, dtype = R // PAIR, group, stages, q_packed.dtype
+    P, S, T = geom.num_pages, geom.page_size, pages_per_step * geom.page_size
     cast, iota = M.layout_ops(interpret)
+    bshd = layout == "bshd"
     # raw score -> base-2 logit, folded into the exponent (a positive scale, no cap)
     c2 = scale * C.LOG2E if soft_cap is None and scale > 0 else None
 
@@ -331,11 +314,7 @@ def _ws_kernel_call(
             n = bounds(info_smem, 1)[-1]  # the second warpgroup's rows see the most keys
             plgpu.barrier_wait(meta.at[1])
 
-            def page_at(c):
-                c = jnp.minimum(c, W - 1)
-                page = tab_smem[lax.div(c, 32), lax.rem(c, 32)]
-                return jnp.where((page >= 0) & (page < P), page, 0)
-
+            page_at = functools.partial(_page_of, tab_smem, num_pages=P)
             kw = dict(
                 page_of=page_at, head=h, bshd=bshd, pages_per_step=pages_per_step,
                 page_size=S, stages=NS,
