@@ -286,12 +286,18 @@ def _ws_kernel_call(
     c2 = scale * C.LOG2E if soft_cap is None and scale > 0 else None
 
     def bounds(info_smem, w):
-        """Warpgroup ``w``'s rows: (first row, Lk, Lk - Lq, keys to read, steps)."""
+        """Warpgroup ``w``'s rows: (first row, Lk, Lk - Lq, keys to read, steps). Rows that
+        are all padding (a request's last tile of at most 64 rows) read nothing."""
         m0 = info_smem[1] + w * ROWS
         lq, lk, live = info_smem[2], info_smem[3], info_smem[4]
         last = jnp.minimum(lq - 1, lax.div(m0 + ROWS - 1, G))  # its last row's token
-        end = jnp.where(live > 0, jnp.clip(last + lk - lq + 1, 0, lk), 0)
+        reads = (live > 0) & (m0 < lq * G)
+        end = jnp.where(reads, jnp.clip(last + lk - lq + 1, 0, lk), 0)
         return m0, lk, lk - lq, end, (end + T - 1) // T
+
+    def steps(info_smem):
+        """The steps the tile's two warpgroups read between them."""
+        return jnp.maximum(bounds(info_smem, 0)[-1], bounds(info_smem, 1)[-1])
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, scoped):
         (q2, k_smem, v_smem, tab_smem, info_smem), bars = scoped
@@ -311,7 +317,7 @@ def _ws_kernel_call(
             plgpu.copy_gmem_to_smem(info_ref.at[t], info_smem, meta.at[0])
             plgpu.barrier_wait(meta.at[0])
             plgpu.copy_gmem_to_smem(tab_ref.at[info_smem[0]], tab_smem, meta.at[1])
-            n = bounds(info_smem, 1)[-1]  # the second warpgroup's rows see the most keys
+            n = steps(info_smem)
             plgpu.barrier_wait(meta.at[1])
 
             page_at = functools.partial(_page_of, tab_smem, num_pages=P)
@@ -344,7 +350,7 @@ def _ws_kernel_call(
             rows = pl.ds(info_smem[5] * PAIR + wg * ROWS, ROWS)
             plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bars.at[wg])
             m0, lk, shift, end, n = bounds(info_smem, wg)
-            n_all = bounds(info_smem, 1)[-1]
+            n_all = steps(info_smem)
             # Steps whose every key each of these rows sees (and below Lk): no mask.
             # (None where Lk < Lq, a request the contract poisons: never a negative step.)
             full = jnp.maximum(jnp.minimum(lax.div(m0, G) + shift + 1, end), 0) // T
