@@ -52,7 +52,7 @@ def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
     d, page, group = args.head_dim, args.page_size, hq // hkv
     ws = args.form == "warp_specialized"
     rows = PM.PAIR if ws else PM.ROWS
-    per_step = max(1, (128 if ws and args.stages <= 2 else 64) // page)
+    per_step = PM.default_pages_per_step(args.form, args.stages, page)
     kernel_call = PM._ws_kernel_call if ws else PM._kernel_call
     copies = inputs(batch, prefix, new, hq=hq, hkv=hkv, d=d, page=page, copies=args.copies)
     geom = L.get("bshd", pool=True).geometry(copies[0][1], copies[0][2])
@@ -77,8 +77,7 @@ def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
     packed = []
     for q, k, v, cu, t, n in copies:
         qp, info, _ = pack(q, cu, n)
-        tab = PM.M.pad_to(t, 1, 32)
-        packed.append((qp, k, v, tab.reshape(tab.shape[0], -1, 32), info))
+        packed.append((qp, k, v, PM._table_rows(t), info))
     timing = dict(target_s=args.target_s, samples=args.samples)
     return [
         ("public op", time_calls(public, copies, **timing)),

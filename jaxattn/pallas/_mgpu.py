@@ -96,10 +96,13 @@ def finish_args(why, stages: int, scale, head_dim: int, interpret):
         raise ValueError(f"stages must be >= 2, got {stages}")
     if why is not None:
         raise NotImplementedError(why)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return scale, bool(interpret)
+    return scale, interpreted(interpret)
+
+
+def interpreted(interpret) -> bool:
+    """An entry point's ``interpret``: None means exactly on the CPU."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
 def to_float16(q, num_kv_heads: int, k_scale):

@@ -89,6 +89,12 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill")
 
 
+def _keys_seen(m0, rows: int, group: int, lq, lk):
+    """Keys the last of ``rows`` packed rows from row ``m0`` sees (not clipped): its token (at
+    most the request's last) plus the prefix shift ``lk - lq``, plus one."""
+    return jnp.minimum(lq - 1, lax.div(m0 + rows - 1, group)) + lk - lq + 1
+
+
 def _tiles(
     q, cu_seqlens_q, seq_lens, *, group: int, capacity: int, tile_rows: int = ROWS,
     longest_first: bool = False,
@@ -140,8 +146,8 @@ def _tiles(
     if longest_first:
         # Records in decreasing order of the keys their last row sees (dead tiles last), so
         # the grid's tail is short tiles: info[5] keeps each one's rows.
-        last = jnp.minimum(info[:, 2] - 1, (info[:, 1] + tile_rows - 1) // G)
-        work = jnp.where(live, last + info[:, 3] - info[:, 2] + 1, -1)
+        seen = _keys_seen(info[:, 1], tile_rows, G, info[:, 2], info[:, 3])
+        work = jnp.where(live, seen, -1)
         info = info[jnp.argsort(-work, stable=True)]
     return q_packed, info, dest
 
@@ -201,9 +207,8 @@ def _kernel_call(
             plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], meta_bar.at[2])
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t * ROWS, ROWS)], q_smem, q_bar.at[0])
         shift = lk - lq
-        # The tile's last row's token; keys up to its last visible one are loaded.
-        last = jnp.minimum(lq - 1, lax.div(m0 + ROWS - 1, G))
-        end = jnp.where(live > 0, jnp.clip(last + shift + 1, 0, lk), 0)
+        # Keys up to the tile's last row's last visible one are loaded.
+        end = jnp.where(live > 0, jnp.clip(_keys_seen(m0, ROWS, G, lq, lk), 0, lk), 0)
         n_steps = (end + T - 1) // T
         plgpu.barrier_wait(meta_bar.at[1])
 
@@ -290,9 +295,8 @@ def _ws_kernel_call(
         are all padding (a request's last tile of at most 64 rows) read nothing."""
         m0 = info_smem[1] + w * ROWS
         lq, lk, live = info_smem[2], info_smem[3], info_smem[4]
-        last = jnp.minimum(lq - 1, lax.div(m0 + ROWS - 1, G))  # its last row's token
         reads = (live > 0) & (m0 < lq * G)
-        end = jnp.where(reads, jnp.clip(last + lk - lq + 1, 0, lk), 0)
+        end = jnp.where(reads, jnp.clip(_keys_seen(m0, ROWS, G, lq, lk), 0, lk), 0)
         return m0, lk, lk - lq, end, (end + T - 1) // T
 
     def steps(info_smem):
@@ -409,23 +413,21 @@ def _ws_kernel_call(
                         v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((T, D), dtype))
                         plgpu.commit_smem()
 
+                def wait_next_k():
+                    @pl.when(i + 1 < n)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, NS)])
+
                 if interpret:
                     acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                    wait_next_k()
                 else:
 
                     def pv(ref):
                         plgpu.wgmma(ref, p16, v_tile)
-
-                        @pl.when(i + 1 < n)
-                        def _():
-                            plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, NS)])
+                        wait_next_k()  # while the product runs
 
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if interpret:
-
-                    @pl.when(i + 1 < n)
-                    def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, NS)])
 
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
@@ -483,6 +485,23 @@ def _ws_kernel_call(
     )(q_packed, k_cache, v_cache, tables, info)
 
 
+def _table_rows(block_tables):
+    """The kernels' block tables: a copy moves a multiple of 128 bytes and at most 256
+    elements along a dimension, so each row is padded to 32 entries (the padding is never
+    read as a page of a request: the loop stops at its last key) and laid out as
+    ``[width / 32, 32]``."""
+    tables = M.pad_to(block_tables.astype(jnp.int32), 1, 32)
+    return tables.reshape(tables.shape[0], -1, 32)
+
+
+def default_pages_per_step(form: str, stages: int, page_size: int) -> int:
+    """Pages a step copies when not given: in the warp-specialised form 128 keys with two
+    stages, else 64; in the single form the fewest pages that make whole 64-row tiles."""
+    if form == "warp_specialized":
+        return max(1, (128 if stages <= 2 else 64) // page_size)
+    return M.steps_of(None, page_size)
+
+
 def _run(
     q,
     k_cache,
@@ -511,11 +530,7 @@ def _run(
         q, cu_seqlens_q, seq_lens, group=G, capacity=capacity, tile_rows=PAIR if ws else ROWS,
         longest_first=ws,
     )  # fmt: skip
-    # A copy moves a multiple of 128 bytes and at most 256 elements along a dimension: the
-    # table row padded to 32 entries (the padding is never read as a page of a request: the
-    # loop stops at its last key), as [width / 32, 32].
-    tables = M.pad_to(block_tables.astype(jnp.int32), 1, 32)
-    tables = tables.reshape(tables.shape[0], -1, 32)
+    tables = _table_rows(block_tables)
     out = (_ws_kernel_call if ws else _kernel_call)(
         q_packed,
         k_cache,
@@ -639,15 +654,14 @@ def prefix_prefill(
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     fp8 = Q.is_fp8(k_cache.dtype)
     if form is None:  # interpret mode: the one-warpgroup form (the other interprets ~10x slower)
-        interpreted = jax.default_backend() == "cpu" if interpret is None else interpret
-        form = "single" if fp8 or interpreted else "warp_specialized"
+        form = "single" if fp8 or M.interpreted(interpret) else "warp_specialized"
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     ws = form == "warp_specialized"
     if stages is None:
         stages = 2
-    if pages_per_step is None and ws:  # 128-key steps in two stages, else 64
-        pages_per_step = max(1, (128 if stages <= 2 else 64) // geom.page_size)
+    if pages_per_step is None:
+        pages_per_step = default_pages_per_step(form, stages, geom.page_size)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
     if (k_scale is not None or v_scale is not None) and not fp8:
