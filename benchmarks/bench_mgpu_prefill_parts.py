@@ -1,10 +1,13 @@
-"""The Mosaic GPU prefix prefill taken apart: the public entry point, its q packing, and the
-kernel alone (jaxattn.pallas.prefill_mgpu), each timed on the same rotated inputs.
+"""The Mosaic GPU prefix prefill taken apart: the public entry point and the kernel alone
+(jaxattn.pallas.prefill_mgpu), each timed on the same rotated inputs, and with ``--profile``
+the device's own time a call (a ``jax.profiler`` trace), for rows where the host's enqueue
+bounds the timing.
 
-The entry point packs q into 64- or 128-row tiles of one KV head (``_tiles``: XLA gathers),
-runs the kernel and gathers the rows back; the kernel alone is what a caller that kept q in
-the packed layout would pay. Useful TFLOP/s count only unmasked score entries, as
-bench_extend.py does: 4 * D * Hq * sum(new * prefix + new * (new + 1) / 2).
+The warp-specialised form reads q and writes the output in their own layout; its entry point
+adds the contract's checks and the tile records (XLA) to the kernel. The single form (FP8
+caches) also packs q into 64-row tiles of one KV head (``_tiles``: XLA gathers) and gathers
+the rows back; "q packing" times that alone. Useful TFLOP/s count only unmasked score
+entries, as bench_extend.py does: 4 * D * Hq * sum(new * prefix + new * (new + 1) / 2).
 
     python benchmarks/bench_mgpu_prefill_parts.py                       # sm_90
     python benchmarks/bench_mgpu_prefill_parts.py --form single --cases 8:2048:512
@@ -22,7 +25,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import time_calls  # noqa: E402
+from common import calls_over_copies, device_profile, time_calls  # noqa: E402
 
 from jaxattn import layout as L  # noqa: E402
 from jaxattn.pallas import prefill_mgpu as PM  # noqa: E402
@@ -47,11 +50,11 @@ def inputs(batch, prefix, new, *, hq, hkv, d, page, copies, seed=0):
 
 
 def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
-    """(name, time_calls result) of the public op, the q packing and the kernel alone."""
+    """(name, time_calls result) of the public op, the single form's q packing and the
+    kernel alone."""
     hq, hkv = (int(x) for x in args.heads.split("/"))
     d, page, group = args.head_dim, args.page_size, hq // hkv
     ws = args.form == "warp_specialized"
-    rows = PM.PAIR if ws else PM.ROWS
     per_step = PM.default_pages_per_step(args.form, args.stages, page)
     kernel_call = PM._ws_kernel_call if ws else PM._kernel_call
     copies = inputs(batch, prefix, new, hq=hq, hkv=hkv, d=d, page=page, copies=args.copies)
@@ -59,14 +62,16 @@ def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
     capacity = copies[0][4].shape[1] * page
 
     @jax.jit
-    def pack(q, cu, n):
-        return PM._tiles(q, cu, n, group=group, capacity=capacity, tile_rows=rows, longest_first=ws)
+    def prepare(q, cu, t, n):  # the kernel's inputs, as the entry point builds them
+        if ws:
+            return q, PM.ws_records(cu, t, n, num_rows=q.shape[0], group=group, geom=geom)
+        return PM._tiles(q, cu, n, group=group, capacity=capacity)[:2]
 
     def public(q, k, v, cu, t, n):
         return PM.prefix_prefill(q, k, v, cu, t, n, form=args.form, stages=args.stages)
 
     def packing(q, k, v, cu, t, n):
-        return pack(q, cu, n)
+        return prepare(q, cu, t, n)
 
     def kernel(qp, k, v, tab, info):
         return kernel_call(
@@ -74,21 +79,31 @@ def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
             soft_cap=None, pages_per_step=per_step, stages=args.stages, interpret=False,
         )  # fmt: skip
 
-    packed = []
+    prepared = []
     for q, k, v, cu, t, n in copies:
-        qp, info, _ = pack(q, cu, n)
-        packed.append((qp, k, v, PM._table_rows(t), info))
+        qp, info = prepare(q, cu, t, n)
+        prepared.append((qp, k, v, PM._table_rows(t), info))
     timing = dict(target_s=args.target_s, samples=args.samples)
-    return [
-        ("public op", time_calls(public, copies, **timing)),
-        ("q packing", time_calls(packing, copies, **timing)),
-        ("kernel", time_calls(kernel, packed, **timing)),
-    ]
+    parts = [("public op", public, copies)]
+    if not ws:
+        parts.append(("q packing", packing, copies))
+    parts.append(("kernel", kernel, prepared))
+    out = []
+    for name, fn, inputs_of in parts:
+        r = time_calls(fn, inputs_of, **timing)
+        if args.profile:
+            calls = calls_over_copies(fn)  # compiled and run by time_calls: warm
+            prof = device_profile(lambda c=calls, i=inputs_of: c(i), steps=len(inputs_of))
+            r["device_span_s"] = None if prof is None else prof["span_us"] * 1e-6
+        out.append((name, r))
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default="8:2048:512,4:0:4096,1:0:8192", help="B:prefix:new,...")
+    p.add_argument(
+        "--cases", default="8:2048:512,4:0:4096,1:0:8192,32:1000:24", help="B:prefix:new,..."
+    )
     p.add_argument("--heads", default="32/8")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
@@ -97,6 +112,9 @@ def main(argv=None):
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--target-s", type=float, default=0.03)
+    p.add_argument(
+        "--profile", action="store_true", help="also the device's span a call from a trace"
+    )
     args = p.parse_args(argv)
     hq = int(args.heads.split("/")[0])
     for spec in args.cases.split(","):
@@ -106,7 +124,11 @@ def main(argv=None):
         for name, r in time_case(batch, prefix, new, args):
             s = r["median_s"]
             bound = "  [host-bound: an upper bound]" if r.get("host_bound") else ""
-            print(f"  {name}: {s * 1e6:.1f} us, {flops / s / 1e12:.0f} TFLOP/s{bound}", flush=True)
+            line = f"  {name}: {s * 1e6:.1f} us, {flops / s / 1e12:.0f} TFLOP/s{bound}"
+            if r.get("device_span_s"):
+                span = r["device_span_s"]
+                line += f"; device span {span * 1e6:.1f} us, {flops / span / 1e12:.0f} TFLOP/s"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

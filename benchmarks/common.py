@@ -17,6 +17,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import platform
@@ -117,9 +118,11 @@ def make_copies(build: Callable[[int], tuple], n: int) -> list[tuple]:
     return [build(i) for i in range(n)]
 
 
+@functools.lru_cache(maxsize=64)
 def calls_over_copies(fn: Callable) -> Callable:
     """One jitted function that calls fn once on every copy it is given (a list of argument
-    tuples), unrolled: the program :func:`time_calls` times."""
+    tuples), unrolled: the program :func:`time_calls` times (one per fn, so a profile of the
+    same fn runs the executable the timing compiled)."""
     return jax.jit(lambda all_copies: [fn(*args) for args in all_copies])
 
 

@@ -99,24 +99,87 @@ def test_soft_cap_and_scale(interpret, form):
 
 
 def test_warp_specialized_interpreted():
-    """The warp-specialised form in interpret mode (its three warpgroups as threads, the
-    ring's release barriers, the consumers' turns): GQA rows packed into 128-row tiles, a
-    tile whose first warpgroup stops a step before the second (the flush: request 1's first
-    tile), tiles whose second warpgroup's rows are all padding (requests 0 and 2), page tails
-    and unused pages poisoned, and a request with fewer keys than queries (request 2: NaN
-    rows by the contract; no step of its tile may go below 0)."""
-    q, k, v, cu, tables, lens = poisoned_case(
-        12, hq=4, hkv=1, d=64, page=16, width=8, lq=[12, 34, 6], prefix=[40, 40, 0],
-        layout="bshd", dtype=jnp.bfloat16,
+    """The warp-specialised kernel in interpret mode (its three warpgroups as threads, the
+    ring's release barriers, the consumers' turns, q read and the output written in their
+    own layout by power-of-two pieces): GQA heads in head-major rows, a tile whose first
+    warpgroup stops a step before the second (the flush: request 1's first tile), tiles
+    whose second warpgroup holds no token (requests 0 and 2), page tails and unused pages
+    poisoned, a request with fewer keys than queries (request 2: NaN rows by the contract,
+    no step of its tile below 0) and rows past the last request (zeros).
+
+    Interpreted on the CPU device (on a GPU machine too), with the tile records built first,
+    outside the kernel's program (``ws_records``): JAX's GPU interpreter runs each warpgroup
+    as a program of its own that waits for the others, and it stalled on an H200 machine
+    with the programs on the GPU (jax 0.11) and on the CPU when the records were computed
+    in the same program (jax 0.10). Compiled on sm_90 the entry point runs whole (RUNS)."""
+    cpu = jax.devices("cpu")[0]
+    q, k, v, cu, tables, lens = jax.device_put(
+        poisoned_case(
+            12, hq=4, hkv=1, d=64, page=16, width=8, lq=[12, 34, 6], prefix=[40, 40, 0],
+            layout="bshd", dtype=jnp.bfloat16,
+        ),
+        cpu,
     )  # fmt: skip
-    ref = np.asarray(reference(q, k, v, cu, tables, lens), np.float32)
-    out = prefill_mgpu.prefix_prefill(
-        q, k, v, cu, tables, lens.at[2].set(2), interpret=True, form="warp_specialized", stages=3
-    )
-    out = np.asarray(out, np.float32)
+    with jax.default_device(cpu):
+        ref = np.asarray(reference(q, k, v, cu, tables, lens), np.float32)
+        lens = lens.at[2].set(2)
+        geom = L.get("bshd", pool=True).geometry(k, v)
+        info = prefill_mgpu.ws_records(cu, tables, lens, num_rows=q.shape[0], group=4, geom=geom)
+        out = prefill_mgpu._ws_kernel_call(
+            q, k, v, prefill_mgpu._table_rows(tables), info, geom=geom, layout="bshd", group=4,
+            scale=64**-0.5, soft_cap=None, pages_per_step=4, stages=3, interpret=True,
+        )  # fmt: skip
+        out = np.asarray(out, np.float32)
     assert_close(out[:46], ref[:46], dtype=jnp.bfloat16)
     assert np.isnan(out[46:52]).all()
     np.testing.assert_array_equal(out[-3:], 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ws_records_cover_every_row_once(seed):
+    """The warp-specialised form's tile records against a naive model: every row of q is in
+    exactly one tile, which writes attention for a valid request's rows (with its table row
+    and key count), NaN for a poisoned request's and zeros past the last request (NaN
+    everywhere when cu_seqlens_q is broken); computing tiles come longest first."""
+    rng = np.random.default_rng(seed)
+    B, group = int(rng.integers(1, 7)), int(rng.choice([1, 2, 4, 7, 16]))
+    lq = rng.integers(0, 70, B)
+    lq[rng.random(B) < 0.2] = 0
+    T = int(lq.sum()) + int(rng.integers(0, 40))
+    cu = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    if seed == 5:
+        cu[-1] = T + 5  # the last request runs past q: its rows inside q are poisoned
+    lens = (lq + rng.integers(0, 300, B)).astype(np.int32)
+    ok = rng.random(B) < 0.7
+    structural = seed != 4
+    info = prefill_mgpu._ws_records(
+        jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(ok), structural, T=T, group=group,
+        capacity=512,
+    )  # fmt: skip
+    info = np.asarray(info)
+    tpt = 2 * prefill_mgpu.tokens_per_half(group)
+    assert info.shape[0] == -(-T // tpt) + B + 1
+    owner = np.full(T, -1)
+    for t, (_, tok0, n, _, computes, start, mode) in enumerate(info[:, :7]):
+        for r in range(start + tok0, start + min(tok0 + tpt, n)):
+            assert owner[r] == -1, f"row {r} in two tiles"
+            owner[r] = t
+        assert computes == (mode == 0 and n > tok0)
+    assert (owner >= 0).all()
+    for r in range(T):
+        b, _, _, lk, _, _, mode = info[owner[r], :7]
+        req = np.searchsorted(cu[1:], r, side="right")
+        if not structural:
+            assert mode == 2
+        elif req >= B or r >= min(cu[-1], T):
+            assert mode == 1
+        elif not ok[req]:
+            assert mode == 2
+        else:
+            assert (mode, b, lk) == (0, req, min(lens[req], 512))
+    seen = [min(n - 1, tok0 + tpt - 1) + lk - n + 1 for _, tok0, n, lk, c in info[:, :5] if c]
+    assert seen == sorted(seen, reverse=True)
+    assert not info[len(seen) :, 4].any()
 
 
 @pytest.mark.parametrize("interpret, form", RUNS)

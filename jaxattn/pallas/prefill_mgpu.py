@@ -1,18 +1,28 @@
 """Prefix prefill over a paged cache on Pallas' Mosaic GPU lowering (sm_90): the extend-side
 kernel of the port off the Triton lowering, beside :mod:`jaxattn.pallas.decode_mgpu`, whose
-page ring it shares. Reached through the public op with ``implementation="pallas",
-config=ExtendConfig(lowering="mosaic_gpu")``; the Triton-lowered kernel stays the default
-(see :class:`jaxattn.pallas.ExtendConfig`).
+page ring it shares. ``implementation="pallas"`` runs its warp-specialised form by default
+for 16-bit caches on sm_90 (:func:`serves_by_default`); ``config=ExtendConfig(lowering=
+"mosaic_gpu")`` names it, ``lowering="triton"`` the Triton-lowered kernel (see
+:class:`jaxattn.pallas.ExtendConfig`).
 
-Rows. A tile is 64 rows (wgmma's M) of one request and one KV head, or 128 in the
-warp-specialised form; row ``r`` is token ``(m0 + r) // G`` and query head ``(m0 + r) % G``
-of the KV head's group (``G`` = the GQA group), so the heads that share a KV head share
-every K/V tile, and a short extend (24 new tokens x 4 heads) fills 96 rows of two tiles
-instead of 24 rows of four. The wrapper lays q out as ``[Hkv, R, D]`` with every request's
-rows starting on a tile boundary (one TMA box a tile; a gather, each packed row naming its
-token and head) and gathers the output back; the ragged batch becomes a static list of tiles
-(an upper bound, ``ceil(total_q * G / rows) + batch``), each with its request, first row and
-lengths.
+Rows. The heads that share a KV head share every K/V tile: a tile's rows are every query
+head of one KV head's group (``G`` heads) for a run of one request's tokens, so a short
+extend (24 new tokens x 4 heads) fills 96 rows of one tile instead of 24 rows of four.
+
+- Warp-specialised form: q is read and the output written in their own layout. Each of the
+  two consumer warpgroups holds ``64 // G`` tokens in head-major rows (head ``g``'s tokens
+  are rows ``g * (64 // G)`` on; rows past ``G * (64 // G)`` are idle), read from q as one
+  strided box a head and piece (the token count split into powers of two: a copy's box is
+  static, the count is not) into a plain buffer, moved through registers into the wgmma
+  operand's tiled layout, and written back the same way, so no copy touches another
+  request's rows. The ragged batch becomes a static list of tile records (``_ws_records``:
+  ``ceil(total_q / tokens) + batch + 1``), one for every run of rows of q: a request's
+  (attention), those past the last request (zeros) and a request the contract poisons (NaN;
+  every row when ``cu_seqlens_q`` is broken), so every row is written once, by the kernel.
+- Single form: row ``r`` of a 64-row tile is token ``(m0 + r) // G`` and head ``(m0 + r) %
+  G``; the wrapper lays q out as ``[Hkv, R, D]`` with every request's rows starting on a tile
+  boundary (a gather, each packed row naming its token and head) and gathers the output
+  back.
 
 Keys. A block copies the request's block-table row into shared memory (as ``[width / 32,
 32]``: one copy, at most 8192 pages), then each page's ``[page_size, head_dim]`` slab of its
@@ -36,17 +46,18 @@ Two forms of the kernel (``form=``):
   ~10x slower as threads): a 64-row tile on one warpgroup, which issues step
   ``i + stages`` once step ``i`` has read its slot, as the decode kernel's split grid.
 
-On an H200 (bf16, D=128, GQA 32/8, page 16; ``benchmarks/RESULTS.md``, round 31) the
-warp-specialised kernel alone runs 8 x (2048 + 512) at 495 TFLOP/s and 1 x (0 + 8192) at 546;
-through this entry point (q packed and unpacked by XLA gathers) 367-498 TFLOP/s, 1.23-1.32x
-the Triton-lowered kernel in the same run.
+On an H200 (bf16, D=128, GQA 32/8, page 16; ``benchmarks/RESULTS.md``, round 32) the
+warp-specialised form runs through the public op at 470 / 531 / 481 / 188 TFLOP/s on 8 x
+(2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096) and 32 x (1000 + 24), 1.39-1.58x the
+Triton-lowered kernel in the same run (the short row's kernel alone: 219-224).
 
 The memory-safety contract (:mod:`jaxattn.reference.validity`): page ids are clamped into
 the pool before any copy, lengths into the table, request and tile indices into their
 arrays, so no index value makes a copy leave a buffer; the requests the contract calls
 invalid (a structurally broken ``cu_seqlens_q``, rows past q, ``Lk < Lq``, a bad length, a
-page id outside the pool among the pages a request uses) get NaN rows from the wrapper,
-which computes the contract once in ``jax.numpy``. Rows past the last request are zeros. A
+page id outside the pool among the pages a request uses) get NaN rows: the wrapper computes
+the contract once in ``jax.numpy`` and the warp-specialised kernel writes them (the single
+form's wrapper sets them after its gather). Rows past the last request are zeros. A
 step's keys past the tile's last visible key (a page's tail, pages past the request) are
 copied but masked out of S, and their V rows zeroed in shared memory before P V (in the
 warp-specialised form the rows at or past Lk, which its two consumers share), so NaN there
@@ -89,66 +100,164 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill")
 
 
-def _keys_seen(m0, rows: int, group: int, lq, lk):
-    """Keys the last of ``rows`` packed rows from row ``m0`` sees (not clipped): its token (at
-    most the request's last) plus the prefix shift ``lk - lq``, plus one."""
-    return jnp.minimum(lq - 1, lax.div(m0 + rows - 1, group)) + lk - lq + 1
+def serves_by_default(q, k_cache, v_cache, layout, block_tables) -> bool:
+    """Whether ``implementation="pallas"``'s prefix prefill runs this kernel when no config
+    names a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype (FP8 caches keep
+    the Triton-lowered kernel), and arguments the warp-specialised form takes with its
+    defaults (layout, head size, group, table width, shared memory)."""
+    if available() is not None or Q.is_fp8(k_cache.dtype) or k_cache.dtype != q.dtype:
+        return False
+    if jax.default_backend() != "gpu" or not is_sm90():
+        return False
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    per_step = default_pages_per_step("warp_specialized", 2, geom.page_size)
+    if per_step * geom.page_size % 64:
+        return False
+    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step)
+    width = block_tables.shape[1]
+    return (
+        why is None and width <= MAX_PAGES and _ws_smem(2, per_step, geom, q, width) <= SMEM_BYTES
+    )
 
 
-def _tiles(
-    q, cu_seqlens_q, seq_lens, *, group: int, capacity: int, tile_rows: int = ROWS,
-    longest_first: bool = False,
-):  # fmt: skip
-    """The packed q ``[Hkv, R, D]``, the tile records ``int32 [NT, INFO]`` (request, first
-    row within it, Lq, Lk, live, its place in the packed q) of tiles of ``tile_rows`` rows
-    (``longest_first``: ordered by decreasing work), and each q element's packed row
-    ``int32 [T, G]`` (R: not placed)."""
+def _ws_smem(stages: int, pages_per_step: int, geom, q, width: int) -> int:
+    """Shared memory of the warp-specialised form: the K and V ring, q's tiles and the
+    consumers' row buffers, the table row, the records and barriers."""
+    itemsize = q.dtype.itemsize
+    ring = 2 * stages * pages_per_step * geom.page_size * geom.head_dim * itemsize
+    return ring + 2 * PAIR * geom.head_dim * itemsize + 4 * width + SMEM_SLACK
+
+
+def _keys_seen(last, lq, lk):
+    """Keys a request's token ``last`` (clipped to its last token) sees, plus the prefix
+    shift ``lk - lq``: the keys up to its last visible one (not clipped into ``lk``)."""
+    return jnp.minimum(lq - 1, last) + lk - lq + 1
+
+
+def tokens_per_half(group: int) -> int:
+    """Tokens a consumer warpgroup's 64 rows hold in the warp-specialised form: every query
+    head of the group for ``64 // group`` tokens (head-major rows)."""
+    return ROWS // group
+
+
+def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, capacity: int):
+    """The warp-specialised form's tile records ``int32 [NT, INFO]``, longest first. q's
+    rows are segments: each request's (its rows inside q), then the rows past the last
+    request; a tile is ``2 * tokens_per_half(group)`` tokens of one segment. Fields: table
+    row, first token in the segment, tokens in the segment (Lq), keys (Lk), whether it
+    computes, the segment's first row in q, and what it writes: 0 attention, 1 zeros (rows
+    past the last request), 2 NaN (a request the contract poisons; every row when
+    ``cu_seqlens_q`` is broken). Every row of q is in exactly one tile."""
+    B = seq_lens.shape[0]
+    tpt = 2 * tokens_per_half(group)
+    NT = -(-T // tpt) + B + 1
+    cu = cu_seqlens_q.astype(jnp.int32)
+    start = jnp.clip(cu[:-1], 0, T)
+    lq = jnp.clip(jnp.minimum(cu[1:], T) - start, 0, T)  # each request's rows inside q
+    end = jnp.clip(cu[-1], 0, T)
+    zero = jnp.zeros((1,), jnp.int32)
+    seg_start = jnp.concatenate([start, end[None]])
+    seg_len = jnp.concatenate([lq, (T - end)[None]])
+    seg_mode = jnp.concatenate([jnp.where(ok, 0, 2), jnp.ones((1,), jnp.int32)])
+    # cu_seqlens_q broken: one segment of every row, NaN.
+    first_seg = jnp.arange(B + 1) == 0
+    seg_start = jnp.where(structural, seg_start, 0)
+    seg_len = jnp.where(structural, seg_len, jnp.where(first_seg, T, 0))
+    seg_mode = jnp.where(structural, seg_mode, 2)
+    seg_b = jnp.concatenate([jnp.arange(B, dtype=jnp.int32), zero])
+    seg_lk = jnp.concatenate([jnp.clip(seq_lens, 0, capacity), zero])
+    tiles = (seg_len + tpt - 1) // tpt
+    ends = jnp.cumsum(tiles)
+    k = jnp.arange(NT, dtype=jnp.int32)
+    # Each tile's segment: one comparison of [NT, B + 1] (a search by a loop would cost
+    # the host a round trip an iteration on a GPU).
+    s = jnp.minimum(jnp.sum(ends[None, :] <= k[:, None], axis=1, dtype=jnp.int32), B)
+    real = k < ends[-1]
+    seg = jnp.stack([seg_b, ends - tiles, seg_len, seg_lk, seg_mode, seg_start], axis=1)[s]
+    b, first_tile, lq, lk, mode, start = (seg[:, i] for i in range(6))
+    tok0 = (k - first_tile) * tpt
+    computes = real & (mode == 0)
+    fields = [
+        jnp.where(computes, b, 0),
+        jnp.where(real, tok0, 0),
+        jnp.where(real, lq, 0),  # 0: the tile writes nothing
+        jnp.where(computes, lk, 0),
+        computes.astype(jnp.int32),
+        jnp.where(real, start, 0),
+        jnp.where(real, mode, 0),
+    ]
+    info = jnp.pad(jnp.stack(fields, axis=1), ((0, 0), (0, INFO - len(fields))))
+    # Longest first (by the keys the tile's last token sees), so the grid ends on short ones.
+    seen = _keys_seen(fields[1] + tpt - 1, fields[2], fields[3])
+    return info[jnp.argsort(-jnp.where(computes, seen, -1), stable=True)]
+
+
+def _copy_rows(n, most: int, copy):
+    """Copies ``n`` rows (traced, ``0 <= n <= most``) as power-of-two pieces, largest first:
+    ``copy(offset, piece, bit)`` for each set bit of ``n`` (an async copy's box is static)."""
+    offset = 0
+    for bit in reversed(range(most.bit_length())):
+        piece = 1 << bit
+
+        @pl.when((n & piece) != 0)
+        def _(offset=offset, piece=piece, bit=bit):
+            copy(offset, piece, bit)
+
+        offset = offset + (n & piece)
+
+
+def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
+    """The single form's packed q ``[Hkv, R, D]``, the tile records ``int32 [NT, INFO]``
+    (request, first row within it, Lq, Lk, live, its place in the packed q) of 64-row
+    tiles, and each q element's packed row ``int32 [T, G]`` (R: not placed)."""
     T, Hq, D = q.shape
     G = group
     Hkv = Hq // G
     B = seq_lens.shape[0]
-    NT = -(-T * G // tile_rows) + B
-    R = NT * tile_rows
+    NT = -(-T * G // ROWS) + B
+    R = NT * ROWS
     cu = cu_seqlens_q.astype(jnp.int32)
     start = jnp.clip(cu[:-1], 0, T)
     lq = jnp.clip(jnp.minimum(cu[1:], T) - start, 0, T)  # each request's rows inside q
-    tiles = (lq * G + tile_rows - 1) // tile_rows
+    tiles = (lq * G + ROWS - 1) // ROWS
     first_tile = jnp.cumsum(tiles) - tiles
     total = jnp.sum(tiles)
     # Token t belongs to the first request whose end lies past it (empty requests skipped);
     # t past the last request: none.
     t = jnp.arange(T, dtype=jnp.int32)
-    b_of = jnp.searchsorted(jnp.minimum(cu[1:], T), t, side="right").astype(jnp.int32)
+    b_of = jnp.searchsorted(jnp.minimum(cu[1:], T), t, side="right", method="compare_all").astype(
+        jnp.int32
+    )
     placed = (b_of < B) & (t >= cu[0])
     bc = jnp.clip(b_of, 0, B - 1)
-    row = first_tile[bc] * tile_rows + (t - start[bc]) * G
+    row = first_tile[bc] * ROWS + (t - start[bc]) * G
     dest = jnp.where(placed[:, None], row[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :], R)
     k = jnp.arange(NT, dtype=jnp.int32)
-    b_k = jnp.clip(jnp.searchsorted(jnp.cumsum(tiles), k, side="right").astype(jnp.int32), 0, B - 1)
+    b_k = jnp.clip(
+        jnp.searchsorted(jnp.cumsum(tiles), k, side="right", method="compare_all").astype(
+            jnp.int32
+        ),
+        0,
+        B - 1,
+    )
     # q_packed by a gather: row r of tile k is token (r - first row of its request) // G of
     # the request, head (that) % G; rows past a request's tokens are zeros.
     r = jnp.arange(R, dtype=jnp.int32)
-    b_r = b_k[r // tile_rows]
-    local = r - first_tile[b_r] * tile_rows
+    b_r = b_k[r // ROWS]
+    local = r - first_tile[b_r] * ROWS
     tok = local // G
-    filled = (r // tile_rows < total) & (tok < lq[b_r])
+    filled = (r // ROWS < total) & (tok < lq[b_r])
     src_t = jnp.where(filled, start[b_r] + tok, 0)
     picked = q.reshape(T, Hkv, G, D)[src_t, :, local % G, :]  # [R, Hkv, D]
     q_packed = jnp.where(filled[:, None, None], picked, jnp.zeros((), q.dtype)).transpose(1, 0, 2)
     live = k < total
     info = jnp.zeros((NT, INFO), jnp.int32)
     info = info.at[:, 0].set(jnp.where(live, b_k, 0))
-    info = info.at[:, 1].set(jnp.where(live, (k - first_tile[b_k]) * tile_rows, 0))
+    info = info.at[:, 1].set(jnp.where(live, (k - first_tile[b_k]) * ROWS, 0))
     info = info.at[:, 2].set(jnp.where(live, lq[b_k], 0))
     info = info.at[:, 3].set(jnp.where(live, jnp.clip(seq_lens[b_k], 0, capacity), 0))
     info = info.at[:, 4].set(live.astype(jnp.int32))
-    info = info.at[:, 5].set(k)  # the tile's place in q_packed (its first row / tile_rows)
-    if longest_first:
-        # Records in decreasing order of the keys their last row sees (dead tiles last), so
-        # the grid's tail is short tiles: info[5] keeps each one's rows.
-        seen = _keys_seen(info[:, 1], tile_rows, G, info[:, 2], info[:, 3])
-        work = jnp.where(live, seen, -1)
-        info = info[jnp.argsort(-work, stable=True)]
+    info = info.at[:, 5].set(k)  # the tile's place in q_packed (its first row / ROWS)
     return q_packed, info, dest
 
 
@@ -208,7 +317,7 @@ def _kernel_call(
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t * ROWS, ROWS)], q_smem, q_bar.at[0])
         shift = lk - lq
         # Keys up to the tile's last row's last visible one are loaded.
-        end = jnp.where(live > 0, jnp.clip(_keys_seen(m0, ROWS, G, lq, lk), 0, lk), 0)
+        end = jnp.where(live > 0, jnp.clip(_keys_seen(lax.div(m0 + ROWS - 1, G), lq, lk), 0, lk), 0)
         n_steps = (end + T - 1) // T
         plgpu.barrier_wait(meta_bar.at[1])
 
@@ -277,34 +386,39 @@ def _kernel_call(
 
 
 def _ws_kernel_call(
-    q_packed, k_cache, v_cache, tables, info, *, geom, layout, group, scale, soft_cap,
-    pages_per_step, stages, interpret,
+    q, k_cache, v_cache, tables, info, *, geom, layout, group, scale, soft_cap, pages_per_step,
+    stages, interpret,
 ):  # fmt: skip
-    """The warp-specialised form, 16-bit caches: ``q_packed.dtype`` ``[Hkv, R, D]``, each
-    128-row tile's normalised rows (see the module docstring)."""
-    Hkv, R, D = q_packed.shape
-    NT, G, NS, dtype = R // PAIR, group, stages, q_packed.dtype
-    P, S, T = geom.num_pages, geom.page_size, pages_per_step * geom.page_size
+    """The warp-specialised form, 16-bit caches: ``[T, Hq, D]`` in q's dtype, every row
+    written (see :func:`_ws_records` and the module docstring)."""
+    T, Hq, D = q.shape
+    G, NS, dtype = group, stages, q.dtype
+    Hkv = Hq // G
+    NT = info.shape[0]
+    NTOK = tokens_per_half(G)
+    BITS = NTOK.bit_length()  # the power-of-two pieces of a consumer's rows
+    P, S, T_step = geom.num_pages, geom.page_size, pages_per_step * geom.page_size
     cast, iota = M.layout_ops(interpret)
     bshd = layout == "bshd"
     # raw score -> base-2 logit, folded into the exponent (a positive scale, no cap)
     c2 = scale * C.LOG2E if soft_cap is None and scale > 0 else None
 
     def bounds(info_smem, w):
-        """Warpgroup ``w``'s rows: (first row, Lk, Lk - Lq, keys to read, steps). Rows that
-        are all padding (a request's last tile of at most 64 rows) read nothing."""
-        m0 = info_smem[1] + w * ROWS
+        """Warpgroup ``w``'s tokens: (first token in the segment, Lk - Lq, keys to read,
+        steps). A warpgroup without tokens (a segment's last tile of at most 64 rows), and
+        every warpgroup of a tile that does not compute, reads nothing."""
+        tok = info_smem[1] + w * NTOK
         lq, lk, live = info_smem[2], info_smem[3], info_smem[4]
-        reads = (live > 0) & (m0 < lq * G)
-        end = jnp.where(reads, jnp.clip(_keys_seen(m0, ROWS, G, lq, lk), 0, lk), 0)
-        return m0, lk, lk - lq, end, (end + T - 1) // T
+        reads = (live > 0) & (tok < lq)
+        end = jnp.where(reads, jnp.clip(_keys_seen(tok + NTOK - 1, lq, lk), 0, lk), 0)
+        return tok, lk - lq, end, (end + T_step - 1) // T_step
 
     def steps(info_smem):
         """The steps the tile's two warpgroups read between them."""
         return jnp.maximum(bounds(info_smem, 0)[-1], bounds(info_smem, 1)[-1])
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref, scoped):
-        (q2, k_smem, v_smem, tab_smem, info_smem), bars = scoped
+        (q2, rows2, k_smem, v_smem, tab_smem, info_smem), bars = scoped
         meta, q_bars, k_bars, v_bars, k_free, v_free, sched = bars
         wg = lax.axis_index("wg")
         h = lax.axis_index("kvh")
@@ -348,17 +462,48 @@ def _ws_kernel_call(
         def _consumer():
             if not interpret:
                 plgpu.set_max_registers(232, action="increase")
-            q_smem = q2.at[wg]
+            q_smem, rows_smem = q2.at[wg], rows2.at[wg]
             plgpu.barrier_wait(meta.at[0])
-            # A tile's index times its rows: the lowering sees the copy's rows aligned.
-            rows = pl.ds(info_smem[5] * PAIR + wg * ROWS, ROWS)
-            plgpu.copy_gmem_to_smem(q_ref.at[h, rows], q_smem, q_bars.at[wg])
-            m0, lk, shift, end, n = bounds(info_smem, wg)
+            tok, shift, end, n = bounds(info_smem, wg)
             n_all = steps(info_smem)
+            lq, lk, mode = info_smem[2], info_smem[3], info_smem[6]
+            held = jnp.clip(lq - tok, 0, NTOK)  # the tokens whose rows this warpgroup writes
+            first = info_smem[5] + tok  # the first one's row of q
+
+            # q's rows straight from q, head-major (head g's tokens are rows g * NTOK ...):
+            # each head's rows are one strided box of q a piece. Rows of no token keep what
+            # shared memory held; their results are never stored.
+            def load(offset, piece, bit):
+                for g in range(G):
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[pl.ds(first + offset, piece), h, g],
+                        rows_smem.at[pl.ds(g * NTOK + offset, piece)],
+                        q_bars.at[wg * BITS + bit],
+                    )
+
+            loaded = jnp.where(n > 0, held, 0)
+            _copy_rows(loaded, NTOK, load)
             # Steps whose every key each of these rows sees (and below Lk): no mask.
             # (None where Lk < Lq, a request the contract poisons: never a negative step.)
-            full = jnp.maximum(jnp.minimum(lax.div(m0, G) + shift + 1, end), 0) // T
-            plgpu.barrier_wait(q_bars.at[wg])
+            full = jnp.maximum(jnp.minimum(tok + shift + 1, end), 0) // T_step
+            for bit in range(BITS):
+
+                @pl.when((loaded & (1 << bit)) != 0)
+                def _(bit=bit):
+                    plgpu.barrier_wait(q_bars.at[wg * BITS + bit])
+
+            # Into the wgmma operand's tiled layout through registers (an async copy into
+            # it needs a row offset the lowering can prove a multiple of 8).
+            @pl.when(n > 0)
+            def _():
+                if interpret:
+                    q_smem[...] = rows_smem[...]
+                else:
+                    q_smem[...] = plgpu.load(
+                        rows_smem, (), layout=plgpu.Layout.WGMMA, optimized=False
+                    )
+                plgpu.commit_smem()
+
             state = M.initial_state(cast, D)
 
             @pl.when(n > 0)
@@ -381,13 +526,13 @@ def _ws_kernel_call(
                         take_turn()
                         return ref[...]
 
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, T), jnp.float32))
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, T_step), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if c2 is None:
                     s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
                 if masked:
-                    key = iota((ROWS, T), 1) + i * T
-                    limit = lax.div(m0 + iota((ROWS, T), 0), G) + shift
+                    key = iota((ROWS, T_step), 1) + i * T_step
+                    limit = tok + lax.rem(iota((ROWS, T_step), 0), NTOK) + shift
                     s = jnp.where((key <= limit) & (key < end), s, -jnp.inf)
                 if c2 is None:
                     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -407,10 +552,10 @@ def _ws_kernel_call(
                 if masked:
                     # The step that crosses Lk: its rows there (a page's tail, pages past
                     # the request) are not the request's; zeros, so 0 * NaN never happens.
-                    @pl.when((i + 1) * T > lk)
+                    @pl.when((i + 1) * T_step > lk)
                     def _():
-                        keep = iota((T, D), 0) < lk - i * T
-                        v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((T, D), dtype))
+                        keep = iota((T_step, D), 0) < lk - i * T_step
+                        v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((T_step, D), dtype))
                         plgpu.commit_smem()
 
                 def wait_next_k():
@@ -444,23 +589,36 @@ def _ws_kernel_call(
             acc, m_i, l_i = lax.fori_loop(full, n, functools.partial(step, masked=True), state)
             lax.fori_loop(n, n_all, flush, None)
             pl.when(wg == 0)(take_turn)
-            # Rows that saw no key (padding rows, empty tiles) divide 0 by 0: never gathered.
-            q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            # What the tile writes: attention (every row saw a key), zeros (rows past the
+            # last request: acc is 0, so 0 / 1) or NaN (0 / 0 plus NaN).
+            zeros = (mode == 1).astype(jnp.float32)
+            poison = jnp.where(mode == 2, jnp.float32(jnp.nan), jnp.float32(0.0))
+            out = acc / lax.broadcast_in_dim(l_i + zeros, acc.shape, [0]) + poison
+            rows_smem[...] = out.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[h, rows])
+
+            def store(offset, piece, bit):
+                for g in range(G):
+                    plgpu.copy_smem_to_gmem(
+                        rows_smem.at[pl.ds(g * NTOK + offset, piece)],
+                        out_ref.at[pl.ds(first + offset, piece), h, g],
+                    )
+
+            _copy_rows(held, NTOK, store)
             plgpu.wait_smem_to_gmem(0)
 
     def entry(q_ref, k_ref, v_ref, tab_ref, info_ref, out_ref):
         smem = (
             plgpu.SMEM((2, ROWS, D), dtype, transforms=M.tiled()),
-            M.ring_smem(NS, T, D, dtype),
-            M.ring_smem(NS, T, D, dtype),
+            plgpu.SMEM((2, ROWS, D), dtype),  # each consumer's rows as q and out hold them
+            M.ring_smem(NS, T_step, D, dtype),
+            M.ring_smem(NS, T_step, D, dtype),
             plgpu.SMEM(tables.shape[1:], jnp.int32),
             plgpu.SMEM((INFO,), jnp.int32),
         )
         bars = (
             plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=G, num_barriers=2 * BITS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=2, num_barriers=NS),
@@ -474,15 +632,16 @@ def _ws_kernel_call(
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
+    out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((Hkv, R, D), dtype),
+        out_type=jax.ShapeDtypeStruct((T, Hkv, G, D), dtype),
         grid=(Hkv, NT),
         grid_names=("kvh", "t"),
         num_threads=3,
         thread_name="wg",
         **M.launch_params(interpret),
-    )(q_packed, k_cache, v_cache, tables, info)
+    )(q.reshape(T, Hkv, G, D), k_cache, v_cache, tables, info)
+    return out.reshape(T, Hq, D)
 
 
 def _table_rows(block_tables):
@@ -502,54 +661,60 @@ def default_pages_per_step(form: str, stages: int, page_size: int) -> int:
     return M.steps_of(None, page_size)
 
 
-def _run(
-    q,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    block_tables,
-    seq_lens,
-    k_scale,
-    v_scale,
-    *,
-    geom,
-    layout,
-    capacity,
-    **kw,
-):
-    """f32 ``[T, Hq, D]``: the kernel's rows back in q's order, zeros past the last request."""
+def _problems(cu_seqlens_q, num_rows: int, block_tables, seq_lens, geom):
+    """The memory-safety contract's checks of a call (:mod:`jaxattn.reference.validity`)."""
+    problems = _validity.ragged_problems(cu_seqlens_q, num_rows, seq_lens, q_name="cu_seqlens_q")
+    return problems + _validity.paged_problems(
+        block_tables, seq_lens, geom.page_size, geom.num_pages
+    )
+
+
+def ws_records(cu_seqlens_q, block_tables, seq_lens, *, num_rows: int, group: int, geom):
+    """The warp-specialised kernel's tile records for a call (the contract checked), as the
+    entry point builds them: what a caller that runs the kernel alone passes it."""
+    problems = _problems(cu_seqlens_q, num_rows, block_tables, seq_lens, geom)
+    structural, ok = _validity.ragged_valid(problems, seq_lens.shape[0])
+    capacity = block_tables.shape[1] * geom.page_size
+    return _ws_records(
+        cu_seqlens_q, seq_lens, ok, structural, T=num_rows, group=group, capacity=capacity
+    )
+
+
+def _run(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, k_scale, v_scale, *,
+         geom, layout, capacity, problems, **kw):  # fmt: skip
+    """``[T, Hq, D]`` in q's dtype: the attention of every request's rows, NaN in the rows the
+    contract poisons (``problems``), zeros past the last request."""
     T, Hq, D = q.shape
     Hkv = geom.num_kv_heads
     G = Hq // Hkv
+    structural, ok = _validity.ragged_valid(problems, seq_lens.shape[0])
+    tables = _table_rows(block_tables)
+    layout = L.get(layout, pool=True).name
+    if kw.pop("form") == "warp_specialized":
+        info = _ws_records(cu_seqlens_q, seq_lens, ok, structural, T=T, group=G, capacity=capacity)
+        return _ws_kernel_call(
+            q, k_cache, v_cache, tables, info, geom=geom, layout=layout, group=G, **kw
+        )
     fp8 = Q.is_fp8(k_cache.dtype)
     if fp8:
-        q, factor = M.to_float16(q, Hkv, k_scale)
+        q16, factor = M.to_float16(q, Hkv, k_scale)
         kw["factors"] = M.pad_to(factor, 0, 32)
-    ws = kw.pop("form") == "warp_specialized"
     q_packed, info, dest = _tiles(
-        q, cu_seqlens_q, seq_lens, group=G, capacity=capacity, tile_rows=PAIR if ws else ROWS,
-        longest_first=ws,
-    )  # fmt: skip
-    tables = _table_rows(block_tables)
-    out = (_ws_kernel_call if ws else _kernel_call)(
-        q_packed,
-        k_cache,
-        v_cache,
-        tables,
-        info,
-        geom=geom,
-        layout=L.get(layout, pool=True).name,
-        group=G,
-        **kw,
+        q16 if fp8 else q, cu_seqlens_q, seq_lens, group=G, capacity=capacity
+    )
+    out = _kernel_call(
+        q_packed, k_cache, v_cache, tables, info, geom=geom, layout=layout, group=G, **kw
     )
     R = out.shape[1]
     rows = out[:, jnp.minimum(dest, R - 1)]  # [Hkv, T, G, D]
     rows = rows.transpose(1, 0, 2, 3).reshape(T, Hq, D)
-    placed = jnp.broadcast_to((dest < R)[:, None, :], (T, geom.num_kv_heads, G))
+    placed = jnp.broadcast_to((dest < R)[:, None, :], (T, Hkv, G))
     rows = jnp.where(placed.reshape(T, Hq, 1), rows, 0.0)
     if fp8:  # the output is linear in the values
         rows = rows * jnp.repeat(M.head_vector(v_scale, Hkv), G)[None, :, None]
-    return rows
+    # The contract's NaN rows (jaxattn.reference.validity), computed once here.
+    bad_rows = _validity.ragged_row_mask(cu_seqlens_q, T, structural, ok)
+    return jnp.where(bad_rows[:, None, None], jnp.nan, rows).astype(q.dtype)
 
 
 @functools.partial(
@@ -589,35 +754,30 @@ def _prefix_prefill(
     seq_lens = seq_lens.astype(jnp.int32)
     if T == 0:
         return jnp.zeros_like(q)
-    if B == 0:  # every row is padding
-        rows = jnp.zeros((T, Hq, D), jnp.float32)
-    else:
-        rows = _run(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            block_tables,
-            seq_lens,
-            k_scale,
-            v_scale,
-            geom=geom,
-            layout=layout,
-            capacity=capacity,
-            scale=scale,
-            soft_cap=soft_cap,
-            pages_per_step=pages_per_step,
-            stages=stages,
-            form=form,
-            interpret=interpret,
-        )
-    # The contract's NaN rows (jaxattn.reference.validity), computed once here.
-    problems = _validity.ragged_problems(cu_seqlens_q, T, seq_lens, q_name="cu_seqlens_q")
-    problems += _validity.paged_problems(block_tables, seq_lens, geom.page_size, geom.num_pages)
-    structural, ok = _validity.ragged_valid(problems, B)
-    bad_rows = _validity.ragged_row_mask(cu_seqlens_q, T, structural, ok)
-    rows = jnp.where(bad_rows[:, None, None], jnp.nan, rows)
-    return rows.astype(q.dtype)
+    problems = _problems(cu_seqlens_q, T, block_tables, seq_lens, geom)
+    if B == 0:  # every row is padding (NaN where cu_seqlens_q is broken)
+        structural, _ = _validity.ragged_valid(problems, B)
+        return jnp.where(structural, jnp.zeros_like(q), jnp.nan)
+    return _run(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_tables,
+        seq_lens,
+        k_scale,
+        v_scale,
+        geom=geom,
+        layout=layout,
+        capacity=capacity,
+        problems=problems,
+        scale=scale,
+        soft_cap=soft_cap,
+        pages_per_step=pages_per_step,
+        stages=stages,
+        form=form,
+        interpret=interpret,
+    )
 
 
 def prefix_prefill(
@@ -675,14 +835,13 @@ def prefix_prefill(
         why = why or "the warp-specialised Mosaic GPU prefill reads 16-bit caches (FP8: 'single')"
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     if ws:
-        ring = 2 * stages * pages_per_step * geom.page_size * geom.head_dim * q.dtype.itemsize
-        smem = ring + PAIR * geom.head_dim * q.dtype.itemsize + 4 * block_tables.shape[1]
-        smem += SMEM_SLACK
+        smem = _ws_smem(stages, pages_per_step, geom, q, block_tables.shape[1])
         if smem > SMEM_BYTES:
             raise ValueError(
                 f"the warp-specialised Mosaic GPU prefill's ring ({stages} stages of "
-                f"{pages_per_step} pages of {geom.page_size} tokens) and q tiles take {smem} "
-                f"bytes of shared memory, more than {SMEM_BYTES}: fewer stages or pages_per_step"
+                f"{pages_per_step} pages of {geom.page_size} tokens) and q / output tiles take "
+                f"{smem} bytes of shared memory, more than {SMEM_BYTES}: fewer stages or "
+                "pages_per_step"
             )
     return _prefix_prefill(
         q,
