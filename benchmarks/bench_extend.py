@@ -247,6 +247,12 @@ def main(argv=None):
         "the form defaults to the kernel's: warp-specialised for 16-bit caches)",
     )
     p.add_argument(
+        "--triton",
+        action="store_true",
+        help="--form prefill: also time the Pallas op on its Triton-lowered kernel (the "
+        "default on sm_90 is the Mosaic GPU kernel for 16-bit caches)",
+    )
+    p.add_argument(
         "--native-kernels",
         default=None,
         help="also time the native op with each of these GPU prefill kernels forced "
@@ -343,6 +349,13 @@ def main(argv=None):
             record(
                 impl, common.with_scales(op, implementation=impl, **kw), copies, dict(config=label)
             )
+        if args.triton and "pallas" in impls and args.form == "prefill":
+            # The Triton-lowered kernel with its own heuristic tiles, beside the default (the
+            # Mosaic GPU kernel on sm_90 for 16-bit caches).
+            q0, cu0 = copies[0][0], copies[0][3]
+            cfg = jpallas.extend.heuristic_config(q0, hq // hkv, cu0)
+            fn = common.with_scales(op, implementation="pallas", config=cfg, **kw)
+            record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)))
         if args.native_kernels and "native" in impls:
             for name in args.native_kernels.split(","):
                 fn = common.with_scales(

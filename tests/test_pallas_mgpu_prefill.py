@@ -361,3 +361,28 @@ def test_fp8_lowers_for_cuda(fmt, d):
 
     exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_default_lowering(kv_dtype):
+    """implementation="pallas" with no config: the Mosaic GPU kernel for a 16-bit cache when
+    compiled on sm_90, the Triton-lowered one for FP8 caches, scaled calls, other GPUs and
+    the CPU interpreter."""
+    from jaxattn import ops
+    from jaxattn.pallas import IMPLEMENTATIONS
+
+    q = jnp.zeros((10, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((4, 16, 2, 64), kv_dtype)
+    cu, tables, lens = jnp.array([0, 10]), jnp.zeros((1, 4), jnp.int32), jnp.array([10])
+    impl = IMPLEMENTATIONS["prefix_prefill"]
+    fp8 = kv_dtype != jnp.bfloat16
+    scales = dict(k_scale=0.5, v_scale=0.5) if fp8 else {}
+    config = impl.heuristic_config(ops.PREFIX_PREFILL.bind(q, k, k, cu, tables, lens, **scales))
+    mosaic = prefill_mgpu.is_sm90() and jax.default_backend() == "gpu" and not fp8
+    assert config.lowering == ("mosaic_gpu" if mosaic else "triton")
+    # A bf16 cache with q's scale (the mixed mode): the Triton kernel applies it.
+    q8 = q.astype(jnp.float8_e4m3fn)
+    args = ops.PREFIX_PREFILL.bind(
+        q8, k, k, cu, tables, lens, q_scale=2.0, out_dtype=jnp.bfloat16, **scales
+    )
+    assert impl.heuristic_config(args).lowering == "triton"

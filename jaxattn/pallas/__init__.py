@@ -37,18 +37,19 @@ KV at 86% of the read ceiling at B=64 x 4096 (the Triton kernel 88%), 65% at B=8
 at B=1 x 32768 (68%), and 91% (95%) with 32/32 heads at B=64: the Triton kernel stays the
 default until the port is as fast.
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
-page ring, the query heads of a KV head packed into 64-row tiles, the shifted causal mask),
-reached with ``ExtendConfig(lowering="mosaic_gpu")``; tested in interpret mode and compiled
-on an H200 (FP8 caches included). Its warp-specialised form (16-bit caches: a producer
-warpgroup and two consumer warpgroups in turns, FlashAttention-3's schedule) runs 8 x (2048 +
-512) at 367 TFLOP/s and 1 x (0 + 8192) at 498 through the op, 1.26x and 1.32x the Triton
-kernel in the same run (495 and 546 for the kernel alone); Triton stays the default until
-the short extends are timed as well. Both take FP8 caches (e4m3,
-e5m2, per-KV-head scales): the ring holds the codes, each step is widened to float16 tiles in
-shared memory (Mosaic GPU converts FP8 to float16, not to bfloat16), and q is moved to
-float16 by a power of two per KV head; compiled on the H200 the decode kernel's FP8 path is
-correct but slower than its bf16 one (28-30% of the read ceiling), so the native kernels serve
-FP8 caches.
+page ring, the query heads of a KV head packed into the tiles, the shifted causal mask),
+tested in interpret mode and compiled on an H200 (FP8 caches included). Its warp-specialised
+form (16-bit caches: a producer warpgroup and two consumer warpgroups in turns,
+FlashAttention-3's schedule; q read and the output written in their own layout) is what
+``prefix_prefill`` runs by default on sm_90 for 16-bit caches: 470 / 531 / 481 / 188 TFLOP/s
+on 8 x (2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096) and 32 x (1000 + 24) through the public
+op, 1.39-1.58x the Triton kernel on the three long rows in the same run (its short-row
+figure is host-bound; round 32); ``ExtendConfig(lowering=...)`` names either. Both take FP8
+caches (e4m3, e5m2, per-KV-head scales): the ring holds the codes, each step is widened to
+float16 tiles in shared memory (Mosaic GPU converts FP8 to float16, not to bfloat16), and q
+is moved to float16 by a power of two per KV head; compiled on the H200 the decode kernel's
+FP8 path is correct but slower than its bf16 one (28-30% of the read ceiling), so the native
+kernels serve FP8 caches.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
@@ -117,6 +118,12 @@ class _PrefixPrefill(_Pallas):
     config_cls = ExtendConfig
 
     def heuristic_config(self, a):
+        from . import prefill_mgpu
+
+        if not a.scaled and prefill_mgpu.serves_by_default(
+            a.kernel_q, a.k_cache, a.v_cache, a.layout.name, a.block_tables
+        ):
+            return ExtendConfig(lowering="mosaic_gpu")
         return _extend.heuristic_config(a.kernel_q, a.group, a.cu_seqlens_q)
 
     function = staticmethod(prefix_prefill)

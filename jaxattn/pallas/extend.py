@@ -53,10 +53,12 @@ class ExtendConfig:
     lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
       (:mod:`jaxattn.pallas.prefill_mgpu`, sm_90 or Mosaic GPU's interpret mode; prefix
       prefill over a paged cache, 16-bit or FP8, bshd/bhsd; the other fields do not apply to
-      it). On an H200 its warp-specialised kernel (16-bit caches) ran 8 x (2048 + 512), 1 x
-      (0 + 8192) and 4 x (0 + 4096) at 367 / 498 / 416 TFLOP/s against Triton's 291 / 378 /
-      338 in the same run (``benchmarks/RESULTS.md``, round 31); Triton stays the default
-      until the short extends (32 x (1000 + 24): both host-bound there) are timed too.
+      it). With no config, ``prefix_prefill`` takes the Mosaic GPU kernel on sm_90 for 16-bit
+      caches it serves (:func:`jaxattn.pallas.prefill_mgpu.serves_by_default`) and this
+      kernel otherwise (the token-pool ``extend_attention``, FP8 caches, other GPUs, the CPU
+      interpreter). On an H200 the Mosaic GPU kernel ran 8 x (2048 + 512), 1 x (0 + 8192),
+      4 x (0 + 4096) and 32 x (1000 + 24) at 470 / 531 / 481 / 188 TFLOP/s against this
+      kernel's 298 / 382 / 346 / 85 in the same run (``benchmarks/RESULTS.md``, round 32).
     """
 
     block_q: int = 128
