@@ -444,7 +444,12 @@ def resolved_label(op, args: tuple, impl: str, **kw) -> str:
 
 
 def config_label(cfg) -> str:
-    """Compact 'field=value' text of a backend config dataclass (None fields left out)."""
+    """Compact 'field=value' text of a backend config dataclass (None fields left out); a
+    Pallas config on the Mosaic GPU lowering is that lowering alone (its tile fields do not
+    apply to it)."""
+    lowering = getattr(cfg, "lowering", None)
+    if lowering is not None and lowering != "triton":
+        return f"lowering={lowering}"
     short = {
         "block_q": "bq",
         "block_n": "bn",
