@@ -759,25 +759,10 @@ def _prefix_prefill(
         structural, _ = _validity.ragged_valid(problems, B)
         return jnp.where(structural, jnp.zeros_like(q), jnp.nan)
     return _run(
-        q,
-        k_cache,
-        v_cache,
-        cu_seqlens_q,
-        block_tables,
-        seq_lens,
-        k_scale,
-        v_scale,
-        geom=geom,
-        layout=layout,
-        capacity=capacity,
-        problems=problems,
-        scale=scale,
-        soft_cap=soft_cap,
-        pages_per_step=pages_per_step,
-        stages=stages,
-        form=form,
-        interpret=interpret,
-    )
+        q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, k_scale, v_scale, geom=geom,
+        layout=layout, capacity=capacity, problems=problems, scale=scale, soft_cap=soft_cap,
+        pages_per_step=pages_per_step, stages=stages, form=form, interpret=interpret,
+    )  # fmt: skip
 
 
 def prefix_prefill(
