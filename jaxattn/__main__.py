@@ -334,6 +334,13 @@ def _table(rows) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
+def _with_lowering(stats: dict, kind: str) -> str:
+    """A step kind's attention backend, with its Pallas lowering where it has one."""
+    lowering = stats.get("attention_lowering", {}).get(kind)
+    backend = stats["attention_backend"][kind]
+    return backend if lowering is None else f"{backend} ({lowering} lowering)"
+
+
 def demo(args) -> int:
     import jax
 
@@ -505,8 +512,8 @@ def demo(args) -> int:
         ),
         (
             "attention backend",
-            f"extend: {s['attention_backend']['extend']} ({engine.runner.extend_attention}), "
-            f"decode: {s['attention_backend']['decode']}",
+            f"extend: {_with_lowering(s, 'extend')} ({engine.runner.extend_attention}), "
+            f"decode: {_with_lowering(s, 'decode')}",
         ),
     ]
     if args.verify:

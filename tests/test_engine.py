@@ -119,6 +119,8 @@ def test_greedy_matches_dense_with_prefix_hits_chunks_and_any_order():
     assert set(stats["attention_backend"]) == {"extend", "decode"}
     for backend in stats["attention_backend"].values():
         assert backend == auto if isinstance(auto, str) else backend in auto
+    if auto == "reference":  # a backend without lowerings
+        assert stats["attention_lowering"] == {"extend": None, "decode": None}
 
     # Again on the warm cache, in another order: whole prompts (and the previous
     # outputs' pages) are hits now, and the outputs are the same.
@@ -690,6 +692,12 @@ def test_engine_on_the_gpu(implementation, device_paging):
         assert_whole(engine)
     stats = engine.stats
     assert stats["attention_backend"] == {"extend": implementation, "decode": implementation}
+    # The Pallas lowering of each step kind (decode: Triton; extend: either); none for native.
+    lowering = stats["attention_lowering"]
+    if implementation == "pallas":
+        assert lowering["decode"] == "triton" and lowering["extend"] in ("triton", "mosaic_gpu")
+    else:
+        assert lowering == {"extend": None, "decode": None}
     assert stats["decode_steps"] > stats["decode_calls"] and stats["prefix_hit_tokens"] > 0
 
 

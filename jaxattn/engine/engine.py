@@ -605,6 +605,7 @@ class Engine:
         out.update(
             compiles=dict(getattr(runner, "trace_counts", {})),
             attention_backend=dict(getattr(runner, "backends", {})),
+            attention_lowering=dict(getattr(runner, "lowerings", {})),
             decode_linear=getattr(runner, "decode_linear", None),
             kv_write=getattr(runner, "kv_write", None),
             fused_rope=bool(getattr(runner, "fused_rope", False)),
@@ -635,28 +636,28 @@ class Engine:
         peak_kv_slots_contiguous: the most KV slots a contiguous preallocation (prompt +
         max_new_tokens per running sequence) would have held at once; peak_live_tokens: the
         most tokens running sequences needed KV for at once (shared prefixes counted per
-        sequence); compiles: programs traced per step kind; attention_backend: what the
-        extend and decode steps run; decode_linear: who runs the decode step's projections
-        (``"xla"``, ``"pad"``: XLA with one row padded to two, ``"native"``; see
+        sequence); compiles: programs traced per step kind; attention_backend: what the extend and
+        decode steps run; attention_lowering: the Pallas lowering of each (``"triton"``,
+        ``"mosaic_gpu"``; None for other backends); decode_linear: who runs the decode step's
+        projections (``"xla"``, ``"pad"``: XLA with one row padded to two, ``"native"``; see
         ``ExecutionConfig.decode_linear``); kv_write: the backend that stores the new K/V
-        (``ExecutionConfig.kv_write``); fused_rope: whether each layer rotates and stores its
-        new K/V in one pass (``ExecutionConfig.fused_rope``); fused_norm: whether each residual
-        add and its norm ran as one kernel (``ExecutionConfig.fused_norm``); cascade_steps:
-        decode steps that ran cascade decode (``ExecutionConfig.cascade``),
-        cascade_saved_kv_bytes: the KV bytes they did not read thanks to it, ``(members - 1)
-        * prefix tokens * kv_bytes_per_token`` per shared prefix and step (all layers, K and
-        V, over all devices, in the pool's dtype); tp: devices the model is split over (1
-        without a mesh); kv_dtype: the pool's dtype (e.g. ``float8_e4m3fn``); kv_pool_bytes: the
-        pool over all devices, kv_pool_bytes_per_device: what one device holds of it; time_s:
-        wall time in :meth:`step`, compile_steps_time_s: the part spent in steps that compiled a
-        program; schedule_s, launch_s (building and enqueueing device work), wait_s (blocked on
-        results), commit_s: where that time went on the host; h2d_bytes / h2d_s: metadata sent
-        to the device and the time spent sending it; dispatch_s: time in the jitted calls;
-        kv_waste_paged / kv_waste_contiguous (with ``track_waste``): summed over steps, the
-        fraction of the KV slots reserved for running sequences that hold no distinct live token
-        - for pages, the empty tail of each sequence's last page; for a contiguous preallocation
-        of prompt + max_new_tokens per sequence, the unused reservation plus every duplicate
-        copy of a shared prefix.
+        (``ExecutionConfig.kv_write``); fused_rope: whether each layer rotates and stores its new
+        K/V in one pass (``ExecutionConfig.fused_rope``); fused_norm: whether each residual add and
+        its norm ran as one kernel (``ExecutionConfig.fused_norm``); cascade_steps: decode steps
+        that ran cascade decode (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes
+        they did not read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per
+        shared prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:
+        devices the model is split over (1 without a mesh); kv_dtype: the pool's dtype (e.g.
+        ``float8_e4m3fn``); kv_pool_bytes: the pool over all devices, kv_pool_bytes_per_device: what
+        one device holds of it; time_s: wall time in :meth:`step`, compile_steps_time_s: the part
+        spent in steps that compiled a program; schedule_s, launch_s (building and enqueueing device
+        work), wait_s (blocked on results), commit_s: where that time went on the host; h2d_bytes /
+        h2d_s: metadata sent to the device and the time spent sending it; dispatch_s: time in the
+        jitted calls; kv_waste_paged / kv_waste_contiguous (with ``track_waste``): summed over
+        steps, the fraction of the KV slots reserved for running sequences that hold no distinct
+        live token - for pages, the empty tail of each sequence's last page; for a contiguous
+        preallocation of prompt + max_new_tokens per sequence, the unused reservation plus every
+        duplicate copy of a shared prefix.
         """
         return self.collector.snapshot()
 

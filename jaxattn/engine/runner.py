@@ -820,13 +820,14 @@ class ModelRunner:
         self.update_counts: collections.Counter = collections.Counter(folded=0, alone=0)
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
-        self.backends = {
-            "extend": self._resolve("extend", implementation),
-            "decode": self._resolve("decode", implementation),
-        }
+        resolved = {k: self._resolve(k, implementation) for k in ("extend", "decode")}
+        self.backends = {k: r.backend for k, r in resolved.items()}
+        # The Pallas kernels' lowering each step kind resolves to ("triton", "mosaic_gpu";
+        # None for backends without one).
+        self.lowerings = {k: getattr(r.config, "lowering", None) for k, r in resolved.items()}
         # Cascade decode's backend (None: none serves this pool; decode stays paged).
         try:
-            self.cascade_backend = self._resolve("cascade", implementation)
+            self.cascade_backend = self._resolve("cascade", implementation).backend
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
@@ -966,9 +967,10 @@ class ModelRunner:
             raise ValueError(f"fused_norm=True: {why}")
         return True
 
-    def _resolve(self, kind: str, implementation) -> str:
-        """The backend the attention op of this step kind resolves to (the op's own
-        resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device sees)."""
+    def _resolve(self, kind: str, implementation):
+        """The backend and configuration the attention op of this step kind resolves to (the
+        op's own resolver, :meth:`jaxattn.backend.Op.resolve`, on the shapes one device
+        sees)."""
         geom, k, v, scales = self._pool_structs()
         hkv, d, kv_dt = geom.num_kv_heads, geom.head_dim, self.kv_dtype
         sds, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -1015,7 +1017,7 @@ class ModelRunner:
                 layout=self.layout,
                 **scales,
             )
-        return op.resolve(args, implementation, platform=self._mesh_platform).backend
+        return op.resolve(args, implementation, platform=self._mesh_platform)
 
     # -- transfers and calls ---------------------------------------------------------------
 
