@@ -662,11 +662,21 @@ def test_tensor_parallel_engine_matches_one_device(layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["native", "pallas"])
-@pytest.mark.parametrize("device_paging", [False, True])
-def test_engine_on_the_gpu(implementation, device_paging):
+@pytest.mark.parametrize(
+    "implementation, device_paging, extend",
+    [
+        ("native", False, "extend"),
+        ("native", True, "extend"),
+        ("pallas", False, "extend"),
+        ("pallas", True, "extend"),
+        ("native", False, "prefix_prefill"),
+        ("pallas", False, "prefix_prefill"),  # the Mosaic GPU kernel on sm_90
+    ],
+)
+def test_engine_on_the_gpu(implementation, device_paging, extend):
     """The GPU's engine: bf16, straight-line layers, multi-step decode planned ahead, the
-    compiled kernels; outputs within the verifier's bf16 tolerance of the dense oracle."""
+    compiled kernels, the token-pool or paged extend; outputs within the verifier's bf16
+    tolerance of the dense oracle."""
     import jaxattn
 
     if implementation not in jaxattn.available_backends():
@@ -682,6 +692,7 @@ def test_engine_on_the_gpu(implementation, device_paging):
         max_batch_tokens=128,
         implementation=implementation,
         device_paging=device_paging,
+        extend_attention=extend,
         debug=True,
     )
     assert engine.runner.unroll_layers
@@ -695,7 +706,10 @@ def test_engine_on_the_gpu(implementation, device_paging):
     # The Pallas lowering of each step kind (decode: Triton; extend: either); none for native.
     lowering = stats["attention_lowering"]
     if implementation == "pallas":
-        assert lowering["decode"] == "triton" and lowering["extend"] in ("triton", "mosaic_gpu")
+        from jaxattn.pallas import prefill_mgpu
+
+        mosaic = extend == "prefix_prefill" and prefill_mgpu.is_sm90()
+        assert lowering == {"extend": "mosaic_gpu" if mosaic else "triton", "decode": "triton"}
     else:
         assert lowering == {"extend": None, "decode": None}
     assert stats["decode_steps"] > stats["decode_calls"] and stats["prefix_hit_tokens"] > 0
