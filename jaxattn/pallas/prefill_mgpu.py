@@ -169,8 +169,8 @@ def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, c
     tiles = (seg_len + tpt - 1) // tpt
     ends = jnp.cumsum(tiles)
     k = jnp.arange(NT, dtype=jnp.int32)
-    # Each tile's segment: one comparison of [NT, B + 1] (a search by a loop would cost
-    # the host a round trip an iteration on a GPU).
+    # Each tile's segment by one comparison of [NT, B + 1], not a search loop (an XLA while
+    # loop: on a GPU, kernels and a read of its condition by the host each iteration).
     s = jnp.minimum(jnp.sum(ends[None, :] <= k[:, None], axis=1, dtype=jnp.int32), B)
     real = k < ends[-1]
     seg = jnp.stack([seg_b, ends - tiles, seg_len, seg_lk, seg_mode, seg_start], axis=1)[s]
