@@ -98,41 +98,65 @@ def test_soft_cap_and_scale(interpret, form):
         assert_close(out, reference(q, k, v, cu, tables, lens, **kw))
 
 
-def test_warp_specialized_interpreted():
+WS_INTERPRETED = [
+    # GQA 4 (16 tokens a warpgroup), bshd, bf16; request 2 gets fewer keys than queries
+    dict(
+        case=dict(hq=4, hkv=1, d=64, page=16, width=8, lq=[12, 34, 6], prefix=[40, 40, 0],
+                  layout="bshd", dtype=jnp.bfloat16),
+        poison=2, pages_per_step=4, stages=3,
+    ),
+    # GQA 7 (9 tokens a warpgroup, 63 of its 64 rows), bhsd, float16, page 8
+    dict(
+        case=dict(hq=14, hkv=2, d=64, page=8, width=12, lq=[20, 3], prefix=[60, 9],
+                  layout="bhsd", dtype=jnp.float16),
+        poison=None, pages_per_step=8, stages=2,
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("run", range(len(WS_INTERPRETED)))
+def test_warp_specialized_interpreted(run):
     """The warp-specialised kernel in interpret mode (its three warpgroups as threads, the
     ring's release barriers, the consumers' turns, q read and the output written in their
-    own layout by power-of-two pieces): GQA heads in head-major rows, a tile whose first
-    warpgroup stops a step before the second (the flush: request 1's first tile), tiles
-    whose second warpgroup holds no token (requests 0 and 2), page tails and unused pages
-    poisoned, a request with fewer keys than queries (request 2: NaN rows by the contract,
-    no step of its tile below 0) and rows past the last request (zeros).
+    own layout by power-of-two pieces): GQA heads in head-major rows (7 heads: 9 tokens and
+    an idle row a warpgroup), a tile whose first warpgroup stops a step before the second
+    (the flush: the first run's request 1), tiles whose second warpgroup holds no token,
+    page tails and unused pages poisoned, a request with fewer keys than queries (NaN rows by
+    the contract, no step of its tile below 0) and rows past the last request (zeros).
 
     Interpreted on the CPU device (on a GPU machine too), with the tile records built first,
     outside the kernel's program (``ws_records``): JAX's GPU interpreter runs each warpgroup
     as a program of its own that waits for the others, and it stalled on an H200 machine
     with the programs on the GPU (jax 0.11) and on the CPU when the records were computed
     in the same program (jax 0.10). Compiled on sm_90 the entry point runs whole (RUNS)."""
+    spec = WS_INTERPRETED[run]
+    case = spec["case"]
+    layout, group = case["layout"], case["hq"] // case["hkv"]
     cpu = jax.devices("cpu")[0]
-    q, k, v, cu, tables, lens = jax.device_put(
-        poisoned_case(
-            12, hq=4, hkv=1, d=64, page=16, width=8, lq=[12, 34, 6], prefix=[40, 40, 0],
-            layout="bshd", dtype=jnp.bfloat16,
-        ),
-        cpu,
-    )  # fmt: skip
+    q, k, v, cu, tables, lens = jax.device_put(poisoned_case(12, **case), cpu)
+    rows = sum(case["lq"])
     with jax.default_device(cpu):
-        ref = np.asarray(reference(q, k, v, cu, tables, lens), np.float32)
-        lens = lens.at[2].set(2)
-        geom = L.get("bshd", pool=True).geometry(k, v)
-        info = prefill_mgpu.ws_records(cu, tables, lens, num_rows=q.shape[0], group=4, geom=geom)
+        ref = np.asarray(reference(q, k, v, cu, tables, lens, layout=layout), np.float32)
+        bad = spec["poison"]
+        if bad is not None:
+            lens = lens.at[bad].set(2)
+        geom = L.get(layout, pool=True).geometry(k, v)
+        info = prefill_mgpu.ws_records(
+            cu, tables, lens, num_rows=q.shape[0], group=group, geom=geom
+        )
         out = prefill_mgpu._ws_kernel_call(
-            q, k, v, prefill_mgpu._table_rows(tables), info, geom=geom, layout="bshd", group=4,
-            scale=64**-0.5, soft_cap=None, pages_per_step=4, stages=3, interpret=True,
+            q, k, v, prefill_mgpu._table_rows(tables), info, geom=geom, layout=layout,
+            group=group, scale=case["d"] ** -0.5, soft_cap=None,
+            pages_per_step=spec["pages_per_step"], stages=spec["stages"], interpret=True,
         )  # fmt: skip
         out = np.asarray(out, np.float32)
-    assert_close(out[:46], ref[:46], dtype=jnp.bfloat16)
-    assert np.isnan(out[46:52]).all()
-    np.testing.assert_array_equal(out[-3:], 0.0)
+    cu = np.asarray(cu)
+    good = np.ones(rows, bool)
+    if bad is not None:
+        good[cu[bad] : cu[bad + 1]] = False
+        assert np.isnan(out[cu[bad] : cu[bad + 1]]).all()
+    assert_close(out[:rows][good], ref[:rows][good], dtype=case["dtype"])
+    np.testing.assert_array_equal(out[rows:], 0.0)
 
 
 @pytest.mark.parametrize("seed", range(6))
