@@ -140,6 +140,13 @@ def tokens_per_half(group: int) -> int:
     return ROWS // group
 
 
+def _rows_in_q(cu, num_rows: int):
+    """Each request's first row and row count inside q (``cu``: int32 ``cu_seqlens_q``),
+    clipped to q's ``num_rows`` rows."""
+    start = jnp.clip(cu[:-1], 0, num_rows)
+    return start, jnp.clip(jnp.minimum(cu[1:], num_rows) - start, 0, num_rows)
+
+
 def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, capacity: int):
     """The warp-specialised form's tile records ``int32 [NT, INFO]``, longest first. q's
     rows are segments: each request's (its rows inside q), then the rows past the last
@@ -152,8 +159,7 @@ def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, c
     tpt = 2 * tokens_per_half(group)
     NT = -(-T // tpt) + B + 1
     cu = cu_seqlens_q.astype(jnp.int32)
-    start = jnp.clip(cu[:-1], 0, T)
-    lq = jnp.clip(jnp.minimum(cu[1:], T) - start, 0, T)  # each request's rows inside q
+    start, lq = _rows_in_q(cu, T)
     end = jnp.clip(cu[-1], 0, T)
     zero = jnp.zeros((1,), jnp.int32)
     seg_start = jnp.concatenate([start, end[None]])
@@ -208,8 +214,8 @@ def _copy_rows(n, most: int, copy):
 
 def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
     """The single form's packed q ``[Hkv, R, D]``, the tile records ``int32 [NT, INFO]``
-    (request, first row within it, Lq, Lk, live, its place in the packed q) of 64-row
-    tiles, and each q element's packed row ``int32 [T, G]`` (R: not placed)."""
+    (request, first row within it, Lq, Lk, live) of 64-row tiles, and each q element's packed
+    row ``int32 [T, G]`` (R: not placed)."""
     T, Hq, D = q.shape
     G = group
     Hkv = Hq // G
@@ -217,8 +223,7 @@ def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
     NT = -(-T * G // ROWS) + B
     R = NT * ROWS
     cu = cu_seqlens_q.astype(jnp.int32)
-    start = jnp.clip(cu[:-1], 0, T)
-    lq = jnp.clip(jnp.minimum(cu[1:], T) - start, 0, T)  # each request's rows inside q
+    start, lq = _rows_in_q(cu, T)
     tiles = (lq * G + ROWS - 1) // ROWS
     first_tile = jnp.cumsum(tiles) - tiles
     total = jnp.sum(tiles)
@@ -257,7 +262,6 @@ def _tiles(q, cu_seqlens_q, seq_lens, *, group: int, capacity: int):
     info = info.at[:, 2].set(jnp.where(live, lq[b_k], 0))
     info = info.at[:, 3].set(jnp.where(live, jnp.clip(seq_lens[b_k], 0, capacity), 0))
     info = info.at[:, 4].set(live.astype(jnp.int32))
-    info = info.at[:, 5].set(k)  # the tile's place in q_packed (its first row / ROWS)
     return q_packed, info, dest
 
 
