@@ -40,8 +40,9 @@ Two forms of the kernel (``form=``):
   registers) take 64 rows each and alternate on a barrier, so one's softmax runs beside the
   other's wgmma. Each consumer runs its unmasked steps (every key visible to all its rows)
   without the mask, then the masked ones, then releases the steps only the other consumer
-  reads. Tiles are launched longest first (by the keys their last row sees), so the grid
-  ends on short ones. 128-key steps in two stages by default (64-key steps with more).
+  reads. Tiles are launched request by request, each request's from its last (the one
+  whose rows see the most keys), so the grid ends on short ones. 128-key steps in two
+  stages by default (64-key steps with more).
 - ``"single"`` (FP8 caches; the default in interpret mode, where the three warpgroups run
   ~10x slower as threads): a 64-row tile on one warpgroup, which issues step
   ``i + stages`` once step ``i`` has read its slot, as the decode kernel's split grid.
@@ -148,13 +149,19 @@ def _rows_in_q(cu, num_rows: int):
 
 
 def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, capacity: int):
-    """The warp-specialised form's tile records ``int32 [NT, INFO]``, longest first. q's
-    rows are segments: each request's (its rows inside q), then the rows past the last
-    request; a tile is ``2 * tokens_per_half(group)`` tokens of one segment. Fields: table
-    row, first token in the segment, tokens in the segment (Lq), keys (Lk), whether it
-    computes, the segment's first row in q, and what it writes: 0 attention, 1 zeros (rows
-    past the last request), 2 NaN (a request the contract poisons; every row when
-    ``cu_seqlens_q`` is broken). Every row of q is in exactly one tile."""
+    """The warp-specialised form's tile records ``int32 [NT, INFO]``. q's rows are segments:
+    each request's (its rows inside q), then the rows past the last request; a tile is
+    ``2 * tokens_per_half(group)`` tokens of one segment. Fields: table row, first token in
+    the segment, tokens in the segment (Lq), keys (Lk), whether it computes, the segment's
+    first row in q, and what it writes: 0 attention, 1 zeros (rows past the last request), 2
+    NaN (a request the contract poisons; every row when ``cu_seqlens_q`` is broken). Every
+    row of q is in exactly one tile. The records follow the segments, each segment's tiles
+    from its last (the one whose rows see the most keys), so the grid ends on short ones.
+
+    Built as two reductions and their elementwise work (a GPU runs each as one kernel): the
+    segments' tile ends by a triangular sum, then each record's segment fields by a one-hot
+    sum over the segments. A prefix sum (a reduce-window kernel), a search and a sort by
+    length each cost a kernel of their own, and a short extend's whole call ~70 us."""
     B = seq_lens.shape[0]
     tpt = 2 * tokens_per_half(group)
     NT = -(-T // tpt) + B + 1
@@ -166,36 +173,36 @@ def _ws_records(cu_seqlens_q, seq_lens, ok, structural, *, T: int, group: int, c
     seg_len = jnp.concatenate([lq, (T - end)[None]])
     seg_mode = jnp.concatenate([jnp.where(ok, 0, 2), jnp.ones((1,), jnp.int32)])
     # cu_seqlens_q broken: one segment of every row, NaN.
-    first_seg = jnp.arange(B + 1) == 0
+    j = jnp.arange(B + 1, dtype=jnp.int32)
     seg_start = jnp.where(structural, seg_start, 0)
-    seg_len = jnp.where(structural, seg_len, jnp.where(first_seg, T, 0))
+    seg_len = jnp.where(structural, seg_len, jnp.where(j == 0, T, 0))
     seg_mode = jnp.where(structural, seg_mode, 2)
     seg_b = jnp.concatenate([jnp.arange(B, dtype=jnp.int32), zero])
     seg_lk = jnp.concatenate([jnp.clip(seq_lens, 0, capacity), zero])
     tiles = (seg_len + tpt - 1) // tpt
-    ends = jnp.cumsum(tiles)
+    ends = jnp.sum(jnp.where(j[None, :] <= j[:, None], tiles[None, :], 0), axis=1)
+    # Record k lies in the segment whose tiles [ends - tiles, ends) hold it (none past the
+    # last): its fields by a one-hot sum, counted from the segment's last tile.
     k = jnp.arange(NT, dtype=jnp.int32)
-    # Each tile's segment by one comparison of [NT, B + 1], not a search loop (an XLA while
-    # loop: on a GPU, kernels and a read of its condition by the host each iteration).
-    s = jnp.minimum(jnp.sum(ends[None, :] <= k[:, None], axis=1, dtype=jnp.int32), B)
-    real = k < ends[-1]
-    seg = jnp.stack([seg_b, ends - tiles, seg_len, seg_lk, seg_mode, seg_start], axis=1)[s]
-    b, first_tile, lq, lk, mode, start = (seg[:, i] for i in range(6))
-    tok0 = (k - first_tile) * tpt
+    hit = (ends[None, :] - tiles[None, :] <= k[:, None]) & (k[:, None] < ends[None, :])
+    seg = jnp.stack(
+        [seg_b, ends - 1, seg_len, seg_lk, seg_mode, seg_start, jnp.ones_like(j)], axis=1
+    )
+    b, last, lq, lk, mode, start, real = (
+        jnp.sum(jnp.where(hit[:, :, None], seg[None], 0), axis=1)[:, i] for i in range(7)
+    )
+    real = real > 0
     computes = real & (mode == 0)
     fields = [
         jnp.where(computes, b, 0),
-        jnp.where(real, tok0, 0),
-        jnp.where(real, lq, 0),  # 0: the tile writes nothing
+        jnp.where(real, (last - k) * tpt, 0),
+        lq,  # 0 past the last segment: the tile writes nothing
         jnp.where(computes, lk, 0),
         computes.astype(jnp.int32),
-        jnp.where(real, start, 0),
-        jnp.where(real, mode, 0),
+        start,
+        mode,
     ]
-    info = jnp.pad(jnp.stack(fields, axis=1), ((0, 0), (0, INFO - len(fields))))
-    # Longest first (by the keys the tile's last token sees), so the grid ends on short ones.
-    seen = _keys_seen(fields[1] + tpt - 1, fields[2], fields[3])
-    return info[jnp.argsort(-jnp.where(computes, seen, -1), stable=True)]
+    return jnp.pad(jnp.stack(fields, axis=1), ((0, 0), (0, INFO - len(fields))))
 
 
 def _copy_rows(n, most: int, copy):
