@@ -1,7 +1,8 @@
 """Paged decode on Pallas' Mosaic GPU lowering (sm_90): the first kernel of the port off the
-Triton lowering. Compiled and checked on an H200 (jax 0.11); reached through the public op
-with ``implementation="pallas", config=DecodeConfig(lowering="mosaic_gpu")``, not by
-default while the Triton-lowered kernel is the faster one (``benchmarks/RESULTS.md``).
+Triton lowering. Compiled and checked on an H200 (jax 0.11); what ``implementation="pallas"``
+runs by default on sm_90 for a 16-bit cache when the batch fills the grid in one pass
+(:func:`serves_by_default`; split grids and FP8 caches keep the Triton-lowered kernel), and
+``config=DecodeConfig(lowering="mosaic_gpu")`` names it.
 
 One block per (KV head, sequence, partition of ``partition_pages`` pages):
 
@@ -58,8 +59,28 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode")
 
 
-def _parts(
-    q64,
+def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size) -> bool:
+    """Whether ``implementation="pallas"``'s paged decode runs this kernel when no config names
+    a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype (FP8 caches keep the
+    Triton-lowered kernel, which widens them faster), no ``partition_size``, and a batch that
+    fills the grid in one pass (:func:`default_partition_pages`). Split grids keep the
+    Triton kernel: with the merge after it, this kernel's call measured slower at batch 1
+    (``benchmarks/RESULTS.md``, round 33)."""
+    if available() is not None or Q.is_fp8(k_cache.dtype) or k_cache.dtype != q.dtype:
+        return False
+    if partition_size is not None or jax.default_backend() != "gpu" or not is_sm90():
+        return False
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    per_step = M.steps_of(None, geom.page_size)
+    if unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step) is not None:
+        return False
+    width = block_tables.shape[1]
+    whole = -(-width // per_step) * per_step
+    return default_partition_pages(q.shape[0], geom.num_kv_heads, width, per_step) >= whole
+
+
+def _kernel_call(
+    q,
     k_cache,
     v_cache,
     tables,
@@ -77,13 +98,16 @@ def _parts(
     registers,
     specialized,
     interpret,
+    out_dtype,
     factors=None,
 ):
-    """(acc f32[B, Hkv, parts, group, D] unnormalised, ml f32[B, Hkv, parts, 2, 64]:
-    base-2 max and sum) of every partition. FP8 caches: q64 is float16 and ``factors``
-    f32[32] each KV head's score factor (:func:`._mgpu.to_float16`)."""
-    B, Hkv, _, D = q64.shape
-    G = group
+    """One partition (``parts == 1``): the attention ``[B, Hkv, group, D]`` in ``out_dtype``,
+    normalised in the kernel. Several: (acc f32[B, parts, Hkv, group, D] unnormalised, ml
+    f32[B, parts, Hkv, 2, 64]: base-2 max and sum) of every partition, laid out for the
+    merge. q is ``[B, Hkv, group, D]`` (its ``[B, Hq, D]`` viewed so); FP8 caches: q is
+    float16 and ``factors`` f32[64] each KV head's score factor (:func:`._mgpu.to_float16`)
+    in entries 0-31 and value scale in 32-63."""
+    B, Hkv, G, D = q.shape
     P, S = geom.num_pages, geom.page_size
     W = tables.shape[1]
     T = pages_per_step * S
@@ -92,13 +116,17 @@ def _parts(
     # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
     tab_window = -(-partition_pages // 32) * 32
     assert (parts - 1) * partition_pages + tab_window <= W, "the wrapper pads the table"
-    dtype = q64.dtype
+    dtype = q.dtype
+    one_pass = parts == 1
     bshd = layout == "bshd"
     fp8 = factors is not None
     cast, iota = M.layout_ops(interpret)
 
-    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref, scoped):
-        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem, *fp8_smem), bars = scoped
+    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, scoped):
+        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem, stage, *fp8_smem), bars = scoped
+        ostage = stage  # the output's rows in q's dtype: q's buffer, read by then
+        if out_dtype != dtype:  # FP8 caches: q is float16
+            ostage, *fp8_smem = fp8_smem
         # The output tile reuses the K ring: it is written after the last K step is read.
         k_smem, o_smem = k_and_o
         q_bar, (tab_bar, len_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
@@ -146,8 +174,17 @@ def _parts(
         def _compute():
             if registers is not None and specialized and not interpret:
                 plgpu.set_max_registers(registers[0], action="increase")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+            # The group's rows of q, straight from q, as the first rows of the 64-row operand
+            # (the rest zeros), moved through registers into its tiled layout.
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
             plgpu.barrier_wait(q_bar.at[0])
+            rows = iota((ROWS, D), 0) < G
+            if interpret:
+                q_smem[...] = jnp.where(rows, stage[...], jnp.zeros((ROWS, D), dtype))
+            else:
+                q_tile = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                q_smem[...] = jnp.where(rows, q_tile, jnp.zeros((ROWS, D), dtype))
+            plgpu.commit_smem()
             acc, m_i, l_i = M.initial_state(cast, D)
             fp8_kw = {}
             if fp8:
@@ -181,13 +218,24 @@ def _parts(
             # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
             # (Added as a scalar: a select on a scalar predicate is no vector op there.)
             poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
-            o_smem[...] = acc + poison
-            ml_smem[0] = m_i + poison
-            ml_smem[1] = l_i + poison
-            plgpu.commit_smem()
+            if fp8:  # the output is linear in the values
+                acc = acc * fp8_smem[0][32 + h]
             # Only the group's rows leave: the padding rows of the tile are never read.
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], acc_ref.at[b, h, part])
-            plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, h, part])
+            if one_pass:
+                # Normalised here (a row with no key, l = 0, is 0, as the merge makes it).
+                safe = jnp.where(l_i == 0.0, 1.0, l_i)
+                out = acc / lax.broadcast_in_dim(safe, acc.shape, [0]) + poison
+                ostage[...] = out.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ostage.at[pl.ds(0, G)], outs[0].at[b, h])
+            else:
+                acc_ref, ml_ref = outs
+                o_smem[...] = acc + poison
+                ml_smem[0] = m_i + poison
+                ml_smem[1] = l_i + poison
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], acc_ref.at[b, part, h])
+                plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, part, h])
             plgpu.wait_smem_to_gmem(0)
 
         if not specialized:
@@ -221,12 +269,16 @@ def _parts(
             lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
 
     def entry(*refs):
-        q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref = M.split_refs(refs, 5, fp8)
+        q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *outs = M.split_refs(refs, 5, fp8)
+        stage = plgpu.SMEM((ROWS, D), dtype)  # q's rows in, the output's rows out
         smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
             plgpu.SMEM((tab_window,), jnp.int32),
             plgpu.SMEM((len_ref.shape[0],), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.float32),
+            stage,
         )
+        if out_dtype != dtype:
+            smem += (plgpu.SMEM((ROWS, D), out_dtype),)
         if fp8:
             smem += M.fp8_buffers(factors, T, D, dtype)
         bars = (
@@ -245,16 +297,19 @@ def _parts(
             ),
         )
         pl.run_scoped(
-            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, acc_ref, ml_ref, a),
+            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, a),
             smem,
             bars,
             **(dict(collective_axes="wg") if specialized else {}),
         )
 
-    out_type = (
-        jax.ShapeDtypeStruct((B, Hkv, parts, G, D), jnp.float32),
-        jax.ShapeDtypeStruct((B, Hkv, parts, 2, ROWS), jnp.float32),
-    )
+    if one_pass:
+        out_type = (jax.ShapeDtypeStruct((B, Hkv, G, D), out_dtype),)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((B, parts, Hkv, G, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, parts, Hkv, 2, ROWS), jnp.float32),
+        )
     kw = M.launch_params(interpret)
     if specialized:
         kw |= dict(num_threads=2, thread_name="wg")
@@ -264,7 +319,7 @@ def _parts(
         grid=(Hkv, B, parts),
         grid_names=("kvh", "b", "part"),
         **kw,
-    )(q64, k_cache, v_cache, tables, lens, *(() if factors is None else (factors,)))
+    )(q, k_cache, v_cache, tables, lens, *(() if factors is None else (factors,)))
 
 
 @functools.partial(
@@ -310,9 +365,9 @@ def _paged_attention(
     qk = q
     if fp8:
         qk, factor = M.to_float16(q, Hkv, k_scale)
-        factors = M.pad_to(factor, 0, 32)
-    # The group's heads as the first rows of 64 (wgmma's M), one [64, D] box per KV head.
-    q64 = jnp.zeros((B, Hkv, ROWS, D), qk.dtype).at[:, :, :G].set(qk.reshape(B, Hkv, G, D))
+        factors = jnp.concatenate(
+            [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, Hkv), 0, 32)]
+        )
     # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
     # table is 32 entries a step and the lengths are padded to 32 (the padding is never
     # read as a page of a sequence: capacity is the unpadded one).
@@ -321,8 +376,8 @@ def _paged_attention(
     tables = block_tables.astype(jnp.int32)
     tables = jnp.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))
     lens = M.pad_to(seq_lens.astype(jnp.int32), 0, 32)
-    acc, ml = _parts(
-        q64,
+    outs = _kernel_call(
+        qk.reshape(B, Hkv, G, D),
         k_cache,
         v_cache,
         tables,
@@ -339,15 +394,17 @@ def _paged_attention(
         registers=registers,
         specialized=specialized,
         interpret=interpret,
+        out_dtype=q.dtype,
         factors=factors,
     )
-    if fp8:  # the output is linear in the values
-        acc = acc * M.head_vector(v_scale, Hkv)[None, :, None, None, None]
-    # [B, Hkv, parts, G, ...] -> the merge's [B, parts, Hq, ...].
-    acc = acc.transpose(0, 2, 1, 3, 4).reshape(B, -1, Hq, D)
-    m = ml[:, :, :, 0, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
-    l_sum = ml[:, :, :, 1, :G].transpose(0, 2, 1, 3).reshape(B, -1, Hq)
-    return combine(acc, m, l_sum, q.dtype)
+    if len(outs) == 1:  # one partition: normalised in the kernel
+        return outs[0].reshape(B, Hq, D)
+    acc, ml = outs
+    # [B, parts, Hkv, G, ...] is the merge's [B, parts, Hq, ...].
+    parts = acc.shape[1]
+    m = ml[:, :, :, 0, :G].reshape(B, parts, Hq)
+    l_sum = ml[:, :, :, 1, :G].reshape(B, parts, Hq)
+    return combine(acc.reshape(B, parts, Hq, D), m, l_sum, q.dtype)
 
 
 def default_partition_pages(
