@@ -153,6 +153,12 @@ def main(argv=None):
         "stages|auto:pages_per_step:partition_pages|auto[:w1|w2][:rC/M],... (w1: one "
         "warpgroup; w2: a copy warpgroup too; rC/M: their registers; e.g. auto:4:auto,2:4:auto:w1)",
     )
+    p.add_argument(
+        "--triton",
+        action="store_true",
+        help="also time the Pallas op on its Triton-lowered kernel (the default on sm_90 is "
+        "the Mosaic GPU kernel for 16-bit caches and batches that fill a one-pass grid)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     p.add_argument(
         "--profile",
@@ -232,6 +238,14 @@ def main(argv=None):
             record(impl, fn, copies, dict(config=label))
             if args.profile:
                 result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
+        if args.triton and "pallas" in impls:
+            # The Triton-lowered kernel with its own heuristic tiles, beside the default.
+            geom = jaxattn.layout.get(args.layout, pool=True).geometry(*copies[0][1:3])
+            cfg = jpallas.decode.heuristic_config(copies[0][0], geom)
+            fn = common.with_scales(
+                jaxattn.paged_attention, layout=args.layout, implementation="pallas", config=cfg
+            )
+            record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)))
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(

@@ -663,20 +663,23 @@ def test_tensor_parallel_engine_matches_one_device(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "implementation, device_paging, extend",
+    "implementation, device_paging, extend, rows",
     [
-        ("native", False, "extend"),
-        ("native", True, "extend"),
-        ("pallas", False, "extend"),
-        ("pallas", True, "extend"),
-        ("native", False, "prefix_prefill"),
-        ("pallas", False, "prefix_prefill"),  # the Mosaic GPU kernel on sm_90
+        ("native", False, "extend", 64),
+        ("native", True, "extend", 64),
+        ("pallas", False, "extend", 64),
+        ("pallas", True, "extend", 64),
+        ("native", False, "prefix_prefill", 64),
+        ("pallas", False, "prefix_prefill", 64),  # the Mosaic GPU prefill on sm_90
+        # 256 rows x 2 KV heads fill a one-pass decode grid, where the op alone runs the
+        # Mosaic GPU decode on sm_90: the engine keeps the Triton-lowered one.
+        ("pallas", True, "prefix_prefill", 256),
     ],
 )
-def test_engine_on_the_gpu(implementation, device_paging, extend):
+def test_engine_on_the_gpu(implementation, device_paging, extend, rows):
     """The GPU's engine: bf16, straight-line layers, multi-step decode planned ahead, the
     compiled kernels, the token-pool or paged extend; outputs within the verifier's bf16
-    tolerance of the dense oracle."""
+    tolerance of the dense oracle. ``rows``: decode rows."""
     import jaxattn
 
     if implementation not in jaxattn.available_backends():
@@ -693,6 +696,7 @@ def test_engine_on_the_gpu(implementation, device_paging, extend):
         implementation=implementation,
         device_paging=device_paging,
         extend_attention=extend,
+        max_running=rows,
         debug=True,
     )
     assert engine.runner.unroll_layers
@@ -703,7 +707,8 @@ def test_engine_on_the_gpu(implementation, device_paging, extend):
         assert_whole(engine)
     stats = engine.stats
     assert stats["attention_backend"] == {"extend": implementation, "decode": implementation}
-    # The Pallas lowering of each step kind (decode: Triton; extend: either); none for native.
+    # The Pallas lowering of each step kind (the paged extend: Mosaic GPU on sm_90; decode:
+    # Triton); none for native.
     lowering = stats["attention_lowering"]
     if implementation == "pallas":
         from jaxattn.pallas import prefill_mgpu

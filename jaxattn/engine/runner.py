@@ -821,6 +821,15 @@ class ModelRunner:
         self.trace_counts: collections.Counter = collections.Counter()
         self._last_greedy = True
         resolved = {k: self._resolve(k, implementation) for k in ("extend", "decode")}
+        decode = resolved["decode"]
+        pallas_decode = decode.backend == "pallas"
+        if pallas_decode and decode.config.lowering != "triton":
+            # The Pallas decode runs its Triton-lowered kernel in every decode step (the op
+            # alone takes the Mosaic GPU one for a batch that fills a one-pass grid): in the
+            # engine's decode programs that one measured slower (benchmarks/RESULTS.md,
+            # round 33: 8804 against 9383 generated tok/s, 1b preset).
+            config = dataclasses.replace(decode.config, lowering="triton")
+            resolved["decode"] = decode._replace(config=config)
         self.backends = {k: r.backend for k, r in resolved.items()}
         # The Pallas kernels' lowering each step kind resolves to ("triton", "mosaic_gpu";
         # None for backends without one).
@@ -853,6 +862,9 @@ class ModelRunner:
                 layout=layout,
                 partition_size=partition_size,
                 implementation=self.backends["decode"],
+                # Pallas: the configuration resolved above (stats say its lowering) in every
+                # decode step, whatever the step's batch.
+                **({"config": resolved["decode"].config} if pallas_decode else {}),
                 kv_write=self.kv_write,
                 **linear,
                 **fused,

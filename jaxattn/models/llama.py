@@ -873,6 +873,7 @@ def forward_decode(
     layout: str = "bshd",
     partition_size: int | None = None,
     implementation=None,
+    config=None,
     kernels=None,
     linear=None,
     kv_write=None,
@@ -881,8 +882,10 @@ def forward_decode(
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
-    ``kernels``: as in :func:`forward_extend`. A batch with ``prefix_tables`` runs cascade
-    decode (``implementation`` then names its backend; ``partition_size`` is unused).
+    ``kernels``: as in :func:`forward_extend`. ``config``: the paged decode's backend
+    configuration (None: the backend's choice for each batch). A batch with
+    ``prefix_tables`` runs cascade decode (``implementation`` then names its backend;
+    ``partition_size`` and ``config`` are unused).
     ``linear``: None / ``"xla"`` runs the projections through XLA's dot, ``"pad"`` too but
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
@@ -933,6 +936,7 @@ def forward_decode(
             layout=layout,
             partition_size=partition_size,
             implementation=implementation,
+            config=config,
             **scales,
         )
         return o, (kc, vc)

@@ -32,19 +32,23 @@ into shared memory behind a barrier, exact. So the per-page copies the paged ker
 expressible there. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written for it
 (paged decode: TMA page copies into a ring, wgmma, split-KV partitions merged exactly),
 tested in interpret mode and compiled on an H200 against the reference with the unread slots
-poisoned, and reached with ``DecodeConfig(lowering="mosaic_gpu")``. On an H200 it reads the
-KV at 86% of the read ceiling at B=64 x 4096 (the Triton kernel 88%), 65% at B=8 (73%), 62%
-at B=1 x 32768 (68%), and 91% (95%) with 32/32 heads at B=64: the Triton kernel stays the
-default until the port is as fast.
+poisoned. It reads q and writes a one-pass output in their own layout (no XLA kernel around
+it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the Triton kernel
+88% in the same run) and 94% (95%) with 32/32 heads, so ``paged_attention`` runs it by
+default on sm_90 for 16-bit caches when the batch fills a one-pass grid
+(:func:`decode_mgpu.serves_by_default`); split grids (B=8 x 4096: 74% against 75%, B=1 x
+32768: 59-66% against 70-71%, the merge after it) keep the Triton kernel, and so do the
+engine's decode steps (8804 against 9383 generated tok/s on its 1b workload; round 33);
+``DecodeConfig(lowering=...)`` names either.
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
 page ring, the query heads of a KV head packed into the tiles, the shifted causal mask),
 tested in interpret mode and compiled on an H200 (FP8 caches included). Its warp-specialised
 form (16-bit caches: a producer warpgroup and two consumer warpgroups in turns,
 FlashAttention-3's schedule; q read and the output written in their own layout) is what
-``prefix_prefill`` runs by default on sm_90 for 16-bit caches: 470 / 531 / 481 / 188 TFLOP/s
+``prefix_prefill`` runs by default on sm_90 for 16-bit caches: 482 / 537 / 501 / 213 TFLOP/s
 on 8 x (2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096) and 32 x (1000 + 24) through the public
-op, 1.39-1.58x the Triton kernel on the three long rows in the same run (its short-row
-figure is host-bound; round 32); ``ExtendConfig(lowering=...)`` names either. Both take FP8
+op (round 33; round 32 measured 1.39-1.58x the Triton kernel on the three long rows);
+``ExtendConfig(lowering=...)`` names either. Both take FP8
 caches (e4m3, e5m2, per-KV-head scales): the ring holds the codes, each step is widened to
 float16 tiles in shared memory (Mosaic GPU converts FP8 to float16, not to bfloat16), and q
 is moved to float16 by a power of two per KV head; compiled on the H200 the decode kernel's
@@ -100,6 +104,12 @@ class _PagedAttention(_Pallas):
     config_cls = DecodeConfig
 
     def heuristic_config(self, a):
+        from . import decode_mgpu
+
+        if not a.scaled and decode_mgpu.serves_by_default(
+            a.q, a.k_cache, a.v_cache, a.layout.name, a.block_tables, a.partition_size
+        ):
+            return DecodeConfig(lowering="mosaic_gpu")
         return _decode.heuristic_config(a.q, a.geometry)
 
     function = staticmethod(paged_attention)

@@ -51,8 +51,9 @@ class DecodeConfig:
     lowering: ``"triton"`` (the kernel above, Pallas' Triton lowering) or ``"mosaic_gpu"``
       (:mod:`jaxattn.pallas.decode_mgpu`, sm_90 or Mosaic GPU's interpret mode; 16-bit or
       FP8 caches, bshd/bhsd; the other fields do not apply to it; ``partition_size`` a whole
-      number of its steps). Triton stays the default while it is the faster one on an
-      H200 (``benchmarks/RESULTS.md``).
+      number of its steps). With no config, ``implementation="pallas"`` runs the Mosaic GPU
+      kernel compiled on sm_90 for a 16-bit cache when the batch fills a one-pass grid
+      (:func:`jaxattn.pallas.decode_mgpu.serves_by_default`), else this one.
     """
 
     block_n: int | None = None

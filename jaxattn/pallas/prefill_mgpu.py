@@ -47,10 +47,10 @@ Two forms of the kernel (``form=``):
   ~10x slower as threads): a 64-row tile on one warpgroup, which issues step
   ``i + stages`` once step ``i`` has read its slot, as the decode kernel's split grid.
 
-On an H200 (bf16, D=128, GQA 32/8, page 16; ``benchmarks/RESULTS.md``, round 32) the
-warp-specialised form runs through the public op at 470 / 531 / 481 / 188 TFLOP/s on 8 x
-(2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096) and 32 x (1000 + 24), 1.39-1.58x the
-Triton-lowered kernel in the same run (the short row's kernel alone: 219-224).
+On an H200 (bf16, D=128, GQA 32/8, page 16; ``benchmarks/RESULTS.md``, round 33) the
+warp-specialised form runs through the public op at 482 / 537 / 501 / 213 TFLOP/s on 8 x
+(2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096) and 32 x (1000 + 24) (round 32: 1.39-1.58x
+the Triton-lowered kernel on the long rows; the short row's kernel alone 52-58 us).
 
 The memory-safety contract (:mod:`jaxattn.reference.validity`): page ids are clamped into
 the pool before any copy, lengths into the table, request and tile indices into their
