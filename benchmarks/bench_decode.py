@@ -163,7 +163,8 @@ def main(argv=None):
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also trace each jaxattn row (jax.profiler): per call, the span from its first "
+        help="also trace each jaxattn row (the --triton and --mgpu ones too; jax.profiler): "
+        "per call, the span from its first "
         "kernel to its last, the time kernels ran (the rest: the GPU waiting for the host), "
         "and the kernels by time",
     )
@@ -246,6 +247,8 @@ def main(argv=None):
                 jaxattn.paged_attention, layout=args.layout, implementation="pallas", config=cfg
             )
             record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)))
+            if args.profile:
+                result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(
@@ -259,6 +262,8 @@ def main(argv=None):
                     decode_mgpu.paged_attention, scale=scale, layout=args.layout, **kw
                 )
                 record("pallas-mgpu", fn, copies, dict(config=spec))
+                if args.profile:
+                    result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
         if not args.no_peers and not fp8:
             calls = [fa4_peer.decode_call(c, layout=args.layout, scale=scale) for c in copies]
             timed = fa4_peer.measure(

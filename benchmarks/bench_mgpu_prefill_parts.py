@@ -25,7 +25,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import calls_over_copies, device_profile, time_calls  # noqa: E402
+from common import (  # noqa: E402
+    calls_over_copies,
+    device_profile,
+    profile_lines,
+    time_calls,
+)
 
 from jaxattn import layout as L  # noqa: E402
 from jaxattn.pallas import prefill_mgpu as PM  # noqa: E402
@@ -93,8 +98,11 @@ def time_case(batch, prefix, new, args) -> list[tuple[str, dict]]:
         r = time_calls(fn, inputs_of, **timing)
         if args.profile:
             calls = calls_over_copies(fn)  # compiled and run by time_calls: warm
-            prof = device_profile(lambda c=calls, i=inputs_of: c(i), steps=len(inputs_of))
+            prof = device_profile(
+                lambda c=calls, i=inputs_of: c(i), steps=len(inputs_of), top=max(args.kernels, 1)
+            )
             r["device_span_s"] = None if prof is None else prof["span_us"] * 1e-6
+            r["profile"] = prof
         out.append((name, r))
     return out
 
@@ -115,6 +123,13 @@ def main(argv=None):
     p.add_argument(
         "--profile", action="store_true", help="also the device's span a call from a trace"
     )
+    p.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="with --profile: list the public op's N longest kernels a call (the XLA ones "
+        "beside the Mosaic GPU kernel)",
+    )
     args = p.parse_args(argv)
     hq = int(args.heads.split("/")[0])
     for spec in args.cases.split(","):
@@ -129,6 +144,8 @@ def main(argv=None):
                 span = r["device_span_s"]
                 line += f"; device span {span * 1e6:.1f} us, {flops / span / 1e12:.0f} TFLOP/s"
             print(line, flush=True)
+            if args.kernels and name == "public op":
+                print(profile_lines(r.get("profile"), unit="call"), flush=True)
 
 
 if __name__ == "__main__":
