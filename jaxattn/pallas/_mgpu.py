@@ -46,6 +46,15 @@ def is_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+def compiled_16bit(q, k_cache) -> bool:
+    """What both kernels' default rules (``serves_by_default``) start from: this JAX has the
+    lowering, the default backend is an sm_90 GPU (compiled, not the interpreter), and the
+    cache is 16-bit in q's dtype (FP8 caches keep the Triton-lowered kernels)."""
+    if available() is not None or Q.is_fp8(k_cache.dtype) or k_cache.dtype != q.dtype:
+        return False
+    return jax.default_backend() == "gpu" and is_sm90()
+
+
 def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int, what: str) -> str | None:
     """Why the Mosaic GPU ``what`` (decode, prefill) cannot serve these arguments, or None."""
     if (why := available()) is not None:

@@ -66,9 +66,7 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size)
     fills the grid in one pass (:func:`default_partition_pages`). Split grids keep the
     Triton kernel: with the merge after it, this kernel's call measured slower at batch 1
     (``benchmarks/RESULTS.md``, round 33)."""
-    if available() is not None or Q.is_fp8(k_cache.dtype) or k_cache.dtype != q.dtype:
-        return False
-    if partition_size is not None or jax.default_backend() != "gpu" or not is_sm90():
+    if partition_size is not None or not M.compiled_16bit(q, k_cache):
         return False
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     per_step = M.steps_of(None, geom.page_size)

@@ -106,9 +106,7 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables) -> bool:
     names a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype (FP8 caches keep
     the Triton-lowered kernel), and arguments the warp-specialised form takes with its
     defaults (layout, head size, group, table width, shared memory)."""
-    if available() is not None or Q.is_fp8(k_cache.dtype) or k_cache.dtype != q.dtype:
-        return False
-    if jax.default_backend() != "gpu" or not is_sm90():
+    if not M.compiled_16bit(q, k_cache):
         return False
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     per_step = default_pages_per_step("warp_specialized", 2, geom.page_size)
