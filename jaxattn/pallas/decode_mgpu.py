@@ -121,13 +121,13 @@ def _kernel_call(
     cast, iota = M.layout_ops(interpret)
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, scoped):
-        (q_smem, k_and_o, v_smem, tab_smem, len_smem, ml_smem, stage, *fp8_smem), bars = scoped
+        (q_smem, k_and_o, v_smem, tab_smem, ml_smem, stage, *fp8_smem), bars = scoped
         ostage = stage  # the output's rows in q's dtype: q's buffer, read by then
         if out_dtype != dtype:  # FP8 caches: q is float16
             ostage, *fp8_smem = fp8_smem
         # The output tile reuses the K ring: it is written after the last K step is read.
         k_smem, o_smem = k_and_o
-        q_bar, (tab_bar, len_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
+        q_bar, (tab_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
         h = lax.axis_index("kvh")
         b = lax.axis_index("b")
         part = lax.axis_index("part")
@@ -138,13 +138,11 @@ def _kernel_call(
         def _():
             # The partition's window of the table row (padded by the wrapper).
             M.copy_vector(tab_ref.at[b], part * partition_pages, tab_smem, tab_bar)
-            M.copy_vector(len_ref, 0, len_smem, len_bar)
             if fp8:
                 plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], fac_bar)
 
         plgpu.barrier_wait(tab_bar)
-        plgpu.barrier_wait(len_bar)
-        length = len_smem[b]
+        length = len_ref[b]  # a scalar load from global memory
         bad_len = (length < 0) | (length > capacity)
         length = jnp.clip(length, 0, capacity)
         first_page = part * partition_pages
@@ -271,7 +269,6 @@ def _kernel_call(
         stage = plgpu.SMEM((ROWS, D), dtype)  # q's rows in, the output's rows out
         smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
             plgpu.SMEM((tab_window,), jnp.int32),
-            plgpu.SMEM((len_ref.shape[0],), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.float32),
             stage,
         )
@@ -283,7 +280,6 @@ def _kernel_call(
             plgpu.Barrier(num_barriers=1),
             (
                 plgpu.Barrier(num_arrivals=M.vector_copies(tab_window)),
-                plgpu.Barrier(num_arrivals=M.vector_copies(len_ref.shape[0])),
                 plgpu.Barrier() if fp8 else None,
             ),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
@@ -367,13 +363,13 @@ def _paged_attention(
             [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, Hkv), 0, 32)]
         )
     # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
-    # table is 32 entries a step and the lengths are padded to 32 (the padding is never
-    # read as a page of a sequence: capacity is the unpadded one).
+    # table is 32 entries a step (the padding is never read as a page of a sequence:
+    # capacity is the unpadded one). The lengths are read in place, a scalar a block.
     parts = -(-block_tables.shape[1] // partition_pages)
     width = (parts - 1) * partition_pages + -(-partition_pages // 32) * 32
     tables = block_tables.astype(jnp.int32)
     tables = jnp.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))
-    lens = M.pad_to(seq_lens.astype(jnp.int32), 0, 32)
+    lens = seq_lens.astype(jnp.int32)
     outs = _kernel_call(
         qk.reshape(B, Hkv, G, D),
         k_cache,
