@@ -301,24 +301,27 @@ def test_fp8_lowers_for_cuda(fmt, d):
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_default_lowering(kv_dtype):
     """implementation="pallas" with no config: the Mosaic GPU kernel when compiled on sm_90
-    for a 16-bit cache and a batch that fills the grid in one pass; the Triton-lowered kernel
-    for a split grid (batch 1), an explicit partition size, FP8 caches, other GPUs and the
-    CPU interpreter."""
+    for a 16-bit cache, head_dim 128, tables of at least 1024 tokens and a batch that fills
+    the grid in one pass; the Triton-lowered kernel for a split grid (batch 1), an explicit
+    partition size, head_dim 64, 512-token tables, FP8 caches, other GPUs and the CPU
+    interpreter."""
     from jaxattn import ops
     from jaxattn.pallas import IMPLEMENTATIONS
 
     impl = IMPLEMENTATIONS["paged_attention"]
-    k = jnp.zeros((64, 16, 2, 64), kv_dtype)  # tables of 64 pages: 16 steps of 64 keys
     fp8 = kv_dtype != jnp.bfloat16
     scales = dict(k_scale=0.5, v_scale=0.5) if fp8 else {}
     compiled = decode_mgpu.is_sm90() and jax.default_backend() == "gpu" and not fp8
     wide = 4 * jaxattn.pallas._common.num_sms()  # 2 KV heads: twice the grid's target
-    for batch, kw, mosaic in (
-        (wide, {}, compiled),
-        (1, {}, False),
-        (wide, {"partition_size": 32}, False),
+    for batch, d, width, kw, mosaic in (
+        (wide, 128, 64, {}, compiled),  # tables of 64 pages: 1024 tokens
+        (1, 128, 64, {}, False),
+        (wide, 128, 64, {"partition_size": 32}, False),
+        (wide, 64, 64, {}, False),
+        (wide, 128, 32, {}, False),
     ):
-        q = jnp.zeros((batch, 8, 64), jnp.bfloat16)
-        tables, lens = jnp.zeros((batch, 64), jnp.int32), jnp.full((batch,), 40, jnp.int32)
+        k = jnp.zeros((64, 16, 2, d), kv_dtype)
+        q = jnp.zeros((batch, 8, d), jnp.bfloat16)
+        tables, lens = jnp.zeros((batch, width), jnp.int32), jnp.full((batch,), 40, jnp.int32)
         args = ops.PAGED_ATTENTION.bind(q, k, k, tables, lens, **kw, **scales)
         assert impl.heuristic_config(args).lowering == ("mosaic_gpu" if mosaic else "triton")

@@ -825,9 +825,11 @@ class ModelRunner:
         pallas_decode = decode.backend == "pallas"
         if pallas_decode and decode.config.lowering != "triton":
             # The Pallas decode runs its Triton-lowered kernel in every decode step (the op
-            # alone takes the Mosaic GPU one for a batch that fills a one-pass grid): in the
-            # engine's decode programs that one measured slower (benchmarks/RESULTS.md,
-            # round 33: 8804 against 9383 generated tok/s, 1b preset).
+            # alone may take the Mosaic GPU one for a batch that fills a one-pass grid): in
+            # the engine's decode programs that one measured slower (benchmarks/RESULTS.md,
+            # round 33: 8804 against 9383 generated tok/s, 1b preset, head_dim 64, where the
+            # op alone measured it slower too, round 34); a step's batch changes the grid,
+            # and the engine with head_dim 128 was not measured with it.
             config = dataclasses.replace(decode.config, lowering="triton")
             resolved["decode"] = decode._replace(config=config)
         self.backends = {k: r.backend for k, r in resolved.items()}

@@ -59,16 +59,27 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode")
 
 
+# Where the default rule takes this kernel (H200, ``benchmarks/RESULTS.md`` round 34): head_dim
+# 128 (at 64 the Triton kernel was faster on every one-pass row measured, 2-25%), and tables of
+# at least 1024 tokens (at 512 it was 7-10% faster at batch 64 and 256).
+DEFAULT_HEAD_DIM = 128
+MIN_DEFAULT_CAPACITY = 1024
+
+
 def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size) -> bool:
     """Whether ``implementation="pallas"``'s paged decode runs this kernel when no config names
     a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype (FP8 caches keep the
-    Triton-lowered kernel, which widens them faster), no ``partition_size``, and a batch that
-    fills the grid in one pass (:func:`default_partition_pages`). Split grids keep the
-    Triton kernel: with the merge after it, this kernel's call measured slower at batch 1
-    (``benchmarks/RESULTS.md``, round 33)."""
+    Triton-lowered kernel, which widens them faster), head_dim :data:`DEFAULT_HEAD_DIM`,
+    tables of at least :data:`MIN_DEFAULT_CAPACITY` tokens, no ``partition_size``, and a batch
+    that fills the grid in one pass (:func:`default_partition_pages`). Elsewhere the Triton
+    kernel measured as fast or faster: split grids with the merge after this kernel (batch 8
+    and 1, round 33), head_dim 64 and 512-token tables (round 34)."""
     if partition_size is not None or not M.compiled_16bit(q, k_cache):
         return False
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    capacity = block_tables.shape[1] * geom.page_size
+    if geom.head_dim != DEFAULT_HEAD_DIM or capacity < MIN_DEFAULT_CAPACITY:
+        return False
     per_step = M.steps_of(None, geom.page_size)
     if unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step) is not None:
         return False
