@@ -152,8 +152,14 @@ def _kernel_call(
             if fp8:
                 plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], fac_bar)
 
+        @pl.when(wg == compute_wg)
+        def _():
+            # The group's rows of q, straight from q, into the staging buffer: issued with
+            # the table's copy, so the two latencies overlap.
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
+
+        length = len_ref[b]  # a scalar load from global memory, in flight with the copies
         plgpu.barrier_wait(tab_bar)
-        length = len_ref[b]  # a scalar load from global memory
         bad_len = (length < 0) | (length > capacity)
         length = jnp.clip(length, 0, capacity)
         first_page = part * partition_pages
@@ -181,9 +187,8 @@ def _kernel_call(
         def _compute():
             if registers is not None and specialized and not interpret:
                 plgpu.set_max_registers(registers[0], action="increase")
-            # The group's rows of q, straight from q, as the first rows of the 64-row operand
-            # (the rest zeros), moved through registers into its tiled layout.
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
+            # q's rows as the first rows of the 64-row operand (the rest zeros), moved
+            # through registers into its tiled layout.
             plgpu.barrier_wait(q_bar.at[0])
             rows = iota((ROWS, D), 0) < G
             if interpret:
