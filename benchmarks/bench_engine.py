@@ -60,6 +60,7 @@ import jax  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 
 from jaxattn.engine import KV_DTYPES, Engine, calibrate_kv_scales  # noqa: E402
+from jaxattn.engine.config import PALLAS_DECODE_LOWERINGS  # noqa: E402
 from jaxattn.engine.workload import make_workload, run_workload  # noqa: E402
 from jaxattn.models import llama  # noqa: E402
 
@@ -119,6 +120,13 @@ def add_execution_args(group) -> None:
         help="who stores each step's K/V (ExecutionConfig.kv_write; auto: the native kernel "
         "on GPUs, XLA's scatters on the CPU)",
     )
+    group.add_argument(
+        "--pallas-decode-lowering",
+        choices=list(PALLAS_DECODE_LOWERINGS),
+        default="triton",
+        help="the Pallas decode kernel's lowering in every decode step, with the pallas "
+        "implementation (ExecutionConfig.pallas_decode_lowering)",
+    )
     for option, _, text in _SWITCHES:
         group.add_argument(option, choices=list(_TRISTATE), default="auto", help=text)
 
@@ -128,6 +136,7 @@ def execution_kwargs(args) -> dict:
         unroll_layers={"auto": None, "unrolled": True, "scan": False}[args.layer_form],
         decode_linear=args.decode_linear,
         kv_write=args.kv_write,
+        pallas_decode_lowering=args.pallas_decode_lowering,
     )
     for _, field, _ in _SWITCHES:
         out[field] = _TRISTATE[getattr(args, field)]

@@ -478,12 +478,27 @@ def test_bad_arguments():
         (lambda: ExecutionConfig(extend_attention="flash"), ValueError, "extend_attention"),
         (lambda: ExecutionConfig(decode_linear="cublas"), ValueError, "decode_linear"),
         (lambda: ExecutionConfig(kv_write="pallas"), ValueError, "kv_write"),
+        (
+            lambda: ExecutionConfig(pallas_decode_lowering="cuda"),
+            ValueError,
+            "pallas_decode_lowering",
+        ),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
     assert not engine.has_work()  # a refused request is never queued
     assert_whole(engine)
+
+
+def test_pallas_decode_lowering_is_the_engines_choice():
+    """ExecutionConfig.pallas_decode_lowering: the Pallas decode's lowering in every decode
+    step, Triton by default, reported in the stats; other backends have none to choose."""
+    assert make_engine(implementation="pallas").stats["attention_lowering"]["decode"] == "triton"
+    engine = make_engine(implementation="pallas", pallas_decode_lowering="mosaic_gpu")
+    assert engine.stats["attention_lowering"]["decode"] == "mosaic_gpu"
+    engine = make_engine(implementation="reference", pallas_decode_lowering="mosaic_gpu")
+    assert engine.stats["attention_lowering"]["decode"] is None
 
 
 def test_native_decode_projections_match_xla():
@@ -663,27 +678,35 @@ def test_tensor_parallel_engine_matches_one_device(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "implementation, device_paging, extend, rows",
+    "implementation, device_paging, extend, rows, decode_lowering",
     [
-        ("native", False, "extend", 64),
-        ("native", True, "extend", 64),
-        ("pallas", False, "extend", 64),
-        ("pallas", True, "extend", 64),
-        ("native", False, "prefix_prefill", 64),
-        ("pallas", False, "prefix_prefill", 64),  # the Mosaic GPU prefill on sm_90
-        # 256 rows x 2 KV heads fill a one-pass decode grid, where the op alone runs the
-        # Mosaic GPU decode on sm_90: the engine keeps the Triton-lowered one.
-        ("pallas", True, "prefix_prefill", 256),
+        ("native", False, "extend", 64, "triton"),
+        ("native", True, "extend", 64, "triton"),
+        ("pallas", False, "extend", 64, "triton"),
+        ("pallas", True, "extend", 64, "triton"),
+        ("native", False, "prefix_prefill", 64, "triton"),
+        ("pallas", False, "prefix_prefill", 64, "triton"),  # the Mosaic GPU prefill on sm_90
+        # 256 rows x 2 KV heads fill a one-pass decode grid.
+        ("pallas", True, "prefix_prefill", 256, "triton"),
+        # The Mosaic GPU decode in every decode step (sm_90), split grids and one-pass.
+        ("pallas", True, "prefix_prefill", 64, "mosaic_gpu"),
+        ("pallas", False, "extend", 256, "mosaic_gpu"),
     ],
 )
-def test_engine_on_the_gpu(implementation, device_paging, extend, rows):
+def test_engine_on_the_gpu(implementation, device_paging, extend, rows, decode_lowering):
     """The GPU's engine: bf16, straight-line layers, multi-step decode planned ahead, the
     compiled kernels, the token-pool or paged extend; outputs within the verifier's bf16
-    tolerance of the dense oracle. ``rows``: decode rows."""
+    tolerance of the dense oracle. ``rows``: decode rows; ``decode_lowering``: the Pallas
+    decode's (``ExecutionConfig.pallas_decode_lowering``)."""
     import jaxattn
 
     if implementation not in jaxattn.available_backends():
         pytest.skip(f"{implementation} is not built here")
+    if decode_lowering == "mosaic_gpu":
+        from jaxattn.pallas import decode_mgpu
+
+        if not decode_mgpu.is_sm90():
+            pytest.skip("the Mosaic GPU decode is compiled for sm_90 GPUs only")
     cfg = LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16", "head_dim": 64})
     params = llama.init_params(cfg, jax.random.key(1))
     prompts = workload(11, num=8, system=40, suffix=(3, 30))
@@ -697,6 +720,7 @@ def test_engine_on_the_gpu(implementation, device_paging, extend, rows):
         device_paging=device_paging,
         extend_attention=extend,
         max_running=rows,
+        pallas_decode_lowering=decode_lowering,
         debug=True,
     )
     assert engine.runner.unroll_layers
@@ -708,13 +732,14 @@ def test_engine_on_the_gpu(implementation, device_paging, extend, rows):
     stats = engine.stats
     assert stats["attention_backend"] == {"extend": implementation, "decode": implementation}
     # The Pallas lowering of each step kind (the paged extend: Mosaic GPU on sm_90; decode:
-    # Triton); none for native.
+    # the one asked for); none for native.
     lowering = stats["attention_lowering"]
     if implementation == "pallas":
         from jaxattn.pallas import prefill_mgpu
 
         mosaic = extend == "prefix_prefill" and prefill_mgpu.is_sm90()
-        assert lowering == {"extend": "mosaic_gpu" if mosaic else "triton", "decode": "triton"}
+        extend_lowering = "mosaic_gpu" if mosaic else "triton"
+        assert lowering == {"extend": extend_lowering, "decode": decode_lowering}
     else:
         assert lowering == {"extend": None, "decode": None}
     assert stats["decode_steps"] > stats["decode_calls"] and stats["prefix_hit_tokens"] > 0

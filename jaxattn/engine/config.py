@@ -38,6 +38,7 @@ _CASCADE = ("auto", "on", "off")
 _DECODE_LINEAR = ("auto", "native", "hybrid", "xla")
 # ExecutionConfig.kv_write: "auto" or a backend of jaxattn.write_kv.
 KV_WRITE_CHOICES = ("auto", "native", "reference")
+PALLAS_DECODE_LOWERINGS = ("triton", "mosaic_gpu")
 
 
 def _int(owner: str, name: str, value, minimum: int) -> int:
@@ -354,6 +355,12 @@ class ExecutionConfig:
       H200 the 1B decode step took 0.964 / 1.490 ms of device time with it at batch 1 / 64
       against 0.947 / 1.474 without (``bench_step.py --fused-norm``). The same values up to
       the last float32 bits of the norm's mean.
+    pallas_decode_lowering: the lowering of the Pallas decode kernel in every decode step
+      when ``implementation`` resolves to ``"pallas"``: ``"triton"`` (the default: the
+      engine's 1b workload ran 9383 generated tok/s with it against 8804 with the Mosaic GPU
+      kernel on an H200, where the op alone measured the Mosaic kernel slower at head_dim 64
+      too) or ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.decode_mgpu`, sm_90; interpreted on the
+      CPU), whatever a step's batch.
     """
 
     extend_attention: str | None = None
@@ -370,6 +377,7 @@ class ExecutionConfig:
     kv_write: str = "auto"
     fused_rope: bool | None = None
     fused_norm: bool | None = None
+    pallas_decode_lowering: str = "triton"
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -399,6 +407,12 @@ class ExecutionConfig:
         if not isinstance(self.kv_write, str) or self.kv_write not in KV_WRITE_CHOICES:
             raise ValueError(
                 f"ExecutionConfig.kv_write must be one of {KV_WRITE_CHOICES}, got {self.kv_write!r}"
+            )
+        lowering = self.pallas_decode_lowering
+        if not isinstance(lowering, str) or lowering not in PALLAS_DECODE_LOWERINGS:
+            raise ValueError(
+                f"ExecutionConfig.pallas_decode_lowering must be one of "
+                f"{PALLAS_DECODE_LOWERINGS}, got {lowering!r}"
             )
         if not isinstance(self.cascade, str) or self.cascade not in _CASCADE:
             raise ValueError(

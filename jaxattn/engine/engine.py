@@ -205,6 +205,7 @@ class Engine:
             kv_write=execution.kv_write,
             fused_rope=execution.fused_rope,
             fused_norm=execution.fused_norm,
+            pallas_decode_lowering=execution.pallas_decode_lowering,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
         )

@@ -72,7 +72,14 @@ from jaxattn.paging import token_slots
 from jaxattn.paging.slots import range_slots
 
 from . import scheduler
-from .config import KV_WRITE_CHOICES, Buckets, bucket, check_kv_scales, kv_cache_dtype
+from .config import (
+    KV_WRITE_CHOICES,
+    PALLAS_DECODE_LOWERINGS,
+    Buckets,
+    bucket,
+    check_kv_scales,
+    kv_cache_dtype,
+)
 from .sampling import sample, sample_keys
 
 __all__ = [
@@ -721,6 +728,9 @@ class ModelRunner:
       fused_norm: each residual add and its RMSNorm in one native kernel
         (:func:`jaxattn.native.add_rms_norm`; only when True; see
         :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`fused_norm`.
+      pallas_decode_lowering: ``"triton"`` or ``"mosaic_gpu"``: the Pallas decode kernel's
+        lowering in every decode step when the decode backend is ``"pallas"``
+        (:class:`~jaxattn.engine.ExecutionConfig`); the lowering is in :attr:`lowerings`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -752,6 +762,7 @@ class ModelRunner:
         kv_write: str = "auto",
         fused_rope: bool | None = None,
         fused_norm: bool | None = None,
+        pallas_decode_lowering: str = "triton",
         kv_dtype=None,
         kv_scales=None,
     ):
@@ -823,14 +834,19 @@ class ModelRunner:
         resolved = {k: self._resolve(k, implementation) for k in ("extend", "decode")}
         decode = resolved["decode"]
         pallas_decode = decode.backend == "pallas"
-        if pallas_decode and decode.config.lowering != "triton":
-            # The Pallas decode runs its Triton-lowered kernel in every decode step (the op
-            # alone may take the Mosaic GPU one for a batch that fills a one-pass grid): in
-            # the engine's decode programs that one measured slower (benchmarks/RESULTS.md,
-            # round 33: 8804 against 9383 generated tok/s, 1b preset, head_dim 64, where the
-            # op alone measured it slower too, round 34); a step's batch changes the grid,
-            # and the engine with head_dim 128 was not measured with it.
-            config = dataclasses.replace(decode.config, lowering="triton")
+        if pallas_decode_lowering not in PALLAS_DECODE_LOWERINGS:
+            raise ValueError(
+                f"pallas_decode_lowering must be one of {PALLAS_DECODE_LOWERINGS}, "
+                f"got {pallas_decode_lowering!r}"
+            )
+        if pallas_decode and decode.config.lowering != pallas_decode_lowering:
+            # The Pallas decode runs one lowering in every decode step, whatever the step's
+            # batch (the op alone may take the Mosaic GPU kernel for a batch that fills a
+            # one-pass grid). Triton by default: with the Mosaic GPU kernel the engine's
+            # decode programs measured slower (benchmarks/RESULTS.md, round 33: 8804 against
+            # 9383 generated tok/s, 1b preset, head_dim 64, where the op alone measured it
+            # slower too, round 34); head_dim 128 in the engine was not measured with it.
+            config = dataclasses.replace(decode.config, lowering=pallas_decode_lowering)
             resolved["decode"] = decode._replace(config=config)
         self.backends = {k: r.backend for k, r in resolved.items()}
         # The Pallas kernels' lowering each step kind resolves to ("triton", "mosaic_gpu";
