@@ -38,8 +38,8 @@ it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the T
 default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens when
 the batch fills a one-pass grid (:func:`decode_mgpu.serves_by_default`). Split grids (B=8 x
 4096: 74% against 75%, B=1 x 32768: 59-66% against 70-71%, the merge after it), head_dim 64
-(the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7-10%)
-keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
+(the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
+batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
 tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names
 either.
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same

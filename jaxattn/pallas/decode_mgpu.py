@@ -61,7 +61,8 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
 
 # Where the default rule takes this kernel (H200, ``benchmarks/RESULTS.md`` round 34): head_dim
 # 128 (at 64 the Triton kernel was faster on every one-pass row measured, 2-25%), and tables of
-# at least 1024 tokens (at 512 it was 7-10% faster at batch 64 and 256).
+# at least 1024 tokens (at 512 it was 7% faster at batch 256, and ahead at batch 64 in figures
+# the host bounded).
 DEFAULT_HEAD_DIM = 128
 MIN_DEFAULT_CAPACITY = 1024
 
