@@ -768,6 +768,11 @@ class ModelRunner:
     ):
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
+        if pallas_decode_lowering not in PALLAS_DECODE_LOWERINGS:
+            raise ValueError(
+                f"pallas_decode_lowering must be one of {PALLAS_DECODE_LOWERINGS}, "
+                f"got {pallas_decode_lowering!r}"
+            )
         if extend_attention not in ("extend", "prefix_prefill"):
             raise ValueError(
                 f"extend_attention must be 'extend' or 'prefix_prefill', got {extend_attention!r}"
@@ -834,11 +839,6 @@ class ModelRunner:
         resolved = {k: self._resolve(k, implementation) for k in ("extend", "decode")}
         decode = resolved["decode"]
         pallas_decode = decode.backend == "pallas"
-        if pallas_decode_lowering not in PALLAS_DECODE_LOWERINGS:
-            raise ValueError(
-                f"pallas_decode_lowering must be one of {PALLAS_DECODE_LOWERINGS}, "
-                f"got {pallas_decode_lowering!r}"
-            )
         if pallas_decode and decode.config.lowering != pallas_decode_lowering:
             # The Pallas decode runs one lowering in every decode step, whatever the step's
             # batch (the op alone may take the Mosaic GPU kernel for a batch that fills a
