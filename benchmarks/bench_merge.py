@@ -1,12 +1,13 @@
-"""The split-KV merge after the Pallas decode kernels (``jaxattn.pallas.decode.combine``) at
-the partition counts their split grids produce, against a candidate: the same exact merge as
-one variadic reduction over the partitions, the online softmax's merge as its combiner.
+"""The split-KV merge after the Pallas decode kernels at the partition counts their split
+grids produce: the merge kernel (``jaxattn.pallas.decode.combine``, one launch) against the
+same exact merge in jnp (``combine_jnp``, what XLA makes of reductions over the partition
+axis).
 
-Why: traced on an H200 (``benchmarks/RESULTS.md``, round 34), the merge after a 32-partition
-grid (batch 1, 32768 tokens, 32/8 heads) ran as three reduction kernels, 4.5 us beside a
-36 us decode kernel, where #16's batch-1 target leaves ~3.5 us for everything after the
-kernel; at 4 partitions (batch 8) it is one or two loop kernels. The candidate is checked
-against ``combine`` on every case (NaN and empty partitions included) before it is timed.
+Why: traced on an H200 (``benchmarks/RESULTS.md``, round 34), the jnp merge after a
+32-partition grid (batch 1, 32768 tokens, 32/8 heads) ran as three reduction kernels and a
+convert, ~5 us beside a 35 us decode kernel; at 4 partitions (batch 8) as one loop kernel.
+The kernel is checked against ``combine_jnp`` on every case (NaN and empty partitions
+included) before it is timed.
 
     python benchmarks/bench_merge.py --cases 1:32,8:4,4:8,64:1 --profile
     python benchmarks/bench_merge.py --small --samples 3     # CPU smoke run
@@ -35,42 +36,14 @@ from common import (  # noqa: E402
     tree_bytes,
     write_json,
 )
-from jax import lax  # noqa: E402
 
 from jaxattn.pallas import _common as C  # noqa: E402
-from jaxattn.pallas.decode import combine  # noqa: E402
+from jaxattn.pallas.decode import combine, combine_jnp  # noqa: E402
 
-# The candidate's identity max: below every partition's (finite, >= C.M_INIT, or NaN).
-FLOOR = -3.0e38
-assert FLOOR < C.M_INIT
-
-
-def _merge_pair(x, y):
-    """Two partial states (max, sum, acc) folded into one, exactly; a NaN max propagates."""
-    (m1, l1, a1), (m2, l2, a2) = x, y
-    top = jnp.maximum(m1, m2)
-    w1, w2 = jnp.exp2(m1 - top), jnp.exp2(m2 - top)
-    return top, l1 * w1 + l2 * w2, a1 * w1 + a2 * w2
-
-
-def variadic_combine(acc, m, l_sum, dtype):
-    """``combine``'s result (acc f32[B, P, Hq, D], m, l_sum f32[B, P, Hq], m in base 2) as one
-    variadic reduction over P: NaN where any partition's max is NaN, 0 where every partition
-    is empty (denominator 0)."""
-    full = acc.shape
-    operands = (
-        jnp.broadcast_to(m[..., None], full),
-        jnp.broadcast_to(l_sum[..., None], full),
-        acc,
-    )
-    init = (jnp.float32(FLOOR), jnp.float32(0.0), jnp.float32(0.0))
-    top, denom, numer = lax.reduce(operands, init, _merge_pair, (1,))
-    safe = jnp.where(denom == 0, 1.0, denom)
-    out = jnp.where(denom == 0, 0.0, numer / safe)
-    return jnp.where(jnp.isnan(top), jnp.nan, out).astype(dtype)
-
-
-IMPLS = {"combine": combine, "variadic": variadic_combine}
+IMPLS = {
+    "xla": combine_jnp,
+    "kernel": combine,
+}
 
 
 def partials(seed: int, batch: int, parts: int, heads: int, head_dim: int):
@@ -91,14 +64,17 @@ def partials(seed: int, batch: int, parts: int, heads: int, head_dim: int):
 
 
 def check(args) -> float:
-    """The candidate against ``combine`` on one input: NaN where combine has NaN, the rest
-    within f32 rounding (relative error of the finite entries)."""
-    want = np.asarray(combine(*args, jnp.float32))
-    got = np.asarray(variadic_combine(*args, jnp.float32))
-    if not np.array_equal(np.isnan(want), np.isnan(got)):
-        raise SystemExit("variadic_combine: NaN where combine has none, or the reverse")
+    """The kernel against ``combine_jnp`` on one input: NaN where the jnp merge has NaN, the
+    rest within f32 rounding (the largest relative error of the finite entries)."""
+    want = np.asarray(combine_jnp(*args, jnp.float32))
     ok = ~np.isnan(want)
-    return rel_error(got[ok], want[ok])
+    worst = 0.0
+    for name, fn in IMPLS.items():
+        got = np.asarray(fn(*args, jnp.float32))
+        if not np.array_equal(np.isnan(want), np.isnan(got)):
+            raise SystemExit(f"{name}: NaN where combine_jnp has none, or the reverse")
+        worst = max(worst, rel_error(got[ok], want[ok]))
+    return worst
 
 
 def main(argv=None) -> dict:
@@ -125,7 +101,7 @@ def main(argv=None) -> dict:
             lambda i, b=batch, n=parts: partials(i, b, n, args.heads, args.head_dim),
             1 if args.small else num_copies(tree_bytes(one)),
         )
-        print(f"B={batch} partitions={parts} ({len(copies)} copies), candidate err {err:.1e}")
+        print(f"B={batch} partitions={parts} ({len(copies)} copies), kernel err {err:.1e}")
         for name, fn in IMPLS.items():
             call = lambda acc, m, l_sum, f=fn: f(acc, m, l_sum, dtype)  # noqa: E731
             t = time_calls(call, copies, samples=args.samples, target_s=args.target_s)
@@ -152,7 +128,7 @@ def main(argv=None) -> dict:
                 ("busy_us", "GPU busy (us)", ".2f"),
                 ("kernels", "kernels", ".0f"),
                 ("host_bound", "host-bound", ""),
-                ("rel_err", "candidate err", ".1e"),
+                ("rel_err", "kernel err", ".1e"),
             ],
         )
     )

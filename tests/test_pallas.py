@@ -4,10 +4,13 @@ configuration checks. The kernels themselves run the shared suite of ``test_kern
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import call_extend, make_extend
+from helpers import call_extend, make_extend, tol
 
 from jaxattn import pallas as P
+from jaxattn.pallas import _common as C
 
 
 def test_extend_tile_heuristic():
@@ -53,3 +56,47 @@ def test_config_checks():
         P.DecodeConfig(block_n=24)
     with pytest.raises(ValueError, match="block_q"):
         P.ExtendConfig(block_q=48)
+
+
+def _merge_f64(acc, m, l_sum):
+    """The split-KV merge in float64 numpy: NaN where a partition is NaN, 0 for a row whose
+    partitions are all empty (denominator 0)."""
+    acc, m, l_sum = (np.asarray(x, np.float64) for x in (acc, m, l_sum))
+    w = np.exp2(m - m.max(axis=1, keepdims=True))
+    denom = (w * l_sum).sum(axis=1)
+    numer = (w[..., None] * acc).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = numer / denom[..., None]
+    return np.where((denom == 0)[..., None], 0.0, out)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 32, 70])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_merge_kernel(rng, parts, dtype):
+    """The merge kernel after the split grids against float64: empty partitions (max
+    M_INIT, sum 0) weigh nothing, a row of only empty partitions is 0, a NaN max or sum
+    poisons its row, a NaN accumulator lane its lane, and nothing else; one chunk of
+    partitions and several."""
+    batch, heads, head_dim = 3, 8, 32
+    acc = rng.standard_normal((batch, parts, heads, head_dim)).astype(np.float32)
+    m = (6 * rng.standard_normal((batch, parts, heads))).astype(np.float32)
+    l_sum = (rng.random((batch, parts, heads)) + 0.5).astype(np.float32)
+    empty = rng.random((batch, parts, heads)) < 0.3
+    empty[2, :, 5] = True  # a row with nothing to attend to
+    # The poisoned partitions below are written ones (an empty partition's sum is 0).
+    empty[0, parts - 1, 1] = empty[1, 0, 2] = empty[1, parts // 2, 3] = False
+    m[empty], l_sum[empty], acc[empty] = C.M_INIT, 0.0, 0.0
+    m[0, parts - 1, 1] = np.nan
+    l_sum[1, 0, 2] = np.nan
+    acc[1, parts // 2, 3, 7] = np.nan
+    want = _merge_f64(acc, m, l_sum)
+    got = P.decode.combine(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l_sum), dtype)
+    assert got.shape == (batch, heads, head_dim) and got.dtype == dtype
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    poisoned = np.zeros((batch, heads), bool)
+    poisoned[0, 1] = poisoned[1, 2] = poisoned[1, 3] = True
+    assert np.isnan(got).any(axis=-1).tolist() == poisoned.tolist()
+    assert np.isnan(got[0, 1]).all() and np.isnan(got[1, 2]).all()  # a max, a sum
+    assert np.isnan(got[1, 3]).tolist() == [d == 7 for d in range(head_dim)]  # one lane
+    assert (got[2, 5] == 0).all()
+    np.testing.assert_allclose(got[~poisoned], want[~poisoned], **tol(dtype))

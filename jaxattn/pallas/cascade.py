@@ -300,14 +300,14 @@ def _cascade_kernel(
         store(jnp.full(gi.shape, b), part, kv_head * group + gi, ok, state, kv_head)
 
 
-def merge(acc, m, l_sum, parts_ok, dtype):
+def merge(acc, m, l_sum, parts_ok, dtype, interpret):
     """The exact merge of each request's parts (see :func:`jaxattn.pallas.decode.combine`):
     parts_ok bool[B, P] masks the parts nobody wrote."""
     ok = parts_ok[:, :, None]
     acc = jnp.where(ok[..., None], acc, 0.0)
     m = jnp.where(ok, m, C.M_INIT)
     l_sum = jnp.where(ok, l_sum, 0.0)
-    return combine(acc, m, l_sum, dtype)
+    return combine(acc, m, l_sum, dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "layout", "soft_cap", "interpret", "config"))
@@ -412,7 +412,7 @@ def _cascade_attention(
         jnp.arange(grid.max_splits)[None, :] * req_chunk[:, None] < req_prefix_len[:, None]
     )
     written = jnp.concatenate([own_written, prefix_written], axis=1)
-    out = merge(acc[:batch], m[:batch], l_sum[:batch], written, q.dtype)
+    out = merge(acc[:batch], m[:batch], l_sum[:batch], written, q.dtype, interpret)
     return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
 
 

@@ -52,8 +52,8 @@ class DecodeConfig:
       (:mod:`jaxattn.pallas.decode_mgpu`, sm_90 or Mosaic GPU's interpret mode; 16-bit or
       FP8 caches, bshd/bhsd; the other fields do not apply to it; ``partition_size`` a whole
       number of its steps). With no config, ``implementation="pallas"`` runs the Mosaic GPU
-      kernel compiled on sm_90 for a 16-bit cache when the batch fills a one-pass grid
-      (:func:`jaxattn.pallas.decode_mgpu.serves_by_default`), else this one.
+      kernel compiled on sm_90 for a 16-bit cache with head_dim 128 and tables of at least
+      1024 tokens (:func:`jaxattn.pallas.decode_mgpu.serves_by_default`), else this one.
     """
 
     block_n: int | None = None
@@ -194,10 +194,11 @@ def _decode_kernel(
         plgpu.store(l_ref.at[b, part, out_heads], l_sum, mask=row_ok)
 
 
-def combine(acc, m, l_sum, dtype):
-    """Exact merge of partitions along axis 1: acc f32[B, P, Hq, D], m, l_sum f32[B, P, Hq]
-    (m in base 2) -> [B, Hq, D]. A NaN partition (NaN input, or a poisoned sequence) gives
-    NaN: ``jnp.max`` and the sums propagate it; only an all-empty row (denominator 0) is 0.
+def combine_jnp(acc, m, l_sum, dtype):
+    """Exact merge of partitions along axis 1 in jnp: acc f32[B, P, Hq, D], m, l_sum
+    f32[B, P, Hq] (m in base 2) -> [B, Hq, D]. A NaN partition (NaN input, or a poisoned
+    sequence) gives NaN: ``jnp.max`` and the sums propagate it; only an all-empty row
+    (denominator 0) is 0. :func:`combine` computes the same in one kernel.
     """
     m_max = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp2(m - m_max)
@@ -205,6 +206,80 @@ def combine(acc, m, l_sum, dtype):
     numer = jnp.sum(w[..., None] * acc, axis=1)
     safe = jnp.where(denom == 0, 1.0, denom)
     return jnp.where((denom == 0)[..., None], 0.0, numer / safe[..., None]).astype(dtype)
+
+
+# A merge program folds its partitions MERGE_ELEMENTS float32 accumulator values at a time
+# (chunk of partitions x its slice of D): 16 KiB, 32 registers a thread at four warps.
+MERGE_ELEMENTS = 4096
+# Below every partition's max (finite maxima are >= C.M_INIT): lanes past the last
+# partition weigh exp2(MERGE_FLOOR - top) = 0.
+MERGE_FLOOR = -3.0e38
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d = j * width + jnp.arange(width)
+
+    def stat(ref, p, which, ok, other):
+        if group is None:  # m, l_sum f32[B, P, Hq]
+            return plgpu.load(ref.at[b, p, h], mask=ok, other=other)
+        # Packed by the Mosaic GPU kernel: f32[B, P, Hkv, 2, G_pad], max then sum.
+        return plgpu.load(ref.at[b, p, h // group, which, h % group], mask=ok, other=other)
+
+    def step(c, carry):
+        top, denom, numer = carry
+        p = c * chunk + jnp.arange(chunk)
+        ok = p < parts
+        p = jnp.minimum(p, parts - 1)  # in bounds, masked lanes included
+        m = stat(m_ref, p, 0, ok, MERGE_FLOOR)
+        l_sum = stat(l_ref, p, 1, ok, 0.0)
+        acc = plgpu.load(acc_ref.at[b, p[:, None], h, d[None, :]], mask=ok[:, None], other=0.0)
+        # A NaN max makes its own weight NaN (exp2(NaN - x)), so the row's sums are NaN
+        # whether or not the reduction's max propagates it.
+        new_top = jnp.maximum(top, jnp.max(m))
+        rescale = jnp.exp2(top - new_top)
+        w = jnp.exp2(m - new_top)
+        denom = denom * rescale + jnp.sum(w * l_sum)
+        numer = numer * rescale + jnp.sum(w[:, None] * acc, axis=0)
+        return new_top, denom, numer
+
+    init = (jnp.float32(MERGE_FLOOR), jnp.float32(0.0), jnp.zeros((width,), jnp.float32))
+    _, denom, numer = lax.fori_loop(0, pl.cdiv(parts, chunk), step, init)
+    safe = jnp.where(denom == 0, 1.0, denom)
+    out = jnp.where(denom == 0, 0.0, numer / safe)
+    o_ref[b, h, d] = out.astype(o_ref.dtype)
+
+
+def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int | None = None):
+    """:func:`combine_jnp`'s merge as one Pallas kernel: a program per request, query head
+    and slice of D (enough programs for two per multiprocessor, slices of >= 32 lanes), the
+    partitions folded a chunk at a time; one launch where XLA's reductions over the partition
+    axis took up to four, the output written in its dtype. ``group``: m and l_sum are both
+    the Mosaic GPU kernel's packed statistics f32[B, P, Hkv, 2, G_pad] (G = ``group`` query
+    heads a KV head), read in place. ``interpret``: None interprets on the CPU only.
+    """
+    if interpret is None:
+        interpret = C.resolve_interpret(None)
+    return _combine(acc, m, l_sum, jnp.dtype(dtype), bool(interpret), group)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _combine(acc, m, l_sum, dtype, interpret, group):
+    batch, parts, num_q_heads, head_dim = acc.shape
+    width = head_dim
+    while width > 32 and batch * num_q_heads * (head_dim // width) < 2 * C.num_sms():
+        width //= 2
+    chunk = min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // width))
+    kernel = functools.partial(_combine_kernel, parts=parts, chunk=chunk, width=width, group=group)
+    inputs = match_varying(acc, m, l_sum)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_q_heads, head_dim // width),
+        out_shape=out_struct((batch, num_q_heads, head_dim), dtype, *inputs),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxattn_decode_merge",
+    )(*inputs)
 
 
 @functools.partial(
@@ -296,7 +371,7 @@ def _paged_attention(
     outs = call(*inputs)
     if not split:
         return outs[0]
-    return combine(*outs, q.dtype)
+    return combine(*outs, q.dtype, interpret=interpret)
 
 
 def paged_attention(
