@@ -30,6 +30,9 @@ if decode_mgpu.available() is not None:
 
 # interpret=True everywhere; interpret=False (compiled) on an sm_90 GPU.
 MODES = [True] + ([False] if decode_mgpu.is_sm90() else [])
+# A split grid's merge is a Triton kernel, a custom call jax.export has no compatibility
+# guarantee for; these exports only check the lowering.
+TRITON_MERGE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, dtype):
@@ -197,7 +200,7 @@ def test_lowers_for_cuda(kw):
             q, k, v, t, n, layout=layout, soft_cap=cap, interpret=False, **kw
         )
 
-    exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+    exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -294,17 +297,18 @@ def test_fp8_lowers_for_cuda(fmt, d):
                 q, k, v, t, n, interpret=False, k_scale=ks, v_scale=vs, specialized=specialized
             )
 
-        exported = export.export(jax.jit(f), platforms=["cuda"])(*args)
+        exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(
+            *args
+        )
         assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_default_lowering(kv_dtype):
     """implementation="pallas" with no config: the Mosaic GPU kernel when compiled on sm_90
-    for a 16-bit cache, head_dim 128, tables of at least 1024 tokens and a batch that fills
-    the grid in one pass; the Triton-lowered kernel for a split grid (batch 1), an explicit
-    partition size, head_dim 64, 512-token tables, FP8 caches, other GPUs and the CPU
-    interpreter."""
+    for a 16-bit cache, head_dim 128 and tables of at least 1024 tokens, one-pass and split
+    grids (batch 1); the Triton-lowered kernel for an explicit partition size, head_dim 64,
+    512-token tables, FP8 caches, other GPUs and the CPU interpreter."""
     from jaxattn import ops
     from jaxattn.pallas import IMPLEMENTATIONS
 
@@ -315,7 +319,7 @@ def test_default_lowering(kv_dtype):
     wide = 4 * jaxattn.pallas._common.num_sms()  # 2 KV heads: twice the grid's target
     for batch, d, width, kw, mosaic in (
         (wide, 128, 64, {}, compiled),  # tables of 64 pages: 1024 tokens
-        (1, 128, 64, {}, False),
+        (1, 128, 64, {}, compiled),
         (wide, 128, 64, {"partition_size": 32}, False),
         (wide, 64, 64, {}, False),
         (wide, 128, 32, {}, False),

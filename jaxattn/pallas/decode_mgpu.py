@@ -1,7 +1,8 @@
 """Paged decode on Pallas' Mosaic GPU lowering (sm_90): the first kernel of the port off the
 Triton lowering. Compiled and checked on an H200 (jax 0.11); what ``implementation="pallas"``
-runs by default on sm_90 for a 16-bit cache when the batch fills the grid in one pass
-(:func:`serves_by_default`; split grids and FP8 caches keep the Triton-lowered kernel), and
+runs by default on sm_90 for a 16-bit cache with head_dim 128 and tables of at least 1024
+tokens, one-pass and split grids (:func:`serves_by_default`; FP8 caches keep the
+Triton-lowered kernel), and
 ``config=DecodeConfig(lowering="mosaic_gpu")`` names it.
 
 One block per (KV head, sequence, partition of ``partition_pages`` pages):
@@ -59,10 +60,12 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
     return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode")
 
 
-# Where the default rule takes this kernel (H200, ``benchmarks/RESULTS.md`` round 34): head_dim
+# Where the default rule takes this kernel (H200, ``benchmarks/RESULTS.md`` rounds 34-35): head_dim
 # 128 (at 64 the Triton kernel was faster on every one-pass row measured, 2-25%), and tables of
 # at least 1024 tokens (at 512 it was 7% faster at batch 256, and ahead at batch 64 in figures
-# the host bounded).
+# the host bounded). Split grids too since the merge is one kernel reading the packed
+# statistics in place: 1-3% less device time than the Triton kernel on every split row
+# measured (batch 1-16, 1024-32768 tokens, round 35).
 DEFAULT_HEAD_DIM = 128
 MIN_DEFAULT_CAPACITY = 1024
 
@@ -71,10 +74,9 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size)
     """Whether ``implementation="pallas"``'s paged decode runs this kernel when no config names
     a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype (FP8 caches keep the
     Triton-lowered kernel, which widens them faster), head_dim :data:`DEFAULT_HEAD_DIM`,
-    tables of at least :data:`MIN_DEFAULT_CAPACITY` tokens, no ``partition_size``, and a batch
-    that fills the grid in one pass (:func:`default_partition_pages`). Elsewhere the Triton
-    kernel measured as fast or faster: split grids with the merge after this kernel (batch 8
-    and 1, round 33), head_dim 64 and 512-token tables (round 34)."""
+    tables of at least :data:`MIN_DEFAULT_CAPACITY` tokens and no ``partition_size``; one-pass
+    and split grids alike (:func:`default_partition_pages` chooses). Elsewhere the Triton
+    kernel measured as fast or faster: head_dim 64 and 512-token tables (round 34)."""
     if partition_size is not None or not M.compiled_16bit(q, k_cache):
         return False
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
@@ -82,11 +84,7 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size)
     if geom.head_dim != DEFAULT_HEAD_DIM or capacity < MIN_DEFAULT_CAPACITY:
         return False
     per_step = M.steps_of(None, geom.page_size)
-    if unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step) is not None:
-        return False
-    width = block_tables.shape[1]
-    whole = -(-width // per_step) * per_step
-    return default_partition_pages(q.shape[0], geom.num_kv_heads, width, per_step) >= whole
+    return unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step) is None
 
 
 def _kernel_call(
@@ -411,11 +409,11 @@ def _paged_attention(
     if len(outs) == 1:  # one partition: normalised in the kernel
         return outs[0].reshape(B, Hq, D)
     acc, ml = outs
-    # [B, parts, Hkv, G, ...] is the merge's [B, parts, Hq, ...].
+    # [B, parts, Hkv, G, D] is the merge's [B, parts, Hq, D]; the statistics are read in
+    # their packed form.
     parts = acc.shape[1]
-    m = ml[:, :, :, 0, :G].reshape(B, parts, Hq)
-    l_sum = ml[:, :, :, 1, :G].reshape(B, parts, Hq)
-    return combine(acc.reshape(B, parts, Hq, D), m, l_sum, q.dtype)
+    acc = acc.reshape(B, parts, Hq, D)
+    return combine(acc, ml, ml, q.dtype, interpret=interpret, group=G)
 
 
 def default_partition_pages(
