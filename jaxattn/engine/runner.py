@@ -841,8 +841,8 @@ class ModelRunner:
         pallas_decode = decode.backend == "pallas"
         if pallas_decode and decode.config.lowering != pallas_decode_lowering:
             # The Pallas decode runs one lowering in every decode step, whatever the step's
-            # batch (the op alone may take the Mosaic GPU kernel for a batch that fills a
-            # one-pass grid). Triton by default: with the Mosaic GPU kernel the engine's
+            # batch (the op alone takes the Mosaic GPU kernel for head_dim 128 and tables of
+            # at least 1024 tokens). Triton by default: with the Mosaic GPU kernel the engine's
             # decode programs measured slower (benchmarks/RESULTS.md, round 33: 8804 against
             # 9383 generated tok/s, 1b preset, head_dim 64, where the op alone measured it
             # slower too, round 34); head_dim 128 in the engine was not measured with it.

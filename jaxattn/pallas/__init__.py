@@ -35,9 +35,11 @@ tested in interpret mode and compiled on an H200 against the reference with the 
 poisoned. It reads q and writes a one-pass output in their own layout (no XLA kernel around
 it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the Triton kernel
 88% in the same run) and 94% (95%) with 32/32 heads, so ``paged_attention`` runs it by
-default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens when
-the batch fills a one-pass grid (:func:`decode_mgpu.serves_by_default`). Split grids (B=8 x
-4096: 74% against 75%, B=1 x 32768: 59-66% against 70-71%, the merge after it), head_dim 64
+default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens
+(:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one Pallas
+kernel (:func:`decode.combine`) that reads the packed statistics in place, and with it the
+split rows took 1-3% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
+ceiling, B=1 x 32768: 76%, round 35). Head_dim 64
 (the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
 batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
 tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names
