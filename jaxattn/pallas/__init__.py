@@ -38,8 +38,8 @@ it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the T
 default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens
 (:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one Pallas
 kernel (:func:`decode.combine`) that reads the packed statistics in place, and with it the
-split rows took 1-3% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
-ceiling, B=1 x 32768: 76%, round 35). Head_dim 64
+split rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
+ceiling, B=1 x 32768: 78%, round 35). Head_dim 64
 (the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
 batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
 tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names

@@ -64,7 +64,7 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | No
 # 128 (at 64 the Triton kernel was faster on every one-pass row measured, 2-25%), and tables of
 # at least 1024 tokens (at 512 it was 7% faster at batch 256, and ahead at batch 64 in figures
 # the host bounded). Split grids too since the merge is one kernel reading the packed
-# statistics in place: 1-3% less device time than the Triton kernel on every split row
+# statistics in place: 0.7-3.6% less device time than the Triton kernel on every split row
 # measured (batch 1-16, 1024-32768 tokens, round 35).
 DEFAULT_HEAD_DIM = 128
 MIN_DEFAULT_CAPACITY = 1024
