@@ -123,7 +123,7 @@ def _kernel_call(
     parts = -(-(capacity // S) // partition_pages)
     # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
     tab_window = -(-partition_pages // 32) * 32
-    assert (parts - 1) * partition_pages + tab_window <= W, "the wrapper pads the table"
+    assert tab_window <= W and W % 4 == 0, "the wrapper pads the table"
     dtype = q.dtype
     one_pass = parts == 1
     bshd = layout == "bshd"
@@ -141,13 +141,16 @@ def _kernel_call(
         h = lax.axis_index("kvh")
         b = lax.axis_index("b")
         part = lax.axis_index("part")
+        window_start = jnp.minimum(part * partition_pages, W - tab_window)
+        window_shift = part * partition_pages - window_start
         wg = lax.axis_index("wg") if specialized else 0
         memory_wg, compute_wg = (1, 0) if specialized else (0, 0)
 
         @pl.when(wg == memory_wg)
         def _():
-            # The partition's window of the table row (padded by the wrapper).
-            M.copy_vector(tab_ref.at[b], part * partition_pages, tab_smem, tab_bar)
+            # The partition's window of the table row, moved back to end at the row's end
+            # where it would run past it (page_at shifts its index by as much).
+            M.copy_vector(tab_ref.at[b], window_start, tab_smem, tab_bar)
             if fp8:
                 plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], fac_bar)
 
@@ -168,7 +171,10 @@ def _kernel_call(
 
         def page_at(c):
             """The partition's ``c``-th page (``c < partition_pages`` by the loops), checked."""
-            page = tab_smem[jnp.minimum(c, partition_pages - 1)]
+            # Entries past the row's end (never a page the sequence reads: its length is
+            # clipped to the capacity) are clamped into the window.
+            entry = jnp.minimum(jnp.minimum(c, partition_pages - 1) + window_shift, tab_window - 1)
+            page = tab_smem[entry]
             ok = (page >= 0) & (page < P)
             return jnp.where(ok, page, 0), ok
 
@@ -378,12 +384,15 @@ def _paged_attention(
             [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, Hkv), 0, 32)]
         )
     # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
-    # table is 32 entries a step (the padding is never read as a page of a sequence:
-    # capacity is the unpadded one). The lengths are read in place, a scalar a block.
-    parts = -(-block_tables.shape[1] // partition_pages)
-    width = (parts - 1) * partition_pages + -(-partition_pages // 32) * 32
+    # table is 32 entries a step, the last ones' moved back inside the row. Only a table
+    # narrower than one window, or of rows not a multiple of 16 bytes (TMA's stride), is
+    # padded (an XLA kernel; the padding is never read as a page of a sequence: capacity is
+    # the unpadded one). The lengths are read in place, a scalar a block.
+    window = -(-partition_pages // 32) * 32
     tables = block_tables.astype(jnp.int32)
-    tables = jnp.pad(tables, ((0, 0), (0, max(0, width - tables.shape[1]))))
+    width = max(window, -(-tables.shape[1] // 4) * 4)
+    if width != tables.shape[1]:
+        tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
     lens = seq_lens.astype(jnp.int32)
     outs = _kernel_call(
         qk.reshape(B, Hkv, G, D),
