@@ -89,6 +89,33 @@ def test_matches_reference_with_unread_slots_poisoned(case, interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("width", [44, 45])
+def test_table_windows_at_the_row_end(width, interpret):
+    """Split partitions near the end of a table wider than one 32-entry window: their
+    windows end at the row's end and the kernel shifts its index (44 columns), or the
+    wrapper pads rows that are not a multiple of 16 bytes (45); the last sequence fills the
+    whole table, the columns past the others name NaN pages."""
+    lens = [8 * width, 200, 17]
+    q, k, v, tables, lens = poisoned_case(
+        7,
+        batch=3,
+        hq=8,
+        hkv=2,
+        d=64,
+        page=8,
+        pages=80,
+        width=width,
+        lens=lens,
+        layout="bshd",
+        dtype=jnp.bfloat16,
+    )
+    out = decode_mgpu.paged_attention(
+        q, k, v, tables, lens, layout="bshd", partition_pages=8, interpret=interpret
+    )
+    assert_close(out, reference(q, k, v, tables, lens, layout="bshd"))
+
+
+@pytest.mark.parametrize("interpret", MODES)
 def test_soft_cap_and_scale(interpret):
     q, k, v, tables, lens = poisoned_case(
         7,
