@@ -52,7 +52,8 @@ def reference(q, k, v, tables, lens, **kw):
 
 
 CASES = [
-    # layout, dtype, hq/hkv, d, page, lens, partition_pages, other keywords
+    # layout, dtype, hq/hkv, d, page, lens, partition_pages, other keywords (width and
+    # pages: the table's columns and the pool's pages, 12 and 40 unless given)
     ("bshd", jnp.bfloat16, (8, 2), 64, 16, [70, 0, 160], 4, {}),
     ("bhsd", jnp.float16, (8, 8), 64, 8, [1, 33, 64], 8, {}),
     ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5], 8, {}),
@@ -60,6 +61,11 @@ CASES = [
     ("bshd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 100], 12, dict(specialized=True, stages=3)),
     ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5, 190], 8, dict(specialized=False)),
     ("bhsd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 0], 12, dict(specialized=False, stages=3)),
+    # tables wider than one 32-entry window: the last partitions' windows end at the row's
+    # end and the kernel shifts its index (44 columns), or rows that are not a multiple of
+    # 16 bytes are padded (45); the first sequence fills the whole table
+    ("bshd", jnp.bfloat16, (8, 2), 64, 8, [352, 200, 17], 8, dict(width=44, pages=80)),
+    ("bshd", jnp.bfloat16, (8, 2), 64, 8, [360, 200, 17], 8, dict(width=45, pages=80)),
 ]
 
 
@@ -67,7 +73,8 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_reference_with_unread_slots_poisoned(case, interpret):
     layout, dtype, (hq, hkv), d, page, lens, part, kw = CASES[case]
-    width = 12
+    kw = dict(kw)
+    width, pages = kw.pop("width", 12), kw.pop("pages", 40)
     q, k, v, tables, lens = poisoned_case(
         case,
         batch=len(lens),
@@ -75,7 +82,7 @@ def test_matches_reference_with_unread_slots_poisoned(case, interpret):
         hkv=hkv,
         d=d,
         page=page,
-        pages=40,
+        pages=pages,
         width=width,
         lens=lens,
         layout=layout,
@@ -86,33 +93,6 @@ def test_matches_reference_with_unread_slots_poisoned(case, interpret):
     )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, reference(q, k, v, tables, lens, layout=layout))
-
-
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("width", [44, 45])
-def test_table_windows_at_the_row_end(width, interpret):
-    """Split partitions near the end of a table wider than one 32-entry window: their
-    windows end at the row's end and the kernel shifts its index (44 columns), or the
-    wrapper pads rows that are not a multiple of 16 bytes (45); the last sequence fills the
-    whole table, the columns past the others name NaN pages."""
-    lens = [8 * width, 200, 17]
-    q, k, v, tables, lens = poisoned_case(
-        7,
-        batch=3,
-        hq=8,
-        hkv=2,
-        d=64,
-        page=8,
-        pages=80,
-        width=width,
-        lens=lens,
-        layout="bshd",
-        dtype=jnp.bfloat16,
-    )
-    out = decode_mgpu.paged_attention(
-        q, k, v, tables, lens, layout="bshd", partition_pages=8, interpret=interpret
-    )
-    assert_close(out, reference(q, k, v, tables, lens, layout="bshd"))
 
 
 @pytest.mark.parametrize("interpret", MODES)
