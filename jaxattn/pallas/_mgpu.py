@@ -175,6 +175,52 @@ def fp8_buffers(factors, keys: int, head_dim: int, dtype):
     )
 
 
+def widen_step(i, slot, *, ring, bars, wide, wide_bars, keys, n_keys, interpret: bool):
+    """An FP8 ring's step ``i`` (slot ``slot`` of ``ring`` = (K ring, V ring), its copies
+    arriving on ``bars``) widened into the float16 tiles ``wide`` = (K, V), each behind its
+    barriers ``wide_bars`` = (K's, V's) ``[2]``: 0 widened (arrived here), 1 free (waited
+    here; the reader's release). K first, then V, V's rows at or past ``n_keys`` zeroed
+    (every FP8 value is exact in float16); each tile's codes are loaded before its wait for
+    the tile to be free, so those loads overlap the reader's products."""
+    for tile, codes, bar, tile_bars, limit in zip(
+        wide, ring, bars, wide_bars, (None, n_keys - i * keys), strict=True
+    ):
+        plgpu.barrier_wait(bar.at[slot])
+        x = widened(codes, slot, tile.dtype, interpret, n_keys=limit)
+        plgpu.barrier_wait(tile_bars.at[1])
+        tile[...] = x
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(tile_bars.at[0])
+
+
+def widened(ring, slot, dtype, interpret: bool, n_keys=None):
+    """Slot ``slot`` of an FP8 ring in registers as ``dtype`` (float16: exact), rows at or past
+    ``n_keys`` zeroed when given; compiled, in :func:`widen_layout`."""
+    keys, head_dim = ring.shape[1:]
+    if interpret:
+        codes = ring[slot]
+        rows = lax.broadcasted_iota(jnp.int32, (keys, head_dim), 0)
+    else:
+        layout = widen_layout(keys, head_dim)
+        codes = plgpu.load(ring.at[slot], (), layout=layout)
+        rows = plgpu.broadcasted_iota(jnp.int32, (keys, head_dim), 0, layout=layout)
+    x = codes.astype(dtype)
+    if n_keys is None:
+        return x
+    return jnp.where(rows < n_keys, x, jnp.zeros_like(x))
+
+
+def widen_layout(keys: int, head_dim: int):
+    """The register layout of a widened ``[keys, head_dim]`` FP8 tile: each warp a quarter of
+    the rows, a lane 8 consecutive elements of a row (an 8-byte load of the 128-byte-swizzled
+    FP8 rows, a 16-byte store into the float16 tiles, neither with bank conflicts), a warp's
+    32 lanes over ``256 // head_dim`` whole rows."""
+    tiling = plgpu.Tiling(
+        ((keys, head_dim), (keys // 4, head_dim), (256 // head_dim, head_dim), (8,))
+    )
+    return plgpu.Layout.TILED(tiling, warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+
+
 def split_refs(refs, n_inputs: int, fp8: bool):
     """A kernel's refs with the factors' ref (None without FP8) after its ``n_inputs``
     other inputs."""
@@ -306,6 +352,7 @@ def ring_step(
     interpret: bool,
     wide=None,
     factor=None,
+    prewidened: bool = False,
 ):
     """One step of the ring (``keys`` keys in ring slot ``slot``) folded into ``state`` =
     (acc, max, sum): waits for the step's K, S = q K^T, ``k_read()`` (K's slot may be
@@ -317,16 +364,23 @@ def ring_step(
     into them (every FP8 value is exact in float16; V's rows past ``n_keys`` become zeros
     there) and the ring's slot is released right after; q is float16 then, and the raw
     scores are multiplied by ``factor`` (the KV head's key scale over q's power-of-two
-    factor) before the logits are formed."""
+    factor) before the logits are formed. ``prewidened``: ``k_smem`` / ``v_smem`` are the
+    float16 tiles another warpgroup widened (:func:`widen_step`; V masked), ``k_bars`` /
+    ``v_bars`` the barriers they are widened behind, ``k_read()`` / ``v_read()`` their
+    releases (after S and after P V); ``factor`` as for ``wide``."""
     acc, m_i, l_i = state
     dtype = q_smem.dtype
     head_dim = v_smem.shape[-1]
-    plgpu.barrier_wait(k_bars.at[slot])
-    if wide is None:
+    if prewidened:  # float16 tiles another warpgroup widened (V masked)
+        k_tile, v_tile = k_smem, v_smem
+        plgpu.barrier_wait(k_bars)
+    elif wide is None:
+        plgpu.barrier_wait(k_bars.at[slot])
         k_tile = k_smem.at[slot]
     else:
+        plgpu.barrier_wait(k_bars.at[slot])
         k_tile, v_tile = wide
-        k_tile[...] = k_smem[slot].astype(dtype)
+        k_tile[...] = widened(k_smem, slot, dtype, interpret)
         plgpu.commit_smem()
         k_read()
 
@@ -340,7 +394,7 @@ def ring_step(
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
     if wide is None:
         k_read()
-    else:
+    if factor is not None:
         s = s * factor
     s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
     s = jnp.where(visible(iota((ROWS, keys), 1) + i * keys), s, -jnp.inf)
@@ -349,8 +403,10 @@ def ring_step(
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    plgpu.barrier_wait(v_bars.at[slot])
-    if wide is None:
+    if prewidened:
+        plgpu.barrier_wait(v_bars)
+    elif wide is None:
+        plgpu.barrier_wait(v_bars.at[slot])
         v_tile = v_smem.at[slot]
 
         @pl.when((i + 1) * keys > n_keys)
@@ -360,11 +416,9 @@ def ring_step(
             v_smem[slot] = jnp.where(keep, v_smem[slot], jnp.zeros((keys, head_dim), dtype))
             plgpu.commit_smem()
 
-    else:
-        keep = iota((keys, head_dim), 0) < n_keys - i * keys
-        v_tile[...] = jnp.where(
-            keep, v_smem[slot].astype(dtype), jnp.zeros((keys, head_dim), dtype)
-        )
+    elif wide is not None:
+        plgpu.barrier_wait(v_bars.at[slot])
+        v_tile[...] = widened(v_smem, slot, dtype, interpret, n_keys=n_keys - i * keys)
         plgpu.commit_smem()
         v_read()
 

@@ -128,15 +128,29 @@ def _kernel_call(
     one_pass = parts == 1
     bshd = layout == "bshd"
     fp8 = factors is not None
+    # FP8 with the copy warpgroup: that warpgroup also widens each step into float16 K and
+    # V tiles, so the widening runs beside the compute warpgroup's products.
+    converter = fp8 and specialized
     cast, iota = M.layout_ops(interpret)
 
     def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, scoped):
-        (q_smem, k_and_o, v_smem, tab_smem, ml_smem, stage, *fp8_smem), bars = scoped
-        ostage = stage  # the output's rows in q's dtype: q's buffer, read by then
-        if out_dtype != dtype:  # FP8 caches: q is float16
-            ostage, *fp8_smem = fp8_smem
-        # The output tile reuses the K ring: it is written after the last K step is read.
-        k_smem, o_smem = k_and_o
+        wide = fac_smem = None
+        if converter:
+            # The widened tiles share their memory with the output tile and the staging
+            # buffers of q (read before the first tile is widened) and of the output.
+            (q_smem, k_smem, v_smem, tab_smem, ml_smem, shared, fac_smem), bars = scoped
+            wide, o_smem, (stage, ostage) = shared
+        else:
+            (q_smem, k_and_o, v_smem, tab_smem, ml_smem, stage, *fp8_smem), bars = scoped
+            ostage = stage  # the output's rows in q's dtype: q's buffer, read by then
+            if out_dtype != dtype:  # FP8 caches: q is float16
+                ostage, *fp8_smem = fp8_smem
+            if fp8:
+                fac_smem, *wide = fp8_smem
+            # The output tile reuses the K ring: it is written after the last K step is read.
+            k_smem, o_smem = k_and_o
+        # k_free, v_free: the copy warpgroup's release barriers of the ring's slots; with the
+        # converter, the K and V tiles' barriers (0 widened, 1 free).
         q_bar, (tab_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
         h = lax.axis_index("kvh")
         b = lax.axis_index("b")
@@ -152,7 +166,7 @@ def _kernel_call(
             # where it would run past it (page_at shifts its index by as much).
             M.copy_vector(tab_ref.at[b], window_start, tab_smem, tab_bar)
             if fp8:
-                plgpu.copy_gmem_to_smem(fac_ref, fp8_smem[0], fac_bar)
+                plgpu.copy_gmem_to_smem(fac_ref, fac_smem, fac_bar)
 
         @pl.when(wg == compute_wg)
         def _():
@@ -202,11 +216,16 @@ def _kernel_call(
                 q_tile = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
                 q_smem[...] = jnp.where(rows, q_tile, jnp.zeros((ROWS, D), dtype))
             plgpu.commit_smem()
+            if converter:  # q is out of its staging buffer: the tiles may be widened
+                plgpu.barrier_arrive(k_free.at[1])
+                plgpu.barrier_arrive(v_free.at[1])
             acc, m_i, l_i = M.initial_state(cast, D)
             fp8_kw = {}
             if fp8:
                 plgpu.barrier_wait(fac_bar)
-                fp8_kw = dict(wide=tuple(fp8_smem[1:]), factor=fp8_smem[0][h])
+                fp8_kw = dict(factor=fac_smem[h])
+                if not converter:
+                    fp8_kw["wide"] = tuple(wide)
 
             def step(i, carry):
                 acc, m_i, l_i, bad = carry
@@ -222,11 +241,17 @@ def _kernel_call(
                         return lambda: plgpu.barrier_arrive(free.at[slot])
                     return lambda: ring.refill(triple, i)
 
+                rings = dict(k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars)
+                reads = dict(k_read=released(k_free, k), v_read=released(v_free, v))
+                if converter:  # the widened tiles, each released once its product is done
+                    rings = dict(k_smem=wide[0], v_smem=wide[1], k_bars=k_free.at[0],
+                                 v_bars=v_free.at[0])  # fmt: skip
+                    reads = dict(k_read=lambda: plgpu.barrier_arrive(k_free.at[1]),
+                                 v_read=lambda: plgpu.barrier_arrive(v_free.at[1]))  # fmt: skip
                 acc, m_i, l_i = M.ring_step(
-                    i, slot, (acc, m_i, l_i), q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
-                    k_bars=k_bars, v_bars=v_bars, keys=T, scale=scale, soft_cap=soft_cap,
-                    iota=iota, visible=lambda key: key < n_tok, n_keys=n_tok,
-                    k_read=released(k_free, k), v_read=released(v_free, v), interpret=interpret,
+                    i, slot, (acc, m_i, l_i), q_smem=q_smem, keys=T, scale=scale,
+                    soft_cap=soft_cap, iota=iota, visible=lambda key: key < n_tok,
+                    n_keys=n_tok, interpret=interpret, prewidened=converter, **rings, **reads,
                     **fp8_kw,
                 )  # fmt: skip
                 return acc, m_i, l_i, bad
@@ -236,7 +261,7 @@ def _kernel_call(
             # (Added as a scalar: a select on a scalar predicate is no vector op there.)
             poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
             if fp8:  # the output is linear in the values
-                acc = acc * fp8_smem[0][32 + h]
+                acc = acc * fac_smem[32 + h]
             # Only the group's rows leave: the padding rows of the tile are never read.
             if one_pass:
                 # Normalised here (a row with no key, l = 0, is 0, as the merge makes it).
@@ -258,10 +283,34 @@ def _kernel_call(
         if not specialized:
             return
 
+        def _convert():
+            # FP8: the copy warpgroup issues the ring's copies, widens each step into the
+            # float16 K and V tiles as the compute warpgroup frees them, and refills the FP8
+            # slot it has read.
+            ring.prologue()
+
+            def body(i, carry):
+                slot = lax.rem(i, NS)
+                M.widen_step(
+                    i, slot, ring=(k_smem, v_smem), bars=(k_bars, v_bars), wide=wide,
+                    wide_bars=(k_free, v_free), keys=T, n_keys=n_tok, interpret=interpret,
+                )  # fmt: skip
+                ring.refill(k, i)
+                ring.refill(v, i)
+                return carry
+
+            lax.fori_loop(0, n_steps, body, 0)
+            # The last releases (the first ones when there was no step): every phase seen.
+            plgpu.barrier_wait(k_free.at[1])
+            plgpu.barrier_wait(v_free.at[1])
+
         @pl.when(wg == memory_wg)
         def _memory():
             if registers is not None and not interpret:
                 plgpu.set_max_registers(registers[1], action="decrease")
+            if converter:
+                _convert()
+                return
 
             def body(i, carry):
                 slot = lax.rem(i, NS)
@@ -288,15 +337,29 @@ def _kernel_call(
     def entry(*refs):
         q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *outs = M.split_refs(refs, 5, fp8)
         stage = plgpu.SMEM((ROWS, D), dtype)  # q's rows in, the output's rows out
-        smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (
-            plgpu.SMEM((tab_window,), jnp.int32),
-            plgpu.SMEM((2, ROWS), jnp.float32),
-            stage,
-        )
-        if out_dtype != dtype:
-            smem += (plgpu.SMEM((ROWS, D), out_dtype),)
-        if fp8:
-            smem += M.fp8_buffers(factors, T, D, dtype)
+        small = (plgpu.SMEM((tab_window,), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32))
+        if converter:
+            fac, *wide = M.fp8_buffers(factors, T, D, dtype)
+            shared = (
+                tuple(wide),
+                plgpu.SMEM((ROWS, D), jnp.float32),
+                (stage, plgpu.SMEM((ROWS, D), out_dtype)),
+            )
+            smem = (
+                plgpu.SMEM((ROWS, D), dtype, transforms=M.tiled()),
+                M.ring_smem(NS, T, D, k_cache.dtype),
+                M.ring_smem(NS, T, D, k_cache.dtype),
+                *small,
+                shared if interpret else plgpu.RefUnion(*shared),
+                fac,
+            )
+        else:
+            smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (*small, stage)
+            if out_dtype != dtype:
+                smem += (plgpu.SMEM((ROWS, D), out_dtype),)
+            if fp8:
+                smem += M.fp8_buffers(factors, T, D, dtype)
+        free = 2 if converter else NS
         bars = (
             plgpu.Barrier(num_barriers=1),
             (
@@ -306,7 +369,7 @@ def _kernel_call(
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
             *(
-                (plgpu.Barrier(num_barriers=NS), plgpu.Barrier(num_barriers=NS))
+                (plgpu.Barrier(num_barriers=free), plgpu.Barrier(num_barriers=free))
                 if specialized
                 else (None, None)
             ),
@@ -469,7 +532,10 @@ def paged_attention(
     default :func:`default_partition_pages`);
     ``pages_per_step``: pages a step copies, whole 64-row tiles (default: the fewest);
     ``specialized``: a copy warpgroup beside the compute warpgroup, or (False) one
-    warpgroup that issues its own copies ``stages`` steps ahead in half the threads;
+    warpgroup that issues its own copies ``stages`` steps ahead in half the threads; with an
+    FP8 cache the copy warpgroup also widens each step into float16 K and V tiles while the
+    compute warpgroup runs the previous step's products (H200, e4m3, 64 x 4096: 308-365 us
+    against 416-418 us for one warpgroup; the Triton-lowered kernel, FP8's default, 261 us);
     ``stages``: steps in flight. The defaults are the fastest of an H200 sweep (bf16,
     head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids alike
     (the copy warpgroup takes 3 stages when asked for without a count).
