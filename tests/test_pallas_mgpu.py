@@ -253,13 +253,18 @@ def fp8_cache(k, v, k_scale, v_scale, fmt, layout="bshd"):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "fmt, layout, specialized",
-    [(jnp.float8_e4m3fn, "bshd", True), (jnp.float8_e5m2, "bhsd", False)],
+    "fmt, layout, specialized, part",
+    [
+        (jnp.float8_e4m3fn, "bshd", True, None),
+        (jnp.float8_e5m2, "bhsd", False, None),
+        # the copy warpgroup widening a split grid's steps, partitions ending mid-sequence
+        (jnp.float8_e5m2, "bshd", True, 4),
+    ],
 )
-def test_fp8_caches(fmt, layout, specialized, interpret):
-    """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory, q
-    moved to float16 by a power of two per KV head; NaN codes in unread slots stay out;
-    through the public op as well."""
+def test_fp8_caches(fmt, layout, specialized, part, interpret):
+    """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory (by
+    the copy warpgroup when there is one), q moved to float16 by a power of two per KV head;
+    NaN codes in unread slots stay out; through the public op as well."""
     q, k, v, tables, lens = poisoned_case(
         13, batch=3, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 1, 150],
         layout=layout, dtype=jnp.bfloat16,
@@ -268,8 +273,9 @@ def test_fp8_caches(fmt, layout, specialized, interpret):
     k8, v8 = fp8_cache(k, v, ks, vs, fmt, layout)
     kw = dict(k_scale=ks, v_scale=vs, layout=layout)
     out = decode_mgpu.paged_attention(
-        q, k8, v8, tables, lens, interpret=interpret, specialized=specialized, **kw
-    )
+        q, k8, v8, tables, lens, interpret=interpret, specialized=specialized,
+        partition_pages=part, **kw,
+    )  # fmt: skip
     want = reference(q, k8, v8, tables, lens, **kw)
     assert_close(out, want)
     with pytest.raises(NotImplementedError, match="FP8 caches only"):
