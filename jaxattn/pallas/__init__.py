@@ -59,8 +59,8 @@ is moved to float16 by a power of two per KV head; each thread widens 8 codes a 
 the copy warpgroup (``specialized=True``) the decode's widening runs in that warpgroup,
 beside the compute warpgroup's products. Compiled on the H200 the decode kernel's FP8 path is
 correct but slower than its bf16 one (e4m3, 64 x 4096: 308-365 us with the copy warpgroup,
-416-418 us without, round 36; 24-29% of the read ceiling) and than the Triton kernel's (261
-us), so that kernel and the native kernels serve FP8 caches.
+416-418 us without, round 36; 32-38% and 28% of the read ceiling) and than the Triton
+kernel's (261 us, 45%), so that kernel and the native kernels serve FP8 caches.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
