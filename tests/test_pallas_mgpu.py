@@ -264,22 +264,27 @@ def fp8_cache(k, v, k_scale, v_scale, fmt, layout="bshd"):
 def test_fp8_caches(fmt, layout, specialized, part, interpret):
     """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory (by
     the copy warpgroup when there is one), q moved to float16 by a power of two per KV head;
-    NaN codes in unread slots stay out; through the public op as well."""
-    q, k, v, tables, lens = poisoned_case(
+    NaN codes in unread slots stay out; through the public op as well. Interpreted on the
+    CPU device on a GPU machine too (JAX's GPU interpreter runs each warpgroup as a program
+    of its own and has stalled with them on an H200, see test_pallas_mgpu_prefill)."""
+    device = jax.devices("cpu")[0] if interpret else jax.devices()[0]
+    case = poisoned_case(
         13, batch=3, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 1, 150],
         layout=layout, dtype=jnp.bfloat16,
     )  # fmt: skip
-    ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
-    k8, v8 = fp8_cache(k, v, ks, vs, fmt, layout)
-    kw = dict(k_scale=ks, v_scale=vs, layout=layout)
-    out = decode_mgpu.paged_attention(
-        q, k8, v8, tables, lens, interpret=interpret, specialized=specialized,
-        partition_pages=part, **kw,
-    )  # fmt: skip
-    want = reference(q, k8, v8, tables, lens, **kw)
-    assert_close(out, want)
-    with pytest.raises(NotImplementedError, match="FP8 caches only"):
-        decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret, **kw)
+    q, k, v, tables, lens = jax.device_put(case, device)
+    with jax.default_device(device):
+        ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
+        k8, v8 = fp8_cache(k, v, ks, vs, fmt, layout)
+        kw = dict(k_scale=ks, v_scale=vs, layout=layout)
+        out = decode_mgpu.paged_attention(
+            q, k8, v8, tables, lens, interpret=interpret, specialized=specialized,
+            partition_pages=part, **kw,
+        )  # fmt: skip
+        want = reference(q, k8, v8, tables, lens, **kw)
+        assert_close(out, want)
+        with pytest.raises(NotImplementedError, match="FP8 caches only"):
+            decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret, **kw)
     if interpret and jax.default_backend() != "cpu":
         return  # the public op compiles on a GPU: the compiled mode covers it
     cfg = jaxattn.pallas.DecodeConfig(lowering="mosaic_gpu")
