@@ -150,17 +150,22 @@ def ring_smem(stages: int, keys: int, head_dim: int, dtype):
     return plgpu.SMEM((stages, keys, head_dim), dtype, transforms=tiled())
 
 
-def ring_buffers(stages, keys, head_dim, q_dtype, kv_dtype, interpret: bool):
+def union(*members, interpret: bool):
+    """Shared memory that ``members`` (refs or trees of them, of disjoint lifetimes) share when
+    compiled; interpret mode has no ref unions, so each has its own there."""
+    return members if interpret else plgpu.RefUnion(*members)
+
+
+def ring_buffers(stages, keys, head_dim, q_dtype, kv_dtype, interpret: bool, output=True):
     """The kernels' shared memory for q and the ring: (q tile, K ring with the f32 output
-    tile over it -- aliased when compiled, written after the last K step is read; interpret
-    mode has no ref unions, so two buffers there -- V ring)."""
-    k_and_o = (
-        ring_smem(stages, keys, head_dim, kv_dtype),
-        plgpu.SMEM((ROWS, head_dim), jnp.float32),
-    )
+    tile over it -- aliased when compiled (:func:`union`), written after the last K step is
+    read -- V ring). ``output=False``: the K ring alone, the caller placing the output tile."""
+    k_ring = ring_smem(stages, keys, head_dim, kv_dtype)
+    if output:
+        k_ring = union(k_ring, plgpu.SMEM((ROWS, head_dim), jnp.float32), interpret=interpret)
     return (
         plgpu.SMEM((ROWS, head_dim), q_dtype, transforms=tiled()),
-        k_and_o if interpret else plgpu.RefUnion(*k_and_o),
+        k_ring,
         ring_smem(stages, keys, head_dim, kv_dtype),
     )
 

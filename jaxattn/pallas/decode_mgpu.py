@@ -340,19 +340,14 @@ def _kernel_call(
         small = (plgpu.SMEM((tab_window,), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32))
         if converter:
             fac, *wide = M.fp8_buffers(factors, T, D, dtype)
-            shared = (
+            shared = M.union(
                 tuple(wide),
                 plgpu.SMEM((ROWS, D), jnp.float32),
                 (stage, plgpu.SMEM((ROWS, D), out_dtype)),
+                interpret=interpret,
             )
-            smem = (
-                plgpu.SMEM((ROWS, D), dtype, transforms=M.tiled()),
-                M.ring_smem(NS, T, D, k_cache.dtype),
-                M.ring_smem(NS, T, D, k_cache.dtype),
-                *small,
-                shared if interpret else plgpu.RefUnion(*shared),
-                fac,
-            )
+            ring = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret, output=False)
+            smem = ring + (*small, shared, fac)
         else:
             smem = M.ring_buffers(NS, T, D, dtype, k_cache.dtype, interpret) + (*small, stage)
             if out_dtype != dtype:
