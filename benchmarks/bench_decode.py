@@ -113,19 +113,6 @@ def to_peer_layout(copy, layout):
     return q, jnp.transpose(kb, (2, 0, 1, 3)), jnp.transpose(vb, (2, 0, 1, 3)), bt, sl
 
 
-def profile_row(fn, copies, top):
-    """common.device_profile of fn over every copy, four times over (the timed program's
-    shape: one call per copy in one jitted function), printed per call."""
-    run = common.calls_over_copies(fn)
-    copies = [tuple(c) for c in copies]
-    jax.block_until_ready(run(copies))  # compile outside the trace
-    prof = common.device_profile(
-        lambda: [run(copies) for _ in range(4)], steps=4 * len(copies), top=top
-    )
-    print(common.profile_lines(prof, unit="call"), flush=True)
-    return prof
-
-
 def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--layout", default="bshd")
@@ -238,7 +225,7 @@ def main(argv=None):
             )
             record(impl, fn, copies, dict(config=label))
             if args.profile:
-                result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
+                result["rows"][-1]["profile"] = common.profile_calls(fn, copies, args.profile_top)
         if args.triton and "pallas" in impls:
             # The Triton-lowered kernel with its own heuristic tiles, beside the default.
             geom = jaxattn.layout.get(args.layout, pool=True).geometry(*copies[0][1:3])
@@ -248,7 +235,7 @@ def main(argv=None):
             )
             record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)))
             if args.profile:
-                result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
+                result["rows"][-1]["profile"] = common.profile_calls(fn, copies, args.profile_top)
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(
@@ -263,7 +250,9 @@ def main(argv=None):
                 )
                 record("pallas-mgpu", fn, copies, dict(config=spec))
                 if args.profile:
-                    result["rows"][-1]["profile"] = profile_row(fn, copies, args.profile_top)
+                    result["rows"][-1]["profile"] = common.profile_calls(
+                        fn, copies, args.profile_top
+                    )
         if not args.no_peers and not fp8:
             calls = [fa4_peer.decode_call(c, layout=args.layout, scale=scale) for c in copies]
             timed = fa4_peer.measure(

@@ -282,6 +282,17 @@ def profile_lines(prof: dict | None, unit: str = "step") -> str:
     return "\n".join(lines)
 
 
+def profile_calls(fn, copies, top: int) -> dict | None:
+    """:func:`device_profile` of ``fn`` over every copy, four times over (the timed
+    program's shape: one call per copy in one jitted function), printed per call."""
+    run = calls_over_copies(fn)
+    copies = [tuple(c) for c in copies]
+    jax.block_until_ready(run(copies))  # compile outside the trace
+    prof = device_profile(lambda: [run(copies) for _ in range(4)], steps=4 * len(copies), top=top)
+    print(profile_lines(prof, unit="call"), flush=True)
+    return prof
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy ceiling: x + 1 over nbytes of uint32 (read + write)."""
     n = nbytes // 4
