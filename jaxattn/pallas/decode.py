@@ -200,10 +200,19 @@ def combine_jnp(acc, m, l_sum, dtype):
     sequence) gives NaN: ``jnp.max`` and the sums propagate it; only an all-empty row
     (denominator 0) is 0. :func:`combine` computes the same in one kernel.
     """
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp2(m - m_max)
-    denom = jnp.sum(w * l_sum, axis=1)
-    numer = jnp.sum(w[..., None] * acc, axis=1)
+    return combine_groups([(acc, m, l_sum)], dtype)
+
+
+def combine_groups(groups, dtype):
+    """:func:`combine_jnp` over partitions given as several ``(acc, m, l_sum)`` groups along
+    axis 1 (each ``[B, P_i, Hq, D]``, ``[B, P_i, Hq]``), never concatenated: XLA fuses what
+    produces each group (a gather, say) into its weighted sums."""
+    m_max = functools.reduce(jnp.maximum, [jnp.max(m, axis=1) for _, m, _ in groups])
+    denom = numer = 0.0
+    for acc, m, l_sum in groups:
+        w = jnp.exp2(m - m_max[:, None])
+        denom = denom + jnp.sum(w * l_sum, axis=1)
+        numer = numer + jnp.sum(w[..., None] * acc, axis=1)
     safe = jnp.where(denom == 0, 1.0, denom)
     return jnp.where((denom == 0)[..., None], 0.0, numer / safe[..., None]).astype(dtype)
 

@@ -108,13 +108,14 @@ def _kernel_call(
     interpret,
     out_dtype,
     factors=None,
+    partials=False,
 ):
-    """One partition (``parts == 1``): the attention ``[B, Hkv, group, D]`` in ``out_dtype``,
-    normalised in the kernel. Several: (acc f32[B, parts, Hkv, group, D] unnormalised, ml
-    f32[B, parts, Hkv, 2, 64]: base-2 max and sum) of every partition, laid out for the
-    merge. q is ``[B, Hkv, group, D]`` (its ``[B, Hq, D]`` viewed so); FP8 caches: q is
-    float16 and ``factors`` f32[64] each KV head's score factor (:func:`._mgpu.to_float16`)
-    in entries 0-31 and value scale in 32-63."""
+    """One partition (``parts == 1``, unless ``partials``): the attention ``[B, Hkv, group,
+    D]`` in ``out_dtype``, normalised in the kernel. Several (or ``partials``): (acc
+    f32[B, parts, Hkv, group, D] unnormalised, ml f32[B, parts, Hkv, 2, 64]: base-2 max and
+    sum) of every partition, laid out for the merge. q is ``[B, Hkv, group, D]`` (its ``[B,
+    Hq, D]`` viewed so); FP8 caches: q is float16 and ``factors`` f32[64] each KV head's
+    score factor (:func:`._mgpu.to_float16`) in entries 0-31 and value scale in 32-63."""
     B, Hkv, G, D = q.shape
     P, S = geom.num_pages, geom.page_size
     W = tables.shape[1]
@@ -125,7 +126,7 @@ def _kernel_call(
     tab_window = -(-partition_pages // 32) * 32
     assert tab_window <= W and W % 4 == 0, "the wrapper pads the table"
     dtype = q.dtype
-    one_pass = parts == 1
+    one_pass = parts == 1 and not partials
     bshd = layout == "bshd"
     fp8 = factors is not None
     # FP8 with the copy warpgroup: that warpgroup also widens each step into float16 K and
@@ -441,23 +442,12 @@ def _paged_attention(
         factors = jnp.concatenate(
             [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, Hkv), 0, 32)]
         )
-    # A warpgroup's copy moves a multiple of 128 bytes: every partition's window of the
-    # table is 32 entries a step, the last ones' moved back inside the row. Only a table
-    # narrower than one window, or of rows not a multiple of 16 bytes (TMA's stride), is
-    # padded (an XLA kernel; the padding is never read as a page of a sequence: capacity is
-    # the unpadded one). The lengths are read in place, a scalar a block.
-    window = -(-partition_pages // 32) * 32
-    tables = block_tables.astype(jnp.int32)
-    width = max(window, -(-tables.shape[1] // 4) * 4)
-    if width != tables.shape[1]:
-        tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    lens = seq_lens.astype(jnp.int32)
     outs = _kernel_call(
         qk.reshape(B, Hkv, G, D),
         k_cache,
         v_cache,
-        tables,
-        lens,
+        _table_windows(block_tables, partition_pages),
+        seq_lens.astype(jnp.int32),
         geom=geom,
         layout=L.get(layout, pool=True).name,
         scale=scale,
@@ -481,6 +471,41 @@ def _paged_attention(
     parts = acc.shape[1]
     acc = acc.reshape(B, parts, Hq, D)
     return combine(acc, ml, ml, q.dtype, interpret=interpret, group=G)
+
+
+def _table_windows(block_tables, partition_pages: int):
+    """The kernel's block tables. A warpgroup's copy moves a multiple of 128 bytes: every
+    partition's window of the table is 32 entries a step, the last ones' moved back inside
+    the row. Only a table narrower than one window, or of rows not a multiple of 16 bytes
+    (TMA's stride), is padded (an XLA kernel; the padding is never read as a page of a
+    sequence: capacity is the unpadded one). The lengths are read in place, a scalar a
+    block."""
+    window = -(-partition_pages // 32) * 32
+    tables = block_tables.astype(jnp.int32)
+    width = max(window, -(-tables.shape[1] // 4) * 4)
+    if width != tables.shape[1]:
+        tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    return tables
+
+
+def partial_states(
+    q4, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, partition_pages,
+    pages_per_step, stages, interpret,
+):  # fmt: skip
+    """Every partition's unnormalised state over a 16-bit cache, never normalised in the
+    kernel (the levels of :mod:`jaxattn.pallas.cascade_mgpu`): q4 ``[B, Hkv, G, D]`` (``G <=
+    64`` rows of one KV head a sequence) -> acc f32 ``[B, parts, Hkv, G, D]`` and (max, sum)
+    in base 2, f32 ``[B, parts, Hkv, 2, 64]`` (entries past ``G`` unused). Lengths and page
+    ids as :func:`paged_attention` takes them (a sequence they poison: NaN parts)."""
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    return _kernel_call(
+        q4, k_cache, v_cache, _table_windows(block_tables, partition_pages),
+        seq_lens.astype(jnp.int32), geom=geom, layout=L.get(layout, pool=True).name,
+        scale=scale, soft_cap=soft_cap, partition_pages=partition_pages,
+        pages_per_step=pages_per_step, stages=stages,
+        capacity=block_tables.shape[1] * geom.page_size, group=q4.shape[2], registers=None,
+        specialized=False, interpret=interpret, out_dtype=q4.dtype, partials=True,
+    )  # fmt: skip
 
 
 def default_partition_pages(
