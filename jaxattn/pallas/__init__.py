@@ -150,6 +150,12 @@ class _CascadeAttention(_Pallas):
     config_cls = CascadeConfig
 
     def heuristic_config(self, a):
+        from . import cascade_mgpu
+
+        if not a.scaled and cascade_mgpu.serves_by_default(
+            a.q, a.k_cache, a.v_cache, a.layout.name
+        ):
+            return CascadeConfig(lowering="mosaic_gpu")
         return _cascade.heuristic_config(a.q, a.geometry, a.prefix_tables, a.block_tables)
 
     function = staticmethod(cascade_attention)

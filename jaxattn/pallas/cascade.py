@@ -65,6 +65,10 @@ class CascadeConfig:
       the decode kernel's rule).
     num_warps, num_stages: Triton launch and pipelining depth (one kernel serves both
       levels: four warps for the prefix level's 64-row dots).
+    lowering: ``"triton"`` (this module's kernel, Pallas' Triton lowering) or
+      ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.cascade_mgpu`: both levels on the Mosaic GPU
+      paged-decode kernel, sm_90 or Mosaic GPU's interpret mode, 16-bit caches; of the other
+      fields it takes ``partition_size``, in whole pages).
     """
 
     block_m: int = 64
@@ -73,8 +77,13 @@ class CascadeConfig:
     partition_size: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    lowering: str = "triton"
 
     def __post_init__(self):
+        if self.lowering not in ("triton", "mosaic_gpu"):
+            raise ValueError(
+                f"CascadeConfig.lowering must be 'triton' or 'mosaic_gpu', got {self.lowering!r}"
+            )
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
@@ -448,6 +457,12 @@ def cascade_attention(
     prefix_lens i32[G], prefix_of i32[B]; block_tables i32[B, W], seq_lens i32[B]; k_scale,
     v_scale: f32[Hkv] or None. Returns [B, Hq, D] in q's dtype."""
     interpret = C.resolve_interpret(interpret)
+    if config is not None and config.lowering == "mosaic_gpu":
+        return _mosaic_gpu(
+            q, k_cache, v_cache, prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens,
+            scale=scale, layout=layout, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+            interpret=interpret, partition_size=config.partition_size,
+        )  # fmt: skip
     geom = C.require(q, k_cache, v_cache, layout)
     return _cascade_attention(
         q,
@@ -465,3 +480,22 @@ def cascade_attention(
         interpret=interpret,
         config=config or CascadeConfig(),
     )
+
+
+def _mosaic_gpu(*args, layout, partition_size, **kw):
+    """``CascadeConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.cascade_mgpu`."""
+    from . import cascade_mgpu
+
+    if not kw["interpret"] and not cascade_mgpu.is_sm90():
+        raise NotImplementedError("the Mosaic GPU cascade decode is compiled for sm_90 GPUs only")
+    own_pages = None
+    if partition_size is not None:
+        k_cache, v_cache = args[1:3]
+        page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
+        if partition_size % page:
+            raise NotImplementedError(
+                f"the Mosaic GPU cascade partitions whole pages: partition_size={partition_size} "
+                f"is not a multiple of the page size {page}"
+            )
+        own_pages = partition_size // page
+    return cascade_mgpu.cascade_attention(*args, layout=layout, own_pages=own_pages, **kw)

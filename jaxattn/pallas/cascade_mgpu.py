@@ -1,0 +1,256 @@
+"""Cascade decode on Pallas' Mosaic GPU lowering (sm_90): both levels run the paged-decode
+kernel of :mod:`jaxattn.pallas.decode_mgpu` (TMA page copies into a ring, wgmma), and one
+exact merge follows. ``CascadeConfig(lowering="mosaic_gpu")`` names it; 16-bit caches (FP8
+caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
+``implementation="pallas"`` runs it by default on sm_90 for 16-bit caches at head_dim 128
+(:func:`serves_by_default`).
+
+* **Prefix level.** The requests that continue one prefix are cut into tiles of ``64 // G``
+  requests (``G`` query heads a KV head; :func:`jaxattn.pallas.cascade.plan_tiles`, on the
+  device). A tile's query heads of one KV head, request-major, are the 64 rows of the decode
+  kernel's wgmma tile: to that kernel a tile is one sequence whose group is ``64 // G * G``
+  heads, whose block table is the prefix's and whose length is the prefix's. So each K/V
+  tile of a prefix is read once per (tile, KV head, partition), not once per request, and
+  S = q K^T and O += P V fill all 64 rows. The prefix's pages are cut into partitions so
+  that the grid fills the GPU (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
+* **Own level.** The same kernel over each request's own pages, as paged decode runs it,
+  but every partition's state kept for the merge (none normalised in the kernel).
+* **Merge.** A request's own parts and its tile's prefix parts (its rows of the tile) are
+  weighed exactly (:func:`jaxattn.pallas.decode.combine_groups`: the gather of a request's
+  rows fused into the sums, no concatenated workspace); a request with no prefix has no
+  prefix part.
+
+The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`):
+a request or prefix the contract calls invalid reads nothing (its length taken as 0) and
+the request's rows are NaN, so every page id a copy reads is in range. Steps' rows past a
+length (page tails, pages past it) are masked and their V rows zeroed by the decode kernel.
+
+Interpret mode (``interpret=True``, the CPU) runs the decode kernel interpreted (see
+:mod:`jaxattn.pallas.decode_mgpu`); the compiled lowering is exported for CUDA on any
+machine by ``tests/test_pallas_mgpu_cascade.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import layout as L
+from .. import quant as Q
+from ..reference import validity as _validity
+from . import _common as C
+from . import _mgpu as M
+from . import decode_mgpu
+from ._mgpu import ROWS, available, is_sm90
+from .cascade import plan_tiles
+from .decode import combine_groups
+
+__all__ = ["available", "cascade_attention", "is_sm90", "serves_by_default", "unsupported"]
+
+
+def unsupported(q, k_cache, v_cache, layout) -> str | None:
+    """Why :func:`cascade_attention` cannot serve these arguments, or None."""
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    per_step = M.steps_of(None, geom.page_size)
+    why = decode_mgpu.unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step)
+    if why is None and Q.is_fp8(k_cache.dtype):
+        why = "the Mosaic GPU cascade decode reads 16-bit caches (FP8: the Triton-lowered kernel)"
+    return why
+
+
+def serves_by_default(q, k_cache, v_cache, layout) -> bool:
+    """Whether ``implementation="pallas"``'s cascade decode runs this kernel when no config
+    names a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype and head_dim
+    :data:`jaxattn.pallas.decode_mgpu.DEFAULT_HEAD_DIM` (the paged decode's rule; the
+    cascade was measured there only). On an H200 (bf16, 32/8 heads, D=128, 64 requests;
+    ``benchmarks/RESULTS.md``, round 37) it kept the GPU busy 11-13% less a call than the
+    Triton-lowered kernel on the shared, mixed and private batches of
+    ``bench_cascade.py``."""
+    if not M.compiled_16bit(q, k_cache) or q.shape[-1] != decode_mgpu.DEFAULT_HEAD_DIM:
+        return False
+    return unsupported(q, k_cache, v_cache, layout) is None
+
+
+def tiles_bound(batch: int, num_prefixes: int, per_tile: int) -> int:
+    """Prefix tiles a batch can need: every tile holds at least one request, and a prefix's
+    requests fill all its tiles but the last."""
+    return max(1, min(batch, -(-batch // per_tile) + num_prefixes))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "layout",
+        "soft_cap",
+        "prefix_pages",
+        "own_pages",
+        "pages_per_step",
+        "stages",
+        "interpret",
+    ),
+)
+def _cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    layout,
+    soft_cap,
+    prefix_pages,
+    own_pages,
+    pages_per_step,
+    stages,
+    interpret,
+):
+    B, Hq, D = q.shape
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    Hkv = geom.num_kv_heads
+    G = Hq // Hkv
+    NP = prefix_tables.shape[0]
+    per_tile = ROWS // G
+    T = tiles_bound(B, NP, per_tile)
+
+    # The memory-safety contract, decided before the launches: what is invalid reads nothing.
+    size, pages = geom.page_size, geom.num_pages
+    ok = _validity.cascade_valid(
+        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, size, pages
+    )
+    prefix_ok = _validity.prefix_valid(prefix_tables, prefix_lens, size, pages)
+    own_ok = _validity.paged_valid(block_tables, seq_lens, size, pages)
+    prefix_len = jnp.where(prefix_ok, prefix_lens, 0).astype(jnp.int32)
+    own_len = jnp.where(own_ok, seq_lens, 0).astype(jnp.int32)
+    g = jnp.clip(prefix_of, 0, NP - 1)
+    req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
+    has_prefix = req_prefix_len > 0
+    tile_prefix, first, count, members, _ = plan_tiles(prefix_of, has_prefix, NP, per_tile, T)
+
+    # Tile t's rows: slot s (request members[first[t] + s]) x the group's heads.
+    slot = jnp.arange(per_tile, dtype=jnp.int32)
+    filled = slot[None, :] < count[:, None]
+    who = members[jnp.clip(first[:, None] + slot[None, :], 0, B - 1)]  # [T, per_tile]
+    rows = jnp.where(filled[:, :, None, None], q[who], jnp.zeros((), q.dtype))
+    q_prefix = rows.reshape(T, per_tile, Hkv, G, D).transpose(0, 2, 1, 3, 4)
+    live = tile_prefix >= 0
+    tp = jnp.clip(tile_prefix, 0, NP - 1)
+    kw = dict(
+        layout=layout, scale=scale, soft_cap=soft_cap, pages_per_step=pages_per_step,
+        stages=stages, interpret=interpret,
+    )  # fmt: skip
+    acc_p, ml_p = decode_mgpu.partial_states(
+        q_prefix.reshape(T, Hkv, per_tile * G, D), k_cache, v_cache, prefix_tables[tp],
+        jnp.where(live, prefix_len[tp], 0), partition_pages=prefix_pages, **kw,
+    )  # fmt: skip
+    acc_o, ml_o = decode_mgpu.partial_states(
+        q.reshape(B, Hkv, G, D), k_cache, v_cache, block_tables, own_len,
+        partition_pages=own_pages, **kw,
+    )  # fmt: skip
+
+    # Each request's tile and slot (requests in no tile: tile 0, masked in the merge).
+    dest = jnp.where(filled, who, B).reshape(-1)
+    tile_of = (
+        jnp.zeros((B,), jnp.int32)
+        .at[dest]
+        .set(jnp.repeat(jnp.arange(T, dtype=jnp.int32), per_tile), mode="drop")
+    )
+    slot_of = jnp.zeros((B,), jnp.int32).at[dest].set(jnp.tile(slot, T), mode="drop")
+    r = slot_of[:, None] * G + jnp.arange(G, dtype=jnp.int32)[None, :]  # [B, G]
+    t = tile_of[:, None]
+    pp, po = acc_p.shape[1], acc_o.shape[1]
+    # [B, G, parts, Hkv, ...] from each tile's rows, then the merge's [B, parts, Hq, ...];
+    # a request without a prefix has no prefix part (its gathered rows are another's).
+    has = has_prefix[:, None, None]
+    acc_pb = acc_p[t, :, :, r].transpose(0, 2, 3, 1, 4).reshape(B, pp, Hq, D)
+    m_pb = ml_p[:, :, :, 0][t, :, :, r].transpose(0, 2, 3, 1).reshape(B, pp, Hq)
+    l_pb = ml_p[:, :, :, 1][t, :, :, r].transpose(0, 2, 3, 1).reshape(B, pp, Hq)
+    own = (
+        acc_o.reshape(B, po, Hq, D),
+        ml_o[:, :, :, 0, :G].reshape(B, po, Hq),
+        ml_o[:, :, :, 1, :G].reshape(B, po, Hq),
+    )
+    prefix = (
+        jnp.where(has[..., None], acc_pb, 0.0),
+        jnp.where(has, m_pb, C.M_INIT),
+        jnp.where(has, l_pb, 0.0),
+    )
+    out = combine_groups([own, prefix], q.dtype)
+    return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
+
+
+def cascade_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_tables,
+    prefix_lens,
+    prefix_of,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    layout="bshd",
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    prefix_pages: int | None = None,
+    own_pages: int | None = None,
+    pages_per_step: int | None = None,
+    stages: int = 2,
+    interpret: bool | None = None,
+):
+    """Cascade decode (arguments as :func:`jaxattn.cascade_attention` takes them, validated
+    there) on the Mosaic GPU lowering: see the module docstring. ``prefix_pages`` /
+    ``own_pages``: pages per partition of a prefix / of a request's own pages, multiples of
+    ``pages_per_step`` (default: :func:`jaxattn.pallas.decode_mgpu.default_partition_pages`
+    of each level's grid); ``pages_per_step``: pages a step copies, whole 64-row tiles
+    (default: the fewest); ``stages``: steps in flight (>= 2). ``interpret``: None runs
+    interpret mode exactly on the CPU. Raises ``NotImplementedError`` for what
+    :func:`unsupported` refuses and for scales (16-bit caches only)."""
+    geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    pages_per_step = M.steps_of(pages_per_step, geom.page_size)
+    why = unsupported(q, k_cache, v_cache, layout)
+    if k_scale is not None or v_scale is not None:
+        why = why or "the Mosaic GPU cascade decode reads 16-bit caches and takes no k/v scales"
+    scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
+    B, Hq, _ = q.shape
+    Hkv = geom.num_kv_heads
+    T = tiles_bound(B, prefix_tables.shape[0], ROWS // (Hq // Hkv))
+    widths = {"prefix_pages": prefix_tables.shape[1], "own_pages": block_tables.shape[1]}
+    sizes = {"prefix_pages": prefix_pages, "own_pages": own_pages}
+    rows = {"prefix_pages": T, "own_pages": B}
+    for name, value in sizes.items():
+        if value is None:
+            value = decode_mgpu.default_partition_pages(
+                rows[name], Hkv, widths[name], pages_per_step
+            )
+        if value < 1 or value % pages_per_step:
+            raise ValueError(
+                f"{name} must be a positive multiple of pages_per_step={pages_per_step}, "
+                f"got {value}"
+            )
+        sizes[name] = int(value)
+    return _cascade_attention(
+        q,
+        k_cache,
+        v_cache,
+        prefix_tables,
+        prefix_lens,
+        prefix_of,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        layout=layout,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        pages_per_step=pages_per_step,
+        stages=int(stages),
+        interpret=interpret,
+        **sizes,
+    )

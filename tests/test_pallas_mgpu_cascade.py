@@ -1,0 +1,205 @@
+"""The Mosaic GPU cascade decode (jaxattn.pallas.cascade_mgpu) against the spec: batches that
+share prefixes over several tiles, requests without a prefix, empty prefixes and own
+levels, several partitions of each level, layouts, page sizes, GQA groups that do and do not
+divide the 64 rows of a tile, NaN in every slot it must not read, the memory-safety
+contract, refusals.
+
+Every case runs in Mosaic GPU's interpret mode (the CPU, and the GPU too; the decode
+kernel's barriers, TMA page copies, masks and online softmax, with the products as
+jnp.dot). On an sm_90 GPU the same cases also run compiled. On any machine the kernels are
+lowered for CUDA (jax.export with platforms=["cuda"]). Skipped where this JAX has no Mosaic
+GPU lowering with an interpret mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, call_cascade, make_cascade, spec_cascade
+from jax import export
+
+import jaxattn
+from jaxattn.pallas import cascade_mgpu
+
+if cascade_mgpu.available() is not None:
+    pytest.skip(cascade_mgpu.available(), allow_module_level=True)
+
+MODES = [True] + ([False] if cascade_mgpu.is_sm90() else [])
+# The merge is a Triton kernel, a custom call jax.export has no compatibility guarantee for;
+# these exports only check the lowering.
+TRITON_MERGE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+BATCHES = {
+    # (prefix pages per prefix, prefix_of per request, own tokens per request)
+    "mixed": ([5, 0, 3], [0, -1, 2, 0, 1, 0, -1, 2], [1, 17, 0, 33, 255, 3, 0, 64]),
+    # 21 requests on one prefix: several tiles of it at GQA 4 and 8 (16 / 8 a tile)
+    "shared": (
+        [9],
+        [0] * 21,
+        [13, 0, 1, 7, 40, 2, 2, 9, 31, 5, 0, 16, 3, 8, 1, 1, 0, 29, 6, 4, 11],
+    ),
+    # no request shares a prefix, and one continues an empty prefix
+    "private": ([2, 4, 0, 1], [3, 0, 2, 1], [5, 129, 0, 66]),
+}
+
+CASES = [
+    # batch, layout, dtype, hq/hkv, d, page, prefix_pages / own_pages per partition (None:
+    # the default rule)
+    ("mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16, (4, 4)),
+    ("shared", "bhsd", jnp.float16, (16, 2), 64, 16, (4, None)),
+    ("shared", "bshd", jnp.bfloat16, (8, 1), 128, 16, (None, 4)),
+    ("private", "bhsd", jnp.bfloat16, (4, 4), 64, 8, (8, 16)),
+    # GQA 7: 9 requests a tile, 63 of its 64 rows
+    ("shared", "bshd", jnp.bfloat16, (14, 2), 64, 16, (8, 4)),
+]
+
+
+def case_of(seed, batch, layout, dtype, heads, d, page):
+    prefixes, prefix_of, own = BATCHES[batch]
+    hq, hkv = heads
+    return make_cascade(
+        np.random.default_rng(seed),
+        [-(-n * 16 // page) for n in prefixes],
+        prefix_of,
+        own,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page,
+        layout=layout,
+        dtype=dtype,
+    )
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_spec_with_unread_slots_poisoned(case, interpret):
+    """Unread pool slots and table columns hold NaN (make_cascade); requests with nothing to
+    attend to give exact zeros."""
+    batch, layout, dtype, heads, d, page, (pp, op) = CASES[case]
+    c = case_of(case, batch, layout, dtype, heads, d, page)
+    out = call_cascade(
+        cascade_mgpu.cascade_attention, c, scale=0.3, prefix_pages=pp, own_pages=op,
+        interpret=interpret,
+    )  # fmt: skip
+    assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert_close(out, spec_cascade(c, scale=0.3), dtype)
+    for b in np.flatnonzero(np.asarray(c.joined_lens) == 0):
+        np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_soft_cap(interpret):
+    c = case_of(5, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
+    out = call_cascade(
+        cascade_mgpu.cascade_attention, c, soft_cap=3.0, prefix_pages=4, interpret=interpret
+    )
+    assert_close(out, spec_cascade(c, soft_cap=3.0), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_memory_safety_contract(interpret):
+    """A bad page id among a prefix's pages poisons the requests on that prefix; a bad own
+    page or length poisons that request; the others are unchanged."""
+    c = case_of(7, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
+    c.k_cache, c.v_cache = jnp.nan_to_num(c.k_cache), jnp.nan_to_num(c.v_cache)
+    want = np.asarray(spec_cascade(c), np.float32)  # before the damage
+    c.prefix_tables = c.prefix_tables.at[2, 1].set(10_000)  # prefix 2: requests 2 and 7
+    c.block_tables = c.block_tables.at[4, 0].set(-3)  # read by request 4 (255 own tokens)
+    c.seq_lens = c.seq_lens.at[5].set(10_000)  # over request 5's capacity
+    out = np.asarray(
+        call_cascade(cascade_mgpu.cascade_attention, c, prefix_pages=4, interpret=interpret),
+        np.float32,
+    )
+    bad = np.zeros(8, bool)
+    bad[[2, 7, 4, 5]] = True
+    np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), bad)
+    assert np.isnan(out[bad]).all()
+    assert_close(out[~bad], want[~bad], jnp.bfloat16)
+
+
+def test_refusals():
+    c = case_of(1, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
+    with pytest.raises(NotImplementedError, match="16-bit"):
+        k8, v8 = c.k_cache.astype(jnp.float8_e4m3fn), c.v_cache.astype(jnp.float8_e4m3fn)
+        cascade_mgpu.cascade_attention(
+            c.q, k8, v8, c.prefix_tables, c.prefix_lens, c.prefix_of, c.block_tables,
+            c.seq_lens, interpret=True,
+        )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="scales"):
+        call_cascade(
+            cascade_mgpu.cascade_attention, c, k_scale=jnp.ones(2), v_scale=jnp.ones(2),
+            interpret=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="prefix_pages"):
+        call_cascade(cascade_mgpu.cascade_attention, c, prefix_pages=3, interpret=True)
+    with pytest.raises(ValueError, match="lowering"):
+        jaxattn.pallas.CascadeConfig(lowering="mosaic")
+
+
+@pytest.mark.parametrize(
+    "heads, d, batch, prefixes",
+    [((32, 8), 128, 64, 1), ((32, 8), 128, 64, 3), ((8, 8), 64, 16, 2), ((14, 2), 64, 9, 2)],
+)
+def test_lowers_for_cuda(heads, d, batch, prefixes):
+    """Both levels' compiled lowering on any machine (jax.export for CUDA); the first shape is
+    the cascade benchmark's shared batch."""
+    hq, hkv = heads
+    pool = (512, 16, hkv, d)
+    args = (
+        jax.ShapeDtypeStruct((batch, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool, jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool, jnp.bfloat16),
+        jax.ShapeDtypeStruct((prefixes, 256), jnp.int32),
+        jax.ShapeDtypeStruct((prefixes,), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, 16), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+
+    def f(*a):
+        return cascade_mgpu.cascade_attention(*a, interpret=False)
+
+    exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_public_op_with_mosaic_gpu_lowering(interpret):
+    """jaxattn.cascade_attention(implementation="pallas", config=CascadeConfig(lowering=
+    "mosaic_gpu")) runs this kernel; an own partition given in tokens; partial pages
+    refused."""
+    if interpret and jax.default_backend() != "cpu":
+        pytest.skip("the public op compiles on a GPU; interpret mode is tested above")
+    c = case_of(9, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
+    cfg = jaxattn.pallas.CascadeConfig(lowering="mosaic_gpu", partition_size=128)
+    out = call_cascade(jaxattn.cascade_attention, c, implementation="pallas", config=cfg)
+    assert_close(out, spec_cascade(c), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="whole pages"):
+        bad = jaxattn.pallas.CascadeConfig(lowering="mosaic_gpu", partition_size=72)
+        call_cascade(jaxattn.cascade_attention, c, implementation="pallas", config=bad)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_default_lowering(kv_dtype):
+    """implementation="pallas" with no config: this kernel when compiled on sm_90 for a 16-bit
+    cache at head_dim 128; the Triton-lowered kernel for head_dim 64, FP8 caches, other GPUs
+    and the CPU interpreter."""
+    from jaxattn import ops
+    from jaxattn.pallas import IMPLEMENTATIONS
+
+    impl = IMPLEMENTATIONS["cascade_attention"]
+    fp8 = kv_dtype != jnp.bfloat16
+    scales = dict(k_scale=0.5, v_scale=0.5) if fp8 else {}
+    compiled = cascade_mgpu.is_sm90() and jax.default_backend() == "gpu" and not fp8
+    for d, mosaic in ((128, compiled), (64, False)):
+        k = jnp.zeros((64, 16, 2, d), kv_dtype)
+        q = jnp.zeros((4, 8, d), jnp.bfloat16)
+        args = ops.CASCADE_ATTENTION.bind(
+            q, k, k, jnp.zeros((1, 8), jnp.int32), jnp.full((1,), 64, jnp.int32),
+            jnp.zeros((4,), jnp.int32), jnp.zeros((4, 4), jnp.int32), jnp.full((4,), 9, jnp.int32),
+            **scales,
+        )  # fmt: skip
+        assert impl.heuristic_config(args).lowering == ("mosaic_gpu" if mosaic else "triton")
