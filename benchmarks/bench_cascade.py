@@ -156,7 +156,25 @@ def time_batch(batch: Batch, impls, args, *, check, record):
                 run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
             )
             record(row)
+            if args.profile and "us" in row:
+                row["profile"] = common.profile_calls(run, inputs, args.profile_top)
             rows.append(row)
+    if args.mgpu and "pallas" in impls:
+        # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu),
+        # against the same paged decode.
+        cfg = jaxattn.pallas.CascadeConfig(lowering="mosaic_gpu")
+        run = functools.partial(
+            jaxattn.cascade_attention, layout=args.layout, implementation="pallas", config=cfg
+        )
+        row = dict(batch=batch.name, impl="pallas-mgpu", op="cascade", copies=len(casc), **f)
+        row["config"] = "lowering=mosaic_gpu"
+        row |= common.measure(
+            run, casc, samples=args.samples, target_s=args.target_s, expected=expected
+        )
+        record(row)
+        if args.profile and "us" in row:
+            row["profile"] = common.profile_calls(run, casc, args.profile_top)
+        rows.append(row)
     del copies, casc, paged
     return rows
 
@@ -232,6 +250,19 @@ def main(argv=None):
     p.add_argument("--batches", default="shared,mixed,private")
     p.add_argument("--fit", action="store_true", help="fit the switch rule's cost model")
     p.add_argument("--fit-impl", default="native")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace each row (jax.profiler): per call, the span from its first kernel to "
+        "its last, the time kernels ran, and the kernels by time",
+    )
+    p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
+    p.add_argument(
+        "--mgpu",
+        action="store_true",
+        help="also time the Pallas cascade on the Mosaic GPU lowering (CascadeConfig("
+        "lowering='mosaic_gpu'); with --impl pallas)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)
     if args.small:
@@ -282,7 +313,7 @@ def main(argv=None):
                 row["x_floor"] = row["us"] / row["floor_us"]
     by = {(r["batch"], r["impl"], r["op"]): r for r in result["rows"] if "us" in r}
     for (b, impl, op), row in by.items():
-        paged = by.get((b, impl, "paged"))
+        paged = by.get((b, impl.split("-")[0], "paged"))  # pallas-mgpu: the pallas paged decode
         if op == "cascade" and paged:
             row["speedup_vs_paged"] = paged["us"] / row["us"]
         best = min(
