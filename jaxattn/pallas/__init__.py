@@ -61,6 +61,13 @@ beside the compute warpgroup's products. Compiled on the H200 the decode kernel'
 correct but slower than its bf16 one (e4m3, 64 x 4096: 308-365 us with the copy warpgroup,
 416-418 us without, round 36; 32-38% and 28% of the read ceiling) and than the Triton
 kernel's (261 us, 45%), so that kernel and the native kernels serve FP8 caches.
+:mod:`jaxattn.pallas.cascade_mgpu` is the third (cascade decode): both levels run the
+Mosaic GPU decode kernel, a prefix tile's requests times query heads as its 64 rows over the
+prefix's pages, the own pages as paged decode, and one exact merge in XLA (no Triton kernel
+in it). ``cascade_attention`` runs it by default on sm_90 for 16-bit caches at head_dim 128:
+on an H200 it kept the GPU busy 68 / 77 / 347 us a call on ``bench_cascade.py``'s shared,
+mixed and private batches against 79 / 88 / 390 us for the Triton-lowered kernel (round
+37); ``CascadeConfig(lowering=...)`` names either.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
