@@ -87,6 +87,36 @@ def test_matches_spec_with_unread_slots_poisoned(case, interpret):
         np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_matches_a_naive_model(seed):
+    """The tile plan against a loop: the active requests of each prefix in batch order, cut
+    into tiles of per_tile, the prefixes' tiles one after another; every slot past the
+    tiles' requests empty, every tile past the last one without a prefix."""
+    rng = np.random.default_rng(seed)
+    B, NP, per_tile = int(rng.integers(1, 40)), int(rng.integers(1, 6)), int(rng.choice([1, 4, 16]))
+    prefix_of = rng.integers(-1, NP, B)
+    active = (prefix_of >= 0) & (rng.random(B) < 0.8)
+    T = cascade_mgpu.tiles_bound(B, NP, per_tile)
+    got = cascade_mgpu.plan(jnp.asarray(prefix_of), jnp.asarray(active), NP, per_tile, T)
+    tile_prefix, tile_of, slot_of, who, filled = (np.asarray(x) for x in got)
+    want_prefix = np.full(T, -1)
+    want_filled = np.zeros((T, per_tile), bool)
+    t = 0
+    for g in range(NP):
+        members = [b for b in range(B) if active[b] and prefix_of[b] == g]
+        for i in range(0, len(members), per_tile):
+            want_prefix[t] = g
+            for s, b in enumerate(members[i : i + per_tile]):
+                assert (tile_of[b], slot_of[b], who[t, s]) == (t, s, b)
+                want_filled[t, s] = True
+            t += 1
+    assert t <= T
+    np.testing.assert_array_equal(tile_prefix, want_prefix)
+    np.testing.assert_array_equal(filled, want_filled)
+    np.testing.assert_array_equal(tile_of[~active], 0)
+    np.testing.assert_array_equal(slot_of[~active], 0)
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_soft_cap(interpret):
     c = case_of(5, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)

@@ -6,12 +6,12 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
 (:func:`serves_by_default`).
 
 * **Prefix level.** The requests that continue one prefix are cut into tiles of ``64 // G``
-  requests (``G`` query heads a KV head; :func:`jaxattn.pallas.cascade.plan_tiles`, on the
-  device). A tile's query heads of one KV head, request-major, are the 64 rows of the decode
-  kernel's wgmma tile: to that kernel a tile is one sequence whose group is ``64 // G * G``
-  heads, whose block table is the prefix's and whose length is the prefix's. So each K/V
-  tile of a prefix is read once per (tile, KV head, partition), not once per request, and
-  S = q K^T and O += P V fill all 64 rows. The prefix's pages are cut into partitions so
+  requests (``G`` query heads a KV head; :func:`plan`, on the device). A tile's query heads
+  of one KV head, request-major, are the 64 rows of the decode kernel's wgmma tile: to that
+  kernel a tile is one sequence whose group is ``64 // G * G`` heads, whose block table is
+  the prefix's and whose length is the prefix's. So each K/V tile of a prefix is read once
+  per (tile, KV head, partition), not once per request, and S = q K^T and O += P V fill
+  all 64 rows. The prefix's pages are cut into partitions so
   that the grid fills the GPU (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
 * **Own level.** The same kernel over each request's own pages, as paged decode runs it,
   but every partition's state kept for the merge (none normalised in the kernel).
@@ -44,7 +44,6 @@ from . import _common as C
 from . import _mgpu as M
 from . import decode_mgpu
 from ._mgpu import ROWS, available, is_sm90
-from .cascade import plan_tiles
 from .decode import combine_groups
 
 __all__ = ["available", "cascade_attention", "is_sm90", "serves_by_default", "unsupported"]
@@ -71,6 +70,38 @@ def serves_by_default(q, k_cache, v_cache, layout) -> bool:
     if not M.compiled_16bit(q, k_cache) or q.shape[-1] != decode_mgpu.DEFAULT_HEAD_DIM:
         return False
     return unsupported(q, k_cache, v_cache, layout) is None
+
+
+def plan(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: int):
+    """The prefix tiles of a batch, on the device, as comparisons and sums (no sort, search
+    or scatter: on a GPU a handful of small fusions). Request ``b`` (``active[b]``: valid,
+    with a non-empty prefix) is the ``rank``-th active request on its prefix in batch order;
+    the prefixes' tiles follow each other, ``ceil(n_g / per_tile)`` each. Returns each
+    tile's prefix (-1: no tile) ``[num_tiles]``, each request's tile and slot ``[B]`` (0
+    for a request in no tile), and each tile slot's request and whether it holds one
+    ``[num_tiles, per_tile]``."""
+    B = prefix_of.shape[0]
+    key = jnp.where(active, prefix_of, num_prefixes)
+    b = jnp.arange(B, dtype=jnp.int32)
+    rank = jnp.sum((key[None, :] == key[:, None]) & (b[None, :] < b[:, None]), axis=1)
+    g = jnp.arange(num_prefixes, dtype=jnp.int32)
+    counts = jnp.sum(key[None, :] == g[:, None], axis=1)
+    tiles = (counts + per_tile - 1) // per_tile
+    start = jnp.sum(jnp.where(g[None, :] < g[:, None], tiles[None, :], 0), axis=1)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    hit = (start[None, :] <= t[:, None]) & (t[:, None] < (start + tiles)[None, :])
+    tile_prefix = jnp.where(hit.any(axis=1), jnp.sum(jnp.where(hit, g[None, :], 0), axis=1), -1)
+    kc = jnp.clip(key, 0, num_prefixes - 1)
+    tile_of = jnp.where(active, start[kc] + rank // per_tile, 0)
+    slot_of = jnp.where(active, rank % per_tile, 0)
+    s = jnp.arange(per_tile, dtype=jnp.int32)
+    at = (
+        active[None, None, :]
+        & (tile_of[None, None, :] == t[:, None, None])
+        & (slot_of[None, None, :] == s[None, :, None])
+    )
+    who = jnp.sum(jnp.where(at, b[None, None, :], 0), axis=2)
+    return tile_prefix, tile_of, slot_of, who, at.any(axis=2)
 
 
 def tiles_bound(batch: int, num_prefixes: int, per_tile: int) -> int:
@@ -131,14 +162,14 @@ def _cascade_attention(
     g = jnp.clip(prefix_of, 0, NP - 1)
     req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
     has_prefix = req_prefix_len > 0
-    tile_prefix, first, count, members, _ = plan_tiles(prefix_of, has_prefix, NP, per_tile, T)
+    tile_prefix, tile_of, slot_of, who, filled = plan(prefix_of, has_prefix, NP, per_tile, T)
 
-    # Tile t's rows: slot s (request members[first[t] + s]) x the group's heads.
-    slot = jnp.arange(per_tile, dtype=jnp.int32)
-    filled = slot[None, :] < count[:, None]
-    who = members[jnp.clip(first[:, None] + slot[None, :], 0, B - 1)]  # [T, per_tile]
-    rows = jnp.where(filled[:, :, None, None], q[who], jnp.zeros((), q.dtype))
-    q_prefix = rows.reshape(T, per_tile, Hkv, G, D).transpose(0, 2, 1, 3, 4)
+    # Tile t's rows: slot s (request who[t, s]) x the group's heads, gathered straight into
+    # the kernel's [T, Hkv, slots, G, D].
+    i32 = functools.partial(jnp.arange, dtype=jnp.int32)
+    q4 = q.reshape(B, Hkv, G, D)
+    q_prefix = q4[who[:, None, :, None], i32(Hkv)[None, :, None, None], i32(G)[None, None, None]]
+    q_prefix = jnp.where(filled[:, None, :, None, None], q_prefix, jnp.zeros((), q.dtype))
     live = tile_prefix >= 0
     tp = jnp.clip(tile_prefix, 0, NP - 1)
     kw = dict(
@@ -150,36 +181,29 @@ def _cascade_attention(
         jnp.where(live, prefix_len[tp], 0), partition_pages=prefix_pages, **kw,
     )  # fmt: skip
     acc_o, ml_o = decode_mgpu.partial_states(
-        q.reshape(B, Hkv, G, D), k_cache, v_cache, block_tables, own_len,
-        partition_pages=own_pages, **kw,
-    )  # fmt: skip
-
-    # Each request's tile and slot (requests in no tile: tile 0, masked in the merge).
-    dest = jnp.where(filled, who, B).reshape(-1)
-    tile_of = (
-        jnp.zeros((B,), jnp.int32)
-        .at[dest]
-        .set(jnp.repeat(jnp.arange(T, dtype=jnp.int32), per_tile), mode="drop")
+        q4, k_cache, v_cache, block_tables, own_len, partition_pages=own_pages, **kw
     )
-    slot_of = jnp.zeros((B,), jnp.int32).at[dest].set(jnp.tile(slot, T), mode="drop")
-    r = slot_of[:, None] * G + jnp.arange(G, dtype=jnp.int32)[None, :]  # [B, G]
-    t = tile_of[:, None]
+
+    # Each request's rows of its tile, gathered straight into the merge's [B, parts, Hkv,
+    # G, ...]; a request without a prefix has no prefix part (its gathered rows are another
+    # request's: tile 0, slot 0).
     pp, po = acc_p.shape[1], acc_o.shape[1]
-    # [B, G, parts, Hkv, ...] from each tile's rows, then the merge's [B, parts, Hq, ...];
-    # a request without a prefix has no prefix part (its gathered rows are another's).
+    ix = (
+        tile_of[:, None, None, None],
+        i32(pp)[None, :, None, None],
+        i32(Hkv)[None, None, :, None],
+    )
+    rows = slot_of[:, None, None, None] * G + i32(G)[None, None, None, :]
     has = has_prefix[:, None, None]
-    acc_pb = acc_p[t, :, :, r].transpose(0, 2, 3, 1, 4).reshape(B, pp, Hq, D)
-    m_pb = ml_p[:, :, :, 0][t, :, :, r].transpose(0, 2, 3, 1).reshape(B, pp, Hq)
-    l_pb = ml_p[:, :, :, 1][t, :, :, r].transpose(0, 2, 3, 1).reshape(B, pp, Hq)
     own = (
         acc_o.reshape(B, po, Hq, D),
         ml_o[:, :, :, 0, :G].reshape(B, po, Hq),
         ml_o[:, :, :, 1, :G].reshape(B, po, Hq),
     )
     prefix = (
-        jnp.where(has[..., None], acc_pb, 0.0),
-        jnp.where(has, m_pb, C.M_INIT),
-        jnp.where(has, l_pb, 0.0),
+        jnp.where(has[..., None], acc_p[(*ix, rows)].reshape(B, pp, Hq, D), 0.0),
+        jnp.where(has, ml_p[(*ix, 0, rows)].reshape(B, pp, Hq), C.M_INIT),
+        jnp.where(has, ml_p[(*ix, 1, rows)].reshape(B, pp, Hq), 0.0),
     )
     out = combine_groups([own, prefix], q.dtype)
     return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
