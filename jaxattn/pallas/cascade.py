@@ -345,17 +345,12 @@ def _cascade_attention(
     plan = _plan(q, geom, prefix_tables, block_tables, config)
 
     # The memory-safety contract, decided before the launch: what is invalid reads nothing.
-    size, pages = geom.page_size, geom.num_pages
-    ok = _validity.cascade_valid(
-        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, size, pages
-    )
-    prefix_ok = _validity.prefix_valid(prefix_tables, prefix_lens, size, pages)
-    own_ok = _validity.paged_valid(block_tables, seq_lens, size, pages)
-    prefix_len = jnp.where(prefix_ok, prefix_lens, 0)
+    ok, prefix_len, own_len, req_prefix_len = _validity.cascade_read_lengths(
+        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, geom.page_size,
+        geom.num_pages,
+    )  # fmt: skip
     scales = C.scales_operand(scales, geom.num_kv_heads)
-    own_len = jnp.where(own_ok, seq_lens, 0)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
-    req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
     grid = plan.grid
     tile_prefix, tile_first, tile_count, members, num_tiles = plan_tiles(
         prefix_of, req_prefix_len > 0, num_prefixes, plan.per_tile, max(grid.tiles, 1)

@@ -151,16 +151,10 @@ def _cascade_attention(
     T = tiles_bound(B, NP, per_tile)
 
     # The memory-safety contract, decided before the launches: what is invalid reads nothing.
-    size, pages = geom.page_size, geom.num_pages
-    ok = _validity.cascade_valid(
-        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, size, pages
-    )
-    prefix_ok = _validity.prefix_valid(prefix_tables, prefix_lens, size, pages)
-    own_ok = _validity.paged_valid(block_tables, seq_lens, size, pages)
-    prefix_len = jnp.where(prefix_ok, prefix_lens, 0).astype(jnp.int32)
-    own_len = jnp.where(own_ok, seq_lens, 0).astype(jnp.int32)
-    g = jnp.clip(prefix_of, 0, NP - 1)
-    req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
+    ok, prefix_len, own_len, req_prefix_len = _validity.cascade_read_lengths(
+        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, geom.page_size,
+        geom.num_pages,
+    )  # fmt: skip
     has_prefix = req_prefix_len > 0
     tile_prefix, tile_of, slot_of, who, filled = plan(prefix_of, has_prefix, NP, per_tile, T)
 

@@ -225,3 +225,24 @@ def cascade_valid(
         return ok
     good = prefix_valid(prefix_tables, prefix_lens, page_size, num_pages)
     return ok & ((prefix_of < 0) | good[jnp.clip(prefix_of, 0, num_prefixes - 1)])
+
+
+def cascade_read_lengths(
+    prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size: int, num_pages: int
+):
+    """What a cascade kernel may read under the contract, decided before its launch: (ok
+    bool[B] as :func:`cascade_valid`; each prefix's length int32[G], 0 for an invalid prefix;
+    each request's own length int32[B], 0 for invalid own pages; the length of the prefix
+    each request continues int32[B], 0 for none or an invalid request). What is invalid
+    reads nothing."""
+    num_prefixes = prefix_tables.shape[0]
+    ok = cascade_valid(
+        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size, num_pages
+    )
+    prefix_ok = prefix_valid(prefix_tables, prefix_lens, page_size, num_pages)
+    own_ok = paged_valid(block_tables, seq_lens, page_size, num_pages)
+    prefix_len = jnp.where(prefix_ok, prefix_lens, 0).astype(jnp.int32)
+    own_len = jnp.where(own_ok, seq_lens, 0).astype(jnp.int32)
+    g = jnp.clip(prefix_of, 0, num_prefixes - 1)
+    req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
+    return ok, prefix_len, own_len, req_prefix_len
