@@ -143,22 +143,29 @@ def time_batch(batch: Batch, impls, args, *, check, record):
             *casc[0], layout=args.layout, implementation="reference"
         )
     rows = []
+
+    def time_row(impl, op, run, inputs, config):
+        row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
+        if config is not None:
+            row["config"] = config
+        row |= common.measure(
+            run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
+        )
+        record(row)
+        if args.profile and "us" in row:
+            row["profile"] = common.profile_calls(run, inputs, args.profile_top)
+        rows.append(row)
+
     for impl in impls:
         for op, fn, obj, inputs in (
             ("cascade", jaxattn.cascade_attention, jaxattn.ops.CASCADE_ATTENTION, casc),
             ("paged", jaxattn.paged_attention, jaxattn.ops.PAGED_ATTENTION, paged),
         ):
-            run = functools.partial(fn, layout=args.layout, implementation=impl)
-            row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
+            config = None
             with contextlib.suppress(NotImplementedError):  # measure() reports a refusal
-                row["config"] = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
-            row |= common.measure(
-                run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
-            )
-            record(row)
-            if args.profile and "us" in row:
-                row["profile"] = common.profile_calls(run, inputs, args.profile_top)
-            rows.append(row)
+                config = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
+            run = functools.partial(fn, layout=args.layout, implementation=impl)
+            time_row(impl, op, run, inputs, config)
     if args.mgpu and "pallas" in impls:
         # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu),
         # against the same paged decode.
@@ -166,15 +173,7 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         run = functools.partial(
             jaxattn.cascade_attention, layout=args.layout, implementation="pallas", config=cfg
         )
-        row = dict(batch=batch.name, impl="pallas-mgpu", op="cascade", copies=len(casc), **f)
-        row["config"] = "lowering=mosaic_gpu"
-        row |= common.measure(
-            run, casc, samples=args.samples, target_s=args.target_s, expected=expected
-        )
-        record(row)
-        if args.profile and "us" in row:
-            row["profile"] = common.profile_calls(run, casc, args.profile_top)
-        rows.append(row)
+        time_row("pallas-mgpu", "cascade", run, casc, "lowering=mosaic_gpu")
     del copies, casc, paged
     return rows
 

@@ -515,6 +515,22 @@ class CascadeCase:
         return _scales(self)
 
 
+# Cascade batches of the kernel tests: (prefix pages per prefix, prefix_of per request, own
+# tokens per request).
+CASCADE_BATCHES = {
+    "mixed": ([5, 0, 3], [0, -1, 2, 0, 1, 0, -1, 2], [1, 17, 0, 33, 255, 3, 0, 64]),
+    # 21 requests on one prefix: several tiles of it (4 requests a tile at block_m 16 and
+    # GQA 4 in the Triton-lowered kernel; 16 and 8 at GQA 4 and 8 in the Mosaic GPU one)
+    "shared": (
+        [9],
+        [0] * 21,
+        [13, 0, 1, 7, 40, 2, 2, 9, 31, 5, 0, 16, 3, 8, 1, 1, 0, 29, 6, 4, 11],
+    ),
+    # no request shares a prefix, and one continues an empty prefix
+    "private": ([2, 4, 0, 1], [3, 0, 2, 1], [5, 129, 0, 66]),
+}
+
+
 def make_cascade(
     rng,
     prefix_pages,

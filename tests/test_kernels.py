@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    CASCADE_BATCHES,
     DTYPES,
     assert_close,
     call_cascade,
@@ -942,20 +943,6 @@ def want_cascade(backend, case, **kw):
         assert_close(spec_cascade(case, **kw), spec_joined(case, **kw), case.q.dtype)
         return expected_cascade(case, **kw)
     return spec_cascade(case, **kw)
-
-
-CASCADE_BATCHES = {
-    # (prefix pages per prefix, prefix_of per request, own tokens per request)
-    "mixed": ([5, 0, 3], [0, -1, 2, 0, 1, 0, -1, 2], [1, 17, 0, 33, 255, 3, 0, 64]),
-    # 21 requests on one prefix: several tiles of it (block_m 16, GQA 4: 4 requests a tile)
-    "shared": (
-        [9],
-        [0] * 21,
-        [13, 0, 1, 7, 40, 2, 2, 9, 31, 5, 0, 16, 3, 8, 1, 1, 0, 29, 6, 4, 11],
-    ),
-    # no request shares a prefix, and one continues an empty prefix
-    "private": ([2, 4, 0, 1], [3, 0, 2, 1], [5, 129, 0, 66]),
-}
 
 
 @grid(

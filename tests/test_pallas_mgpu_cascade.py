@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, call_cascade, make_cascade, spec_cascade
+from helpers import CASCADE_BATCHES, assert_close, call_cascade, make_cascade, spec_cascade
 from jax import export
 
 import jaxattn
@@ -28,18 +28,6 @@ if cascade_mgpu.available() is not None:
 
 MODES = [True] + ([False] if cascade_mgpu.is_sm90() else [])
 
-BATCHES = {
-    # (prefix pages per prefix, prefix_of per request, own tokens per request)
-    "mixed": ([5, 0, 3], [0, -1, 2, 0, 1, 0, -1, 2], [1, 17, 0, 33, 255, 3, 0, 64]),
-    # 21 requests on one prefix: several tiles of it at GQA 4 and 8 (16 / 8 a tile)
-    "shared": (
-        [9],
-        [0] * 21,
-        [13, 0, 1, 7, 40, 2, 2, 9, 31, 5, 0, 16, 3, 8, 1, 1, 0, 29, 6, 4, 11],
-    ),
-    # no request shares a prefix, and one continues an empty prefix
-    "private": ([2, 4, 0, 1], [3, 0, 2, 1], [5, 129, 0, 66]),
-}
 
 CASES = [
     # batch, layout, dtype, hq/hkv, d, page, prefix_pages / own_pages per partition (None:
@@ -54,7 +42,7 @@ CASES = [
 
 
 def case_of(seed, batch, layout, dtype, heads, d, page):
-    prefixes, prefix_of, own = BATCHES[batch]
+    prefixes, prefix_of, own = CASCADE_BATCHES[batch]
     hq, hkv = heads
     return make_cascade(
         np.random.default_rng(seed),
