@@ -109,6 +109,22 @@ def finish_args(why, stages: int, scale, head_dim: int, interpret):
     return scale, interpreted(interpret)
 
 
+def partition_pages_of(partition_size, k_cache, v_cache, layout, *, interpret, what: str):
+    """A public op's ``partition_size`` (tokens, or None) as whole pages for a Mosaic GPU
+    kernel (``what`` names it in the errors), after refusing a compiled run off sm_90."""
+    if not interpret and not is_sm90():
+        raise NotImplementedError(f"the Mosaic GPU {what} is compiled for sm_90 GPUs only")
+    if partition_size is None:
+        return None
+    page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
+    if partition_size % page:
+        raise NotImplementedError(
+            f"the Mosaic GPU {what} partitions whole pages: partition_size={partition_size} "
+            f"is not a multiple of the page size {page}"
+        )
+    return partition_size // page
+
+
 def interpreted(interpret) -> bool:
     """An entry point's ``interpret``: None means exactly on the CPU."""
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)

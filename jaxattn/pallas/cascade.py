@@ -479,18 +479,9 @@ def cascade_attention(
 
 def _mosaic_gpu(*args, layout, partition_size, **kw):
     """``CascadeConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.cascade_mgpu`."""
-    from . import cascade_mgpu
+    from . import _mgpu, cascade_mgpu
 
-    if not kw["interpret"] and not cascade_mgpu.is_sm90():
-        raise NotImplementedError("the Mosaic GPU cascade decode is compiled for sm_90 GPUs only")
-    own_pages = None
-    if partition_size is not None:
-        k_cache, v_cache = args[1:3]
-        page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
-        if partition_size % page:
-            raise NotImplementedError(
-                f"the Mosaic GPU cascade partitions whole pages: partition_size={partition_size} "
-                f"is not a multiple of the page size {page}"
-            )
-        own_pages = partition_size // page
+    own_pages = _mgpu.partition_pages_of(
+        partition_size, *args[1:3], layout, interpret=kw["interpret"], what="cascade decode"
+    )
     return cascade_mgpu.cascade_attention(*args, layout=layout, own_pages=own_pages, **kw)

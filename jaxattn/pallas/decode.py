@@ -438,19 +438,11 @@ def _mosaic_gpu(
     k_scale, v_scale, interpret,
 ):  # fmt: skip
     """``DecodeConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.decode_mgpu`'s kernel."""
-    from . import decode_mgpu
+    from . import _mgpu, decode_mgpu
 
-    if not interpret and not decode_mgpu.is_sm90():
-        raise NotImplementedError("the Mosaic GPU decode is compiled for sm_90 GPUs only")
-    partition_pages = None
-    if partition_size is not None:
-        page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
-        if partition_size % page:
-            raise NotImplementedError(
-                f"the Mosaic GPU decode partitions whole pages: partition_size={partition_size} "
-                f"is not a multiple of the page size {page}"
-            )
-        partition_pages = partition_size // page
+    partition_pages = _mgpu.partition_pages_of(
+        partition_size, k_cache, v_cache, layout, interpret=interpret, what="decode"
+    )
     return decode_mgpu.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout,
         soft_cap=soft_cap, partition_pages=partition_pages, interpret=interpret,
