@@ -14,7 +14,9 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   all 64 rows. The prefix's pages are cut into partitions so
   that the grid fills the GPU (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
 * **Own level.** The same kernel over each request's own pages, as paged decode runs it,
-  but every partition's state kept for the merge (none normalised in the kernel).
+  but every partition's state kept for the merge (none normalised in the kernel). Both
+  levels are one launch: the prefix tiles' blocks first (the long ones), then the own
+  blocks, which fill the multiprocessors as the prefix blocks leave them.
 * **Merge.** A request's own parts and its tile's prefix parts (its rows of the tile) are
   weighed exactly (:func:`jaxattn.pallas.decode.combine_groups`: the gather of a request's
   rows fused into the sums, no concatenated workspace); a request with no prefix has no
@@ -170,13 +172,12 @@ def _cascade_attention(
         layout=layout, scale=scale, soft_cap=soft_cap, pages_per_step=pages_per_step,
         stages=stages, interpret=interpret,
     )  # fmt: skip
-    acc_p, ml_p = decode_mgpu.partial_states(
+    # One launch: the prefix tiles' blocks first (the long ones), then the own level's.
+    acc_p, ml_p, acc_o, ml_o = decode_mgpu.partial_states(
         q_prefix.reshape(T, Hkv, per_tile * G, D), k_cache, v_cache, prefix_tables[tp],
-        jnp.where(live, prefix_len[tp], 0), partition_pages=prefix_pages, **kw,
+        jnp.where(live, prefix_len[tp], 0), partition_pages=prefix_pages,
+        second=(q4, block_tables, own_len, own_pages), **kw,
     )  # fmt: skip
-    acc_o, ml_o = decode_mgpu.partial_states(
-        q4, k_cache, v_cache, block_tables, own_len, partition_pages=own_pages, **kw
-    )
 
     # Each request's rows of its tile, gathered straight into the merge's [B, parts, Hkv,
     # G, ...]; a request without a prefix has no prefix part (its gathered rows are another

@@ -37,6 +37,7 @@ lowers with warpgroup semantics, which take no select on a scalar predicate over
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -87,6 +88,42 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size)
     return unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step) is None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """The static shape of one problem of a launch: sequences, query rows a KV head, table
+    width, pages a partition, partitions, the table window a block copies, capacity, and
+    whether one partition is normalised in the kernel."""
+
+    B: int
+    G: int
+    W: int
+    partition_pages: int
+    parts: int
+    window: int
+    capacity: int
+    one_pass: bool
+
+    @classmethod
+    def of(cls, q, tables, partition_pages, capacity, page_size, partials):
+        parts = -(-(capacity // page_size) // partition_pages)
+        # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
+        window = -(-partition_pages // 32) * 32
+        W = tables.shape[1]
+        assert window <= W and W % 4 == 0, "the wrapper pads the table"
+        return cls(
+            q.shape[0], q.shape[2], W, partition_pages, parts, window, capacity,
+            parts == 1 and not partials,
+        )  # fmt: skip
+
+    def blocks(self, num_kv_heads: int) -> int:
+        return num_kv_heads * self.B * self.parts
+
+    def coords(self, i, num_kv_heads: int):
+        """(KV head, sequence, partition) of block ``i`` of a flat grid: KV head fastest,
+        then sequence, as in the 3-D grid of one problem."""
+        return i % num_kv_heads, (i // num_kv_heads) % self.B, i // (num_kv_heads * self.B)
+
+
 def _kernel_call(
     q,
     k_cache,
@@ -109,24 +146,30 @@ def _kernel_call(
     out_dtype,
     factors=None,
     partials=False,
+    second=None,
 ):
     """One partition (``parts == 1``, unless ``partials``): the attention ``[B, Hkv, group,
     D]`` in ``out_dtype``, normalised in the kernel. Several (or ``partials``): (acc
     f32[B, parts, Hkv, group, D] unnormalised, ml f32[B, parts, Hkv, 2, 64]: base-2 max and
     sum) of every partition, laid out for the merge. q is ``[B, Hkv, group, D]`` (its ``[B,
     Hq, D]`` viewed so); FP8 caches: q is float16 and ``factors`` f32[64] each KV head's
-    score factor (:func:`._mgpu.to_float16`) in entries 0-31 and value scale in 32-63."""
-    B, Hkv, G, D = q.shape
+    score factor (:func:`._mgpu.to_float16`) in entries 0-31 and value scale in 32-63.
+
+    ``second``: (q, tables, lens, partition_pages, capacity) of a second problem over the
+    same caches, run by the same launch (a flat grid: the first problem's blocks, then the
+    second's), both with ``partials`` (16-bit caches, one warpgroup); its (acc, ml) follow
+    the first's."""
+    D = q.shape[3]
     P, S = geom.num_pages, geom.page_size
-    W = tables.shape[1]
     T = pages_per_step * S
     NS = stages
-    parts = -(-(capacity // S) // partition_pages)
-    # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
-    tab_window = -(-partition_pages // 32) * 32
-    assert tab_window <= W and W % 4 == 0, "the wrapper pads the table"
+    specs = [_Problem.of(q, tables, partition_pages, capacity, S, partials)]
+    if second is not None:
+        assert partials and factors is None and not specialized, "a second problem: 16-bit"
+        q2, tables2, lens2, partition_pages2, capacity2 = second
+        specs.append(_Problem.of(q2, tables2, partition_pages2, capacity2, S, True))
+    Hkv = q.shape[1]
     dtype = q.dtype
-    one_pass = parts == 1 and not partials
     bshd = layout == "bshd"
     fp8 = factors is not None
     # FP8 with the copy warpgroup: that warpgroup also widens each step into float16 K and
@@ -134,15 +177,15 @@ def _kernel_call(
     converter = fp8 and specialized
     cast, iota = M.layout_ops(interpret)
 
-    def kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, scoped):
+    def kernel(problems, k_ref, v_ref, fac_ref, outs, scoped):
         wide = fac_smem = None
         if converter:
             # The widened tiles share their memory with the output tile and the staging
             # buffers of q (read before the first tile is widened) and of the output.
-            (q_smem, k_smem, v_smem, tab_smem, ml_smem, shared, fac_smem), bars = scoped
+            (q_smem, k_smem, v_smem, tab_full, ml_smem, shared, fac_smem), bars = scoped
             wide, o_smem, (stage, ostage) = shared
         else:
-            (q_smem, k_and_o, v_smem, tab_smem, ml_smem, stage, *fp8_smem), bars = scoped
+            (q_smem, k_and_o, v_smem, tab_full, ml_smem, stage, *fp8_smem), bars = scoped
             ostage = stage  # the output's rows in q's dtype: q's buffer, read by then
             if out_dtype != dtype:  # FP8 caches: q is float16
                 ostage, *fp8_smem = fp8_smem
@@ -152,193 +195,218 @@ def _kernel_call(
             k_smem, o_smem = k_and_o
         # k_free, v_free: the copy warpgroup's release barriers of the ring's slots; with the
         # converter, the K and V tiles' barriers (0 widened, 1 free).
-        q_bar, (tab_bar, fac_bar), k_bars, v_bars, k_free, v_free = bars
-        h = lax.axis_index("kvh")
-        b = lax.axis_index("b")
-        part = lax.axis_index("part")
-        window_start = jnp.minimum(part * partition_pages, W - tab_window)
-        window_shift = part * partition_pages - window_start
-        wg = lax.axis_index("wg") if specialized else 0
-        memory_wg, compute_wg = (1, 0) if specialized else (0, 0)
+        q_bar, (tab_bars, fac_bar), k_bars, v_bars, k_free, v_free = bars
 
-        @pl.when(wg == memory_wg)
-        def _():
-            # The partition's window of the table row, moved back to end at the row's end
-            # where it would run past it (page_at shifts its index by as much).
-            M.copy_vector(tab_ref.at[b], window_start, tab_smem, tab_bar)
-            if fp8:
-                plgpu.copy_gmem_to_smem(fac_ref, fac_smem, fac_bar)
+        def body(pi, h, b, part):
+            """Block (KV head h, sequence b, partition part) of problem ``pi``."""
+            sp = specs[pi]
+            q_ref, tab_ref, len_ref = problems[pi]
+            outs_p = outs[2 * pi : 2 * pi + 2]
+            G, W, tab_window, partition_pages = sp.G, sp.W, sp.window, sp.partition_pages
+            capacity, one_pass = sp.capacity, sp.one_pass
+            tab_bar = tab_bars[pi]
+            tab_smem = tab_full.at[pl.ds(0, tab_window)]
+            window_start = jnp.minimum(part * partition_pages, W - tab_window)
+            window_shift = part * partition_pages - window_start
+            wg = lax.axis_index("wg") if specialized else 0
+            memory_wg, compute_wg = (1, 0) if specialized else (0, 0)
 
-        @pl.when(wg == compute_wg)
-        def _():
-            # The group's rows of q, straight from q, into the staging buffer: issued with
-            # the table's copy, so the two latencies overlap.
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
+            @pl.when(wg == memory_wg)
+            def _():
+                # The partition's window of the table row, moved back to end at the row's end
+                # where it would run past it (page_at shifts its index by as much).
+                M.copy_vector(tab_ref.at[b], window_start, tab_smem, tab_bar)
+                if fp8:
+                    plgpu.copy_gmem_to_smem(fac_ref, fac_smem, fac_bar)
 
-        length = len_ref[b]  # a scalar load from global memory, in flight with the copies
-        plgpu.barrier_wait(tab_bar)
-        bad_len = (length < 0) | (length > capacity)
-        length = jnp.clip(length, 0, capacity)
-        first_page = part * partition_pages
-        n_tok = jnp.clip(length - first_page * S, 0, partition_pages * S)
-        n_steps = (n_tok + T - 1) // T
-        n_pages = (n_tok + S - 1) // S  # the partition's pages the sequence reads
+            @pl.when(wg == compute_wg)
+            def _():
+                # The group's rows of q, straight from q, into the staging buffer: issued with
+                # the table's copy, so the two latencies overlap.
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
 
-        def page_at(c):
-            """The partition's ``c``-th page (``c < partition_pages`` by the loops), checked."""
-            # Entries past the row's end (never a page the sequence reads: its length is
-            # clipped to the capacity) are clamped into the window.
-            entry = jnp.minimum(jnp.minimum(c, partition_pages - 1) + window_shift, tab_window - 1)
-            page = tab_smem[entry]
-            ok = (page >= 0) & (page < P)
-            return jnp.where(ok, page, 0), ok
+            length = len_ref[b]  # a scalar load from global memory, in flight with the copies
+            plgpu.barrier_wait(tab_bar)
+            bad_len = (length < 0) | (length > capacity)
+            length = jnp.clip(length, 0, capacity)
+            first_page = part * partition_pages
+            n_tok = jnp.clip(length - first_page * S, 0, partition_pages * S)
+            n_steps = (n_tok + T - 1) // T
+            n_pages = (n_tok + S - 1) // S  # the partition's pages the sequence reads
 
-        k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
-        ring = M.PageRing(
-            k, v, n_steps, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
-            pages_per_step=pages_per_step, page_size=S, stages=NS,
-        )  # fmt: skip
-        if not specialized:
-            # One warpgroup: the first NS steps' copies go out before q is awaited; after step
-            # i has read its slot it copies step i + NS into it (ring.refill).
-            ring.prologue()
+            def page_at(c):
+                """The partition's ``c``-th page (``c < partition_pages`` by the loops), checked."""
+                # Entries past the row's end (never a page the sequence reads: its length is
+                # clipped to the capacity) are clamped into the window.
+                entry = jnp.minimum(
+                    jnp.minimum(c, partition_pages - 1) + window_shift, tab_window - 1
+                )
+                page = tab_smem[entry]
+                ok = (page >= 0) & (page < P)
+                return jnp.where(ok, page, 0), ok
 
-        @pl.when(wg == compute_wg)
-        def _compute():
-            if registers is not None and specialized and not interpret:
-                plgpu.set_max_registers(registers[0], action="increase")
-            # q's rows as the first rows of the 64-row operand (the rest zeros), moved
-            # through registers into its tiled layout.
-            plgpu.barrier_wait(q_bar.at[0])
-            rows = iota((ROWS, D), 0) < G
-            if interpret:
-                q_smem[...] = jnp.where(rows, stage[...], jnp.zeros((ROWS, D), dtype))
-            else:
-                q_tile = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
-                q_smem[...] = jnp.where(rows, q_tile, jnp.zeros((ROWS, D), dtype))
-            plgpu.commit_smem()
-            if converter:  # q is out of its staging buffer: the tiles may be widened
-                plgpu.barrier_arrive(k_free.at[1])
-                plgpu.barrier_arrive(v_free.at[1])
-            acc, m_i, l_i = M.initial_state(cast, D)
-            fp8_kw = {}
-            if fp8:
-                plgpu.barrier_wait(fac_bar)
-                fp8_kw = dict(factor=fac_smem[h])
-                if not converter:
-                    fp8_kw["wide"] = tuple(wide)
+            k, v = (k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)
+            ring = M.PageRing(
+                k, v, n_steps, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
+                pages_per_step=pages_per_step, page_size=S, stages=NS,
+            )  # fmt: skip
+            if not specialized:
+                # One warpgroup: the first NS steps' copies go out before q is awaited; after step
+                # i has read its slot it copies step i + NS into it (ring.refill).
+                ring.prologue()
 
-            def step(i, carry):
-                acc, m_i, l_i, bad = carry
-                slot = lax.rem(i, NS)
-                for j in range(pages_per_step):
-                    c = i * pages_per_step + j
-                    _, ok = page_at(c)
-                    bad = bad | ((c < n_pages) & ~ok)
-
-                def released(free, triple):
-                    # The copy warpgroup refills the slot, or this one does it now.
-                    if specialized:
-                        return lambda: plgpu.barrier_arrive(free.at[slot])
-                    return lambda: ring.refill(triple, i)
-
-                rings = dict(k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars)
-                reads = dict(k_read=released(k_free, k), v_read=released(v_free, v))
-                if converter:  # the widened tiles, each released once its product is done
-                    rings = dict(k_smem=wide[0], v_smem=wide[1], k_bars=k_free.at[0],
-                                 v_bars=v_free.at[0])  # fmt: skip
-                    reads = dict(k_read=lambda: plgpu.barrier_arrive(k_free.at[1]),
-                                 v_read=lambda: plgpu.barrier_arrive(v_free.at[1]))  # fmt: skip
-                acc, m_i, l_i = M.ring_step(
-                    i, slot, (acc, m_i, l_i), q_smem=q_smem, keys=T, scale=scale,
-                    soft_cap=soft_cap, iota=iota, visible=lambda key: key < n_tok,
-                    n_keys=n_tok, interpret=interpret, prewidened=converter, **rings, **reads,
-                    **fp8_kw,
-                )  # fmt: skip
-                return acc, m_i, l_i, bad
-
-            acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
-            # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
-            # (Added as a scalar: a select on a scalar predicate is no vector op there.)
-            poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
-            if fp8:  # the output is linear in the values
-                acc = acc * fac_smem[32 + h]
-            # Only the group's rows leave: the padding rows of the tile are never read.
-            if one_pass:
-                # Normalised here (a row with no key, l = 0, is 0, as the merge makes it).
-                safe = jnp.where(l_i == 0.0, 1.0, l_i)
-                out = acc / lax.broadcast_in_dim(safe, acc.shape, [0]) + poison
-                ostage[...] = out.astype(out_dtype)
+            @pl.when(wg == compute_wg)
+            def _compute():
+                if registers is not None and specialized and not interpret:
+                    plgpu.set_max_registers(registers[0], action="increase")
+                # q's rows as the first rows of the 64-row operand (the rest zeros), moved
+                # through registers into its tiled layout.
+                plgpu.barrier_wait(q_bar.at[0])
+                rows = iota((ROWS, D), 0) < G
+                if interpret:
+                    q_smem[...] = jnp.where(rows, stage[...], jnp.zeros((ROWS, D), dtype))
+                else:
+                    q_tile = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                    q_smem[...] = jnp.where(rows, q_tile, jnp.zeros((ROWS, D), dtype))
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(ostage.at[pl.ds(0, G)], outs[0].at[b, h])
-            else:
-                acc_ref, ml_ref = outs
-                o_smem[...] = acc + poison
-                ml_smem[0] = m_i + poison
-                ml_smem[1] = l_i + poison
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], acc_ref.at[b, part, h])
-                plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, part, h])
-            plgpu.wait_smem_to_gmem(0)
+                if converter:  # q is out of its staging buffer: the tiles may be widened
+                    plgpu.barrier_arrive(k_free.at[1])
+                    plgpu.barrier_arrive(v_free.at[1])
+                acc, m_i, l_i = M.initial_state(cast, D)
+                fp8_kw = {}
+                if fp8:
+                    plgpu.barrier_wait(fac_bar)
+                    fp8_kw = dict(factor=fac_smem[h])
+                    if not converter:
+                        fp8_kw["wide"] = tuple(wide)
 
-        if not specialized:
-            return
+                def step(i, carry):
+                    acc, m_i, l_i, bad = carry
+                    slot = lax.rem(i, NS)
+                    for j in range(pages_per_step):
+                        c = i * pages_per_step + j
+                        _, ok = page_at(c)
+                        bad = bad | ((c < n_pages) & ~ok)
 
-        def _convert():
-            # FP8: the copy warpgroup issues the ring's copies, widens each step into the
-            # float16 K and V tiles as the compute warpgroup frees them, and refills the FP8
-            # slot it has read.
-            ring.prologue()
+                    def released(free, triple):
+                        # The copy warpgroup refills the slot, or this one does it now.
+                        if specialized:
+                            return lambda: plgpu.barrier_arrive(free.at[slot])
+                        return lambda: ring.refill(triple, i)
 
-            def body(i, carry):
-                slot = lax.rem(i, NS)
-                M.widen_step(
-                    i, slot, ring=(k_smem, v_smem), bars=(k_bars, v_bars), wide=wide,
-                    wide_bars=(k_free, v_free), keys=T, n_keys=n_tok, interpret=interpret,
-                )  # fmt: skip
-                ring.refill(k, i)
-                ring.refill(v, i)
-                return carry
+                    rings = dict(k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars)
+                    reads = dict(k_read=released(k_free, k), v_read=released(v_free, v))
+                    if converter:  # the widened tiles, each released once its product is done
+                        rings = dict(k_smem=wide[0], v_smem=wide[1], k_bars=k_free.at[0],
+                                     v_bars=v_free.at[0])  # fmt: skip
+                        reads = dict(k_read=lambda: plgpu.barrier_arrive(k_free.at[1]),
+                                     v_read=lambda: plgpu.barrier_arrive(v_free.at[1]))  # fmt: skip
+                    acc, m_i, l_i = M.ring_step(
+                        i, slot, (acc, m_i, l_i), q_smem=q_smem, keys=T, scale=scale,
+                        soft_cap=soft_cap, iota=iota, visible=lambda key: key < n_tok,
+                        n_keys=n_tok, interpret=interpret, prewidened=converter, **rings, **reads,
+                        **fp8_kw,
+                    )  # fmt: skip
+                    return acc, m_i, l_i, bad
 
-            lax.fori_loop(0, n_steps, body, 0)
-            # The last releases (the first ones when there was no step): every phase seen.
-            plgpu.barrier_wait(k_free.at[1])
-            plgpu.barrier_wait(v_free.at[1])
+                acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
+                # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
+                # (Added as a scalar: a select on a scalar predicate is no vector op there.)
+                poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
+                if fp8:  # the output is linear in the values
+                    acc = acc * fac_smem[32 + h]
+                # Only the group's rows leave: the padding rows of the tile are never read.
+                if one_pass:
+                    # Normalised here (a row with no key, l = 0, is 0, as the merge makes it).
+                    safe = jnp.where(l_i == 0.0, 1.0, l_i)
+                    out = acc / lax.broadcast_in_dim(safe, acc.shape, [0]) + poison
+                    ostage[...] = out.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ostage.at[pl.ds(0, G)], outs_p[0].at[b, h])
+                else:
+                    acc_ref, ml_ref = outs_p
+                    o_smem[...] = acc + poison
+                    ml_smem[0] = m_i + poison
+                    ml_smem[1] = l_i + poison
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, G)], acc_ref.at[b, part, h])
+                    plgpu.copy_smem_to_gmem(ml_smem, ml_ref.at[b, part, h])
+                plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == memory_wg)
-        def _memory():
-            if registers is not None and not interpret:
-                plgpu.set_max_registers(registers[1], action="decrease")
-            if converter:
-                _convert()
+            if not specialized:
                 return
 
-            def body(i, carry):
-                slot = lax.rem(i, NS)
+            def _convert():
+                # FP8: the copy warpgroup issues the ring's copies, widens each step into the
+                # float16 K and V tiles as the compute warpgroup frees them, and refills the FP8
+                # slot it has read.
+                ring.prologue()
 
-                @pl.when(i >= NS)
-                def _():
+                def body(i, carry):
+                    slot = lax.rem(i, NS)
+                    M.widen_step(
+                        i, slot, ring=(k_smem, v_smem), bars=(k_bars, v_bars), wide=wide,
+                        wide_bars=(k_free, v_free), keys=T, n_keys=n_tok, interpret=interpret,
+                    )  # fmt: skip
+                    ring.refill(k, i)
+                    ring.refill(v, i)
+                    return carry
+
+                lax.fori_loop(0, n_steps, body, 0)
+                # The last releases (the first ones when there was no step): every phase seen.
+                plgpu.barrier_wait(k_free.at[1])
+                plgpu.barrier_wait(v_free.at[1])
+
+            @pl.when(wg == memory_wg)
+            def _memory():
+                if registers is not None and not interpret:
+                    plgpu.set_max_registers(registers[1], action="decrease")
+                if converter:
+                    _convert()
+                    return
+
+                def body(i, carry):
+                    slot = lax.rem(i, NS)
+
+                    @pl.when(i >= NS)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    ring.issue(i)
+                    return carry
+
+                lax.fori_loop(0, n_steps, body, 0)
+
+                # Observe the releases of the last steps too: a waiter tracks every phase.
+                def drain(i, carry):
+                    slot = lax.rem(i, NS)
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
+                    return carry
 
-                ring.issue(i)
-                return carry
+                lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
 
-            lax.fori_loop(0, n_steps, body, 0)
+        if len(specs) == 1:
+            body(0, lax.axis_index("kvh"), lax.axis_index("b"), lax.axis_index("part"))
+            return
+        item = lax.axis_index("item")
+        first = specs[0].blocks(Hkv)
+        for pi, start in ((0, 0), (1, first)):
 
-            # Observe the releases of the last steps too: a waiter tracks every phase.
-            def drain(i, carry):
-                slot = lax.rem(i, NS)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                return carry
-
-            lax.fori_loop(jnp.maximum(n_steps - NS, 0), n_steps, drain, 0)
+            @pl.when((item >= start) & (item < start + specs[pi].blocks(Hkv)))
+            def _(pi=pi, start=start):
+                body(pi, *specs[pi].coords(item - start, Hkv))
 
     def entry(*refs):
-        q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *outs = M.split_refs(refs, 5, fp8)
+        q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *rest = M.split_refs(refs, 5, fp8)
+        problems = [(q_ref, tab_ref, len_ref)]
+        if second is not None:
+            problems.append(tuple(rest[:3]))
+            rest = rest[3:]
         stage = plgpu.SMEM((ROWS, D), dtype)  # q's rows in, the output's rows out
-        small = (plgpu.SMEM((tab_window,), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32))
+        window = max(sp.window for sp in specs)
+        small = (plgpu.SMEM((window,), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32))
         if converter:
             fac, *wide = M.fp8_buffers(factors, T, D, dtype)
             shared = M.union(
@@ -359,7 +427,7 @@ def _kernel_call(
         bars = (
             plgpu.Barrier(num_barriers=1),
             (
-                plgpu.Barrier(num_arrivals=M.vector_copies(tab_window)),
+                tuple(plgpu.Barrier(num_arrivals=M.vector_copies(sp.window)) for sp in specs),
                 plgpu.Barrier() if fp8 else None,
             ),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=NS),
@@ -371,29 +439,33 @@ def _kernel_call(
             ),
         )
         pl.run_scoped(
-            lambda *a: kernel(q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, outs, a),
+            lambda *a: kernel(problems, k_ref, v_ref, fac_ref, rest, a),
             smem,
             bars,
             **(dict(collective_axes="wg") if specialized else {}),
         )
 
-    if one_pass:
-        out_type = (jax.ShapeDtypeStruct((B, Hkv, G, D), out_dtype),)
-    else:
-        out_type = (
-            jax.ShapeDtypeStruct((B, parts, Hkv, G, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, parts, Hkv, 2, ROWS), jnp.float32),
-        )
+    out_type = ()
+    for sp in specs:
+        if sp.one_pass:
+            out_type += (jax.ShapeDtypeStruct((sp.B, Hkv, sp.G, D), out_dtype),)
+        else:
+            out_type += (
+                jax.ShapeDtypeStruct((sp.B, sp.parts, Hkv, sp.G, D), jnp.float32),
+                jax.ShapeDtypeStruct((sp.B, sp.parts, Hkv, 2, ROWS), jnp.float32),
+            )
     kw = M.launch_params(interpret)
     if specialized:
         kw |= dict(num_threads=2, thread_name="wg")
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(Hkv, B, parts),
-        grid_names=("kvh", "b", "part"),
-        **kw,
-    )(q, k_cache, v_cache, tables, lens, *(() if factors is None else (factors,)))
+    if second is None:
+        grid = dict(grid=(Hkv, specs[0].B, specs[0].parts), grid_names=("kvh", "b", "part"))
+        extra = () if factors is None else (factors,)
+    else:
+        grid = dict(grid=(sum(sp.blocks(Hkv) for sp in specs),), grid_names=("item",))
+        extra = (q2, tables2, lens2)
+    return plgpu.kernel(entry, out_type=out_type, **grid, **kw)(
+        q, k_cache, v_cache, tables, lens, *extra
+    )
 
 
 @functools.partial(
@@ -490,14 +562,23 @@ def _table_windows(block_tables, partition_pages: int):
 
 def partial_states(
     q4, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, partition_pages,
-    pages_per_step, stages, interpret,
+    pages_per_step, stages, interpret, second=None,
 ):  # fmt: skip
     """Every partition's unnormalised state over a 16-bit cache, never normalised in the
     kernel (the levels of :mod:`jaxattn.pallas.cascade_mgpu`): q4 ``[B, Hkv, G, D]`` (``G <=
     64`` rows of one KV head a sequence) -> acc f32 ``[B, parts, Hkv, G, D]`` and (max, sum)
     in base 2, f32 ``[B, parts, Hkv, 2, 64]`` (entries past ``G`` unused). Lengths and page
-    ids as :func:`paged_attention` takes them (a sequence they poison: NaN parts)."""
+    ids as :func:`paged_attention` takes them (a sequence they poison: NaN parts).
+    ``second``: (q4, block_tables, seq_lens, partition_pages) of another problem over the
+    same caches, run by the same launch (its blocks after the first's); its (acc, ml) follow
+    the first's."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    if second is not None:
+        q4b, tables_b, lens_b, pages_b = second
+        second = (
+            q4b, _table_windows(tables_b, pages_b), lens_b.astype(jnp.int32), pages_b,
+            tables_b.shape[1] * geom.page_size,
+        )  # fmt: skip
     return _kernel_call(
         q4, k_cache, v_cache, _table_windows(block_tables, partition_pages),
         seq_lens.astype(jnp.int32), geom=geom, layout=L.get(layout, pool=True).name,
@@ -505,6 +586,7 @@ def partial_states(
         pages_per_step=pages_per_step, stages=stages,
         capacity=block_tables.shape[1] * geom.page_size, group=q4.shape[2], registers=None,
         specialized=False, interpret=interpret, out_dtype=q4.dtype, partials=True,
+        second=second,
     )  # fmt: skip
 
 
