@@ -66,7 +66,7 @@ def serves_by_default(q, k_cache, v_cache, layout) -> bool:
     names a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype and head_dim
     :data:`jaxattn.pallas.decode_mgpu.DEFAULT_HEAD_DIM` (the paged decode's rule; the
     cascade was measured there only). On an H200 (bf16, 32/8 heads, D=128, 64 requests;
-    ``benchmarks/RESULTS.md``, round 37) it kept the GPU busy 62 / 76 / 309 us a call on the
+    ``benchmarks/RESULTS.md``, round 37) it kept the GPU busy 54 / 59 / 294 us a call on the
     shared, mixed and private batches of ``bench_cascade.py``, the Triton-lowered kernel 79
     / 88 / 390 us."""
     if not M.compiled_16bit(q, k_cache) or q.shape[-1] != decode_mgpu.DEFAULT_HEAD_DIM:
