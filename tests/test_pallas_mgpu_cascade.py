@@ -105,6 +105,25 @@ def test_plan_matches_a_naive_model(seed):
     np.testing.assert_array_equal(slot_of[~active], 0)
 
 
+@pytest.mark.parametrize("prefixes, own_width", [(0, 4), (2, 0), (0, 0)])
+def test_levels_without_pages(prefixes, own_width):
+    """A batch with no prefix runs the own level alone, own tables of no column the prefix
+    level alone, neither: zeros (what the spec gives)."""
+    rng = np.random.default_rng(3)
+    B, hq, hkv, d, page = 3, 8, 2, 64, 16
+    q = jnp.asarray(rng.standard_normal((B, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((12, page, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((12, page, hkv, d)), jnp.bfloat16)
+    ptab = jnp.asarray(rng.integers(0, 12, (prefixes, 4 if prefixes else 0)), jnp.int32)
+    plen = jnp.full((prefixes,), 32, jnp.int32)
+    prefix_of = jnp.asarray([-1, 1, 0] if prefixes else [-1, -1, -1], jnp.int32)
+    tab = jnp.asarray(rng.integers(0, 12, (B, own_width)), jnp.int32)
+    lens = jnp.asarray([5, 0, 17] if own_width else [0, 0, 0], jnp.int32)
+    args = (q, k, v, ptab, plen, prefix_of, tab, lens)
+    out = cascade_mgpu.cascade_attention(*args, interpret=True)
+    assert_close(out, jaxattn.cascade_attention(*args, implementation="reference"), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_soft_cap(interpret):
     c = case_of(5, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)

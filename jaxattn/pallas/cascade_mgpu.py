@@ -158,49 +158,65 @@ def _cascade_attention(
         geom.num_pages,
     )  # fmt: skip
     has_prefix = req_prefix_len > 0
-    tile_prefix, tile_of, slot_of, who, filled = plan(prefix_of, has_prefix, NP, per_tile, T)
-
-    # Tile t's rows: slot s (request who[t, s]) x the group's heads, gathered straight into
-    # the kernel's [T, Hkv, slots, G, D].
     i32 = functools.partial(jnp.arange, dtype=jnp.int32)
     q4 = q.reshape(B, Hkv, G, D)
-    q_prefix = q4[who[:, None, :, None], i32(Hkv)[None, :, None, None], i32(G)[None, None, None]]
-    q_prefix = jnp.where(filled[:, None, :, None, None], q_prefix, jnp.zeros((), q.dtype))
-    live = tile_prefix >= 0
-    tp = jnp.clip(tile_prefix, 0, NP - 1)
     kw = dict(
         layout=layout, scale=scale, soft_cap=soft_cap, pages_per_step=pages_per_step,
         stages=stages, interpret=interpret,
     )  # fmt: skip
-    # One launch: the prefix tiles' blocks first (the long ones), then the own level's.
-    acc_p, ml_p, acc_o, ml_o = decode_mgpu.partial_states(
-        q_prefix.reshape(T, Hkv, per_tile * G, D), k_cache, v_cache, prefix_tables[tp],
-        jnp.where(live, prefix_len[tp], 0), partition_pages=prefix_pages,
-        second=(q4, block_tables, own_len, own_pages), **kw,
-    )  # fmt: skip
-
-    # Each request's rows of its tile, gathered straight into the merge's [B, parts, Hkv,
-    # G, ...]; a request without a prefix has no prefix part (its gathered rows are another
-    # request's: tile 0, slot 0).
-    pp, po = acc_p.shape[1], acc_o.shape[1]
-    ix = (
-        tile_of[:, None, None, None],
-        i32(pp)[None, :, None, None],
-        i32(Hkv)[None, None, :, None],
-    )
-    rows = slot_of[:, None, None, None] * G + i32(G)[None, None, None, :]
-    has = has_prefix[:, None, None]
-    own = (
-        acc_o.reshape(B, po, Hq, D),
-        ml_o[:, :, :, 0, :G].reshape(B, po, Hq),
-        ml_o[:, :, :, 1, :G].reshape(B, po, Hq),
-    )
-    prefix = (
-        jnp.where(has[..., None], acc_p[(*ix, rows)].reshape(B, pp, Hq, D), 0.0),
-        jnp.where(has, ml_p[(*ix, 0, rows)].reshape(B, pp, Hq), C.M_INIT),
-        jnp.where(has, ml_p[(*ix, 1, rows)].reshape(B, pp, Hq), 0.0),
-    )
-    out = combine_groups([own, prefix], q.dtype)
+    # The levels that have pages to read (None: a table of no prefix or no column), in one
+    # launch: the prefix tiles' blocks first (the long ones), then the own level's.
+    levels = []
+    if prefix_pages is not None:
+        tile_prefix, tile_of, slot_of, who, filled = plan(prefix_of, has_prefix, NP, per_tile, T)
+        # Tile t's rows: slot s (request who[t, s]) x the group's heads, gathered straight
+        # into the kernel's [T, Hkv, slots, G, D].
+        q_prefix = q4[
+            who[:, None, :, None], i32(Hkv)[None, :, None, None], i32(G)[None, None, None]
+        ]
+        q_prefix = jnp.where(filled[:, None, :, None, None], q_prefix, jnp.zeros((), q.dtype))
+        tp = jnp.clip(tile_prefix, 0, NP - 1)
+        levels.append((
+            q_prefix.reshape(T, Hkv, per_tile * G, D), prefix_tables[tp],
+            jnp.where(tile_prefix >= 0, prefix_len[tp], 0), prefix_pages,
+        ))  # fmt: skip
+    if own_pages is not None:
+        levels.append((q4, block_tables, own_len, own_pages))
+    states = []
+    if levels:
+        (qa, ta, la, pa), *second = levels
+        states = decode_mgpu.partial_states(
+            qa, k_cache, v_cache, ta, la, partition_pages=pa,
+            second=second[0] if second else None, **kw,
+        )  # fmt: skip
+    groups = []
+    if own_pages is not None:
+        acc_o, ml_o = states[-2:]
+        po = acc_o.shape[1]
+        groups.append((
+            acc_o.reshape(B, po, Hq, D),
+            ml_o[:, :, :, 0, :G].reshape(B, po, Hq),
+            ml_o[:, :, :, 1, :G].reshape(B, po, Hq),
+        ))  # fmt: skip
+    if prefix_pages is not None:
+        # Each request's rows of its tile, gathered straight into the merge's [B, parts,
+        # Hkv, G, ...]; a request without a prefix has no prefix part (its gathered rows are
+        # another request's: tile 0, slot 0).
+        acc_p, ml_p = states[:2]
+        pp = acc_p.shape[1]
+        ix = (
+            tile_of[:, None, None, None],
+            i32(pp)[None, :, None, None],
+            i32(Hkv)[None, None, :, None],
+        )
+        rows = slot_of[:, None, None, None] * G + i32(G)[None, None, None, :]
+        has = has_prefix[:, None, None]
+        groups.append((
+            jnp.where(has[..., None], acc_p[(*ix, rows)].reshape(B, pp, Hq, D), 0.0),
+            jnp.where(has, ml_p[(*ix, 0, rows)].reshape(B, pp, Hq), C.M_INIT),
+            jnp.where(has, ml_p[(*ix, 1, rows)].reshape(B, pp, Hq), 0.0),
+        ))  # fmt: skip
+    out = combine_groups(groups, q.dtype) if groups else jnp.zeros_like(q)
     return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
 
 
@@ -243,9 +259,14 @@ def cascade_attention(
     Hkv = geom.num_kv_heads
     T = tiles_bound(B, prefix_tables.shape[0], ROWS // (Hq // Hkv))
     widths = {"prefix_pages": prefix_tables.shape[1], "own_pages": block_tables.shape[1]}
+    if not prefix_tables.shape[0]:
+        widths["prefix_pages"] = 0
     sizes = {"prefix_pages": prefix_pages, "own_pages": own_pages}
     rows = {"prefix_pages": T, "own_pages": B}
     for name, value in sizes.items():
+        if not widths[name]:  # a level of no pages: not launched
+            sizes[name] = None
+            continue
         if value is None:
             value = decode_mgpu.default_partition_pages(
                 rows[name], Hkv, widths[name], pages_per_step

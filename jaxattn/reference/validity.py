@@ -243,6 +243,8 @@ def cascade_read_lengths(
     own_ok = paged_valid(block_tables, seq_lens, page_size, num_pages)
     prefix_len = jnp.where(prefix_ok, prefix_lens, 0).astype(jnp.int32)
     own_len = jnp.where(own_ok, seq_lens, 0).astype(jnp.int32)
+    if num_prefixes == 0:
+        return ok, prefix_len, own_len, jnp.zeros(prefix_of.shape, jnp.int32)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
     req_prefix_len = jnp.where(ok & (prefix_of >= 0), prefix_len[g], 0)
     return ok, prefix_len, own_len, req_prefix_len
