@@ -11,8 +11,8 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   kernel a tile is one sequence whose group is ``64 // G * G`` heads, whose block table is
   the prefix's and whose length is the prefix's. So each K/V tile of a prefix is read once
   per (tile, KV head, partition), not once per request, and S = q K^T and O += P V fill
-  all 64 rows. The prefix's pages are cut into partitions so
-  that the grid fills the GPU (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
+  all 64 rows. The prefix's pages are cut into partitions so that the grid fills the GPU
+  (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
 * **Own level.** The same kernel over each request's own pages, as paged decode runs it,
   but every partition's state kept for the merge (none normalised in the kernel). Both
   levels are one launch: the prefix tiles' blocks first (the long ones), then the own
@@ -267,16 +267,14 @@ def cascade_attention(
         if not widths[name]:  # a level of no pages: not launched
             sizes[name] = None
             continue
-        if value is None:
-            value = decode_mgpu.default_partition_pages(
-                rows[name], Hkv, widths[name], pages_per_step
-            )
-        if value < 1 or value % pages_per_step:
-            raise ValueError(
-                f"{name} must be a positive multiple of pages_per_step={pages_per_step}, "
-                f"got {value}"
-            )
-        sizes[name] = int(value)
+        sizes[name] = decode_mgpu.resolve_partition_pages(
+            value,
+            name=name,
+            batch=rows[name],
+            num_kv_heads=Hkv,
+            table_width=widths[name],
+            pages_per_step=pages_per_step,
+        )
     return _cascade_attention(
         q,
         k_cache,

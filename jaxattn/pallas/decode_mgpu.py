@@ -139,7 +139,6 @@ def _kernel_call(
     pages_per_step,
     stages,
     capacity,
-    group,
     registers,
     specialized,
     interpret,
@@ -528,7 +527,6 @@ def _paged_attention(
         pages_per_step=pages_per_step,
         stages=stages,
         capacity=capacity,
-        group=G,
         registers=registers,
         specialized=specialized,
         interpret=interpret,
@@ -573,20 +571,19 @@ def partial_states(
     same caches, run by the same launch (its blocks after the first's); its (acc, ml) follow
     the first's."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    if second is not None:
-        q4b, tables_b, lens_b, pages_b = second
-        second = (
-            q4b, _table_windows(tables_b, pages_b), lens_b.astype(jnp.int32), pages_b,
-            tables_b.shape[1] * geom.page_size,
-        )  # fmt: skip
+
+    def prepared(q4, tables, lens, pages):
+        """(q, the kernel's tables, lengths, pages a partition, capacity) of a problem."""
+        capacity = tables.shape[1] * geom.page_size
+        return q4, _table_windows(tables, pages), lens.astype(jnp.int32), pages, capacity
+
+    q4, tables, lens, _, capacity = prepared(q4, block_tables, seq_lens, partition_pages)
     return _kernel_call(
-        q4, k_cache, v_cache, _table_windows(block_tables, partition_pages),
-        seq_lens.astype(jnp.int32), geom=geom, layout=L.get(layout, pool=True).name,
+        q4, k_cache, v_cache, tables, lens, geom=geom, layout=L.get(layout, pool=True).name,
         scale=scale, soft_cap=soft_cap, partition_pages=partition_pages,
-        pages_per_step=pages_per_step, stages=stages,
-        capacity=block_tables.shape[1] * geom.page_size, group=q4.shape[2], registers=None,
+        pages_per_step=pages_per_step, stages=stages, capacity=capacity, registers=None,
         specialized=False, interpret=interpret, out_dtype=q4.dtype, partials=True,
-        second=second,
+        second=None if second is None else prepared(*second),
     )  # fmt: skip
 
 
@@ -604,6 +601,21 @@ def default_partition_pages(
     parts = max(1, target // pairs)
     size = -(-table_width // parts)
     return min(whole, -(-size // pages_per_step) * pages_per_step)
+
+
+def resolve_partition_pages(
+    value, *, name: str, batch: int, num_kv_heads: int, table_width: int, pages_per_step: int
+) -> int:
+    """A partition size in pages: ``value``, or :func:`default_partition_pages` of the grid
+    when None; a ValueError naming ``name`` unless it is a positive multiple of
+    ``pages_per_step``."""
+    if value is None:
+        value = default_partition_pages(batch, num_kv_heads, table_width, pages_per_step)
+    if value < 1 or value % pages_per_step:
+        raise ValueError(
+            f"{name} must be a positive multiple of pages_per_step={pages_per_step}, got {value}"
+        )
+    return int(value)
 
 
 def paged_attention(
@@ -647,17 +659,13 @@ def paged_attention(
     refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
-    if partition_pages is None:
-        partition_pages = default_partition_pages(
-            q.shape[0], geom.num_kv_heads, block_tables.shape[1], pages_per_step
-        )
+    partition_pages = resolve_partition_pages(
+        partition_pages, name="partition_pages", batch=q.shape[0],
+        num_kv_heads=geom.num_kv_heads, table_width=block_tables.shape[1],
+        pages_per_step=pages_per_step,
+    )  # fmt: skip
     if stages is None:
         stages = 3 if specialized else 2
-    if partition_pages < 1 or partition_pages % pages_per_step:
-        raise ValueError(
-            f"partition_pages must be a positive multiple of pages_per_step={pages_per_step}, "
-            f"got {partition_pages}"
-        )
     if registers is not None:
         registers = tuple(int(r) for r in registers)
         if len(registers) != 2 or any(r % 8 or not 24 <= r <= 256 for r in registers):
@@ -677,7 +685,7 @@ def paged_attention(
         scale=scale,
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),
-        partition_pages=int(partition_pages),
+        partition_pages=partition_pages,
         pages_per_step=pages_per_step,
         stages=int(stages),
         registers=registers,
