@@ -249,13 +249,7 @@ def main(argv=None):
     p.add_argument("--batches", default="shared,mixed,private")
     p.add_argument("--fit", action="store_true", help="fit the switch rule's cost model")
     p.add_argument("--fit-impl", default="native")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="also trace each row (jax.profiler): per call, the span from its first kernel to "
-        "its last, the time kernels ran, and the kernels by time",
-    )
-    p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
+    common.add_profile_args(p)
     p.add_argument(
         "--mgpu",
         action="store_true",

@@ -147,15 +147,7 @@ def main(argv=None):
         "the Mosaic GPU kernel for 16-bit caches and batches that fill a one-pass grid)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="also trace each jaxattn row (the --triton and --mgpu ones too; jax.profiler): "
-        "per call, the span from its first "
-        "kernel to its last, the time kernels ran (the rest: the GPU waiting for the host), "
-        "and the kernels by time",
-    )
-    p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
+    common.add_profile_args(p)
     args = p.parse_args(argv)
 
     dtype = jnp.dtype(args.dtype)

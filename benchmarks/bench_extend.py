@@ -258,6 +258,7 @@ def main(argv=None):
         help="also time the native op with each of these GPU prefill kernels forced "
         "(jaxattn.native.PrefillConfig: sm90, sm90_persistent, mma, simt), in the same process",
     )
+    common.add_profile_args(p)
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
 
@@ -341,6 +342,8 @@ def main(argv=None):
                 metric = f"{row['tflops']:.0f} TFLOP/s"
             result["rows"].append(row)
             print(common.status_line(name, row, metric), flush=True)
+            if args.profile and fn is not None and "us" in row:
+                row["profile"] = common.profile_calls(fn, copies_, args.profile_top)
             return row
 
         for impl in impls:

@@ -282,6 +282,19 @@ def profile_lines(prof: dict | None, unit: str = "step") -> str:
     return "\n".join(lines)
 
 
+def add_profile_args(p) -> None:
+    """``--profile`` and ``--profile-top``, as every kernel benchmark takes them (see
+    :func:`profile_calls`)."""
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace each timed row of the library (jax.profiler): per call, the span from "
+        "its first kernel to its last, the time kernels ran (the rest: the GPU waiting for the "
+        "host), and the kernels by time",
+    )
+    p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
+
+
 def profile_calls(fn, copies, top: int) -> dict | None:
     """:func:`device_profile` of ``fn`` over every copy, four times over (the timed
     program's shape: one call per copy in one jitted function), printed per call."""
