@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, poisoned_pages
+from helpers import TRITON_MERGE, assert_close, poisoned_pages
 from jax import export
 
 import jaxattn
@@ -30,9 +30,6 @@ if decode_mgpu.available() is not None:
 
 # interpret=True everywhere; interpret=False (compiled) on an sm_90 GPU.
 MODES = [True] + ([False] if decode_mgpu.is_sm90() else [])
-# A split grid's merge is a Triton kernel, a custom call jax.export has no compatibility
-# guarantee for; these exports only check the lowering.
-TRITON_MERGE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, dtype):

@@ -17,14 +17,17 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   but every partition's state kept for the merge (none normalised in the kernel). Both
   levels are one launch: the prefix tiles' blocks first (the long ones), then the own
   blocks, which fill the multiprocessors as the prefix blocks leave them.
-* **Merge.** A request's own parts and its tile's prefix parts (its rows of the tile) are
-  weighed exactly (:func:`jaxattn.pallas.decode.combine_groups`: the gather of a request's
-  rows fused into the sums, no concatenated workspace); a request with no prefix has no
-  prefix part.
+* **Merge.** One kernel (:func:`jaxattn.pallas.decode.combine_levels`) weighs a request's
+  own parts and its rows of its tile's prefix parts exactly, reading both levels' states in
+  place (no gather, no workspace); a request with no prefix has no prefix part.
 
-The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`):
-a request or prefix the contract calls invalid reads nothing (its length taken as 0) and
-the request's rows are NaN, so every page id a copy reads is in range. Steps' rows past a
+The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`),
+split where each check is cheapest: the checks that read no table (the prefix id, the
+continued prefix's length) per request before the launch
+(:func:`jaxattn.reference.validity.cascade_unpaged_valid`), the lengths and page ids a block
+reads by the decode kernel itself, which poisons a sequence or a prefix tile that fails them
+(NaN parts; a bad page id is read as page 0, so every copy stays in the pool). The merge
+makes a request NaN when its checks fail or any of its parts is NaN. Steps' rows past a
 length (page tails, pages past it) are masked and their V rows zeroed by the decode kernel.
 
 Interpret mode (``interpret=True``, the CPU) runs the decode kernel interpreted (see
@@ -42,11 +45,10 @@ import jax.numpy as jnp
 from .. import layout as L
 from .. import quant as Q
 from ..reference import validity as _validity
-from . import _common as C
 from . import _mgpu as M
 from . import decode_mgpu
 from ._mgpu import ROWS, available, is_sm90
-from .decode import combine_groups
+from .decode import combine_levels
 
 __all__ = ["available", "cascade_attention", "is_sm90", "serves_by_default", "unsupported"]
 
@@ -152,13 +154,15 @@ def _cascade_attention(
     per_tile = ROWS // G
     T = tiles_bound(B, NP, per_tile)
 
-    # The memory-safety contract, decided before the launches: what is invalid reads nothing.
-    ok, prefix_len, own_len, req_prefix_len = _validity.cascade_read_lengths(
-        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, geom.page_size,
-        geom.num_pages,
-    )  # fmt: skip
-    has_prefix = req_prefix_len > 0
-    i32 = functools.partial(jnp.arange, dtype=jnp.int32)
+    # The memory-safety contract: the checks that read no table here, per request (its rows
+    # NaN in the merge); the lengths and page ids a block reads are the kernel's (a bad one
+    # poisons the sequence or the tile: NaN parts, page 0 read instead).
+    ok = _validity.cascade_unpaged_valid(
+        prefix_lens, prefix_of, prefix_tables.shape[1] * geom.page_size, geom.page_size
+    )
+    has_prefix = ok & (prefix_of >= 0)
+    if NP:
+        has_prefix &= prefix_lens[jnp.clip(prefix_of, 0, NP - 1)] > 0
     q4 = q.reshape(B, Hkv, G, D)
     kw = dict(
         layout=layout, scale=scale, soft_cap=soft_cap, pages_per_step=pages_per_step,
@@ -168,56 +172,35 @@ def _cascade_attention(
     # launch: the prefix tiles' blocks first (the long ones), then the own level's.
     levels = []
     if prefix_pages is not None:
-        tile_prefix, tile_of, slot_of, who, filled = plan(prefix_of, has_prefix, NP, per_tile, T)
-        # Tile t's rows: slot s (request who[t, s]) x the group's heads, gathered straight
-        # into the kernel's [T, Hkv, slots, G, D].
-        q_prefix = q4[
-            who[:, None, :, None], i32(Hkv)[None, :, None, None], i32(G)[None, None, None]
-        ]
-        q_prefix = jnp.where(filled[:, None, :, None, None], q_prefix, jnp.zeros((), q.dtype))
+        tile_prefix, tile_of, slot_of, who, _ = plan(prefix_of, has_prefix, NP, per_tile, T)
         tp = jnp.clip(tile_prefix, 0, NP - 1)
+        # Tile t's rows: slot s (request who[t, s]; an empty slot's rows are request 0's,
+        # computed and never read) x the group's heads, copied by the kernel's blocks.
         levels.append((
-            q_prefix.reshape(T, Hkv, per_tile * G, D), prefix_tables[tp],
-            jnp.where(tile_prefix >= 0, prefix_len[tp], 0), prefix_pages,
+            q4, prefix_tables[tp], jnp.where(tile_prefix >= 0, prefix_lens[tp], 0),
+            prefix_pages,
         ))  # fmt: skip
     if own_pages is not None:
-        levels.append((q4, block_tables, own_len, own_pages))
-    states = []
-    if levels:
-        (qa, ta, la, pa), *second = levels
-        states = decode_mgpu.partial_states(
-            qa, k_cache, v_cache, ta, la, partition_pages=pa,
-            second=second[0] if second else None, **kw,
-        )  # fmt: skip
-    groups = []
+        levels.append((q4, block_tables, seq_lens, own_pages))
+    if not levels:
+        return jnp.where(ok[:, None, None], jnp.zeros_like(q), jnp.nan).astype(q.dtype)
+    (qa, ta, la, pa), *second = levels
+    states = decode_mgpu.partial_states(
+        qa, k_cache, v_cache, ta, la, partition_pages=pa,
+        second=second[0] if second else None,
+        rows=who if prefix_pages is not None else None, **kw,
+    )  # fmt: skip
+    # One merge kernel reads both levels' states in place: a request's own parts, then its
+    # rows of its tile's prefix parts (none for a request without a prefix).
+    merged = []
     if own_pages is not None:
-        acc_o, ml_o = states[-2:]
-        po = acc_o.shape[1]
-        groups.append((
-            acc_o.reshape(B, po, Hq, D),
-            ml_o[:, :, :, 0, :G].reshape(B, po, Hq),
-            ml_o[:, :, :, 1, :G].reshape(B, po, Hq),
-        ))  # fmt: skip
+        merged.append((False, *states[-2:]))
     if prefix_pages is not None:
-        # Each request's rows of its tile, gathered straight into the merge's [B, parts,
-        # Hkv, G, ...]; a request without a prefix has no prefix part (its gathered rows are
-        # another request's: tile 0, slot 0).
-        acc_p, ml_p = states[:2]
-        pp = acc_p.shape[1]
-        ix = (
-            tile_of[:, None, None, None],
-            i32(pp)[None, :, None, None],
-            i32(Hkv)[None, None, :, None],
-        )
-        rows = slot_of[:, None, None, None] * G + i32(G)[None, None, None, :]
-        has = has_prefix[:, None, None]
-        groups.append((
-            jnp.where(has[..., None], acc_p[(*ix, rows)].reshape(B, pp, Hq, D), 0.0),
-            jnp.where(has, ml_p[(*ix, 0, rows)].reshape(B, pp, Hq), C.M_INIT),
-            jnp.where(has, ml_p[(*ix, 1, rows)].reshape(B, pp, Hq), 0.0),
-        ))  # fmt: skip
-    out = combine_groups(groups, q.dtype) if groups else jnp.zeros_like(q)
-    return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
+        merged.append((True, *states[:2]))
+    else:
+        tile_of = slot_of = jnp.zeros((B,), jnp.int32)
+    index = (tile_of, slot_of, has_prefix, ok)
+    return combine_levels(merged, index, q.dtype, group=G, interpret=interpret)
 
 
 def cascade_attention(

@@ -225,6 +225,51 @@ MERGE_ELEMENTS = 4096
 MERGE_FLOOR = -3.0e38
 
 
+def _fold(carry, m, l_sum, acc):
+    """One chunk of partitions folded into the running (top, denom, numer) of one row (``m``,
+    ``l_sum`` [chunk], ``acc`` [chunk, width]) or of several (``m``, ``l_sum`` [chunk,
+    rows], ``acc`` [chunk, rows, width]); masked lanes at ``m = MERGE_FLOOR``, zero sums."""
+    top, denom, numer = carry
+    # A NaN max makes its own weight NaN (exp2(NaN - x)), so the row's sums are NaN
+    # whether or not the reduction's max propagates it.
+    new_top = jnp.maximum(top, jnp.max(m, axis=0))
+    rescale = jnp.exp2(top - new_top)
+    w = jnp.exp2(m - (new_top if new_top.ndim == 0 else new_top[None, :]))
+    denom = denom * rescale + jnp.sum(w * l_sum, axis=0)
+    numer = numer * _per_row(rescale) + jnp.sum(w[..., None] * acc, axis=0)
+    return new_top, denom, numer
+
+
+def _per_row(x):
+    """A row's scalar (or rows' vector) broadcast over its slice of D."""
+    return x if x.ndim == 0 else x[:, None]
+
+
+def _fold_init(width, rows=None):
+    shape = () if rows is None else (rows,)
+    return (
+        jnp.full(shape, MERGE_FLOOR, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, width), jnp.float32),
+    )
+
+
+def _finish(carry):
+    """The merged row(s) of a fold: numer / denom, 0 where nothing was attended (denom 0)."""
+    _, denom, numer = carry
+    empty = _per_row(denom == 0)
+    return jnp.where(empty, 0.0, numer / _per_row(jnp.where(denom == 0, 1.0, denom)))
+
+
+def _merge_width(batch, num_q_heads, head_dim, parts):
+    """(width, chunk) of a merge grid: slices of D so that the grid has two programs a
+    multiprocessor (slices of >= 32 lanes), partitions folded ``chunk`` at a time."""
+    width = head_dim
+    while width > 32 and batch * num_q_heads * (head_dim // width) < 2 * C.num_sms():
+        width //= 2
+    return width, min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // width))
+
+
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = j * width + jnp.arange(width)
@@ -236,27 +281,16 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group)
         return plgpu.load(ref.at[b, p, h // group, which, h % group], mask=ok, other=other)
 
     def step(c, carry):
-        top, denom, numer = carry
         p = c * chunk + jnp.arange(chunk)
         ok = p < parts
         p = jnp.minimum(p, parts - 1)  # in bounds, masked lanes included
         m = stat(m_ref, p, 0, ok, MERGE_FLOOR)
         l_sum = stat(l_ref, p, 1, ok, 0.0)
         acc = plgpu.load(acc_ref.at[b, p[:, None], h, d[None, :]], mask=ok[:, None], other=0.0)
-        # A NaN max makes its own weight NaN (exp2(NaN - x)), so the row's sums are NaN
-        # whether or not the reduction's max propagates it.
-        new_top = jnp.maximum(top, jnp.max(m))
-        rescale = jnp.exp2(top - new_top)
-        w = jnp.exp2(m - new_top)
-        denom = denom * rescale + jnp.sum(w * l_sum)
-        numer = numer * rescale + jnp.sum(w[:, None] * acc, axis=0)
-        return new_top, denom, numer
+        return _fold(carry, m, l_sum, acc)
 
-    init = (jnp.float32(MERGE_FLOOR), jnp.float32(0.0), jnp.zeros((width,), jnp.float32))
-    _, denom, numer = lax.fori_loop(0, pl.cdiv(parts, chunk), step, init)
-    safe = jnp.where(denom == 0, 1.0, denom)
-    out = jnp.where(denom == 0, 0.0, numer / safe)
-    o_ref[b, h, d] = out.astype(o_ref.dtype)
+    carry = lax.fori_loop(0, pl.cdiv(parts, chunk), step, _fold_init(width))
+    o_ref[b, h, d] = _finish(carry).astype(o_ref.dtype)
 
 
 def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int | None = None):
@@ -275,10 +309,7 @@ def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int |
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _combine(acc, m, l_sum, dtype, interpret, group):
     batch, parts, num_q_heads, head_dim = acc.shape
-    width = head_dim
-    while width > 32 and batch * num_q_heads * (head_dim // width) < 2 * C.num_sms():
-        width //= 2
-    chunk = min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // width))
+    width, chunk = _merge_width(batch, num_q_heads, head_dim, parts)
     kernel = functools.partial(_combine_kernel, parts=parts, chunk=chunk, width=width, group=group)
     inputs = match_varying(acc, m, l_sum)
     return pl.pallas_call(
@@ -288,6 +319,110 @@ def _combine(acc, m, l_sum, dtype, interpret, group):
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="jaxattn_decode_merge",
+    )(*inputs)
+
+
+def _levels_kernel(*refs, levels, group, rows, width):
+    """A program per (request, KV head, slice of D): the parts of each level a request has,
+    folded for the ``group`` query heads of the KV head at once (``rows``: the group padded
+    to a power of two), then NaN where the request is not ok. ``levels``: per level,
+    (whether its rows are a prefix tile's, parts, chunk); its refs acc f32[X, P, Hkv, R, D]
+    and the packed statistics f32[X, P, Hkv, 2, R_pad] (max then sum), X the requests (own)
+    or the tiles (prefix), R the rows a problem's KV head has. A level of one chunk is
+    loaded before any folding, so its loads and the other levels' are in flight together."""
+    *level_refs, tile_ref, slot_ref, has_ref, ok_ref, o_ref = refs
+    b, kvh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g_out = jnp.arange(rows)
+    g_ok = g_out < group
+    g = jnp.minimum(g_out, group - 1)  # loads in bounds, masked rows included
+    d = j * width + jnp.arange(width)
+
+    def load(c, x, first_row, present, parts, chunk, acc_ref, ml_ref):
+        p = c * chunk + jnp.arange(chunk)
+        ok = p < parts if present is None else (p < parts) & present
+        p = jnp.minimum(p, parts - 1)[:, None]
+        ok = ok[:, None] & g_ok[None, :]
+        r = first_row + g[None, :]
+        m = plgpu.load(ml_ref.at[x, p, kvh, 0, r], mask=ok, other=MERGE_FLOOR)
+        l_sum = plgpu.load(ml_ref.at[x, p, kvh, 1, r], mask=ok, other=0.0)
+        at = acc_ref.at[x, p[..., None], kvh, r[..., None], d[None, None, :]]
+        acc = plgpu.load(at, mask=ok[..., None], other=0.0)
+        return m, l_sum, acc
+
+    sources = []
+    for (tiled, parts, chunk), acc_ref, ml_ref in zip(
+        levels, level_refs[0::2], level_refs[1::2], strict=True
+    ):
+        if tiled:  # the request's rows of its prefix tile, when it has one
+            x, first_row, present = tile_ref[b], slot_ref[b] * group, has_ref[b] != 0
+        else:
+            x, first_row, present = b, 0, None
+        src = functools.partial(load, x=x, first_row=first_row, present=present, parts=parts,
+                                chunk=chunk, acc_ref=acc_ref, ml_ref=ml_ref)  # fmt: skip
+        sources.append((pl.cdiv(parts, chunk), src, src(0) if parts <= chunk else None))
+    carry = _fold_init(width, rows)
+    for chunks, src, first in sources:
+        if first is not None:
+            carry = _fold(carry, *first)
+        else:
+            carry = lax.fori_loop(0, chunks, lambda c, cr, src=src: _fold(cr, *src(c)), carry)
+    out = jnp.where(ok_ref[b] != 0, _finish(carry), jnp.nan)
+    # Unclamped head ids for the store: the masked padding rows never collide with real
+    # ones (in interpret mode a masked lane on a real row's address can overwrite it).
+    heads = (kvh * group + g_out)[:, None]
+    plgpu.store(o_ref.at[b, heads, d[None, :]], out.astype(o_ref.dtype), mask=g_ok[:, None])
+
+
+def combine_levels(levels, index, dtype, *, group: int, interpret: bool | None = None):
+    """Cascade decode's exact merge as one Pallas kernel: each request's own parts and its
+    prefix tile's parts (its ``group`` rows of the tile), with the partition states the
+    Mosaic GPU decode kernel leaves (:func:`jaxattn.pallas.decode_mgpu.partial_states`) read
+    in place -- no gather, no workspace, one launch where XLA's merge took three.
+
+    ``levels``: ``(tiled, acc, ml)`` per level, acc f32[X, P, Hkv, R, D] and ml f32[X, P,
+    Hkv, 2, R_pad], X the requests (``tiled`` False: a request's row ``g`` of KV head ``h``
+    is its query head ``h * group + g``) or the prefix tiles (``tiled`` True: request ``b``'s
+    rows are ``slot * group + g`` of tile ``tile``). ``index``: four int32[B], per request its
+    tile, its slot, whether it has a prefix part (0 / 1) and whether it is ok (0: its rows
+    are NaN). A request with no part (nothing attended) is 0. ``interpret``: None
+    interprets on the CPU only."""
+    if interpret is None:
+        interpret = C.resolve_interpret(None)
+    tiled = tuple(bool(t) for t, _, _ in levels)
+    arrays = [a for _, acc, ml in levels for a in (acc, ml)]
+    index = tuple(jnp.asarray(i, jnp.int32) for i in index)
+    return _combine_levels(tiled, index, *arrays, dtype=jnp.dtype(dtype), group=int(group),
+                           interpret=bool(interpret))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("dtype", "group", "interpret"))
+def _combine_levels(tiled, index, *arrays, dtype, group, interpret):
+    batch = index[0].shape[0]
+    _, _, num_kv_heads, _, head_dim = arrays[0].shape
+    rows = pl.next_power_of_2(group)
+    # Slices of D for two programs a multiprocessor, each chunk of parts within the budget.
+    width = head_dim
+    while width > 32 and (
+        batch * num_kv_heads * (head_dim // width) < 2 * C.num_sms()
+        or rows * width > MERGE_ELEMENTS
+    ):
+        width //= 2
+    levels = []
+    for t, acc in zip(tiled, arrays[0::2], strict=True):
+        parts = acc.shape[1]
+        chunk = min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (rows * width)))
+        levels.append((t, parts, chunk))
+    kernel = functools.partial(
+        _levels_kernel, levels=tuple(levels), group=group, rows=rows, width=width
+    )
+    inputs = match_varying(*arrays, *index)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, head_dim // width),
+        out_shape=out_struct((batch, num_kv_heads * group, head_dim), dtype, *inputs),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxattn_cascade_merge",
     )(*inputs)
 
 

@@ -91,8 +91,9 @@ def serves_by_default(q, k_cache, v_cache, layout, block_tables, partition_size)
 @dataclasses.dataclass(frozen=True)
 class _Problem:
     """The static shape of one problem of a launch: sequences, query rows a KV head, table
-    width, pages a partition, partitions, the table window a block copies, capacity, and
-    whether one partition is normalised in the kernel."""
+    width, pages a partition, partitions, the table window a block copies, capacity,
+    whether one partition is normalised in the kernel, and ``slots``: 0, or the number of
+    q's sequences whose rows a block gathers (its q rows are then ``slots`` x q's group)."""
 
     B: int
     G: int
@@ -102,17 +103,18 @@ class _Problem:
     window: int
     capacity: int
     one_pass: bool
+    slots: int = 0
 
     @classmethod
-    def of(cls, q, tables, partition_pages, capacity, page_size, partials):
+    def of(cls, q, tables, partition_pages, capacity, page_size, partials, slots=0):
         parts = -(-(capacity // page_size) // partition_pages)
         # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
         window = -(-partition_pages // 32) * 32
         W = tables.shape[1]
         assert window <= W and W % 4 == 0, "the wrapper pads the table"
         return cls(
-            q.shape[0], q.shape[2], W, partition_pages, parts, window, capacity,
-            parts == 1 and not partials,
+            tables.shape[0], q.shape[2] * max(slots, 1), W, partition_pages, parts, window,
+            capacity, parts == 1 and not partials, slots,
         )  # fmt: skip
 
     def blocks(self, num_kv_heads: int) -> int:
@@ -146,6 +148,7 @@ def _kernel_call(
     factors=None,
     partials=False,
     second=None,
+    rows=None,
 ):
     """One partition (``parts == 1``, unless ``partials``): the attention ``[B, Hkv, group,
     D]`` in ``out_dtype``, normalised in the kernel. Several (or ``partials``): (acc
@@ -157,12 +160,18 @@ def _kernel_call(
     ``second``: (q, tables, lens, partition_pages, capacity) of a second problem over the
     same caches, run by the same launch (a flat grid: the first problem's blocks, then the
     second's), both with ``partials`` (16-bit caches, one warpgroup); its (acc, ml) follow
-    the first's."""
+    the first's.
+
+    ``rows``: int32[tables' sequences, slots] or None. Given, the first problem's block of
+    sequence ``b`` holds the rows of q's sequences ``rows[b, 0..slots)`` (each q's group of
+    one KV head, copied one after the other into its 64 rows), not q's sequence ``b``: the
+    Mosaic GPU cascade's prefix tiles, gathered by the block's copies."""
     D = q.shape[3]
     P, S = geom.num_pages, geom.page_size
     T = pages_per_step * S
     NS = stages
-    specs = [_Problem.of(q, tables, partition_pages, capacity, S, partials)]
+    slots = 0 if rows is None else rows.shape[1]
+    specs = [_Problem.of(q, tables, partition_pages, capacity, S, partials, slots)]
     if second is not None:
         assert partials and factors is None and not specialized, "a second problem: 16-bit"
         q2, tables2, lens2, partition_pages2, capacity2 = second
@@ -194,12 +203,13 @@ def _kernel_call(
             k_smem, o_smem = k_and_o
         # k_free, v_free: the copy warpgroup's release barriers of the ring's slots; with the
         # converter, the K and V tiles' barriers (0 widened, 1 free).
-        q_bar, (tab_bars, fac_bar), k_bars, v_bars, k_free, v_free = bars
+        q_bars, (tab_bars, fac_bar), k_bars, v_bars, k_free, v_free = bars
 
         def body(pi, h, b, part):
             """Block (KV head h, sequence b, partition part) of problem ``pi``."""
             sp = specs[pi]
-            q_ref, tab_ref, len_ref = problems[pi]
+            q_ref, tab_ref, len_ref, rows_ref = problems[pi]
+            q_bar = q_bars[pi]
             outs_p = outs[2 * pi : 2 * pi + 2]
             G, W, tab_window, partition_pages = sp.G, sp.W, sp.window, sp.partition_pages
             capacity, one_pass = sp.capacity, sp.one_pass
@@ -222,7 +232,13 @@ def _kernel_call(
             def _():
                 # The group's rows of q, straight from q, into the staging buffer: issued with
                 # the table's copy, so the two latencies overlap.
-                plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar.at[0])
+                if not sp.slots:
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, h], stage.at[pl.ds(0, G)], q_bar)
+                group = G // max(sp.slots, 1)
+                for slot in range(sp.slots):  # a gathered block: a copy per q sequence
+                    src = jnp.clip(rows_ref[b * sp.slots + slot], 0, q_ref.shape[0] - 1)
+                    rows_at = stage.at[pl.ds(slot * group, group)]
+                    plgpu.copy_gmem_to_smem(q_ref.at[src, h], rows_at, q_bar)
 
             length = len_ref[b]  # a scalar load from global memory, in flight with the copies
             plgpu.barrier_wait(tab_bar)
@@ -260,7 +276,7 @@ def _kernel_call(
                     plgpu.set_max_registers(registers[0], action="increase")
                 # q's rows as the first rows of the 64-row operand (the rest zeros), moved
                 # through registers into its tiled layout.
-                plgpu.barrier_wait(q_bar.at[0])
+                plgpu.barrier_wait(q_bar)
                 rows = iota((ROWS, D), 0) < G
                 if interpret:
                     q_smem[...] = jnp.where(rows, stage[...], jnp.zeros((ROWS, D), dtype))
@@ -399,10 +415,13 @@ def _kernel_call(
 
     def entry(*refs):
         q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *rest = M.split_refs(refs, 5, fp8)
-        problems = [(q_ref, tab_ref, len_ref)]
+        problems = [(q_ref, tab_ref, len_ref, None)]
         if second is not None:
-            problems.append(tuple(rest[:3]))
+            problems.append((*rest[:3], None))
             rest = rest[3:]
+        if rows is not None:
+            problems[0] = (q_ref, tab_ref, len_ref, rest[0])
+            rest = rest[1:]
         stage = plgpu.SMEM((ROWS, D), dtype)  # q's rows in, the output's rows out
         window = max(sp.window for sp in specs)
         small = (plgpu.SMEM((window,), jnp.int32), plgpu.SMEM((2, ROWS), jnp.float32))
@@ -424,7 +443,7 @@ def _kernel_call(
                 smem += M.fp8_buffers(factors, T, D, dtype)
         free = 2 if converter else NS
         bars = (
-            plgpu.Barrier(num_barriers=1),
+            tuple(plgpu.Barrier(num_arrivals=max(sp.slots, 1)) for sp in specs),
             (
                 tuple(plgpu.Barrier(num_arrivals=M.vector_copies(sp.window)) for sp in specs),
                 plgpu.Barrier() if fp8 else None,
@@ -462,6 +481,8 @@ def _kernel_call(
     else:
         grid = dict(grid=(sum(sp.blocks(Hkv) for sp in specs),), grid_names=("item",))
         extra = (q2, tables2, lens2)
+    if rows is not None:
+        extra += (rows.reshape(-1).astype(jnp.int32),)
     return plgpu.kernel(entry, out_type=out_type, **grid, **kw)(
         q, k_cache, v_cache, tables, lens, *extra
     )
@@ -560,7 +581,7 @@ def _table_windows(block_tables, partition_pages: int):
 
 def partial_states(
     q4, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, partition_pages,
-    pages_per_step, stages, interpret, second=None,
+    pages_per_step, stages, interpret, second=None, rows=None,
 ):  # fmt: skip
     """Every partition's unnormalised state over a 16-bit cache, never normalised in the
     kernel (the levels of :mod:`jaxattn.pallas.cascade_mgpu`): q4 ``[B, Hkv, G, D]`` (``G <=
@@ -569,7 +590,8 @@ def partial_states(
     ids as :func:`paged_attention` takes them (a sequence they poison: NaN parts).
     ``second``: (q4, block_tables, seq_lens, partition_pages) of another problem over the
     same caches, run by the same launch (its blocks after the first's); its (acc, ml) follow
-    the first's."""
+    the first's. ``rows``: int32[tables' sequences, slots], the q sequences whose rows each
+    sequence of the first problem gathers (see :func:`_kernel_call`)."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
 
     def prepared(q4, tables, lens, pages):
@@ -583,7 +605,7 @@ def partial_states(
         scale=scale, soft_cap=soft_cap, partition_pages=partition_pages,
         pages_per_step=pages_per_step, stages=stages, capacity=capacity, registers=None,
         specialized=False, interpret=interpret, out_dtype=q4.dtype, partials=True,
-        second=None if second is None else prepared(*second),
+        second=None if second is None else prepared(*second), rows=rows,
     )  # fmt: skip
 
 

@@ -227,6 +227,20 @@ def cascade_valid(
     return ok & ((prefix_of < 0) | good[jnp.clip(prefix_of, 0, num_prefixes - 1)])
 
 
+def cascade_unpaged_valid(prefix_lens, prefix_of, prefix_capacity: int, page_size: int):
+    """bool[B]: the checks of :func:`cascade_valid` that read no table -- the prefix id in
+    [-1, G), the continued prefix's length a multiple of ``page_size`` in [0,
+    ``prefix_capacity``] -- for kernels that check the lengths and page ids they read
+    themselves and poison what fails (the Mosaic GPU cascade)."""
+    num_prefixes = prefix_lens.shape[0]
+    ok = (prefix_of >= -1) & (prefix_of < num_prefixes)
+    if num_prefixes == 0:
+        return ok
+    lens = prefix_lens[jnp.clip(prefix_of, 0, num_prefixes - 1)]
+    lens_ok = (lens >= 0) & (lens <= prefix_capacity) & (lens % page_size == 0)
+    return ok & ((prefix_of < 0) | lens_ok)
+
+
 def cascade_read_lengths(
     prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size: int, num_pages: int
 ):
