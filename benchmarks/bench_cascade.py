@@ -45,6 +45,7 @@ import common  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import cascade_cost as cc  # noqa: E402
+from jaxattn.pallas import cascade_mgpu  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +168,17 @@ def time_batch(batch: Batch, impls, args, *, check, record):
             run = functools.partial(fn, layout=args.layout, implementation=impl)
             time_row(impl, op, run, inputs, config)
     if args.mgpu and "pallas" in impls:
-        # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu),
-        # against the same paged decode.
-        cfg = jaxattn.pallas.CascadeConfig(lowering="mosaic_gpu")
-        run = functools.partial(
-            jaxattn.cascade_attention, layout=args.layout, implementation="pallas", config=cfg
-        )
-        time_row("pallas-mgpu", "cascade", run, casc, "lowering=mosaic_gpu")
+        # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu), each
+        # configuration against the same paged decode.
+        for spec in args.mgpu.split(","):
+            pages = [None if x == "auto" else int(x) for x in spec.split(":")]
+            run = functools.partial(
+                cascade_mgpu.cascade_attention,
+                layout=args.layout,
+                prefix_pages=pages[0],
+                own_pages=pages[1],
+            )
+            time_row("pallas-mgpu", "cascade", run, casc, f"prefix:own pages={spec}")
     del copies, casc, paged
     return rows
 
@@ -252,9 +257,13 @@ def main(argv=None):
     common.add_profile_args(p)
     p.add_argument(
         "--mgpu",
-        action="store_true",
-        help="also time the Pallas cascade on the Mosaic GPU lowering (CascadeConfig("
-        "lowering='mosaic_gpu'); with --impl pallas)",
+        nargs="?",
+        const="auto:auto",
+        default=None,
+        help="also time the Pallas cascade on the Mosaic GPU lowering "
+        "(jaxattn.pallas.cascade_mgpu; with --impl pallas) in these configurations: "
+        "prefix_pages|auto:own_pages|auto,... (pages a partition of each level; bare --mgpu: "
+        "the defaults)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)

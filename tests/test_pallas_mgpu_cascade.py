@@ -13,6 +13,8 @@ GPU lowering with an interpret mode.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,20 @@ def test_matches_spec_with_unread_slots_poisoned(case, interpret):
         np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
 
 
+def test_tiles_bound_is_the_most_a_batch_needs():
+    """tiles_bound against every way up to 9 requests can continue up to 3 prefixes: never
+    fewer tiles than a batch needs (the plan would drop requests), never more."""
+
+    def most(batch, prefixes, per_tile):
+        counts = itertools.product(range(batch + 1), repeat=prefixes)
+        sums = (sum(-(-n // per_tile) for n in c) for c in counts if sum(c) <= batch)
+        return max(1, max(sums, default=0))
+
+    for batch, prefixes, per_tile in itertools.product(range(1, 10), range(4), (1, 2, 3, 4, 7)):
+        want = most(batch, prefixes, per_tile)
+        assert cascade_mgpu.tiles_bound(batch, prefixes, per_tile) == want
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_plan_matches_a_naive_model(seed):
     """The tile plan against a loop: the active requests of each prefix in batch order, cut
@@ -115,7 +131,8 @@ def test_plan_matches_a_naive_model(seed):
 @pytest.mark.parametrize("prefixes, own_width", [(0, 4), (2, 0), (0, 0)])
 def test_levels_without_pages(prefixes, own_width):
     """A batch with no prefix runs the own level alone, own tables of no column the prefix
-    level alone, neither: zeros (what the spec gives)."""
+    level alone, neither: zeros (what the spec gives); an own length over tables of no
+    column is still checked (NaN), though no own block is launched."""
     rng = np.random.default_rng(3)
     B, hq, hkv, d, page = 3, 8, 2, 64, 16
     q = jnp.asarray(rng.standard_normal((B, hq, d)), jnp.bfloat16)
@@ -125,10 +142,15 @@ def test_levels_without_pages(prefixes, own_width):
     plen = jnp.full((prefixes,), 32, jnp.int32)
     prefix_of = jnp.asarray([-1, 1, 0] if prefixes else [-1, -1, -1], jnp.int32)
     tab = jnp.asarray(rng.integers(0, 12, (B, own_width)), jnp.int32)
-    lens = jnp.asarray([5, 0, 17] if own_width else [0, 0, 0], jnp.int32)
+    lens = jnp.asarray([5, 0, 17] if own_width else [0, 3, 0], jnp.int32)
     args = (q, k, v, ptab, plen, prefix_of, tab, lens)
-    out = cascade_mgpu.cascade_attention(*args, interpret=True)
-    assert_close(out, jaxattn.cascade_attention(*args, implementation="reference"), jnp.bfloat16)
+    out = np.asarray(cascade_mgpu.cascade_attention(*args, interpret=True), np.float32)
+    bad = np.array([False, not own_width, False])  # request 1: 3 own tokens, no column
+    valid = (*args[:-1], jnp.where(jnp.asarray(bad), 0, lens))  # the public op refuses it
+    want = np.asarray(jaxattn.cascade_attention(*valid, implementation="reference"), np.float32)
+    assert_close(out[~bad], want[~bad], jnp.bfloat16)
+    np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), bad)
+    assert np.isnan(out[bad]).all()
 
 
 @pytest.mark.parametrize("interpret", MODES)

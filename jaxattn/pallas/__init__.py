@@ -63,11 +63,13 @@ correct but slower than its bf16 one (e4m3, 64 x 4096: 308-365 us with the copy 
 kernel's (261 us, 45%), so that kernel and the native kernels serve FP8 caches.
 :mod:`jaxattn.pallas.cascade_mgpu` is the third (cascade decode): both levels run the
 Mosaic GPU decode kernel, a prefix tile's requests times query heads as its 64 rows over the
-prefix's pages, the own pages as paged decode, both in one launch, and one exact merge in
-XLA (no Triton kernel in it). ``cascade_attention`` runs it by default on sm_90 for 16-bit
-caches at head_dim 128: on an H200 it kept the GPU busy 54 / 59 / 294 us a call on
-``bench_cascade.py``'s shared, mixed and private batches, where the Triton-lowered kernel
-took 79 / 88 / 390 us (round 37); ``CascadeConfig(lowering=...)`` names either.
+prefix's pages (their q rows copied by the kernel itself), the own pages as paged decode,
+both in one launch, then one merge kernel that reads both levels' states in place
+(:func:`decode.combine_levels`, on the Triton lowering like the split-KV merge).
+``cascade_attention`` runs it by default on sm_90 for 16-bit caches at head_dim 128: on an
+H200 it kept the GPU busy 45 / 50 / 275 us a call on ``bench_cascade.py``'s shared, mixed
+and private batches (round 38), where the Triton-lowered kernel took 79 / 88 / 390 us
+(round 37); ``CascadeConfig(lowering=...)`` names either.
 
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot

@@ -11,8 +11,8 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   kernel a tile is one sequence whose group is ``64 // G * G`` heads, whose block table is
   the prefix's and whose length is the prefix's. So each K/V tile of a prefix is read once
   per (tile, KV head, partition), not once per request, and S = q K^T and O += P V fill
-  all 64 rows. The prefix's pages are cut into partitions so that the grid fills the GPU
-  (:func:`jaxattn.pallas.decode_mgpu.default_partition_pages`).
+  all 64 rows. The prefix's pages are cut into partitions so that the prefix tiles' blocks
+  are about one a multiprocessor (:func:`prefix_partition_pages`).
 * **Own level.** The same kernel over each request's own pages, as paged decode runs it,
   but every partition's state kept for the merge (none normalised in the kernel). Both
   levels are one launch: the prefix tiles' blocks first (the long ones), then the own
@@ -23,7 +23,7 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
 
 The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`),
 split where each check is cheapest: the checks that read no table (the prefix id, the
-continued prefix's length) per request before the launch
+continued prefix's length, the own length) per request before the launch
 (:func:`jaxattn.reference.validity.cascade_unpaged_valid`), the lengths and page ids a block
 reads by the decode kernel itself, which poisons a sequence or a prefix tile that fails them
 (NaN parts; a bad page id is read as page 0, so every copy stays in the pool). The merge
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from .. import layout as L
 from .. import quant as Q
 from ..reference import validity as _validity
+from . import _common as C
 from . import _mgpu as M
 from . import decode_mgpu
 from ._mgpu import ROWS, available, is_sm90
@@ -68,9 +69,9 @@ def serves_by_default(q, k_cache, v_cache, layout) -> bool:
     names a lowering: compiled on an sm_90 GPU, a 16-bit cache in q's dtype and head_dim
     :data:`jaxattn.pallas.decode_mgpu.DEFAULT_HEAD_DIM` (the paged decode's rule; the
     cascade was measured there only). On an H200 (bf16, 32/8 heads, D=128, 64 requests;
-    ``benchmarks/RESULTS.md``, round 37) it kept the GPU busy 54 / 59 / 294 us a call on the
-    shared, mixed and private batches of ``bench_cascade.py``, the Triton-lowered kernel 79
-    / 88 / 390 us."""
+    ``benchmarks/RESULTS.md``, rounds 37 and 38) it kept the GPU busy 45 / 50 / 275 us a call
+    on the shared, mixed and private batches of ``bench_cascade.py``, the Triton-lowered
+    kernel 79 / 88 / 390 us."""
     if not M.compiled_16bit(q, k_cache) or q.shape[-1] != decode_mgpu.DEFAULT_HEAD_DIM:
         return False
     return unsupported(q, k_cache, v_cache, layout) is None
@@ -109,9 +110,26 @@ def plan(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: int):
 
 
 def tiles_bound(batch: int, num_prefixes: int, per_tile: int) -> int:
-    """Prefix tiles a batch can need: every tile holds at least one request, and a prefix's
-    requests fill all its tiles but the last."""
-    return max(1, min(batch, -(-batch // per_tile) + num_prefixes))
+    """Prefix tiles a batch can need (the most, over every way its requests can continue its
+    prefixes): a prefix's requests fill all its tiles but the last, which holds at least one,
+    so ``k`` prefixes with requests hold at most ``k + (batch - k) // per_tile`` tiles, the
+    most at ``k = min(num_prefixes, batch)``. No launch has a tile that no batch can fill."""
+    k = min(num_prefixes, batch)
+    return max(1, k + (batch - k) // per_tile) if k else 1
+
+
+def prefix_partition_pages(tiles: int, num_kv_heads: int, table_width: int, pages_per_step: int):
+    """The prefix level's default pages a partition: about one block a multiprocessor for
+    the prefix tiles (``round(SMs / (tiles x KV heads))`` partitions, whole steps), the
+    other block slot of each left to the own level's short blocks, which follow them in the
+    launch. On an H200 (``bench_cascade.py``'s batches, round 38) the shared batch's GPU time
+    a call was 51.0 / 48.6 / 45.0 / 48.3 / 58.0 us at prefix partitions of 32 (the paged
+    decode's rule) / 44 / 64 / 88 / 128 pages, the mixed batch's 54.1 / 55.9 / 54.2 / 50.1
+    / 60.5 us: this rule takes 64 and 88."""
+    parts = max(1, round(C.num_sms() / (tiles * num_kv_heads)))
+    size = -(-table_width // parts)
+    whole = -(-table_width // pages_per_step) * pages_per_step
+    return min(whole, -(-size // pages_per_step) * pages_per_step)
 
 
 @functools.partial(
@@ -157,8 +175,9 @@ def _cascade_attention(
     # The memory-safety contract: the checks that read no table here, per request (its rows
     # NaN in the merge); the lengths and page ids a block reads are the kernel's (a bad one
     # poisons the sequence or the tile: NaN parts, page 0 read instead).
+    P = geom.page_size
     ok = _validity.cascade_unpaged_valid(
-        prefix_lens, prefix_of, prefix_tables.shape[1] * geom.page_size, geom.page_size
+        prefix_lens, prefix_of, seq_lens, prefix_tables.shape[1] * P, block_tables.shape[1] * P, P
     )
     has_prefix = ok & (prefix_of >= 0)
     if NP:
@@ -227,8 +246,9 @@ def cascade_attention(
     """Cascade decode (arguments as :func:`jaxattn.cascade_attention` takes them, validated
     there) on the Mosaic GPU lowering: see the module docstring. ``prefix_pages`` /
     ``own_pages``: pages per partition of a prefix / of a request's own pages, multiples of
-    ``pages_per_step`` (default: :func:`jaxattn.pallas.decode_mgpu.default_partition_pages`
-    of each level's grid); ``pages_per_step``: pages a step copies, whole 64-row tiles
+    ``pages_per_step`` (default: :func:`prefix_partition_pages` for the prefix level,
+    :func:`jaxattn.pallas.decode_mgpu.default_partition_pages` of its grid for the own
+    level); ``pages_per_step``: pages a step copies, whole 64-row tiles
     (default: the fewest); ``stages``: steps in flight (>= 2). ``interpret``: None runs
     interpret mode exactly on the CPU. Raises ``NotImplementedError`` for what
     :func:`unsupported` refuses and for scales (16-bit caches only)."""
@@ -246,6 +266,10 @@ def cascade_attention(
         widths["prefix_pages"] = 0
     sizes = {"prefix_pages": prefix_pages, "own_pages": own_pages}
     rows = {"prefix_pages": T, "own_pages": B}
+    if prefix_pages is None and widths["prefix_pages"]:
+        sizes["prefix_pages"] = prefix_partition_pages(
+            T, Hkv, widths["prefix_pages"], pages_per_step
+        )
     for name, value in sizes.items():
         if not widths[name]:  # a level of no pages: not launched
             sizes[name] = None

@@ -227,13 +227,16 @@ def cascade_valid(
     return ok & ((prefix_of < 0) | good[jnp.clip(prefix_of, 0, num_prefixes - 1)])
 
 
-def cascade_unpaged_valid(prefix_lens, prefix_of, prefix_capacity: int, page_size: int):
+def cascade_unpaged_valid(
+    prefix_lens, prefix_of, seq_lens, prefix_capacity: int, capacity: int, page_size: int
+):
     """bool[B]: the checks of :func:`cascade_valid` that read no table -- the prefix id in
     [-1, G), the continued prefix's length a multiple of ``page_size`` in [0,
-    ``prefix_capacity``] -- for kernels that check the lengths and page ids they read
-    themselves and poison what fails (the Mosaic GPU cascade)."""
+    ``prefix_capacity``], the own length in [0, ``capacity``] -- for kernels that check the
+    lengths and page ids they read themselves and poison what fails (the Mosaic GPU cascade;
+    these checks also cover a level it does not launch)."""
     num_prefixes = prefix_lens.shape[0]
-    ok = (prefix_of >= -1) & (prefix_of < num_prefixes)
+    ok = (prefix_of >= -1) & (prefix_of < num_prefixes) & (seq_lens >= 0) & (seq_lens <= capacity)
     if num_prefixes == 0:
         return ok
     lens = prefix_lens[jnp.clip(prefix_of, 0, num_prefixes - 1)]
