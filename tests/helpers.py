@@ -7,6 +7,7 @@ so any read outside the valid range shows up as NaN in the output.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -22,6 +23,23 @@ from jaxattn import reference as ref
 # The split-KV merges of the Mosaic GPU decode and cascade are Triton kernels, custom calls
 # jax.export has no compatibility guarantee for: exports that only check the lowering.
 TRITON_MERGE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def export_cuda(fn, *args):
+    """``jax.export`` of ``jax.jit(fn)`` for CUDA, Triton kernels allowed (TRITON_MERGE): the
+    compiled lowering checked on any machine. Without a GPU the lowering's device is an
+    abstract H200, since jax 0.11 lowers a Triton kernel against the device's compute
+    capability (and finds none on a CPU)."""
+    context = contextlib.nullcontext()
+    if jax.default_backend() != "gpu":
+        device = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H200", num_cores=132, platform="gpu"
+        )
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        context = jax.sharding.use_abstract_mesh(mesh)
+    with context:
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
+
 
 # One table for every comparison against the spec or a float64 computation, keyed by the
 # output dtype. An FP8 cache changes nothing here: kernels are compared with the spec on the

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TRITON_MERGE, assert_close, poisoned_pages
-from jax import export
+from helpers import assert_close, export_cuda, poisoned_pages
 
 import jaxattn
 from jaxattn import layout as L
@@ -204,8 +203,7 @@ def test_lowers_for_cuda(kw):
             q, k, v, t, n, layout=layout, soft_cap=cap, interpret=False, **kw
         )
 
-    exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    assert "mosaic_gpu" in export_cuda(f, *args).mlir_module()
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -312,10 +310,7 @@ def test_fp8_lowers_for_cuda(fmt, d):
                 q, k, v, t, n, interpret=False, k_scale=ks, v_scale=vs, specialized=specialized
             )
 
-        exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(
-            *args
-        )
-        assert "mosaic_gpu" in exported.mlir_module()
+        assert "mosaic_gpu" in export_cuda(f, *args).mlir_module()
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])

@@ -21,13 +21,12 @@ import numpy as np
 import pytest
 from helpers import (
     CASCADE_BATCHES,
-    TRITON_MERGE,
     assert_close,
     call_cascade,
+    export_cuda,
     make_cascade,
     spec_cascade,
 )
-from jax import export
 
 import jaxattn
 from jaxattn.pallas import cascade_mgpu
@@ -247,8 +246,7 @@ def test_lowers_for_cuda(heads, d, batch, prefixes):
     def f(*a):
         return cascade_mgpu.cascade_attention(*a, interpret=False)
 
-    exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
-    text = exported.mlir_module()
+    text = export_cuda(f, *args).mlir_module()
     assert "mosaic_gpu" in text and "jaxattn_cascade_merge" in text
 
 
