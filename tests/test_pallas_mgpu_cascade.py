@@ -161,44 +161,38 @@ def test_soft_cap(interpret):
     assert_close(out, spec_cascade(c, soft_cap=3.0), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("interpret", MODES)
-def test_memory_safety_contract(interpret):
+def _damage_pages(c):
     """A bad page id among a prefix's pages poisons the requests on that prefix; a bad own
-    page or length poisons that request; the others are unchanged."""
-    c = case_of(7, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
-    c.k_cache, c.v_cache = jnp.nan_to_num(c.k_cache), jnp.nan_to_num(c.v_cache)
-    want = np.asarray(spec_cascade(c), np.float32)  # before the damage
+    page or length poisons that request (the kernel's checks)."""
     c.prefix_tables = c.prefix_tables.at[2, 1].set(10_000)  # prefix 2: requests 2 and 7
     c.block_tables = c.block_tables.at[4, 0].set(-3)  # read by request 4 (255 own tokens)
     c.seq_lens = c.seq_lens.at[5].set(10_000)  # over request 5's capacity
-    out = np.asarray(
-        call_cascade(cascade_mgpu.cascade_attention, c, prefix_pages=4, interpret=interpret),
-        np.float32,
-    )
-    bad = np.zeros(8, bool)
-    bad[[2, 7, 4, 5]] = True
-    np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), bad)
-    assert np.isnan(out[bad]).all()
-    assert_close(out[~bad], want[~bad], jnp.bfloat16)
+    return [2, 7, 4, 5]
 
 
+def _damage_unpaged(c):
+    """A prefix id out of range poisons its request; a continued prefix whose length is no
+    multiple of the page size poisons the requests on it (the checks made before the
+    launch, validity.cascade_unpaged_valid: the kernel reads the length it is given)."""
+    c.prefix_of = c.prefix_of.at[6].set(3)  # 3 prefixes
+    c.prefix_lens = c.prefix_lens.at[0].set(72)  # prefix 0: requests 0, 3 and 5
+    return [0, 3, 5, 6]
+
+
+@pytest.mark.parametrize("damage", [_damage_pages, _damage_unpaged])
 @pytest.mark.parametrize("interpret", MODES)
-def test_checks_that_read_no_table(interpret):
-    """The checks made before the launch (validity.cascade_unpaged_valid): a prefix id out of
-    range poisons its request; a continued prefix whose length is no multiple of the page
-    size poisons the requests on it (the kernel reads the length it is given); the others
-    are unchanged."""
+def test_memory_safety_contract(interpret, damage):
+    """What the contract calls invalid poisons exactly the requests it names (see each
+    damage); the others are unchanged."""
     c = case_of(7, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
     c.k_cache, c.v_cache = jnp.nan_to_num(c.k_cache), jnp.nan_to_num(c.v_cache)
     want = np.asarray(spec_cascade(c), np.float32)  # before the damage
-    c.prefix_of = c.prefix_of.at[6].set(3)  # 3 prefixes
-    c.prefix_lens = c.prefix_lens.at[0].set(72)  # prefix 0: requests 0, 3 and 5
+    bad = np.zeros(8, bool)
+    bad[damage(c)] = True
     out = np.asarray(
         call_cascade(cascade_mgpu.cascade_attention, c, prefix_pages=4, interpret=interpret),
         np.float32,
     )
-    bad = np.zeros(8, bool)
-    bad[[0, 3, 5, 6]] = True
     np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), bad)
     assert np.isnan(out[bad]).all()
     assert_close(out[~bad], want[~bad], jnp.bfloat16)
