@@ -100,3 +100,56 @@ def test_decode_merge_kernel(rng, parts, dtype):
     assert np.isnan(got[1, 3]).tolist() == [d == 7 for d in range(head_dim)]  # one lane
     assert (got[2, 5] == 0).all()
     np.testing.assert_allclose(got[~poisoned], want[~poisoned], **tol(dtype))
+
+
+@pytest.mark.parametrize("own_parts, prefix_parts", [(1, 3), (2, 70)])
+def test_cascade_merge_kernel(rng, own_parts, prefix_parts):
+    """The cascade's merge kernel (decode.combine_levels) against float64: each request's
+    own parts and, when it has a prefix, its group's rows of its tile's prefix parts, read
+    in place from the decode kernel's packed states; a group of 3 heads (padded to 4 rows in
+    the kernel), tiles of 2 slots, one chunk of parts and several; a request that is not
+    ok is NaN, a NaN part poisons its head, a request with nothing to attend to is 0."""
+    B, hkv, group, d, slots, tiles, R_PAD = 5, 2, 3, 32, 2, 3, 64
+    rows = slots * group
+
+    def states(x, parts, r):
+        acc = rng.standard_normal((x, parts, hkv, r, d)).astype(np.float32)
+        ml = np.zeros((x, parts, hkv, 2, R_PAD), np.float32)
+        ml[:, :, :, 0, :r] = 6 * rng.standard_normal((x, parts, hkv, r))
+        ml[:, :, :, 1, :r] = rng.random((x, parts, hkv, r)) + 0.5
+        return acc, ml
+
+    acc_o, ml_o = states(B, own_parts, group)
+    acc_p, ml_p = states(tiles, prefix_parts, rows)
+    tile_of = np.array([0, 0, 1, 0, 2])
+    slot_of = np.array([0, 1, 0, 0, 1])
+    has = np.array([1, 1, 1, 0, 1])
+    ok = np.array([1, 1, 1, 1, 0])
+    # Request 3 has no prefix; its own parts are empty: nothing to attend to.
+    ml_o[3, :, :, 0], ml_o[3, :, :, 1], acc_o[3] = C.M_INIT, 0.0, 0.0
+    ml_p[1, prefix_parts - 1, 1, 1, 0 * group + 2] = np.nan  # request 2, head 1 * 3 + 2
+    want = np.zeros((B, hkv * group, d))
+    for b in range(B):
+        for h in range(hkv):
+            for g in range(group):
+                # (stats, accumulators, row) of each level the request has
+                sources = [(ml_o[b, :, h], acc_o[b, :, h], g)]
+                if has[b]:
+                    t = tile_of[b]
+                    sources.append((ml_p[t, :, h], acc_p[t, :, h], slot_of[b] * group + g))
+                m = np.concatenate([ml[:, 0, r] for ml, _, r in sources])
+                l_sum = np.concatenate([ml[:, 1, r] for ml, _, r in sources])
+                acc = np.concatenate([a[:, r] for _, a, r in sources])
+                merged = _merge_f64(acc[None, :, None], m[None, :, None], l_sum[None, :, None])
+                want[b, h * group + g] = merged[0, 0]
+    want[~ok.astype(bool)] = np.nan
+    levels = [(False, jnp.asarray(acc_o), jnp.asarray(ml_o)),
+              (True, jnp.asarray(acc_p), jnp.asarray(ml_p))]  # fmt: skip
+    index = tuple(jnp.asarray(x, jnp.int32) for x in (tile_of, slot_of, has, ok))
+    got = P.decode.combine_levels(levels, index, jnp.float32, group=group)
+    assert got.shape == (B, hkv * group, d) and got.dtype == jnp.float32
+    got = np.asarray(got, np.float64)
+    np.testing.assert_array_equal(np.isnan(got).all(axis=-1), np.isnan(want).all(axis=-1))
+    assert np.isnan(got[2, 5]).all() and np.isnan(got[4]).all()  # a NaN part, not ok
+    assert (got[3] == 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
