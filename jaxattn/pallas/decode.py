@@ -261,13 +261,21 @@ def _finish(carry):
     return jnp.where(empty, 0.0, numer / _per_row(jnp.where(denom == 0, 1.0, denom)))
 
 
-def _merge_width(batch, num_q_heads, head_dim, parts):
-    """(width, chunk) of a merge grid: slices of D so that the grid has two programs a
-    multiprocessor (slices of >= 32 lanes), partitions folded ``chunk`` at a time."""
+def _merge_width(programs: int, head_dim: int, rows: int = 1) -> int:
+    """The slice of D a merge program takes: halved (down to 32 lanes) until the grid of
+    ``programs`` rows-of-programs x slices has two programs a multiprocessor and a part's
+    ``rows`` x slice fits the chunk budget."""
     width = head_dim
-    while width > 32 and batch * num_q_heads * (head_dim // width) < 2 * C.num_sms():
+    while width > 32 and (
+        programs * (head_dim // width) < 2 * C.num_sms() or rows * width > MERGE_ELEMENTS
+    ):
         width //= 2
-    return width, min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // width))
+    return width
+
+
+def _merge_chunk(parts: int, width: int, rows: int = 1) -> int:
+    """Partitions a merge program folds at a time: ``MERGE_ELEMENTS`` accumulator values."""
+    return min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (rows * width)))
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group):
@@ -309,7 +317,8 @@ def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int |
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _combine(acc, m, l_sum, dtype, interpret, group):
     batch, parts, num_q_heads, head_dim = acc.shape
-    width, chunk = _merge_width(batch, num_q_heads, head_dim, parts)
+    width = _merge_width(batch * num_q_heads, head_dim)
+    chunk = _merge_chunk(parts, width)
     kernel = functools.partial(_combine_kernel, parts=parts, chunk=chunk, width=width, group=group)
     inputs = match_varying(acc, m, l_sum)
     return pl.pallas_call(
@@ -400,21 +409,12 @@ def _combine_levels(tiled, index, *arrays, dtype, group, interpret):
     batch = index[0].shape[0]
     _, _, num_kv_heads, _, head_dim = arrays[0].shape
     rows = pl.next_power_of_2(group)
-    # Slices of D for two programs a multiprocessor, each chunk of parts within the budget.
-    width = head_dim
-    while width > 32 and (
-        batch * num_kv_heads * (head_dim // width) < 2 * C.num_sms()
-        or rows * width > MERGE_ELEMENTS
-    ):
-        width //= 2
-    levels = []
-    for t, acc in zip(tiled, arrays[0::2], strict=True):
-        parts = acc.shape[1]
-        chunk = min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (rows * width)))
-        levels.append((t, parts, chunk))
-    kernel = functools.partial(
-        _levels_kernel, levels=tuple(levels), group=group, rows=rows, width=width
+    width = _merge_width(batch * num_kv_heads, head_dim, rows)
+    levels = tuple(
+        (t, acc.shape[1], _merge_chunk(acc.shape[1], width, rows))
+        for t, acc in zip(tiled, arrays[0::2], strict=True)
     )
+    kernel = functools.partial(_levels_kernel, levels=levels, group=group, rows=rows, width=width)
     inputs = match_varying(*arrays, *index)
     return pl.pallas_call(
         kernel,
