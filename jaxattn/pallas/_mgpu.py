@@ -9,6 +9,7 @@ transposed shared-memory operand nor a register one, and it has no register layo
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -29,8 +30,21 @@ except ImportError:  # pragma: no cover - older jax
     InterpretGPUParams = None
 
 ROWS = 64  # wgmma's M
+# jax 0.10's plgpu.load has a required index argument (0.11 deprecates it).
+_LOAD_TAKES_INDEX = (
+    plgpu is not None
+    and inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+)
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 LAYOUTS = ("bshd", "bhsd")
+
+
+def load(ref, *, layout, optimized: bool = True):
+    """``plgpu.load`` of a whole reference into ``layout``: jax 0.10 takes the (empty) index
+    as an argument, 0.11 deprecates it (the reference is indexed with ``.at`` instead)."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def available() -> str | None:
@@ -223,7 +237,7 @@ def widened(ring, slot, dtype, interpret: bool, n_keys=None):
         rows = lax.broadcasted_iota(jnp.int32, (keys, head_dim), 0)
     else:
         layout = widen_layout(keys, head_dim)
-        codes = plgpu.load(ring.at[slot], (), layout=layout)
+        codes = load(ring.at[slot], layout=layout)
         rows = plgpu.broadcasted_iota(jnp.int32, (keys, head_dim), 0, layout=layout)
     x = codes.astype(dtype)
     if n_keys is None:

@@ -47,7 +47,7 @@ from .. import quant as Q
 from ..reference import validity as _validity
 from . import _common as C
 from . import _mgpu as M
-from . import decode_mgpu
+from . import decode_mgpu, merge_mgpu
 from ._mgpu import ROWS, available, is_sm90
 from .decode import combine_levels
 
@@ -143,6 +143,7 @@ def prefix_partition_pages(tiles: int, num_kv_heads: int, table_width: int, page
         "pages_per_step",
         "stages",
         "interpret",
+        "merge",
     ),
 )
 def _cascade_attention(
@@ -163,6 +164,7 @@ def _cascade_attention(
     pages_per_step,
     stages,
     interpret,
+    merge,
 ):
     B, Hq, D = q.shape
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
@@ -219,6 +221,8 @@ def _cascade_attention(
     else:
         tile_of = slot_of = jnp.zeros((B,), jnp.int32)
     index = (tile_of, slot_of, has_prefix, ok)
+    if merge == "mosaic_gpu":
+        return merge_mgpu.merge_levels(merged, index, q.dtype, group=G, interpret=interpret)
     return combine_levels(merged, index, q.dtype, group=G, interpret=interpret)
 
 
@@ -242,6 +246,7 @@ def cascade_attention(
     pages_per_step: int | None = None,
     stages: int = 2,
     interpret: bool | None = None,
+    merge: str | None = None,
 ):
     """Cascade decode (arguments as :func:`jaxattn.cascade_attention` takes them, validated
     there) on the Mosaic GPU lowering: see the module docstring. ``prefix_pages`` /
@@ -249,7 +254,8 @@ def cascade_attention(
     ``pages_per_step`` (default: :func:`prefix_partition_pages` for the prefix level,
     :func:`jaxattn.pallas.decode_mgpu.default_partition_pages` of its grid for the own
     level); ``pages_per_step``: pages a step copies, whole 64-row tiles
-    (default: the fewest); ``stages``: steps in flight (>= 2). ``interpret``: None runs
+    (default: the fewest); ``stages``: steps in flight (>= 2). ``merge``: the merge kernel's
+    lowering (:func:`jaxattn.pallas.decode_mgpu.merge_lowering`). ``interpret``: None runs
     interpret mode exactly on the CPU. Raises ``NotImplementedError`` for what
     :func:`unsupported` refuses and for scales (16-bit caches only)."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
@@ -258,6 +264,7 @@ def cascade_attention(
     if k_scale is not None or v_scale is not None:
         why = why or "the Mosaic GPU cascade decode reads 16-bit caches and takes no k/v scales"
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
+    merge = decode_mgpu.merge_lowering(merge, geom.head_dim)
     B, Hq, _ = q.shape
     Hkv = geom.num_kv_heads
     T = tiles_bound(B, prefix_tables.shape[0], ROWS // (Hq // Hkv))
@@ -297,5 +304,6 @@ def cascade_attention(
         pages_per_step=pages_per_step,
         stages=int(stages),
         interpret=interpret,
+        merge=merge,
         **sizes,
     )

@@ -49,6 +49,7 @@ from .. import layout as L
 from .. import quant as Q
 from . import _common as C
 from . import _mgpu as M
+from . import merge_mgpu
 from ._mgpu import ROWS, available, is_sm90, plgpu
 from ._mgpu import unsupported as _unsupported
 from .decode import combine
@@ -281,7 +282,7 @@ def _kernel_call(
                 if interpret:
                     q_smem[...] = jnp.where(rows, stage[...], jnp.zeros((ROWS, D), dtype))
                 else:
-                    q_tile = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                    q_tile = M.load(stage, layout=plgpu.Layout.WGMMA, optimized=False)
                     q_smem[...] = jnp.where(rows, q_tile, jnp.zeros((ROWS, D), dtype))
                 plgpu.commit_smem()
                 if converter:  # q is out of its staging buffer: the tiles may be widened
@@ -500,6 +501,7 @@ def _kernel_call(
         "registers",
         "specialized",
         "interpret",
+        "merge",
     ),
 )
 def _paged_attention(
@@ -520,6 +522,7 @@ def _paged_attention(
     registers,
     specialized,
     interpret,
+    merge,
 ):
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     B, Hq, D = q.shape
@@ -557,11 +560,28 @@ def _paged_attention(
     if len(outs) == 1:  # one partition: normalised in the kernel
         return outs[0].reshape(B, Hq, D)
     acc, ml = outs
-    # [B, parts, Hkv, G, D] is the merge's [B, parts, Hq, D]; the statistics are read in
-    # their packed form.
-    parts = acc.shape[1]
-    acc = acc.reshape(B, parts, Hq, D)
+    if merge == "mosaic_gpu":  # the states read in place, a block per (sequence, head)
+        return merge_mgpu.merge(acc, ml, q.dtype, interpret=interpret)
+    # [B, parts, Hkv, G, D] is the Triton merge's [B, parts, Hq, D]; the statistics are read
+    # in their packed form.
+    acc = acc.reshape(B, acc.shape[1], Hq, D)
     return combine(acc, ml, ml, q.dtype, interpret=interpret, group=G)
+
+
+MERGES = ("mosaic_gpu", "triton")
+
+
+def merge_lowering(merge: str | None, head_dim: int) -> str:
+    """The lowering of a split grid's merge kernel: ``merge`` checked, or by default the
+    Mosaic GPU merge (:mod:`jaxattn.pallas.merge_mgpu`) where it takes the head size (a
+    multiple of 128), else the Triton-lowered one."""
+    if merge is None:
+        return "mosaic_gpu" if merge_mgpu.unsupported(head_dim) is None else "triton"
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES} or None, got {merge!r}")
+    if merge == "mosaic_gpu" and (why := merge_mgpu.unsupported(head_dim)) is not None:
+        raise NotImplementedError(why)
+    return merge
 
 
 def _table_windows(block_tables, partition_pages: int):
@@ -658,6 +678,7 @@ def paged_attention(
     interpret: bool | None = None,
     k_scale=None,
     v_scale=None,
+    merge: str | None = None,
 ):
     """Decode attention over a paged cache, ``q [B, Hq, D] -> [B, Hq, D]``, on the Mosaic GPU
     lowering (see the module docstring). An FP8 cache (e4m3 / e5m2, ``k_scale`` /
@@ -676,9 +697,11 @@ def paged_attention(
     head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids alike
     (the copy warpgroup takes 3 stages when asked for without a count).
     ``registers``: (compute, copy) warpgroup register counts set at entry (``specialized``
-    only), or None to leave the compiler's. ``interpret``: None runs interpret mode
-    exactly on the CPU. Raises ``NotImplementedError`` for what :func:`unsupported`
-    refuses."""
+    only), or None to leave the compiler's. ``merge``: the split grid's merge kernel,
+    ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.merge_mgpu`) or ``"triton"``
+    (:func:`jaxattn.pallas.decode.combine`); None: :func:`merge_lowering`'s choice.
+    ``interpret``: None runs interpret mode exactly on the CPU. Raises
+    ``NotImplementedError`` for what :func:`unsupported` refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     partition_pages = resolve_partition_pages(
@@ -696,6 +719,7 @@ def paged_attention(
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
         raise NotImplementedError("the Mosaic GPU decode takes k/v scales with FP8 caches only")
+    merge = merge_lowering(merge, geom.head_dim)
     return _paged_attention(
         q,
         k_cache,
@@ -713,4 +737,5 @@ def paged_attention(
         registers=registers,
         specialized=bool(specialized),
         interpret=interpret,
+        merge=merge,
     )

@@ -508,9 +508,7 @@ def _ws_kernel_call(
                 if interpret:
                     q_smem[...] = rows_smem[...]
                 else:
-                    q_smem[...] = plgpu.load(
-                        rows_smem, (), layout=plgpu.Layout.WGMMA, optimized=False
-                    )
+                    q_smem[...] = M.load(rows_smem, layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.commit_smem()
 
             state = M.initial_state(cast, D)
