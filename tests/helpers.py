@@ -20,16 +20,17 @@ from jaxattn import layout as L
 from jaxattn import quant as Q
 from jaxattn import reference as ref
 
-# The split-KV merges of the Mosaic GPU decode and cascade are Triton kernels, custom calls
-# jax.export has no compatibility guarantee for: exports that only check the lowering.
+# The Mosaic GPU decode's and cascade's merges below head_dim 128 are Triton kernels, custom
+# calls jax.export has no compatibility guarantee for: exports that only check the lowering.
 TRITON_MERGE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
-def export_cuda(fn, *args):
-    """``jax.export`` of ``jax.jit(fn)`` for CUDA, Triton kernels allowed (TRITON_MERGE): the
-    compiled lowering checked on any machine. Without a GPU the lowering's device is an
-    abstract H200, since jax 0.11 lowers a Triton kernel against the device's compute
-    capability (and finds none on a CPU)."""
+def export_cuda(fn, *args, triton: bool = True):
+    """``jax.export`` of ``jax.jit(fn)`` for CUDA: the compiled lowering checked on any
+    machine. ``triton``: Triton kernels allowed (TRITON_MERGE); False: the export fails on
+    any Triton kernel in the program. Without a GPU the lowering's device is an abstract
+    H200, since jax 0.11 lowers a Triton kernel against the device's compute capability (and
+    finds none on a CPU)."""
     context = contextlib.nullcontext()
     if jax.default_backend() != "gpu":
         device = jax.sharding.AbstractDevice(
@@ -38,7 +39,8 @@ def export_cuda(fn, *args):
         mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
         context = jax.sharding.use_abstract_mesh(mesh)
     with context:
-        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=TRITON_MERGE)(*args)
+        checks = TRITON_MERGE if triton else []
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
 
 
 # One table for every comparison against the spec or a float64 computation, keyed by the

@@ -11,6 +11,17 @@ from helpers import call_extend, make_extend, tol
 
 from jaxattn import pallas as P
 from jaxattn.pallas import _common as C
+from jaxattn.pallas import merge_mgpu
+
+# The split-KV merges: the Triton-lowered ones, and the Mosaic GPU decode's own (where this
+# JAX has the Mosaic GPU lowering).
+MERGES = [
+    "triton",
+    pytest.param(
+        "mosaic_gpu",
+        marks=pytest.mark.skipif(bool(merge_mgpu.M.available()), reason="no Mosaic GPU lowering"),
+    ),
+]
 
 
 def test_extend_tile_heuristic():
@@ -70,14 +81,30 @@ def _merge_f64(acc, m, l_sum):
     return np.where((denom == 0)[..., None], 0.0, out)
 
 
+def _decode_merge(kernel, acc, m, l_sum, dtype, group=2):
+    """Split-KV states acc f32[B, P, Hq, D], m, l_sum f32[B, P, Hq] merged by ``kernel``:
+    the Triton-lowered merge reads them so; the Mosaic GPU one reads the Mosaic GPU decode
+    kernel's layout (acc [B, P, Hkv, G, D], max and sum packed [B, P, Hkv, 2, 64])."""
+    if kernel == "triton":
+        return P.decode.combine(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l_sum), dtype)
+    batch, parts, heads, head_dim = acc.shape
+    ml = np.zeros((batch, parts, heads // group, 2, 64), np.float32)
+    ml[:, :, :, 0, :group] = m.reshape(batch, parts, heads // group, group)
+    ml[:, :, :, 1, :group] = l_sum.reshape(batch, parts, heads // group, group)
+    acc5 = acc.reshape(batch, parts, heads // group, group, head_dim)
+    return merge_mgpu.merge(jnp.asarray(acc5), jnp.asarray(ml), dtype)
+
+
+@pytest.mark.parametrize("kernel", MERGES)
 @pytest.mark.parametrize("parts", [1, 3, 32, 70])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_merge_kernel(rng, parts, dtype):
-    """The merge kernel after the split grids against float64: empty partitions (max
+def test_decode_merge_kernel(rng, parts, dtype, kernel):
+    """Each merge kernel after the split grids against float64: empty partitions (max
     M_INIT, sum 0) weigh nothing, a row of only empty partitions is 0, a NaN max or sum
-    poisons its row, a NaN accumulator lane its lane, and nothing else; one chunk of
-    partitions and several."""
-    batch, heads, head_dim = 3, 8, 32
+    poisons its row, a NaN accumulator lane its lane, and nothing else; one chunk (group
+    of loads) of partitions and several, the last one partial."""
+    batch, heads = 3, 8
+    head_dim = 128 if kernel == "mosaic_gpu" else 32
     acc = rng.standard_normal((batch, parts, heads, head_dim)).astype(np.float32)
     m = (6 * rng.standard_normal((batch, parts, heads))).astype(np.float32)
     l_sum = (rng.random((batch, parts, heads)) + 0.5).astype(np.float32)
@@ -90,7 +117,7 @@ def test_decode_merge_kernel(rng, parts, dtype):
     l_sum[1, 0, 2] = np.nan
     acc[1, parts // 2, 3, 7] = np.nan
     want = _merge_f64(acc, m, l_sum)
-    got = P.decode.combine(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l_sum), dtype)
+    got = _decode_merge(kernel, acc, m, l_sum, dtype)
     assert got.shape == (batch, heads, head_dim) and got.dtype == dtype
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
     poisoned = np.zeros((batch, heads), bool)
@@ -102,14 +129,17 @@ def test_decode_merge_kernel(rng, parts, dtype):
     np.testing.assert_allclose(got[~poisoned], want[~poisoned], **tol(dtype))
 
 
+@pytest.mark.parametrize("kernel", MERGES)
 @pytest.mark.parametrize("own_parts, prefix_parts", [(1, 3), (2, 70)])
-def test_cascade_merge_kernel(rng, own_parts, prefix_parts):
-    """The cascade's merge kernel (decode.combine_levels) against float64: each request's
-    own parts and, when it has a prefix, its group's rows of its tile's prefix parts, read
-    in place from the decode kernel's packed states; a group of 3 heads (padded to 4 rows in
-    the kernel), tiles of 2 slots, one chunk of parts and several; a request that is not
-    ok is NaN, a NaN part poisons its head, a request with nothing to attend to is 0."""
-    B, hkv, group, d, slots, tiles, R_PAD = 5, 2, 3, 32, 2, 3, 64
+def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
+    """Each cascade merge kernel (decode.combine_levels, merge_mgpu.merge_levels) against
+    float64: each request's own parts and, when it has a prefix, its group's rows of its
+    tile's prefix parts, read in place from the decode kernel's packed states; a group of 3
+    heads (padded to 4 rows in the Triton kernel), tiles of 2 slots, one chunk of parts and
+    several; a request that is not ok is NaN, a NaN part poisons its head, a request with
+    nothing to attend to is 0."""
+    B, hkv, group, slots, tiles, R_PAD = 5, 2, 3, 2, 3, 64
+    d = 128 if kernel == "mosaic_gpu" else 32
     rows = slots * group
 
     def states(x, parts, r):
@@ -146,7 +176,8 @@ def test_cascade_merge_kernel(rng, own_parts, prefix_parts):
     levels = [(False, jnp.asarray(acc_o), jnp.asarray(ml_o)),
               (True, jnp.asarray(acc_p), jnp.asarray(ml_p))]  # fmt: skip
     index = tuple(jnp.asarray(x, jnp.int32) for x in (tile_of, slot_of, has, ok))
-    got = P.decode.combine_levels(levels, index, jnp.float32, group=group)
+    merge = P.decode.combine_levels if kernel == "triton" else merge_mgpu.merge_levels
+    got = merge(levels, index, jnp.float32, group=group)
     assert got.shape == (B, hkv * group, d) and got.dtype == jnp.float32
     got = np.asarray(got, np.float64)
     np.testing.assert_array_equal(np.isnan(got).all(axis=-1), np.isnan(want).all(axis=-1))

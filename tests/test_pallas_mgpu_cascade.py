@@ -29,7 +29,7 @@ from helpers import (
 )
 
 import jaxattn
-from jaxattn.pallas import cascade_mgpu
+from jaxattn.pallas import cascade_mgpu, decode_mgpu
 
 if cascade_mgpu.available() is not None:
     pytest.skip(cascade_mgpu.available(), allow_module_level=True)
@@ -222,8 +222,10 @@ def test_refusals():
     [((32, 8), 128, 64, 1), ((32, 8), 128, 64, 3), ((8, 8), 64, 16, 2), ((14, 2), 64, 9, 2)],
 )
 def test_lowers_for_cuda(heads, d, batch, prefixes):
-    """Both levels' compiled lowering on any machine (jax.export for CUDA); the first shape is
-    the cascade benchmark's shared batch."""
+    """Both levels' and the merge's compiled lowering on any machine (jax.export for CUDA);
+    the first shape is the cascade benchmark's shared batch. At head_dim 128 the merge is the
+    Mosaic GPU kernel and the program has no Triton kernel (the export refuses one); below,
+    the Triton-lowered merge."""
     hq, hkv = heads
     pool = (512, 16, hkv, d)
     args = (
@@ -240,8 +242,10 @@ def test_lowers_for_cuda(heads, d, batch, prefixes):
     def f(*a):
         return cascade_mgpu.cascade_attention(*a, interpret=False)
 
-    text = export_cuda(f, *args).mlir_module()
-    assert "mosaic_gpu" in text and "jaxattn_cascade_merge" in text
+    triton = decode_mgpu.merge_lowering(None, d) == "triton"
+    assert triton == (d % 128 != 0)
+    text = export_cuda(f, *args, triton=triton).mlir_module()
+    assert "mosaic_gpu" in text and ("jaxattn_cascade_merge" in text) == triton
 
 
 @pytest.mark.parametrize("interpret", MODES)
