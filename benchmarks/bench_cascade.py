@@ -171,12 +171,14 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu), each
         # configuration against the same paged decode.
         for spec in args.mgpu.split(","):
-            pages = [None if x == "auto" else int(x) for x in spec.split(":")]
+            *pages, merge = spec.split(":") + ([None] if spec.count(":") < 2 else [])
+            pages = [None if x == "auto" else int(x) for x in pages]
             run = functools.partial(
                 cascade_mgpu.cascade_attention,
                 layout=args.layout,
                 prefix_pages=pages[0],
                 own_pages=pages[1],
+                merge=merge,
             )
             time_row("pallas-mgpu", "cascade", run, casc, f"prefix:own pages={spec}")
     del copies, casc, paged
@@ -262,8 +264,8 @@ def main(argv=None):
         default=None,
         help="also time the Pallas cascade on the Mosaic GPU lowering "
         "(jaxattn.pallas.cascade_mgpu; with --impl pallas) in these configurations: "
-        "prefix_pages|auto:own_pages|auto,... (pages a partition of each level; bare --mgpu: "
-        "the defaults)",
+        "prefix_pages|auto:own_pages|auto[:triton|mosaic_gpu],... (pages a partition of each "
+        "level; the merge kernel's lowering; bare --mgpu: the defaults)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)
