@@ -36,10 +36,12 @@ poisoned. It reads q and writes a one-pass output in their own layout (no XLA ke
 it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the Triton kernel
 88% in the same run) and 94% (95%) with 32/32 heads, so ``paged_attention`` runs it by
 default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens
-(:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one Pallas
-kernel (:func:`decode.combine`) that reads the packed statistics in place, and with it the
-split rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
-ceiling, B=1 x 32768: 78%, round 35). Head_dim 64
+(:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one kernel
+that reads the partitions' states in place, on the Mosaic GPU lowering too at head_dim 128
+(:mod:`jaxattn.pallas.merge_mgpu`, round 39: 1.5-1.8 us where the Triton-lowered
+:func:`decode.combine` took 1.7-2.2 us), so those calls launch no Triton kernel; the split
+rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
+ceiling, B=1 x 32768: 76-78%, rounds 35-39). Head_dim 64
 (the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
 batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
 tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names
@@ -65,7 +67,8 @@ kernel's (261 us, 45%), so that kernel and the native kernels serve FP8 caches.
 Mosaic GPU decode kernel, a prefix tile's requests times query heads as its 64 rows over the
 prefix's pages (their q rows copied by the kernel itself), the own pages as paged decode,
 both in one launch, then one merge kernel that reads both levels' states in place
-(:func:`decode.combine_levels`, on the Triton lowering like the split-KV merge).
+(:func:`merge_mgpu.merge_levels` at head_dim 128, as fast as the Triton-lowered
+:func:`decode.combine_levels` it replaced, round 39: no Triton kernel in the op).
 ``cascade_attention`` runs it by default on sm_90 for 16-bit caches at head_dim 128: on an
 H200 it kept the GPU busy 45 / 50 / 275 us a call on ``bench_cascade.py``'s shared, mixed
 and private batches (round 38), where the Triton-lowered kernel took 79 / 88 / 390 us

@@ -17,9 +17,12 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   but every partition's state kept for the merge (none normalised in the kernel). Both
   levels are one launch: the prefix tiles' blocks first (the long ones), then the own
   blocks, which fill the multiprocessors as the prefix blocks leave them.
-* **Merge.** One kernel (:func:`jaxattn.pallas.decode.combine_levels`) weighs a request's
-  own parts and its rows of its tile's prefix parts exactly, reading both levels' states in
-  place (no gather, no workspace); a request with no prefix has no prefix part.
+* **Merge.** One kernel weighs a request's own parts and its rows of its tile's prefix parts
+  exactly, reading both levels' states in place (no gather, no workspace); a request with no
+  prefix has no prefix part. At head_dim 128 it is the Mosaic GPU one
+  (:func:`jaxattn.pallas.merge_mgpu.merge_levels`), so the op launches no Triton kernel;
+  elsewhere, or with ``merge="triton"``, the Triton-lowered
+  :func:`jaxattn.pallas.decode.combine_levels`.
 
 The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`),
 split where each check is cheapest: the checks that read no table (the prefix id, the

@@ -17,7 +17,8 @@ One block per (KV head, sequence, partition of ``partition_pages`` pages):
   (padded: a GQA group is 1-64 heads), runs S = q K^T and O += P V per step with the online
   softmax in base 2, and leaves (O unnormalised for the group's rows, max, sum) per
   partition, the output tile sharing the K ring's memory; the partitions merge exactly
-  outside (:func:`jaxattn.pallas.decode.combine`).
+  outside, on the Mosaic GPU lowering at head_dim 128 (:mod:`jaxattn.pallas.merge_mgpu`),
+  else on the Triton one (:func:`jaxattn.pallas.decode.combine`); :func:`merge_lowering`.
 
 The memory-safety contract of the other kernels (:mod:`jaxattn.reference`'s validity): a
 length outside ``[0, capacity]`` or a page id outside the pool, among the pages the sequence
@@ -109,10 +110,9 @@ class _Problem:
     @classmethod
     def of(cls, q, tables, partition_pages, capacity, page_size, partials, slots=0):
         parts = -(-(capacity // page_size) // partition_pages)
-        # A warpgroup's copy moves a multiple of 128 bytes: 32 table entries.
-        window = -(-partition_pages // 32) * 32
+        window = _window(partition_pages)
         W = tables.shape[1]
-        assert window <= W and W % 4 == 0, "the wrapper pads the table"
+        assert window <= tables.size, "the wrapper pads the table"
         return cls(
             tables.shape[0], q.shape[2] * max(slots, 1), W, partition_pages, parts, window,
             capacity, parts == 1 and not partials, slots,
@@ -216,16 +216,18 @@ def _kernel_call(
             capacity, one_pass = sp.capacity, sp.one_pass
             tab_bar = tab_bars[pi]
             tab_smem = tab_full.at[pl.ds(0, tab_window)]
-            window_start = jnp.minimum(part * partition_pages, W - tab_window)
-            window_shift = part * partition_pages - window_start
+            # The partition's window of the flattened table, moved back to end at the table's
+            # end where it would run past it (page_at shifts its index by as much); entries
+            # past the row are the next rows' (never a page of this sequence, see page_at).
+            first_entry = b * W + part * partition_pages
+            window_start = jnp.minimum(first_entry, sp.B * W - tab_window)
+            window_shift = first_entry - window_start
             wg = lax.axis_index("wg") if specialized else 0
             memory_wg, compute_wg = (1, 0) if specialized else (0, 0)
 
             @pl.when(wg == memory_wg)
             def _():
-                # The partition's window of the table row, moved back to end at the row's end
-                # where it would run past it (page_at shifts its index by as much).
-                M.copy_vector(tab_ref.at[b], window_start, tab_smem, tab_bar)
+                M.copy_vector(tab_ref, window_start, tab_smem, tab_bar)
                 if fp8:
                     plgpu.copy_gmem_to_smem(fac_ref, fac_smem, fac_bar)
 
@@ -253,7 +255,7 @@ def _kernel_call(
             def page_at(c):
                 """The partition's ``c``-th page (``c < partition_pages`` by the loops), checked."""
                 # Entries past the row's end (never a page the sequence reads: its length is
-                # clipped to the capacity) are clamped into the window.
+                # clipped to the capacity) are the next rows' or clamped into the window.
                 entry = jnp.minimum(
                     jnp.minimum(c, partition_pages - 1) + window_shift, tab_window - 1
                 )
@@ -481,11 +483,11 @@ def _kernel_call(
         extra = () if factors is None else (factors,)
     else:
         grid = dict(grid=(sum(sp.blocks(Hkv) for sp in specs),), grid_names=("item",))
-        extra = (q2, tables2, lens2)
+        extra = (q2, tables2.reshape(-1), lens2)
     if rows is not None:
         extra += (rows.reshape(-1).astype(jnp.int32),)
     return plgpu.kernel(entry, out_type=out_type, **grid, **kw)(
-        q, k_cache, v_cache, tables, lens, *extra
+        q, k_cache, v_cache, tables.reshape(-1), lens, *extra
     )
 
 
@@ -584,18 +586,26 @@ def merge_lowering(merge: str | None, head_dim: int) -> str:
     return merge
 
 
+def _window(partition_pages: int) -> int:
+    """Table entries a block copies: its partition's pages, rounded up to 32 (a warpgroup's
+    copy moves a multiple of 128 bytes)."""
+    return -(-partition_pages // 32) * 32
+
+
 def _table_windows(block_tables, partition_pages: int):
-    """The kernel's block tables. A warpgroup's copy moves a multiple of 128 bytes: every
-    partition's window of the table is 32 entries a step, the last ones' moved back inside
-    the row. Only a table narrower than one window, or of rows not a multiple of 16 bytes
-    (TMA's stride), is padded (an XLA kernel; the padding is never read as a page of a
-    sequence: capacity is the unpadded one). The lengths are read in place, a scalar a
-    block."""
-    window = -(-partition_pages // 32) * 32
+    """The kernel's block tables: the kernel copies each block's window from the flattened
+    table, so a table narrower than a window needs no padding where its rows start on 16
+    bytes (a copy's source does); a table of rows not a multiple of 16 bytes, or of fewer
+    entries in all than a window, is padded (an XLA kernel; the padding is never read as a
+    page of a sequence: capacity is the unpadded one). The lengths are read in place, a
+    scalar a block."""
     tables = block_tables.astype(jnp.int32)
-    width = max(window, -(-tables.shape[1] // 4) * 4)
-    if width != tables.shape[1]:
-        tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    B, W = tables.shape
+    width = -(-W // 4) * 4
+    if B * width < _window(partition_pages):
+        width = _window(partition_pages)
+    if width != W:
+        tables = jnp.pad(tables, ((0, 0), (0, width - W)))
     return tables
 
 
