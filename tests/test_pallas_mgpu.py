@@ -57,9 +57,11 @@ CASES = [
     ("bshd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 100], 12, dict(specialized=True, stages=3)),
     ("bshd", jnp.bfloat16, (16, 2), 128, 16, [129, 5, 190], 8, dict(specialized=False)),
     ("bhsd", jnp.bfloat16, (8, 2), 64, 16, [40, 190, 0], 12, dict(specialized=False, stages=3)),
-    # tables wider than one 32-entry window: the last partitions' windows end at the row's
-    # end and the kernel shifts its index (44 columns), or rows that are not a multiple of
-    # 16 bytes are padded (45); the first sequence fills the whole table
+    # (the default 12 columns: narrower than a 32-entry window, read from the flattened
+    # table, the next rows' entries in the window.) Tables wider than one window: the last
+    # partitions' windows end at the table's end and the kernel shifts its index (44
+    # columns), or rows that are not a multiple of 16 bytes are padded (45); the first
+    # sequence fills the whole table
     ("bshd", jnp.bfloat16, (8, 2), 64, 8, [352, 200, 17], 8, dict(width=44, pages=80)),
     ("bshd", jnp.bfloat16, (8, 2), 64, 8, [360, 200, 17], 8, dict(width=45, pages=80)),
 ]
