@@ -102,15 +102,34 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+# Calls a dispatch makes at the least where the device's memory allows them: between two
+# dispatches the GPU idles for the next executable's launch (an H200 in round 39: ~7-12 us
+# after a one-call dispatch of a 0.25-1 ms decode, 1-3% of the call), which a dispatch of
+# one call would charge to that call. With four the gap is a quarter of a call's share.
+MIN_CALLS = 4
+
+
+def copy_budget() -> int:
+    """Bytes the copies of one input may take together: a quarter of the default device's
+    memory (4 GiB where JAX does not say), at most 16 GiB."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return min(16 * 2**30, limit // 4 if limit else 4 * 2**30)
+
+
 def num_copies(bytes_per_copy: int, *, max_copies: int = 16) -> int:
-    """Copies needed so that one round over them moves at least 16x the L2 (~1 GB).
+    """Copies needed so that one round over them moves at least 16x the L2 (~1 GB), and
+    that a round makes at least :data:`MIN_CALLS` calls where :func:`copy_budget` holds
+    them.
 
     A round is one dispatch, so this also sets the device time a dispatch holds: with
     4x the L2 (two copies of a 45 us decode) the host's dispatch time could exceed the
     device time, and an H200 measured the same kernel at 45 or 70 us from one process
     to the next; with ~1 GB a round the device time dominates.
     """
-    return max(1, min(max_copies, math.ceil(16 * L2_BYTES / max(bytes_per_copy, 1))))
+    size = max(bytes_per_copy, 1)
+    l2 = math.ceil(16 * L2_BYTES / size)
+    return max(1, min(max_copies, max(l2, min(MIN_CALLS, copy_budget() // size))))
 
 
 def make_copies(build: Callable[[int], tuple], n: int) -> list[tuple]:
