@@ -39,9 +39,9 @@ default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024
 (:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one kernel
 that reads the partitions' states in place, on the Mosaic GPU lowering too at head_dim 128
 (:mod:`jaxattn.pallas.merge_mgpu`, round 39: 1.5-1.8 us where the Triton-lowered
-:func:`decode.combine` took 1.7-2.2 us), so those calls launch no Triton kernel; the split
-rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096: 77% of the read
-ceiling, B=1 x 32768: 76-78%, rounds 35-39). Head_dim 64
+:func:`decode.combine` took 1.7-1.8 us in the same job), so those calls launch no Triton
+kernel; the split rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096:
+76-77% of the read ceiling, B=1 x 32768: 76-78%, rounds 35-39). Head_dim 64
 (the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
 batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
 tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names
