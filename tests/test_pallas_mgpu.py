@@ -162,6 +162,13 @@ def test_refusals():
         f(q, k, k, t, n, partition_pages=3)
     with pytest.raises(ValueError, match="multiple of 64"):
         f(q, k, k, t, n, pages_per_step=2)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        f(q, k, k, t, n, merge="xla")
+    # head_dim 64: a row is less than one float a thread of the Mosaic GPU merge's warpgroup
+    with pytest.raises(NotImplementedError, match="Mosaic GPU merge takes head_dim"):
+        f(q, k, k, t, n, merge="mosaic_gpu")
+    assert decode_mgpu.merge_lowering(None, 64) == "triton"
+    assert decode_mgpu.merge_lowering(None, 128) == "mosaic_gpu"
 
 
 # The shapes the H200 benchmarks run, with each kernel form, and small odd ones.
