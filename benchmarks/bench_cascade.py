@@ -171,14 +171,14 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu), each
         # configuration against the same paged decode.
         for spec in args.mgpu.split(","):
-            *pages, merge = spec.split(":") + ([None] if spec.count(":") < 2 else [])
-            pages = [None if x == "auto" else int(x) for x in pages]
+            prefix, own, *merge = spec.split(":")
+            pages = [None if x == "auto" else int(x) for x in (prefix, own)]
             run = functools.partial(
                 cascade_mgpu.cascade_attention,
                 layout=args.layout,
                 prefix_pages=pages[0],
                 own_pages=pages[1],
-                merge=merge,
+                merge=merge[0] if merge else None,
             )
             time_row("pallas-mgpu", "cascade", run, casc, f"prefix:own pages={spec}")
     del copies, casc, paged

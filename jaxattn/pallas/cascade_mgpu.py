@@ -224,9 +224,8 @@ def _cascade_attention(
     else:
         tile_of = slot_of = jnp.zeros((B,), jnp.int32)
     index = (tile_of, slot_of, has_prefix, ok)
-    if merge == "mosaic_gpu":
-        return merge_mgpu.merge_levels(merged, index, q.dtype, group=G, interpret=interpret)
-    return combine_levels(merged, index, q.dtype, group=G, interpret=interpret)
+    merge_fn = merge_mgpu.merge_levels if merge == "mosaic_gpu" else combine_levels
+    return merge_fn(merged, index, q.dtype, group=G, interpret=interpret)
 
 
 def cascade_attention(
