@@ -123,9 +123,10 @@ def add_execution_args(group) -> None:
     group.add_argument(
         "--pallas-decode-lowering",
         choices=list(PALLAS_DECODE_LOWERINGS),
-        default="triton",
+        default=None,
         help="the Pallas decode kernel's lowering in every decode step, with the pallas "
-        "implementation (ExecutionConfig.pallas_decode_lowering)",
+        "implementation (ExecutionConfig.pallas_decode_lowering; default: triton where this "
+        "JAX has that lowering, else mosaic_gpu)",
     )
     for option, _, text in _SWITCHES:
         group.add_argument(option, choices=list(_TRISTATE), default="auto", help=text)

@@ -583,18 +583,25 @@ def environment_info() -> dict:
         devices.append(item)
     libraries = native.library_info()
     try:
-        import jax.experimental.pallas.triton  # noqa: F401
+        from jaxattn.pallas import _mgpu, _triton
 
-        triton = "available"
-    except Exception as e:  # any import failure means the lowering cannot be used
-        triton = f"unavailable ({type(e).__name__}: {e})"
+        why = _triton.missing()
+        triton = "available" if why is None else f"unavailable ({why})"
+        mosaic = "available" if _mgpu.available() is None else "unavailable"
+        if why is not None:
+            triton += (
+                "; the Mosaic GPU kernels alone serve (paged decode, prefix prefill, cascade "
+                "decode; no token-pool extend)"
+            )
+    except Exception as e:  # any import failure means the backend cannot be used
+        triton = mosaic = f"unavailable ({type(e).__name__}: {e})"
     if backend == "cpu":
         pallas = (
             "interpret mode on the CPU (implementation=None does not try it there); "
-            f"Triton lowering for GPUs {triton}"
+            f"Triton lowering for GPUs {triton}; Mosaic GPU lowering (sm_90) {mosaic}"
         )
     elif backend in ("gpu", "cuda", "rocm"):
-        pallas = f"Triton lowering {triton}"
+        pallas = f"Triton lowering {triton}; Mosaic GPU lowering (sm_90) {mosaic}"
     else:
         pallas = f"not for the {backend} platform"
     return {

@@ -13,10 +13,11 @@ from jaxattn import pallas as P
 from jaxattn.pallas import _common as C
 from jaxattn.pallas import merge_mgpu
 
-# The split-KV merges: the Triton-lowered ones, and the Mosaic GPU decode's own (where this
-# JAX has the Mosaic GPU lowering).
+# The split-KV merges: the Triton-lowered ones, the Mosaic GPU decode's own (where this JAX
+# has the Mosaic GPU lowering), and XLA's (the Mosaic GPU ops' merge without those kernels).
 MERGES = [
     "triton",
+    "xla",
     pytest.param(
         "mosaic_gpu",
         marks=pytest.mark.skipif(bool(merge_mgpu.M.available()), reason="no Mosaic GPU lowering"),
@@ -92,6 +93,9 @@ def _decode_merge(kernel, acc, m, l_sum, dtype, group=2):
     ml[:, :, :, 0, :group] = m.reshape(batch, parts, heads // group, group)
     ml[:, :, :, 1, :group] = l_sum.reshape(batch, parts, heads // group, group)
     acc5 = acc.reshape(batch, parts, heads // group, group, head_dim)
+    if kernel == "xla":
+        levels = [(False, jnp.asarray(acc5), jnp.asarray(ml))]
+        return P.decode.combine_levels_jnp(levels, None, dtype, group=group)
     return merge_mgpu.merge(jnp.asarray(acc5), jnp.asarray(ml), dtype)
 
 
@@ -99,7 +103,7 @@ def _decode_merge(kernel, acc, m, l_sum, dtype, group=2):
 @pytest.mark.parametrize("parts", [1, 3, 32, 70])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_merge_kernel(rng, parts, dtype, kernel):
-    """Each merge kernel after the split grids against float64: empty partitions (max
+    """Each merge after the split grids against float64: empty partitions (max
     M_INIT, sum 0) weigh nothing, a row of only empty partitions is 0, a NaN max or sum
     poisons its row, a NaN accumulator lane its lane, and nothing else; one chunk (group
     of loads) of partitions and several, the last one partial."""
@@ -132,7 +136,7 @@ def test_decode_merge_kernel(rng, parts, dtype, kernel):
 @pytest.mark.parametrize("kernel", MERGES)
 @pytest.mark.parametrize("own_parts, prefix_parts", [(1, 3), (2, 70)])
 def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
-    """Each cascade merge kernel (decode.combine_levels, merge_mgpu.merge_levels) against
+    """Each cascade merge (decode.combine_levels, merge_mgpu.merge_levels, XLA's) against
     float64: each request's own parts and, when it has a prefix, its group's rows of its
     tile's prefix parts, read in place from the decode kernel's packed states; a group of 3
     heads (padded to 4 rows in the Triton kernel), tiles of 2 slots, one chunk of parts and
@@ -176,7 +180,11 @@ def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
     levels = [(False, jnp.asarray(acc_o), jnp.asarray(ml_o)),
               (True, jnp.asarray(acc_p), jnp.asarray(ml_p))]  # fmt: skip
     index = tuple(jnp.asarray(x, jnp.int32) for x in (tile_of, slot_of, has, ok))
-    merge = P.decode.combine_levels if kernel == "triton" else merge_mgpu.merge_levels
+    merge = {
+        "triton": P.decode.combine_levels,
+        "xla": P.decode.combine_levels_jnp,
+        "mosaic_gpu": merge_mgpu.merge_levels,
+    }[kernel]
     got = merge(levels, index, jnp.float32, group=group)
     assert got.shape == (B, hkv * group, d) and got.dtype == jnp.float32
     got = np.asarray(got, np.float64)

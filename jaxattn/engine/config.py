@@ -356,11 +356,12 @@ class ExecutionConfig:
       against 0.947 / 1.474 without (``bench_step.py --fused-norm``). The same values up to
       the last float32 bits of the norm's mean.
     pallas_decode_lowering: the lowering of the Pallas decode kernel in every decode step
-      when ``implementation`` resolves to ``"pallas"``: ``"triton"`` (the default: the
-      engine's 1b workload ran 9383 generated tok/s with it against 8804 with the Mosaic GPU
-      kernel on an H200, where the op alone measured the Mosaic kernel slower at head_dim 64
-      too) or ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.decode_mgpu`, sm_90; interpreted on the
-      CPU), whatever a step's batch.
+      when ``implementation`` resolves to ``"pallas"``: ``"triton"`` (the engine's 1b
+      workload ran 9383 generated tok/s with it against 8804 with the Mosaic GPU kernel on
+      an H200, where the op alone measured the Mosaic kernel slower at head_dim 64 too) or
+      ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.decode_mgpu`, sm_90; interpreted on the CPU),
+      whatever a step's batch. None (the default): ``"triton"`` where this JAX has that
+      lowering, else ``"mosaic_gpu"`` (:func:`jaxattn.pallas._triton.missing`).
     """
 
     extend_attention: str | None = None
@@ -377,7 +378,7 @@ class ExecutionConfig:
     kv_write: str = "auto"
     fused_rope: bool | None = None
     fused_norm: bool | None = None
-    pallas_decode_lowering: str = "triton"
+    pallas_decode_lowering: str | None = None
 
     def __post_init__(self):
         if self.extend_attention not in (None, "extend", "prefix_prefill"):
@@ -409,9 +410,11 @@ class ExecutionConfig:
                 f"ExecutionConfig.kv_write must be one of {KV_WRITE_CHOICES}, got {self.kv_write!r}"
             )
         lowering = self.pallas_decode_lowering
-        if not isinstance(lowering, str) or lowering not in PALLAS_DECODE_LOWERINGS:
+        if lowering is not None and (
+            not isinstance(lowering, str) or lowering not in PALLAS_DECODE_LOWERINGS
+        ):
             raise ValueError(
-                f"ExecutionConfig.pallas_decode_lowering must be one of "
+                f"ExecutionConfig.pallas_decode_lowering must be None or one of "
                 f"{PALLAS_DECODE_LOWERINGS}, got {lowering!r}"
             )
         if not isinstance(self.cascade, str) or self.cascade not in _CASCADE:

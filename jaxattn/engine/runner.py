@@ -646,6 +646,14 @@ _UPDATE = jax.jit(_counted("update", _update_fn), donate_argnums=(0,))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
+def _pallas_triton_missing() -> bool:
+    """Whether the Pallas backend runs without its Triton lowering here (then only its Mosaic
+    GPU kernels serve: no token-pool extend, the Mosaic GPU decode)."""
+    from ..pallas import _triton
+
+    return _triton.missing() is not None
+
+
 def _decode_graph(choice: bool | None, platform: str) -> bool:
     """Whether the decode program's loop is a command buffer (see
     :class:`~jaxattn.engine.ExecutionConfig`): None is on with CUDA GPUs."""
@@ -729,8 +737,9 @@ class ModelRunner:
         (:func:`jaxattn.native.add_rms_norm`; only when True; see
         :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`fused_norm`.
       pallas_decode_lowering: ``"triton"`` or ``"mosaic_gpu"``: the Pallas decode kernel's
-        lowering in every decode step when the decode backend is ``"pallas"``
-        (:class:`~jaxattn.engine.ExecutionConfig`); the lowering is in :attr:`lowerings`.
+        lowering in every decode step when the decode backend is ``"pallas"``; None: Triton
+        where this JAX has that lowering (:class:`~jaxattn.engine.ExecutionConfig`); the
+        lowering is in :attr:`lowerings`.
       kv_dtype: the pool's dtype: None (the model's) or an FP8 format
         (``CacheConfig.kv_dtype``: ``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the dtype).
       kv_scales: None or ``(k_scales, v_scales)``, f32 ``[num_layers, num_kv_heads]``:
@@ -762,12 +771,17 @@ class ModelRunner:
         kv_write: str = "auto",
         fused_rope: bool | None = None,
         fused_norm: bool | None = None,
-        pallas_decode_lowering: str = "triton",
+        pallas_decode_lowering: str | None = None,
         kv_dtype=None,
         kv_scales=None,
     ):
+        no_triton = implementation == "pallas" and _pallas_triton_missing()
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
+            if no_triton:  # no Pallas kernel reads a token pool without the Triton lowering
+                extend_attention = "prefix_prefill"
+        if pallas_decode_lowering is None:
+            pallas_decode_lowering = "mosaic_gpu" if no_triton else "triton"
         if pallas_decode_lowering not in PALLAS_DECODE_LOWERINGS:
             raise ValueError(
                 f"pallas_decode_lowering must be one of {PALLAS_DECODE_LOWERINGS}, "

@@ -74,6 +74,15 @@ H200 it kept the GPU busy 45 / 50 / 275 us a call on ``bench_cascade.py``'s shar
 and private batches (round 38), where the Triton-lowered kernel took 79 / 88 / 390 us
 (round 37); ``CascadeConfig(lowering=...)`` names either.
 
+Without the Triton lowering (a JAX that has dropped it, or ``JAXATTN_PALLAS_TRITON=0``;
+:mod:`jaxattn.pallas._triton`) the package still imports and ``implementation="pallas"``
+runs the Mosaic GPU kernels for every op that has one, whatever the shape's default above:
+paged decode (its split merged by XLA's reductions where the Mosaic GPU merge does not take
+the head size, :func:`decode.combine_levels_jnp`), prefix prefill and cascade decode
+(16-bit caches). What only a Triton-lowered kernel serves (the token-pool
+``extend_attention``, page sizes under 8, float32) is refused with the reason, so a list of
+backends falls through to the next.
+
 Every entry point takes ``interpret=None`` (interpret exactly when the default backend
 is the CPU) and raises ``NotImplementedError`` for arguments or platforms it cannot
 serve, so ``jaxattn.ops`` can fall back to another backend.
@@ -84,8 +93,10 @@ in the loops); what the kernels return never exposes that.
 
 import jax
 
+from .. import quant as Q
 from ..backend import KernelImplementation
 from . import _common as C
+from . import _triton
 from . import cascade as _cascade
 from . import decode as _decode
 from . import extend as _extend
@@ -116,15 +127,60 @@ class _Pallas(KernelImplementation):
         return None
 
     def supports(self, a):
-        return C.unsupported(a.kernel_q, a.k_cache, a.v_cache, a.layout)
+        why = C.unsupported(a.kernel_q, a.k_cache, a.v_cache, a.layout)
+        if why is None and (triton := _triton.missing()) is not None:
+            # Without the Triton lowering only the Mosaic GPU kernels run (heuristic_config).
+            mosaic = self.mosaic_gpu_reason(a)
+            if mosaic is not None:
+                why = f"{triton}, and {mosaic}"
+        return why
+
+    def mosaic_gpu_reason(self, a) -> str | None:
+        """Why this op's Mosaic GPU kernel cannot serve ``a``, or None."""
+        return "no Mosaic GPU kernel serves it"
+
+
+def _mosaic_platform_reason(a) -> str | None:
+    """The Mosaic GPU kernels compile for sm_90 and are interpreted on the CPU only."""
+    from . import _mgpu as M
+
+    if (why := M.available()) is not None:
+        return why
+    if jax.default_backend() == "cpu" or M.is_sm90():
+        return None
+    return "the Mosaic GPU kernels are compiled for sm_90 GPUs only"
+
+
+def _steps(a) -> int:
+    from . import _mgpu as M
+
+    return M.steps_of(None, a.geometry.page_size)
 
 
 class _PagedAttention(_Pallas):
     config_cls = DecodeConfig
 
+    def mosaic_gpu_reason(self, a):
+        from . import decode_mgpu
+
+        why = _mosaic_platform_reason(a) or decode_mgpu.unsupported(
+            a.q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a)
+        )
+        if why is None and a.scaled and not Q.is_fp8(a.k_cache.dtype):
+            why = "the Mosaic GPU decode takes k/v scales with FP8 caches only"
+        step = a.geometry.page_size * _steps(a)
+        if why is None and a.partition_size is not None and a.partition_size % step:
+            why = (
+                f"the Mosaic GPU decode partitions whole steps of {step} tokens, "
+                f"got partition_size={a.partition_size}"
+            )
+        return why
+
     def heuristic_config(self, a):
         from . import decode_mgpu
 
+        if _triton.missing() is not None:
+            return DecodeConfig(lowering="mosaic_gpu")
         if not a.scaled and decode_mgpu.serves_by_default(
             a.q, a.k_cache, a.v_cache, a.layout.name, a.block_tables, a.partition_size
         ):
@@ -137,6 +193,9 @@ class _PagedAttention(_Pallas):
 class _ExtendAttention(_Pallas):
     config_cls = ExtendConfig
 
+    def mosaic_gpu_reason(self, a):
+        return "no Mosaic GPU kernel reads a token pool (prefix_prefill reads paged caches)"
+
     def heuristic_config(self, a):
         return _extend.heuristic_config(a.kernel_q, a.group, a.qo_indptr)
 
@@ -146,9 +205,18 @@ class _ExtendAttention(_Pallas):
 class _PrefixPrefill(_Pallas):
     config_cls = ExtendConfig
 
+    def mosaic_gpu_reason(self, a):
+        from . import prefill_mgpu
+
+        return _mosaic_platform_reason(a) or prefill_mgpu.unsupported(
+            a.kernel_q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a)
+        )
+
     def heuristic_config(self, a):
         from . import prefill_mgpu
 
+        if _triton.missing() is not None:
+            return ExtendConfig(lowering="mosaic_gpu")
         if not a.scaled and prefill_mgpu.serves_by_default(
             a.kernel_q, a.k_cache, a.v_cache, a.layout.name, a.block_tables
         ):
@@ -161,9 +229,21 @@ class _PrefixPrefill(_Pallas):
 class _CascadeAttention(_Pallas):
     config_cls = CascadeConfig
 
+    def mosaic_gpu_reason(self, a):
+        from . import cascade_mgpu
+
+        why = _mosaic_platform_reason(a) or cascade_mgpu.unsupported(
+            a.q, a.k_cache, a.v_cache, a.layout.name
+        )
+        if why is None and a.scaled:
+            why = "the Mosaic GPU cascade decode takes no k/v scales (16-bit caches)"
+        return why
+
     def heuristic_config(self, a):
         from . import cascade_mgpu
 
+        if _triton.missing() is not None:
+            return CascadeConfig(lowering="mosaic_gpu")
         if not a.scaled and cascade_mgpu.serves_by_default(
             a.q, a.k_cache, a.v_cache, a.layout.name
         ):

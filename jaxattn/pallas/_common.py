@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import triton as plgpu
 
 from .. import _compat
 from .. import layout as L
 from .. import quant as Q
+from . import _triton
+from ._triton import plgpu
 
 # Scores are kept in base 2 inside the kernels (exp2 is one SFU instruction; exp is not),
 # so the softmax scale is folded with log2(e) once, outside the inner loops.
@@ -105,8 +106,9 @@ def unsupported(q, k_cache, v_cache, layout) -> str | None:
 
 
 def require(q, k_cache, v_cache, layout) -> L.CacheGeometry:
-    """The cache geometry, or NotImplementedError when the kernels cannot serve."""
-    reason = unsupported(q, k_cache, v_cache, layout)
+    """The cache geometry, or NotImplementedError when the Triton-lowered kernels cannot
+    serve (this JAX without that lowering included: :func:`._triton.missing`)."""
+    reason = _triton.missing() or unsupported(q, k_cache, v_cache, layout)
     if reason is not None:
         raise NotImplementedError(reason)
     return L.get(layout, pool=True).geometry(k_cache, v_cache)

@@ -43,13 +43,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .. import layout as L
 from .._compat import match_varying, out_struct
 from ..backend import CascadeGrid, cascade_chunk, cascade_grid, cascade_splits
 from ..reference import validity as _validity
 from . import _common as C
+from ._triton import plgpu
 from .decode import DecodeConfig, choose_partition_size, combine
 
 

@@ -22,7 +22,8 @@ caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
   prefix has no prefix part. At head_dim 128 it is the Mosaic GPU one
   (:func:`jaxattn.pallas.merge_mgpu.merge_levels`), so the op launches no Triton kernel;
   elsewhere, or with ``merge="triton"``, the Triton-lowered
-  :func:`jaxattn.pallas.decode.combine_levels`.
+  :func:`jaxattn.pallas.decode.combine_levels`; on a JAX without that lowering, or with
+  ``merge="xla"``, the same merge in jnp (:func:`jaxattn.pallas.decode.combine_levels_jnp`).
 
 The memory-safety contract of the other cascade kernels (:mod:`jaxattn.reference.validity`),
 split where each check is cheapest: the checks that read no table (the prefix id, the
@@ -52,7 +53,7 @@ from . import _common as C
 from . import _mgpu as M
 from . import decode_mgpu, merge_mgpu
 from ._mgpu import ROWS, available, is_sm90
-from .decode import combine_levels
+from .decode import combine_levels, combine_levels_jnp
 
 __all__ = ["available", "cascade_attention", "is_sm90", "serves_by_default", "unsupported"]
 
@@ -224,7 +225,9 @@ def _cascade_attention(
     else:
         tile_of = slot_of = jnp.zeros((B,), jnp.int32)
     index = (tile_of, slot_of, has_prefix, ok)
-    merge_fn = merge_mgpu.merge_levels if merge == "mosaic_gpu" else combine_levels
+    merge_fn = {
+        "mosaic_gpu": merge_mgpu.merge_levels, "triton": combine_levels, "xla": combine_levels_jnp
+    }[merge]  # fmt: skip
     return merge_fn(merged, index, q.dtype, group=G, interpret=interpret)
 
 

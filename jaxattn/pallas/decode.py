@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .. import layout as L
 from .._compat import match_varying, out_struct
 from ..backend import split_kv_partition
 from . import _common as C
+from . import _triton
+from ._triton import plgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,43 @@ def combine_groups(groups, dtype):
     return jnp.where((denom == 0)[..., None], 0.0, numer / safe[..., None]).astype(dtype)
 
 
+def combine_levels_jnp(levels, index, dtype, *, group: int, interpret: bool | None = None):
+    """:func:`combine_levels`' merge in jnp (XLA's gathers and reductions, no Pallas kernel):
+    what the Mosaic GPU decode and cascade decode merge with where neither merge kernel
+    serves (a head_dim the Mosaic GPU merge does not take, on a JAX without the Triton
+    lowering). The same arguments, plus ``index`` None for a single untiled level of
+    requests that are all ok (the split-KV decode's states); ``interpret`` is ignored."""
+    del interpret
+    if index is not None:
+        index = tuple(jnp.asarray(i, jnp.int32) for i in index)
+    groups = []
+    for tiled, acc, ml in levels:
+        X, P, Hkv, R, D = acc.shape
+        if tiled:
+            tile, slot, has, _ = index
+            x = jnp.clip(tile, 0, X - 1)[:, None]
+            r = jnp.clip(slot[:, None] * group + jnp.arange(group)[None, :], 0, R - 1)
+            # [B, group, P, Hkv, ...]: the request's rows of its tile, moved to [B, P, Hkv, group].
+            acc = jnp.moveaxis(acc[x, :, :, r], 1, 3)
+            m = jnp.moveaxis(ml[x, :, :, 0, r], 1, 3)
+            l_sum = jnp.moveaxis(ml[x, :, :, 1, r], 1, 3)
+            live = (has != 0)[:, None, None, None]
+            acc = jnp.where(live[..., None], acc, 0.0)
+            m = jnp.where(live, m, MERGE_FLOOR)
+            l_sum = jnp.where(live, l_sum, 0.0)
+        else:
+            acc, m, l_sum = acc[:, :, :, :group], ml[:, :, :, 0, :group], ml[:, :, :, 1, :group]
+        B = acc.shape[0]
+        groups.append((
+            acc.reshape(B, P, Hkv * group, D), m.reshape(B, P, Hkv * group),
+            l_sum.reshape(B, P, Hkv * group),
+        ))  # fmt: skip
+    out = combine_groups(groups, jnp.float32)
+    if index is not None:
+        out = jnp.where((index[3] != 0)[:, None, None], out, jnp.nan)
+    return out.astype(dtype)
+
+
 # A merge program folds its partitions MERGE_ELEMENTS float32 accumulator values at a time
 # (chunk of partitions x its slice of D): 16 KiB, 32 registers a thread at four warps.
 MERGE_ELEMENTS = 4096
@@ -309,6 +347,7 @@ def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int |
     the Mosaic GPU kernel's packed statistics f32[B, P, Hkv, 2, G_pad] (G = ``group`` query
     heads a KV head), read in place. ``interpret``: None interprets on the CPU only.
     """
+    _triton.require()
     if interpret is None:
         interpret = C.resolve_interpret(None)
     return _combine(acc, m, l_sum, jnp.dtype(dtype), bool(interpret), group)
@@ -395,6 +434,7 @@ def combine_levels(levels, index, dtype, *, group: int, interpret: bool | None =
     tile, its slot, whether it has a prefix part (0 / 1) and whether it is ok (0: its rows
     are NaN). A request with no part (nothing attended) is 0. ``interpret``: None
     interprets on the CPU only."""
+    _triton.require()
     if interpret is None:
         interpret = C.resolve_interpret(None)
     tiled = tuple(bool(t) for t, _, _ in levels)

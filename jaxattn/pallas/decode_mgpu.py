@@ -18,7 +18,8 @@ One block per (KV head, sequence, partition of ``partition_pages`` pages):
   softmax in base 2, and leaves (O unnormalised for the group's rows, max, sum) per
   partition, the output tile sharing the K ring's memory; the partitions merge exactly
   outside, on the Mosaic GPU lowering at head_dim 128 (:mod:`jaxattn.pallas.merge_mgpu`),
-  else on the Triton one (:func:`jaxattn.pallas.decode.combine`); :func:`merge_lowering`.
+  else on the Triton one (:func:`jaxattn.pallas.decode.combine`), or in XLA on a JAX
+  without that lowering; :func:`merge_lowering`.
 
 The memory-safety contract of the other kernels (:mod:`jaxattn.reference`'s validity): a
 length outside ``[0, capacity]`` or a page id outside the pool, among the pages the sequence
@@ -50,10 +51,10 @@ from .. import layout as L
 from .. import quant as Q
 from . import _common as C
 from . import _mgpu as M
-from . import merge_mgpu
+from . import _triton, merge_mgpu
 from ._mgpu import ROWS, available, is_sm90, plgpu
 from ._mgpu import unsupported as _unsupported
-from .decode import combine
+from .decode import combine, combine_levels_jnp
 
 __all__ = ["available", "default_partition_pages", "is_sm90", "paged_attention", "unsupported"]
 
@@ -564,25 +565,33 @@ def _paged_attention(
     acc, ml = outs
     if merge == "mosaic_gpu":  # the states read in place, a block per (sequence, head)
         return merge_mgpu.merge(acc, ml, q.dtype, interpret=interpret)
+    if merge == "xla":
+        return combine_levels_jnp([(False, acc, ml)], None, q.dtype, group=G)
     # [B, parts, Hkv, G, D] is the Triton merge's [B, parts, Hq, D]; the statistics are read
     # in their packed form.
     acc = acc.reshape(B, acc.shape[1], Hq, D)
     return combine(acc, ml, ml, q.dtype, interpret=interpret, group=G)
 
 
-MERGES = ("mosaic_gpu", "triton")
+MERGES = ("mosaic_gpu", "triton", "xla")
 
 
 def merge_lowering(merge: str | None, head_dim: int) -> str:
-    """The lowering of a split grid's merge kernel: ``merge`` checked, or by default the
-    Mosaic GPU merge (:mod:`jaxattn.pallas.merge_mgpu`) where it takes the head size (a
-    multiple of 128), else the Triton-lowered one."""
+    """The lowering of a split grid's merge: ``merge`` checked, or by default the Mosaic GPU
+    merge kernel (:mod:`jaxattn.pallas.merge_mgpu`) where it takes the head size (a multiple
+    of 128), else the Triton-lowered one (:func:`jaxattn.pallas.decode.combine`), else, on a
+    JAX without that lowering (:func:`jaxattn.pallas._triton.missing`), XLA's reductions
+    (:func:`jaxattn.pallas.decode.combine_levels_jnp`)."""
     if merge is None:
-        return "mosaic_gpu" if merge_mgpu.unsupported(head_dim) is None else "triton"
+        if merge_mgpu.unsupported(head_dim) is None:
+            return "mosaic_gpu"
+        return "xla" if _triton.missing() else "triton"
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES} or None, got {merge!r}")
     if merge == "mosaic_gpu" and (why := merge_mgpu.unsupported(head_dim)) is not None:
         raise NotImplementedError(why)
+    if merge == "triton":
+        _triton.require()
     return merge
 
 
@@ -707,9 +716,10 @@ def paged_attention(
     head_dim 128, page 16): one warpgroup and 2 stages, for one-pass and split grids alike
     (the copy warpgroup takes 3 stages when asked for without a count).
     ``registers``: (compute, copy) warpgroup register counts set at entry (``specialized``
-    only), or None to leave the compiler's. ``merge``: the split grid's merge kernel,
-    ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.merge_mgpu`) or ``"triton"``
-    (:func:`jaxattn.pallas.decode.combine`); None: :func:`merge_lowering`'s choice.
+    only), or None to leave the compiler's. ``merge``: the split grid's merge,
+    ``"mosaic_gpu"`` (:mod:`jaxattn.pallas.merge_mgpu`), ``"triton"``
+    (:func:`jaxattn.pallas.decode.combine`) or ``"xla"`` (jnp reductions,
+    :func:`jaxattn.pallas.decode.combine_levels_jnp`); None: :func:`merge_lowering`'s choice.
     ``interpret``: None runs interpret mode exactly on the CPU. Raises
     ``NotImplementedError`` for what :func:`unsupported` refuses."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)

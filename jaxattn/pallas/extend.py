@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .. import layout as L
 from .._compat import match_varying, out_struct
 from ..reference import validity as _validity
 from . import _common as C
+from ._triton import plgpu
 
 
 @dataclasses.dataclass(frozen=True)
