@@ -420,7 +420,7 @@ def ring_step(
         k_read()
 
     def qk(ref):
-        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+        plgpu.wgmma(ref, q_smem, k_tile.transpose((1, 0)))
         return ref[...]
 
     if interpret:

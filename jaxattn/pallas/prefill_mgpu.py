@@ -529,7 +529,7 @@ def _ws_kernel_call(
                 else:
 
                     def qk(ref):
-                        plgpu.wgmma(ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                        plgpu.wgmma(ref, q_smem, k_tile.transpose((1, 0)))
                         take_turn()
                         return ref[...]
 
