@@ -12,6 +12,11 @@ B=64, a 4096-token prefix, 256 own tokens each, bf16, 32/8, D=128, page 16):
 * ``private``: each request has its own prefix (cascade cannot save a byte: its cost over
   paged decode is what cascade costs when it is not useful).
 
+Two more take ``shared`` apart, one level each (``--batches shared,shared-prefix,shared-own``):
+``shared-prefix`` is its prefix level alone (own lengths 0: the own level's blocks read
+nothing), ``shared-own`` its own level alone (no request continues the prefix, which is one
+page: the prefix tiles read nothing).
+
 For each batch, each implementation of ``--impl`` runs ``jaxattn.cascade_attention`` and
 ``jaxattn.paged_attention`` over the joined tables (prefix pages, then own pages), in the same
 run, on the same inputs (rotated over enough copies to pass the L2; ``benchmarks/common.py``).
@@ -66,6 +71,8 @@ def batches(b: int, prefix: int, own: int, page: int) -> list[Batch]:
             "mixed", (whole(prefix), whole(prefix // 2), whole(prefix // 4)), mixed_of, mixed_own
         ),
         Batch("private", (whole(prefix),) * b, tuple(range(b)), (own,) * b),
+        Batch("shared-prefix", (whole(prefix),), (0,) * b, (0,) * b),
+        Batch("shared-own", (page,), (-1,) * b, (own,) * b),
     ]
 
 
@@ -78,7 +85,8 @@ def build_inputs(seed, batch: Batch, *, hq, hkv, d, page, layout, dtype):
     own_pages = [-(-n // page) for n in batch.own]
     num_pages = sum(prefix_pages) + sum(own_pages) + 1
     perm = iter(rng.permutation(num_pages).tolist())
-    wp, w = max(prefix_pages), max(own_pages)
+    # (A table of no column is answered without a kernel: own lengths of 0 keep one.)
+    wp, w = max(prefix_pages), max(1, *own_pages)
     ptab = np.zeros((g_count, wp), np.int32)
     tab = np.zeros((b_count, w), np.int32)
     joined = np.zeros((b_count, wp + w), np.int32)
