@@ -158,23 +158,32 @@ def test_exports_without_triton_kernels(no_triton):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_engine_runs_on_the_mosaic_gpu_kernels(no_triton):
-    """The engine with implementation="pallas": the paged prefill (no kernel reads the token
-    pool) and the Mosaic GPU decode by default, reported in its stats; a bf16 model (the
-    Mosaic GPU kernels take 16-bit q) generates what the dense model verifies."""
-    from jaxattn.engine import Engine, check_outputs
+def _bf16_engine(**kw):
+    """An engine over a one-layer bf16 model with head_dim 64 (the Mosaic GPU kernels take
+    16-bit q and head sizes that are multiples of 64), implementation="pallas"."""
+    from jaxattn.engine import Engine
     from jaxattn.models import llama
     from jaxattn.models.llama import LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, dtype="bfloat16",
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, dtype="bfloat16",
     )  # fmt: skip
     params = llama.init_params(cfg, jax.random.key(0))
     engine = Engine(
         cfg, params, num_pages=24, page_size=8, max_batch_tokens=32, implementation="pallas",
-        debug=True,
+        debug=True, **kw,
     )  # fmt: skip
+    return engine, cfg, params
+
+
+def test_engine_runs_on_the_mosaic_gpu_kernels(no_triton):
+    """The engine with implementation="pallas": the paged prefill (no kernel reads the token
+    pool) and the Mosaic GPU decode by default, reported in its stats; a bf16 model
+    generates what the dense model verifies."""
+    from jaxattn.engine import check_outputs
+
+    engine, cfg, params = _bf16_engine()
     assert engine.runner.extend_attention == "prefix_prefill"
     assert engine.stats["attention_lowering"] == {"extend": "mosaic_gpu", "decode": "mosaic_gpu"}
     rng = np.random.default_rng(0)
@@ -183,6 +192,17 @@ def test_engine_runs_on_the_mosaic_gpu_kernels(no_triton):
     out = engine.generate(prompts, 5)
     report = check_outputs(params, cfg, prompts, out, max_new_tokens=5)
     assert report.ok and report.checked == 15, report.problems[:5]
+
+
+def test_engine_refuses_interpreted_mosaic_gpu_kernels_over_several_cpu_devices(no_triton):
+    """JAX's interpreter of Mosaic GPU kernels fails or hangs in the engine's programs over
+    several CPU devices: the engine says so at construction instead."""
+    if jax.default_backend() != "cpu" or jax.device_count() < 2:
+        pytest.skip("two CPU devices")
+    from helpers import mesh_of
+
+    with pytest.raises(NotImplementedError, match="2 CPU devices"):
+        _bf16_engine(mesh=mesh_of(2))
 
 
 def test_imports_without_the_triton_module():

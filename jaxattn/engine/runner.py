@@ -866,9 +866,25 @@ class ModelRunner:
         # The Pallas kernels' lowering each step kind resolves to ("triton", "mosaic_gpu";
         # None for backends without one).
         self.lowerings = {k: getattr(r.config, "lowering", None) for k, r in resolved.items()}
+        # JAX's interpreter of Mosaic GPU kernels (jax 0.10 and 0.11) fails or hangs in the
+        # step programs over several CPU devices: an assertion on a barrier left allocated,
+        # or a callback that never returns.
+        interpreted_tp = self.tp is not None and self.tp.size > 1 and platform == "cpu"
+        mosaic = [k for k, lowering in self.lowerings.items() if lowering == "mosaic_gpu"]
+        if interpreted_tp and mosaic:
+            raise NotImplementedError(
+                f"the {' and '.join(mosaic)} steps would interpret Mosaic GPU kernels in a "
+                f"program over {self.tp.size} CPU devices, where JAX's interpreter fails or "
+                "hangs; "
+                "use one device, implementation='reference', or the Triton lowering "
+                "(pallas_decode_lowering='triton', where this JAX has it)"
+            )
         # Cascade decode's backend (None: none serves this pool; decode stays paged).
         try:
-            self.cascade_backend = self._resolve("cascade", implementation).backend
+            cascade = self._resolve("cascade", implementation)
+            self.cascade_backend = cascade.backend
+            if interpreted_tp and getattr(cascade.config, "lowering", None) == "mosaic_gpu":
+                self.cascade_backend = None
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
         self.decode_linear = _decode_linear(decode_linear, platform, self.tp, model)
