@@ -1,51 +1,39 @@
 """Pallas GPU kernels: paged decode, extend, prefix-prefill and cascade attention.
 
-Lowering: the kernels are written for the Pallas *Triton* lowering
-(``jax.experimental.pallas.triton``), not Mosaic GPU. Reasons:
+Two lowerings:
 
-* the paged KV reads are gathers (a block-table or slot lookup per token). The Triton
-  lowering expresses them as pointer tensors with masked loads, which Triton pipelines
-  with asynchronous copies; Mosaic GPU moves data with TMA, whose tiles are rectangles
-  of one tensor, so a page-granular gather would need one TMA per page;
-* the same kernel source runs in Pallas interpret mode on the CPU, which is how CI
-  tests it, and compiles for AMD GPUs as well as NVIDIA;
-* on Hopper, Triton turns the tile dots into wgmma by itself (an ncu profile of the extend
-  kernel shows HGMMA and cp.async in its SASS), which is what the extend kernel (compute
-  bound) needs; decode is memory bound and needs wide loads in flight, not a particular
-  matrix instruction.
+* Pallas' *Triton* lowering (:mod:`.decode`, :mod:`.extend`, :mod:`.cascade`), the first
+  kernels: a paged KV read is a gather (a block-table or slot lookup per token, pointer
+  tensors with masked loads that Triton pipelines with asynchronous copies); the same source
+  runs in interpret mode on the CPU and compiles for NVIDIA and AMD GPUs. JAX 0.11
+  deprecates this lowering and announces its removal.
+* *Mosaic GPU* (:mod:`.decode_mgpu`, :mod:`.prefill_mgpu`, :mod:`.cascade_mgpu`,
+  :mod:`.merge_mgpu`; sm_90, interpreted on the CPU): per-page TMA copies into rings,
+  wgmma, warp specialisation, which the Triton lowering does not express.
 
-Measured on an H200 (bf16, D=128, Hq/Hkv 32/8; ``benchmarks/RESULTS.md``): decode reads the
-paged KV at 77-105% of the device-to-device copy bandwidth (read + write), about twice
-JAX's own Pallas paged decode; extend reaches 316 TFLOP/s on 8 x (2048 + 512) and 382 on
-1 x (0 + 8192), 0.78x and 0.71x cuDNN's flash attention, 1.5x JAX's own Pallas (Triton)
-flash attention on the first and level with it on the second. What separates it from
-cuDNN and from JAX's Mosaic GPU attention (0.89x cuDNN on the first) is warp
-specialisation with TMA-fed pipelines, which the Triton lowering does not express;
-jax 0.11 also deprecates that lowering (it warns at each lowering), so a Mosaic GPU
-extend kernel, with page-granular copies, is the next step for this backend.
+The first Triton-lowered kernels measured on an H200 (bf16, D=128, Hq/Hkv 32/8;
+``benchmarks/RESULTS.md``): decode at 77-105% of the device-to-device copy bandwidth (read +
+write), about twice JAX's own Pallas paged decode; extend at 316 TFLOP/s on 8 x (2048 + 512)
+and 382 on 1 x (0 + 8192), 0.78x and 0.71x cuDNN's flash attention.
 
-For that port, what was checked on jax 0.10.2's Mosaic GPU interpret mode
-(``InterpretGPUParams``, on the CPU): a block-table row copied to shared memory, a page id read
-from it as a scalar, and one TMA copy of that page's slab of one KV head
-(``k_cache.at[page, :, head, :]``, a strided ``[page_size, head_dim]`` box of the bshd pool)
-into shared memory behind a barrier, exact. So the per-page copies the paged kernels need are
-expressible there. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written for it
-(paged decode: TMA page copies into a ring, wgmma, split-KV partitions merged exactly),
-tested in interpret mode and compiled on an H200 against the reference with the unread slots
-poisoned. It reads q and writes a one-pass output in their own layout (no XLA kernel around
-it). On an H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the Triton kernel
-88% in the same run) and 94% (95%) with 32/32 heads, so ``paged_attention`` runs it by
-default on sm_90 for 16-bit caches with head_dim 128 and tables of at least 1024 tokens
-(:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one kernel
-that reads the partitions' states in place, on the Mosaic GPU lowering too at head_dim 128
+On Mosaic GPU a page of one KV head is a strided ``[page_size, head_dim]`` box of the bshd pool
+(``k_cache.at[page, :, head, :]``), one TMA copy after the page id is read from the block-table
+row in shared memory. :mod:`jaxattn.pallas.decode_mgpu` is the first kernel written for it
+(paged decode: TMA page copies into a ring, wgmma, split-KV partitions merged exactly), tested
+in interpret mode and compiled on an H200 against the reference with the unread slots poisoned.
+It reads q and writes a one-pass output in their own layout (no XLA kernel around it). On an
+H200 it reads the KV at 91% of the read ceiling at B=64 x 4096 (the Triton kernel 88% in the
+same run) and 94% (95%) with 32/32 heads, so ``paged_attention`` runs it by default on sm_90
+for 16-bit caches with head_dim 128 and tables of at least 1024 tokens
+(:func:`decode_mgpu.serves_by_default`), split grids included: their merge is one kernel that
+reads the partitions' states in place, on the Mosaic GPU lowering too at head_dim 128
 (:mod:`jaxattn.pallas.merge_mgpu`, round 39: 1.5-1.8 us where the Triton-lowered
 :func:`decode.combine` took 1.7-1.8 us in the same job), so those calls launch no Triton
 kernel; the split rows took 0.7-3.6% less device time than the Triton kernel's (B=8 x 4096:
-76-77% of the read ceiling, B=1 x 32768: 76-78%, rounds 35-39). Head_dim 64
-(the Triton kernel 2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at
-batch 256) keep the Triton kernel, and so do the engine's decode steps (8804 against 9383 generated
-tok/s on its 1b workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names
-either.
+76-77% of the read ceiling, B=1 x 32768: 76-78%, rounds 35-39). Head_dim 64 (the Triton kernel
+2-25% faster at batch 64 and 256, round 34) and 512-token tables (7% at batch 256) keep the
+Triton kernel, and so do the engine's decode steps (8804 against 9383 generated tok/s on its 1b
+workload, head_dim 64; round 33); ``DecodeConfig(lowering=...)`` names either.
 :mod:`jaxattn.pallas.prefill_mgpu` is the second (prefix prefill over a paged cache: the same
 page ring, the query heads of a KV head packed into the tiles, the shifted causal mask),
 tested in interpret mode and compiled on an H200 (FP8 caches included). Its warp-specialised
@@ -121,8 +109,8 @@ class _Pallas(KernelImplementation):
     def available(self, platform):
         if platform not in _PLATFORMS:
             return (
-                "the Pallas kernels use the Triton lowering and need a GPU (or the CPU "
-                f"interpreter); platform is {platform!r}"
+                "the Pallas kernels need an NVIDIA or AMD GPU (or the CPU interpreter); "
+                f"platform is {platform!r}"
             )
         return None
 

@@ -27,15 +27,15 @@ _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 def resolve_interpret(interpret: bool | None) -> bool:
     """None means: interpret exactly when running on the CPU.
 
-    The kernels use the Triton lowering, so the only hardware targets are NVIDIA and
-    AMD GPUs; any other platform (a TPU, say) cannot run them compiled.
+    The kernels' hardware targets are NVIDIA and AMD GPUs; any other platform (a TPU,
+    say) cannot run them compiled.
     """
     backend = jax.default_backend()
     if interpret is None:
         interpret = backend == "cpu"
     if not interpret and backend not in _GPU_BACKENDS:
         raise NotImplementedError(
-            f"the Pallas kernels use the Triton lowering and need a GPU; platform is {backend!r}"
+            f"the Pallas kernels need an NVIDIA or AMD GPU; platform is {backend!r}"
         )
     return bool(interpret)
 
