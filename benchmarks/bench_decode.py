@@ -137,9 +137,9 @@ def main(argv=None):
         "--mgpu",
         default=None,
         help="time the Mosaic GPU decode (jaxattn.pallas.decode_mgpu) in these configurations: "
-        "stages|auto:pages_per_step:partition_pages|auto[:w1|w2][:rC/M][:triton|mosaic_gpu],... "
-        "(w1: one warpgroup; w2: a copy warpgroup too; rC/M: their registers; triton, "
-        "mosaic_gpu: the split grid's merge; e.g. auto:4:auto,2:4:auto:w1)",
+        "stages|auto:pages_per_step:partition_pages|auto[:w1|w2][:rC/M][:triton|mosaic_gpu|xla]"
+        ",... (w1: one warpgroup; w2: a copy warpgroup too; rC/M: their registers; triton, "
+        "mosaic_gpu, xla: the split grid's merge; e.g. auto:4:auto,2:4:auto:w1)",
     )
     p.add_argument(
         "--triton",
@@ -299,7 +299,8 @@ def mgpu_config(spec: str) -> dict:
     """``stages:pages_per_step:partition_pages|auto[:flag...]`` -> keywords of
     :func:`jaxattn.pallas.decode_mgpu.paged_attention` (``auto`` stages: the kernel's
     default); flags: ``w1`` (one warpgroup), ``w2`` (a copy warpgroup beside the compute
-    one), ``rC/M`` (their registers), ``triton`` / ``mosaic_gpu`` (the split grid's merge)."""
+    one), ``rC/M`` (their registers), ``triton`` / ``mosaic_gpu`` / ``xla`` (the split grid's
+    merge)."""
     stages, per_step, part, *flags = spec.split(":")
     kw = dict(pages_per_step=int(per_step))
     if stages != "auto":
@@ -313,7 +314,7 @@ def mgpu_config(spec: str) -> dict:
             kw["specialized"] = True
         elif flag.startswith("r"):
             kw["registers"] = tuple(int(r) for r in flag[1:].split("/"))
-        elif flag in ("triton", "mosaic_gpu"):
+        elif flag in ("triton", "mosaic_gpu", "xla"):
             kw["merge"] = flag
         else:
             raise SystemExit(f"--mgpu: unknown flag {flag!r} in {spec!r}")
