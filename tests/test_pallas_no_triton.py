@@ -170,9 +170,9 @@ def _bf16_engine(**kw):
         num_attention_heads=2, num_key_value_heads=2, head_dim=64, dtype="bfloat16",
     )  # fmt: skip
     params = llama.init_params(cfg, jax.random.key(0))
+    kw = dict(implementation="pallas") | kw
     engine = Engine(
-        cfg, params, num_pages=24, page_size=8, max_batch_tokens=32, implementation="pallas",
-        debug=True, **kw,
+        cfg, params, num_pages=24, page_size=8, max_batch_tokens=32, debug=True, **kw
     )  # fmt: skip
     return engine, cfg, params
 
@@ -192,6 +192,20 @@ def test_engine_runs_on_the_mosaic_gpu_kernels(no_triton):
     out = engine.generate(prompts, 5)
     report = check_outputs(params, cfg, prompts, out, max_new_tokens=5)
     assert report.ok and report.checked == 15, report.problems[:5]
+
+
+def test_engine_fp8_pool_keeps_the_kernels(no_triton):
+    """An FP8 pool with implementation=("pallas", "reference"): the Mosaic GPU prefill and
+    decode serve it (the paged prefill: the list names Pallas first); the cascade decode,
+    which only the spec would serve, is off (the spec is no kernel to trade paged decode
+    for)."""
+    engine, _, _ = _bf16_engine(implementation=("pallas", "reference"), kv_dtype="fp8_e4m3")
+    assert engine.runner.extend_attention == "prefix_prefill"
+    assert engine.stats["attention_lowering"] == {"extend": "mosaic_gpu", "decode": "mosaic_gpu"}
+    assert engine.runner.backends == {"extend": "pallas", "decode": "pallas"}
+    assert engine.runner.cascade_backend is None and engine.cascade == "off"
+    out = engine.generate([[5, 9, 11, 3, 2, 8, 1, 4, 6, 7, 12, 13], [5, 9, 11]], 3)
+    assert [len(o) for o in out] == [3, 3]
 
 
 def test_engine_refuses_interpreted_mosaic_gpu_kernels_over_several_cpu_devices(no_triton):

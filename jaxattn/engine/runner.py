@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import backend as _backend
 from jaxattn import kv as _kv
 from jaxattn import layout as _layout
 from jaxattn import ops
@@ -646,9 +647,13 @@ _UPDATE = jax.jit(_counted("update", _update_fn), donate_argnums=(0,))
 _COPY = jax.jit(_counted("copy", _copy_fn), donate_argnums=(0, 1), static_argnames=("layout", "tp"))
 
 
-def _pallas_triton_missing() -> bool:
-    """Whether the Pallas backend runs without its Triton lowering here (then only its Mosaic
-    GPU kernels serve: no token-pool extend, the Mosaic GPU decode)."""
+def _pallas_triton_missing(implementation) -> bool:
+    """Whether ``implementation`` tries the Pallas backend first and that backend runs without
+    its Triton lowering here (then only its Mosaic GPU kernels serve: no token-pool extend,
+    the Mosaic GPU decode)."""
+    names, _ = _backend.candidates(implementation)
+    if names[0] != "pallas":
+        return False
     from ..pallas import _triton
 
     return _triton.missing() is not None
@@ -775,7 +780,7 @@ class ModelRunner:
         kv_dtype=None,
         kv_scales=None,
     ):
-        no_triton = implementation == "pallas" and _pallas_triton_missing()
+        no_triton = _pallas_triton_missing(implementation)
         if extend_attention is None:
             extend_attention = "extend" if layout == "bshd" else "prefix_prefill"
             if no_triton:  # no Pallas kernel reads a token pool without the Triton lowering
@@ -879,11 +884,15 @@ class ModelRunner:
                 "use one device, implementation='reference', or the Triton lowering "
                 "(pallas_decode_lowering='triton', where this JAX has it)"
             )
-        # Cascade decode's backend (None: none serves this pool; decode stays paged).
+        # Cascade decode's backend (None: none serves this pool; decode stays paged). The
+        # spec is no cascade kernel: it serves only where the decode steps run the spec too
+        # (a kernel backend's paged decode is not traded for XLA's attention).
         try:
             cascade = self._resolve("cascade", implementation)
             self.cascade_backend = cascade.backend
             if interpreted_tp and getattr(cascade.config, "lowering", None) == "mosaic_gpu":
+                self.cascade_backend = None
+            if cascade.backend == "reference" and self.backends["decode"] != "reference":
                 self.cascade_backend = None
         except (NotImplementedError, ValueError, TypeError):
             self.cascade_backend = None
