@@ -261,28 +261,33 @@ def fp8_cache(k, v, k_scale, v_scale, fmt, layout="bshd"):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "fmt, layout, specialized, part",
+    "fmt, layout, specialized, part, hkv",
     [
-        (jnp.float8_e4m3fn, "bshd", True, None),
-        (jnp.float8_e5m2, "bhsd", False, None),
+        (jnp.float8_e4m3fn, "bshd", True, None, 2),
+        (jnp.float8_e5m2, "bhsd", False, None, 2),
         # the copy warpgroup widening a split grid's steps, partitions ending mid-sequence
-        (jnp.float8_e5m2, "bshd", True, 4),
+        (jnp.float8_e5m2, "bshd", True, 4, 2),
+        # more than 32 KV heads: the value scales follow the score factors padded to 64
+        (jnp.float8_e4m3fn, "bshd", False, None, 33),
     ],
 )
-def test_fp8_caches(fmt, layout, specialized, part, interpret):
+def test_fp8_caches(fmt, layout, specialized, part, hkv, interpret):
     """FP8 caches with per-KV-head scales: each step widened to float16 in shared memory (by
     the copy warpgroup when there is one), q moved to float16 by a power of two per KV head;
-    NaN codes in unread slots stay out; through the public op as well. Interpreted on the
+    each KV head its own scales (33 heads too); NaN codes in unread slots stay out;
+    through the public op as well. Interpreted on the
     CPU device on a GPU machine too (JAX's GPU interpreter runs each warpgroup as a program
     of its own and has stalled with them on an H200, see test_pallas_mgpu_prefill)."""
     device = jax.devices("cpu")[0] if interpret else jax.devices()[0]
     case = poisoned_case(
-        13, batch=3, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 1, 150],
-        layout=layout, dtype=jnp.bfloat16,
+        13, batch=3 if hkv < 8 else 2, hq=4 * hkv if hkv < 8 else hkv, hkv=hkv, d=64, page=16,
+        pages=40, width=12, lens=[70, 1, 150] if hkv < 8 else [40, 1], layout=layout,
+        dtype=jnp.bfloat16,
     )  # fmt: skip
     q, k, v, tables, lens = jax.device_put(case, device)
     with jax.default_device(device):
-        ks, vs = jnp.asarray([0.5, 2.0], jnp.float32), jnp.asarray([1.5, 0.25], jnp.float32)
+        ks = jnp.linspace(0.5, 2.0, hkv, dtype=jnp.float32)
+        vs = jnp.linspace(1.5, 0.25, hkv, dtype=jnp.float32)
         k8, v8 = fp8_cache(k, v, ks, vs, fmt, layout)
         kw = dict(k_scale=ks, v_scale=vs, layout=layout)
         out = decode_mgpu.paged_attention(
@@ -293,7 +298,7 @@ def test_fp8_caches(fmt, layout, specialized, part, interpret):
         assert_close(out, want)
         with pytest.raises(NotImplementedError, match="FP8 caches only"):
             decode_mgpu.paged_attention(q, k, v, tables, lens, interpret=interpret, **kw)
-    if interpret and jax.default_backend() != "cpu":
+    if (interpret and jax.default_backend() != "cpu") or hkv > 8:
         return  # the public op compiles on a GPU: the compiled mode covers it
     cfg = jaxattn.pallas.DecodeConfig(lowering="mosaic_gpu")
     out = jaxattn.paged_attention(

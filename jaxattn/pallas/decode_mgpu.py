@@ -156,8 +156,9 @@ def _kernel_call(
     D]`` in ``out_dtype``, normalised in the kernel. Several (or ``partials``): (acc
     f32[B, parts, Hkv, group, D] unnormalised, ml f32[B, parts, Hkv, 2, 64]: base-2 max and
     sum) of every partition, laid out for the merge. q is ``[B, Hkv, group, D]`` (its ``[B,
-    Hq, D]`` viewed so); FP8 caches: q is float16 and ``factors`` f32[64] each KV head's
-    score factor (:func:`._mgpu.to_float16`) in entries 0-31 and value scale in 32-63.
+    Hq, D]`` viewed so); FP8 caches: q is float16 and ``factors`` f32[2 * H32] each KV head's
+    score factor (:func:`._mgpu.to_float16`) in its first half and value scale in its second
+    (H32: Hkv rounded up to a multiple of 32, :func:`fp8_factors`).
 
     ``second``: (q, tables, lens, partition_pages, capacity) of a second problem over the
     same caches, run by the same launch (a flat grid: the first problem's blocks, then the
@@ -333,7 +334,7 @@ def _kernel_call(
                 # (Added as a scalar: a select on a scalar predicate is no vector op there.)
                 poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
                 if fp8:  # the output is linear in the values
-                    acc = acc * fac_smem[32 + h]
+                    acc = acc * fac_smem[fac_smem.shape[0] // 2 + h]
                 # Only the group's rows leave: the padding rows of the tile are never read.
                 if one_pass:
                     # Normalised here (a row with no key, l = 0, is 0, as the merge makes it).
@@ -536,10 +537,7 @@ def _paged_attention(
     factors = None
     qk = q
     if fp8:
-        qk, factor = M.to_float16(q, Hkv, k_scale)
-        factors = jnp.concatenate(
-            [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, Hkv), 0, 32)]
-        )
+        qk, factors = fp8_factors(q, Hkv, k_scale, v_scale)
     outs = _kernel_call(
         qk.reshape(B, Hkv, G, D),
         k_cache,
@@ -616,6 +614,17 @@ def _table_windows(block_tables, partition_pages: int):
     if width != W:
         tables = jnp.pad(tables, ((0, 0), (0, width - W)))
     return tables
+
+
+def fp8_factors(q, num_kv_heads: int, k_scale, v_scale):
+    """An FP8 cache's kernel inputs: q as float16 and the factors f32[2 * H32] (each KV
+    head's score factor, :func:`._mgpu.to_float16`, then its value scale; each half padded
+    to H32, ``num_kv_heads`` rounded up to a multiple of 32, the copies' granule)."""
+    q16, factor = M.to_float16(q, num_kv_heads, k_scale)
+    factors = jnp.concatenate(
+        [M.pad_to(factor, 0, 32), M.pad_to(M.head_vector(v_scale, num_kv_heads), 0, 32)]
+    )
+    return q16, factors
 
 
 def partial_states(
