@@ -298,7 +298,8 @@ def _kernel_call(
     factors=None,
 ):
     """f32 ``[Hkv, R, D]``: each tile's normalised rows. FP8 caches: q_packed is float16
-    and ``factors`` f32[32] each KV head's score factor (:func:`._mgpu.to_float16`)."""
+    and ``factors`` f32[H32] (Hkv rounded up to a multiple of 32) each KV head's score
+    factor (:func:`._mgpu.to_float16`)."""
     Hkv, R, D = q_packed.shape
     NT, G, NS, dtype = R // ROWS, group, stages, q_packed.dtype
     P, S = geom.num_pages, geom.page_size
