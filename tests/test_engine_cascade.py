@@ -323,3 +323,23 @@ def test_level_values_compile_nothing_new():
 def test_bad_cascade_settings(kw, field):
     with pytest.raises(ValueError, match=f"ExecutionConfig.{field} "):
         ExecutionConfig(**kw)
+
+
+def test_the_spec_is_no_cascade_beside_a_kernel_decode(monkeypatch):
+    """Where cascade decode would resolve to the spec while the decode steps run a kernel
+    backend, cascade stays off ("on" is refused): XLA's attention is not traded for the
+    backend's paged decode. Beside the spec's own decode it serves."""
+    from jaxattn.engine.runner import ModelRunner
+
+    resolve = ModelRunner._resolve
+
+    def spec_cascade(self, kind, implementation):
+        return resolve(self, kind, "reference" if kind == "cascade" else implementation)
+
+    monkeypatch.setattr(ModelRunner, "_resolve", spec_cascade)
+    engine = make_engine(implementation="native")
+    assert engine.runner.backends["decode"] == "native"
+    assert engine.runner.cascade_backend is None and engine.cascade == "off"
+    with pytest.raises(ValueError, match="no cascade decode backend"):
+        make_engine(implementation="native", cascade="on")
+    assert make_engine(implementation="reference").runner.cascade_backend == "reference"

@@ -163,7 +163,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="multiple of 64"):
         f(q, k, k, t, n, pages_per_step=2)
     with pytest.raises(ValueError, match="merge must be one of"):
-        f(q, k, k, t, n, merge="xla")
+        f(q, k, k, t, n, merge="jnp")
     # head_dim 64: a row is less than one float a thread of the Mosaic GPU merge's warpgroup
     with pytest.raises(NotImplementedError, match="Mosaic GPU merge takes head_dim"):
         f(q, k, k, t, n, merge="mosaic_gpu")

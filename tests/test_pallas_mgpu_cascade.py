@@ -198,15 +198,52 @@ def test_memory_safety_contract(interpret, damage):
     assert_close(out[~bad], want[~bad], jnp.bfloat16)
 
 
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "fmt, batch, layout, heads, d", [
+        (jnp.float8_e4m3fn, "mixed", "bshd", (8, 2), 64),
+        (jnp.float8_e5m2, "shared", "bhsd", (8, 1), 128),
+    ],
+)  # fmt: skip
+def test_fp8_caches(fmt, batch, layout, heads, d, interpret):
+    """FP8 caches with per-KV-head scales: both levels widen each step to float16 in shared
+    memory, q (the prefix tiles' gathered rows too) moved to float16 by a power of two per KV
+    head, the values' scale applied to each part; against the spec on the stored values,
+    NaN codes in unread slots."""
+    prefixes, prefix_of, own = CASCADE_BATCHES[batch]
+    c = make_cascade(
+        np.random.default_rng(21), prefixes, prefix_of, own, num_q_heads=heads[0],
+        num_kv_heads=heads[1], head_dim=d, page_size=16, layout=layout, dtype=jnp.bfloat16,
+        kv_dtype=fmt,
+    )  # fmt: skip
+    assert c.k_scale is not None
+    out = call_cascade(cascade_mgpu.cascade_attention, c, interpret=interpret)
+    assert_close(out, spec_cascade(c), jnp.bfloat16)
+
+
+def test_fp8_lowers_for_cuda():
+    """The FP8 path of both levels in one launch, compiled for CUDA: no Triton kernel at
+    head_dim 128."""
+    pool = (512, 16, 8, 128)
+    f8, i32 = jnp.float8_e4m3fn, jnp.int32
+    args = (
+        jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct(pool, f8),
+        jax.ShapeDtypeStruct(pool, f8), jax.ShapeDtypeStruct((1, 256), i32),
+        jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((64,), i32),
+        jax.ShapeDtypeStruct((64, 16), i32), jax.ShapeDtypeStruct((64,), i32),
+        jax.ShapeDtypeStruct((8,), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32),
+    )  # fmt: skip
+
+    def f(*a):
+        *a, ks, vs = a
+        return cascade_mgpu.cascade_attention(*a, k_scale=ks, v_scale=vs, interpret=False)
+
+    assert "mosaic_gpu" in export_cuda(f, *args, triton=False).mlir_module()
+
+
 def test_refusals():
     c = case_of(1, "mixed", "bshd", jnp.bfloat16, (8, 2), 64, 16)
-    with pytest.raises(NotImplementedError, match="16-bit"):
-        k8, v8 = c.k_cache.astype(jnp.float8_e4m3fn), c.v_cache.astype(jnp.float8_e4m3fn)
-        cascade_mgpu.cascade_attention(
-            c.q, k8, v8, c.prefix_tables, c.prefix_lens, c.prefix_of, c.block_tables,
-            c.seq_lens, interpret=True,
-        )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="scales"):
+    with pytest.raises(NotImplementedError, match="FP8 caches only"):
         call_cascade(
             cascade_mgpu.cascade_attention, c, k_scale=jnp.ones(2), v_scale=jnp.ones(2),
             interpret=True,

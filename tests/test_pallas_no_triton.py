@@ -195,15 +195,13 @@ def test_engine_runs_on_the_mosaic_gpu_kernels(no_triton):
 
 
 def test_engine_fp8_pool_keeps_the_kernels(no_triton):
-    """An FP8 pool with implementation=("pallas", "reference"): the Mosaic GPU prefill and
-    decode serve it (the paged prefill: the list names Pallas first); the cascade decode,
-    which only the spec would serve, is off (the spec is no kernel to trade paged decode
-    for)."""
+    """An FP8 pool with implementation=("pallas", "reference"): the Mosaic GPU prefill,
+    decode and cascade decode serve it (the paged prefill: the list names Pallas first)."""
     engine, _, _ = _bf16_engine(implementation=("pallas", "reference"), kv_dtype="fp8_e4m3")
     assert engine.runner.extend_attention == "prefix_prefill"
     assert engine.stats["attention_lowering"] == {"extend": "mosaic_gpu", "decode": "mosaic_gpu"}
     assert engine.runner.backends == {"extend": "pallas", "decode": "pallas"}
-    assert engine.runner.cascade_backend is None and engine.cascade == "off"
+    assert engine.runner.cascade_backend == "pallas"
     out = engine.generate([[5, 9, 11, 3, 2, 8, 1, 4, 6, 7, 12, 13], [5, 9, 11]], 3)
     assert [len(o) for o in out] == [3, 3]
 

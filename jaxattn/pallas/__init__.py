@@ -66,8 +66,8 @@ Without the Triton lowering (a JAX that has dropped it, or ``JAXATTN_PALLAS_TRIT
 :mod:`jaxattn.pallas._triton`) the package still imports and ``implementation="pallas"``
 runs the Mosaic GPU kernels for every op that has one, whatever the shape's default above:
 paged decode (its split merged by XLA's reductions where the Mosaic GPU merge does not take
-the head size, :func:`decode.combine_levels_jnp`), prefix prefill and cascade decode
-(16-bit caches). What only a Triton-lowered kernel serves (the token-pool
+the head size, :func:`decode.combine_levels_jnp`), prefix prefill and cascade decode (16-bit
+and FP8 caches). What only a Triton-lowered kernel serves (the token-pool
 ``extend_attention``, page sizes under 8, float32) is refused with the reason, so a list of
 backends falls through to the next.
 
@@ -223,8 +223,8 @@ class _CascadeAttention(_Pallas):
         why = _mosaic_platform_reason(a) or cascade_mgpu.unsupported(
             a.q, a.k_cache, a.v_cache, a.layout.name
         )
-        if why is None and a.scaled:
-            why = "the Mosaic GPU cascade decode takes no k/v scales (16-bit caches)"
+        if why is None and a.scaled and not Q.is_fp8(a.k_cache.dtype):
+            why = "the Mosaic GPU cascade decode takes k/v scales with FP8 caches only"
         return why
 
     def heuristic_config(self, a):

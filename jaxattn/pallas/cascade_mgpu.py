@@ -1,7 +1,9 @@
 """Cascade decode on Pallas' Mosaic GPU lowering (sm_90): both levels run the paged-decode
 kernel of :mod:`jaxattn.pallas.decode_mgpu` (TMA page copies into a ring, wgmma), and one
-exact merge follows. ``CascadeConfig(lowering="mosaic_gpu")`` names it; 16-bit caches (FP8
-caches keep the Triton-lowered kernel of :mod:`jaxattn.pallas.cascade`).
+exact merge follows. ``CascadeConfig(lowering="mosaic_gpu")`` names it; 16-bit caches, and
+FP8 caches with per-KV-head scales (each step widened to float16 in shared memory, q moved
+to float16, as the decode kernel does; not timed: ``implementation="pallas"`` keeps the
+Triton-lowered kernel of :mod:`jaxattn.pallas.cascade` for them where JAX has it).
 ``implementation="pallas"`` runs it by default on sm_90 for 16-bit caches at head_dim 128
 (:func:`serves_by_default`).
 
@@ -62,10 +64,7 @@ def unsupported(q, k_cache, v_cache, layout) -> str | None:
     """Why :func:`cascade_attention` cannot serve these arguments, or None."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     per_step = M.steps_of(None, geom.page_size)
-    why = decode_mgpu.unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step)
-    if why is None and Q.is_fp8(k_cache.dtype):
-        why = "the Mosaic GPU cascade decode reads 16-bit caches (FP8: the Triton-lowered kernel)"
-    return why
+    return decode_mgpu.unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step)
 
 
 def serves_by_default(q, k_cache, v_cache, layout) -> bool:
@@ -159,6 +158,8 @@ def _cascade_attention(
     prefix_of,
     block_tables,
     seq_lens,
+    k_scale,
+    v_scale,
     *,
     scale,
     layout,
@@ -213,7 +214,7 @@ def _cascade_attention(
     states = decode_mgpu.partial_states(
         qa, k_cache, v_cache, ta, la, partition_pages=pa,
         second=second[0] if second else None,
-        rows=who if prefix_pages is not None else None, **kw,
+        rows=who if prefix_pages is not None else None, k_scale=k_scale, v_scale=v_scale, **kw,
     )  # fmt: skip
     # One merge kernel reads both levels' states in place: a request's own parts, then its
     # rows of its tile's prefix parts (none for a request without a prefix).
@@ -261,13 +262,14 @@ def cascade_attention(
     level); ``pages_per_step``: pages a step copies, whole 64-row tiles
     (default: the fewest); ``stages``: steps in flight (>= 2). ``merge``: the merge kernel's
     lowering (:func:`jaxattn.pallas.decode_mgpu.merge_lowering`). ``interpret``: None runs
-    interpret mode exactly on the CPU. Raises ``NotImplementedError`` for what
-    :func:`unsupported` refuses and for scales (16-bit caches only)."""
+    interpret mode exactly on the CPU. ``k_scale`` / ``v_scale``: an FP8 cache's scales
+    (None, a scalar or f32 ``[Hkv]``). Raises ``NotImplementedError`` for what
+    :func:`unsupported` refuses and for scales with a 16-bit cache."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
     why = unsupported(q, k_cache, v_cache, layout)
-    if k_scale is not None or v_scale is not None:
-        why = why or "the Mosaic GPU cascade decode reads 16-bit caches and takes no k/v scales"
+    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
+        why = why or "the Mosaic GPU cascade decode takes k/v scales with FP8 caches only"
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     merge = decode_mgpu.merge_lowering(merge, geom.head_dim)
     B, Hq, _ = q.shape
@@ -303,6 +305,8 @@ def cascade_attention(
         prefix_of,
         block_tables,
         seq_lens,
+        k_scale,
+        v_scale,
         scale=scale,
         layout=layout,
         soft_cap=None if soft_cap is None else float(soft_cap),

@@ -162,8 +162,8 @@ def _kernel_call(
 
     ``second``: (q, tables, lens, partition_pages, capacity) of a second problem over the
     same caches, run by the same launch (a flat grid: the first problem's blocks, then the
-    second's), both with ``partials`` (16-bit caches, one warpgroup); its (acc, ml) follow
-    the first's.
+    second's), both with ``partials`` (one warpgroup; an FP8 cache's ``factors`` serve both,
+    so both q are the same); its (acc, ml) follow the first's.
 
     ``rows``: int32[tables' sequences, slots] or None. Given, the first problem's block of
     sequence ``b`` holds the rows of q's sequences ``rows[b, 0..slots)`` (each q's group of
@@ -176,7 +176,7 @@ def _kernel_call(
     slots = 0 if rows is None else rows.shape[1]
     specs = [_Problem.of(q, tables, partition_pages, capacity, S, partials, slots)]
     if second is not None:
-        assert partials and factors is None and not specialized, "a second problem: 16-bit"
+        assert partials and not specialized, "a second problem: partials, one warpgroup"
         q2, tables2, lens2, partition_pages2, capacity2 = second
         specs.append(_Problem.of(q2, tables2, partition_pages2, capacity2, S, True))
     Hkv = q.shape[1]
@@ -480,12 +480,12 @@ def _kernel_call(
     kw = M.launch_params(interpret)
     if specialized:
         kw |= dict(num_threads=2, thread_name="wg")
+    extra = () if factors is None else (factors,)
     if second is None:
         grid = dict(grid=(Hkv, specs[0].B, specs[0].parts), grid_names=("kvh", "b", "part"))
-        extra = () if factors is None else (factors,)
     else:
         grid = dict(grid=(sum(sp.blocks(Hkv) for sp in specs),), grid_names=("item",))
-        extra = (q2, tables2.reshape(-1), lens2)
+        extra += (q2, tables2.reshape(-1), lens2)
     if rows is not None:
         extra += (rows.reshape(-1).astype(jnp.int32),)
     return plgpu.kernel(entry, out_type=out_type, **grid, **kw)(
@@ -629,18 +629,29 @@ def fp8_factors(q, num_kv_heads: int, k_scale, v_scale):
 
 def partial_states(
     q4, k_cache, v_cache, block_tables, seq_lens, *, layout, scale, soft_cap, partition_pages,
-    pages_per_step, stages, interpret, second=None, rows=None,
+    pages_per_step, stages, interpret, second=None, rows=None, k_scale=None, v_scale=None,
 ):  # fmt: skip
-    """Every partition's unnormalised state over a 16-bit cache, never normalised in the
-    kernel (the levels of :mod:`jaxattn.pallas.cascade_mgpu`): q4 ``[B, Hkv, G, D]`` (``G <=
-    64`` rows of one KV head a sequence) -> acc f32 ``[B, parts, Hkv, G, D]`` and (max, sum)
-    in base 2, f32 ``[B, parts, Hkv, 2, 64]`` (entries past ``G`` unused). Lengths and page
-    ids as :func:`paged_attention` takes them (a sequence they poison: NaN parts).
+    """Every partition's unnormalised state, never normalised in the kernel (the levels of
+    :mod:`jaxattn.pallas.cascade_mgpu`): q4 ``[B, Hkv, G, D]`` (``G <= 64`` rows of one KV
+    head a sequence) -> acc f32 ``[B, parts, Hkv, G, D]`` and (max, sum) in base 2, f32
+    ``[B, parts, Hkv, 2, 64]`` (entries past ``G`` unused). Lengths and page ids as
+    :func:`paged_attention` takes them (a sequence they poison: NaN parts). An FP8 cache
+    (``k_scale`` / ``v_scale`` as :func:`paged_attention` takes them) is widened a step at a
+    time, q moved to float16 (:func:`fp8_factors`); the values come out dequantised.
     ``second``: (q4, block_tables, seq_lens, partition_pages) of another problem over the
-    same caches, run by the same launch (its blocks after the first's); its (acc, ml) follow
-    the first's. ``rows``: int32[tables' sequences, slots], the q sequences whose rows each
-    sequence of the first problem gathers (see :func:`_kernel_call`)."""
+    same caches, run by the same launch (its blocks after the first's; with an FP8 cache its
+    q4 is the first's); its (acc, ml) follow the first's. ``rows``: int32[tables' sequences,
+    slots], the q sequences whose rows each sequence of the first problem gathers (see
+    :func:`_kernel_call`)."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
+    out_dtype, factors = q4.dtype, None
+    if Q.is_fp8(k_cache.dtype):
+        assert second is None or second[0] is q4, "an FP8 launch: one q for both problems"
+        B, Hkv, G, D = q4.shape
+        q16, factors = fp8_factors(q4.reshape(B, Hkv * G, D), Hkv, k_scale, v_scale)
+        q4 = q16.reshape(B, Hkv, G, D)
+        if second is not None:
+            second = (q4, *second[1:])
 
     def prepared(q4, tables, lens, pages):
         """(q, the kernel's tables, lengths, pages a partition, capacity) of a problem."""
@@ -652,8 +663,8 @@ def partial_states(
         q4, k_cache, v_cache, tables, lens, geom=geom, layout=L.get(layout, pool=True).name,
         scale=scale, soft_cap=soft_cap, partition_pages=partition_pages,
         pages_per_step=pages_per_step, stages=stages, capacity=capacity, registers=None,
-        specialized=False, interpret=interpret, out_dtype=q4.dtype, partials=True,
-        second=None if second is None else prepared(*second), rows=rows,
+        specialized=False, interpret=interpret, out_dtype=out_dtype, partials=True,
+        second=None if second is None else prepared(*second), rows=rows, factors=factors,
     )  # fmt: skip
 
 
