@@ -12,6 +12,7 @@ for _flag in _flags:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import zlib  # noqa: E402
@@ -46,6 +47,19 @@ if os.environ.get("JAXATTN_TEST_XLA_CACHE", "1") != "0":
 def pytest_sessionfinish(session):
     if _CACHE_OWNED:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program when a test module ends (jax.clear_caches; the
+    persistent cache above keeps them for a later compile). Each CPU executable holds
+    memory mappings of its own: an xdist worker that kept all of the suite's passed
+    Linux's limit of 65530 mappings a process (vm.max_map_count) late in the run, and XLA's
+    compiler then crashed with a segmentation fault (6014 mappings after one minute of
+    tests/test_pallas_mgpu_cascade.py alone)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
