@@ -272,7 +272,7 @@ def main(argv=None):
         default=None,
         help="also time the Pallas cascade on the Mosaic GPU lowering "
         "(jaxattn.pallas.cascade_mgpu; with --impl pallas) in these configurations: "
-        "prefix_pages|auto:own_pages|auto[:triton|mosaic_gpu],... (pages a partition of each "
+        "prefix_pages|auto:own_pages|auto[:triton|mosaic_gpu|xla],... (pages a partition of each "
         "level; the merge kernel's lowering; bare --mgpu: the defaults)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")

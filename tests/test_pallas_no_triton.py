@@ -129,6 +129,18 @@ def test_triton_kernels_refuse(no_triton):
     )
     with pytest.raises(NotImplementedError, match="Triton lowering.*page_size"):
         call_decode(jaxattn.paged_attention, small, implementation="pallas")
+    # Scales with a 16-bit cache: no Mosaic GPU kernel takes them, so the list falls through.
+    prefill = make_prefix_prefill(
+        rng, [20], [5], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    scales = dict(k_scale=jnp.asarray([0.5, 2.0]), v_scale=jnp.asarray([1.5, 0.25]))
+    with pytest.raises(NotImplementedError, match="Triton lowering.*FP8 caches only"):
+        call_prefill(jaxattn.prefix_prefill, prefill, implementation="pallas", **scales)
+    out = call_prefill(
+        jaxattn.prefix_prefill, prefill, implementation=("pallas", "reference"), **scales
+    )
+    assert_close(out, spec_prefill(prefill, **scales), jnp.bfloat16)
     acc = jnp.zeros((1, 2, 4, 64), jnp.float32)
     stats = jnp.zeros((1, 2, 4), jnp.float32)
     with pytest.raises(NotImplementedError, match="Triton lowering"):

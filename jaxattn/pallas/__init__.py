@@ -81,7 +81,6 @@ in the loops); what the kernels return never exposes that.
 
 import jax
 
-from .. import quant as Q
 from ..backend import KernelImplementation
 from . import _common as C
 from . import _triton
@@ -152,10 +151,8 @@ class _PagedAttention(_Pallas):
         from . import decode_mgpu
 
         why = _mosaic_platform_reason(a) or decode_mgpu.unsupported(
-            a.q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a)
+            a.q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a), scaled=a.scaled
         )
-        if why is None and a.scaled and not Q.is_fp8(a.k_cache.dtype):
-            why = "the Mosaic GPU decode takes k/v scales with FP8 caches only"
         step = a.geometry.page_size * _steps(a)
         if why is None and a.partition_size is not None and a.partition_size % step:
             why = (
@@ -197,8 +194,9 @@ class _PrefixPrefill(_Pallas):
         from . import prefill_mgpu
 
         return _mosaic_platform_reason(a) or prefill_mgpu.unsupported(
-            a.kernel_q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a)
-        )
+            a.kernel_q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a),
+            scaled=a.scaled,
+        )  # fmt: skip
 
     def heuristic_config(self, a):
         from . import prefill_mgpu
@@ -220,12 +218,9 @@ class _CascadeAttention(_Pallas):
     def mosaic_gpu_reason(self, a):
         from . import cascade_mgpu
 
-        why = _mosaic_platform_reason(a) or cascade_mgpu.unsupported(
-            a.q, a.k_cache, a.v_cache, a.layout.name
+        return _mosaic_platform_reason(a) or cascade_mgpu.unsupported(
+            a.q, a.k_cache, a.v_cache, a.layout.name, scaled=a.scaled
         )
-        if why is None and a.scaled and not Q.is_fp8(a.k_cache.dtype):
-            why = "the Mosaic GPU cascade decode takes k/v scales with FP8 caches only"
-        return why
 
     def heuristic_config(self, a):
         from . import cascade_mgpu

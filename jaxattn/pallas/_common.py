@@ -108,7 +108,8 @@ def unsupported(q, k_cache, v_cache, layout) -> str | None:
 def require(q, k_cache, v_cache, layout) -> L.CacheGeometry:
     """The cache geometry, or NotImplementedError when the Triton-lowered kernels cannot
     serve (this JAX without that lowering included: :func:`._triton.missing`)."""
-    reason = _triton.missing() or unsupported(q, k_cache, v_cache, layout)
+    _triton.require()
+    reason = unsupported(q, k_cache, v_cache, layout)
     if reason is not None:
         raise NotImplementedError(reason)
     return L.get(layout, pool=True).geometry(k_cache, v_cache)

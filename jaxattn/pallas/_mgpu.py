@@ -69,8 +69,11 @@ def compiled_16bit(q, k_cache) -> bool:
     return jax.default_backend() == "gpu" and is_sm90()
 
 
-def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int, what: str) -> str | None:
-    """Why the Mosaic GPU ``what`` (decode, prefill) cannot serve these arguments, or None."""
+def unsupported(
+    q, k_cache, v_cache, layout, *, pages_per_step: int, what: str, scaled: bool = False
+) -> str | None:
+    """Why the Mosaic GPU ``what`` (decode, prefill, cascade decode) cannot serve these
+    arguments, or None. ``scaled``: k/v scales are given (FP8 caches take them)."""
     if (why := available()) is not None:
         return why
     name = L.get(layout, pool=True).name
@@ -95,6 +98,8 @@ def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int, what: str) 
             f"the Mosaic GPU {what} needs page_size a multiple of 8 and at most 256 tokens a "
             f"step, got page_size {geom.page_size} x {pages_per_step} pages"
         )
+    if scaled and not Q.is_fp8(k_cache.dtype):
+        return f"the Mosaic GPU {what} takes k/v scales with FP8 caches only"
     return None
 
 

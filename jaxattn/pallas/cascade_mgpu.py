@@ -49,7 +49,6 @@ import jax
 import jax.numpy as jnp
 
 from .. import layout as L
-from .. import quant as Q
 from ..reference import validity as _validity
 from . import _common as C
 from . import _mgpu as M
@@ -60,11 +59,15 @@ from .decode import combine_levels, combine_levels_jnp
 __all__ = ["available", "cascade_attention", "is_sm90", "serves_by_default", "unsupported"]
 
 
-def unsupported(q, k_cache, v_cache, layout) -> str | None:
-    """Why :func:`cascade_attention` cannot serve these arguments, or None."""
+def unsupported(q, k_cache, v_cache, layout, *, scaled: bool = False) -> str | None:
+    """Why :func:`cascade_attention` cannot serve these arguments (``scaled``: with k/v
+    scales), or None."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     per_step = M.steps_of(None, geom.page_size)
-    return decode_mgpu.unsupported(q, k_cache, v_cache, layout, pages_per_step=per_step)
+    return M.unsupported(
+        q, k_cache, v_cache, layout, pages_per_step=per_step, what="cascade decode",
+        scaled=scaled,
+    )  # fmt: skip
 
 
 def serves_by_default(q, k_cache, v_cache, layout) -> bool:
@@ -267,9 +270,8 @@ def cascade_attention(
     :func:`unsupported` refuses and for scales with a 16-bit cache."""
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
-    why = unsupported(q, k_cache, v_cache, layout)
-    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
-        why = why or "the Mosaic GPU cascade decode takes k/v scales with FP8 caches only"
+    scaled = k_scale is not None or v_scale is not None
+    why = unsupported(q, k_cache, v_cache, layout, scaled=scaled)
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
     merge = decode_mgpu.merge_lowering(merge, geom.head_dim)
     B, Hq, _ = q.shape

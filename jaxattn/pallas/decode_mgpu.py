@@ -59,9 +59,14 @@ from .decode import combine, combine_levels_jnp
 __all__ = ["available", "default_partition_pages", "is_sm90", "paged_attention", "unsupported"]
 
 
-def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
-    """Why :func:`paged_attention` cannot serve these arguments, or None."""
-    return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode")
+def unsupported(
+    q, k_cache, v_cache, layout, *, pages_per_step: int, scaled: bool = False
+) -> str | None:
+    """Why :func:`paged_attention` cannot serve these arguments (``scaled``: with k/v
+    scales), or None."""
+    return _unsupported(
+        q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="decode", scaled=scaled
+    )
 
 
 # Where the default rule takes this kernel (H200, ``benchmarks/RESULTS.md`` rounds 34-35): head_dim
@@ -755,10 +760,9 @@ def paged_attention(
         registers = tuple(int(r) for r in registers)
         if len(registers) != 2 or any(r % 8 or not 24 <= r <= 256 for r in registers):
             raise ValueError(f"registers must be two multiples of 8 in [24, 256], got {registers}")
-    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
+    scaled = k_scale is not None or v_scale is not None
+    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, scaled=scaled)
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
-    if (k_scale is not None or v_scale is not None) and not Q.is_fp8(k_cache.dtype):
-        raise NotImplementedError("the Mosaic GPU decode takes k/v scales with FP8 caches only")
     merge = merge_lowering(merge, geom.head_dim)
     return _paged_attention(
         q,

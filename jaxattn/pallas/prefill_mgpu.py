@@ -96,9 +96,14 @@ MAX_PAGES = 256 * 32  # a table row is one copy of [width / 32, 32] (<= 256 alon
 SMEM_SLACK = 8 * 1024  # the records, barriers and 1 KiB alignments beside the ring and q
 
 
-def unsupported(q, k_cache, v_cache, layout, *, pages_per_step: int) -> str | None:
-    """Why :func:`prefix_prefill` cannot serve these arguments, or None."""
-    return _unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill")
+def unsupported(
+    q, k_cache, v_cache, layout, *, pages_per_step: int, scaled: bool = False
+) -> str | None:
+    """Why :func:`prefix_prefill` cannot serve these arguments (``scaled``: with k/v
+    scales), or None."""
+    return _unsupported(
+        q, k_cache, v_cache, layout, pages_per_step=pages_per_step, what="prefill", scaled=scaled
+    )
 
 
 def serves_by_default(q, k_cache, v_cache, layout, block_tables) -> bool:
@@ -816,9 +821,8 @@ def prefix_prefill(
     if pages_per_step is None:
         pages_per_step = default_pages_per_step(form, stages, geom.page_size)
     pages_per_step = M.steps_of(pages_per_step, geom.page_size)
-    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step)
-    if (k_scale is not None or v_scale is not None) and not fp8:
-        why = why or "the Mosaic GPU prefill takes k/v scales with FP8 caches only"
+    scaled = k_scale is not None or v_scale is not None
+    why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, scaled=scaled)
     if block_tables.ndim == 2 and block_tables.shape[1] > MAX_PAGES:
         why = why or (
             f"the Mosaic GPU prefill copies block-table rows of up to {MAX_PAGES} pages, got "
