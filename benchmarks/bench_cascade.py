@@ -158,7 +158,12 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         if config is not None:
             row["config"] = config
         row |= common.measure(
-            run, inputs, samples=args.samples, target_s=args.target_s, expected=expected
+            run,
+            inputs,
+            samples=args.samples,
+            target_s=args.target_s,
+            expected=expected,
+            timing=args.timing,
         )
         record(row)
         if args.profile and "us" in row:
@@ -179,18 +184,29 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         # The Pallas cascade on the Mosaic GPU lowering (jaxattn.pallas.cascade_mgpu), each
         # configuration against the same paged decode.
         for spec in args.mgpu.split(","):
-            prefix, own, *merge = spec.split(":")
-            pages = [None if x == "auto" else int(x) for x in (prefix, own)]
             run = functools.partial(
-                cascade_mgpu.cascade_attention,
-                layout=args.layout,
-                prefix_pages=pages[0],
-                own_pages=pages[1],
-                merge=merge[0] if merge else None,
+                cascade_mgpu.cascade_attention, layout=args.layout, **mgpu_config(spec)
             )
             time_row("pallas-mgpu", "cascade", run, casc, f"prefix:own pages={spec}")
     del copies, casc, paged
     return rows
+
+
+def mgpu_config(spec: str) -> dict:
+    """``prefix_pages|auto:own_pages|auto[:flag...]`` -> keywords of
+    :func:`jaxattn.pallas.cascade_mgpu.cascade_attention`; flags: ``triton``, ``mosaic_gpu``
+    or ``xla`` (the merge), ``pN`` (pages a step copies), ``sN`` (steps in flight)."""
+    prefix, own, *flags = spec.split(":")
+    pages = [None if x == "auto" else int(x) for x in (prefix, own)]
+    kw = dict(prefix_pages=pages[0], own_pages=pages[1])
+    for flag in flags:
+        if flag in ("triton", "mosaic_gpu", "xla"):
+            kw["merge"] = flag
+        elif flag[:1] in ("p", "s") and flag[1:].isdigit():
+            kw["pages_per_step" if flag[0] == "p" else "stages"] = int(flag[1:])
+        else:
+            raise ValueError(f"--mgpu: unknown flag {flag!r} in {spec!r}")
+    return kw
 
 
 def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.CascadeCostModel, dict]:
@@ -272,8 +288,9 @@ def main(argv=None):
         default=None,
         help="also time the Pallas cascade on the Mosaic GPU lowering "
         "(jaxattn.pallas.cascade_mgpu; with --impl pallas) in these configurations: "
-        "prefix_pages|auto:own_pages|auto[:triton|mosaic_gpu|xla],... (pages a partition of each "
-        "level; the merge kernel's lowering; bare --mgpu: the defaults)",
+        "prefix_pages|auto:own_pages|auto[:triton|mosaic_gpu|xla][:pN][:sN],... (pages a "
+        "partition of each level; the merge kernel's lowering; pages a step copies; steps in "
+        "flight; bare --mgpu: the defaults)",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)

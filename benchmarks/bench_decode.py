@@ -188,7 +188,12 @@ def main(argv=None):
         def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected, timed=None):
             row = base | {"impl": name} | (extra or {})
             row |= timed or common.measure(
-                fn, copies_, samples=args.samples, target_s=args.target_s, expected=expected
+                fn,
+                copies_,
+                samples=args.samples,
+                target_s=args.target_s,
+                expected=expected,
+                timing=args.timing,
             )
             metric = ""
             if "us" in row:

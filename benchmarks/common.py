@@ -7,6 +7,13 @@ waits once, so dispatch overlaps device work; after a warm-up, the figure is the
 median over samples of sample time / calls. (A ``lax.fori_loop`` over fixed inputs
 was tried first: XLA hoists the loop-invariant work out of the loop.)
 
+``--timing graph`` (:func:`time_graph`) times the same calls with no host in the loop: one
+jitted ``while`` loop whose body makes one call per copy, each call's output fed to the
+next one as its first argument (q: the ops' output has its shape), compiled as one CUDA
+graph (XLA's command buffers with WHILE and CONDITIONAL) and without XLA's loop-invariant
+code motion, so every call, with all of its XLA work, runs every iteration. A figure that
+the dispatch timing calls host-bound is then the device's.
+
 Ceilings, measured in the same run: device-to-device copy bandwidth (an elementwise
 ``x + 1`` over a large buffer; bytes read plus bytes written) and a large bf16 matmul.
 """
@@ -30,6 +37,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # On-chip cache the rotated inputs must overflow (H200: 60 MB of L2).
 L2_BYTES = 60 * 2**20
@@ -226,6 +234,86 @@ def time_calls(
     )
 
 
+# The graph timing's program: XLA's default command-buffer kinds plus WHILE and CONDITIONAL
+# (the loop one CUDA graph, its predicate evaluated on the device, as the engine's decode
+# loop runs), and no loop-invariant code motion (else XLA moves every call's work that does
+# not depend on the chained argument out of the loop: a call's table checks, its plan).
+GRAPH_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_disable_hlo_passes": (
+        "while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion"
+    ),
+}
+TIMINGS = ("dispatch", "graph", "both")
+
+
+@functools.lru_cache(maxsize=64)
+def chained_loop(fn: Callable) -> Callable:
+    """``(copies, reps) -> out``: a jitted loop of ``reps`` iterations, each calling fn once
+    on every copy in order, the first argument of each call the previous call's output
+    (the first: copy 0's). See :func:`time_graph`."""
+
+    def run(all_copies, reps):
+        def body(_, x):
+            for args in all_copies:
+                x = fn(x, *args[1:])
+            return x
+
+        return lax.fori_loop(0, reps, body, all_copies[0][0])
+
+    return jax.jit(run, compiler_options=GRAPH_OPTIONS)
+
+
+def time_graph(
+    fn: Callable,
+    copies: Sequence[tuple],
+    *,
+    target_s: float = 0.05,
+    samples: int = 15,
+    warmup_s: float = 0.25,
+) -> dict:
+    """Seconds per ``fn(*copy)`` call with no host between calls: :func:`chained_loop`
+    run for about ``target_s`` a sample (one dispatch, waited for), the median over
+    ``samples`` of sample time / calls. fn's output must have the shape and dtype of its
+    first argument (``ValueError`` otherwise), which it is then given back: the chain keeps
+    XLA from merging or hoisting the calls, and costs nothing (no extra kernel). The
+    dispatch and the wait, once a sample, are part of the figure (~0.1% of a 30 ms
+    sample)."""
+    copies = [tuple(c) for c in copies]
+    out = jax.eval_shape(fn, *copies[0])
+    first = copies[0][0]
+    if not hasattr(out, "shape") or (out.shape, out.dtype) != (first.shape, first.dtype):
+        raise ValueError(
+            "graph timing feeds each call's output back as its first argument: "
+            f"fn returns {out}, its first argument is {first.shape} {first.dtype}"
+        )
+    loop = chained_loop(fn)
+    calls = len(copies)
+
+    def sample(reps: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(copies, jnp.int32(reps)))
+        return (time.perf_counter() - t0) / (reps * calls)
+
+    sample(1)  # compile
+    per_call = min(sample(1) for _ in range(3))
+    reps = int(max(2, min(100_000, round(target_s / max(per_call * calls, 1e-7)))))
+    t_end = time.perf_counter() + warmup_s
+    sample(reps)
+    while time.perf_counter() < t_end:
+        sample(reps)
+    times = sorted(sample(reps) for _ in range(samples))
+    return dict(
+        median_s=statistics.median(times),
+        min_s=times[0],
+        p90_s=times[int(0.9 * (len(times) - 1))],
+        calls_per_sample=reps * calls,
+        samples=samples,
+        copies=calls,
+        mode="graph",
+    )
+
+
 def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) -> dict | None:
     """What the first GPU did while ``run()`` ran (traced with ``jax.profiler``): per step
     (``run`` covers ``steps``), the span from the first kernel's start to the last one's end,
@@ -403,6 +491,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--target-s", type=float, default=0.05, help="seconds per timing sample")
     p.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="dispatch",
+        help="dispatch: jitted calls enqueued back to back (the host's enqueue can bound a "
+        "small call: the row then says host-bound); graph: the calls chained in one device "
+        "loop, one CUDA graph, no host between them; both: the graph's figure, the dispatch "
+        "one beside it (us_dispatch)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="compare every implementation's output with the spec first",
@@ -446,14 +543,26 @@ def measure(
     samples: int,
     target_s: float = 0.05,
     expected=None,
+    timing: str = "dispatch",
 ) -> dict:
     """Time fn over copies; a dict with us / us_min / timing (and rel_err against
-    ``expected`` on copy 0), or with ``skipped`` (NotImplementedError) or ``error``."""
+    ``expected`` on copy 0), or with ``skipped`` (NotImplementedError) or ``error``.
+    ``timing``: ``dispatch`` (:func:`time_calls`), ``graph`` (:func:`time_graph`) or
+    ``both`` (us from the graph, ``us_dispatch`` beside it)."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
     out: dict = {}
+    kw = dict(samples=samples, target_s=target_s)
     try:
         if expected is not None:
             out["rel_err"] = rel_error(jax.jit(fn)(*copies[0]), expected)
-        t = time_calls(fn, copies, samples=samples, target_s=target_s)
+        if timing in ("dispatch", "both"):
+            t = time_calls(fn, copies, **kw)
+        if timing == "both":
+            out["us_dispatch"] = t["median_s"] * 1e6
+            out["timing_dispatch"] = t
+        if timing in ("graph", "both"):
+            t = time_graph(fn, copies, **kw)
     except NotImplementedError as e:
         return out | {"skipped": str(e)[:300]}
     except Exception as e:  # noqa: BLE001 - one failing implementation must not end a run
@@ -475,6 +584,12 @@ def status_line(name: str, row: dict, metric: str) -> str:
             f"  [host-bound: {timing['host_s_per_dispatch'] * 1e6:.0f} us to enqueue a dispatch"
             f" of {per:.0f} us; an upper bound]"
         )
+    if timing.get("mode") == "graph":
+        host = "  [graph"
+        if "us_dispatch" in row:
+            bound = " host-bound" if row["timing_dispatch"].get("host_bound") else ""
+            host += f"; dispatched: {row['us_dispatch']:.1f} us{bound}"
+        host += "]"
     return f"  {name}: {row['us']:.1f} us, {metric}{err}{host}"
 
 

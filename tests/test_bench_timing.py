@@ -1,0 +1,59 @@
+"""The benchmarks' graph timing (benchmarks/common.py, ``--timing graph``): every call, with
+all of its XLA work, stays inside the device loop (XLA's loop-invariant code motion is off
+for that program), and a function whose output is not shaped as its first argument is
+refused."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402
+
+
+def _op(q, w):
+    # w @ w does not depend on q: a loop-invariant computation that XLA would hoist
+    return jnp.tanh(q @ w) + (w @ w)[: q.shape[0]]
+
+
+def _entry(text: str) -> str:
+    return text[text.index("ENTRY") :]
+
+
+def test_chained_loop_keeps_every_call_in_the_loop():
+    copies = [(jnp.ones((8, 8)), jnp.full((8, 8), 0.01 * (i + 1))) for i in range(2)]
+    text = common.chained_loop(_op).lower(copies, jnp.int32(2)).compile().as_text()
+    assert "while" in _entry(text)
+    assert "while/body" not in _entry(text)  # nothing of the body hoisted out
+    # the same loop with XLA's default passes hoists the invariant products (what the
+    # option prevents): the check above can fail
+    hoisting = jax.jit(common.chained_loop(_op).__wrapped__)
+    assert "while/body" in _entry(hoisting.lower(copies, jnp.int32(2)).compile().as_text())
+
+
+def test_time_graph_runs_the_chain():
+    copies = [(jnp.ones((8, 8)), jnp.full((8, 8), 0.01 * (i + 1))) for i in range(3)]
+    t = common.time_graph(_op, copies, target_s=0.002, samples=3, warmup_s=0.0)
+    assert t["mode"] == "graph" and t["copies"] == 3 and t["median_s"] > 0
+    # the loop's result is the chain's: each call given the one before's output
+    x = copies[0][0]
+    for _ in range(2):
+        for c in copies:
+            x = _op(x, c[1])
+    loop = common.chained_loop(_op)(copies, jnp.int32(2))
+    assert jnp.allclose(loop, x, rtol=1e-5, atol=1e-5)
+    row = common.measure(_op, copies, samples=3, target_s=0.002, timing="both")
+    assert row["timing"]["mode"] == "graph" and row["us_dispatch"] > 0
+
+
+def test_time_graph_refuses_an_output_of_another_shape():
+    copies = [(jnp.ones((8, 8)), jnp.ones((8, 4)))]
+    with pytest.raises(ValueError, match="first argument"):
+        common.time_graph(lambda q, w: q @ w, copies, samples=1)
+    with pytest.raises(ValueError, match="timing must be"):
+        common.measure(_op, copies, samples=1, timing="host")
