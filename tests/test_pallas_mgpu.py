@@ -219,6 +219,28 @@ def test_lowers_for_cuda(kw):
     assert "mosaic_gpu" in export_cuda(f, *args, triton=triton).mlir_module()
 
 
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_dependent_launch(monkeypatch, pdl):
+    """A split grid's partitions and its merge are lowered as programmatic dependent launches
+    (each kernel lets the next one launch at its start and waits for the one before it:
+    griddepcontrol in both modules; jax 0.11 marks the modules for a dependent launch),
+    and JAXATTN_MGPU_PDL=0 lowers neither instruction."""
+    monkeypatch.setenv("JAXATTN_MGPU_PDL", pdl)
+    jax.clear_caches()  # the variable is read when a kernel is traced
+    sds = jax.ShapeDtypeStruct
+    pool = sds((64, 16, 2, 128), jnp.bfloat16)
+    args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
+
+    def f(q, k, v, t, n):
+        return decode_mgpu.paged_attention(q, k, v, t, n, interpret=False, partition_pages=8)
+
+    text = export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 2  # the partitions, the merge
+    assert ("griddepcontrol" in text) == (pdl == "1")
+    if jax.__version_info__ >= (0, 11):
+        assert ("mosaic_gpu.uses_pdl" in text) == (pdl == "1")
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_public_op_with_mosaic_gpu_lowering(interpret):
     """jaxattn.paged_attention(implementation="pallas", config=DecodeConfig(lowering=

@@ -131,11 +131,7 @@ def _mosaic_platform_reason(a) -> str | None:
     """The Mosaic GPU kernels compile for sm_90 and are interpreted on the CPU only."""
     from . import _mgpu as M
 
-    if (why := M.available()) is not None:
-        return why
-    if jax.default_backend() == "cpu" or M.is_sm90():
-        return None
-    return "the Mosaic GPU kernels are compiled for sm_90 GPUs only"
+    return M.platform_reason(interpret=None)
 
 
 def _steps(a) -> int:

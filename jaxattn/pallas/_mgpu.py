@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -128,11 +129,23 @@ def finish_args(why, stages: int, scale, head_dim: int, interpret):
     return scale, interpreted(interpret)
 
 
+def platform_reason(*, interpret: bool, what: str = "kernels") -> str | None:
+    """Why the Mosaic GPU ``what`` cannot run here, or None: they compile for sm_90 GPUs and
+    run interpreted anywhere (``interpret``: the call's mode; None: the default's, compiled on
+    a GPU and interpreted on the CPU)."""
+    if (why := available()) is not None:
+        return why
+    if interpreted(interpret) or is_sm90():
+        return None
+    verb = "are" if what.endswith("s") else "is"
+    return f"the Mosaic GPU {what} {verb} compiled for sm_90 GPUs only"
+
+
 def partition_pages_of(partition_size, k_cache, v_cache, layout, *, interpret, what: str):
     """A public op's ``partition_size`` (tokens, or None) as whole pages for a Mosaic GPU
     kernel (``what`` names it in the errors), after refusing a compiled run off sm_90."""
-    if not interpret and not is_sm90():
-        raise NotImplementedError(f"the Mosaic GPU {what} is compiled for sm_90 GPUs only")
+    if (why := platform_reason(interpret=interpret, what=what)) is not None:
+        raise NotImplementedError(why)
     if partition_size is None:
         return None
     page = L.get(layout, pool=True).geometry(k_cache, v_cache).page_size
@@ -474,6 +487,28 @@ def ring_step(
     if wide is None:
         v_read()
     return acc, m_new, l_i
+
+
+PDL_ENV = "JAXATTN_MGPU_PDL"
+
+
+def dependent_launch(interpret: bool) -> None:
+    """Programmatic dependent launch, at a kernel's start (every thread, before it reads any
+    global memory): let the next kernel on the stream launch its blocks now, so that they
+    are resident and waiting when this one ends (the launch and the blocks' start no longer
+    sit between the two kernels), then wait until the kernel before this one has ended and
+    its writes are visible. The next kernel's blocks launch only once every block of this
+    one has started, so they never take a multiprocessor this one still needs. Both
+    instructions are no-ops where the kernel was not launched dependent (jax 0.10's Mosaic
+    GPU runtime sets the launch attribute for no kernel; jax 0.11's for every kernel that
+    uses them). The Mosaic GPU decode (its split partitions, the cascade's two levels) and
+    its merges call it, so a merge's launch overlaps the partitions' tail. Not in interpret
+    mode, which has no such instructions; ``JAXATTN_MGPU_PDL=0`` (read when a kernel is
+    traced) leaves it out."""
+    if interpret or os.environ.get(PDL_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return
+    plgpu.griddepcontrol_launch_dependents()
+    plgpu.griddepcontrol_wait()
 
 
 def launch_params(interpret: bool) -> dict:

@@ -424,6 +424,7 @@ def _kernel_call(
                 body(pi, *specs[pi].coords(item - start, Hkv))
 
     def entry(*refs):
+        M.dependent_launch(interpret)
         q_ref, k_ref, v_ref, tab_ref, len_ref, fac_ref, *rest = M.split_refs(refs, 5, fp8)
         problems = [(q_ref, tab_ref, len_ref, None)]
         if second is not None:

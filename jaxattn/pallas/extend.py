@@ -551,9 +551,10 @@ def _mosaic_gpu(
 ):  # fmt: skip
     """``ExtendConfig(lowering="mosaic_gpu")``: :mod:`jaxattn.pallas.prefill_mgpu`'s kernel."""
     from . import prefill_mgpu
+    from ._mgpu import platform_reason
 
-    if not interpret and not prefill_mgpu.is_sm90():
-        raise NotImplementedError("the Mosaic GPU prefill is compiled for sm_90 GPUs only")
+    if (why := platform_reason(interpret=interpret, what="prefill")) is not None:
+        raise NotImplementedError(why)
     return prefill_mgpu.prefix_prefill(
         q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, scale=scale, layout=layout,
         soft_cap=soft_cap, interpret=interpret, k_scale=k_scale, v_scale=v_scale,

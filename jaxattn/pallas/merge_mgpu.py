@@ -60,6 +60,7 @@ def _kernel(*refs, levels, group, head_dim, indexed, interpret):
     o_ref = refs.pop()
     tile_ref, slot_ref, has_ref, ok_ref = refs[-4:] if indexed else (None,) * 4
     level_refs = refs[: 2 * len(levels)]
+    M.dependent_launch(interpret)  # the states are the kernel's just before this one
     b = lax.axis_index("b")
     hq = lax.axis_index("hq")
     kvh = lax.div(hq, group)
