@@ -85,26 +85,23 @@ def serves_by_default(q, k_cache, v_cache, layout) -> bool:
 
 def plan(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: int):
     """The prefix tiles of a batch, on the device, as comparisons and sums (no sort, search
-    or scatter: on a GPU a handful of small fusions). Request ``b`` (``active[b]``: valid,
-    with a non-empty prefix) is the ``rank``-th active request on its prefix in batch order;
-    the prefixes' tiles follow each other, ``ceil(n_g / per_tile)`` each. Returns each
-    tile's prefix (-1: no tile) ``[num_tiles]``, each request's tile and slot ``[B]`` (0
-    for a request in no tile), and each tile slot's request and whether it holds one
-    ``[num_tiles, per_tile]``."""
+    or scatter): three reductions, each a kernel on a GPU, with the checks and gathers
+    around them fused in. Request ``b`` (``active[b]``: valid, with a non-empty prefix) is
+    the ``rank``-th active request on its prefix in batch order; the prefixes' tiles follow
+    each other, ``ceil(n_g / per_tile)`` each, so the tiles before request ``b``'s are those
+    led (slot 0) by an active request of a lower prefix. Returns each tile's prefix (-1: no
+    tile) ``[num_tiles]``, each request's tile and slot ``[B]`` (0 for a request in no
+    tile), and each tile slot's request and whether it holds one ``[num_tiles,
+    per_tile]``."""
     B = prefix_of.shape[0]
     key = jnp.where(active, prefix_of, num_prefixes)
     b = jnp.arange(B, dtype=jnp.int32)
     rank = jnp.sum((key[None, :] == key[:, None]) & (b[None, :] < b[:, None]), axis=1)
-    g = jnp.arange(num_prefixes, dtype=jnp.int32)
-    counts = jnp.sum(key[None, :] == g[:, None], axis=1)
-    tiles = (counts + per_tile - 1) // per_tile
-    start = jnp.sum(jnp.where(g[None, :] < g[:, None], tiles[None, :], 0), axis=1)
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    hit = (start[None, :] <= t[:, None]) & (t[:, None] < (start + tiles)[None, :])
-    tile_prefix = jnp.where(hit.any(axis=1), jnp.sum(jnp.where(hit, g[None, :], 0), axis=1), -1)
-    kc = jnp.clip(key, 0, num_prefixes - 1)
-    tile_of = jnp.where(active, start[kc] + rank // per_tile, 0)
+    leads = active & (rank % per_tile == 0)
+    before = jnp.sum(leads[None, :] & (key[None, :] < key[:, None]), axis=1)
+    tile_of = jnp.where(active, before + rank // per_tile, 0)
     slot_of = jnp.where(active, rank % per_tile, 0)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
     s = jnp.arange(per_tile, dtype=jnp.int32)
     at = (
         active[None, None, :]
@@ -112,7 +109,10 @@ def plan(prefix_of, active, num_prefixes: int, per_tile: int, num_tiles: int):
         & (slot_of[None, None, :] == s[None, :, None])
     )
     who = jnp.sum(jnp.where(at, b[None, None, :], 0), axis=2)
-    return tile_prefix, tile_of, slot_of, who, at.any(axis=2)
+    filled = at.any(axis=2)
+    # A tile's first slot holds its leading request, whose prefix is the tile's.
+    tile_prefix = jnp.where(filled[:, 0], key[who[:, 0]], -1)
+    return tile_prefix, tile_of, slot_of, who, filled
 
 
 def tiles_bound(batch: int, num_prefixes: int, per_tile: int) -> int:
