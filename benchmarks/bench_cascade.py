@@ -157,14 +157,7 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
         if config is not None:
             row["config"] = config
-        row |= common.measure(
-            run,
-            inputs,
-            samples=args.samples,
-            target_s=args.target_s,
-            expected=expected,
-            timing=args.timing,
-        )
+        row |= common.measure(run, inputs, expected=expected, **common.timing_kw(args))
         record(row)
         if args.profile and "us" in row:
             row["profile"] = common.profile_calls(run, inputs, args.profile_top)

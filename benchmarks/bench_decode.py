@@ -187,14 +187,7 @@ def main(argv=None):
 
         def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected, timed=None):
             row = base | {"impl": name} | (extra or {})
-            row |= timed or common.measure(
-                fn,
-                copies_,
-                samples=args.samples,
-                target_s=args.target_s,
-                expected=expected,
-                timing=args.timing,
-            )
+            row |= timed or common.measure(fn, copies_, expected=expected, **common.timing_kw(args))
             metric = ""
             if "us" in row:
                 row["gbps"] = kv_bytes / row["us"] / 1e3

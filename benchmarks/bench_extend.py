@@ -333,14 +333,7 @@ def main(argv=None):
             name, fn, copies_, extra=None, *, base=base, flops=flops, expected=expected, timed=None
         ):
             row = base | {"impl": name} | (extra or {})
-            row |= timed or common.measure(
-                fn,
-                copies_,
-                samples=args.samples,
-                target_s=args.target_s,
-                expected=expected,
-                timing=args.timing,
-            )
+            row |= timed or common.measure(fn, copies_, expected=expected, **common.timing_kw(args))
             metric = ""
             if "us" in row:
                 row["tflops"] = flops / row["us"] / 1e6

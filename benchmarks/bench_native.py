@@ -83,7 +83,7 @@ def main(argv=None):
         )
 
     def record(base, fn, copies, expected):
-        row = base | common.measure(fn, copies, samples=args.samples, expected=expected)
+        row = base | common.measure(fn, copies, expected=expected, **common.timing_kw(args))
         metric = ""
         if "us" in row and "kv_bytes" in row:
             row["gbps"] = row["kv_bytes"] / row["us"] / 1e3

@@ -205,32 +205,44 @@ def time_calls(
         return (time.perf_counter() - t0) / (dispatches * calls)
 
     jax.block_until_ready(all_calls(copies))  # compile
+    out = _sampled(
+        sample, calls, target_s=target_s, samples=samples, warmup_s=warmup_s, most=1000,
+        before_samples=host.clear,
+    )  # fmt: skip
+    host_s = statistics.median(host)
+    return out | dict(
+        host_s_per_dispatch=host_s,
+        # The host's enqueue of a dispatch took most of what a dispatch measured: the device
+        # may have waited for the host, and the figure is then an upper bound of the calls'
+        # device time.
+        host_bound=host_s >= HOST_BOUND_FRACTION * out["median_s"] * calls,
+    )
+
+
+def _sampled(sample, calls: int, *, target_s, samples, warmup_s, most, before_samples=None):
+    """The timing loop both timings share: ``sample(n)`` times ``n`` rounds of ``calls``
+    calls and returns seconds a call; rounds a sample are sized to ``target_s`` (at most
+    ``most``); warm-up, then the median, minimum and 90th percentile over ``samples``."""
     per_call = min(sample(1) for _ in range(3))
-    dispatches = int(max(2, min(1000, round(target_s / max(per_call * calls, 1e-7)))))
+    n = int(max(2, min(most, round(target_s / max(per_call * calls, 1e-7)))))
     # Warm up for a fixed wall time, not a fixed count: an idle GPU starts at a low clock
     # (an H200 read 345 MHz before a run), and with a count-based warm-up the first,
     # shortest case of a run (a 45 us decode) measured up to 1.5x slower than in the
     # previous run.
     t_end = time.perf_counter() + warmup_s
-    sample(dispatches)
+    sample(n)
     while time.perf_counter() < t_end:
-        sample(dispatches)
-    host.clear()
-    times = sorted(sample(dispatches) for _ in range(samples))
-    median = statistics.median(times)
-    host_s = statistics.median(host)
+        sample(n)
+    if before_samples is not None:
+        before_samples()
+    times = sorted(sample(n) for _ in range(samples))
     return dict(
-        median_s=median,
+        median_s=statistics.median(times),
         min_s=times[0],
         p90_s=times[int(0.9 * (len(times) - 1))],
-        calls_per_sample=dispatches * calls,
+        calls_per_sample=n * calls,
         samples=samples,
-        copies=len(copies),
-        host_s_per_dispatch=host_s,
-        # The host's enqueue of a dispatch took most of what a dispatch measured: the device
-        # may have waited for the host, and the figure is then an upper bound of the calls'
-        # device time.
-        host_bound=host_s >= HOST_BOUND_FRACTION * median * calls,
+        copies=calls,
     )
 
 
@@ -296,22 +308,10 @@ def time_graph(
         return (time.perf_counter() - t0) / (reps * calls)
 
     sample(1)  # compile
-    per_call = min(sample(1) for _ in range(3))
-    reps = int(max(2, min(100_000, round(target_s / max(per_call * calls, 1e-7)))))
-    t_end = time.perf_counter() + warmup_s
-    sample(reps)
-    while time.perf_counter() < t_end:
-        sample(reps)
-    times = sorted(sample(reps) for _ in range(samples))
-    return dict(
-        median_s=statistics.median(times),
-        min_s=times[0],
-        p90_s=times[int(0.9 * (len(times) - 1))],
-        calls_per_sample=reps * calls,
-        samples=samples,
-        copies=calls,
-        mode="graph",
+    out = _sampled(
+        sample, calls, target_s=target_s, samples=samples, warmup_s=warmup_s, most=100_000
     )
+    return out | dict(mode="graph")
 
 
 def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) -> dict | None:
@@ -534,6 +534,11 @@ def rel_error(out, expected) -> float:
     a = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
     return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def timing_kw(args) -> dict:
+    """:func:`measure`'s timing keywords from a :func:`base_parser` command line."""
+    return dict(samples=args.samples, target_s=args.target_s, timing=args.timing)
 
 
 def measure(
