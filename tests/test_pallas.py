@@ -13,17 +13,6 @@ from jaxattn import pallas as P
 from jaxattn.pallas import _common as C
 from jaxattn.pallas import merge_mgpu
 
-# The split-KV merges: the Triton-lowered ones, the Mosaic GPU decode's own (where this JAX
-# has the Mosaic GPU lowering), and XLA's (the Mosaic GPU ops' merge without those kernels).
-MERGES = [
-    "triton",
-    "xla",
-    pytest.param(
-        "mosaic_gpu",
-        marks=pytest.mark.skipif(bool(merge_mgpu.M.available()), reason="no Mosaic GPU lowering"),
-    ),
-]
-
 
 def test_extend_tile_heuristic():
     cfg = P.extend._default_config
@@ -99,16 +88,34 @@ def _decode_merge(kernel, acc, m, l_sum, dtype, group=2):
     return merge_mgpu.merge(jnp.asarray(acc5), jnp.asarray(ml), dtype)
 
 
-@pytest.mark.parametrize("kernel", MERGES)
+def _merge_params(shapes):
+    """The split-KV merges: the Triton-lowered ones, XLA's (the Mosaic GPU ops' merge without
+    those kernels) and the Mosaic GPU decode's own (where this JAX has the Mosaic GPU
+    lowering): (kernel, *shape) for each merge and each of ``shapes(kernel)``, the Mosaic GPU one
+    skipped where this JAX has no Mosaic GPU lowering."""
+    no_mosaic = pytest.mark.skipif(bool(merge_mgpu.M.available()), reason="no Mosaic GPU lowering")
+    return [
+        pytest.param(kernel, *shape, marks=[no_mosaic] if kernel == "mosaic_gpu" else [])
+        for kernel in ("triton", "xla", "mosaic_gpu")
+        for shape in shapes(kernel)
+    ]
+
+
+# The Mosaic GPU merge's row forms: one row a block (head_dim 128), two rows side by side
+# (64); the other merges take any head size (32 here).
+MERGE_HEAD_DIMS = _merge_params(lambda k: [(128,), (64,)] if k == "mosaic_gpu" else [(32,)])
+
+
+@pytest.mark.parametrize("kernel, head_dim", MERGE_HEAD_DIMS)
 @pytest.mark.parametrize("parts", [1, 3, 32, 70])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_merge_kernel(rng, parts, dtype, kernel):
+def test_decode_merge_kernel(rng, parts, dtype, kernel, head_dim):
     """Each merge after the split grids against float64: empty partitions (max
     M_INIT, sum 0) weigh nothing, a row of only empty partitions is 0, a NaN max or sum
-    poisons its row, a NaN accumulator lane its lane, and nothing else; one chunk (group
-    of loads) of partitions and several, the last one partial."""
+    poisons its row, a NaN accumulator lane its lane, and nothing else (not the other row a
+    Mosaic GPU merge block holds at head_dim 64); one chunk (group of loads) of
+    partitions and several, the last one partial."""
     batch, heads = 3, 8
-    head_dim = 128 if kernel == "mosaic_gpu" else 32
     acc = rng.standard_normal((batch, parts, heads, head_dim)).astype(np.float32)
     m = (6 * rng.standard_normal((batch, parts, heads))).astype(np.float32)
     l_sum = (rng.random((batch, parts, heads)) + 0.5).astype(np.float32)
@@ -133,17 +140,22 @@ def test_decode_merge_kernel(rng, parts, dtype, kernel):
     np.testing.assert_allclose(got[~poisoned], want[~poisoned], **tol(dtype))
 
 
-@pytest.mark.parametrize("kernel", MERGES)
+# The cascade merges' head sizes and groups: 3 heads (padded to 4 rows in the Triton kernel);
+# the Mosaic GPU merge's pairs of one KV head's heads at head_dim 64.
+CASCADE_MERGE_SHAPES = _merge_params(
+    lambda k: [(128, 3), (64, 2), (64, 4)] if k == "mosaic_gpu" else [(32, 3)]
+)
+
+
+@pytest.mark.parametrize("kernel, d, group", CASCADE_MERGE_SHAPES)
 @pytest.mark.parametrize("own_parts, prefix_parts", [(1, 3), (2, 70)])
-def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
+def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel, d, group):
     """Each cascade merge (decode.combine_levels, merge_mgpu.merge_levels, XLA's) against
     float64: each request's own parts and, when it has a prefix, its group's rows of its
-    tile's prefix parts, read in place from the decode kernel's packed states; a group of 3
-    heads (padded to 4 rows in the Triton kernel), tiles of 2 slots, one chunk of parts and
-    several; a request that is not ok is NaN, a NaN part poisons its head, a request with
-    nothing to attend to is 0."""
-    B, hkv, group, slots, tiles, R_PAD = 5, 2, 3, 2, 3, 64
-    d = 128 if kernel == "mosaic_gpu" else 32
+    tile's prefix parts, read in place from the decode kernel's packed states; tiles of 2
+    slots, one chunk of parts and several; a request that is not ok is NaN, a NaN part
+    poisons its head (only), a request with nothing to attend to is 0."""
+    B, hkv, slots, tiles, R_PAD = 5, 2, 2, 3, 64
     rows = slots * group
 
     def states(x, parts, r):
@@ -161,7 +173,8 @@ def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
     ok = np.array([1, 1, 1, 1, 0])
     # Request 3 has no prefix; its own parts are empty: nothing to attend to.
     ml_o[3, :, :, 0], ml_o[3, :, :, 1], acc_o[3] = C.M_INIT, 0.0, 0.0
-    ml_p[1, prefix_parts - 1, 1, 1, 0 * group + 2] = np.nan  # request 2, head 1 * 3 + 2
+    bad = 1 * group + group - 1  # request 2's head (KV head 1, last of its group)
+    ml_p[1, prefix_parts - 1, 1, 1, 0 * group + group - 1] = np.nan
     want = np.zeros((B, hkv * group, d))
     for b in range(B):
         for h in range(hkv):
@@ -189,6 +202,7 @@ def test_cascade_merge_kernel(rng, own_parts, prefix_parts, kernel):
     assert got.shape == (B, hkv * group, d) and got.dtype == jnp.float32
     got = np.asarray(got, np.float64)
     np.testing.assert_array_equal(np.isnan(got).all(axis=-1), np.isnan(want).all(axis=-1))
-    assert np.isnan(got[2, 5]).all() and np.isnan(got[4]).all()  # a NaN part, not ok
+    assert np.isnan(got[2, bad]).all() and np.isnan(got[4]).all()  # a NaN part, not ok
+    assert not np.isnan(got[2, :bad]).any()  # the head beside it in a merge block too
     assert (got[3] == 0).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

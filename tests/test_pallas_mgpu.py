@@ -164,11 +164,19 @@ def test_refusals():
         f(q, k, k, t, n, pages_per_step=2)
     with pytest.raises(ValueError, match="merge must be one of"):
         f(q, k, k, t, n, merge="jnp")
-    # head_dim 64: a row is less than one float a thread of the Mosaic GPU merge's warpgroup
+    # head_dim 64: two query heads a merge block, so the query heads come in pairs
+    with pytest.raises(NotImplementedError, match="2 query heads a block"):
+        f(q[:, :3], k[:, :, :1], k[:, :, :1], t, n, merge="mosaic_gpu")
     with pytest.raises(NotImplementedError, match="Mosaic GPU merge takes head_dim"):
-        f(q, k, k, t, n, merge="mosaic_gpu")
+        decode_mgpu.merge_lowering("mosaic_gpu", 192)
+    # by default the Mosaic GPU merge at head_dim 128 only (the form timed on a GPU)
     assert decode_mgpu.merge_lowering(None, 64) == "triton"
+    assert decode_mgpu.merge_lowering("mosaic_gpu", 64, num_q_heads=8) == "mosaic_gpu"
+    assert decode_mgpu.merge_lowering("mosaic_gpu", 64, group=4, tiled=True) == "mosaic_gpu"
+    with pytest.raises(NotImplementedError, match="a group of 3"):
+        decode_mgpu.merge_lowering("mosaic_gpu", 64, group=3, tiled=True)
     assert decode_mgpu.merge_lowering(None, 128) == "mosaic_gpu"
+    assert decode_mgpu.merge_lowering(None, 192) == "triton"
 
 
 # The shapes the H200 benchmarks run, with each kernel form, and small odd ones.

@@ -255,14 +255,21 @@ def test_refusals():
 
 
 @pytest.mark.parametrize(
-    "heads, d, batch, prefixes",
-    [((32, 8), 128, 64, 1), ((32, 8), 128, 64, 3), ((8, 8), 64, 16, 2), ((14, 2), 64, 9, 2)],
+    "heads, d, batch, prefixes, merge",
+    [
+        ((32, 8), 128, 64, 1, None),
+        ((32, 8), 128, 64, 3, None),
+        ((8, 8), 64, 16, 2, None),
+        ((14, 2), 64, 9, 2, None),
+        ((8, 2), 64, 9, 2, "mosaic_gpu"),
+    ],
 )
-def test_lowers_for_cuda(heads, d, batch, prefixes):
+def test_lowers_for_cuda(heads, d, batch, prefixes, merge):
     """Both levels' and the merge's compiled lowering on any machine (jax.export for CUDA);
     the first shape is the cascade benchmark's shared batch. At head_dim 128 the merge is the
     Mosaic GPU kernel and the program has no Triton kernel (the export refuses one); below,
-    the Triton-lowered merge."""
+    by default, the Triton-lowered merge, or (named) the Mosaic GPU merge's form of two query
+    heads a block."""
     hq, hkv = heads
     pool = (512, 16, hkv, d)
     args = (
@@ -277,10 +284,10 @@ def test_lowers_for_cuda(heads, d, batch, prefixes):
     )
 
     def f(*a):
-        return cascade_mgpu.cascade_attention(*a, interpret=False)
+        return cascade_mgpu.cascade_attention(*a, interpret=False, merge=merge)
 
-    triton = decode_mgpu.merge_lowering(None, d) == "triton"
-    assert triton == (d % 128 != 0)
+    triton = decode_mgpu.merge_lowering(merge, d, group=hq // hkv, tiled=True) == "triton"
+    assert triton == (d % 128 != 0 and merge is None)
     text = export_cuda(f, *args, triton=triton).mlir_module()
     assert "mosaic_gpu" in text and ("jaxattn_cascade_merge" in text) == triton
 

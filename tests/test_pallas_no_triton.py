@@ -64,7 +64,8 @@ def _lowering(op, case_args, **kw):
 )
 def test_decode_runs_the_mosaic_gpu_kernel(no_triton, d, partition_size):
     """Paged decode: the Mosaic GPU kernel, one pass or split; at head_dim 64 the split's
-    merge is XLA's (no merge kernel takes a 64-float row without Triton)."""
+    merge is XLA's by default (the Mosaic GPU merge's two-heads-a-block form has not run on
+    a GPU yet; named, it serves there too)."""
     rng = np.random.default_rng(d)
     case = make_paged_decode(
         rng, [40, 1, 90, 0], num_q_heads=8, num_kv_heads=2, head_dim=d, page_size=16,
@@ -76,12 +77,18 @@ def test_decode_runs_the_mosaic_gpu_kernel(no_triton, d, partition_size):
     out = call_decode(jaxattn.paged_attention, case, implementation="pallas", **kw)
     assert_close(out, spec_decode(case, **kw), jnp.bfloat16)
     assert decode_mgpu.merge_lowering(None, d) == ("mosaic_gpu" if d == 128 else "xla")
+    if partition_size is not None:
+        named = decode_mgpu.paged_attention(
+            *args, partition_pages=partition_size // 16, merge="mosaic_gpu"
+        )
+        assert_close(named, spec_decode(case, **kw), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("d", [128, 64])
 def test_cascade_runs_the_mosaic_gpu_kernel(no_triton, d):
     """Cascade decode: the Mosaic GPU kernel over both levels; the merge is the Mosaic GPU
-    one at head_dim 128, XLA's at 64. Requests without a prefix and an empty own level."""
+    one at head_dim 128, XLA's at 64 (and, named, the Mosaic GPU one there too: pairs of
+    one KV head's query heads). Requests without a prefix and an empty own level."""
     case = make_cascade(
         np.random.default_rng(d), [4, 2], [0, -1, 1, 0], [5, 17, 0, 33], num_q_heads=8,
         num_kv_heads=2, head_dim=d, page_size=16, dtype=jnp.bfloat16,
@@ -93,6 +100,8 @@ def test_cascade_runs_the_mosaic_gpu_kernel(no_triton, d):
     assert _lowering(ops.CASCADE_ATTENTION, args, layout=case.layout) == "mosaic_gpu"
     out = call_cascade(jaxattn.cascade_attention, case, implementation="pallas")
     assert_close(out, spec_cascade(case), jnp.bfloat16)
+    named = call_cascade(cascade_mgpu.cascade_attention, case, merge="mosaic_gpu")
+    assert_close(named, spec_cascade(case), jnp.bfloat16)
 
 
 def test_prefix_prefill_runs_the_mosaic_gpu_kernel(no_triton):
@@ -151,7 +160,7 @@ def test_triton_kernels_refuse(no_triton):
 
 def test_exports_without_triton_kernels(no_triton):
     """Compiled for CUDA (jax.export, an abstract H200), the head_dim 64 split decode and
-    cascade hold no Triton kernel: their merge is XLA's."""
+    cascade hold no Triton kernel: their merge is XLA's (with an odd group too)."""
     bf16, i32 = jnp.bfloat16, jnp.int32
     sds = jax.ShapeDtypeStruct
     q, pool = sds((2, 8, 64), bf16), sds((64, 16, 2, 64), bf16)
@@ -167,6 +176,10 @@ def test_exports_without_triton_kernels(no_triton):
 
     args = (q, pool, pool, sds((1, 8), i32), sds((1,), i32), sds((2,), i32))
     exported = export_cuda(casc, *args, sds((2, 4), i32), sds((2,), i32), triton=False)
+    assert "mosaic_gpu" in exported.mlir_module()
+    odd = (sds((2, 6, 64), bf16), pool, pool, *args[3:])
+    assert decode_mgpu.merge_lowering(None, 64, group=3, tiled=True) == "xla"
+    exported = export_cuda(casc, *odd, sds((2, 4), i32), sds((2,), i32), triton=False)
     assert "mosaic_gpu" in exported.mlir_module()
 
 

@@ -273,9 +273,11 @@ def cascade_attention(
     scaled = k_scale is not None or v_scale is not None
     why = unsupported(q, k_cache, v_cache, layout, scaled=scaled)
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
-    merge = decode_mgpu.merge_lowering(merge, geom.head_dim)
     B, Hq, _ = q.shape
     Hkv = geom.num_kv_heads
+    merge = decode_mgpu.merge_lowering(
+        merge, geom.head_dim, num_q_heads=Hq, group=Hq // Hkv, tiled=min(prefix_tables.shape) > 0
+    )
     T = tiles_bound(B, prefix_tables.shape[0], ROWS // (Hq // Hkv))
     widths = {"prefix_pages": prefix_tables.shape[1], "own_pages": block_tables.shape[1]}
     if not prefix_tables.shape[0]:

@@ -580,19 +580,30 @@ def _paged_attention(
 MERGES = ("mosaic_gpu", "triton", "xla")
 
 
-def merge_lowering(merge: str | None, head_dim: int) -> str:
+def merge_lowering(
+    merge: str | None,
+    head_dim: int,
+    *,
+    num_q_heads: int | None = None,
+    group: int | None = None,
+    tiled: bool = False,
+) -> str:
     """The lowering of a split grid's merge: ``merge`` checked, or by default the Mosaic GPU
-    merge kernel (:mod:`jaxattn.pallas.merge_mgpu`) where it takes the head size (a multiple
-    of 128), else the Triton-lowered one (:func:`jaxattn.pallas.decode.combine`), else, on a
-    JAX without that lowering (:func:`jaxattn.pallas._triton.missing`), XLA's reductions
-    (:func:`jaxattn.pallas.decode.combine_levels_jnp`)."""
+    merge kernel (:mod:`jaxattn.pallas.merge_mgpu`) at head_dim a multiple of 128 (its form
+    compiled and timed on an H200), else the Triton-lowered one
+    (:func:`jaxattn.pallas.decode.combine`), else, on a JAX without that lowering
+    (:func:`jaxattn.pallas._triton.missing`), XLA's reductions
+    (:func:`jaxattn.pallas.decode.combine_levels_jnp`). ``merge="mosaic_gpu"`` also takes
+    head_dim 64 and 32 (:func:`jaxattn.pallas.merge_mgpu.unsupported`; ``tiled``: with the
+    cascade's prefix tiles, ``group`` its GQA group), not yet run on a GPU."""
+    why = merge_mgpu.unsupported(head_dim, num_q_heads=num_q_heads, group=group, tiled=tiled)
     if merge is None:
-        if merge_mgpu.unsupported(head_dim) is None:
+        if why is None and merge_mgpu.rows_per_block(head_dim) == 1:
             return "mosaic_gpu"
         return "xla" if _triton.missing() else "triton"
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES} or None, got {merge!r}")
-    if merge == "mosaic_gpu" and (why := merge_mgpu.unsupported(head_dim)) is not None:
+    if merge == "mosaic_gpu" and why is not None:
         raise NotImplementedError(why)
     if merge == "triton":
         _triton.require()
@@ -764,7 +775,7 @@ def paged_attention(
     scaled = k_scale is not None or v_scale is not None
     why = unsupported(q, k_cache, v_cache, layout, pages_per_step=pages_per_step, scaled=scaled)
     scale, interpret = M.finish_args(why, stages, scale, geom.head_dim, interpret)
-    merge = merge_lowering(merge, geom.head_dim)
+    merge = merge_lowering(merge, geom.head_dim, num_q_heads=q.shape[1])
     return _paged_attention(
         q,
         k_cache,

@@ -9,7 +9,12 @@ place, exactly as :func:`jaxattn.pallas.decode.combine_levels` does::
 
 Each part's two statistics are scalar loads and its row of the accumulator one vector load
 from global memory (a [D] row strided over the warpgroup's threads, ``D / 128`` floats a
-thread), :data:`UNROLL` parts at a time so their loads are in flight together. The states are
+thread), :data:`UNROLL` parts at a time so their loads are in flight together. At head_dim
+64 a block merges two query heads side by side (a request's adjacent heads: one float a
+thread, each row's weights put in place by a select on the row, so a NaN stays in its row;
+:func:`rows_per_block`), which takes an even number of query heads and, in the cascade, an
+even GQA group; the decode and the cascade use it when ``merge="mosaic_gpu"`` is named
+there (not yet compiled on a GPU; by default head_dim 64 keeps the Triton-lowered merge). The states are
 the Mosaic GPU decode kernel's (:func:`jaxattn.pallas.decode_mgpu.partial_states`): acc f32
 ``[X, P, Hkv, R, D]``, max and sum f32 ``[X, P, Hkv, 2, R_pad]`` in base 2, X the requests or
 the cascade's prefix tiles.
@@ -30,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from . import _mgpu as M
 from ._mgpu import plgpu
@@ -41,70 +47,130 @@ UNROLL = 8  # parts whose loads a block issues before folding them
 THREADS = 128  # a warpgroup: a row of D is strided over its threads
 
 
-def unsupported(head_dim: int) -> str | None:
+def rows_per_block(head_dim: int) -> int:
+    """Query heads a block merges: one where a row covers the warpgroup (head_dim a multiple
+    of 128), else ``128 // head_dim`` rows side by side (head_dim 64: two), one float a
+    thread."""
+    return 1 if head_dim % THREADS == 0 else THREADS // head_dim
+
+
+def unsupported(head_dim: int, *, num_q_heads: int | None = None, group: int | None = None,
+                tiled: bool = False) -> str | None:  # fmt: skip
     """Why :func:`merge_levels` cannot merge rows of ``head_dim``, or None: a row is one
-    strided vector of at most 16 bytes a thread (head_dim 128, 256, 384 or 512)."""
+    strided vector of at most 16 bytes a thread (head_dim 128, 256, 384 or 512), or two rows
+    of head_dim 64 side by side, one float a thread. That form takes ``num_q_heads`` even
+    and, with a ``tiled`` level (the cascade's prefix tiles, where a request's rows of one
+    KV head are apart from the next KV head's), an even GQA ``group``."""
     if (why := M.available()) is not None:
         return why
-    if head_dim % THREADS or head_dim > 4 * THREADS:
+    if head_dim != 64 and (head_dim % THREADS or head_dim > 4 * THREADS):
         return (
-            f"the Mosaic GPU merge takes head_dim a multiple of {THREADS} up to 512, got {head_dim}"
+            f"the Mosaic GPU merge takes head_dim 64 or a multiple of {THREADS} up to 512, "
+            f"got {head_dim}"
+        )
+    rows = rows_per_block(head_dim)
+    if rows > 1 and num_q_heads is not None and num_q_heads % rows:
+        return (
+            f"the Mosaic GPU merge at head_dim {head_dim} merges {rows} query heads a block: "
+            f"{num_q_heads} query heads are not a multiple"
+        )
+    if rows > 1 and tiled and group is not None and group % rows:
+        return (
+            f"the Mosaic GPU cascade merge at head_dim {head_dim} merges {rows} query heads of "
+            f"one KV head a block: a group of {group} is not a multiple"
         )
     return None
 
 
 def _kernel(*refs, levels, group, head_dim, indexed, interpret):
-    """Block (request b, query head hq): ``levels`` per level (tiled, parts); its refs acc and
-    ml; then (tile, slot, has, ok) int32[B] when ``indexed``; the output [B, Hq, D]."""
+    """Block (request b, query heads ``hq * RB ...``, RB = :func:`rows_per_block`): ``levels``
+    per level (tiled, parts); its refs acc and ml; then (tile, slot, has, ok) int32[B] when
+    ``indexed``; the output [B, Hq, D]. With RB > 1 an untiled level's acc is viewed as
+    [X, P, Hkv * G, D] (a request's query heads one after the other)."""
     refs = list(refs)
     o_ref = refs.pop()
     tile_ref, slot_ref, has_ref, ok_ref = refs[-4:] if indexed else (None,) * 4
     level_refs = refs[: 2 * len(levels)]
     M.dependent_launch(interpret)  # the states are the kernel's just before this one
     b = lax.axis_index("b")
-    hq = lax.axis_index("hq")
-    kvh = lax.div(hq, group)
-    g = lax.rem(hq, group)
+    RB = rows_per_block(head_dim)
+    hq0 = lax.axis_index("hq") * RB
     D = head_dim
+    shape = (RB, D) if RB > 1 else (D,)
     if interpret:
         row = lambda ref: ref[...]  # noqa: E731
-        zeros = jnp.zeros((D,), jnp.float32)
+        zeros = jnp.zeros(shape, jnp.float32)
+        line = lax.broadcasted_iota(jnp.int32, shape, 0)
     else:
-        strided = plgpu.Layout.WG_STRIDED((D,), vec_size=D // THREADS)
+        strided = plgpu.Layout.WG_STRIDED(shape, vec_size=RB * D // THREADS)
         row = lambda ref: M.load(ref, layout=strided)  # noqa: E731
-        zeros = plgpu.layout_cast(jnp.zeros((D,), jnp.float32), strided)
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), strided)
+        line = None
+        if RB > 1:
+            line = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 0), strided)
+
+    def pick(values):
+        """The RB rows' scalars as one vector of the rows' shape (a select per row, so a
+        NaN in one row's scalar stays in that row)."""
+        if RB == 1:
+            return values[0]
+        out = zeros + values[0]
+        for k in range(1, RB):
+            out = jnp.where(line == k, values[k], out)
+        return out
+
     floor = jnp.float32(MERGE_FLOOR)
-    carry = (floor, jnp.float32(0.0), zeros)
+    # Per row: (running max, denominator); the numerators as one vector.
+    carry = ((floor,) * RB, (jnp.float32(0.0),) * RB, zeros)
 
     for (tiled, parts), acc_ref, ml_ref in zip(
         levels, level_refs[0::2], level_refs[1::2], strict=True
     ):
-        X, _, _, R, _ = acc_ref.shape
-        if tiled:  # the request's rows of its prefix tile
+        X = acc_ref.shape[0]
+        if tiled:  # the request's rows of its prefix tile (RB rows of one KV head)
             x = jnp.clip(tile_ref[b], 0, X - 1)
-            r = jnp.clip(slot_ref[b] * group + g, 0, R - 1)
+            kvh = lax.div(hq0, group)
+            r0 = jnp.clip(slot_ref[b] * group + lax.rem(hq0, group), 0, acc_ref.shape[3] - RB)
+            stats = [(kvh, r0 + k) for k in range(RB)]
+            acc_at = lambda p, x=x, kvh=kvh, r0=r0, a=acc_ref: (  # noqa: E731
+                a.at[x, p, kvh, pl.ds(r0, RB)] if RB > 1 else a.at[x, p, kvh, r0]
+            )
         else:
-            x, r = b, g
+            x = b
+            heads = [hq0 + k for k in range(RB)]
+            stats = [(lax.div(h, group), lax.rem(h, group)) for h in heads]
+            if RB > 1:  # acc viewed as [X, P, Hkv * G, D]
+                acc_at = lambda p, a=acc_ref: a.at[b, p, pl.ds(hq0, RB)]  # noqa: E731
+            else:
+                kvh, g = stats[0]
+                acc_at = lambda p, a=acc_ref, kvh=kvh, g=g: a.at[b, p, kvh, g]  # noqa: E731
         n = min(parts, UNROLL)
 
-        def fold(c, carry, x=x, r=r, parts=parts, n=n, acc_ref=acc_ref, ml_ref=ml_ref):
-            top, denom, numer = carry
+        def fold(c, carry, x=x, stats=stats, acc_at=acc_at, parts=parts, n=n, ml_ref=ml_ref):
+            tops, denoms, numer = carry
             loads = []
             for i in range(n):  # every load of the group before any folding
                 p = c * n + i
                 live = p < parts
                 p = jnp.minimum(p, parts - 1)
-                m = jnp.where(live, ml_ref[x, p, kvh, 0, r], floor)
-                loads.append((live, m, ml_ref[x, p, kvh, 1, r], row(acc_ref.at[x, p, kvh, r])))
-            new_top = functools.reduce(jnp.maximum, [m for _, m, _, _ in loads], top)
-            rescale = jnp.exp2(top - new_top)
-            denom = denom * rescale
-            numer = numer * rescale
-            for live, m, l_sum, acc in loads:
-                w = jnp.where(live, jnp.exp2(m - new_top), jnp.float32(0.0))
-                denom = denom + w * l_sum
-                numer = numer + w * acc
-            return new_top, denom, numer
+                ms = [jnp.where(live, ml_ref[x, p, h, 0, r], floor) for h, r in stats]
+                ls = [ml_ref[x, p, h, 1, r] for h, r in stats]
+                loads.append((live, ms, ls, row(acc_at(p))))
+            new_tops = [
+                functools.reduce(jnp.maximum, [ms[k] for _, ms, _, _ in loads], tops[k])
+                for k in range(RB)
+            ]
+            rescale = [jnp.exp2(tops[k] - new_tops[k]) for k in range(RB)]
+            denoms = [denoms[k] * rescale[k] for k in range(RB)]
+            numer = numer * pick(rescale)
+            for live, ms, ls, acc in loads:
+                ws = [
+                    jnp.where(live, jnp.exp2(ms[k] - new_tops[k]), jnp.float32(0.0))
+                    for k in range(RB)
+                ]
+                denoms = [denoms[k] + ws[k] * ls[k] for k in range(RB)]
+                numer = numer + pick(ws) * acc
+            return tuple(new_tops), tuple(denoms), numer
 
         chunks = -(-parts // n)
         if tiled:  # nothing for a request without a prefix part
@@ -115,12 +181,16 @@ def _kernel(*refs, levels, group, head_dim, indexed, interpret):
         else:
             carry = lax.fori_loop(0, chunks, fold, carry)
 
-    _, denom, numer = carry
+    _, denoms, numer = carry
     # No key in any part: every sum is 0 and so is numer (a part of no key adds nothing).
-    out = numer / jnp.where(denom == 0.0, jnp.float32(1.0), denom)
+    safe = [jnp.where(d == 0.0, jnp.float32(1.0), d) for d in denoms]
+    out = numer / pick(safe)
     if indexed:
         out = out + jnp.where(ok_ref[b] != 0, jnp.float32(0.0), jnp.float32(jnp.nan))
-    o_ref[b, hq] = out.astype(o_ref.dtype)
+    if RB > 1:
+        o_ref[b, pl.ds(hq0, RB)] = out.astype(o_ref.dtype)
+    else:
+        o_ref[b, hq0] = out.astype(o_ref.dtype)
 
 
 def merge_levels(levels, index, dtype, *, group: int, interpret: bool | None = None):
@@ -133,8 +203,10 @@ def merge_levels(levels, index, dtype, *, group: int, interpret: bool | None = N
     whether it is ok: 0 makes its rows NaN), or None (no tiled level, every request ok).
     Returns ``[B, Hkv * group, D]`` in ``dtype``. ``interpret``: None interprets on the CPU
     only."""
-    head_dim = levels[0][1].shape[-1]
-    if (why := unsupported(head_dim)) is not None:
+    _, _, num_kv_heads, _, head_dim = levels[0][1].shape
+    tiled_any = any(bool(t) for t, _, _ in levels)
+    why = unsupported(head_dim, num_q_heads=num_kv_heads * group, group=group, tiled=tiled_any)
+    if why is not None:
         raise NotImplementedError(why)
     interpret = M.interpreted(interpret)
     tiled = tuple(bool(t) for t, _, _ in levels)
@@ -165,10 +237,16 @@ def _merge_levels(tiled, index, *arrays, dtype, group, interpret):
         interpret=interpret,
     )  # fmt: skip
     num_q_heads = num_kv_heads * group
+    if rows_per_block(head_dim) > 1:  # untiled levels: a request's query heads in a row
+        arrays = tuple(
+            a if t or j else a.reshape(a.shape[0], a.shape[1], num_q_heads, head_dim)
+            for i, a in enumerate(arrays)
+            for t, j in [(tiled[i // 2], i % 2)]
+        )
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), dtype),
-        grid=(batch, num_q_heads),
+        grid=(batch, num_q_heads // rows_per_block(head_dim)),
         grid_names=("b", "hq"),
         **M.launch_params(interpret),
     )(*arrays, *(index or ()))
