@@ -97,18 +97,21 @@ def test_tiles_bound_is_the_most_a_batch_needs():
         assert cascade_mgpu.tiles_bound(batch, prefixes, per_tile) == want
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_plan_matches_a_naive_model(seed):
     """The tile plan against a loop: the active requests of each prefix in batch order, cut
     into tiles of per_tile, the prefixes' tiles one after another; every slot past the
-    tiles' requests empty, every tile past the last one without a prefix."""
+    tiles' requests empty, every tile past the last one without a prefix. Batches of 1-70,
+    1-7 prefixes, tiles of 1-16 requests, from none to every request active."""
     rng = np.random.default_rng(seed)
-    B, NP, per_tile = int(rng.integers(1, 40)), int(rng.integers(1, 6)), int(rng.choice([1, 4, 16]))
+    B, NP = int(rng.integers(1, 71)), int(rng.integers(1, 8))
+    per_tile = int(rng.choice([1, 2, 4, 8, 16]))
     prefix_of = rng.integers(-1, NP, B)
-    active = (prefix_of >= 0) & (rng.random(B) < 0.8)
+    active = (prefix_of >= 0) & (rng.random(B) < rng.choice([0.0, 0.5, 0.8, 1.0]))
     T = cascade_mgpu.tiles_bound(B, NP, per_tile)
     got = cascade_mgpu.plan(jnp.asarray(prefix_of), jnp.asarray(active), NP, per_tile, T)
     tile_prefix, tile_of, slot_of, who, filled = (np.asarray(x) for x in got)
+    want_who = np.zeros((T, per_tile), int)
     want_prefix = np.full(T, -1)
     want_filled = np.zeros((T, per_tile), bool)
     t = 0
@@ -119,10 +122,12 @@ def test_plan_matches_a_naive_model(seed):
             for s, b in enumerate(members[i : i + per_tile]):
                 assert (tile_of[b], slot_of[b], who[t, s]) == (t, s, b)
                 want_filled[t, s] = True
+                want_who[t, s] = b
             t += 1
     assert t <= T
     np.testing.assert_array_equal(tile_prefix, want_prefix)
     np.testing.assert_array_equal(filled, want_filled)
+    np.testing.assert_array_equal(who, want_who)  # an empty slot names request 0
     np.testing.assert_array_equal(tile_of[~active], 0)
     np.testing.assert_array_equal(slot_of[~active], 0)
 
