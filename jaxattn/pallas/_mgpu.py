@@ -502,9 +502,11 @@ def dependent_launch(interpret: bool) -> None:
     instructions are no-ops where the kernel was not launched dependent (jax 0.10's Mosaic
     GPU runtime sets the launch attribute for no kernel; jax 0.11's for every kernel that
     uses them). The Mosaic GPU decode (its split partitions, the cascade's two levels) and
-    its merges call it, so a merge's launch overlaps the partitions' tail. Not in interpret
-    mode, which has no such instructions; ``JAXATTN_MGPU_PDL=0`` (read when a kernel is
-    traced) leaves it out."""
+    its merges call it, so a merge's launch overlaps the partitions' tail. That takes the two
+    kernels launched on one stream: XLA traces each custom call it puts in a command buffer
+    into a graph of its own, where the launch has nothing to depend on (not yet measured).
+    Not in interpret mode, which has no such instructions; ``JAXATTN_MGPU_PDL=0`` (read when
+    a kernel is traced) leaves it out."""
     if interpret or os.environ.get(PDL_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return
     plgpu.griddepcontrol_launch_dependents()

@@ -594,7 +594,7 @@ def merge_lowering(
     (:func:`jaxattn.pallas.decode.combine`), else, on a JAX without that lowering
     (:func:`jaxattn.pallas._triton.missing`), XLA's reductions
     (:func:`jaxattn.pallas.decode.combine_levels_jnp`). ``merge="mosaic_gpu"`` also takes
-    head_dim 64 and 32 (:func:`jaxattn.pallas.merge_mgpu.unsupported`; ``tiled``: with the
+    head_dim 64 (:func:`jaxattn.pallas.merge_mgpu.unsupported`; ``tiled``: with the
     cascade's prefix tiles, ``group`` its GQA group), not yet run on a GPU."""
     why = merge_mgpu.unsupported(head_dim, num_q_heads=num_q_heads, group=group, tiled=tiled)
     if merge is None:
