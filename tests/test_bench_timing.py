@@ -57,3 +57,9 @@ def test_time_graph_refuses_an_output_of_another_shape():
         common.time_graph(lambda q, w: q @ w, copies, samples=1)
     with pytest.raises(ValueError, match="timing must be"):
         common.measure(_op, copies, samples=1, timing="host")
+    # measure(): graph alone reports the refusal as the row's error; both keeps the
+    # dispatch figure
+    row = common.measure(lambda q, w: q @ w, copies, samples=1, target_s=1e-3, timing="graph")
+    assert "first argument" in row["error"]
+    row = common.measure(lambda q, w: q @ w, copies, samples=1, target_s=1e-3, timing="both")
+    assert "first argument" in row["graph_skipped"] and row["us"] > 0
