@@ -249,6 +249,31 @@ def test_dependent_launch(monkeypatch, pdl):
         assert ("mosaic_gpu.uses_pdl" in text) == (pdl == "1")
 
 
+@pytest.mark.parametrize("specialized", [False, True])
+def test_copies_from_one_warp_lower(monkeypatch, specialized):
+    """JAXATTN_MGPU_COPY_WARP=1: the page rings' copies issued from one warp (page ids read
+    before, in warpgroup semantics) lower for CUDA in both kernel forms; interpreted, the
+    switch changes nothing (the kernels still match the spec)."""
+    monkeypatch.setenv("JAXATTN_MGPU_COPY_WARP", "1")
+    jax.clear_caches()  # the variable is read when a kernel is traced
+    sds = jax.ShapeDtypeStruct
+    pool = sds((64, 16, 2, 128), jnp.bfloat16)
+    args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
+
+    def f(q, k, v, t, n):
+        return decode_mgpu.paged_attention(
+            q, k, v, t, n, interpret=False, partition_pages=8, specialized=specialized
+        )
+
+    assert "mosaic_gpu" in export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
+    case = poisoned_case(
+        5, batch=2, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 150],
+        layout="bshd", dtype=jnp.bfloat16,
+    )  # fmt: skip
+    out = decode_mgpu.paged_attention(*case, interpret=True, specialized=specialized)
+    assert_close(out, reference(*case), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_public_op_with_mosaic_gpu_lowering(interpret):
     """jaxattn.paged_attention(implementation="pallas", config=DecodeConfig(lowering=

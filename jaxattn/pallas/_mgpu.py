@@ -332,15 +332,38 @@ def slab(ref, page, head, bshd: bool):
     return ref.at[page, :, head, :] if bshd else ref.at[page, head]
 
 
-def issue_step(ref, ring, bars, i, *, page_of, head, bshd, pages_per_step, page_size, stages):
+COPY_WARP_ENV = "JAXATTN_MGPU_COPY_WARP"
+
+
+def copy_warp(interpret: bool) -> bool:
+    """Whether the page rings' copies are issued from one warp (``JAXATTN_MGPU_COPY_WARP=1``,
+    read when a kernel is traced; compiled kernels only): Mosaic GPU puts a warpgroup barrier
+    before every copy a warpgroup issues (eight a 64-key step of 16-token pages, on the
+    compute warpgroup's path in the one-warpgroup kernels); from one warp a step's copies
+    take one barrier before and one after. Off by default: not yet timed on a GPU."""
+    flag = os.environ.get(COPY_WARP_ENV, "").strip().lower()
+    return not interpret and flag in ("1", "true", "yes", "on")
+
+
+def issue_step(
+    ref, ring, bars, i, *, page_of, head, bshd, pages_per_step, page_size, stages, warp=False
+):
     """Copies step ``i``'s pages (``page_of(c)``: the ``c``-th page, already clamped into the
     pool) of KV head ``head`` in ``ref`` into slot ``i % stages`` of ``ring``, each copy
-    arriving on that slot's barrier."""
+    arriving on that slot's barrier. ``warp``: issued from the warpgroup's first warp
+    (:func:`copy_warp`; the page ids are read before, in warpgroup semantics)."""
     slot = lax.rem(i, stages)
-    for j in range(pages_per_step):
-        page = page_of(i * pages_per_step + j)
-        rows = pl.ds(j * page_size, page_size)
-        plgpu.copy_gmem_to_smem(slab(ref, page, head, bshd), ring.at[slot, rows], bars.at[slot])
+    pages = [page_of(i * pages_per_step + j) for j in range(pages_per_step)]
+
+    def copies():
+        for j, page in enumerate(pages):
+            rows = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(slab(ref, page, head, bshd), ring.at[slot, rows], bars.at[slot])
+
+    if warp:
+        plgpu.warp_map(lambda w: pl.when(w == 0)(copies))
+    else:
+        copies()
 
 
 class PageRing:
@@ -349,11 +372,14 @@ class PageRing:
     ``stages`` steps (those below ``n_steps``), ``refill(ring, i)`` step ``i + stages`` into
     the slot step ``i`` has just read, ``issue(i)`` step ``i`` of both rings."""
 
-    def __init__(self, k, v, n_steps, *, page_of, head, bshd, pages_per_step, page_size, stages):
+    def __init__(
+        self, k, v, n_steps, *, page_of, head, bshd, pages_per_step, page_size, stages,
+        warp=False,
+    ):  # fmt: skip
         self.k, self.v, self.n_steps, self.stages = k, v, n_steps, stages
         self.kw = dict(
             page_of=page_of, head=head, bshd=bshd, pages_per_step=pages_per_step,
-            page_size=page_size, stages=stages,
+            page_size=page_size, stages=stages, warp=warp,
         )  # fmt: skip
 
     def issue(self, i):
