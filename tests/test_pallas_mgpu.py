@@ -21,7 +21,8 @@ from helpers import assert_close, export_cuda, poisoned_pages
 
 import jaxattn
 from jaxattn import layout as L
-from jaxattn.pallas import decode_mgpu
+from jaxattn.pallas import _mgpu as M
+from jaxattn.pallas import cascade_mgpu, decode_mgpu
 
 if decode_mgpu.available() is not None:
     pytest.skip(decode_mgpu.available(), allow_module_level=True)
@@ -250,12 +251,19 @@ def test_dependent_launch(monkeypatch, pdl):
 
 
 @pytest.mark.parametrize("specialized", [False, True])
-def test_copies_from_one_warp_lower(monkeypatch, specialized):
-    """JAXATTN_MGPU_COPY_WARP=1: the page rings' copies issued from one warp (page ids read
-    before, in warpgroup semantics) lower for CUDA in both kernel forms; interpreted, the
-    switch changes nothing (the kernels still match the spec)."""
-    monkeypatch.setenv("JAXATTN_MGPU_COPY_WARP", "1")
+def test_experiments_lower(monkeypatch, specialized):
+    """JAXATTN_MGPU_EXPERIMENTS=copy_warp,unmasked_steps (the page copies from one warp, the
+    page ids read before in warpgroup semantics; the full steps without the logits' mask) lower
+    for CUDA in both kernel forms and the cascade; interpreted (the mask-free steps there;
+    the copies from one warp are compiled only), the decode still matches the spec with NaN
+    in every slot it must not read, on sequences ending inside a step, on a step boundary and
+    shorter than one step; an unknown name is refused."""
+    monkeypatch.setenv("JAXATTN_MGPU_EXPERIMENTS", "copy_warp, unmasked_steps")
     jax.clear_caches()  # the variable is read when a kernel is traced
+    assert M.experiment("copy_warp", False) and M.experiment("unmasked_steps", True)
+    assert not M.experiment("copy_warp", True)  # compiled kernels only
+    with pytest.raises(ValueError, match="unknown Mosaic GPU experiment"):
+        M.experiment("copy", False)
     sds = jax.ShapeDtypeStruct
     pool = sds((64, 16, 2, 128), jnp.bfloat16)
     args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
@@ -266,12 +274,22 @@ def test_copies_from_one_warp_lower(monkeypatch, specialized):
         )
 
     assert "mosaic_gpu" in export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
+    i32 = sds((2,), jnp.int32)
+    cascade = (args[0], pool, pool, sds((1, 16), jnp.int32), sds((1,), jnp.int32), i32)
+    text = export_cuda(
+        lambda *a: cascade_mgpu.cascade_attention(*a, interpret=False),
+        *cascade, sds((2, 16), jnp.int32), i32, triton=False,
+    ).mlir_module()  # fmt: skip
+    assert "mosaic_gpu" in text
     case = poisoned_case(
-        5, batch=2, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 150],
+        5, batch=4, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 128, 30, 0],
         layout="bshd", dtype=jnp.bfloat16,
     )  # fmt: skip
-    out = decode_mgpu.paged_attention(*case, interpret=True, specialized=specialized)
-    assert_close(out, reference(*case), jnp.bfloat16)
+    for partition_pages in (None, 4):
+        out = decode_mgpu.paged_attention(
+            *case, interpret=True, specialized=specialized, partition_pages=partition_pages
+        )
+        assert_close(out, reference(*case), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("interpret", MODES)

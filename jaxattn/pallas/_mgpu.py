@@ -332,17 +332,31 @@ def slab(ref, page, head, bshd: bool):
     return ref.at[page, :, head, :] if bshd else ref.at[page, head]
 
 
-COPY_WARP_ENV = "JAXATTN_MGPU_COPY_WARP"
+EXPERIMENTS_ENV = "JAXATTN_MGPU_EXPERIMENTS"
+EXPERIMENTS = ("copy_warp", "unmasked_steps")
+
+
+def experiment(name: str, interpret: bool) -> bool:
+    """Whether the Mosaic GPU decode kernels (paged decode, the cascade's levels) run the
+    experiment ``name``, one of :data:`EXPERIMENTS` listed in ``JAXATTN_MGPU_EXPERIMENTS``
+    (comma-separated; read when a kernel is traced). Off by default: neither has been timed
+    on a GPU.
+
+    * ``copy_warp``: the page rings' copies issued from one warp. Mosaic GPU puts a
+      warpgroup barrier before every copy a warpgroup issues (eight a 64-key step of
+      16-token pages, on the compute warpgroup's path in the one-warpgroup kernel); from one
+      warp a refill takes one barrier before and one after. Compiled kernels only.
+    * ``unmasked_steps``: the steps whose keys all lie below the partition's length run
+      without the logits' mask (a loop of their own), the last, partial one with it."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown Mosaic GPU experiment {name!r}: one of {EXPERIMENTS}")
+    listed = {x.strip().lower() for x in os.environ.get(EXPERIMENTS_ENV, "").split(",")}
+    return name in listed and not (interpret and name == "copy_warp")
 
 
 def copy_warp(interpret: bool) -> bool:
-    """Whether the page rings' copies are issued from one warp (``JAXATTN_MGPU_COPY_WARP=1``,
-    read when a kernel is traced; compiled kernels only): Mosaic GPU puts a warpgroup barrier
-    before every copy a warpgroup issues (eight a 64-key step of 16-token pages, on the
-    compute warpgroup's path in the one-warpgroup kernels); from one warp a step's copies
-    take one barrier before and one after. Off by default: not yet timed on a GPU."""
-    flag = os.environ.get(COPY_WARP_ENV, "").strip().lower()
-    return not interpret and flag in ("1", "true", "yes", "on")
+    """:func:`experiment` ``copy_warp``."""
+    return experiment("copy_warp", interpret)
 
 
 def issue_step(
@@ -435,9 +449,9 @@ def ring_step(
 ):
     """One step of the ring (``keys`` keys in ring slot ``slot``) folded into ``state`` =
     (acc, max, sum): waits for the step's K, S = q K^T, ``k_read()`` (K's slot may be
-    refilled), logits in base 2 kept where ``visible(key [64, keys])``, the online softmax,
-    waits for V, zeroes V's rows at or past ``n_keys`` in a step that crosses it (copied
-    whole: a page's tail, pages past the keys), O += P V, ``v_read()``.
+    refilled), logits in base 2 kept where ``visible(key [64, keys])`` (None: all), the
+    online softmax, waits for V, zeroes V's rows at or past ``n_keys`` in a step that crosses
+    it (copied whole: a page's tail, pages past the keys), O += P V, ``v_read()``.
 
     FP8 rings (``wide`` = float16 (K, V) tiles of one step): each step's codes are widened
     into them (every FP8 value is exact in float16; V's rows past ``n_keys`` become zeros
@@ -476,7 +490,8 @@ def ring_step(
     if factor is not None:
         s = s * factor
     s = C.scores_base2(s, scale=scale, soft_cap=soft_cap)
-    s = jnp.where(visible(iota((ROWS, keys), 1) + i * keys), s, -jnp.inf)
+    if visible is not None:  # None: every key of the step is visible to every row
+        s = jnp.where(visible(iota((ROWS, keys), 1) + i * keys), s, -jnp.inf)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))

@@ -306,7 +306,7 @@ def _kernel_call(
                     if not converter:
                         fp8_kw["wide"] = tuple(wide)
 
-                def step(i, carry):
+                def step(i, carry, masked=True):
                     acc, m_i, l_i, bad = carry
                     slot = lax.rem(i, NS)
                     for j in range(pages_per_step):
@@ -329,13 +329,20 @@ def _kernel_call(
                                      v_read=lambda: plgpu.barrier_arrive(v_free.at[1]))  # fmt: skip
                     acc, m_i, l_i = M.ring_step(
                         i, slot, (acc, m_i, l_i), q_smem=q_smem, keys=T, scale=scale,
-                        soft_cap=soft_cap, iota=iota, visible=lambda key: key < n_tok,
+                        soft_cap=soft_cap, iota=iota,
+                        visible=(lambda key: key < n_tok) if masked else None,
                         n_keys=n_tok, interpret=interpret, prewidened=converter, **rings, **reads,
                         **fp8_kw,
                     )  # fmt: skip
                     return acc, m_i, l_i, bad
 
-                acc, m_i, l_i, bad = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, bad_len))
+                carry = (acc, m_i, l_i, bad_len)
+                first_masked = 0
+                if M.experiment("unmasked_steps", interpret):
+                    first_masked = n_tok // T  # the steps before hold T visible keys each
+                    unmasked = functools.partial(step, masked=False)
+                    carry = lax.fori_loop(0, first_masked, unmasked, carry)
+                acc, m_i, l_i, bad = lax.fori_loop(first_masked, n_steps, step, carry)
                 # A poisoned sequence: NaN partitions, which the merge turns into NaN rows.
                 # (Added as a scalar: a select on a scalar predicate is no vector op there.)
                 poison = jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
