@@ -48,6 +48,16 @@ def overrides() -> Overrides:
     return Overrides(partition_size, kernel)
 
 
+OFF = ("0", "false", "no", "off")
+
+
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` switches something off (``0``, ``false``,
+    ``no`` or ``off``, any case); read at each call, so a switch read when a kernel is traced
+    follows the environment of that trace (``JAXATTN_PALLAS_TRITON``, ``JAXATTN_MGPU_PDL``)."""
+    return os.environ.get(name, "").strip().lower() in OFF
+
+
 def refresh() -> Overrides:
     """Read the environment again (after a change) and return the new overrides."""
     overrides.cache_clear()

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 
 from .. import layout as L
 from .. import quant as Q
+from ..env import switched_off
 from . import _common as C
 
 try:  # the Mosaic GPU lowering and its interpret mode (jax >= 0.10)
@@ -354,18 +355,14 @@ def experiment(name: str, interpret: bool) -> bool:
     return name in listed and not (interpret and name == "copy_warp")
 
 
-def copy_warp(interpret: bool) -> bool:
-    """:func:`experiment` ``copy_warp``."""
-    return experiment("copy_warp", interpret)
-
-
 def issue_step(
     ref, ring, bars, i, *, page_of, head, bshd, pages_per_step, page_size, stages, warp=False
 ):
     """Copies step ``i``'s pages (``page_of(c)``: the ``c``-th page, already clamped into the
     pool) of KV head ``head`` in ``ref`` into slot ``i % stages`` of ``ring``, each copy
     arriving on that slot's barrier. ``warp``: issued from the warpgroup's first warp
-    (:func:`copy_warp`; the page ids are read before, in warpgroup semantics)."""
+    (:func:`experiment` ``copy_warp``; the page ids are read before, in warpgroup
+    semantics)."""
     slot = lax.rem(i, stages)
     pages = [page_of(i * pages_per_step + j) for j in range(pages_per_step)]
 
@@ -548,7 +545,7 @@ def dependent_launch(interpret: bool) -> None:
     into a graph of its own, where the launch has nothing to depend on (not yet measured).
     Not in interpret mode, which has no such instructions; ``JAXATTN_MGPU_PDL=0`` (read when
     a kernel is traced) leaves it out."""
-    if interpret or os.environ.get(PDL_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if interpret or switched_off(PDL_ENV):
         return
     plgpu.griddepcontrol_launch_dependents()
     plgpu.griddepcontrol_wait()

@@ -13,9 +13,9 @@ warnings), which is also how the tests check that world on the CPU.
 
 from __future__ import annotations
 
-import os
-
 import jax
+
+from ..env import switched_off
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -35,7 +35,7 @@ def missing() -> str | None:
             f"jax {jax.__version__} has no Pallas Triton lowering "
             f"(jax.experimental.pallas.triton: {_IMPORT_ERROR})"
         )
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV):
         return f"the Pallas Triton lowering is switched off (${ENV}=0)"
     return None
 

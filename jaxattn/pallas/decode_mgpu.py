@@ -274,7 +274,7 @@ def _kernel_call(
             ring = M.PageRing(
                 k, v, n_steps, page_of=lambda c: page_at(c)[0], head=h, bshd=bshd,
                 pages_per_step=pages_per_step, page_size=S, stages=NS,
-                warp=M.copy_warp(interpret),
+                warp=M.experiment("copy_warp", interpret),
             )  # fmt: skip
             if not specialized:
                 # One warpgroup: the first NS steps' copies go out before q is awaited; after step
