@@ -65,8 +65,8 @@ and private batches (round 38), where the Triton-lowered kernel took 79 / 88 / 3
 Without the Triton lowering (a JAX that has dropped it, or ``JAXATTN_PALLAS_TRITON=0``;
 :mod:`jaxattn.pallas._triton`) the package still imports and ``implementation="pallas"``
 runs the Mosaic GPU kernels for every op that has one, whatever the shape's default above:
-paged decode (its split merged by XLA's reductions where the Mosaic GPU merge does not take
-the head size, :func:`decode.combine_levels_jnp`), prefix prefill and cascade decode (16-bit
+paged decode (its split merged by XLA's reductions where the Mosaic GPU merge is not the
+default, head_dim 64: :func:`decode.combine_levels_jnp`), prefix prefill and cascade decode (16-bit
 and FP8 caches). What only a Triton-lowered kernel serves (the token-pool
 ``extend_attention``, page sizes under 8, float32) is refused with the reason, so a list of
 backends falls through to the next.

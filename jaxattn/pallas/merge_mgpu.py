@@ -205,12 +205,11 @@ def merge_levels(levels, index, dtype, *, group: int, interpret: bool | None = N
     Returns ``[B, Hkv * group, D]`` in ``dtype``. ``interpret``: None interprets on the CPU
     only."""
     _, _, num_kv_heads, _, head_dim = levels[0][1].shape
-    tiled_any = any(bool(t) for t, _, _ in levels)
-    why = unsupported(head_dim, num_q_heads=num_kv_heads * group, group=group, tiled=tiled_any)
+    tiled = tuple(bool(t) for t, _, _ in levels)
+    why = unsupported(head_dim, num_q_heads=num_kv_heads * group, group=group, tiled=any(tiled))
     if why is not None:
         raise NotImplementedError(why)
     interpret = M.interpreted(interpret)
-    tiled = tuple(bool(t) for t, _, _ in levels)
     if index is None and any(tiled):
         raise ValueError("a tiled level needs the index (tile, slot, has, ok) of every request")
     arrays = [a for _, acc, ml in levels for a in (acc, ml)]
@@ -238,12 +237,13 @@ def _merge_levels(tiled, index, *arrays, dtype, group, interpret):
         interpret=interpret,
     )  # fmt: skip
     num_q_heads = num_kv_heads * group
-    if rows_per_block(head_dim) > 1:  # untiled levels: a request's query heads in a row
-        arrays = tuple(
-            a if t or j else a.reshape(a.shape[0], a.shape[1], num_q_heads, head_dim)
-            for i, a in enumerate(arrays)
-            for t, j in [(tiled[i // 2], i % 2)]
-        )
+    if rows_per_block(head_dim) > 1:  # untiled levels' acc: a request's query heads in a row
+        pairs = zip(tiled, arrays[0::2], arrays[1::2], strict=True)
+        arrays = [
+            x
+            for t, acc, ml in pairs
+            for x in (acc if t else acc.reshape(*acc.shape[:2], num_q_heads, head_dim), ml)
+        ]
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), dtype),
