@@ -198,7 +198,7 @@ def mgpu_config(spec: str) -> dict:
         elif flag[:1] in ("p", "s") and flag[1:].isdigit():
             kw["pages_per_step" if flag[0] == "p" else "stages"] = int(flag[1:])
         else:
-            raise ValueError(f"--mgpu: unknown flag {flag!r} in {spec!r}")
+            raise SystemExit(f"--mgpu: unknown flag {flag!r} in {spec!r}")
     return kw
 
 

@@ -228,6 +228,19 @@ def test_lowers_for_cuda(kw):
     assert "mosaic_gpu" in export_cuda(f, *args, triton=triton).mlir_module()
 
 
+def _split_decode_exported(**kw) -> str:
+    """The exported module (jax.export for CUDA, no Triton kernel) of a split decode, 2
+    sequences of 32 pages, 8/2 heads of 128, and its merge."""
+    sds = jax.ShapeDtypeStruct
+    pool = sds((64, 16, 2, 128), jnp.bfloat16)
+    args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
+
+    def f(q, k, v, t, n):
+        return decode_mgpu.paged_attention(q, k, v, t, n, interpret=False, partition_pages=8, **kw)
+
+    return export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
+
+
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_dependent_launch(monkeypatch, pdl):
     """A split grid's partitions and its merge are lowered as programmatic dependent launches
@@ -236,14 +249,7 @@ def test_dependent_launch(monkeypatch, pdl):
     and JAXATTN_MGPU_PDL=0 lowers neither instruction."""
     monkeypatch.setenv("JAXATTN_MGPU_PDL", pdl)
     jax.clear_caches()  # the variable is read when a kernel is traced
-    sds = jax.ShapeDtypeStruct
-    pool = sds((64, 16, 2, 128), jnp.bfloat16)
-    args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
-
-    def f(q, k, v, t, n):
-        return decode_mgpu.paged_attention(q, k, v, t, n, interpret=False, partition_pages=8)
-
-    text = export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
+    text = _split_decode_exported()
     assert text.count("mosaic_gpu_v2") == 2  # the partitions, the merge
     assert ("griddepcontrol" in text) == (pdl == "1")
     if jax.__version_info__ >= (0, 11):
@@ -264,18 +270,17 @@ def test_experiments_lower(monkeypatch, specialized):
     assert not M.experiment("copy_warp", True)  # compiled kernels only
     with pytest.raises(ValueError, match="unknown Mosaic GPU experiment"):
         M.experiment("copy", False)
+    assert "mosaic_gpu" in _split_decode_exported(specialized=specialized)
     sds = jax.ShapeDtypeStruct
-    pool = sds((64, 16, 2, 128), jnp.bfloat16)
-    args = (sds((2, 8, 128), jnp.bfloat16), pool, pool, sds((2, 32), jnp.int32))
-
-    def f(q, k, v, t, n):
-        return decode_mgpu.paged_attention(
-            q, k, v, t, n, interpret=False, partition_pages=8, specialized=specialized
-        )
-
-    assert "mosaic_gpu" in export_cuda(f, *args, sds((2,), jnp.int32), triton=False).mlir_module()
-    i32 = sds((2,), jnp.int32)
-    cascade = (args[0], pool, pool, sds((1, 16), jnp.int32), sds((1,), jnp.int32), i32)
+    i32, pool = sds((2,), jnp.int32), sds((64, 16, 2, 128), jnp.bfloat16)
+    cascade = (
+        sds((2, 8, 128), jnp.bfloat16),
+        pool,
+        pool,
+        sds((1, 16), jnp.int32),
+        sds((1,), jnp.int32),
+        i32,
+    )
     text = export_cuda(
         lambda *a: cascade_mgpu.cascade_attention(*a, interpret=False),
         *cascade, sds((2, 16), jnp.int32), i32, triton=False,
