@@ -8,11 +8,13 @@ median over samples of sample time / calls. (A ``lax.fori_loop`` over fixed inpu
 was tried first: XLA hoists the loop-invariant work out of the loop.)
 
 ``--timing graph`` (:func:`time_graph`) times the same calls with no host in the loop: one
-jitted ``while`` loop whose body makes one call per copy, each call's output fed to the
-next one as its first argument (q: the ops' output has its shape), compiled as one CUDA
-graph (XLA's command buffers with WHILE and CONDITIONAL) and without XLA's loop-invariant
-code motion, so every call, with all of its XLA work, runs every iteration. A figure that
-the dispatch timing calls host-bound is then the device's.
+jitted ``while`` loop whose body makes whole rounds of one call per copy (at least
+``GRAPH_CALLS`` calls), each call's output fed to the next one as its first argument (q: the
+ops' output has its shape), compiled as one CUDA graph (XLA's command buffers with WHILE and
+CONDITIONAL, no minimum graph size) and without XLA's loop-invariant code motion, so every
+call, with all of its XLA work, runs every iteration. A figure that the dispatch timing
+calls host-bound is then the device's; and each call waits for the one before it, as a
+model's layers do (the dispatch timing's calls are independent of each other).
 
 Ceilings, measured in the same run: device-to-device copy bandwidth (an elementwise
 ``x + 1`` over a large buffer; bytes read plus bytes written) and a large bf16 matmul.
@@ -248,23 +250,31 @@ def _sampled(sample, calls: int, *, target_s, samples, warmup_s, most, before_sa
 
 # The graph timing's program (:func:`chained_loop`): the engine's decode-loop command buffers
 # (XLA's default kinds plus WHILE and CONDITIONAL: the loop one CUDA graph, its predicate
-# evaluated on the device), and no loop-invariant code motion (else XLA moves every call's
-# work that does not depend on the chained argument out of the loop: a call's table
-# checks, its plan).
+# evaluated on the device), no minimum size for a command buffer (XLA's default, 5 commands,
+# leaves a top level of a parameter copy and the loop out of any graph: the loop's predicate
+# went back to the host every iteration), and no loop-invariant code motion (else XLA moves
+# every call's work that does not depend on the chained argument out of the loop: a call's
+# table checks, its plan).
 NO_HOISTING = "while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion"
 TIMINGS = ("dispatch", "graph", "both")
+# Calls an iteration of the graph loop makes at least (rounds over the copies): the loop
+# costs some tens of microseconds an iteration besides its calls (H200: 40 us an iteration
+# of eight cheap elementwise calls, the loop's predicate on the device or on the host), which
+# a round of 8 decode calls at batch 8 (about 300 us) would count.
+GRAPH_CALLS = 64
 
 
 @functools.lru_cache(maxsize=64)
-def chained_loop(fn: Callable) -> Callable:
-    """``(copies, reps) -> out``: a jitted loop of ``reps`` iterations, each calling fn once
-    on every copy in order, the first argument of each call the previous call's output
-    (the first: copy 0's). See :func:`time_graph`."""
+def chained_loop(fn: Callable, rounds: int = 1) -> Callable:
+    """``(copies, reps) -> out``: a jitted loop of ``reps`` iterations, each calling fn
+    ``rounds`` times on every copy in order, the first argument of each call the previous
+    call's output (the first: copy 0's). See :func:`time_graph`."""
 
     def run(all_copies, reps):
         def body(_, x):
-            for args in all_copies:
-                x = fn(x, *args[1:])
+            for _ in range(rounds):
+                for args in all_copies:
+                    x = fn(x, *args[1:])
             return x
 
         return lax.fori_loop(0, reps, body, all_copies[0][0])
@@ -272,7 +282,9 @@ def chained_loop(fn: Callable) -> Callable:
     from jaxattn.engine.runner import DECODE_GRAPH_COMMANDS
 
     options = dict(
-        xla_gpu_enable_command_buffer=DECODE_GRAPH_COMMANDS, xla_disable_hlo_passes=NO_HOISTING
+        xla_gpu_enable_command_buffer=DECODE_GRAPH_COMMANDS,
+        xla_gpu_graph_min_graph_size=1,
+        xla_disable_hlo_passes=NO_HOISTING,
     )
     return jax.jit(run, compiler_options=options)
 
@@ -286,12 +298,13 @@ def time_graph(
     warmup_s: float = 0.25,
 ) -> dict:
     """Seconds per ``fn(*copy)`` call with no host between calls: :func:`chained_loop`
-    run for about ``target_s`` a sample (one dispatch, waited for), the median over
-    ``samples`` of sample time / calls. fn's output must have the shape and dtype of its
-    first argument (``ValueError`` otherwise), which it is then given back: the chain keeps
-    XLA from merging or hoisting the calls, and costs nothing (no extra kernel). The
-    dispatch and the wait, once a sample, are part of the figure (~0.1% of a 30 ms
-    sample)."""
+    (an iteration: at least ``GRAPH_CALLS`` calls, whole rounds over the copies) run for
+    about ``target_s`` a sample (one dispatch, waited for), the median over ``samples`` of
+    sample time / calls. fn's output must have the shape and dtype of its first argument
+    (``ValueError`` otherwise), which it is then given back: the chain keeps XLA from
+    merging or hoisting the calls, and costs nothing (no extra kernel). The dispatch and the
+    wait, once a sample, are part of the figure (~0.1% of a 30 ms sample), and so is the
+    loop's own cost an iteration (see ``GRAPH_CALLS``)."""
     copies = [tuple(c) for c in copies]
     out = jax.eval_shape(fn, *copies[0])
     first = copies[0][0]
@@ -300,8 +313,9 @@ def time_graph(
             "graph timing feeds each call's output back as its first argument: "
             f"fn returns {out}, its first argument is {first.shape} {first.dtype}"
         )
-    loop = chained_loop(fn)
-    calls = len(copies)
+    rounds = -(-GRAPH_CALLS // len(copies))
+    loop = chained_loop(fn, rounds)
+    calls = rounds * len(copies)  # calls an iteration makes
 
     def sample(reps: int) -> float:
         t0 = time.perf_counter()
@@ -312,7 +326,7 @@ def time_graph(
     out = _sampled(
         sample, calls, target_s=target_s, samples=samples, warmup_s=warmup_s, most=100_000
     )
-    return out | dict(mode="graph")
+    return out | dict(mode="graph", copies=len(copies), calls_per_iteration=calls)
 
 
 def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) -> dict | None:

@@ -40,12 +40,15 @@ def test_time_graph_runs_the_chain():
     copies = [(jnp.ones((8, 8)), jnp.full((8, 8), 0.01 * (i + 1))) for i in range(3)]
     t = common.time_graph(_op, copies, target_s=0.002, samples=3, warmup_s=0.0)
     assert t["mode"] == "graph" and t["copies"] == 3 and t["median_s"] > 0
+    # an iteration makes whole rounds over the copies, at least GRAPH_CALLS calls
+    assert t["calls_per_iteration"] % 3 == 0
+    assert common.GRAPH_CALLS <= t["calls_per_iteration"] < common.GRAPH_CALLS + 3
     # the loop's result is the chain's: each call given the one before's output
     x = copies[0][0]
-    for _ in range(2):
+    for _ in range(2 * 2):
         for c in copies:
             x = _op(x, c[1])
-    loop = common.chained_loop(_op)(copies, jnp.int32(2))
+    loop = common.chained_loop(_op, 2)(copies, jnp.int32(2))
     assert jnp.allclose(loop, x, rtol=1e-5, atol=1e-5)
     row = common.measure(_op, copies, samples=3, target_s=0.002, timing="both")
     assert row["timing"]["mode"] == "graph" and row["us_dispatch"] > 0
