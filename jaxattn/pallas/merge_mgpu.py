@@ -14,7 +14,8 @@ thread), :data:`UNROLL` parts at a time so their loads are in flight together. A
 thread, each row's weights put in place by a select on the row, so a NaN stays in its row;
 :func:`rows_per_block`), which takes an even number of query heads and, in the cascade, an
 even GQA group; the decode and the cascade use it when ``merge="mosaic_gpu"`` is named
-there (not yet compiled on a GPU; by default head_dim 64 keeps the Triton-lowered merge).
+there (correct on an H200 and no faster there than the Triton-lowered merge, which head_dim
+64 keeps by default).
 The states are
 the Mosaic GPU decode kernel's (:func:`jaxattn.pallas.decode_mgpu.partial_states`): acc f32
 ``[X, P, Hkv, R, D]``, max and sum f32 ``[X, P, Hkv, 2, R_pad]`` in base 2, X the requests or
