@@ -219,9 +219,9 @@ def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.Cascade
     pg = [p for p in points if "paged_us" in p]
     cs = [p for p in points if "cascade_us" in p]
     a = nnls(
-        np.array([[1.0, p["joined_bytes"]] for p in pg]),
+        np.array([[1.0, p["unique_bytes"], p["repeated_bytes"]] for p in pg]),
         np.array([p["paged_us"] for p in pg]),
-        ["fixed", "per_byte"],
+        ["fixed", "per_byte", "per_repeated_byte"],
     )
     b = nnls(
         np.array([[1.0, p["rows"], p["unique_bytes"], p["prefix_flops"]] for p in cs]),
@@ -233,6 +233,7 @@ def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.Cascade
         base,
         paged_fixed_us=a["fixed"],
         paged_bytes_per_us=inv(a["per_byte"]),
+        paged_repeat_bytes_per_us=inv(a["per_repeated_byte"]),
         cascade_fixed_us=b["fixed"],
         cascade_row_us=b["per_row"],
         cascade_bytes_per_us=inv(b["per_byte"]),
@@ -351,7 +352,13 @@ def main(argv=None):
             if len(rs) == 2:
                 pt = {
                     k: rs["cascade"][k]
-                    for k in ("joined_bytes", "unique_bytes", "rows", "prefix_flops")
+                    for k in (
+                        "joined_bytes",
+                        "unique_bytes",
+                        "repeated_bytes",
+                        "rows",
+                        "prefix_flops",
+                    )
                 }
                 points.append(
                     pt

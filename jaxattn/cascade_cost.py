@@ -5,13 +5,20 @@ whether :func:`jaxattn.cascade_attention` (each shared prefix read once) or
 :func:`jaxattn.paged_attention` over the joined tables (each request reads its whole context)
 is faster. Both are modelled as linear in what they must do::
 
-    paged   = paged_fixed_us + joined_bytes / paged_bytes_per_us
+    paged   = paged_fixed_us + unique_bytes / paged_bytes_per_us
+              + repeated_bytes / paged_repeat_bytes_per_us
     cascade = cascade_fixed_us + rows * cascade_row_us + unique_bytes / cascade_bytes_per_us
               + prefix_flops / cascade_flops_per_us
 
 * ``joined_bytes``: the K/V bytes paged decode reads: every request's prefix and own tokens;
 * ``unique_bytes``: what cascade decode must read: every prefix a request continues once,
   every own token once;
+* ``repeated_bytes``: ``joined_bytes - unique_bytes``, the prefix bytes paged decode reads
+  again for the second and later requests on a prefix. Those reads come at a rate of their
+  own: the requests' blocks read the same pages at about the same time, and the later reads
+  find many of them in the L2 (on an H200, round 42 of ``benchmarks/RESULTS.md``: 64
+  requests on a 4096-token prefix with 256 own tokens each took 212 us of paged decode, which
+  the single-rate model put at 271 us, above the read ceiling);
 * ``rows``: query rows (requests x query heads), each of which writes and reads a partial
   state per part in the merge;
 * ``prefix_flops``: Q K^T and P V of every query head over its prefix (the prefix level is
@@ -51,6 +58,7 @@ class CascadeCostModel:
 
     paged_fixed_us: float = 6.0
     paged_bytes_per_us: float = 4.3e6
+    paged_repeat_bytes_per_us: float = 5.7e6
     cascade_fixed_us: float = 14.0
     cascade_row_us: float = 1.0e-3
     cascade_bytes_per_us: float = 4.0e6
@@ -72,7 +80,12 @@ class CascadeCostModel:
     def predict(self, features: dict) -> tuple[float, float]:
         """(cascade microseconds, paged microseconds) for a batch's
         :func:`cascade_features`."""
-        paged = self.paged_fixed_us + features["joined_bytes"] / self.paged_bytes_per_us
+        repeated = features["joined_bytes"] - features["unique_bytes"]
+        paged = (
+            self.paged_fixed_us
+            + features["unique_bytes"] / self.paged_bytes_per_us
+            + repeated / self.paged_repeat_bytes_per_us
+        )
         cascade = (
             self.cascade_fixed_us
             + features["rows"] * self.cascade_row_us
@@ -92,9 +105,10 @@ def cascade_features(
     head_dim: int,
     itemsize: int = 2,
 ) -> dict:
-    """What each op must do for a batch: ``joined_bytes``, ``unique_bytes``, ``rows``,
-    ``prefix_flops`` (see the module docstring). prefix_lens: tokens of each prefix;
-    prefix_of: the prefix each request continues (-1: none); own_lens: own tokens."""
+    """What each op must do for a batch: ``joined_bytes``, ``unique_bytes``,
+    ``repeated_bytes``, ``rows``, ``prefix_flops`` (see the module docstring). prefix_lens:
+    tokens of each prefix; prefix_of: the prefix each request continues (-1: none);
+    own_lens: own tokens."""
     prefix_lens = np.asarray(prefix_lens, np.int64)
     prefix_of = np.asarray(prefix_of, np.int64)
     own = np.asarray(own_lens, np.int64)
@@ -104,9 +118,12 @@ def cascade_features(
     per_request = np.where(has, lens_of, 0)
     token_bytes = 2 * num_kv_heads * head_dim * itemsize
     used = np.unique(prefix_of[has])
+    joined = float((per_request + own).sum() * token_bytes)
+    unique = float((prefix_lens[used].sum() + own.sum()) * token_bytes)
     return dict(
-        joined_bytes=float((per_request + own).sum() * token_bytes),
-        unique_bytes=float((prefix_lens[used].sum() + own.sum()) * token_bytes),
+        joined_bytes=joined,
+        unique_bytes=unique,
+        repeated_bytes=joined - unique,
         rows=float(len(own) * num_q_heads),
         prefix_flops=float(4 * num_q_heads * head_dim * per_request.sum()),
     )
@@ -182,12 +199,14 @@ def cascade_may_pay_off(
 ) -> bool:
     """False when no choice of shared prefixes can make :func:`cascade_pays_off` true for
     requests of these context lengths (each one's prefix plus own tokens): cascade's fixed
-    and per-row costs alone already exceed what the margin allows against paged decode,
-    whose time depends on the context lengths only. A test an engine can ask before it
-    looks for shared prefixes at all. (True, undecided, for a model whose byte or FLOP
-    rates are not positive: the bound needs those terms >= 0.)"""
+    and per-row costs alone already exceed what the margin allows against paged decode at
+    the most it can take for these lengths (every byte at the slower of its two rates). A
+    test an engine can ask before it looks for shared prefixes at all. (True, undecided, for
+    a model whose byte or FLOP rates are not positive: the bound needs those terms >= 0.)"""
     m = model or CascadeCostModel()
-    if m.cascade_bytes_per_us <= 0 or m.cascade_flops_per_us <= 0:
+    rates = (m.cascade_bytes_per_us, m.cascade_flops_per_us, m.paged_bytes_per_us,
+             m.paged_repeat_bytes_per_us)  # fmt: skip
+    if min(rates) <= 0:
         return True
     ctx = np.asarray(context_lens, np.int64)
     f = cascade_features(
@@ -199,7 +218,10 @@ def cascade_may_pay_off(
         head_dim=head_dim,
         itemsize=itemsize,
     )
-    # paged decode's time depends on the lengths alone; cascade's, without the byte and FLOP
-    # terms (>= 0 whatever the prefixes), is its floor.
-    floor, paged = m.predict({**f, "unique_bytes": 0.0, "prefix_flops": 0.0})
+    # paged decode's bytes are the lengths' whatever the prefixes, its time at most all of
+    # them at the slower rate; cascade's time without the byte and FLOP terms (>= 0 whatever
+    # the prefixes) is its floor.
+    slower = min(m.paged_bytes_per_us, m.paged_repeat_bytes_per_us)
+    paged = m.paged_fixed_us + f["joined_bytes"] / slower
+    floor, _ = m.predict({**f, "unique_bytes": 0.0, "prefix_flops": 0.0})
     return bool(floor <= (1.0 - m.margin) * paged)
