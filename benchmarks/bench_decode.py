@@ -117,14 +117,7 @@ def main(argv=None):
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--layout", default="bshd")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument(
-        "--kv-dtype",
-        default=None,
-        help="cache dtypes, comma-separated: bfloat16, float8_e4m3fn, float8_e5m2, ... "
-        "(default: --dtype)",
-    )
+    common.add_dtype_args(p)
     p.add_argument("--cases", default=None, help="B:ctx,B:ctx,... (default: the issue's set)")
     p.add_argument("--heads", default=None, help="Hq/Hkv,... (default: 32/8,32/32)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
@@ -151,8 +144,7 @@ def main(argv=None):
     common.add_profile_args(p)
     args = p.parse_args(argv)
 
-    dtype = jnp.dtype(args.dtype)
-    kv_dtypes = [jnp.dtype(x) for x in (args.kv_dtype or args.dtype).split(",")]
+    dtype, kv_dtypes = common.dtypes_of(args)
     cases = SMALL_CASES if args.small else CASES
     heads = SMALL_HEADS if args.small else HEADS
     if args.cases:

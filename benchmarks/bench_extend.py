@@ -222,14 +222,7 @@ def main(argv=None):
     p.add_argument("--layout", default="bshd", help="paged layout for --form prefill")
     p.add_argument("--page-size", type=int, default=16, help="page size for --form prefill")
     p.add_argument("--heads", default="32/8")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument(
-        "--kv-dtype",
-        default=None,
-        help="cache dtypes, comma-separated: bfloat16, float8_e4m3fn, float8_e5m2, ... "
-        "(default: --dtype)",
-    )
+    common.add_dtype_args(p)
     p.add_argument("--cases", default=None, help="B:prefix:new,... (default: the issue's set)")
     p.add_argument("--sweep", action="store_true", help="time Pallas tile configurations too")
     p.add_argument(
@@ -262,8 +255,7 @@ def main(argv=None):
     p.set_defaults(impl="pallas,native")
     args = p.parse_args(argv)
 
-    dtype = jnp.dtype(args.dtype)
-    kv_dtypes = [jnp.dtype(x) for x in (args.kv_dtype or args.dtype).split(",")]
+    dtype, kv_dtypes = common.dtypes_of(args)
     hq, hkv = (int(x) for x in args.heads.split("/"))
     d = args.head_dim
     scale = 1.0 / math.sqrt(d)

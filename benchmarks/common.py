@@ -522,6 +522,25 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_dtype_args(p) -> None:
+    """``--head-dim``, ``--dtype`` and ``--kv-dtype`` (comma-separated cache dtypes), as the
+    attention benchmarks take them; :func:`dtypes_of` reads them back."""
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="cache dtypes, comma-separated: bfloat16, float8_e4m3fn, float8_e5m2, ... "
+        "(default: --dtype)",
+    )
+
+
+def dtypes_of(args) -> tuple[jnp.dtype, list[jnp.dtype]]:
+    """(q's dtype, the cache dtypes) of :func:`add_dtype_args`' options."""
+    kv = (args.kv_dtype or args.dtype).split(",")
+    return jnp.dtype(args.dtype), [jnp.dtype(x) for x in kv]
+
+
 def write_json(path: Path | None, payload: dict) -> None:
     text = json.dumps(payload, indent=2, default=str)
     if path is None:
