@@ -127,13 +127,6 @@ class _Pallas(KernelImplementation):
         return "no Mosaic GPU kernel serves it"
 
 
-def _mosaic_platform_reason(a) -> str | None:
-    """The Mosaic GPU kernels compile for sm_90 and are interpreted on the CPU only."""
-    from . import _mgpu as M
-
-    return M.platform_reason(interpret=None)
-
-
 def _steps(a) -> int:
     from . import _mgpu as M
 
@@ -144,9 +137,10 @@ class _PagedAttention(_Pallas):
     config_cls = DecodeConfig
 
     def mosaic_gpu_reason(self, a):
+        from . import _mgpu as M
         from . import decode_mgpu
 
-        why = _mosaic_platform_reason(a) or decode_mgpu.unsupported(
+        why = M.platform_reason(interpret=None) or decode_mgpu.unsupported(
             a.q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a), scaled=a.scaled
         )
         step = a.geometry.page_size * _steps(a)
@@ -187,9 +181,10 @@ class _PrefixPrefill(_Pallas):
     config_cls = ExtendConfig
 
     def mosaic_gpu_reason(self, a):
+        from . import _mgpu as M
         from . import prefill_mgpu
 
-        return _mosaic_platform_reason(a) or prefill_mgpu.unsupported(
+        return M.platform_reason(interpret=None) or prefill_mgpu.unsupported(
             a.kernel_q, a.k_cache, a.v_cache, a.layout.name, pages_per_step=_steps(a),
             scaled=a.scaled,
         )  # fmt: skip
@@ -212,9 +207,10 @@ class _CascadeAttention(_Pallas):
     config_cls = CascadeConfig
 
     def mosaic_gpu_reason(self, a):
+        from . import _mgpu as M
         from . import cascade_mgpu
 
-        return _mosaic_platform_reason(a) or cascade_mgpu.unsupported(
+        return M.platform_reason(interpret=None) or cascade_mgpu.unsupported(
             a.q, a.k_cache, a.v_cache, a.layout.name, scaled=a.scaled
         )
 
