@@ -213,6 +213,7 @@ def time_calls(
     )  # fmt: skip
     host_s = statistics.median(host)
     return out | dict(
+        copies=calls,
         host_s_per_dispatch=host_s,
         # The host's enqueue of a dispatch took most of what a dispatch measured: the device
         # may have waited for the host, and the figure is then an upper bound of the calls'
@@ -244,7 +245,6 @@ def _sampled(sample, calls: int, *, target_s, samples, warmup_s, most, before_sa
         p90_s=times[int(0.9 * (len(times) - 1))],
         calls_per_sample=n * calls,
         samples=samples,
-        copies=calls,
     )
 
 
