@@ -111,8 +111,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also trace the decode program (jax.profiler): GPU busy time per step, idle "
-        "gaps, the top kernels",
+        help="also trace the decode program at one step a call (jax.profiler): GPU busy "
+        "time per step, idle gaps, the top kernels",
     )
     p.add_argument(
         "--profile-top", type=int, default=12, help="kernels --profile lists (by time per step)"
@@ -224,22 +224,31 @@ def device_time(
     # copy of the same rows (one small device copy a call).
     fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
     no_updates = runner._folded_updates(None)  # the engine's program takes row updates
-    # Its arguments as the engine sends them: host arrays packed (R.pack_host).
-    packed, layout = R.pack_host((control, pages, entries, None, runner.kv_scales, no_updates))
 
-    def run(n):
-        out = None
-        for _ in range(n):
-            out, runner.k_cache, runner.v_cache, _, _ = runner.decode_program(
-                runner.params,
-                runner.k_cache,
-                runner.v_cache,
-                fresh(state),
-                *packed,
-                layout=layout,
-                **statics,
-            )
-        return out
+    def program(k: int):
+        """``n -> out``: n calls of the decode program at k steps a call."""
+        c = control.at[0].set(k)
+        # Its arguments as the engine sends them: host arrays packed (R.pack_host).
+        packed, layout = R.pack_host((c, pages, entries, None, runner.kv_scales, no_updates))
+        kw = statics | dict(max_steps=k)
+
+        def run(n):
+            out = None
+            for _ in range(n):
+                out, runner.k_cache, runner.v_cache, _, _ = runner.decode_program(
+                    runner.params,
+                    runner.k_cache,
+                    runner.v_cache,
+                    fresh(state),
+                    *packed,
+                    layout=layout,
+                    **kw,
+                )
+            return out
+
+        return run
+
+    run = program(steps)
 
     jax.block_until_ready(run(2))
     calls = 4
@@ -252,7 +261,14 @@ def device_time(
         t0 = time.perf_counter()
         jax.block_until_ready(run(calls))
         times.append((time.perf_counter() - t0) / (calls * steps))
-    prof = device_profile(lambda: run(4), steps=4 * steps, top=top) if profile else None
+    prof = None
+    if profile:
+        # Traced at one step a call: in a multistep call the trace holds the loop's first
+        # step only (a command buffer's loop body is recorded once), which per-step figures
+        # would then divide by all of its steps.
+        one = program(1)
+        jax.block_until_ready(one(2))
+        prof = device_profile(lambda: one(8), steps=8, top=top)
     return statistics.median(times), prof, num_rows
 
 

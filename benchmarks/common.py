@@ -336,8 +336,9 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
     host), the kernel count, and the ``top`` kernel names by time. None without a GPU trace.
 
     A kernel launched dependent on the one before it (the native decode kernels outside a
-    command buffer) appears from its launch, not from the end of its wait, so its listed time
-    can exceed its share of the span; the span and the busy time are unions and stay right."""
+    command buffer; XLA's own kernels too, whose dependent launch jax 0.11 turns on by
+    default) appears from its launch, not from the end of its wait, so its listed time can
+    exceed its share of the span; the span and the busy time are unions and stay right."""
     import glob
     import tempfile
 
