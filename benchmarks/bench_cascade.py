@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cascade.py --json cascade.json            # the issue's batches
     python benchmarks/bench_cascade.py --fit --json cascade.json      # + the switch rule's fit
+    python benchmarks/bench_cascade.py --layers 16 --timing graph      # a layer of a 16-layer step
 
 Batches (B requests, Hq/Hkv, D, page size, dtype from the flags; default the issue's case:
 B=64, a 4096-token prefix, 256 own tokens each, bf16, 32/8, D=128, page 16):
@@ -24,6 +25,13 @@ The floor is the time to read each prefix once and every own token once at the r
 jitted ``jnp.sum`` over 4 GiB measured in the same run (``common.read_bandwidth``). The table
 shows each time, its ratio to the floor, and the speedup of cascade over paged decode of the
 same implementation.
+
+``--layers L`` times L layers a call, as a model's decode step runs them: each layer its own
+pool, every layer the same tables and lengths, each layer's output the next one's q; a
+row's time is a layer's share. What depends only on the tables (the Mosaic GPU cascade's
+tile plan, a chain of small XLA kernels before its kernel) is then one computation a call
+for all layers (XLA's common-subexpression elimination), as it is in the engine's step, where
+a lone call pays it every time.
 
 ``--fit`` also times both ops (``--fit-impl``, default native) over a grid of batches (prefix
 length, requests per prefix, own length, batch size), fits the constants of
@@ -117,6 +125,42 @@ def build_inputs(seed, batch: Batch, *, hq, hkv, d, page, layout, dtype):
     return cascade_args, (q, k, v, jnp.asarray(joined), joined_lens)
 
 
+def build_layered(seed, batch: Batch, layers: int, **kw):
+    """:func:`build_inputs` for ``layers`` layers of a model: one set of tables and lengths,
+    a pool of pages per layer (each layer's K/V its own random data). A call's arguments are
+    (q, k_0, v_0, ..., k_{L-1}, v_{L-1}, tables...), for :func:`layered`."""
+    casc, paged = build_inputs(seed, batch, **kw)
+    pools = [casc[1:3]]
+    for layer in range(1, layers):
+        kk, kv = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1000 + layer))
+        pools.append(
+            tuple(
+                jax.random.normal(key, a.shape, a.dtype)
+                for key, a in zip((kk, kv), casc[1:3], strict=True)
+            )
+        )
+    flat = tuple(a for pool in pools for a in pool)
+    return (casc[0], *flat, *casc[3:]), (paged[0], *flat, *paged[3:])
+
+
+def layered(fn, layers: int):
+    """``fn`` over ``layers`` layers in one call, as a model's decode step runs it: each
+    layer's q is the output of the one before, its K/V its own pool, the tables and lengths
+    the same arrays for every layer, so what depends only on them (the cascade's tile plan)
+    XLA computes once a call (common-subexpression elimination), not once a layer."""
+    if layers == 1:
+        return fn
+
+    def run(q, *rest):
+        pools, tables = rest[: 2 * layers], rest[2 * layers :]
+        x = q
+        for layer in range(layers):
+            x = fn(x, *pools[2 * layer : 2 * layer + 2], *tables)
+        return x
+
+    return run
+
+
 def features(batch: Batch, hq, hkv, d, itemsize) -> dict:
     return cc.cascade_features(
         batch.prefix_lens,
@@ -131,9 +175,11 @@ def features(batch: Batch, hq, hkv, d, itemsize) -> dict:
 
 def time_batch(batch: Batch, impls, args, *, check, record):
     """Times cascade and paged decode of every implementation on one batch."""
+    layers = args.layers
     build = functools.partial(
-        build_inputs,
+        build_layered,
         batch=batch,
+        layers=layers,
         hq=args.hq,
         hkv=args.hkv,
         d=args.head_dim,
@@ -143,21 +189,26 @@ def time_batch(batch: Batch, impls, args, *, check, record):
     )
     f = features(batch, args.hq, args.hkv, args.head_dim, args.dtype.itemsize)
     # Each copy is its own pool of pages: a round over them moves 16x the L2 of them.
-    copies = common.make_copies(build, common.num_copies(int(f["unique_bytes"])))
+    copies = common.make_copies(build, common.num_copies(layers * int(f["unique_bytes"])))
     casc = [c for c, _ in copies]
     paged = [p for _, p in copies]
     expected = None
     if check:
-        expected = jaxattn.cascade_attention(
-            *casc[0], layout=args.layout, implementation="reference"
+        ref = functools.partial(
+            jaxattn.cascade_attention, layout=args.layout, implementation="reference"
         )
+        expected = layered(ref, layers)(*casc[0])
     rows = []
 
     def time_row(impl, op, run, inputs, config):
-        row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), **f)
+        row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), layers=layers, **f)
         if config is not None:
             row["config"] = config
+        run = layered(run, layers)
         row |= common.measure(run, inputs, expected=expected, **common.timing_kw(args))
+        for key in ("us", "us_min", "us_dispatch"):  # a layer's share of a call
+            if key in row:
+                row[key] /= layers
         record(row)
         if args.profile and "us" in row:
             row["profile"] = common.profile_calls(run, inputs, args.profile_top)
@@ -170,7 +221,8 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         ):
             config = None
             with contextlib.suppress(NotImplementedError):  # measure() reports a refusal
-                config = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
+                one = inputs[0][:3] + inputs[0][1 + 2 * layers :]  # a layer's arguments
+                config = common.resolved_label(obj, one, impl, layout=args.layout)
             run = functools.partial(fn, layout=args.layout, implementation=impl)
             time_row(impl, op, run, inputs, config)
     if args.mgpu and "pallas" in impls:
@@ -274,6 +326,14 @@ def main(argv=None):
     p.add_argument("--batches", default="shared,mixed,private")
     p.add_argument("--fit", action="store_true", help="fit the switch rule's cost model")
     p.add_argument("--fit-impl", default="native")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers a call (a pool each, the same tables, each layer's output the next "
+        "one's q, as a model's step runs them: the cascade's plan is computed once a call); "
+        "times are a layer's share",
+    )
     common.add_profile_args(p)
     p.add_argument(
         "--mgpu",
@@ -288,6 +348,8 @@ def main(argv=None):
     )
     p.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on CPU)")
     args = p.parse_args(argv)
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1, got {args.layers}")
     if args.small:
         args.batch, args.prefix, args.own, args.heads, args.head_dim = 6, 64, 16, "8/2", 32
     args.hq, args.hkv = (int(x) for x in args.heads.split("/"))
