@@ -126,36 +126,48 @@ def build_inputs(seed, batch: Batch, *, hq, hkv, d, page, layout, dtype):
 
 
 def build_layered(seed, batch: Batch, layers: int, **kw):
-    """:func:`build_inputs` for ``layers`` layers of a model: one set of tables and lengths,
-    a pool of pages per layer (each layer's K/V its own random data). A call's arguments are
-    (q, k_0, v_0, ..., k_{L-1}, v_{L-1}, tables...), for :func:`layered`."""
+    """:func:`build_inputs` for ``layers`` layers of a model, laid out as the engine lays
+    them out: one pool holding every layer's pages (layer l's at ``l * num_pages``), one set
+    of tables and lengths for layer 0 (:func:`layered` offsets the tables of the others)."""
     casc, paged = build_inputs(seed, batch, **kw)
-    pools = [casc[1:3]]
-    for layer in range(1, layers):
-        kk, kv = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1000 + layer))
-        pools.append(
-            tuple(
-                jax.random.normal(key, a.shape, a.dtype)
-                for key, a in zip((kk, kv), casc[1:3], strict=True)
-            )
+    if layers == 1:
+        return casc, paged
+    geom = jaxattn.layout.cache_geometry(casc[1], casc[2], kw["layout"])
+    shape = geom._replace(num_pages=layers * geom.num_pages)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1000))
+    k, v = (
+        jax.random.normal(
+            key,
+            jaxattn.layout.cache_shape(kw["layout"], kind, *shape, dtype=kw["dtype"]),
+            kw["dtype"],
         )
-    flat = tuple(a for pool in pools for a in pool)
-    return (casc[0], *flat, *casc[3:]), (paged[0], *flat, *paged[3:])
+        for key, kind in zip(keys, "kv", strict=True)
+    )
+    return (casc[0], k, v, *casc[3:]), (paged[0], k, v, *paged[3:])
 
 
-def layered(fn, layers: int):
-    """``fn`` over ``layers`` layers in one call, as a model's decode step runs it: each
-    layer's q is the output of the one before, its K/V its own pool, the tables and lengths
-    the same arrays for every layer, so what depends only on them (the cascade's tile plan)
-    XLA computes once a call (common-subexpression elimination), not once a layer."""
+# The arguments of each op that are block tables (offset by a layer's pages).
+TABLE_ARGS = {"cascade": (3, 6), "paged": (3,)}
+
+
+def layered(fn, layers: int, pages: int = 0, tables: tuple[int, ...] = ()):
+    """``fn`` over ``layers`` layers in one call, as the engine's decode step runs it: layer
+    l's q is the output of layer l - 1, its tables (the ``tables`` arguments) the first
+    layer's plus ``l * pages`` (its pages in the one pool), its lengths and prefix ids the
+    same arrays. What depends only on those (the Mosaic GPU cascade's tile plan, a chain of
+    small XLA kernels before its kernel) XLA then computes once a call, not once a layer
+    (common-subexpression elimination), as in the engine's step."""
     if layers == 1:
         return fn
 
-    def run(q, *rest):
-        pools, tables = rest[: 2 * layers], rest[2 * layers :]
-        x = q
+    def run(*args):
+        x = args[0]
         for layer in range(layers):
-            x = fn(x, *pools[2 * layer : 2 * layer + 2], *tables)
+            a = list(args)
+            a[0] = x
+            for i in tables:
+                a[i] = args[i] + layer * pages
+            x = fn(*a)
         return x
 
     return run
@@ -190,6 +202,8 @@ def time_batch(batch: Batch, impls, args, *, check, record):
     f = features(batch, args.hq, args.hkv, args.head_dim, args.dtype.itemsize)
     # Each copy is its own pool of pages: a round over them moves 16x the L2 of them.
     copies = common.make_copies(build, common.num_copies(layers * int(f["unique_bytes"])))
+    pool = jaxattn.layout.cache_geometry(*copies[0][0][1:3], args.layout)
+    pages = pool.num_pages // layers  # a layer's pages
     casc = [c for c, _ in copies]
     paged = [p for _, p in copies]
     expected = None
@@ -197,14 +211,14 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         ref = functools.partial(
             jaxattn.cascade_attention, layout=args.layout, implementation="reference"
         )
-        expected = layered(ref, layers)(*casc[0])
+        expected = layered(ref, layers, pages, TABLE_ARGS["cascade"])(*casc[0])
     rows = []
 
     def time_row(impl, op, run, inputs, config):
         row = dict(batch=batch.name, impl=impl, op=op, copies=len(inputs), layers=layers, **f)
         if config is not None:
             row["config"] = config
-        run = layered(run, layers)
+        run = layered(run, layers, pages, TABLE_ARGS[op])
         row |= common.measure(run, inputs, expected=expected, **common.timing_kw(args))
         for key in ("us", "us_min", "us_dispatch"):  # a layer's share of a call
             if key in row:
@@ -221,8 +235,7 @@ def time_batch(batch: Batch, impls, args, *, check, record):
         ):
             config = None
             with contextlib.suppress(NotImplementedError):  # measure() reports a refusal
-                one = inputs[0][:3] + inputs[0][1 + 2 * layers :]  # a layer's arguments
-                config = common.resolved_label(obj, one, impl, layout=args.layout)
+                config = common.resolved_label(obj, inputs[0], impl, layout=args.layout)
             run = functools.partial(fn, layout=args.layout, implementation=impl)
             time_row(impl, op, run, inputs, config)
     if args.mgpu and "pallas" in impls:

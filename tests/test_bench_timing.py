@@ -68,32 +68,33 @@ def test_time_graph_refuses_an_output_of_another_shape():
     assert "first argument" in row["graph_skipped"] and row["us"] > 0
 
 
-def test_layered_calls_chain_the_layers_and_share_the_table_work():
-    """bench_cascade.py --layers: a call runs each layer on its own pool with the output of
-    the one before as q, and the work that depends only on the tables (shared by every
-    layer, as in a model's step) is compiled once, not once a layer."""
+def test_layered_calls_chain_the_layers_and_share_the_plan():
+    """bench_cascade.py --layers: a call runs the layers as the engine's step does (layer l's
+    q the output of layer l - 1, its tables offset by l layers' pages in one pool, the
+    lengths the same arrays), and what depends only on the lengths is compiled once, not
+    once a layer."""
     import bench_cascade
 
-    def op(q, k, v, table):
-        return jnp.tanh(q * k.sum() + v.sum()) + jnp.sort(table).astype(q.dtype)[0]
+    def op(q, pool, table, lens):
+        rows = pool[table].sum() * q
+        return jnp.tanh(rows) + jnp.sort(lens).astype(q.dtype)[0]
 
-    keys = jax.random.split(jax.random.key(0), 7)
-    q = jax.random.normal(keys[0], (4,))
-    pools = [jax.random.normal(k, (3,)) for k in keys[1:7]]
-    table = jnp.array([3, 1, 2], jnp.int32)
-    run = bench_cascade.layered(op, 3)
+    q = jax.random.normal(jax.random.key(0), (4,))
+    pool = jax.random.normal(jax.random.key(1), (3 * 5,))  # 3 layers of 5 pages
+    table, lens = jnp.array([4, 0, 2], jnp.int32), jnp.array([3, 1, 2], jnp.int32)
+    run = bench_cascade.layered(op, 3, 5, (2,))
     expected = q
     for layer in range(3):
-        expected = op(expected, pools[2 * layer], pools[2 * layer + 1], table)
-    assert jnp.allclose(run(q, *pools, table), expected)
+        expected = op(expected, pool, table + 5 * layer, lens)
+    assert jnp.allclose(run(q, pool, table, lens), expected)
     assert bench_cascade.layered(op, 1) is op
-    text = jax.jit(run).lower(q, *pools, table).compile().as_text()
-    assert text.count(" sort(") == 1  # the table's sort once for three layers
+    text = jax.jit(run).lower(q, pool, table, lens).compile().as_text()
+    assert text.count(" sort(") == 1  # the lengths' sort once for three layers
 
     batch = bench_cascade.batches(4, 32, 16, 16)[0]
-    casc, paged = bench_cascade.build_layered(
-        0, batch, 2, hq=4, hkv=2, d=16, page=16, layout="bshd", dtype=jnp.float32
-    )
-    assert len(casc) == 8 + 2 and len(paged) == 5 + 2
-    assert casc[1] is paged[1] and casc[3] is paged[3]  # one set of pools for both ops
-    assert not jnp.array_equal(casc[1], casc[3])  # each layer its own K
+    kw = dict(hq=4, hkv=2, d=16, page=16, layout="bshd", dtype=jnp.float32)
+    one, _ = bench_cascade.build_inputs(0, batch, **kw)
+    casc, paged = bench_cascade.build_layered(0, batch, 2, **kw)
+    assert casc[1].shape[0] == 2 * one[1].shape[0]  # two layers' pages in one pool
+    assert casc[1] is paged[1] and casc[2] is paged[2]  # the same pool for both ops
+    assert all(jnp.array_equal(a, b) for a, b in zip(casc[3:], one[3:], strict=True))
