@@ -26,12 +26,13 @@ jitted ``jnp.sum`` over 4 GiB measured in the same run (``common.read_bandwidth`
 shows each time, its ratio to the floor, and the speedup of cascade over paged decode of the
 same implementation.
 
-``--layers L`` times L layers a call, as a model's decode step runs them: each layer its own
-pool, every layer the same tables and lengths, each layer's output the next one's q; a
-row's time is a layer's share. What depends only on the tables (the Mosaic GPU cascade's
-tile plan, a chain of small XLA kernels before its kernel) is then one computation a call
-for all layers (XLA's common-subexpression elimination), as it is in the engine's step, where
-a lone call pays it every time.
+``--layers L`` times L layers a call, as the engine's decode step runs them: one pool
+holding every layer's pages, layer l's tables the first layer's offset by l layers' pages,
+the same lengths and prefix ids for every layer, each layer's output the next one's q; a
+row's time is a layer's share. What depends only on the lengths and prefix ids (the Mosaic
+GPU cascade's tile plan but its gather of each tile's table: a chain of small XLA kernels
+before its kernel) is then one computation a call for all layers (XLA's common-subexpression
+elimination), as in the engine's step, where a lone call pays it every time.
 
 ``--fit`` also times both ops (``--fit-impl``, default native) over a grid of batches (prefix
 length, requests per prefix, own length, batch size), fits the constants of
@@ -154,8 +155,8 @@ def layered(fn, layers: int, pages: int = 0, tables: tuple[int, ...] = ()):
     """``fn`` over ``layers`` layers in one call, as the engine's decode step runs it: layer
     l's q is the output of layer l - 1, its tables (the ``tables`` arguments) the first
     layer's plus ``l * pages`` (its pages in the one pool), its lengths and prefix ids the
-    same arrays. What depends only on those (the Mosaic GPU cascade's tile plan, a chain of
-    small XLA kernels before its kernel) XLA then computes once a call, not once a layer
+    same arrays. What depends only on those (the Mosaic GPU cascade's tile plan but its
+    gather of each tile's table) XLA then computes once a call, not once a layer
     (common-subexpression elimination), as in the engine's step."""
     if layers == 1:
         return fn
