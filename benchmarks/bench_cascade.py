@@ -344,9 +344,10 @@ def main(argv=None):
         "--layers",
         type=int,
         default=1,
-        help="layers a call (a pool each, the same tables, each layer's output the next "
-        "one's q, as a model's step runs them: the cascade's plan is computed once a call); "
-        "times are a layer's share",
+        help="layers a call, as the engine's step runs them (one pool, each layer's tables "
+        "offset into it, each layer's output the next one's q: the part of the cascade's "
+        "plan that reads only lengths and prefix ids is computed once a call); times are a "
+        "layer's share",
     )
     common.add_profile_args(p)
     p.add_argument(
