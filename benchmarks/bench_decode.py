@@ -15,7 +15,10 @@ scales from ``jaxattn.fp8_scales``, passed to the op); ``x first`` is the time o
 cache dtype's row of the same implementation over this row's. The peers run on 16-bit
 caches only.
 
-``--sweep`` also times the Pallas kernel over a grid of tile configurations.
+``--sweep`` also times the Pallas kernel over a grid of tile configurations;
+``--partitions 128,256`` each implementation split into partitions of those many tokens
+beside its own choice (e.g. the 1B decode step's attention, ``--head-dim 64 --cases 64:512``,
+which the native rule runs in one pass).
 """
 
 from __future__ import annotations
@@ -135,6 +138,13 @@ def main(argv=None):
         "mosaic_gpu, xla: the split grid's merge; e.g. auto:4:auto,2:4:auto:w1)",
     )
     p.add_argument(
+        "--partitions",
+        default=None,
+        help="also time each implementation of --impl split into partitions of these many "
+        "tokens (the op's partition_size=, then the exact combine), comma-separated; the "
+        "default row is the backend's own choice (one pass where the grid is full)",
+    )
+    p.add_argument(
         "--triton",
         action="store_true",
         help="also time the Pallas op on its Triton-lowered kernel (the default on sm_90 is "
@@ -152,6 +162,9 @@ def main(argv=None):
     if args.heads:
         heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     impls = common.parse_impls(args.impl)
+    partitions = [int(x) for x in args.partitions.split(",")] if args.partitions else []
+    if any(size <= 0 for size in partitions):
+        p.error(f"--partitions takes positive token counts, got {args.partitions}")
     d = args.head_dim
     scale = 1.0 / math.sqrt(d)
 
@@ -209,6 +222,18 @@ def main(argv=None):
             record(impl, fn, copies, dict(config=label))
             if args.profile:
                 result["rows"][-1]["profile"] = common.profile_calls(fn, copies, args.profile_top)
+            for size in partitions:
+                fn = common.with_scales(
+                    jaxattn.paged_attention,
+                    layout=args.layout,
+                    implementation=impl,
+                    partition_size=size,
+                )
+                record(impl, fn, copies, dict(config=f"partition_size={size}"))
+                if args.profile:
+                    result["rows"][-1]["profile"] = common.profile_calls(
+                        fn, copies, args.profile_top
+                    )
         if args.triton and "pallas" in impls:
             # The Triton-lowered kernel with its own heuristic tiles, beside the default.
             geom = jaxattn.layout.get(args.layout, pool=True).geometry(*copies[0][1:3])
