@@ -333,7 +333,8 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
     """What the first GPU did while ``run()`` ran (traced with ``jax.profiler``): per step
     (``run`` covers ``steps``), the span from the first kernel's start to the last one's end,
     the time some kernel was running (the rest: the GPU idle between kernels, waiting for the
-    host), the kernel count, and the ``top`` kernel names by time. None without a GPU trace.
+    host), the kernel count, and the ``top`` kernel names by time, each with the GPU's idle
+    time just before it (:func:`kernel_summary`). None without a GPU trace.
 
     A kernel launched dependent on the one before it (the native decode kernels outside a
     command buffer; XLA's own kernels too, whose dependent launch jax 0.11 turns on by
@@ -363,11 +364,24 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
                 continue
             for e in line.events:
                 events.add((e.start_ns, e.duration_ns, e.name))
+    return kernel_summary(events, steps=steps, top=top)
+
+
+def kernel_summary(events, *, steps: int = 1, top: int = 12) -> dict | None:
+    """:func:`device_profile`'s figures from ``(start_ns, duration_ns, name)`` events of
+    kernels (None for none). Besides each top kernel's time, its ``idle_before``: the time
+    the GPU ran no kernel just before it started (from the end of every kernel that started
+    earlier to its start), which is where a launch the GPU waits for shows: a kernel outside
+    the command buffer's chain of dependent launches (a custom call traced into a graph of
+    its own) or after a host round trip."""
     if not events:
         return None
     events = sorted(events)
     busy, end = 0.0, -math.inf
-    for start, dur, _ in events:  # the union of the kernels' intervals
+    idle: dict[str, float] = {}
+    for start, dur, name in events:  # the union of the kernels' intervals
+        if end > -math.inf and start > end:
+            idle[name] = idle.get(name, 0.0) + (start - end)
         stop = start + dur
         if stop > end:
             busy += stop - max(start, end)
@@ -384,7 +398,12 @@ def device_profile(run: Callable[[], object], *, steps: int = 1, top: int = 12) 
         idle_fraction=1.0 - busy / span if span > 0 else 0.0,
         kernels_per_step=len(events) / steps,
         top=[
-            dict(name=name[:120], us_per_step=sum(d) * per, calls_per_step=len(d) / steps)
+            dict(
+                name=name[:120],
+                us_per_step=sum(d) * per,
+                calls_per_step=len(d) / steps,
+                idle_before_us_per_step=idle.get(name, 0.0) * per,
+            )
             for name, d in ranked
         ],
     )
@@ -401,7 +420,11 @@ def profile_lines(prof: dict | None, unit: str = "step") -> str:
         f"({100 * (1 - prof['idle_fraction']):.0f}%), {prof['kernels_per_step']:.0f} kernels"
     ]
     for k in prof["top"]:
-        lines.append(f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:6.1f}x  {k['name']}")
+        idle = k.get("idle_before_us_per_step", 0.0)
+        lines.append(
+            f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:6.1f}x "
+            f"(idle before: {idle:6.1f} us)  {k['name']}"
+        )
     return "\n".join(lines)
 
 

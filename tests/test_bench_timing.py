@@ -98,3 +98,28 @@ def test_layered_calls_chain_the_layers_and_share_the_plan():
     assert casc[1].shape[0] == 2 * one[1].shape[0]  # two layers' pages in one pool
     assert casc[1] is paged[1] and casc[2] is paged[2]  # the same pool for both ops
     assert all(jnp.array_equal(a, b) for a, b in zip(casc[3:], one[3:], strict=True))
+
+
+def test_kernel_summary_unions_and_idle_before_each_kernel():
+    """The profile's figures: the span, the time some kernel ran (overlaps counted once), and
+    per kernel name the GPU's idle time just before its launches, per step."""
+    events = {
+        (0, 10, "a"),
+        (12, 5, "b"),  # 2 ns idle before it
+        (15, 4, "c"),  # overlaps b: no idle
+        (25, 5, "a"),  # idle from 19 (c's end) to 25
+        (27, 10, "d"),  # overlaps a
+        (40, 2, "b"),  # idle from 37
+    }
+    s = common.kernel_summary(events, steps=2, top=3)
+    assert s["span_us"] == pytest.approx(42e-3 / 2)
+    assert s["busy_us"] == pytest.approx((10 + 7 + 12 + 2) * 1e-3 / 2)
+    assert s["kernels_per_step"] == 3
+    top = {k["name"]: k for k in s["top"]}
+    assert set(top) == {"a", "d", "b"}  # by time: a 15, d 10, b 7, c 4
+    assert top["a"]["idle_before_us_per_step"] == pytest.approx(6e-3 / 2)
+    assert top["b"]["idle_before_us_per_step"] == pytest.approx((2 + 3) * 1e-3 / 2)
+    assert top["d"]["idle_before_us_per_step"] == 0
+    assert top["a"]["calls_per_step"] == 1
+    assert common.kernel_summary(set()) is None
+    assert "idle before" in common.profile_lines(s)
