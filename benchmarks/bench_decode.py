@@ -190,7 +190,10 @@ def main(argv=None):
                 jaxattn.paged_attention, layout=args.layout, implementation="reference"
             )(*copies[0])
 
-        def record(name, fn, copies_, extra=None, *, base, kv_bytes, expected, timed=None):
+        def record(
+            name, fn, copies_, extra=None, *, base, kv_bytes, expected, timed=None, profile=False
+        ):
+            """Times one row; ``profile``: also traces it under ``--profile``."""
             row = base | {"impl": name} | (extra or {})
             row |= timed or common.measure(fn, copies_, expected=expected, **common.timing_kw(args))
             metric = ""
@@ -199,6 +202,8 @@ def main(argv=None):
                 metric = f"{row['gbps']:.0f} GB/s"
             result["rows"].append(row)
             print(common.status_line(name, row, metric), flush=True)
+            if profile and args.profile and "us" in row:
+                row["profile"] = common.profile_calls(fn, copies_, args.profile_top)
 
         record = functools.partial(
             record,
@@ -213,27 +218,19 @@ def main(argv=None):
             flush=True,
         )
         for impl in impls:
-            fn = common.with_scales(
-                jaxattn.paged_attention, layout=args.layout, implementation=impl
-            )
             label = common.resolved_label(
                 jaxattn.ops.PAGED_ATTENTION, copies[0], impl, layout=args.layout
             )
-            record(impl, fn, copies, dict(config=label))
-            if args.profile:
-                result["rows"][-1]["profile"] = common.profile_calls(fn, copies, args.profile_top)
-            for size in partitions:
+            # The backend's own choice (partition_size=None), then each --partitions size.
+            sizes = [(None, label)] + [(n, f"partition_size={n}") for n in partitions]
+            for size, config in sizes:
                 fn = common.with_scales(
                     jaxattn.paged_attention,
                     layout=args.layout,
                     implementation=impl,
                     partition_size=size,
                 )
-                record(impl, fn, copies, dict(config=f"partition_size={size}"))
-                if args.profile:
-                    result["rows"][-1]["profile"] = common.profile_calls(
-                        fn, copies, args.profile_top
-                    )
+                record(impl, fn, copies, dict(config=config), profile=True)
         if args.triton and "pallas" in impls:
             # The Triton-lowered kernel with its own heuristic tiles, beside the default.
             geom = jaxattn.layout.get(args.layout, pool=True).geometry(*copies[0][1:3])
@@ -241,9 +238,7 @@ def main(argv=None):
             fn = common.with_scales(
                 jaxattn.paged_attention, layout=args.layout, implementation="pallas", config=cfg
             )
-            record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)))
-            if args.profile:
-                result["rows"][-1]["profile"] = common.profile_calls(fn, copies, args.profile_top)
+            record("pallas-triton", fn, copies, dict(config=common.config_label(cfg)), profile=True)
         if args.sweep and (args.small or f"{batch}:{ctx}:{hq}/{hkv}" in args.sweep_cases):
             for cfg in sweep_configs():
                 fn = common.with_scales(
@@ -256,11 +251,7 @@ def main(argv=None):
                 fn = common.with_scales(
                     decode_mgpu.paged_attention, scale=scale, layout=args.layout, **kw
                 )
-                record("pallas-mgpu", fn, copies, dict(config=spec))
-                if args.profile:
-                    result["rows"][-1]["profile"] = common.profile_calls(
-                        fn, copies, args.profile_top
-                    )
+                record("pallas-mgpu", fn, copies, dict(config=spec), profile=True)
         if not args.no_peers and not fp8:
             calls = [fa4_peer.decode_call(c, layout=args.layout, scale=scale) for c in copies]
             timed = fa4_peer.measure(
