@@ -226,7 +226,7 @@ def time_batch(batch: Batch, impls, args, *, check, record):
                 row[key] /= layers
         record(row)
         if args.profile and "us" in row:
-            row["profile"] = common.profile_calls(run, inputs, args.profile_top)
+            row["profile"] = common.profile_calls(run, inputs, args.profile_top, layers)
         rows.append(row)
 
     for impl in impls:

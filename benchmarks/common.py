@@ -441,13 +441,15 @@ def add_profile_args(p) -> None:
     p.add_argument("--profile-top", type=int, default=6, help="kernels --profile lists")
 
 
-def profile_calls(fn, copies, top: int) -> dict | None:
+def profile_calls(fn, copies, top: int, calls: int = 1) -> dict | None:
     """:func:`device_profile` of ``fn`` over every copy, four times over (the timed
-    program's shape: one call per copy in one jitted function), printed per call."""
+    program's shape: one call per copy in one jitted function), printed per call of the op
+    (``calls``: the op's calls in one of fn, as ``bench_cascade.py --layers`` makes them)."""
     run = calls_over_copies(fn)
     copies = [tuple(c) for c in copies]
     jax.block_until_ready(run(copies))  # compile outside the trace
-    prof = device_profile(lambda: [run(copies) for _ in range(4)], steps=4 * len(copies), top=top)
+    steps = 4 * len(copies) * calls
+    prof = device_profile(lambda: [run(copies) for _ in range(4)], steps=steps, top=top)
     print(profile_lines(prof, unit="call"), flush=True)
     return prof
 
