@@ -200,10 +200,28 @@ class RopeWriteArgs(WriteArgs):
     cos: Any = None
     sin: Any = None
     num_q_heads: int = 0
+    splits: int = 0
+    dtype: Any = None
 
     @property
     def qkv(self):
+        """The rows as given: ``[T, Hq + 2 Hkv, D]``, or float32 ``[splits, T, ...]``."""
         return self.k
+
+    @property
+    def in_dtype(self) -> np.dtype:
+        """The rows' dtype (with partial sums, the one they are rounded to): q's."""
+        return np.dtype(self.dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qkv.shape[1 if self.splits else 0]
+
+    def summed(self):
+        """The rows ``[T, Hq + 2 Hkv, D]`` in :attr:`in_dtype`: partial sums summed in float32."""
+        if not self.splits:
+            return self.qkv
+        return jnp.sum(self.qkv, axis=0).astype(self.dtype)
 
 
 class RopeWriteKV(Op):
@@ -216,29 +234,47 @@ class RopeWriteKV(Op):
 
     def bind(
         self, qkv, cos, sin, k_cache, v_cache, slot_mapping, *, layout="bshd", k_scale=None,
-        v_scale=None,
+        v_scale=None, dtype=None,
     ) -> RopeWriteArgs:  # fmt: skip
         lay = L.get(layout)
         geom = L.cache_geometry(k_cache, v_cache, layout)
         hkv, d = geom.num_kv_heads, geom.head_dim
         if (
             not hasattr(qkv, "shape")
-            or qkv.ndim != 3
-            or qkv.shape[2] != d
-            or qkv.shape[1] <= 2 * hkv
+            or qkv.ndim not in (3, 4)
+            or qkv.shape[-1] != d
+            or qkv.shape[-2] <= 2 * hkv
+            or (qkv.ndim == 4 and qkv.shape[0] < 1)
         ):
             got = _shape(qkv) if hasattr(qkv, "shape") else type(qkv).__name__
             raise ValueError(
                 f"qkv must be [T, num_q_heads + 2 * num_kv_heads (={2 * hkv}), head_dim={d}] "
-                f"with num_q_heads >= 1, got {got}"
+                f"with num_q_heads >= 1, or float32 [splits >= 1, T, ...] partial sums, got {got}"
             )
         if not jnp.issubdtype(qkv.dtype, jnp.floating):
             raise TypeError(f"qkv must be a float array, got {_shape(qkv)}")
+        splits = qkv.shape[0] if qkv.ndim == 4 else 0
+        if splits:
+            if qkv.dtype != jnp.float32:
+                raise TypeError(f"qkv's partial sums must be float32, got {_shape(qkv)}")
+            if dtype is None:
+                raise ValueError(
+                    "qkv as partial sums [splits, T, H, D] needs dtype=, the projection's "
+                    "dtype they are rounded to (q's)"
+                )
+        elif dtype is not None and np.dtype(dtype) != np.dtype(qkv.dtype):
+            raise ValueError(
+                f"dtype= rounds qkv's partial sums; with qkv [T, H, D] it must be None or "
+                f"qkv's dtype {np.dtype(qkv.dtype)}, got {dtype!r}"
+            )
+        dtype = np.dtype(qkv.dtype if dtype is None else dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"dtype must be a float dtype, got {dtype}")
         if d % 2:
             raise ValueError(
                 f"rope_write_kv rotates halves of each row: head_dim must be even, got {d}"
             )
-        t = qkv.shape[0]
+        t = qkv.shape[-3]
         for name, x in (("cos", cos), ("sin", sin)):
             if not hasattr(x, "shape") or x.shape != (t, d // 2) or x.dtype != jnp.float32:
                 got = _shape(x) if hasattr(x, "shape") else type(x).__name__
@@ -247,7 +283,7 @@ class RopeWriteKV(Op):
         return RopeWriteArgs(
             k_cache, v_cache, qkv, qkv, slot_mapping, layout=lay, geometry=geom,
             k_scale=k_scale, v_scale=v_scale, cos=cos, sin=sin,
-            num_q_heads=qkv.shape[1] - 2 * hkv,
+            num_q_heads=qkv.shape[-2] - 2 * hkv, splits=splits, dtype=dtype,
         )  # fmt: skip
 
     def implementation(self, backend: str) -> Implementation:
@@ -256,9 +292,10 @@ class RopeWriteKV(Op):
         return super().implementation(backend)
 
     def trivial(self, a: RopeWriteArgs):
-        if a.qkv.shape[0]:
+        if a.num_tokens:
             return None
-        return a.qkv[:, : a.num_q_heads], a.k_cache, a.v_cache
+        q = jnp.zeros((0, a.num_q_heads, a.geometry.head_dim), a.in_dtype)
+        return q, a.k_cache, a.v_cache
 
 
 class _ReferenceRopeWrite(Implementation):
@@ -266,7 +303,7 @@ class _ReferenceRopeWrite(Implementation):
 
     def run(self, a: RopeWriteArgs, config):
         hq, hkv = a.num_q_heads, a.geometry.num_kv_heads
-        q, k, v = jnp.split(a.qkv, [hq, hq + hkv], axis=1)
+        q, k, v = jnp.split(a.summed(), [hq, hq + hkv], axis=1)
         # The arguments are bound already: write_kv's reference runs on them directly.
         rows = dataclasses.replace(a, k=rotate_half(k, a.cos, a.sin), v=v)
         k_cache, v_cache = _REFERENCE_WRITE.run(rows, None)
@@ -288,6 +325,7 @@ def rope_write_kv(
     layout: str = "bshd",
     k_scale=None,
     v_scale=None,
+    dtype=None,
     implementation=None,
 ):
     """A fused q|k|v projection's rows, rotated and stored: RoPE on q and k, k and v into
@@ -296,6 +334,12 @@ def rope_write_kv(
     Args:
       qkv: ``[T, Hq + 2 * Hkv, D]``: each token's Hq query heads, then its Hkv key heads, then
         its Hkv value heads (a fused projection's output reshaped; Hkv and D are the cache's).
+        Or float32 ``[S, T, Hq + 2 * Hkv, D]``: the projection split along its contraction
+        into S partial sums (a split-K GEMM before its reduction), which are summed in
+        float32 and rounded to ``dtype`` first; the native kernel sums them as it loads a
+        row, so no reduction runs between the GEMM and it.
+      dtype: the dtype the partial sums are rounded to (the projection's, q's); required
+        with partial sums, None or qkv's dtype otherwise.
       cos, sin: f32 ``[T, D // 2]``, each token's rotary tables (angle ``position *
         inv_freq[j]``).
       k_cache, v_cache, slot_mapping, layout, k_scale, v_scale: as for :func:`write_kv`.
@@ -303,10 +347,10 @@ def rope_write_kv(
         (``"reference"``, ``"native"``) or a sequence of names tried in order.
 
     Returns:
-      ``(q, k_cache, v_cache)``: the rotated queries ``[T, Hq, D]`` in qkv's dtype, and the
-      caches with :func:`rotate_half` of the key heads and the value heads written as
-      :func:`write_kv` stores them. The rotation is computed in float32 and rounded to
-      qkv's dtype (as the model's rotation), then stored.
+      ``(q, k_cache, v_cache)``: the rotated queries ``[T, Hq, D]`` in qkv's dtype (``dtype``
+      with partial sums), and the caches with :func:`rotate_half` of the key heads and the
+      value heads written as :func:`write_kv` stores them. The rotation is computed in
+      float32 and rounded to that dtype (as the model's rotation), then stored.
     """
     return ROPE_WRITE_KV(
         qkv,
@@ -318,6 +362,7 @@ def rope_write_kv(
         layout=layout,
         k_scale=k_scale,
         v_scale=v_scale,
+        dtype=dtype,
         implementation=implementation,
     )
 

@@ -105,7 +105,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 6
+_FFI_ABI = 7
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -638,18 +638,21 @@ def write_unsupported(a, platform: str) -> str | None:
 
 
 def rope_write_kv(
-    qkv, cos, sin, k_cache, v_cache, slot_mapping, *, layout, k_scale=None, v_scale=None
-):
+    qkv, cos, sin, k_cache, v_cache, slot_mapping, *, layout, k_scale=None, v_scale=None,
+    dtype=None,
+):  # fmt: skip
     """:func:`jaxattn.rope_write_kv` in one kernel launch: the rotated q rows and both
-    caches' stores, each cache result aliased to its cache."""
+    caches' stores, each cache result aliased to its cache. ``qkv`` may be float32 ``[S, T,
+    H, D]`` partial sums, summed by the kernel and rounded to ``dtype``."""
     _ensure_registered()
-    hq = qkv.shape[1] - 2 * L.cache_geometry(k_cache, v_cache, layout).num_kv_heads
+    hq = qkv.shape[-2] - 2 * L.cache_geometry(k_cache, v_cache, layout).num_kv_heads
+    q_dtype = qkv.dtype if dtype is None else dtype
     call = jax.ffi.ffi_call(
         "jaxattn_rope_write_kv",
         (
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct((qkv.shape[0], hq, qkv.shape[2]), qkv.dtype),
+            jax.ShapeDtypeStruct((qkv.shape[-3], hq, qkv.shape[-1]), q_dtype),
         ),
         input_output_aliases={0: 0, 1: 1},
         vmap_method="sequential",
@@ -672,9 +675,12 @@ def rope_write_kv(
 def rope_write_unsupported(a, platform: str) -> str | None:
     """Why the native rope_write_kv kernel cannot serve these
     :class:`jaxattn.kv.RopeWriteArgs`, or None."""
-    why = write_unsupported(a, platform)
-    if why is not None:
-        return why.replace("write_kv", "rope_write_kv")
+    if a.layout.name not in _LAYOUT_IDS:
+        return f"native rope_write_kv stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
+    if a.in_dtype not in _DTYPES:
+        return f"native rope_write_kv takes qkv in one of {[d.name for d in _DTYPES]}"
+    if a.kv_dtype not in _WRITE_CACHE_DTYPES or np.dtype(a.v_cache.dtype) != a.kv_dtype:
+        return f"native rope_write_kv stores into a float or FP8 cache, got {a.kv_dtype}"
     if platform != "cpu" and a.geometry.head_dim % 16:
         return f"the GPU rope_write_kv needs head_dim a multiple of 16, got {a.geometry.head_dim}"
     return None
@@ -689,12 +695,21 @@ def add_rms_norm_unsupported(x, d, w, platform: str | None = None) -> str | None
     dt = np.dtype(x.dtype)
     if dt not in _DTYPES:
         return f"add_rms_norm takes float32/bfloat16/float16 rows, got {dt}"
-    if np.dtype(d.dtype) != dt or np.dtype(w.dtype) != dt:
-        return f"add_rms_norm takes x, d and w in one dtype, got {dt}, {d.dtype} and {w.dtype}"
-    if x.ndim != 2 or d.shape != x.shape or w.shape != x.shape[1:]:
+    partials = d.ndim == 3
+    if np.dtype(w.dtype) != dt or np.dtype(d.dtype) != (np.dtype(np.float32) if partials else dt):
         return (
-            f"add_rms_norm takes x and d [rows, cols] and w [cols], got {tuple(x.shape)}, "
-            f"{tuple(d.shape)} and {tuple(w.shape)}"
+            f"add_rms_norm takes x, d and w in one dtype (or d as float32 partial sums), got "
+            f"{dt}, {d.dtype} and {w.dtype}"
+        )
+    if (
+        x.ndim != 2
+        or d.shape[partials:] != x.shape
+        or (partials and d.shape[0] < 1)
+        or w.shape != x.shape[1:]
+    ):
+        return (
+            f"add_rms_norm takes x and d [rows, cols] (or d [splits, rows, cols] partial sums) "
+            f"and w [cols], got {tuple(x.shape)}, {tuple(d.shape)} and {tuple(w.shape)}"
         )
     if platform != "cpu" and x.shape[1] % 8:
         return f"the GPU add_rms_norm needs cols a multiple of 8, got {x.shape[1]}"
@@ -705,7 +720,10 @@ def add_rms_norm(x, d, w, *, eps: float):
     """``s = x + d`` and ``RMSNorm(s) * w`` in one kernel launch, as the model computes them
     (``jaxattn.models.llama.rms_norm``: the sum rounded to x's dtype, the mean of its squares
     and the scaling in float32, the normalised row rounded to x's dtype, then the weight's
-    product): ``(s, normed)``, each ``[rows, cols]`` in x's dtype. The mean and the
+    product): ``(s, normed)``, each ``[rows, cols]`` in x's dtype. ``d`` may be float32
+    ``[splits, rows, cols]``: a projection's split-K partial sums, which the kernel sums in
+    float32 and rounds to x's dtype before the add (no reduction between the GEMM and it).
+    The mean and the
     reciprocal square root may differ from XLA's in their last float32 bits, so a 16-bit
     result may be one step off XLA's. Raises ``NotImplementedError`` for what
     :func:`add_rms_norm_unsupported` refuses."""
@@ -1069,6 +1087,7 @@ class _RopeWriteKV(_Native):
             layout=a.layout.name,
             k_scale=a.k_scale,
             v_scale=a.v_scale,
+            dtype=a.in_dtype,
         )
 
 

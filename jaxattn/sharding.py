@@ -443,6 +443,11 @@ def rope_write_kv(
     ``serving_params(..., shards=n)``), cos, sin and slot_mapping replicated, per-KV-head
     scales split with the heads. Returns q [T, Hq, D] split on axis 1 and the caches split
     as they went in."""
+    if getattr(qkv, "ndim", 3) != 3:
+        raise ValueError(
+            "rope_write_kv over a mesh takes qkv [T, Hq + 2 Hkv, D] (no partial sums), got shape "
+            f"{tuple(getattr(qkv, 'shape', ()))}"
+        )
     args = (qkv, cos, sin, k_cache, v_cache, slot_mapping)
     kwargs = dict(layout=layout, k_scale=k_scale, v_scale=v_scale, implementation=implementation)
     return _shard_op(_kv.ROPE_WRITE_KV, args, kwargs, mesh, axis_name, out_roles=("q", "k", "v"))

@@ -53,6 +53,44 @@ def test_add_rms_norm_matches_the_model(rows, cols, dtype, rng):
     assert (np.abs(got - xla) <= 2 * step * np.abs(xla) + 1e-30).all()
 
 
+def _sequential_sum(parts):
+    """float32 partial sums [S, ...] summed in split order, in float32 (the kernel's order)."""
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc = (acc + p).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("splits, rows, cols", [(1, 3, 64), (4, 5, 2048), (16, 2, 4104)])
+def test_add_rms_norm_sums_split_k_partials(splits, rows, cols, dtype, rng):
+    """d as a split-K projection's float32 partial sums [S, rows, cols]: the result is the
+    kernel's on their float32 sum (split order) rounded to x's dtype, bit for bit, and
+    within the tolerance of XLA's reduction of them."""
+    x = _rows(rng, (rows, cols), dtype, 3.0)
+    w = _rows(rng, (cols,), dtype)
+    parts = np.asarray(rng.standard_normal((splits, rows, cols)) * 0.5, np.float32)
+    s, h = _fused(x, jnp.asarray(parts), w, eps=EPS)
+    d = jnp.asarray(_sequential_sum(parts)).astype(dtype)
+    s_want, h_want = _fused(x, d, w, eps=EPS)
+    assert s.dtype == h.dtype == dtype and s.shape == h.shape == (rows, cols)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_want))
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(h_want))
+    s_xla, h_xla = _xla(x, jnp.sum(jnp.asarray(parts), 0).astype(dtype), w)
+    np.testing.assert_allclose(
+        np.asarray(h.astype(jnp.float32)), np.asarray(h_xla.astype(jnp.float32)), **tol(dtype)
+    )
+
+
+def test_add_rms_norm_partials_keep_nan_in_their_element(rng):
+    parts = np.asarray(rng.standard_normal((3, 4, 32)), np.float32)
+    parts[1, 2, 7] = np.nan
+    s, h = _fused(jnp.zeros((4, 32)), jnp.asarray(parts), jnp.ones((32,)), eps=EPS)
+    assert np.isnan(np.asarray(s)[2, 7]) and np.isnan(np.asarray(s)).sum() == 1
+    h = np.asarray(h)
+    assert np.isnan(h[2]).all() and not np.isnan(np.delete(h, 2, 0)).any()
+
+
 def test_add_rms_norm_keeps_nan_in_its_row(rng):
     x = np.asarray(rng.standard_normal((4, 32)), np.float32)
     x[2, 7] = np.nan
@@ -72,6 +110,13 @@ def test_add_rms_norm_refuses_what_it_cannot_serve():
         native.add_rms_norm(
             x.astype(jnp.int32), x.astype(jnp.int32), jnp.ones(16, jnp.int32), eps=EPS
         )
+    parts = jnp.zeros((2, 2, 16), jnp.float32)
+    with pytest.raises(NotImplementedError, match="partial sums"):
+        native.add_rms_norm(x, parts.astype(jnp.bfloat16), jnp.ones(16, jnp.bfloat16), eps=EPS)
+    with pytest.raises(NotImplementedError, match="splits, rows, cols"):
+        native.add_rms_norm(x, parts[:, :1], jnp.ones(16, jnp.bfloat16), eps=EPS)
+    with pytest.raises(NotImplementedError, match="splits, rows, cols"):
+        native.add_rms_norm(x, parts[:0], jnp.ones(16, jnp.bfloat16), eps=EPS)
     assert native.add_rms_norm_unsupported(x[:, :12], x[:, :12], x[0, :12], "cuda") is not None
     assert native.add_rms_norm_unsupported(x[:, :12], x[:, :12], x[0, :12], "cpu") is None
 

@@ -140,6 +140,60 @@ def test_rope_write_kv_propagates_nan_to_its_own_rows(implementation, rng):
     assert not np.isnan(np.asarray(vc)).any()
 
 
+def _sequential_sum(parts):
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc = (acc + p).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout, splits", [("bshd", 1), ("bhsd", 3), ("bshd", 8)])
+def test_rope_write_kv_sums_split_k_partials(layout, splits, dtype, implementation, rng):
+    """qkv as a split-K projection's float32 partial sums [S, T, H, D] with dtype=: what
+    the op stores and returns for their float32 sum rounded to dtype (the native kernel: bit
+    for bit, summed in split order; the reference: within the dtype's tolerance, XLA's
+    reduction), NaN-poisoned slots untouched."""
+    num_pages, page_size, hq, hkv, d, t = 5, 4, 4, 2, 16, 7
+    parts = np.asarray(rng.standard_normal((splits, t, hq + 2 * hkv, d)), np.float32)
+    cos, sin = (jnp.asarray(a, jnp.float32) for a in _tables(rng, t, d))
+    slots = rng.permutation(num_pages * page_size)[:t].astype(np.int32)
+    slots[3] = -1
+    kc, vc = nan_cache(layout, num_pages, page_size, hkv, d, dtype)
+    rows = jnp.asarray(_sequential_sum(parts)).astype(dtype)
+    common = dict(layout=layout, implementation=implementation)
+    got = jax.jit(rope_write_kv, static_argnames=("layout", "implementation", "dtype"))(
+        jnp.asarray(parts), cos, sin, kc, vc, jnp.asarray(slots), dtype=dtype, **common
+    )
+    want = _jit(rows, cos, sin, kc, vc, jnp.asarray(slots), **common)
+    assert got[0].shape == (t, hq, d) and got[0].dtype == dtype
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if implementation == "native":
+            np.testing.assert_array_equal(_bits(g), _bits(w))
+        else:
+            gf, wf = (np.asarray(a.astype(jnp.float32)) for a in (g, w))
+            np.testing.assert_array_equal(np.isnan(gf), np.isnan(wf))
+            np.testing.assert_allclose(gf[~np.isnan(gf)], wf[~np.isnan(wf)], **tol(dtype))
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+def test_rope_write_kv_partials_keep_nan_in_their_row(implementation, rng):
+    num_pages, page_size, hq, hkv, d, t = 2, 4, 2, 1, 16, 3
+    parts = np.asarray(rng.standard_normal((4, t, hq + 2 * hkv, d)), np.float32)
+    parts[2, 1, 0, 3] = np.nan  # token 1, query head 0, in one partial sum
+    cos, sin = (jnp.asarray(a, jnp.float32) for a in _tables(rng, t, d))
+    kc = jnp.zeros((num_pages, page_size, hkv, d), jnp.float32)
+    q, kc, vc = jaxattn.rope_write_kv(
+        jnp.asarray(parts), cos, sin, kc, kc, jnp.asarray([5, 0, 2], jnp.int32),
+        dtype=jnp.float32, implementation=implementation,
+    )  # fmt: skip
+    q = np.asarray(q).reshape(-1, d)
+    assert np.isnan(q[1 * hq + 0]).any() and not np.isnan(np.delete(q, 1 * hq + 0, 0)).any()
+    assert not np.isnan(np.asarray(kc)).any() and not np.isnan(np.asarray(vc)).any()
+
+
 def test_rope_write_kv_bad_arguments_name_the_argument():
     kc = jnp.zeros((2, 4, 2, 16), jnp.bfloat16)
     qkv = jnp.zeros((3, 6, 16), jnp.bfloat16)
@@ -161,6 +215,15 @@ def test_rope_write_kv_bad_arguments_name_the_argument():
         rope_write_kv(qkv, table, table, kc, kc, slots, k_scale=jnp.ones(3, jnp.float32))
     with pytest.raises(TypeError, match="qkv"):
         rope_write_kv(qkv.astype(jnp.int32), table, table, kc, kc, slots)
+    parts = jnp.zeros((2, 3, 6, 16), jnp.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_write_kv(parts, table, table, kc, kc, slots)  # partial sums round to dtype=
+    with pytest.raises(TypeError, match="partial sums must be float32"):
+        rope_write_kv(parts.astype(jnp.bfloat16), table, table, kc, kc, slots, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="qkv"):
+        rope_write_kv(parts[:0], table, table, kc, kc, slots, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_write_kv(qkv, table, table, kc, kc, slots, dtype=jnp.float32)  # not qkv's
 
 
 def test_rope_write_kv_resolves_and_handles_no_tokens():
@@ -172,6 +235,11 @@ def test_rope_write_kv_resolves_and_handles_no_tokens():
     assert ROPE_WRITE_KV.resolve(args).backend == default
     q, k2, v2 = jaxattn.rope_write_kv(qkv, table, table, kc, kc, jnp.zeros((0,), jnp.int32))
     assert q.shape == (0, 2, 16) and k2 is kc and v2 is kc
+    parts = jnp.zeros((3, 0, 6, 16), jnp.float32)
+    q, k2, v2 = jaxattn.rope_write_kv(
+        parts, table, table, kc, kc, jnp.zeros((0,), jnp.int32), dtype=jnp.bfloat16
+    )
+    assert q.shape == (0, 2, 16) and q.dtype == jnp.bfloat16 and k2 is kc
     with pytest.raises(NotImplementedError, match="pallas"):
         ROPE_WRITE_KV.resolve(args, "pallas")  # no Pallas kernel: a named backend never falls back
 

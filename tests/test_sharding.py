@@ -454,6 +454,8 @@ def test_rope_write_kv_split_over_heads_matches_one_device(scaled, rng):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="heads"):
         S.rope_write_kv(x[:, 1:], cos, sin, sk, sv, slots, mesh=mesh)  # 7 q heads
+    with pytest.raises(ValueError, match="no partial sums"):
+        S.rope_write_kv(shard_major[None], cos, sin, sk, sv, slots, mesh=mesh)
 
 
 def _dense_cache(rng, layout):

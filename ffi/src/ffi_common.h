@@ -20,8 +20,9 @@ namespace ffi = xla::ffi;
 // The version of the operand lists below (and of cascade_ffi.h's). jaxattn/native.py refuses
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
 // count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
-// 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets.
-constexpr int kFfiAbi = 6;
+// 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets;
+// 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials.
+constexpr int kFfiAbi = 7;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -358,22 +359,31 @@ inline ffi::Error make_rope_write_kv_params(
   if (auto e = write_kv_caches("rope_write_kv", k_cache, v_cache, k_out, v_out, layout, &w, cache);
       e.failure())
     return e;
-  *in = dtype_of(qkv.element_type());
+  // qkv [T, H, D] in q_out's dtype, or float32 [splits, T, H, D] partial sums.
+  const auto full = qkv.dimensions();
+  const bool partials = full.size() == 4;
+  *in = dtype_of(q_out.element_type());
   if (*in == DType::kUnsupported)
-    return invalid("rope_write_kv takes qkv in a float32/bfloat16/float16 dtype");
+    return invalid("rope_write_kv takes q_out in a float32/bfloat16/float16 dtype");
+  if (partials ? qkv.element_type() != ffi::DataType::F32
+               : qkv.element_type() != q_out.element_type())
+    return invalid(
+        "rope_write_kv takes qkv in q_out's dtype, or its float32 partial sums [splits, T, H, D]");
+  if (partials && (full[0] < 1 || full[0] > INT32_MAX))
+    return invalid("rope_write_kv: qkv's partial sums need 1 to 2^31 - 1 splits");
+  const auto xd = partials ? full.last(3) : full;
   const int64_t D = w.kv.head_dim, Hkv = w.kv.num_kv_heads;
-  const auto xd = qkv.dimensions();
   if (num_q_heads < 1 || D % 2 != 0 || xd.size() != 3 || xd[1] != num_q_heads + 2 * Hkv ||
       xd[2] != D)
     return invalid(
         "rope_write_kv: qkv must be [T, num_q_heads + 2 num_kv_heads, head_dim] of "
-        "the cache (head_dim even), got " +
-        dims_str(xd));
+        "the cache (head_dim even), or [splits, T, ...] partial sums, got " +
+        dims_str(full));
   const int64_t T = xd[0];
   const auto qd = q_out.dimensions();
-  if (q_out.element_type() != qkv.element_type() || qd.size() != 3 || qd[0] != T ||
-      qd[1] != num_q_heads || qd[2] != D)
-    return invalid("rope_write_kv: q_out must be [T, num_q_heads, head_dim] in qkv's dtype");
+  if (qd.size() != 3 || qd[0] != T || qd[1] != num_q_heads || qd[2] != D)
+    return invalid("rope_write_kv: q_out must be [T, num_q_heads, head_dim]");
+  p->splits = partials ? static_cast<int32_t>(full[0]) : 0;
   for (const auto* table : {&cos, &sin}) {
     const auto td = table->dimensions();
     if (td.size() != 2 || td[0] != T || td[1] != D / 2)
@@ -400,14 +410,23 @@ inline ffi::Error make_add_norm_params(const ffi::AnyBuffer& x, const ffi::AnyBu
   if (*dtype == DType::kUnsupported)
     return invalid("add_rms_norm takes float32/bfloat16/float16 rows");
   const auto xd = x.dimensions();
-  for (const ffi::AnyBuffer* b : {&d, &w, static_cast<const ffi::AnyBuffer*>(&sum),
-                                  static_cast<const ffi::AnyBuffer*>(&normed)})
+  // d [rows, cols] in x's dtype, or float32 [splits, rows, cols] partial sums.
+  const auto dd = d.dimensions();
+  const bool partials = dd.size() == 3;
+  if (partials ? d.element_type() != ffi::DataType::F32 : d.element_type() != x.element_type())
+    return invalid(
+        "add_rms_norm takes d in x's dtype, or its float32 partial sums [splits, rows, cols]");
+  if (partials && (dd[0] < 1 || dd[0] > INT32_MAX))
+    return invalid("add_rms_norm: d's partial sums need 1 to 2^31 - 1 splits");
+  for (const ffi::AnyBuffer* b :
+       {&w, static_cast<const ffi::AnyBuffer*>(&sum), static_cast<const ffi::AnyBuffer*>(&normed)})
     if (b->element_type() != x.element_type())
-      return invalid("add_rms_norm: every operand and result must be in x's dtype");
-  if (xd.size() != 2 || dims_str(d.dimensions()) != dims_str(xd) ||
+      return invalid("add_rms_norm: w and the results must be in x's dtype");
+  if (xd.size() != 2 || dims_str(partials ? dd.last(2) : dd) != dims_str(xd) ||
       dims_str(sum.dimensions()) != dims_str(xd) || dims_str(normed.dimensions()) != dims_str(xd))
     return invalid("add_rms_norm: x, d and the results must be one [rows, cols] shape, got " +
-                   dims_str(xd) + " and " + dims_str(d.dimensions()));
+                   dims_str(xd) + " and " + dims_str(dd));
+  p->splits = partials ? static_cast<int32_t>(dd[0]) : 0;
   if (w.dimensions().size() != 1 || w.dimensions()[0] != xd[1])
     return invalid("add_rms_norm: w must be [cols], got " + dims_str(w.dimensions()));
   if (xd[0] > INT32_MAX || xd[1] > INT32_MAX) return invalid("add_rms_norm: too large");

@@ -5,8 +5,11 @@
 // caches: a decode step's K and V of one layer take one small kernel instead of two scatters.
 // rope_write_kv does the same from a fused projection's q|k|v rows, with the rotary embedding
 // of q and k in the same pass: one kernel for what was three elementwise passes and the write.
+// It also takes the projection as float32 split-K partial sums and sums them as it loads a
+// row, so no kernel runs between a split-K GEMM and this one.
 #include "gpu_launch.h"
 #include "jaxattn/kv_write.h"
+#include "jaxattn/partials.cuh"
 
 namespace jaxattn {
 namespace gpu {
@@ -49,6 +52,17 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_kernel(const WriteKvPa
   }
 }
 
+// 8 consecutive elements of qkv at element offset `at`: qkv's own (In), or the float32 sum of
+// the split-K partials (summed_partials' order and rounding, 8 at a time).
+template <typename In>
+__device__ Chunk8<In> load_qkv8(const RopeWriteKvParams& p, int64_t at, int64_t stride) {
+  if (p.splits == 0)
+    return *reinterpret_cast<const Chunk8<In>*>(static_cast<const In*>(p.qkv) + at);
+  Chunk8<In> out;
+  load_partials8(static_cast<const float*>(p.qkv) + at, p.splits, stride, out.e);
+  return out;
+}
+
 // rope_write_kv: one thread takes 8 elements of the first half of one (token, head) row of qkv
 // and their 8 RoPE partners in the second half (head_dim a multiple of 16), rotates them for q
 // and k heads, and stores them: q heads into q_out, k and v heads at the token's cache slot.
@@ -69,15 +83,16 @@ __global__ void __launch_bounds__(kWriteThreads) rope_write_kv_kernel(const Rope
     dst = write_kv_row(g, p.w.slots[t], h - Hq - (is_v ? Hkv : 0));
     if (dst < 0) return;
   }
-  const In* x = static_cast<const In*>(p.qkv) + (int64_t(t) * H + h) * g.head_dim + c * 8;
-  Chunk8<In> a = *reinterpret_cast<const Chunk8<In>*>(x);
-  Chunk8<In> b = *reinterpret_cast<const Chunk8<In>*>(x + half);
+  const int64_t at = (int64_t(t) * H + h) * g.head_dim + c * 8;
+  const int64_t stride = int64_t(p.w.num_tokens) * H * g.head_dim;
+  Chunk8<In> a = load_qkv8<In>(p, at, stride);
+  Chunk8<In> b = load_qkv8<In>(p, at + half, stride);
   if (!is_v) {
-    const int64_t at = int64_t(t) * half + c * 8;
-    const float4 c0 = *reinterpret_cast<const float4*>(p.cos + at);
-    const float4 c1 = *reinterpret_cast<const float4*>(p.cos + at + 4);
-    const float4 s0 = *reinterpret_cast<const float4*>(p.sin + at);
-    const float4 s1 = *reinterpret_cast<const float4*>(p.sin + at + 4);
+    const int64_t tab = int64_t(t) * half + c * 8;
+    const float4 c0 = *reinterpret_cast<const float4*>(p.cos + tab);
+    const float4 c1 = *reinterpret_cast<const float4*>(p.cos + tab + 4);
+    const float4 s0 = *reinterpret_cast<const float4*>(p.sin + tab);
+    const float4 s1 = *reinterpret_cast<const float4*>(p.sin + tab + 4);
     const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
     const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
 #pragma unroll

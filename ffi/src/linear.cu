@@ -3,6 +3,7 @@
 #include "gpu_launch.h"
 #include "jaxattn/add_norm.h"
 #include "jaxattn/linear.cuh"
+#include "jaxattn/partials.cuh"
 
 namespace jaxattn {
 namespace gpu {
@@ -16,6 +17,16 @@ struct alignas(sizeof(E) * 8 >= 16 ? 16 : sizeof(E) * 8) Elems8 {
   E e[8];
 };
 
+// 8 consecutive elements of d at element offset `at`: d's own (T), or the float32 sum of the
+// split-K partials (summed_partials' order and rounding, 8 at a time).
+template <typename T>
+__device__ Elems8<T> load_d8(const AddNormParams& p, int64_t at) {
+  if (p.splits == 0) return *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.d) + at);
+  Elems8<T> out;
+  load_partials8(static_cast<const float*>(p.d) + at, p.splits, int64_t(p.rows) * p.cols, out.e);
+  return out;
+}
+
 // One block a row: each thread adds 8 consecutive elements at a time (cols a multiple of 8),
 // stores the sums and keeps their squares; a block-wide sum gives the row's scale, and the
 // thread then normalises the sums it stored (re-read from its own writes).
@@ -26,7 +37,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNor
   float squares = 0.f;
   for (int c = threadIdx.x; c < chunks; c += kNormThreads) {
     const auto a = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.x) + base + c * 8);
-    const auto b = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.d) + base + c * 8);
+    const auto b = load_d8<T>(p, base + c * 8);
     Elems8<T> s;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {

@@ -2,7 +2,9 @@
 // (ffi/src/linear.cu): a residual add followed by RMSNorm, what jaxattn.models.llama computes
 // between a projection and the next one, in one pass over each row.
 //
-// Row r of x and d ([rows, cols], dtype T) and the weight w [cols] (T) give
+// Row r of x and d ([rows, cols], dtype T; or d float32 [splits, rows, cols], a split-K
+// projection's partial sums, summed in float32 and rounded to T first) and the weight w [cols]
+// (T) give
 //   sum[r]    = T(float(x) + float(d))                               (the residual stream)
 //   normed[r] = T(float(T(s * rsqrt(mean(s * s) + eps))) * float(w))  with s = float(sum[r]),
 // in float32, the normalised row rounded to T before the weight's product as the model (and
@@ -41,11 +43,15 @@ void add_rms_norm(const AddNormParams& p) {
   const T* w = static_cast<const T*>(p.w);
   T* sum = static_cast<T*>(p.sum);
   T* normed = static_cast<T*>(p.normed);
+  const float* parts = static_cast<const float*>(p.d);
+  const int64_t stride = int64_t(p.rows) * p.cols;
   for (int64_t r = 0; r < p.rows; ++r) {
     const int64_t base = r * p.cols;
     float squares = 0.f;
     for (int64_t c = 0; c < p.cols; ++c) {
-      const T s = add_rounded(x[base + c], d[base + c]);
+      const T dv =
+          p.splits > 0 ? summed_partials<T>(parts, p.splits, stride, base + c) : d[base + c];
+      const T s = add_rounded(x[base + c], dv);
       sum[base + c] = s;
       const float f = to_float(s);
       squares += f * f;

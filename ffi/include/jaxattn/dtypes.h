@@ -228,4 +228,13 @@ JAXATTN_HD T from_float(float x) {
   return Elem<T>::store(x);
 }
 
+// Element i of a split-K projection's float32 partial sums parts [splits, ...] (stride elements
+// a split): their float32 sum in split order, rounded to T (what XLA's split-K GEMM returns).
+template <typename T>
+JAXATTN_HD T summed_partials(const float* parts, int32_t splits, int64_t stride, int64_t i) {
+  float acc = parts[i];
+  for (int32_t s = 1; s < splits; ++s) acc += parts[s * stride + i];
+  return from_float<T>(acc);
+}
+
 }  // namespace jaxattn

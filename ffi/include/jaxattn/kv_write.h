@@ -144,14 +144,17 @@ void rope_write_kv(const RopeWriteKvParams& p) {
   const int D = g.head_dim, half = D / 2, Hq = p.num_q_heads, Hkv = g.num_kv_heads;
   const int H = Hq + 2 * Hkv;
   const In* qkv = static_cast<const In*>(p.qkv);
+  const float* parts = static_cast<const float*>(p.qkv);
+  const int64_t stride = int64_t(p.w.num_tokens) * H * D;
   In* q_out = static_cast<In*>(p.q_out);
   std::vector<In> row(D);
   for (int32_t t = 0; t < p.w.num_tokens; ++t) {
     const float* cs = p.cos + int64_t(t) * half;
     const float* sn = p.sin + int64_t(t) * half;
     for (int h = 0; h < H; ++h) {
-      const In* x = qkv + (int64_t(t) * H + h) * D;
-      for (int d = 0; d < D; ++d) row[d] = x[d];
+      const int64_t at = (int64_t(t) * H + h) * D;
+      for (int d = 0; d < D; ++d)
+        row[d] = p.splits > 0 ? summed_partials<In>(parts, p.splits, stride, at + d) : qkv[at + d];
       if (h < Hq + Hkv)
         for (int j = 0; j < half; ++j) rope_pair(&row[j], &row[j + half], cs[j], sn[j]);
       if (h < Hq) {

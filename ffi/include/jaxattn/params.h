@@ -189,9 +189,14 @@ struct LinearParams {
 
 // add_rms_norm (jaxattn/add_norm.h): sum = x + d and normed = RMSNorm(sum) * w, rows of
 // x, d, sum, normed [rows, cols] and w [cols], all in one float dtype.
+//
+// splits > 0: d is instead float32 [splits, rows, cols], the partial sums of a projection split
+// along its contraction (split-K); its value is their float32 sum (in split order) rounded to
+// T, as XLA's split-K GEMM computes the projection before the add.
 struct AddNormParams {
   const void* x = nullptr;
   const void* d = nullptr;
+  int32_t splits = 0;
   const void* w = nullptr;
   void* sum = nullptr;
   void* normed = nullptr;
@@ -222,9 +227,14 @@ struct WriteKvParams {
 // by the per-token tables cos, sin f32 [num_tokens, head_dim / 2]; the rotated q goes to q_out
 // [num_tokens, num_q_heads, head_dim], the rotated k and the v rows into the caches as write_kv
 // stores them (w.k and w.v unused).
+//
+// splits > 0: qkv is instead float32 [splits, num_tokens, H, head_dim], the partial sums of a
+// projection split along its contraction; a row's value is their float32 sum (in split order)
+// rounded to q_out's dtype, then rotated and stored as above.
 struct RopeWriteKvParams {
   WriteKvParams w;
   const void* qkv = nullptr;
+  int32_t splits = 0;
   const float* cos = nullptr;
   const float* sin = nullptr;
   void* q_out = nullptr;
