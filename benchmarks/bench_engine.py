@@ -130,6 +130,20 @@ def add_execution_args(group) -> None:
     )
     for option, _, text in _SWITCHES:
         group.add_argument(option, choices=list(_TRISTATE), default="auto", help=text)
+    group.add_argument(
+        "--split-k",
+        default="off",
+        help="off, auto or N: the decode projections before the fused rope / norm kernels "
+        "hand them split-K partial sums (ExecutionConfig.split_k: None, True, N)",
+    )
+
+
+def _split_k(value: str):
+    if value in ("off", "auto"):
+        return None if value == "off" else True
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--split-k takes off, auto or an int >= 1, got {value!r}")
+    return int(value)
 
 
 def execution_kwargs(args) -> dict:
@@ -138,6 +152,7 @@ def execution_kwargs(args) -> dict:
         decode_linear=args.decode_linear,
         kv_write=args.kv_write,
         pallas_decode_lowering=args.pallas_decode_lowering,
+        split_k=_split_k(args.split_k),
     )
     for _, field, _ in _SWITCHES:
         out[field] = _TRISTATE[getattr(args, field)]

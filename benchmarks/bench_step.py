@@ -355,6 +355,7 @@ def run_case(cfg, params, args, batch: int, mode: str, ceiling_bps: float) -> di
         kv_write=engine.runner.kv_write,
         fused_rope=engine.runner.fused_rope,
         fused_norm=engine.runner.fused_norm,
+        split_k=engine.runner.split_k,
     )
     if args.profile:
         row["profile"] = prof
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
                 f"  B={b} {mode}: {r['wall_ms']:.3f} ms a step, device {r['device_ms']:.3f}, "
                 f"floor {r['floor_ms']:.3f} (K/V writes: {r['kv_write']}"
                 f"{', rope fused' if r['fused_rope'] else ''}"
-                f"{', add+norm fused' if r['fused_norm'] else ''})",
+                f"{', add+norm fused' if r['fused_norm'] else ''}"
+                f"{', split-K partials ' + str(r['split_k']) if r['split_k'] else ''})",
                 file=sys.stderr,
             )
             if args.profile:

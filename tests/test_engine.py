@@ -611,6 +611,35 @@ def test_fused_norm_matches_the_separate_add_and_norm():
         make_engine(fused_norm=True, unroll_layers=False)
 
 
+def test_split_k_partials_match_the_fused_kernels_alone():
+    """split_k: the decode projections before the fused rope and norm kernels hand them
+    split-K partial sums (the CPU handlers sum them): outputs verified against the dense
+    model, with cascade decode steps too; the same greedy tokens as without. It needs one of
+    those kernels."""
+    from jaxattn import native
+
+    if not native.is_available():
+        pytest.skip("the native library is not built")
+    prompts = workload(8)
+    outs = {}
+    common = dict(unroll_layers=True, decode_steps=4, kv_write="native", cascade="on")
+    for split in (2, None):
+        engine = make_engine(
+            fused_norm=True, fused_rope=True, split_k=split, cascade_min_tokens=8, **common
+        )
+        assert engine.runner.split_k == engine.stats["split_k"] == (split or False)
+        outs[split] = engine.generate(prompts, 6)
+        assert_whole(engine)
+        assert engine.stats["cascade_steps"] > 0
+    assert_verified(prompts, outs[2], 6)
+    if jax.default_backend() == "cpu":
+        assert outs[2] == outs[None]
+    with pytest.raises(ValueError, match="fused_rope or fused_norm"):
+        make_engine(split_k=True, fused_rope=False, fused_norm=False)
+    with pytest.raises(ValueError, match="split_k"):
+        make_engine(split_k=0)
+
+
 def test_decode_graph_matches():
     """ExecutionConfig(decode_graph=True): the decode program compiled with its loop as a
     command buffer (a GPU setting; the CPU compiles the same program): the same greedy

@@ -391,17 +391,49 @@ _NATIVE_WRITE = pytest.mark.skipif(not native.is_available(), reason="no native 
             "bhsd", "prefix_prefill", "serving", "native", "rope+norm", marks=_NATIVE_WRITE
         ),
         pytest.param("vllm", "prefix_prefill", "serving", None, "norm", marks=_NATIVE_WRITE),
+        pytest.param("bshd", "extend", "serving", "native", "rope+norm+split", marks=_NATIVE_WRITE),
+        pytest.param("bhsd", "prefix_prefill", "serving", None, "rope+split", marks=_NATIVE_WRITE),
+        pytest.param("bshd", "extend", "serving", None, "norm+split", marks=_NATIVE_WRITE),
     ],
 )
 def test_cached_paths_match_dense(layout, attention, form, kv_write, fused):
     """Stacked weights (a scan over layers) and the serving forms (fused projections, one
     block per shard; straight-line layers or a scan) give the dense oracle's logits, with
     the K/V stores of either backend, with the rotation and stores in one pass
-    (``fused_rope``) and with each residual add and its norm in one kernel (``fused_norm``).
+    (``fused_rope``), with each residual add and its norm in one kernel (``fused_norm``) and
+    with the projections before those kernels handing them split-K partial sums
+    (``split_k``, decode steps).
     float32 products in full precision: on a GPU XLA's default for a
     float32 dot rounds its inputs (TF32), which the tolerance is not for."""
     with jax.default_matmul_precision("highest"):
         _cached_paths_match_dense(layout, attention, form, kv_write, fused)
+
+
+def test_split_k_count_rule():
+    """Powers of two that divide K: up to K // 512 (at most 16) for True, up to n for n."""
+    cases = [
+        (2048, True, 4),
+        (8192, True, 16),
+        (14336, True, 16),
+        (4096, True, 8),
+        (1000, True, 1),
+        (48, True, 1),
+        (48, 4, 4),
+        (80, 16, 16),
+        (40, 16, 8),
+        (3, 4, 1),
+        (2048, None, 1),
+        (2048, False, 1),
+        (2048, 1, 1),
+        (2048, 6, 4),
+    ]  # fmt: skip (a list: True == 1 as a dict key)
+    for k, option, want in cases:
+        assert llama.split_k_count(k, option) == want, (k, option)
+    params = llama.serving_params(CFG, llama.init_params(CFG, jax.random.key(1)))
+    k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4)
+    b = PagedSeqs(np.random.default_rng(0), 8, 4).decode_batch([(0, [1, 2, 3])], b_pad=2, w_pad=2)
+    with pytest.raises(ValueError, match="one device"):
+        llama.forward_decode(params, CFG, k_cache, v_cache, b, kernels=object(), split_k=2)
 
 
 def test_fused_rope_needs_the_fused_unsplit_projection():
@@ -414,6 +446,7 @@ def test_fused_rope_needs_the_fused_unsplit_projection():
 
 
 def _cached_paths_match_dense(layout, attention, form, kv_write, fused=False):
+    split = {"split_k": 4} if "split" in str(fused) else {}
     fused = dict(fused_rope="rope" in str(fused), fused_norm="norm" in str(fused))
     rng = np.random.default_rng(3)
     params = llama.init_params(CFG, jax.random.key(1))
@@ -442,7 +475,7 @@ def _cached_paths_match_dense(layout, attention, form, kv_write, fused=False):
     )  # fmt: skip
     decode = jax.jit(
         lambda p, k, v, b: llama.forward_decode(
-            p, CFG, k, v, b, layout=layout, kv_write=kv_write, **fused
+            p, CFG, k, v, b, layout=layout, kv_write=kv_write, **fused, **split
         ),
         donate_argnums=(1, 2),
     )

@@ -355,6 +355,14 @@ class ExecutionConfig:
       H200 the 1B decode step took 0.964 / 1.490 ms of device time with it at batch 1 / 64
       against 0.947 / 1.474 without (``bench_step.py --fused-norm``). The same values up to
       the last float32 bits of the norm's mean.
+    split_k: the decode step's projections that feed a native kernel (QKV into
+      ``fused_rope``'s, output and down into ``fused_norm``'s) split along their contraction
+      by the model, their float32 partial sums handed to that kernel, which sums them as it
+      loads them (``jaxattn.models.llama.split_k_count``): no XLA kernel between the GEMM and
+      the native one (the 1B step compiles to 9 kernels a layer instead of 11). None / False
+      (the default): off, XLA splits the GEMMs as it chooses and reduces the partials itself;
+      True: up to ``k // 512`` splits (at most 16); an int n: up to n. Needs one device and
+      ``fused_rope`` or ``fused_norm``; not yet timed on a GPU.
     pallas_decode_lowering: the lowering of the Pallas decode kernel in every decode step
       when ``implementation`` resolves to ``"pallas"``: ``"triton"`` (the engine's 1b
       workload ran 9383 generated tok/s with it against 8804 with the Mosaic GPU kernel on
@@ -378,6 +386,7 @@ class ExecutionConfig:
     kv_write: str = "auto"
     fused_rope: bool | None = None
     fused_norm: bool | None = None
+    split_k: bool | int | None = None
     pallas_decode_lowering: str | None = None
 
     def __post_init__(self):
@@ -400,6 +409,8 @@ class ExecutionConfig:
         for name in ("fused_rope", "fused_norm"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.split_k is not None and not isinstance(self.split_k, bool):
+            object.__setattr__(self, "split_k", _int("ExecutionConfig", "split_k", self.split_k, 1))
         if not isinstance(self.decode_linear, str) or self.decode_linear not in _DECODE_LINEAR:
             raise ValueError(
                 f"ExecutionConfig.decode_linear must be one of {_DECODE_LINEAR}, "

@@ -205,6 +205,7 @@ class Engine:
             kv_write=execution.kv_write,
             fused_rope=execution.fused_rope,
             fused_norm=execution.fused_norm,
+            split_k=execution.split_k,
             pallas_decode_lowering=execution.pallas_decode_lowering,
             kv_dtype=cache.kv_dtype,
             kv_scales=cache.kv_scales,
@@ -611,6 +612,7 @@ class Engine:
             kv_write=getattr(runner, "kv_write", None),
             fused_rope=bool(getattr(runner, "fused_rope", False)),
             fused_norm=bool(getattr(runner, "fused_norm", False)),
+            split_k=getattr(runner, "split_k", False),
             kv_pool_bytes=getattr(runner, "kv_bytes", 0),
             kv_pool_bytes_per_device=getattr(
                 runner, "kv_bytes_per_device", getattr(runner, "kv_bytes", 0)
@@ -644,7 +646,8 @@ class Engine:
         ``ExecutionConfig.decode_linear``); kv_write: the backend that stores the new K/V
         (``ExecutionConfig.kv_write``); fused_rope: whether each layer rotates and stores its new
         K/V in one pass (``ExecutionConfig.fused_rope``); fused_norm: whether each residual add and
-        its norm ran as one kernel (``ExecutionConfig.fused_norm``); cascade_steps: decode steps
+        its norm ran as one kernel (``ExecutionConfig.fused_norm``); split_k: the decode steps'
+        ``ExecutionConfig.split_k`` (False: off); cascade_steps: decode steps
         that ran cascade decode (``ExecutionConfig.cascade``), cascade_saved_kv_bytes: the KV bytes
         they did not read thanks to it, ``(members - 1) * prefix tokens * kv_bytes_per_token`` per
         shared prefix and step (all layers, K and V, over all devices, in the pool's dtype); tp:

@@ -741,6 +741,9 @@ class ModelRunner:
       fused_norm: each residual add and its RMSNorm in one native kernel
         (:func:`jaxattn.native.add_rms_norm`; only when True; see
         :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`fused_norm`.
+      split_k: None / False, True or an int: the decode step's projections before the
+        ``fused_rope`` / ``fused_norm`` kernels hand them split-K partial sums (see
+        :class:`~jaxattn.engine.ExecutionConfig`); the choice is in :attr:`split_k`.
       pallas_decode_lowering: ``"triton"`` or ``"mosaic_gpu"``: the Pallas decode kernel's
         lowering in every decode step when the decode backend is ``"pallas"``; None: Triton
         where this JAX has that lowering (:class:`~jaxattn.engine.ExecutionConfig`); the
@@ -776,6 +779,7 @@ class ModelRunner:
         kv_write: str = "auto",
         fused_rope: bool | None = None,
         fused_norm: bool | None = None,
+        split_k: bool | int | None = None,
         pallas_decode_lowering: str | None = None,
         kv_dtype=None,
         kv_scales=None,
@@ -903,6 +907,9 @@ class ModelRunner:
         fused = {"fused_rope": True} if self.fused_rope else {}
         if self.fused_norm:
             fused["fused_norm"] = True
+        self.split_k = self._resolve_split_k(split_k)
+        # Decode steps only: a prefill's projections have rows enough to need no split.
+        split = {"split_k": self.split_k} if self.split_k else {}
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
@@ -925,6 +932,7 @@ class ModelRunner:
                 kv_write=self.kv_write,
                 **linear,
                 **fused,
+                **split,
             ),
             "cascade": _Options(
                 layout=layout,
@@ -932,6 +940,7 @@ class ModelRunner:
                 kv_write=self.kv_write,
                 **linear,
                 **fused,
+                **split,
             ),
         }
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
@@ -1035,6 +1044,22 @@ class ModelRunner:
         if why is not None:
             raise ValueError(f"fused_norm=True: {why}")
         return True
+
+    def _resolve_split_k(self, choice):
+        """The ``split_k`` the decode steps run with (False: off), or a ValueError saying why
+        the choice cannot run."""
+        if choice is None or choice is False:
+            return False
+        why = None
+        if self.tp is not None:
+            why = "it runs on one device, not under a mesh"
+        elif not (self.fused_rope or self.fused_norm):
+            why = "it needs fused_rope or fused_norm (the kernels that sum the partials)"
+        elif self.decode_linear not in ("xla", "pad"):
+            why = f"it splits XLA's dot, not decode_linear={self.decode_linear!r}"
+        if why is not None:
+            raise ValueError(f"split_k={choice!r}: {why}")
+        return choice
 
     def _resolve(self, kind: str, implementation):
         """The backend and configuration the attention op of this step kind resolves to (the

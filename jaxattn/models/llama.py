@@ -341,6 +341,32 @@ def _hybrid_linear(x, w, out_dtype):
     return _padded_linear(x, w, out_dtype)
 
 
+def split_k_count(k: int, split_k) -> int:
+    """Partial sums for a projection contracting over ``k`` under the ``split_k`` option:
+    None / False: 1 (no split); True: the largest power of two up to ``k // 512`` and 16; an
+    int n: the largest power of two up to n. Either way one that divides ``k``."""
+    if split_k is None or split_k is False:
+        return 1
+    most = max(1, min(16, k // 512)) if split_k is True else int(split_k)
+    s = 1
+    while s * 2 <= most and k % (s * 2) == 0:
+        s *= 2
+    return s
+
+
+def _partial_linear(x, w, splits: int):
+    """``x [T, K] @ w [K, ...]`` split along K into ``splits`` float32 partial sums
+    ``[splits, T, ...]``: a split-K GEMM without its reduction (one batched dot), for a
+    native kernel that sums them as it loads them (:func:`jaxattn.rope_write_kv`,
+    :func:`jaxattn.native.add_rms_norm`)."""
+    t, k = x.shape
+    xs = x.reshape(t, splits, k // splits)
+    ws = w.reshape(splits, k // splits, -1)
+    dims = (((2,), (1,)), ((1,), (0,)))
+    out = jax.lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)
+    return out.reshape(splits, t, *w.shape[1:])
+
+
 # Who runs a projection (a model option, chosen by the engine): None -> XLA's dot.
 _LINEAR = {
     None: None,
@@ -453,6 +479,7 @@ def _decoder(
     matmul=None,
     rope_write=None,
     add_norm=None,
+    split_k=None,
 ):
     """Run every layer on the token-major batch; return (final-normed hidden, state).
 
@@ -466,6 +493,10 @@ def _decoder(
     (:func:`jaxattn.kv.rope_write_kv`), and ``attend`` is then called with k and v None.
     ``add_norm(x, d, w) -> (x + d, rms_norm(x + d, w))`` (straight-line layers only): each
     residual add and the norm that follows it in one call (:func:`jaxattn.native.add_rms_norm`).
+    ``split_k`` (:func:`split_k_count`; XLA's dot only): the projections that feed those two
+    (QKV into ``rope_write``; output and down into ``add_norm``) hand them float32 split-K
+    partial sums ``[S, T, ...]``, which they sum as they load them, instead of a GEMM whose
+    partials XLA reduces in a kernel of its own before the native call.
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -473,8 +504,17 @@ def _decoder(
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens]
 
-    def attention_block(h, layer, state, lp):
-        """The attention half of a layer on normed rows h: its output projection, state."""
+    def partials(w):
+        """Split-K partial sums for a projection of weight w, or 0 for none (also for one
+        row: a one-row step is not split, and with ``linear="pad"`` is padded as before)."""
+        if split_k in (None, False) or matmul not in (None, _padded_linear) or t == 1:
+            return 0
+        s = split_k_count(w.shape[0], split_k)
+        return s if s > 1 else 0
+
+    def attention_block(h, layer, state, lp, out_partials=0):
+        """The attention half of a layer on normed rows h: its output projection (or its
+        ``out_partials`` split-K partial sums), state."""
         if rope_write is not None:
             shards = getattr(rope_write, "shards", 1)
             if "wqkv" not in lp or lp["wqkv"].shape[1] != shards:
@@ -482,8 +522,12 @@ def _decoder(
                     "rotating and storing K/V in one pass needs the fused q|k|v projection "
                     f"split as the kernels are (serving_params with shards={shards})"
                 )
-            qkv = _linear(h, lp["wqkv"], matmul).reshape(t, hq + 2 * hkv, d)
-            q, state = rope_write(qkv, cos[:, 0], sin[:, 0], layer, state)
+            splits = partials(lp["wqkv"])
+            if splits:
+                qkv = _partial_linear(h, lp["wqkv"], splits).reshape(splits, t, hq + 2 * hkv, d)
+            else:
+                qkv = _linear(h, lp["wqkv"], matmul).reshape(t, hq + 2 * hkv, d)
+            q, state = rope_write(qkv, cos[:, 0], sin[:, 0], layer, state, dtype=h.dtype)
             o, state = attend(q, None, None, layer, state)
         else:
             if "wqkv" in lp:  # fused (serving_params): each shard's q, k, v side by side
@@ -499,14 +543,19 @@ def _decoder(
                 k = _linear(h, lp["wk"], matmul).reshape(t, hkv, d)
                 v = _linear(h, lp["wv"], matmul).reshape(t, hkv, d)
             o, state = attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, layer, state)
-        return _linear(o.astype(h.dtype).reshape(t, hq * d), lp["wo"], matmul), state
+        o = o.astype(h.dtype).reshape(t, hq * d)
+        if out_partials:
+            return _partial_linear(o, lp["wo"], out_partials), state
+        return _linear(o, lp["wo"], matmul), state
 
-    def mlp_block(h, lp):
+    def mlp_block(h, lp, out_partials=0):
         if "w_gate_up" in lp:
             gate, up = jnp.split(_linear(h, lp["w_gate_up"], matmul), 2, -1)
             act = (jax.nn.silu(gate) * up).reshape(t, cfg.intermediate_size)
         else:
             act = jax.nn.silu(_linear(h, lp["w_gate"], matmul)) * _linear(h, lp["w_up"], matmul)
+        if out_partials:
+            return _partial_linear(act, lp["w_down"], out_partials)
         return _linear(act, lp["w_down"], matmul)
 
     def layer_body(x, layer, state, lp):
@@ -521,10 +570,11 @@ def _decoder(
         # final) norm follows the MLP's add.
         h = rms_norm(x, layers[0]["attn_norm"], eps)
         for layer, lp in enumerate(layers):
-            a, state = attention_block(h, layer, state, lp)
+            a, state = attention_block(h, layer, state, lp, partials(lp["wo"]))
             x, h = add_norm(x, a, lp["mlp_norm"])
             following = layers[layer + 1]["attn_norm"] if layer + 1 < len(layers) else None
-            x, h = add_norm(x, mlp_block(h, lp), params["norm"] if following is None else following)
+            down = mlp_block(h, lp, partials(lp["w_down"]))
+            x, h = add_norm(x, down, params["norm"] if following is None else following)
         return h, state
     if isinstance(layers, list | tuple):
         for layer, lp in enumerate(layers):
@@ -751,7 +801,9 @@ def _add_norm(params: dict, cfg: LlamaConfig, kernels, fused_norm: bool):
     eps = cfg.rms_norm_eps
 
     def add_norm(x, d, w):
-        return native.add_rms_norm(x, d.astype(x.dtype), w.astype(x.dtype), eps=eps)
+        if d.ndim == 2:  # else float32 split-K partial sums, which the kernel sums
+            d = d.astype(x.dtype)
+        return native.add_rms_norm(x, d, w.astype(x.dtype), eps=eps)
 
     return add_norm
 
@@ -765,11 +817,13 @@ def _rope_writer(kernels, batch, slots_per_layer, layout, kv_write, fused_rope):
         return None
     writer = rope_write_kv if kernels is None else kernels.rope_write_kv
 
-    def rope_write(qkv, cos, sin, layer, caches):
+    def rope_write(qkv, cos, sin, layer, caches, dtype=None):
         slots = _layer_slots(batch.slot_mapping, layer * slots_per_layer)
+        # dtype only with partial sums (one device): the mesh's writer takes no dtype.
+        rounding = {"dtype": dtype} if qkv.ndim == 4 else {}
         q, k_cache, v_cache = writer(
             qkv, cos, sin, *caches, slots, layout=layout, implementation=kv_write,
-            **_layer_scales(batch, layer),
+            **_layer_scales(batch, layer), **rounding,
         )  # fmt: skip
         return q, (k_cache, v_cache)
 
@@ -879,6 +933,7 @@ def forward_decode(
     kv_write=None,
     fused_rope: bool = False,
     fused_norm: bool = False,
+    split_k=None,
 ):
     """One token per sequence over the paged cache; return ``(logits f32[B, V], k, v)``.
 
@@ -890,6 +945,11 @@ def forward_decode(
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
     ``kv_write``, ``fused_rope``, ``fused_norm``: as in :func:`forward_extend`.
+    ``split_k``: None / False, True or an int (:func:`split_k_count`): with ``fused_rope``
+    the QKV projection, with ``fused_norm`` the output and down projections, hand their
+    float32 split-K partial sums to the native kernel that follows them (which sums them)
+    instead of a GEMM whose partials XLA reduces first; one device, XLA's dot
+    (``linear=None``).
     """
     if linear not in _LINEAR:
         raise ValueError(f"linear must be one of {sorted(map(str, _LINEAR))}, got {linear!r}")
@@ -944,9 +1004,11 @@ def forward_decode(
     rope_write = _rope_writer(
         kernels, batch, pages_per_layer * page_size, layout, kv_write, fused_rope
     )
+    if split_k not in (None, False) and kernels is not None:
+        raise ValueError("split_k runs on one device; with a tensor-parallel mesh pass None")
     h, (k_cache, v_cache) = _decoder(
         params, cfg, batch.tokens, batch.positions, attend, (k_cache, v_cache), matmul,
-        rope_write, _add_norm(params, cfg, kernels, fused_norm),
+        rope_write, _add_norm(params, cfg, kernels, fused_norm), split_k,
     )  # fmt: skip
     return lm_head(params, cfg, h, matmul), k_cache, v_cache
 
