@@ -123,3 +123,45 @@ def test_kernel_summary_unions_and_idle_before_each_kernel():
     assert top["a"]["calls_per_step"] == 1
     assert common.kernel_summary(set()) is None
     assert "idle before" in common.profile_lines(s)
+
+
+_HLO = """HloModule jit_step, entry_computation_layout={()}
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main.9 (a: f32[4], b: s32[2]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = s32[2]{0} parameter(1)
+  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %ffi_call.2 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1, %b), custom_call_target="jaxattn_paged_attention", api_version=API_VERSION_TYPED_FFI
+  %get-tuple-element.3 = f32[4]{0} get-tuple-element(%ffi_call.2), index=0
+  %gemm_fusion_dot.4 = f32[2,4]{1,0} fusion(%get-tuple-element.3), kind=kCustom, calls=%fused_computation
+  %ffi_call.5 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1, %b), custom_call_target="jaxattn_paged_attention"
+  %copy.6 = f32[4]{0} copy(%a)
+  ROOT %tuple.7 = (f32[4]{0}, f32[4]{0}) tuple(%copy.6, %fusion.1)
+}
+"""
+
+
+def test_xla_kernels_lists_the_entry_launches():
+    """benchmarks/xla_kernels.py reads an optimised module's entry launches (not its
+    parameters, tuples and views) and counts them from one attention call to the next."""
+    import xla_kernels
+
+    launches = xla_kernels.entry_launches(_HLO)
+    assert [(x.name, x.kind) for x in launches] == [
+        ("fusion.1", "fusion:kLoop"),
+        ("ffi_call.2", "custom-call:jaxattn_paged_attention"),
+        ("gemm_fusion_dot.4", "fusion:kCustom"),
+        ("ffi_call.5", "custom-call:jaxattn_paged_attention"),
+        ("copy.6", "copy"),
+    ]
+    assert launches[2].shape == "f32[2,4]{1,0}"
+    assert xla_kernels.per_layer(launches, "custom-call:jaxattn_paged_attention") == [2, 2]
+    # A module compiled here: every launch of its entry is a kernel kind the parser names.
+    text = jax.jit(lambda x, w: jnp.tanh(x @ w) + 1).lower(jnp.ones((4, 4)), jnp.ones((4, 4)))
+    kinds = {x.kind.split(":")[0] for x in xla_kernels.entry_launches(text.compile().as_text())}
+    assert kinds and not kinds & xla_kernels._NOT_LAUNCHES
