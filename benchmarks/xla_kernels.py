@@ -182,7 +182,9 @@ def main(argv=None) -> int:
 
     sharding = jax.sharding.SingleDeviceSharding(device)
     params = llama.serving_params(cfg, llama.init_params(cfg, jax.random.key(0)), unroll=True)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), params)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), params
+    )
     b, page = args.batch, args.page_size
     width = -(-args.context // page)
     pages = cfg.num_hidden_layers * (b * width + 8)

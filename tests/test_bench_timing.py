@@ -136,10 +136,10 @@ ENTRY %main.9 (a: f32[4], b: s32[2]) -> (f32[4], f32[4]) {
   %a = f32[4]{0} parameter(0)
   %b = s32[2]{0} parameter(1)
   %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
-  %ffi_call.2 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1, %b), custom_call_target="jaxattn_paged_attention", api_version=API_VERSION_TYPED_FFI
+  %ffi_call.2 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1), custom_call_target="attn", x=1
   %get-tuple-element.3 = f32[4]{0} get-tuple-element(%ffi_call.2), index=0
-  %gemm_fusion_dot.4 = f32[2,4]{1,0} fusion(%get-tuple-element.3), kind=kCustom, calls=%fused_computation
-  %ffi_call.5 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1, %b), custom_call_target="jaxattn_paged_attention"
+  %gemm_fusion_dot.4 = f32[2,4]{1,0} fusion(%get-tuple-element.3), kind=kCustom, calls=%f
+  %ffi_call.5 = (f32[4]{0}, f32[1]{0}) custom-call(%fusion.1, %b), custom_call_target="attn"
   %copy.6 = f32[4]{0} copy(%a)
   ROOT %tuple.7 = (f32[4]{0}, f32[4]{0}) tuple(%copy.6, %fusion.1)
 }
@@ -154,13 +154,13 @@ def test_xla_kernels_lists_the_entry_launches():
     launches = xla_kernels.entry_launches(_HLO)
     assert [(x.name, x.kind) for x in launches] == [
         ("fusion.1", "fusion:kLoop"),
-        ("ffi_call.2", "custom-call:jaxattn_paged_attention"),
+        ("ffi_call.2", "custom-call:attn"),
         ("gemm_fusion_dot.4", "fusion:kCustom"),
-        ("ffi_call.5", "custom-call:jaxattn_paged_attention"),
+        ("ffi_call.5", "custom-call:attn"),
         ("copy.6", "copy"),
     ]
     assert launches[2].shape == "f32[2,4]{1,0}"
-    assert xla_kernels.per_layer(launches, "custom-call:jaxattn_paged_attention") == [2, 2]
+    assert xla_kernels.per_layer(launches, "custom-call:attn") == [2, 2]
     # A module compiled here: every launch of its entry is a kernel kind the parser names.
     text = jax.jit(lambda x, w: jnp.tanh(x @ w) + 1).lower(jnp.ones((4, 4)), jnp.ones((4, 4)))
     kinds = {x.kind.split(":")[0] for x in xla_kernels.entry_launches(text.compile().as_text())}
