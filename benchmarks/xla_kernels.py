@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -200,6 +201,9 @@ def main(argv=None) -> int:
         batch = batch._replace(
             prefix_tables=i32(1, args.cascade // page), prefix_lens=i32(1), prefix_of=i32(b)
         )
+
+    # split_k=True asks XLA for its split of each projection: ask the compile-only H200.
+    llama.xla_split_k = functools.partial(llama.xla_split_k, device=device)
 
     def step(params, k, v, batch):
         return llama.forward_decode(

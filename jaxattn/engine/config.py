@@ -361,8 +361,9 @@ class ExecutionConfig:
       loads them (``jaxattn.models.llama.split_k_count``): no XLA kernel between the GEMM and
       the native one (the 1B step compiles to 9 kernels a layer instead of 11). None / False
       (the default): off, XLA splits the GEMMs as it chooses and reduces the partials itself;
-      True: up to ``k // 512`` splits (at most 16); an int n: up to n. Needs one device and
-      ``fused_rope`` or ``fused_norm``; not yet timed on a GPU.
+      True: the split XLA chooses for each projection (``llama.xla_split_k``; on the CPU,
+      where XLA does not split, nothing changes); an int n: up to n splits. Needs one device
+      and ``fused_rope`` or ``fused_norm``; not yet timed on a GPU.
     pallas_decode_lowering: the lowering of the Pallas decode kernel in every decode step
       when ``implementation`` resolves to ``"pallas"``: ``"triton"`` (the engine's 1b
       workload ran 9383 generated tok/s with it against 8804 with the Mosaic GPU kernel on

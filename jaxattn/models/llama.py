@@ -32,6 +32,7 @@ import json
 import math
 import numbers
 import pathlib
+import re
 from typing import NamedTuple
 
 import jax
@@ -63,6 +64,8 @@ __all__ = [
     "rope_frequencies",
     "save_checkpoint",
     "serving_params",
+    "split_k_count",
+    "xla_split_k",
 ]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -342,16 +345,33 @@ def _hybrid_linear(x, w, out_dtype):
 
 
 def split_k_count(k: int, split_k) -> int:
-    """Partial sums for a projection contracting over ``k`` under the ``split_k`` option:
-    None / False: 1 (no split); True: the largest power of two up to ``k // 512`` and 16; an
-    int n: the largest power of two up to n. Either way one that divides ``k``."""
+    """Partial sums for a projection contracting over ``k`` under an int ``split_k`` n: the
+    largest power of two up to n that divides ``k`` (1 for None / False)."""
     if split_k is None or split_k is False:
         return 1
-    most = max(1, min(16, k // 512)) if split_k is True else int(split_k)
     s = 1
-    while s * 2 <= most and k % (s * 2) == 0:
+    while s * 2 <= int(split_k) and k % (s * 2) == 0:
         s *= 2
     return s
+
+
+@functools.cache
+def xla_split_k(m: int, k: int, n: int, dtype: str, device=None) -> int:
+    """How many partial sums XLA's compiler splits ``x [m, k] @ w [k, n]`` (float32 sums, in
+    ``dtype``) into on ``device`` (default: the default backend's first device): the ``S``
+    of the ``f32[S, m, n]`` GEMM in the optimised program, 1 where it does not split (the
+    CPU, cuBLAS GEMMs) or the program says nothing. Compiled once per shape and device.
+    ``split_k=True`` splits a projection as XLA would, so that only the reduction moves."""
+    dev = jax.devices()[0] if device is None else device
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    x = jax.ShapeDtypeStruct((m, k), dtype, sharding=sharding)
+    w = jax.ShapeDtypeStruct((k, n), dtype, sharding=sharding)
+    try:
+        text = jax.jit(_dot, static_argnums=2).lower(x, w, np.dtype(dtype)).compile().as_text()
+    except Exception:  # noqa: BLE001 (a probe: no answer is "no split")
+        return 1
+    found = re.search(rf"= f32\[(\d+),{m},{n}\]", text)
+    return int(found.group(1)) if found else 1
 
 
 def _partial_linear(x, w, splits: int):
@@ -493,7 +513,8 @@ def _decoder(
     (:func:`jaxattn.kv.rope_write_kv`), and ``attend`` is then called with k and v None.
     ``add_norm(x, d, w) -> (x + d, rms_norm(x + d, w))`` (straight-line layers only): each
     residual add and the norm that follows it in one call (:func:`jaxattn.native.add_rms_norm`).
-    ``split_k`` (:func:`split_k_count`; XLA's dot only): the projections that feed those two
+    ``split_k`` (True: :func:`xla_split_k`, XLA's own split; an int: :func:`split_k_count`;
+    XLA's dot only): the projections that feed those two
     (QKV into ``rope_write``; output and down into ``add_norm``) hand them float32 split-K
     partial sums ``[S, T, ...]``, which they sum as they load them, instead of a GEMM whose
     partials XLA reduces in a kernel of its own before the native call.
@@ -509,7 +530,11 @@ def _decoder(
         row: a one-row step is not split, and with ``linear="pad"`` is padded as before)."""
         if split_k in (None, False) or matmul not in (None, _padded_linear) or t == 1:
             return 0
-        s = split_k_count(w.shape[0], split_k)
+        k, n = w.shape[0], math.prod(w.shape[1:])
+        if split_k is True:
+            s = xla_split_k(t, k, n, np.dtype(w.dtype).name)
+        else:
+            s = split_k_count(k, split_k)
         return s if s > 1 else 0
 
     def attention_block(h, layer, state, lp, out_partials=0):
@@ -945,7 +970,8 @@ def forward_decode(
     with a one-row batch padded to two rows (:func:`_padded_linear`), ``"native"`` through
     :func:`jaxattn.native.linear` where it serves them (1-2 rows, 16-bit weights on a GPU).
     ``kv_write``, ``fused_rope``, ``fused_norm``: as in :func:`forward_extend`.
-    ``split_k``: None / False, True or an int (:func:`split_k_count`): with ``fused_rope``
+    ``split_k``: None / False, True (XLA's own split, :func:`xla_split_k`; none on the CPU)
+    or an int (at most that many, :func:`split_k_count`): with ``fused_rope``
     the QKV projection, with ``fused_norm`` the output and down projections, hand their
     float32 split-K partial sums to the native kernel that follows them (which sums them)
     instead of a GEMM whose partials XLA reduces first; one device, XLA's dot
