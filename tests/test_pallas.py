@@ -140,6 +140,41 @@ def test_decode_merge_kernel(rng, parts, dtype, kernel, head_dim):
     np.testing.assert_allclose(got[~poisoned], want[~poisoned], **tol(dtype))
 
 
+@pytest.mark.skipif(bool(P.decode._triton.missing()), reason="no Triton lowering")
+def test_counted_merge_reads_only_the_written_parts(rng):
+    """combine_counted (the Triton cascade's merge): request b merges parts [0, own_n[b])
+    and [own_parts, own_parts + pre_n[b]) of the first ``rows`` requests of the workspace,
+    never the others (NaN garbage there changes nothing), NaN where ok[b] is 0; a request
+    with no part is 0."""
+    batch, own_parts, pre_parts, heads, d = 5, 3, 4, 4, 32
+    parts = own_parts + pre_parts
+    acc = rng.standard_normal((batch + 1, parts, heads, d)).astype(np.float32)
+    m = (4 * rng.standard_normal((batch + 1, parts, heads))).astype(np.float32)
+    l_sum = (rng.random((batch + 1, parts, heads)) + 0.5).astype(np.float32)
+    own_n = np.array([3, 1, 0, 2, 0], np.int32)
+    pre_n = np.array([0, 4, 2, 1, 0], np.int32)
+    ok = np.array([1, 1, 1, 0, 1], np.int32)
+    written = np.zeros((batch + 1, parts), bool)
+    for b in range(batch):
+        written[b, : own_n[b]] = written[b, own_parts : own_parts + pre_n[b]] = True
+    acc[~written], m[~written], l_sum[~written] = np.nan, np.nan, np.nan
+    got = P.decode.combine_counted(
+        *map(jnp.asarray, (acc, m, l_sum, own_n, pre_n, ok)), jnp.float32, own_parts=own_parts,
+        rows=batch, interpret=True,
+    )  # fmt: skip
+    assert got.shape == (batch, heads, d)
+    got = np.asarray(got, np.float64)
+    for b in range(batch):
+        if not ok[b]:
+            assert np.isnan(got[b]).all()
+        elif not written[b].any():
+            assert (got[b] == 0).all()
+        else:
+            sel = written[b]
+            want = _merge_f64(acc[b : b + 1, sel], m[b : b + 1, sel], l_sum[b : b + 1, sel])[0]
+            np.testing.assert_allclose(got[b], want, **tol(jnp.float32))
+
+
 # The cascade merges' head sizes and groups: 3 heads (padded to 4 rows in the Triton kernel);
 # the Mosaic GPU merge's pairs of one KV head's heads at head_dim 64.
 CASCADE_MERGE_SHAPES = _merge_params(

@@ -28,10 +28,15 @@ and widened to q's dtype (exact) before the dots; the per-KV-head scales are an 
 store, so every part of a row carries the same factors and the merge stays exact.
 
 The tiles are planned in the wrapper with ``jax.numpy`` (``prefix_of`` is traced): a stable
-sort of the requests by prefix, the requests per prefix, their tiles. The validity of the
-index metadata (:mod:`jaxattn.reference.validity`) is also computed there: a request or
-prefix that is invalid reads nothing (its length is taken as 0) and the request's rows are
-NaN, so every page id a program reads is in range.
+sort of the requests by prefix, the requests per prefix, their tiles. The memory-safety
+contract (:mod:`jaxattn.reference.validity`) is split where each check is cheapest: the
+checks that read no table (the prefix id, the continued prefix's length, the own length)
+in the wrapper, where what fails reads nothing and is NaN in the merge; the page ids a
+program reads by the program, which reads a bad one as page 0 and poisons its rows (NaN
+max), so every page a program touches is in the pool. Nothing in the wrapper reads the
+tables: in a model's step, whose layers offset them, XLA computes it once for all layers.
+The merge (:func:`jaxattn.pallas.decode.combine_counted`) reads each request's written
+parts only and makes NaN the requests whose checks failed: two kernels a layer.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from ..backend import CascadeGrid, cascade_chunk, cascade_grid, cascade_splits
 from ..reference import validity as _validity
 from . import _common as C
 from ._triton import plgpu
-from .decode import DecodeConfig, choose_partition_size, combine
+from .decode import DecodeConfig, choose_partition_size, combine_counted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,22 +187,29 @@ def _attend(
 ):
     """Online softmax of q [R, D] over tokens [start, end) of table row ``row``:
     (acc [R, D], m [R], l [R]) in base 2, unnormalised, the scores times the KV head's
-    k_scale. Every page id read is in range (checked before the launch)."""
+    k_scale. A page id outside [0, num_pages) among those read is read as page 0 and makes
+    m NaN (the memory-safety contract: the rows' merge is then NaN)."""
 
     def body(i, carry):
+        state, bad = carry
         t = start + i * block_n + jnp.arange(block_n)
         valid = t < end
         page_size = geom.page_size
         page = plgpu.load(table_ref.at[row, lax.div(t, page_size)], mask=valid, other=0)
+        out = valid & ((page < 0) | (page >= geom.num_pages))
+        page = jnp.where(out, 0, page)
         rows = L.get(layout).row(page, lax.rem(t, page_size), kv_head, geom)
         k = C.widen(C.load_rows(k_ref, rows, valid, head_dim), q.dtype, kv_dtype)
         s = C.scores_base2(C.dot_nt(q, k) * k_scale, scale=scale, soft_cap=soft_cap)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         v = C.widen(C.load_rows(v_ref, rows, valid, head_dim), q.dtype, kv_dtype)
-        return C.online_softmax_step(carry, s, v)
+        # (an int32 max: the Triton lowering has no reduce_or)
+        return C.online_softmax_step(state, s, v), jnp.maximum(bad, jnp.max(out.astype(jnp.int32)))
 
     steps = pl.cdiv(jnp.maximum(end - start, 0), block_n)
-    return lax.fori_loop(0, steps, body, C.init_state(q.shape[0], head_dim))
+    init = (C.init_state(q.shape[0], head_dim), jnp.zeros((), jnp.int32))
+    (acc, m, l_sum), bad = lax.fori_loop(0, steps, body, init)
+    return acc, jnp.where(bad > 0, jnp.nan, m), l_sum
 
 
 def _cascade_kernel(
@@ -309,16 +321,6 @@ def _cascade_kernel(
         store(jnp.full(gi.shape, b), part, kv_head * group + gi, ok, state, kv_head)
 
 
-def merge(acc, m, l_sum, parts_ok, dtype, interpret):
-    """The exact merge of each request's parts (see :func:`jaxattn.pallas.decode.combine`):
-    parts_ok bool[B, P] masks the parts nobody wrote."""
-    ok = parts_ok[:, :, None]
-    acc = jnp.where(ok[..., None], acc, 0.0)
-    m = jnp.where(ok, m, C.M_INIT)
-    l_sum = jnp.where(ok, l_sum, 0.0)
-    return combine(acc, m, l_sum, dtype, interpret=interpret)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "layout", "soft_cap", "interpret", "config"))
 def _cascade_attention(
     q,
@@ -344,11 +346,14 @@ def _cascade_attention(
     num_prefixes = prefix_tables.shape[0]
     plan = _plan(q, geom, prefix_tables, block_tables, config)
 
-    # The memory-safety contract, decided before the launch: what is invalid reads nothing.
-    ok, prefix_len, own_len, req_prefix_len = _validity.cascade_read_lengths(
-        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, geom.page_size,
-        geom.num_pages,
-    )  # fmt: skip
+    # The memory-safety contract, split where each check is cheapest (as the Mosaic GPU
+    # cascade does): the checks that read no table before the launch (in an engine's step,
+    # once for every layer: they read no layer's tables), what is invalid there reading
+    # nothing; the page ids a program reads by the program, which poisons its rows.
+    P = geom.page_size
+    ok, prefix_len, own_len, req_prefix_len = _validity.cascade_unpaged_lengths(
+        prefix_lens, prefix_of, seq_lens, prefix_tables.shape[1] * P, block_tables.shape[1] * P, P
+    )
     scales = C.scales_operand(scales, geom.num_kv_heads)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
     grid = plan.grid
@@ -410,14 +415,15 @@ def _cascade_attention(
         name="jaxattn_cascade_decode",
     )(*inputs)
 
-    own_written = jnp.arange(plan.own_parts)[None, :] * plan.own_size < own_len[:, None]
-    req_chunk = prefix_chunk[g]
-    prefix_written = (
-        jnp.arange(grid.max_splits)[None, :] * req_chunk[:, None] < req_prefix_len[:, None]
-    )
-    written = jnp.concatenate([own_written, prefix_written], axis=1)
-    out = merge(acc[:batch], m[:batch], l_sum[:batch], written, q.dtype, interpret)
-    return jnp.where(ok[:, None, None], out, jnp.nan).astype(q.dtype)
+    # The parts each request has (the others were never written): its own partitions that
+    # start before its length, its prefix's splits that start before the prefix's length.
+    own_n = (own_len + plan.own_size - 1) // plan.own_size
+    req_chunk = jnp.maximum(prefix_chunk[g], 1)
+    pre_n = jnp.where(req_prefix_len > 0, (req_prefix_len + req_chunk - 1) // req_chunk, 0)
+    return combine_counted(
+        acc, m, l_sum, own_n, pre_n, ok, q.dtype, own_parts=plan.own_parts, rows=batch,
+        interpret=interpret,
+    )  # fmt: skip
 
 
 def heuristic_config(q, geom: L.CacheGeometry, prefix_tables, block_tables) -> CascadeConfig:

@@ -316,7 +316,15 @@ def _merge_chunk(parts: int, width: int, rows: int = 1) -> int:
     return min(pl.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (rows * width)))
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group):
+def _combine_kernel(*refs, parts, chunk, width, group, own_parts):
+    """A program per (request, query head, slice of D). ``own_parts`` None: every part of
+    the row. Otherwise (the Triton cascade's merge) the refs also hold int32 [B] own_n,
+    pre_n and ok: request b has parts [0, own_n[b]) and [own_parts, own_parts + pre_n[b])
+    (the others were never written) and is NaN where ok[b] is 0."""
+    if own_parts is None:
+        acc_ref, m_ref, l_ref, o_ref = refs
+    else:
+        acc_ref, m_ref, l_ref, own_n_ref, pre_n_ref, ok_ref, o_ref = refs
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = j * width + jnp.arange(width)
 
@@ -329,6 +337,9 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group)
     def step(c, carry):
         p = c * chunk + jnp.arange(chunk)
         ok = p < parts
+        if own_parts is not None:
+            own_n, pre_n = own_n_ref[b], pre_n_ref[b]
+            ok &= (p < own_n) | ((p >= own_parts) & (p < own_parts + pre_n))
         p = jnp.minimum(p, parts - 1)  # in bounds, masked lanes included
         m = stat(m_ref, p, 0, ok, MERGE_FLOOR)
         l_sum = stat(l_ref, p, 1, ok, 0.0)
@@ -336,7 +347,10 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, parts, chunk, width, group)
         return _fold(carry, m, l_sum, acc)
 
     carry = lax.fori_loop(0, pl.cdiv(parts, chunk), step, _fold_init(width))
-    o_ref[b, h, d] = _finish(carry).astype(o_ref.dtype)
+    out = _finish(carry)
+    if own_parts is not None:
+        out = jnp.where(ok_ref[b] != 0, out, jnp.nan)
+    o_ref[b, h, d] = out.astype(o_ref.dtype)
 
 
 def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int | None = None):
@@ -353,13 +367,29 @@ def combine(acc, m, l_sum, dtype, *, interpret: bool | None = None, group: int |
     return _combine(acc, m, l_sum, jnp.dtype(dtype), bool(interpret), group)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _combine(acc, m, l_sum, dtype, interpret, group):
+def combine_counted(acc, m, l_sum, own_n, pre_n, ok, dtype, *, own_parts: int, rows: int,
+                    interpret: bool | None = None):  # fmt: skip
+    """:func:`combine` of the first ``rows`` requests of a workspace whose request ``b`` holds
+    parts ``[0, own_n[b])`` and ``[own_parts, own_parts + pre_n[b])`` only (int32 [rows]; the
+    rest never written, and not read), NaN where ``ok[b]`` is 0: the Triton cascade's merge,
+    with its masks in the kernel instead of XLA kernels of their own in every layer."""
+    _triton.require()
+    if interpret is None:
+        interpret = C.resolve_interpret(None)
+    counts = tuple(jnp.asarray(x, jnp.int32) for x in (own_n, pre_n, ok))
+    return _combine(acc, m, l_sum, jnp.dtype(dtype), bool(interpret), None, counts, own_parts, rows)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 7, 8))
+def _combine(acc, m, l_sum, dtype, interpret, group, counts=None, own_parts=None, rows=None):
     batch, parts, num_q_heads, head_dim = acc.shape
+    batch = batch if rows is None else rows
     width = _merge_width(batch * num_q_heads, head_dim)
     chunk = _merge_chunk(parts, width)
-    kernel = functools.partial(_combine_kernel, parts=parts, chunk=chunk, width=width, group=group)
-    inputs = match_varying(acc, m, l_sum)
+    kernel = functools.partial(
+        _combine_kernel, parts=parts, chunk=chunk, width=width, group=group, own_parts=own_parts
+    )
+    inputs = match_varying(acc, m, l_sum, *(counts or ()))
     return pl.pallas_call(
         kernel,
         grid=(batch, num_q_heads, head_dim // width),

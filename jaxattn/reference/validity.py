@@ -244,22 +244,23 @@ def cascade_unpaged_valid(
     return ok & ((prefix_of < 0) | lens_ok)
 
 
-def cascade_read_lengths(
-    prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size: int, num_pages: int
+def cascade_unpaged_lengths(
+    prefix_lens, prefix_of, seq_lens, prefix_capacity: int, capacity: int, page_size: int
 ):
-    """What a cascade kernel may read under the contract, decided before its launch: (ok
-    bool[B] as :func:`cascade_valid`; each prefix's length int32[G], 0 for an invalid prefix;
-    each request's own length int32[B], 0 for invalid own pages; the length of the prefix
-    each request continues int32[B], 0 for none or an invalid request). What is invalid
-    reads nothing."""
-    num_prefixes = prefix_tables.shape[0]
-    ok = cascade_valid(
-        prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens, page_size, num_pages
+    """What a cascade kernel that checks the page ids it reads itself (reading a bad one as
+    page 0 and poisoning its rows) may read, from the checks that read no table
+    (:func:`cascade_unpaged_valid`), so that it is the same for every layer of a model whose
+    layers offset the tables; what fails reads nothing. ok bool[B]; each prefix's length
+    int32[G] (0 for a length that is not whole pages within the table); each request's own
+    length int32[B] (0 where ok fails); the length of the prefix each request continues
+    int32[B] (0 for none or where ok fails)."""
+    num_prefixes = prefix_lens.shape[0]
+    ok = cascade_unpaged_valid(
+        prefix_lens, prefix_of, seq_lens, prefix_capacity, capacity, page_size
     )
-    prefix_ok = prefix_valid(prefix_tables, prefix_lens, page_size, num_pages)
-    own_ok = paged_valid(block_tables, seq_lens, page_size, num_pages)
-    prefix_len = jnp.where(prefix_ok, prefix_lens, 0).astype(jnp.int32)
-    own_len = jnp.where(own_ok, seq_lens, 0).astype(jnp.int32)
+    lens_ok = (prefix_lens >= 0) & (prefix_lens <= prefix_capacity) & (prefix_lens % page_size == 0)
+    prefix_len = jnp.where(lens_ok, prefix_lens, 0).astype(jnp.int32)
+    own_len = jnp.where(ok, seq_lens, 0).astype(jnp.int32)
     if num_prefixes == 0:
         return ok, prefix_len, own_len, jnp.zeros(prefix_of.shape, jnp.int32)
     g = jnp.clip(prefix_of, 0, num_prefixes - 1)
