@@ -514,10 +514,10 @@ def _decoder(
     ``add_norm(x, d, w) -> (x + d, rms_norm(x + d, w))`` (straight-line layers only): each
     residual add and the norm that follows it in one call (:func:`jaxattn.native.add_rms_norm`).
     ``split_k`` (True: :func:`xla_split_k`, XLA's own split; an int: :func:`split_k_count`;
-    XLA's dot only): the projections that feed those two
-    (QKV into ``rope_write``; output and down into ``add_norm``) hand them float32 split-K
-    partial sums ``[S, T, ...]``, which they sum as they load them, instead of a GEMM whose
-    partials XLA reduces in a kernel of its own before the native call.
+    XLA's dot only): the projections that feed those two (QKV into ``rope_write``; output
+    and down into ``add_norm``) hand them float32 split-K partial sums ``[S, T, ...]``,
+    which they sum as they load them, instead of a GEMM whose partials XLA reduces in a
+    kernel of its own before the native call.
     """
     t = tokens.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
