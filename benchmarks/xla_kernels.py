@@ -81,9 +81,11 @@ class Launch:
     shape: str
 
 
-def entry_launches(hlo_text: str) -> list[Launch]:
-    """The launches of the ENTRY computation of an optimised HLO module's text, in order."""
-    start = hlo_text.index("\nENTRY")
+def entry_launches(hlo_text: str, computation: str | None = None) -> list[Launch]:
+    """The launches of the ENTRY computation of an optimised HLO module's text (or of the
+    named ``computation``), in order."""
+    head = "\nENTRY" if computation is None else f"\n%{computation} "
+    start = hlo_text.index(head)
     entry = hlo_text[start : hlo_text.index("\n}\n", start)]
     out = []
     for line in entry.splitlines()[1:]:
@@ -100,6 +102,15 @@ def entry_launches(hlo_text: str) -> list[Launch]:
             kind += ":" + fusion.group(1)
         out.append(Launch(name, kind, shape))
     return out
+
+
+def while_body(hlo_text: str) -> str:
+    """The name of the body computation of the ENTRY computation's first while loop."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    found = re.search(r"= .*? while\(.*?body=%([\w.\-]+)", entry)
+    if found is None:
+        raise ValueError("the entry computation has no while loop")
+    return found.group(1)
 
 
 def per_layer(launches: list[Launch], marker: str) -> list[int]:
@@ -168,6 +179,11 @@ def parse_args(argv=None):
     p.add_argument("--fused-norm", action="store_true", help="ExecutionConfig.fused_norm")
     p.add_argument("--split-k", default="off", help="off, auto or N (ExecutionConfig.split_k)")
     p.add_argument("--cascade", type=int, default=0, help="a prefix of this many tokens shared")
+    p.add_argument(
+        "--engine-loop",
+        action="store_true",
+        help="the engine's multistep decode program (greedy): list its loop body, one step",
+    )
     p.add_argument("--dump", help="write the optimised HLO here")
     return p.parse_args(argv)
 
@@ -212,19 +228,46 @@ def main(argv=None) -> int:
             split_k=_split_k(args.split_k),
         )  # fmt: skip
 
-    text = jax.jit(step, donate_argnums=(1, 2)).lower(params, pool, pool, batch).compile().as_text()
+    if args.engine_loop:
+        if args.cascade:
+            raise SystemExit("--engine-loop compiles paged decode steps; leave out --cascade")
+        from jaxattn.engine import runner
+
+        # The decode options ModelRunner resolves on one GPU (linear "pad": XLA's dot).
+        options = dict(layout="bshd", implementation=args.implementation, kv_write="native")
+        options.update(linear="pad", fused_rope=not args.no_fused_rope)
+        if args.fused_norm:
+            options["fused_norm"] = True
+        if _split_k(args.split_k):
+            options["split_k"] = _split_k(args.split_k)
+        program = functools.partial(
+            runner._decode_fn, model=cfg, options=runner._Options(options), num_rows=b,
+            width=width, max_steps=8, page_size=page, greedy=True, tp=None,
+        )  # fmt: skip
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            runner.init_decode_state(b, width, 1),
+        )
+        lowered = jax.jit(program, donate_argnums=(1, 2, 3)).lower(
+            params, pool, pool, state, i32(b + 1), None, None
+        )
+    else:
+        lowered = jax.jit(step, donate_argnums=(1, 2)).lower(params, pool, pool, batch)
+    text = lowered.compile().as_text()
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(text)
-    launches = entry_launches(text)
+    launches = entry_launches(text, while_body(text) if args.engine_loop else None)
     for launch in launches:
         print(f"  {launch.name:36s} {launch.kind:40s} {launch.shape[:64]}")
     kinds = collections.Counter(launch.kind for launch in launches)
     attention = next((k for k in kinds if re.search(r"attention|mosaic_gpu|triton", k)), None)
     layers = per_layer(launches, attention) if attention else []
+    what = "a step of the engine's decode loop" if args.engine_loop else "the step"
     print(
         f"{args.preset} ({cfg.num_hidden_layers} layers), batch {b}, context {args.context}: "
-        f"{len(launches)} launches; from one layer's attention to the next: {layers[:-1]}"
+        f"{len(launches)} launches in {what}; from one layer's attention to the next: "
+        f"{layers[:-1]}; after the last: {layers[-1:]}"
     )
     for kind, n in kinds.most_common():
         print(f"  {n:4d}  {kind}")

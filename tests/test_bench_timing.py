@@ -165,3 +165,19 @@ def test_xla_kernels_lists_the_entry_launches():
     text = jax.jit(lambda x, w: jnp.tanh(x @ w) + 1).lower(jnp.ones((4, 4)), jnp.ones((4, 4)))
     kinds = {x.kind.split(":")[0] for x in xla_kernels.entry_launches(text.compile().as_text())}
     assert kinds and not kinds & xla_kernels._NOT_LAUNCHES
+
+
+def test_xla_kernels_finds_the_loop_body():
+    """xla_kernels.py --engine-loop lists the launches of the program's while body."""
+    import xla_kernels
+
+    def f(x):
+        return jax.lax.fori_loop(0, jnp.int32(x[0, 0]), lambda i, y: jnp.tanh(y @ y), x)
+
+    text = jax.jit(f).lower(jnp.ones((8, 8))).compile().as_text()
+    body = xla_kernels.while_body(text)
+    assert f"%{body} " in text
+    launches = xla_kernels.entry_launches(text, body)
+    assert launches and all(x.kind.split(":")[0] not in xla_kernels._NOT_LAUNCHES for x in launches)
+    with pytest.raises(ValueError, match="no while loop"):
+        xla_kernels.while_body(_HLO)
