@@ -184,6 +184,13 @@ def parse_args(argv=None):
         action="store_true",
         help="the engine's multistep decode program (greedy): list its loop body, one step",
     )
+    p.add_argument("--kv-dtype", help="an FP8 pool (float8_e4m3fn, float8_e5m2), with scales")
+    p.add_argument(
+        "--stacked-scales",
+        action="store_true",
+        help="the scales as one [layers, kv heads] array (default: one array a layer, as the "
+        "engine passes them)",
+    )
     p.add_argument("--dump", help="write the optimised HLO here")
     return p.parse_args(argv)
 
@@ -205,14 +212,22 @@ def main(argv=None) -> int:
     b, page = args.batch, args.page_size
     width = -(-args.context // page)
     pages = cfg.num_hidden_layers * (b * width + 8)
+    pool_dtype = jnp.dtype(args.kv_dtype) if args.kv_dtype else cfg.jnp_dtype
     pool = jax.ShapeDtypeStruct(
-        (pages, page, cfg.num_key_value_heads, cfg.head_dim), cfg.jnp_dtype, sharding=sharding
+        (pages, page, cfg.num_key_value_heads, cfg.head_dim), pool_dtype, sharding=sharding
     )
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
     batch = llama.DecodeBatch(i32(b), i32(b), i32(b), i32(b, width), i32(b))
+    scales = None
+    if args.kv_dtype:
+        hkv, n = cfg.num_key_value_heads, cfg.num_hidden_layers
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)  # noqa: E731
+        one = f32(n, hkv) if args.stacked_scales else tuple(f32(hkv) for _ in range(n))
+        scales = (one, one)
+        batch = batch._replace(k_scale=one, v_scale=one)
     if args.cascade:
         batch = batch._replace(
             prefix_tables=i32(1, args.cascade // page), prefix_lens=i32(1), prefix_of=i32(b)
@@ -249,7 +264,7 @@ def main(argv=None) -> int:
             runner.init_decode_state(b, width, 1),
         )
         lowered = jax.jit(program, donate_argnums=(1, 2, 3)).lower(
-            params, pool, pool, state, i32(b + 1), None, None
+            params, pool, pool, state, i32(b + 1), None, None, None, scales
         )
     else:
         lowered = jax.jit(step, donate_argnums=(1, 2)).lower(params, pool, pool, batch)

@@ -427,6 +427,28 @@ def test_split_k_counts():
         llama.forward_decode(params, CFG, k_cache, v_cache, b, kernels=object(), split_k=2)
 
 
+def test_scales_as_one_array_a_layer_match_the_stacked_form():
+    """A scaled pool's k_scale / v_scale as a tuple of per-layer arrays (the engine's form:
+    no slice a layer) give the stacked [num_layers, num_kv_heads] form's logits and stores,
+    with straight-line layers and under the scan; a wrong count is refused."""
+    rng = np.random.default_rng(5)
+    params = llama.init_params(CFG, jax.random.key(1))
+    shape = (CFG.num_hidden_layers, CFG.num_key_value_heads)
+    ks = jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)
+    b = PagedSeqs(rng, 8, 4).decode_batch([(0, [1, 2, 3]), (1, [4, 5])], b_pad=2, w_pad=2)
+    for form in (llama.serving_params(CFG, params), params):
+        k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4, dtype=jnp.float8_e4m3fn)
+        want, got = (
+            llama.forward_decode(form, CFG, k_cache, v_cache, b._replace(k_scale=k, v_scale=v))
+            for k, v in ((ks, vs), (tuple(ks), tuple(vs)))
+        )
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="one array a layer"):
+        llama.forward_decode(params, CFG, k_cache, v_cache, b._replace(k_scale=tuple(ks)[:1]))
+
+
 def test_fused_rope_needs_the_fused_unsplit_projection():
     params = llama.init_params(CFG, jax.random.key(1))
     k_cache, v_cache = llama.init_kv_cache(CFG, 8, 4)

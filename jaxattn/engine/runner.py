@@ -42,9 +42,9 @@ devices.
 
 A quantised pool (``kv_dtype``, e.g. FP8): the pool is allocated in that dtype, and the
 scales (``kv_scales``, f32 ``[num_layers, num_kv_heads]`` each for K and V) go to the
-device once, replicated; every extend and decode batch carries them, and the model passes
-layer ``l``'s row to ``write_kv`` and to the attention op (under tensor parallelism the
-ops' sharded wrappers split each row with the KV heads). Scales are traced operands, so
+device once, one array a layer, replicated; every extend and decode batch carries them, and
+the model passes layer ``l``'s to ``write_kv`` and to the attention op (under tensor
+parallelism the ops' sharded wrappers split each with the KV heads). Scales are traced operands, so
 other values reuse the compiled programs.
 """
 
@@ -848,9 +848,13 @@ class ModelRunner:
             self.k_cache, self.v_cache = self.tp.init_kv_cache(init, layout=layout)
             state = jax.device_put(state, self.tp.replicated())
         self.state = state
-        # Sent once; every step passes the same device arrays.
+        # Sent once; every step passes the same device arrays: one a layer (for K and for V),
+        # so that each layer's kernels take a whole buffer, not a slice XLA would copy (two
+        # small kernels a layer in a GPU step).
         sharding = None if self.tp is None else self.tp.replicated()
-        self.kv_scales = None if scales is None else jax.device_put(scales, sharding)
+        self.kv_scales = None
+        if scales is not None:
+            self.kv_scales = jax.device_put(tuple(tuple(s) for s in scales), sharding)
         # Device paging: the pages as a PageTable over the decode rows (sent by the host
         # whenever something other than a decode step changed them).
         self.pages = None

@@ -724,7 +724,10 @@ class ExtendBatch(NamedTuple):
     logit_rows: ``i32[R]`` rows of the packed batch whose logits are wanted (a row may be
       listed several times, e.g. once per parallel sample).
     k_scale, v_scale: a scaled (FP8) pool's scales, f32 ``[num_layers, num_kv_heads]``:
-      layer ``l`` writes and reads its pages with row ``l`` (None: 1.0).
+      layer ``l`` writes and reads its pages with row ``l`` (None: 1.0). Or a tuple of
+      ``num_layers`` f32 ``[num_kv_heads]`` arrays, one buffer a layer: a kernel takes its
+      layer's whole buffer, where a row of one array is a slice XLA copies (a small kernel
+      a scale and layer on a GPU).
     """
 
     tokens: jax.Array
@@ -788,16 +791,31 @@ def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
 
 def _layer_scales(batch, layer):
     """The batch's ``(k_scale, v_scale)`` of one layer: f32 ``[num_kv_heads]`` or None."""
-    pick = lambda s: None if s is None else s[layer]
+
+    def pick(s):
+        if isinstance(s, list | tuple) and not isinstance(layer, int):
+            s = jnp.stack(s)  # one array a layer, under a scan's traced layer index
+        return None if s is None else s[layer]
+
     return {"k_scale": pick(batch.k_scale), "v_scale": pick(batch.v_scale)}
 
 
 def _check_batch_scales(batch, cfg: LlamaConfig):
+    want = (cfg.num_hidden_layers, cfg.num_key_value_heads)
     for name in ("k_scale", "v_scale"):
         s = getattr(batch, name)
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads)
-        if s is not None and tuple(s.shape) != want:
-            raise ValueError(f"batch.{name} must be f32 {list(want)}, got shape {tuple(s.shape)}")
+        if isinstance(s, list | tuple):  # one array a layer
+            shapes = [tuple(getattr(x, "shape", ())) for x in s]
+            if len(s) != want[0] or any(shape != want[1:] for shape in shapes):
+                raise ValueError(
+                    f"batch.{name} as one array a layer must be {want[0]} arrays f32 "
+                    f"[{want[1]}], got shapes {shapes}"
+                )
+        elif s is not None and tuple(s.shape) != want:
+            raise ValueError(
+                f"batch.{name} must be f32 {list(want)} (or a tuple of {want[0]} f32 "
+                f"[{want[1]}]), got shape {tuple(s.shape)}"
+            )
 
 
 def _layer_slots(slot_mapping, slot_offset):
