@@ -138,7 +138,8 @@ def add_execution_args(group) -> None:
     )
 
 
-def _split_k(value: str):
+def split_k_option(value: str):
+    """``--split-k``'s value as ``ExecutionConfig.split_k``: off -> None, auto -> True, N."""
     if value in ("off", "auto"):
         return None if value == "off" else True
     if not value.isdigit() or int(value) < 1:
@@ -152,7 +153,7 @@ def execution_kwargs(args) -> dict:
         decode_linear=args.decode_linear,
         kv_write=args.kv_write,
         pallas_decode_lowering=args.pallas_decode_lowering,
-        split_k=_split_k(args.split_k),
+        split_k=split_k_option(args.split_k),
     )
     for _, field, _ in _SWITCHES:
         out[field] = _TRISTATE[getattr(args, field)]

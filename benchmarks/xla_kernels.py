@@ -159,12 +159,6 @@ def pretend_h200(head_dim: int) -> None:
     gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
 
 
-def _split_k(value: str):
-    if value in ("off", "auto"):
-        return None if value == "off" else True
-    return int(value)
-
-
 def parse_args(argv=None):
     from bench_engine import PRESETS
 
@@ -197,7 +191,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from bench_engine import preset_config
+    from bench_engine import preset_config, split_k_option
+
+    split_k = split_k_option(args.split_k)
 
     device = compile_only_device()
     cfg = preset_config(args.preset, layers=args.layers or None)
@@ -240,7 +236,7 @@ def main(argv=None) -> int:
         return llama.forward_decode(
             params, cfg, k, v, batch, implementation=args.implementation, kv_write="native",
             fused_rope=not args.no_fused_rope, fused_norm=args.fused_norm,
-            split_k=_split_k(args.split_k),
+            split_k=split_k,
         )  # fmt: skip
 
     if args.engine_loop:
@@ -253,8 +249,8 @@ def main(argv=None) -> int:
         options.update(linear="pad", fused_rope=not args.no_fused_rope)
         if args.fused_norm:
             options["fused_norm"] = True
-        if _split_k(args.split_k):
-            options["split_k"] = _split_k(args.split_k)
+        if split_k:
+            options["split_k"] = split_k
         program = functools.partial(
             runner._decode_fn, model=cfg, options=runner._Options(options), num_rows=b,
             width=width, max_steps=8, page_size=page, greedy=True, tp=None,

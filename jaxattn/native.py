@@ -628,7 +628,7 @@ def write_unsupported(a, platform: str) -> str | None:
     """Why the native write kernel cannot serve these :class:`jaxattn.kv.WriteArgs`, or None."""
     if a.layout.name not in _LAYOUT_IDS:
         return f"native write_kv stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
-    if a.in_dtype not in _DTYPES or np.dtype(a.v.dtype) != a.in_dtype:
+    if a.in_dtype not in _DTYPES or np.dtype(a.v.dtype) != np.dtype(a.k.dtype):
         return f"native write_kv takes k and v in one of {[d.name for d in _DTYPES]}"
     if a.kv_dtype not in _WRITE_CACHE_DTYPES or np.dtype(a.v_cache.dtype) != a.kv_dtype:
         return f"native write_kv stores into a float or FP8 cache, got {a.kv_dtype}"
@@ -675,12 +675,10 @@ def rope_write_kv(
 def rope_write_unsupported(a, platform: str) -> str | None:
     """Why the native rope_write_kv kernel cannot serve these
     :class:`jaxattn.kv.RopeWriteArgs`, or None."""
-    if a.layout.name not in _LAYOUT_IDS:
-        return f"native rope_write_kv stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
-    if a.in_dtype not in _DTYPES:
-        return f"native rope_write_kv takes qkv in one of {[d.name for d in _DTYPES]}"
-    if a.kv_dtype not in _WRITE_CACHE_DTYPES or np.dtype(a.v_cache.dtype) != a.kv_dtype:
-        return f"native rope_write_kv stores into a float or FP8 cache, got {a.kv_dtype}"
+    # (qkv is both k and v of the record; in_dtype is the rows' dtype, partial sums' too)
+    why = write_unsupported(a, platform)
+    if why is not None:
+        return why.replace("write_kv", "rope_write_kv")
     if platform != "cpu" and a.geometry.head_dim % 16:
         return f"the GPU rope_write_kv needs head_dim a multiple of 16, got {a.geometry.head_dim}"
     return None
@@ -723,9 +721,8 @@ def add_rms_norm(x, d, w, *, eps: float):
     product): ``(s, normed)``, each ``[rows, cols]`` in x's dtype. ``d`` may be float32
     ``[splits, rows, cols]``: a projection's split-K partial sums, which the kernel sums in
     float32 and rounds to x's dtype before the add (no reduction between the GEMM and it).
-    The mean and the
-    reciprocal square root may differ from XLA's in their last float32 bits, so a 16-bit
-    result may be one step off XLA's. Raises ``NotImplementedError`` for what
+    The mean and the reciprocal square root may differ from XLA's in their last float32
+    bits, so a 16-bit result may be one step off XLA's. Raises ``NotImplementedError`` for what
     :func:`add_rms_norm_unsupported` refuses."""
     platform = _ensure_registered()
     why = add_rms_norm_unsupported(x, d, w, platform)

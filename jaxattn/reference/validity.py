@@ -160,11 +160,16 @@ def _all(problems: list[Problem], batch: int):
     return ok
 
 
+def _prefix_lens_ok(prefix_lens, capacity: int, page_size: int):
+    """bool, the shape of ``prefix_lens``: a whole number of pages within ``capacity``."""
+    return (prefix_lens >= 0) & (prefix_lens <= capacity) & (prefix_lens % page_size == 0)
+
+
 def _prefix_checks(prefix_tables, prefix_lens, page_size: int, num_pages: int):
     """(length ok, pages ok), bool[G] each, whether a request uses the prefix or not."""
     width = prefix_tables.shape[1]
     capacity = width * page_size
-    lens_ok = (prefix_lens >= 0) & (prefix_lens <= capacity) & (prefix_lens % page_size == 0)
+    lens_ok = _prefix_lens_ok(prefix_lens, capacity, page_size)
     pages_used = (
         jnp.arange(width, dtype=jnp.int32)[None, :]
         < (jnp.clip(prefix_lens, 0, capacity) // page_size)[:, None]
@@ -240,8 +245,7 @@ def cascade_unpaged_valid(
     if num_prefixes == 0:
         return ok
     lens = prefix_lens[jnp.clip(prefix_of, 0, num_prefixes - 1)]
-    lens_ok = (lens >= 0) & (lens <= prefix_capacity) & (lens % page_size == 0)
-    return ok & ((prefix_of < 0) | lens_ok)
+    return ok & ((prefix_of < 0) | _prefix_lens_ok(lens, prefix_capacity, page_size))
 
 
 def cascade_unpaged_lengths(
@@ -258,7 +262,7 @@ def cascade_unpaged_lengths(
     ok = cascade_unpaged_valid(
         prefix_lens, prefix_of, seq_lens, prefix_capacity, capacity, page_size
     )
-    lens_ok = (prefix_lens >= 0) & (prefix_lens <= prefix_capacity) & (prefix_lens % page_size == 0)
+    lens_ok = _prefix_lens_ok(prefix_lens, prefix_capacity, page_size)
     prefix_len = jnp.where(lens_ok, prefix_lens, 0).astype(jnp.int32)
     own_len = jnp.where(ok, seq_lens, 0).astype(jnp.int32)
     if num_prefixes == 0:
