@@ -30,7 +30,11 @@ def _rows(rng, shape, dtype, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("rows, cols", [(1, 64), (5, 2048), (3, 4104), (2, 16)])
+# Row lengths for each GPU kernel: a chunk of 8 a thread (up to 2048), two (4096), and rows past
+# what the registers hold.
+@pytest.mark.parametrize(
+    "rows, cols", [(1, 64), (5, 2048), (2, 3000), (3, 4104), (2, 8200), (2, 16)]
+)
 def test_add_rms_norm_matches_the_model(rows, cols, dtype, rng):
     x = _rows(rng, (rows, cols), dtype, 3.0)
     d = _rows(rng, (rows, cols), dtype, 0.5)
@@ -62,7 +66,9 @@ def _sequential_sum(parts):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("splits, rows, cols", [(1, 3, 64), (4, 5, 2048), (16, 2, 4104)])
+@pytest.mark.parametrize(
+    "splits, rows, cols", [(1, 3, 64), (4, 5, 2048), (3, 2, 3000), (16, 2, 4104), (3, 2, 8200)]
+)
 def test_add_rms_norm_sums_split_k_partials(splits, rows, cols, dtype, rng):
     """d as a split-K projection's float32 partial sums [S, rows, cols]: the result is the
     kernel's on their float32 sum (split order) rounded to x's dtype, bit for bit, and

@@ -345,6 +345,24 @@ inline ffi::Error make_write_kv_params(const ffi::AnyBuffer& k_cache, const ffi:
   return ffi::Error::Success();
 }
 
+// A projection handed over as its rows (rank `rank`, dtype `rows`) or as the float32 partial
+// sums of a split-K GEMM, one leading axis more ([splits, ...]): *splits is 0 for rows, else
+// the split count (1 to 2^31 - 1).
+inline ffi::Error rows_or_partials(const char* op, const char* name, const ffi::AnyBuffer& b,
+                                   size_t rank, ffi::DataType rows, const char* shape,
+                                   int32_t* splits) {
+  const auto dims = b.dimensions();
+  const bool partials = dims.size() == rank + 1;
+  if (partials ? b.element_type() != ffi::DataType::F32 : b.element_type() != rows)
+    return invalid(std::string(op) + " takes " + name + " as rows " + shape +
+                   " in the results' dtype, or as their float32 partial sums [splits, " +
+                   (shape + 1));
+  if (partials && (dims[0] < 1 || dims[0] > INT32_MAX))
+    return invalid(std::string(op) + ": " + name + "'s partial sums need 1 to 2^31 - 1 splits");
+  *splits = partials ? static_cast<int32_t>(dims[0]) : 0;
+  return ffi::Error::Success();
+}
+
 // rope_write_kv: the caches (write_kv_caches); qkv [T, num_q_heads + 2 Hkv, D] in one
 // float32/bfloat16/float16 dtype; cos, sin f32 [T, D / 2]; slots and scales
 // (write_kv_slots); the result q_out [T, num_q_heads, D] in qkv's dtype.
@@ -361,17 +379,14 @@ inline ffi::Error make_rope_write_kv_params(
     return e;
   // qkv [T, H, D] in q_out's dtype, or float32 [splits, T, H, D] partial sums.
   const auto full = qkv.dimensions();
-  const bool partials = full.size() == 4;
   *in = dtype_of(q_out.element_type());
   if (*in == DType::kUnsupported)
     return invalid("rope_write_kv takes q_out in a float32/bfloat16/float16 dtype");
-  if (partials ? qkv.element_type() != ffi::DataType::F32
-               : qkv.element_type() != q_out.element_type())
-    return invalid(
-        "rope_write_kv takes qkv in q_out's dtype, or its float32 partial sums [splits, T, H, D]");
-  if (partials && (full[0] < 1 || full[0] > INT32_MAX))
-    return invalid("rope_write_kv: qkv's partial sums need 1 to 2^31 - 1 splits");
-  const auto xd = partials ? full.last(3) : full;
+  if (auto e = rows_or_partials("rope_write_kv", "qkv", qkv, 3, q_out.element_type(), "[T, H, D]",
+                                &p->splits);
+      e.failure())
+    return e;
+  const auto xd = p->splits > 0 ? full.last(3) : full;
   const int64_t D = w.kv.head_dim, Hkv = w.kv.num_kv_heads;
   if (num_q_heads < 1 || D % 2 != 0 || xd.size() != 3 || xd[1] != num_q_heads + 2 * Hkv ||
       xd[2] != D)
@@ -383,7 +398,6 @@ inline ffi::Error make_rope_write_kv_params(
   const auto qd = q_out.dimensions();
   if (qd.size() != 3 || qd[0] != T || qd[1] != num_q_heads || qd[2] != D)
     return invalid("rope_write_kv: q_out must be [T, num_q_heads, head_dim]");
-  p->splits = partials ? static_cast<int32_t>(full[0]) : 0;
   for (const auto* table : {&cos, &sin}) {
     const auto td = table->dimensions();
     if (td.size() != 2 || td[0] != T || td[1] != D / 2)
@@ -412,12 +426,11 @@ inline ffi::Error make_add_norm_params(const ffi::AnyBuffer& x, const ffi::AnyBu
   const auto xd = x.dimensions();
   // d [rows, cols] in x's dtype, or float32 [splits, rows, cols] partial sums.
   const auto dd = d.dimensions();
-  const bool partials = dd.size() == 3;
-  if (partials ? d.element_type() != ffi::DataType::F32 : d.element_type() != x.element_type())
-    return invalid(
-        "add_rms_norm takes d in x's dtype, or its float32 partial sums [splits, rows, cols]");
-  if (partials && (dd[0] < 1 || dd[0] > INT32_MAX))
-    return invalid("add_rms_norm: d's partial sums need 1 to 2^31 - 1 splits");
+  if (auto e =
+          rows_or_partials("add_rms_norm", "d", d, 2, x.element_type(), "[rows, cols]", &p->splits);
+      e.failure())
+    return e;
+  const bool partials = p->splits > 0;
   for (const ffi::AnyBuffer* b :
        {&w, static_cast<const ffi::AnyBuffer*>(&sum), static_cast<const ffi::AnyBuffer*>(&normed)})
     if (b->element_type() != x.element_type())
@@ -426,7 +439,6 @@ inline ffi::Error make_add_norm_params(const ffi::AnyBuffer& x, const ffi::AnyBu
       dims_str(sum.dimensions()) != dims_str(xd) || dims_str(normed.dimensions()) != dims_str(xd))
     return invalid("add_rms_norm: x, d and the results must be one [rows, cols] shape, got " +
                    dims_str(xd) + " and " + dims_str(dd));
-  p->splits = partials ? static_cast<int32_t>(dd[0]) : 0;
   if (w.dimensions().size() != 1 || w.dimensions()[0] != xd[1])
     return invalid("add_rms_norm: w must be [cols], got " + dims_str(w.dimensions()));
   if (xd[0] > INT32_MAX || xd[1] > INT32_MAX) return invalid("add_rms_norm: too large");

@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_kernel(const WriteKvPa
 // 8 consecutive elements of qkv at element offset `at`: qkv's own (In), or the float32 sum of
 // the split-K partials (summed_partials' order and rounding, 8 at a time).
 template <typename In>
-__device__ Chunk8<In> load_qkv8(const RopeWriteKvParams& p, int64_t at, int64_t stride) {
+__device__ __forceinline__ Chunk8<In> load_qkv8(const RopeWriteKvParams& p, int64_t at,
+                                                int64_t stride) {
   if (p.splits == 0)
     return *reinterpret_cast<const Chunk8<In>*>(static_cast<const In*>(p.qkv) + at);
   Chunk8<In> out;

@@ -20,18 +20,76 @@ struct alignas(sizeof(E) * 8 >= 16 ? 16 : sizeof(E) * 8) Elems8 {
 // 8 consecutive elements of d at element offset `at`: d's own (T), or the float32 sum of the
 // split-K partials (summed_partials' order and rounding, 8 at a time).
 template <typename T>
-__device__ Elems8<T> load_d8(const AddNormParams& p, int64_t at) {
+__device__ __forceinline__ Elems8<T> load_d8(const AddNormParams& p, int64_t at) {
   if (p.splits == 0) return *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.d) + at);
   Elems8<T> out;
   load_partials8(static_cast<const float*>(p.d) + at, p.splits, int64_t(p.rows) * p.cols, out.e);
   return out;
 }
 
-// One block a row: each thread adds 8 consecutive elements at a time (cols a multiple of 8),
-// stores the sums and keeps their squares; a block-wide sum gives the row's scale, and the
-// thread then normalises the sums it stored (re-read from its own writes).
-template <typename T>
+// The sum of every thread's `v` in a block of kNormThreads threads, returned to all of them.
+__device__ float block_sum(float v) {
+  constexpr int kWarps = kNormThreads / WARP_SIZE;
+  __shared__ float warp_sums[kWarps];
+  for (int o = WARP_SIZE / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
+  if (threadIdx.x % WARP_SIZE == 0) warp_sums[threadIdx.x / WARP_SIZE] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) total += warp_sums[i];
+  return total;
+}
+
+// One block a row. A row of up to kNormThreads * kMaxHeld chunks of 8 elements (4096) stays in
+// registers: each thread issues every load of its chunks (x, d or d's partials, w) before it
+// stores anything, so that they are in flight together, stores the sums, and after a
+// block-wide sum of squares normalises the sums it holds, with no second pass over memory (at
+// 64 rows the grid is one block on half the SMs, and a load's latency is its time). Four
+// chunks a thread spilled in the 16-bit kernels.
+constexpr int kMaxHeld = 2;
+
+template <typename T, int HELD>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNormParams p) {
+  const int64_t base = int64_t(blockIdx.x) * p.cols;
+  const int chunks = p.cols / 8;
+  Elems8<T> s[HELD], w[HELD];
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < HELD; ++i) {  // loads and sums, no stores
+    const int c = threadIdx.x + i * kNormThreads;
+    if (c < chunks) {
+      const auto a = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.x) + base + c * 8);
+      const auto b = load_d8<T>(p, base + c * 8);
+      w[i] = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.w) + c * 8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        s[i].e[e] = add_rounded(a.e[e], b.e[e]);
+        const float f = to_float(s[i].e[e]);
+        squares += f * f;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < HELD; ++i) {
+    const int c = threadIdx.x + i * kNormThreads;
+    if (c < chunks) *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.sum) + base + c * 8) = s[i];
+  }
+  const float inv = rsqrtf(block_sum(squares) / float(p.cols) + p.eps);
+#pragma unroll
+  for (int i = 0; i < HELD; ++i) {
+    const int c = threadIdx.x + i * kNormThreads;
+    if (c < chunks) {
+      Elems8<T> y;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y.e[e] = norm_weighted(s[i].e[e], inv, w[i].e[e]);
+      *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.normed) + base + c * 8) = y;
+    }
+  }
+}
+
+// Longer rows: the sums are stored as they are made and re-read (the thread's own writes).
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads) add_rms_norm_long_kernel(const AddNormParams p) {
   const int64_t base = int64_t(blockIdx.x) * p.cols;
   const int chunks = p.cols / 8;
   float squares = 0.f;
@@ -47,15 +105,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNor
     }
     *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.sum) + base + c * 8) = s;
   }
-  constexpr int kWarps = kNormThreads / WARP_SIZE;
-  __shared__ float warp_sums[kWarps];
-  for (int o = WARP_SIZE / 2; o > 0; o >>= 1) squares += shfl_xor(squares, o);
-  if (threadIdx.x % WARP_SIZE == 0) warp_sums[threadIdx.x / WARP_SIZE] = squares;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) total += warp_sums[i];
-  const float inv = rsqrtf(total / float(p.cols) + p.eps);
+  const float inv = rsqrtf(block_sum(squares) / float(p.cols) + p.eps);
   for (int c = threadIdx.x; c < chunks; c += kNormThreads) {
     const auto s = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.sum) + base + c * 8);
     const auto w = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.w) + c * 8);
@@ -69,7 +119,15 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNor
 template <typename T>
 const char* launch_add_norm_typed(const AddNormParams& p, gpuStream_t stream) {
   if (p.rows == 0) return nullptr;
-  add_rms_norm_kernel<T><<<dim3(unsigned(p.rows)), kNormThreads, 0, stream>>>(p);
+  const dim3 grid(unsigned(p.rows));
+  const int held = (p.cols / 8 + kNormThreads - 1) / kNormThreads;
+  if (held <= 1) {
+    add_rms_norm_kernel<T, 1><<<grid, kNormThreads, 0, stream>>>(p);
+  } else if (held <= kMaxHeld) {
+    add_rms_norm_kernel<T, kMaxHeld><<<grid, kNormThreads, 0, stream>>>(p);
+  } else {
+    add_rms_norm_long_kernel<T><<<grid, kNormThreads, 0, stream>>>(p);
+  }
   return check_launch();
 }
 

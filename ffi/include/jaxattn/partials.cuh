@@ -15,7 +15,8 @@ namespace jaxattn {
 // out[e] = T(parts[e] + parts[stride + e] + ... ) for e < 8, over `splits` partials `stride`
 // elements apart; parts 16-byte aligned (an element offset that is a multiple of 8).
 template <typename T>
-__device__ inline void load_partials8(const float* parts, int32_t splits, int64_t stride, T* out) {
+__device__ __forceinline__ void load_partials8(const float* parts, int32_t splits, int64_t stride,
+                                               T* out) {
   float4 lo = *reinterpret_cast<const float4*>(parts);
   float4 hi = *reinterpret_cast<const float4*>(parts + 4);
   // Unrolled so that several splits' loads are in flight at once (in both kernels they are
