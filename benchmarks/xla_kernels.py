@@ -18,7 +18,11 @@ CUDA toolkit's ``ptxas`` on the PATH. What the compile-only device cannot know i
 with the H200's figures (:data:`H200_TARGET`; the decode kernel's resident blocks per SM as
 the library measured them there). GEMM tile configurations are XLA's defaults, not the
 autotuned ones of a real run; the fusions and the split-K choices match a run on the H200
-(round 43's profile of the 1B step). Not a timing: the list of launches only.
+(round 43's profile of the 1B step). Not a timing: the list of launches only. Nor are the
+command buffers (CUDA graphs) of the compiled program a GPU run's: with no driver to ask,
+XLA leaves custom calls and while loops out of them (its thunk sequence, ``--xla_dump_to``,
+shows the library's calls between graphs), where on the H200 the engine's decode loop is one
+graph with the calls traced into it.
 """
 
 from __future__ import annotations
