@@ -624,16 +624,17 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, layout, k_scale=None, v_sc
     )
 
 
-def write_unsupported(a, platform: str) -> str | None:
-    """Why the native write kernel cannot serve these :class:`jaxattn.kv.WriteArgs`, or None."""
+def write_unsupported(a, platform: str, op: str = "write_kv") -> str | None:
+    """Why the native write kernel cannot serve these :class:`jaxattn.kv.WriteArgs`, or None
+    (``op``: the op the reason names; rope_write_kv's records pass the same checks)."""
     if a.layout.name not in _LAYOUT_IDS:
-        return f"native write_kv stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
+        return f"native {op} stores layouts {tuple(_LAYOUT_IDS)}, not {a.layout.name!r}"
     if a.in_dtype not in _DTYPES or np.dtype(a.v.dtype) != np.dtype(a.k.dtype):
-        return f"native write_kv takes k and v in one of {[d.name for d in _DTYPES]}"
+        return f"native {op} takes k and v in one of {[d.name for d in _DTYPES]}"
     if a.kv_dtype not in _WRITE_CACHE_DTYPES or np.dtype(a.v_cache.dtype) != a.kv_dtype:
-        return f"native write_kv stores into a float or FP8 cache, got {a.kv_dtype}"
+        return f"native {op} stores into a float or FP8 cache, got {a.kv_dtype}"
     if platform != "cpu" and a.geometry.head_dim % 8:
-        return f"the GPU write_kv needs head_dim a multiple of 8, got {a.geometry.head_dim}"
+        return f"the GPU {op} needs head_dim a multiple of 8, got {a.geometry.head_dim}"
     return None
 
 
@@ -676,9 +677,9 @@ def rope_write_unsupported(a, platform: str) -> str | None:
     """Why the native rope_write_kv kernel cannot serve these
     :class:`jaxattn.kv.RopeWriteArgs`, or None."""
     # (qkv is both k and v of the record; in_dtype is the rows' dtype, partial sums' too)
-    why = write_unsupported(a, platform)
+    why = write_unsupported(a, platform, "rope_write_kv")
     if why is not None:
-        return why.replace("write_kv", "rope_write_kv")
+        return why
     if platform != "cpu" and a.geometry.head_dim % 16:
         return f"the GPU rope_write_kv needs head_dim a multiple of 16, got {a.geometry.head_dim}"
     return None
