@@ -27,6 +27,20 @@ __device__ __forceinline__ Elems8<T> load_d8(const AddNormParams& p, int64_t at)
   return out;
 }
 
+// x + d of 8 elements (rounded to T, as the spec adds), their squares added to `squares`.
+template <typename T>
+__device__ __forceinline__ Elems8<T> add_squared(const Elems8<T>& x, const Elems8<T>& d,
+                                                 float& squares) {
+  Elems8<T> s;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    s.e[e] = add_rounded(x.e[e], d.e[e]);
+    const float f = to_float(s.e[e]);
+    squares += f * f;
+  }
+  return s;
+}
+
 // The sum of every thread's `v` in a block of kNormThreads threads, returned to all of them.
 __device__ float block_sum(float v) {
   constexpr int kWarps = kNormThreads / WARP_SIZE;
@@ -61,12 +75,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNor
       const auto a = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.x) + base + c * 8);
       const auto b = load_d8<T>(p, base + c * 8);
       w[i] = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.w) + c * 8);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        s[i].e[e] = add_rounded(a.e[e], b.e[e]);
-        const float f = to_float(s[i].e[e]);
-        squares += f * f;
-      }
+      s[i] = add_squared(a, b, squares);
     }
   }
 #pragma unroll
@@ -96,13 +105,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_long_kernel(const A
   for (int c = threadIdx.x; c < chunks; c += kNormThreads) {
     const auto a = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.x) + base + c * 8);
     const auto b = load_d8<T>(p, base + c * 8);
-    Elems8<T> s;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      s.e[e] = add_rounded(a.e[e], b.e[e]);
-      const float f = to_float(s.e[e]);
-      squares += f * f;
-    }
+    const Elems8<T> s = add_squared(a, b, squares);
     *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.sum) + base + c * 8) = s;
   }
   const float inv = rsqrtf(block_sum(squares) / float(p.cols) + p.eps);
