@@ -248,15 +248,15 @@ def main(argv=None) -> int:
             raise SystemExit("--engine-loop compiles paged decode steps; leave out --cascade")
         from jaxattn.engine import runner
 
-        # The decode options ModelRunner resolves on one GPU (linear "pad": XLA's dot).
-        options = dict(layout="bshd", implementation=args.implementation, kv_write="native")
-        options.update(linear="pad", fused_rope=not args.no_fused_rope)
-        if args.fused_norm:
-            options["fused_norm"] = True
-        if split_k:
-            options["split_k"] = split_k
+        # The decode options ModelRunner builds on one GPU (linear "pad": XLA's dot).
+        options = runner.step_options(
+            layout="bshd", extend_attention="extend", partition_size=None,
+            backends=dict.fromkeys(("extend", "decode", "cascade"), args.implementation),
+            kv_write="native", decode_linear="pad", fused_rope=not args.no_fused_rope,
+            fused_norm=args.fused_norm, split_k=split_k,
+        )["decode"]  # fmt: skip
         program = functools.partial(
-            runner._decode_fn, model=cfg, options=runner._Options(options), num_rows=b,
+            runner._decode_fn, model=cfg, options=options, num_rows=b,
             width=width, max_steps=8, page_size=page, greedy=True, tp=None,
         )  # fmt: skip
         state = jax.tree.map(

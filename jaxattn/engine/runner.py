@@ -702,6 +702,60 @@ class _Options(dict):
         return hash(tuple(sorted(self.items())))
 
 
+def step_options(
+    *,
+    layout: str,
+    extend_attention: str,
+    partition_size: int | None,
+    backends: dict,
+    decode_config=None,
+    kv_write: str,
+    decode_linear: str,
+    fused_rope: bool,
+    fused_norm: bool,
+    split_k,
+) -> dict[str, _Options]:
+    """The static options of each step kind's forward (``"extend"``, ``"decode"``,
+    ``"cascade"``), from resolved choices: ``backends`` maps each kind to its attention
+    backend, ``decode_config`` is the Pallas decode's configuration (None: the op's own
+    per batch). :class:`ModelRunner` builds its steps with them; so may a tool that
+    compiles the engine's programs without a runner."""
+    fused = {"fused_rope": True} if fused_rope else {}
+    if fused_norm:
+        fused["fused_norm"] = True
+    # Decode steps only: a prefill's projections have rows enough to need no split.
+    split = {"split_k": split_k} if split_k else {}
+    linear = {} if decode_linear == "xla" else {"linear": decode_linear}
+    config = {} if decode_config is None else {"config": decode_config}
+    return {
+        "extend": _Options(
+            layout=layout,
+            attention=extend_attention,
+            implementation=backends["extend"],
+            kv_write=kv_write,
+            **fused,
+        ),
+        "decode": _Options(
+            layout=layout,
+            partition_size=partition_size,
+            implementation=backends["decode"],
+            **config,
+            kv_write=kv_write,
+            **linear,
+            **fused,
+            **split,
+        ),
+        "cascade": _Options(
+            layout=layout,
+            implementation=backends["cascade"],
+            kv_write=kv_write,
+            **linear,
+            **fused,
+            **split,
+        ),
+    }
+
+
 class ModelRunner:
     """Runs the steps of one model over one paged KV pool and its decode rows.
 
@@ -908,45 +962,24 @@ class ModelRunner:
         self.kv_write = self._resolve_write(kv_write)
         self.fused_rope = self._resolve_fused_rope(fused_rope)
         self.fused_norm = self._resolve_fused_norm(fused_norm, platform)
-        fused = {"fused_rope": True} if self.fused_rope else {}
-        if self.fused_norm:
-            fused["fused_norm"] = True
         self.split_k = self._resolve_split_k(split_k)
-        # Decode steps only: a prefill's projections have rows enough to need no split.
-        split = {"split_k": self.split_k} if self.split_k else {}
         # The jitted decode program (the command-buffer variant with decode_graph).
         self.decode_graph = _decode_graph(decode_graph, platform)
         self.decode_program = _DECODE_GRAPH if self.decode_graph else _DECODE
-        linear = {} if self.decode_linear == "xla" else {"linear": self.decode_linear}
-        self._options = {
-            "extend": _Options(
-                layout=layout,
-                attention=extend_attention,
-                implementation=self.backends["extend"],
-                kv_write=self.kv_write,
-                **fused,
-            ),
-            "decode": _Options(
-                layout=layout,
-                partition_size=partition_size,
-                implementation=self.backends["decode"],
-                # Pallas: the configuration resolved above (stats say its lowering) in every
-                # decode step, whatever the step's batch.
-                **({"config": resolved["decode"].config} if pallas_decode else {}),
-                kv_write=self.kv_write,
-                **linear,
-                **fused,
-                **split,
-            ),
-            "cascade": _Options(
-                layout=layout,
-                implementation=self.cascade_backend,
-                kv_write=self.kv_write,
-                **linear,
-                **fused,
-                **split,
-            ),
-        }
+        self._options = step_options(
+            layout=layout,
+            extend_attention=extend_attention,
+            partition_size=partition_size,
+            backends=dict(self.backends, cascade=self.cascade_backend),
+            # Pallas: the configuration resolved above (stats say its lowering) in every
+            # decode step, whatever the step's batch.
+            decode_config=resolved["decode"].config if pallas_decode else None,
+            kv_write=self.kv_write,
+            decode_linear=self.decode_linear,
+            fused_rope=self.fused_rope,
+            fused_norm=self.fused_norm,
+            split_k=self.split_k,
+        )
         # Host-side costs of launching steps: bytes and time of the metadata sent, time in
         # the jitted calls (which return before the device is done).
         self.timing = collections.Counter(h2d_bytes=0, h2d_s=0.0, dispatch_s=0.0)
