@@ -791,13 +791,19 @@ def _pool_geometry(k_cache, v_cache, cfg: LlamaConfig, layout: str):
 
 def _layer_scales(batch, layer):
     """The batch's ``(k_scale, v_scale)`` of one layer: f32 ``[num_kv_heads]`` or None."""
-
-    def pick(s):
-        if isinstance(s, list | tuple) and not isinstance(layer, int):
-            s = jnp.stack(s)  # one array a layer, under a scan's traced layer index
-        return None if s is None else s[layer]
-
+    pick = lambda s: None if s is None else s[layer]  # noqa: E731
     return {"k_scale": pick(batch.k_scale), "v_scale": pick(batch.v_scale)}
+
+
+def _batch_scales(batch, cfg: LlamaConfig, layers):
+    """``batch`` with its KV scales checked; scales given one array a layer are stacked once
+    here when the ``layers`` run as a scan (whose traced layer index cannot pick from a
+    tuple), not in each iteration of its body."""
+    _check_batch_scales(batch, cfg)
+    if isinstance(layers, list | tuple):
+        return batch
+    stack = lambda s: jnp.stack(s) if isinstance(s, list | tuple) else s  # noqa: E731
+    return batch._replace(k_scale=stack(batch.k_scale), v_scale=stack(batch.v_scale))
 
 
 def _check_batch_scales(batch, cfg: LlamaConfig):
@@ -916,7 +922,7 @@ def forward_extend(
             f"use attention='prefix_prefill' with layout={layout!r}"
         )
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
-    _check_batch_scales(batch, cfg)
+    batch = _batch_scales(batch, cfg, params["layers"])
     slots_per_layer = pages_per_layer * page_size
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
 
@@ -1000,7 +1006,7 @@ def forward_decode(
     matmul = _LINEAR[linear]
     attn = ops if kernels is None else kernels
     pages_per_layer, page_size = _pool_geometry(k_cache, v_cache, cfg, layout)
-    _check_batch_scales(batch, cfg)
+    batch = _batch_scales(batch, cfg, params["layers"])
 
     def attend(q, k, v, layer, caches):
         offset = layer * pages_per_layer
