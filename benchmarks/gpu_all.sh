@@ -19,6 +19,15 @@ if [ -n "${JAXATTN_NATIVE_LIB_DIR:-}" ]; then
   export JAXATTN_NATIVE_LIB_DIR
 fi
 OUT="${OUT:-$PWD/gpu_out}"
+# Test workers: one per ~10 GiB of GPU memory, at most 12 (each holds its cases' spec on the
+# GPU, up to ~3.5 GiB; 12 ran out of an 80 GB card's memory).
+if [ -z "${WORKERS:-}" ]; then
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  case "$mib" in
+    "" | *[!0-9]*) WORKERS=12 ;;  # memory unknown (no nvidia-smi)
+    *) WORKERS=$(( mib / 10240 < 1 ? 1 : (mib / 10240 > 12 ? 12 : mib / 10240) )) ;;
+  esac
+fi
 STAGES="${STAGES:-tests decode extend engine pagetable}"
 mkdir -p "$OUT"
 t0=$SECONDS
@@ -34,7 +43,7 @@ for stage in $STAGES; do
   stamp "stage $stage"
   case $stage in
     tests)  # compiled Pallas twins, every native case on the GPU, public ops
-      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
+      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -n "$WORKERS" -p no:cacheprovider \
         --tb=short tests/test_native.py tests/test_ops.py \
         "tests/test_pallas.py" -k "not Interpret" > "$OUT/tests.log" 2>&1
       echo "tests rc=$?"; tail -n 12 "$OUT/tests.log" ;;
@@ -53,7 +62,7 @@ for stage in $STAGES; do
         --num-pages 8192 --max-batch-tokens 2048 --json "$OUT/engine.json" > "$OUT/engine.log" 2>&1
       echo "engine rc=$?"; tail -n 12 "$OUT/engine.log" ;;
     fp8)  # FP8 KV caches: the kernel suite's fp8 cases compiled, timings against bf16, accuracy
-      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider \
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -n "$WORKERS" -p no:cacheprovider \
         --tb=short tests/test_kernels.py -k "fp8 or every" > "$OUT/fp8_tests.log" 2>&1
       echo "fp8 tests rc=$?"; tail -n 12 "$OUT/fp8_tests.log"
       timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --check \
