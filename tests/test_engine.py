@@ -66,12 +66,12 @@ POOL = dict(num_pages=48, page_size=4)
 BUCKETS = Buckets(tokens=32, kv=256, extend_batch=8, decode_batch=8, pages=16, folded_cells=1)
 
 
-def make_engine(**kw):
+def make_engine(cfg=CFG, params=PARAMS, **kw):
     # dedup_tokens=4: a request sharing a page or more with a prompt still being prefilled
     # waits for its pages (with overlap, that prompt's pages reach the cache a step later).
     args = dict(POOL, max_batch_tokens=32, buckets=BUCKETS, debug=True, dedup_tokens=4)
     args.update(kw)
-    return Engine(CFG, PARAMS, **args)
+    return Engine(cfg, params, **args)
 
 
 def workload(seed, num=6, system=18, suffix=(1, 14)):

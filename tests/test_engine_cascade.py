@@ -21,20 +21,11 @@ import pytest
 from helpers import mesh_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import (
-    BUCKETS,
-    CFG,
-    POOL,
-    assert_verified,
-    assert_whole,
-    make_engine,
-    workload,
-)
+from test_engine import CFG, POOL, assert_verified, assert_whole, make_engine, workload
 
 import jaxattn.engine.engine as engine_module
 from jaxattn.engine import ExecutionConfig
 from jaxattn.engine.cascade import cascade_levels, shared_prefixes
-from jaxattn.engine.engine import Engine
 from jaxattn.models import llama
 from jaxattn.models.llama import LlamaConfig
 
@@ -349,14 +340,13 @@ def test_the_spec_is_no_cascade_beside_a_kernel_decode(monkeypatch):
         return resolve(self, kind, "reference" if kind == "cascade" else implementation)
 
     monkeypatch.setattr(ModelRunner, "_resolve", spec_cascade)
-    make = make_engine
+    model = {}
     if jax.default_backend() != "cpu":  # a head_dim the native GPU kernels are built for
         cfg = LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16", "head_dim": 64})
-        params = llama.init_params(cfg, jax.random.key(1))
-        make = lambda **kw: Engine(cfg, params, **POOL, buckets=BUCKETS, **kw)  # noqa: E731
-    engine = make(implementation="native")
+        model = dict(cfg=cfg, params=llama.init_params(cfg, jax.random.key(1)))
+    engine = make_engine(implementation="native", **model)
     assert engine.runner.backends["decode"] == "native"
     assert engine.runner.cascade_backend is None and engine.cascade == "off"
     with pytest.raises(ValueError, match="no cascade decode backend"):
-        make(implementation="native", cascade="on")
-    assert make(implementation="reference").runner.cascade_backend == "reference"
+        make_engine(implementation="native", cascade="on", **model)
+    assert make_engine(implementation="reference", **model).runner.cascade_backend == "reference"
