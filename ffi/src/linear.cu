@@ -41,6 +41,15 @@ __device__ __forceinline__ Elems8<T> add_squared(const Elems8<T>& x, const Elems
   return s;
 }
 
+// The sums s of 8 elements normalised by the row's inv and weighted by w.
+template <typename T>
+__device__ __forceinline__ Elems8<T> normed8(const Elems8<T>& s, float inv, const Elems8<T>& w) {
+  Elems8<T> y;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y.e[e] = norm_weighted(s.e[e], inv, w.e[e]);
+  return y;
+}
+
 // The sum of every thread's `v` in a block of kNormThreads threads, returned to all of them.
 __device__ float block_sum(float v) {
   constexpr int kWarps = kNormThreads / WARP_SIZE;
@@ -87,12 +96,9 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const AddNor
 #pragma unroll
   for (int i = 0; i < HELD; ++i) {
     const int c = threadIdx.x + i * kNormThreads;
-    if (c < chunks) {
-      Elems8<T> y;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) y.e[e] = norm_weighted(s[i].e[e], inv, w[i].e[e]);
-      *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.normed) + base + c * 8) = y;
-    }
+    if (c < chunks)
+      *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.normed) + base + c * 8) =
+          normed8(s[i], inv, w[i]);
   }
 }
 
@@ -112,10 +118,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_long_kernel(const A
   for (int c = threadIdx.x; c < chunks; c += kNormThreads) {
     const auto s = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.sum) + base + c * 8);
     const auto w = *reinterpret_cast<const Elems8<T>*>(static_cast<const T*>(p.w) + c * 8);
-    Elems8<T> y;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) y.e[e] = norm_weighted(s.e[e], inv, w.e[e]);
-    *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.normed) + base + c * 8) = y;
+    *reinterpret_cast<Elems8<T>*>(static_cast<T*>(p.normed) + base + c * 8) = normed8(s, inv, w);
   }
 }
 
