@@ -16,8 +16,11 @@ byte permutes and widened to float16, q is scaled into float16 by its power of t
 P is packed to float16, the merge writes each accumulator at its permuted dim; against the same
 float64 reference (of the FP8 values).
 
+``--page-lead`` emulates the 16-bit kernel built with JAXATTN_DECODE_PAGE_LEAD=1 (each tile's
+block-table entries read an iteration before their row offsets are stored).
+
 Keep it in step with the kernels when they change. Run:
-python3 emulate_mma_decode.py [--full] [--fp8]
+python3 emulate_mma_decode.py [--full] [--fp8] [--page-lead]
 """
 
 from __future__ import annotations
@@ -149,12 +152,14 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
     o = np.zeros((WARPS, 32, kd, 4))
     m = np.full((WARPS, 32), NEG_INF)
     lsum = np.zeros((WARPS, 32))
+    # JAXATTN_DECODE_PAGE_LEAD: tile n + ns's pages read an iteration ahead of their store.
+    page_next = [page_of(ns, tid) for tid in range(NT)] if PAGE_LEAD else None
     for n in range(ntiles):
         wait(ns - 2)
         if n + ns - 1 < ntiles:
             issue(n + ns - 1)
         commit()
-        pages = [page_of(n + ns, tid) for tid in range(NT)]
+        pages = page_next if PAGE_LEAD else [page_of(n + ns, tid) for tid in range(NT)]
         s = n % ns
         for warp in range(WARPS):
             rb = warp * 16
@@ -199,6 +204,8 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
                 o[warp, :, j] = mma(o[warp, :, j], vf, b)
         for tid in range(NT):
             bad |= store_offset(n + ns, tid, pages[tid])
+        if PAGE_LEAD:
+            page_next = [page_of(n + ns + 1, tid) for tid in range(NT)]
     wait(0)
 
     red = np.full((WARPS, 8, d + 2), np.nan)
@@ -441,6 +448,7 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
 
 
 FP8 = False  # main(--fp8): emulate the FP8 kernel
+PAGE_LEAD = False  # main(--page-lead): the 16-bit kernel built with JAXATTN_DECODE_PAGE_LEAD=1
 
 
 def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=None):
@@ -512,8 +520,9 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
 
 
 def main(full):
-    global FP8
+    global FP8, PAGE_LEAD
     FP8 = "--fp8" in sys.argv[1:]
+    PAGE_LEAD = "--page-lead" in sys.argv[1:]
     rng = np.random.default_rng(0)
     lengths = [
         (1, 0),

@@ -106,10 +106,22 @@
 #ifndef JAXATTN_DECODE_MMA_STAGES
 #define JAXATTN_DECODE_MMA_STAGES 0
 #endif
+// The 16-bit tensor-core kernel reads the block-table entry of tile n + stages in the iteration
+// that stores its row offsets, after tile n's compute (0), or an iteration earlier (1). At
+// head_dim 64, ptxas makes tile n's compute wait for that read (it reuses the read's
+// scoreboard there; sm_90, nvcc 13.0), so every tile pays the table read's latency: in the 1B
+// model's decode (64 x 512, ncu on an H100) 16% of the stall samples sit on that wait and 16%
+// on the barrier after it. With 1 the read is in flight across the next tile's wait and
+// barrier (machine code checked, ffi/NOTES.md round 47). It has not run on a GPU: 0 stays the
+// default until the decode self-test, memcheck and a timing have.
+#ifndef JAXATTN_DECODE_PAGE_LEAD
+#define JAXATTN_DECODE_PAGE_LEAD 0
+#endif
 
 namespace jaxattn {
 namespace gpu {
 
+constexpr bool kDecodePageLead = JAXATTN_DECODE_PAGE_LEAD != 0;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -925,13 +937,18 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const uint32_t lane_off =
       uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
 
+  // The page of tile n + NS, stored after tile n's compute: read in the same iteration
+  // (default), or with JAXATTN_DECODE_PAGE_LEAD a whole iteration earlier, after tile n - 1's
+  // store, so that its load is in flight across tile n's wait and barrier (see the knob).
+  [[maybe_unused]] int page_next = kDecodePageLead ? ring.page_of(NS) : 0;
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
     if (n < 8) JAXATTN_TRACE(4 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
-    const int page = ring.page_of(n + NS);  // consumed after this tile's compute
+    [[maybe_unused]] int page = 0;
+    if constexpr (!kDecodePageLead) page = ring.page_of(n + NS);  // used after the compute
 
     const int s = n % NS;
     const int t0 = start + n * TILE + rb;  // this warp's first token
@@ -978,7 +995,12 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
-    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+    if constexpr (kDecodePageLead) {
+      bad |= ring.store_offset(n + NS, page_next);  // stage n % NS's offsets were used at issue(n)
+      page_next = ring.page_of(n + NS + 1);
+    } else {
+      bad |= ring.store_offset(n + NS, page);
+    }
   }
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
