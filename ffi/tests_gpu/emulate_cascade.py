@@ -21,7 +21,13 @@ request continuing it NaN, the others exact), in an own table, a prefix_of out o
 prefix length that is not a multiple of the page size, garbage past every length (nothing
 changes). Keep it in step with the kernel when either changes.
 
-    python3 emulate_cascade.py [--full]
+``--page-fetch`` runs the prefix block with the ring schedule of JAXATTN_CASCADE_PAGE_FETCH=1
+(built for the wgmma prefix, cascade_sm90.cuh; its ring and groups are this block's): each
+tile's table entries fetched into page slots by 4-byte copies NS - 1 tiles ahead, in the commit
+groups of earlier copies, and read after the tile's products; the slots start as garbage, so
+an entry read before its group landed ("late") poisons the block.
+
+    python3 emulate_cascade.py [--full] [--page-fetch]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: 
 
 NEG_INF = -np.inf
 RESCALE_SLACK = 8  # cascade.cuh: kCascadeRescaleSlack
+PAGE_FETCH = False  # main(--page-fetch): JAXATTN_CASCADE_PAGE_FETCH=1's ring schedule
 TILE, WARPS, NT, ROWS = 64, 4, 128, 64
 BINS = 1024
 STEP, MIN_CHUNK = 64, 256
@@ -174,6 +181,7 @@ class Ring:
         self.off = np.full((ns, TILE), 12345678, np.int64)
         self.ks = np.full((ns, TILE, self.rs), np.nan, np.float32)
         self.vs = np.full((ns, TILE, self.rs), np.nan, np.float32)
+        self.slots = np.full((ns, TILE), -(10**9), np.int64)  # page slots: garbage until fetched
         self.groups = [[]]
 
     def page_of(self, n, tid):
@@ -193,9 +201,26 @@ class Ring:
         return live and not ok
 
     def _land(self, op):
+        if op[0] == "page":
+            _, s, tid, value = op
+            self.slots[s, tid] = value
+            return
         s, r, c, o = op
         for src, dst in ((self.kc, self.ks), (self.vc, self.vs)):
             dst[s, r, c * 8 : c * 8 + 8] = src[o + c * 8 : o + c * 8 + 8] if o >= 0 else 0
+
+    def fetch_page(self, n):
+        """KvRing::fetch_page: each row's table entry of tile n (0 past the end) into slot
+        n % ns, a 4-byte copy in the open group."""
+        for tid in range(TILE):
+            op = ("page", n % self.ns, tid, self.page_of(n, tid))
+            if self.land == "early":
+                self._land(op)
+            else:
+                self.groups[-1].append(op)
+
+    def fetched_page(self, n, tid):
+        return int(self.slots[n % self.ns, tid]) if tid < TILE else 0
 
     def issue(self, n):
         s, copies = n % self.ns, TILE * self.ch
@@ -226,6 +251,8 @@ class Ring:
         for n in range(self.ns - 1):
             if n < ntiles:
                 self.issue(n)
+            if PAGE_FETCH:
+                self.fetch_page(n + self.ns)
             self.commit()
         return bad
 
@@ -258,8 +285,10 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
         ring.wait(ns - 2)
         if n + ns - 1 < ntiles:
             ring.issue(n + ns - 1)
+        if PAGE_FETCH:
+            ring.fetch_page(n + 2 * ns - 1)
         ring.commit()
-        pages = [ring.page_of(n + ns, tid) for tid in range(NT)]
+        pages = None if PAGE_FETCH else [ring.page_of(n + ns, tid) for tid in range(NT)]
         s, n0 = n % ns, start + n * TILE
         tail = n0 + TILE > end
         for warp in range(WARPS):
@@ -306,6 +335,8 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
                     )
                     o[warp, 2 * dp] = mma(o[warp, 2 * dp], pf, bfr[:, 0:2])
                     o[warp, 2 * dp + 1] = mma(o[warp, 2 * dp + 1], pf, bfr[:, 2:4])
+        if PAGE_FETCH:  # read after the products, as the kernel does
+            pages = [ring.fetched_page(n + ns, tid) for tid in range(NT)]
         for tid in range(NT):
             bad |= ring.store_offset(n + ns, tid, pages[tid])
     ring.wait(0)
@@ -599,12 +630,15 @@ def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, tar
 
 
 def main(full):
+    global PAGE_FETCH
+    PAGE_FETCH = "--page-fetch" in sys.argv[1:]
     rng = np.random.default_rng(0)
     batches = [
         # (prefix pages per prefix, prefix_of per request, own tokens per request)
         ([8, 3], [0, 0, 1, -1, 0, 1, 0], [5, 0, 17, 9, 33, 1, 2]),
         ([20], [0] * 19, [3] * 19),  # 19 requests x group: several tiles of one prefix
         ([1, 0, 2], [2, 1, 0, 2], [0, 4, 16, 15]),  # an empty prefix
+        ([72], [0, 0], [7, 0]),  # prefix blocks of many tiles: the ring laps its stages
     ]
     configs = [
         # (d, stages, layout, page size, (Hq, Hkv), partition, target)

@@ -499,13 +499,13 @@ constexpr int kCascadeRescaleSlack = 8;
 template <typename Ring, typename Plan>
 __device__ __forceinline__ Ring cascade_prefix_ring(const CascadeParams& p, unsigned char* base,
                                                     const Plan& plan, int kvh, int start, int end,
-                                                    bool* bad) {
+                                                    bool* bad, bool fetch = false) {
   using E = typename Ring::Elem;
   const E* k = static_cast<const E*>(p.k) + kvh * p.kv.head_stride;
   const E* v = static_cast<const E*>(p.v) + kvh * p.kv.head_stride;
   const Ring ring{base, k,     v,  p.prefix_tables + int64_t(plan.g) * p.prefix_table_stride,
                   p.kv, start, end};
-  *bad = ring.prologue(ring.tiles());
+  *bad = ring.prologue(ring.tiles(), fetch);
   return ring;
 }
 

@@ -248,6 +248,20 @@ __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_sr
 #endif
 }
 
+// 4 bytes from global to shared memory beside the 16-byte copies, in the same commit groups
+// (cp.async.ca: the 4-byte form; zero fill through src-size 0). Synchronous where
+// async_copy16 is.
+__device__ __forceinline__ void async_copy4(void* smem_dst, const void* gmem_src, bool valid) {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+#else
+  *static_cast<uint32_t*>(smem_dst) = valid ? *static_cast<const uint32_t*>(gmem_src) : 0u;
+#endif
+}
+
 __device__ __forceinline__ void async_copy_commit() {
 #if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");

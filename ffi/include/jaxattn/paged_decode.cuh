@@ -417,6 +417,26 @@ struct KvRing {
     const int ps = kv.page_size;
     return (ps & (ps - 1)) == 0 ? t & (ps - 1) : t % ps;
   }
+  // Block-table entries fetched into shared memory (JAXATTN_CASCADE_PAGE_FETCH): STAGES slots
+  // of TILE int32 after the offsets, tile n's in slot n % STAGES. fetch_page(n) starts this
+  // thread's row's entry of tile n (0 past the end) as a 4-byte copy in the open commit group;
+  // fetched_page(n) reads it once that group has been waited for -- by this thread, which alone
+  // reads the entry, so no barrier is needed. The read then never sits in a register while
+  // the warp waits for its other loads (a wgmma fence waits for every one of them).
+  static constexpr int kPageSlotBytes = STAGES * TILE * 4;
+  __device__ __forceinline__ int32_t* page_slots(int stage) const {
+    return reinterpret_cast<int32_t*>(base + STAGES * kStageBytes) + stage * TILE;
+  }
+  __device__ __forceinline__ void fetch_page(int n) const {
+    if (int(threadIdx.x) >= TILE) return;
+    const int t = start + n * TILE + int(threadIdx.x);
+    const bool live = t < end;
+    async_copy4(page_slots(n % STAGES) + threadIdx.x, live ? table + page_index(t) : table, live);
+  }
+  __device__ __forceinline__ int fetched_page(int n) const {
+    return int(threadIdx.x) < TILE ? page_slots(n % STAGES)[threadIdx.x] : 0;
+  }
+
   // True when the row's page id lies outside the cache: the row is then zero-filled like a
   // row past the end, and the caller poisons the block.
   __device__ __forceinline__ bool store_offset(int n, int page) const {
@@ -497,7 +517,9 @@ struct KvRing {
   // Prologue: offsets of tiles 0 .. STAGES-1, then the copies of tiles 0 .. STAGES-2, one
   // commit group each (empty groups past the last tile keep the group count uniform). Returns
   // whether this thread saw a bad page id. `pages`: early_pages of this ring's table and start.
-  __device__ __forceinline__ bool prologue(int ntiles, const int (&pages)[STAGES]) const {
+  // `fetch` (fetch_page): group n also fetches tile n + STAGES's entries.
+  __device__ __forceinline__ bool prologue(int ntiles, const int (&pages)[STAGES],
+                                           bool fetch = false) const {
     bool bad = false;
 #pragma unroll
     for (int n = 0; n < STAGES; ++n) bad |= store_offset(n, pages[n]);
@@ -505,16 +527,17 @@ struct KvRing {
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
       if (n < ntiles) issue(n);
+      if (fetch) fetch_page(n + STAGES);
       async_copy_commit();
     }
     return bad;
   }
   // The same, the pages read now (page_of).
-  __device__ __forceinline__ bool prologue(int ntiles) const {
+  __device__ __forceinline__ bool prologue(int ntiles, bool fetch = false) const {
     int pages[STAGES];
 #pragma unroll
     for (int n = 0; n < STAGES; ++n) pages[n] = page_of(n);
-    return prologue(ntiles, pages);
+    return prologue(ntiles, pages, fetch);
   }
 };
 
