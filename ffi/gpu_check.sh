@@ -9,6 +9,8 @@
 # library is built here for sm_90 first (not at all when timings and tests are all skipped).
 # Knobs (environment):
 #   SELFTESTS      "skip": do not build and run ffi/tests_gpu/*_selftest.cu
+#   SELFTEST_FLAGS extra nvcc arguments for every self-test build, e.g. a build switch under
+#                  trial: "-DJAXATTN_DECODE_PAGE_LEAD=1 -DJAXATTN_CASCADE_PAGE_FETCH=1"
 #   SELFTEST_BIN   a directory of self-tests built elsewhere from this tree (same names, e.g.
 #                  decode_selftest): those are run instead of built here
 #   SANITIZE       run the self-tests' robustness cases (--robust: every kernel, bad indices,
@@ -66,7 +68,8 @@ selftest() {  # name, nvcc arguments...
   stamp "self-test: $name"
   if [ -n "${SELFTEST_BIN:-}" ] && [ -x "$SELFTEST_BIN/$name" ]; then
     cp "$SELFTEST_BIN/$name" "$out/$name"  # built elsewhere from this tree
-  elif ! nvcc -std=c++17 -O3 -Iffi/include -Iffi/src "$@" -o "$out/$name" > "$out/$name.build.log" 2>&1; then
+  elif ! nvcc -std=c++17 -O3 -Iffi/include -Iffi/src ${SELFTEST_FLAGS:-} "$@" -o "$out/$name" \
+      > "$out/$name.build.log" 2>&1; then
     tail -20 "$out/$name.build.log"
     return
   fi
@@ -117,7 +120,10 @@ if [ "${SELFTESTS:-}" != skip ]; then
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
     ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
     ffi/src/prefill_sm90.cu
-  selftest cascade_selftest -arch=sm_90 ffi/tests_gpu/cascade_selftest.cu
+  # sm_90a: the wgmma prefix level (the default on Hopper) is built and checked too, where an
+  # sm_90 build reports it SKIP.
+  selftest cascade_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
+    ffi/tests_gpu/cascade_selftest.cu
   if [ -n "${SANITIZE:-}" ]; then
     sanitize decode_selftest
     sanitize prefill_selftest
