@@ -27,7 +27,7 @@ from dataclasses import dataclass
 _FUNCTION = re.compile(r"\n\s*Function : (\S+)")
 _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* (0x[0-9a-f]+) \*/")
 _WORD = re.compile(r"/\* (0x[0-9a-f]+) \*/")
-_PRODUCTS = ("HMMA", "HGMMA", "IMMA", "QGMMA", "WARPGROUP.ARRIVE")
+_PRODUCTS = ("HMMA", "HGMMA", "IMMA", "QGMMA")
 _NO_BARRIER = 7
 
 
@@ -76,7 +76,7 @@ def load_waits(instrs: list[Instr]):
             if later.wait_mask >> ins.write_barrier & 1:
                 waiter = later
                 break
-            products += later.opcode.startswith(_PRODUCTS) and later.opcode != "WARPGROUP.ARRIVE"
+            products += later.opcode.startswith(_PRODUCTS)
         yield ins, waiter, products
 
 

@@ -412,8 +412,7 @@ def test_bind_takes_abstract_scales(fp8):
 # --- cascade decode ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def casc():
+def _cascade_case(head_dim=16):
     from helpers import make_cascade
 
     rng = np.random.default_rng(2)
@@ -424,9 +423,14 @@ def casc():
         [5, 0, 9, 17],
         num_q_heads=8,
         num_kv_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         page_size=4,
     )
+
+
+@pytest.fixture(scope="module")
+def casc():
+    return _cascade_case()
 
 
 def _cascade_args(c):
@@ -501,15 +505,9 @@ def test_cascade_empty_dimensions(backend):
     """No requests, no prefixes, empty tables: answered without a kernel, as the spec.
     head_dim 32: the smallest the GPU kernels are built for (the casc fixture's 16 is
     not)."""
-    from helpers import make_cascade
-
     if backend == "native" and not native.is_available():
         pytest.skip("native library not built")
-    casc = make_cascade(
-        np.random.default_rng(2), [3, 2], [0, 1, -1, 0], [5, 0, 9, 17],
-        num_q_heads=8, num_kv_heads=2, head_dim=32, page_size=4,
-    )  # fmt: skip
-    a = _cascade_args(casc)
+    a = _cascade_args(_cascade_case(head_dim=32))
     run = lambda **kw: jaxattn.cascade_attention(**{**a, **kw}, implementation=backend)
     out = run(
         q=a["q"][:0],
