@@ -10,7 +10,7 @@
 # Knobs (environment):
 #   SELFTESTS      "skip": do not build and run ffi/tests_gpu/*_selftest.cu
 #   SELFTEST_FLAGS extra nvcc arguments for every self-test build, e.g. a build switch under
-#                  trial: "-DJAXATTN_DECODE_PAGE_LEAD=1 -DJAXATTN_CASCADE_PAGE_FETCH=1"
+#                  trial: "-DJAXATTN_DECODE_MMA_STAGES=4"
 #   SELFTEST_BIN   a directory of self-tests built elsewhere from this tree (same names, e.g.
 #                  decode_selftest): those are run instead of built here
 #   SANITIZE       run the self-tests' robustness cases (--robust: every kernel, bad indices,

@@ -21,13 +21,14 @@ request continuing it NaN, the others exact), in an own table, a prefix_of out o
 prefix length that is not a multiple of the page size, garbage past every length (nothing
 changes). Keep it in step with the kernel when either changes.
 
-``--page-fetch`` runs the prefix block with the ring schedule of JAXATTN_CASCADE_PAGE_FETCH=1
-(built for the wgmma prefix, cascade_sm90.cuh; its ring and groups are this block's): each
-tile's table entries fetched into page slots by 4-byte copies NS - 1 tiles ahead, in the commit
-groups of earlier copies, and read after the tile's products; the slots start as garbage, so
-an entry read before its group landed ("late") poisons the block.
+Every case runs with both ring schedules of the prefix block: the portable kernel's
+(cascade_prefix_mma: each tile's table entries read into a register in the iteration that
+stores their offsets) and the Hopper kernel's (cascade_prefix_wgmma, cascade_sm90.cuh, whose ring
+and groups are this block's): the entries fetched into page slots by 4-byte copies NS - 1 tiles
+ahead, in the commit groups of earlier copies, and read after the tile's products; the slots
+start as garbage, so an entry read before its group landed ("late") poisons the block.
 
-    python3 emulate_cascade.py [--full] [--page-fetch]
+    python3 emulate_cascade.py [--full]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: 
 
 NEG_INF = -np.inf
 RESCALE_SLACK = 8  # cascade.cuh: kCascadeRescaleSlack
-PAGE_FETCH = False  # main(--page-fetch): JAXATTN_CASCADE_PAGE_FETCH=1's ring schedule
+PAGE_FETCH = False  # the prefix block's ring schedule: True, the wgmma kernel's (main sets it)
 TILE, WARPS, NT, ROWS = 64, 4, 128, 64
 BINS = 1024
 STEP, MIN_CHUNK = 64, 256
@@ -445,6 +446,7 @@ def launch(P, d, ns, land):
                 land,
                 P["q_scale"],
                 P["cap"],
+                page_lead=False,  # cascade_own_mma reads the entries in the storing iteration
             )
             for gh, (out, mm, ls) in res.items():
                 ws[b, kvh * group + gh, part] = out
@@ -631,7 +633,6 @@ def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, tar
 
 def main(full):
     global PAGE_FETCH
-    PAGE_FETCH = "--page-fetch" in sys.argv[1:]
     rng = np.random.default_rng(0)
     batches = [
         # (prefix pages per prefix, prefix_of per request, own tokens per request)
@@ -650,19 +651,24 @@ def main(full):
         configs += [(64, 3, "bhsd", 1, (8, 8), 0, 32), (128, 3, "bhsd", 32, (4, 4), 32, 16)]
     edits = [None, "bad_prefix_page", "bad_own_page", "bad_prefix_of", "bad_prefix_len", "garbage"]
     fails = cases = 0
-    for (d, ns, layout, page, heads, part, target), batch in itertools.product(configs, batches):
-        for land, edit in itertools.product(("early", "late"), edits):
-            if land == "late" and edit not in (None,) and not full:
-                continue
-            err = check(rng, d, ns, land, layout, page, heads, batch, part, target, edit)
-            cases += 1
-            status = "ok" if err < 2e-2 else "FAIL"
-            fails += status == "FAIL"
-            if status == "FAIL" or full:
-                print(
-                    f"{status} d={d} stages={ns} {layout} page={page} heads={heads} "
-                    f"part={part} target={target} {land} edit={edit} batch={batch}: {err:.3g}"
-                )
+    for PAGE_FETCH in (False, True):  # the portable prefix block's schedule, then Hopper's
+        kernel = "wgmma" if PAGE_FETCH else "mma"
+        for (d, ns, layout, page, heads, part, target), batch in itertools.product(
+            configs, batches
+        ):
+            for land, edit in itertools.product(("early", "late"), edits):
+                if land == "late" and edit not in (None,) and not full:
+                    continue
+                err = check(rng, d, ns, land, layout, page, heads, batch, part, target, edit)
+                cases += 1
+                status = "ok" if err < 2e-2 else "FAIL"
+                fails += status == "FAIL"
+                if status == "FAIL" or full:
+                    print(
+                        f"{status} {kernel} d={d} stages={ns} {layout} page={page} "
+                        f"heads={heads} part={part} target={target} {land} edit={edit} "
+                        f"batch={batch}: {err:.3g}"
+                    )
     print(f"{cases} cases, {fails} failed")
     return 1 if fails else 0
 

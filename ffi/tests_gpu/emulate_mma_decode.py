@@ -16,11 +16,13 @@ byte permutes and widened to float16, q is scaled into float16 by its power of t
 P is packed to float16, the merge writes each accumulator at its permuted dim; against the same
 float64 reference (of the FP8 values).
 
-``--page-lead`` emulates the 16-bit kernel built with JAXATTN_DECODE_PAGE_LEAD=1 (each tile's
-block-table entries read an iteration before their row offsets are stored).
+The 16-bit kernel reads each tile's block-table entries an iteration before it stores their
+row offsets at head_dim 64 (MmaDecodeShape::kPageLead), in the iteration that stores them at
+32: both schedules run (``run_block``'s ``page_lead``; the cascade's own block, which reads
+them in that iteration at every head_dim, passes False).
 
 Keep it in step with the kernels when they change. Run:
-python3 emulate_mma_decode.py [--full] [--fp8] [--page-lead]
+python3 emulate_mma_decode.py [--full] [--fp8]
 """
 
 from __future__ import annotations
@@ -83,8 +85,12 @@ def mma(c, a, b):
     return out
 
 
-def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap):
-    """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}."""
+def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap, page_lead=None):
+    """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}.
+    page_lead: read tile n + ns's pages an iteration ahead of their store (None: as
+    paged_decode_mma_kernel does at this head_dim, MmaDecodeShape::kPageLead)."""
+    if page_lead is None:
+        page_lead = d == 64
     page_size, page_stride, token_stride, num_pages = geo
     rs, ch, kd = d + 8, d // 8, d // 16
     off = np.full((ns, TILE), 12345678, np.int64)
@@ -152,14 +158,13 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
     o = np.zeros((WARPS, 32, kd, 4))
     m = np.full((WARPS, 32), NEG_INF)
     lsum = np.zeros((WARPS, 32))
-    # JAXATTN_DECODE_PAGE_LEAD: tile n + ns's pages read an iteration ahead of their store.
-    page_next = [page_of(ns, tid) for tid in range(NT)] if PAGE_LEAD else None
+    page_next = [page_of(ns, tid) for tid in range(NT)] if page_lead else None
     for n in range(ntiles):
         wait(ns - 2)
         if n + ns - 1 < ntiles:
             issue(n + ns - 1)
         commit()
-        pages = page_next if PAGE_LEAD else [page_of(n + ns, tid) for tid in range(NT)]
+        pages = page_next if page_lead else [page_of(n + ns, tid) for tid in range(NT)]
         s = n % ns
         for warp in range(WARPS):
             rb = warp * 16
@@ -204,7 +209,7 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
                 o[warp, :, j] = mma(o[warp, :, j], vf, b)
         for tid in range(NT):
             bad |= store_offset(n + ns, tid, pages[tid])
-        if PAGE_LEAD:
+        if page_lead:
             page_next = [page_of(n + ns + 1, tid) for tid in range(NT)]
     wait(0)
 
@@ -448,7 +453,6 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
 
 
 FP8 = False  # main(--fp8): emulate the FP8 kernel
-PAGE_LEAD = False  # main(--page-lead): the 16-bit kernel built with JAXATTN_DECODE_PAGE_LEAD=1
 
 
 def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=None):
@@ -520,9 +524,8 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
 
 
 def main(full):
-    global FP8, PAGE_LEAD
+    global FP8
     FP8 = "--fp8" in sys.argv[1:]
-    PAGE_LEAD = "--page-lead" in sys.argv[1:]
     rng = np.random.default_rng(0)
     lengths = [
         (1, 0),
@@ -536,7 +539,7 @@ def main(full):
         (200, 64),
     ]
     configs = [(1, 3), (3, 2), (3, 3), (16, 3), (16, 4), (128, 4)]  # (page size, stages)
-    dims = (32, 64) if full else (32,)
+    dims = (32, 64)  # the two schedules of the table read (kPageLead)
     groups = (2, 4, 8) if full else (4, 8)
     fails = cases = 0
     for d, (page, ns), layout, land, group in itertools.product(

@@ -26,22 +26,10 @@
 #include "jaxattn/cascade.cuh"
 #include "jaxattn/prefill_sm90.cuh"
 
-// Where the prefix loop reads the block-table entries of the tile it stores offsets for:
-// 0, into a register before the tile's products (the wgmma fence then waits for that read,
-// so every tile pays its latency before S = Q K^T: ffi/NOTES.md, round 47), or 1, by a 4-byte
-// cp.async into the ring's page slots, NS - 1 tiles ahead in the commit group of an earlier
-// tile's copies (KvRing::fetch_page). 1 has not run on a GPU: 0 stays the default until the
-// cascade self-test, memcheck and a timing have.
-#ifndef JAXATTN_CASCADE_PAGE_FETCH
-#define JAXATTN_CASCADE_PAGE_FETCH 0
-#endif
-
 #if defined(JAXATTN_CUDA)
 
 namespace jaxattn {
 namespace gpu {
-
-constexpr bool kCascadePageFetch = JAXATTN_CASCADE_PAGE_FETCH != 0;
 
 // Stages of the swizzled ring within the kernel's dynamic shared memory (after up to 1 KiB of
 // alignment): 3 at head_dim 128 (98 KiB), 4 at 64.
@@ -98,12 +86,10 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
   // to spare for it).
   unsigned char* base = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
   using Ring = KvRing<T, D, TILE, NS, 0, S::kThreads>;
-  static_assert(
-      !kCascadePageFetch || NS * Ring::kStageBytes + Ring::kPageSlotBytes <= S::kSmemBytes - 1024,
-      "the page slots fit beside the ring");
+  static_assert(NS * Ring::kStageBytes + Ring::kPageSlotBytes <= S::kSmemBytes - 1024,
+                "the page slots fit beside the ring");
   bool bad;  // this thread met a page id outside the cache
-  const Ring ring =
-      cascade_prefix_ring<Ring>(p, base, plan, kvh, start, end, &bad, kCascadePageFetch);
+  const Ring ring = cascade_prefix_ring<Ring>(p, base, plan, kvh, start, end, &bad, /*fetch=*/true);
   CascadePrefixRows<D> rows;
   cascade_prefix_q<T, D>(p, plan, kvh, split, rows);
 
@@ -136,13 +122,16 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
     sm90_fence_proxy_async();   // and are visible to the tensor cores' reads
     __syncthreads();            // everyone's are, and stage (n - 1) % NS is free
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
-    // Tile n + 2 NS - 1's entries land with tile n + NS - 1's copies, by the wait at the top of
-    // iteration n + NS - 1, whose store reads them; their slot's last reader was the store of
-    // iteration n - 1. (The prologue's groups fetch tiles NS .. 2 NS - 2.)
-    if constexpr (kCascadePageFetch) ring.fetch_page(n + 2 * NS - 1);
+    // The block-table entries of the tile whose offsets an iteration stores are not read into
+    // a register here: the wgmma fence waits for every outstanding register load, so each
+    // tile's S = Q K^T would wait for that read (ffi/NOTES.md, round 47). Each thread's entry
+    // is fetched by a 4-byte cp.async into a page slot instead: tile n + 2 NS - 1's entries
+    // land with tile n + NS - 1's copies, by the wait at the top of iteration n + NS - 1,
+    // whose store reads them; their slot's last reader was the store of iteration n - 1. (The
+    // prologue's groups fetch tiles NS .. 2 NS - 2.) On an H100 (round 48) the shared batch
+    // ran 3% faster, a batch of three prefixes 10%.
+    ring.fetch_page(n + 2 * NS - 1);
     async_copy_commit();
-    [[maybe_unused]] int page = 0;
-    if constexpr (!kCascadePageFetch) page = ring.page_of(n + NS);  // used after the compute
 
     const int s = n % NS, n0 = start + n * TILE;
     const uint64_t dks = dk + uint64_t(s) * kStageStep;
@@ -168,7 +157,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
     sm90_wgmma_commit();
     sm90_wgmma_wait<0>();
     sm90_pin(of);
-    if constexpr (kCascadePageFetch) page = ring.fetched_page(n + NS);
+    const int page = ring.fetched_page(n + NS);
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();

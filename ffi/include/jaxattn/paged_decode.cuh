@@ -106,22 +106,10 @@
 #ifndef JAXATTN_DECODE_MMA_STAGES
 #define JAXATTN_DECODE_MMA_STAGES 0
 #endif
-// The 16-bit tensor-core kernel reads the block-table entry of tile n + stages in the iteration
-// that stores its row offsets, after tile n's compute (0), or an iteration earlier (1). At
-// head_dim 64, ptxas makes tile n's compute wait for that read (it reuses the read's
-// scoreboard there; sm_90, nvcc 13.0), so every tile pays the table read's latency: in the 1B
-// model's decode (64 x 512, ncu on an H100) 16% of the stall samples sit on that wait and 16%
-// on the barrier after it. With 1 the read is in flight across the next tile's wait and
-// barrier (machine code checked, ffi/NOTES.md round 47). It has not run on a GPU: 0 stays the
-// default until the decode self-test, memcheck and a timing have.
-#ifndef JAXATTN_DECODE_PAGE_LEAD
-#define JAXATTN_DECODE_PAGE_LEAD 0
-#endif
 
 namespace jaxattn {
 namespace gpu {
 
-constexpr bool kDecodePageLead = JAXATTN_DECODE_PAGE_LEAD != 0;
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
@@ -417,7 +405,7 @@ struct KvRing {
     const int ps = kv.page_size;
     return (ps & (ps - 1)) == 0 ? t & (ps - 1) : t % ps;
   }
-  // Block-table entries fetched into shared memory (JAXATTN_CASCADE_PAGE_FETCH): STAGES slots
+  // Block-table entries fetched into shared memory (the wgmma cascade prefix): STAGES slots
   // of TILE int32 after the offsets, tile n's in slot n % STAGES. fetch_page(n) starts this
   // thread's row's entry of tile n (0 past the end) as a 4-byte copy in the open commit group;
   // fetched_page(n) reads it once that group has been waited for -- by this thread, which alone
@@ -868,6 +856,15 @@ struct MmaDecodeShape {
   // Blocks an SM that shared memory allows, 2 to 4 (two at head_dim 128: saying so keeps
   // ptxas from capping registers at 128, which spilled on sm_80).
   static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
+  // Where the loop reads the block-table entries of tile n + stages, whose row offsets it stores
+  // after tile n's compute: in that iteration (false), or a whole iteration earlier (true), so
+  // the read is in flight across tile n's copy wait and barrier. At head_dim 64 ptxas reuses
+  // the read's scoreboard inside the products (sm_90, nvcc 13.0), so a read in the same
+  // iteration made every tile's compute wait for it (ffi/NOTES.md, round 47): early, on an
+  // H100, 64 x 512 ran 1-4% faster through the library, one pass over 8 x 4096 28% faster.
+  // At 32, 128 and 256 that read is waited for after the products already, and reading it
+  // early at 128 cost 0.8% (round 48).
+  static constexpr bool kPageLead = D == 64;
 };
 
 // Block timelines of the tensor-core kernels, for the decode self-test's --trace (compile
@@ -960,10 +957,9 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const uint32_t lane_off =
       uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
 
-  // The page of tile n + NS, stored after tile n's compute: read in the same iteration
-  // (default), or with JAXATTN_DECODE_PAGE_LEAD a whole iteration earlier, after tile n - 1's
-  // store, so that its load is in flight across tile n's wait and barrier (see the knob).
-  [[maybe_unused]] int page_next = kDecodePageLead ? ring.page_of(NS) : 0;
+  // The page of tile n + NS, stored after tile n's compute: read in the same iteration, or
+  // (S::kPageLead) a whole iteration earlier, after tile n - 1's store.
+  [[maybe_unused]] int page_next = S::kPageLead ? ring.page_of(NS) : 0;
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
@@ -971,7 +967,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     [[maybe_unused]] int page = 0;
-    if constexpr (!kDecodePageLead) page = ring.page_of(n + NS);  // used after the compute
+    if constexpr (!S::kPageLead) page = ring.page_of(n + NS);  // used after the compute
 
     const int s = n % NS;
     const int t0 = start + n * TILE + rb;  // this warp's first token
@@ -1018,7 +1014,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
-    if constexpr (kDecodePageLead) {
+    if constexpr (S::kPageLead) {
       bad |= ring.store_offset(n + NS, page_next);  // stage n % NS's offsets were used at issue(n)
       page_next = ring.page_of(n + NS + 1);
     } else {
@@ -1090,6 +1086,15 @@ struct MmaFp8DecodeShape {
   // Blocks an SM that shared memory allows (228 KiB an SM, 1 KiB reserved a block), 2 to 4;
   // __launch_bounds__ then keeps the registers within that many blocks.
   static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
+  // Where the loop reads the block-table entries of tile n + stages, whose row offsets it stores
+  // after tile n's compute: in that iteration (false), or a whole iteration earlier (true), so
+  // the read is in flight across tile n's copy wait and barrier. At head_dim 64 ptxas reuses
+  // the read's scoreboard inside the products (sm_90, nvcc 13.0), so a read in the same
+  // iteration made every tile's compute wait for it (ffi/NOTES.md, round 47): early, on an
+  // H100, 64 x 512 ran 1-4% faster through the library, one pass over 8 x 4096 28% faster.
+  // At 32, 128 and 256 that read is waited for after the products already, and reading it
+  // early at 128 cost 0.8% (round 48).
+  static constexpr bool kPageLead = D == 64;
 };
 
 // Head dim of row r (0..15) of m16 block j of the FP8 kernel's O^T (see above).
