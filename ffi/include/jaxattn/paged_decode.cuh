@@ -1086,15 +1086,6 @@ struct MmaFp8DecodeShape {
   // Blocks an SM that shared memory allows (228 KiB an SM, 1 KiB reserved a block), 2 to 4;
   // __launch_bounds__ then keeps the registers within that many blocks.
   static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
-  // Where the loop reads the block-table entries of tile n + stages, whose row offsets it stores
-  // after tile n's compute: in that iteration (false), or a whole iteration earlier (true), so
-  // the read is in flight across tile n's copy wait and barrier. At head_dim 64 ptxas reuses
-  // the read's scoreboard inside the products (sm_90, nvcc 13.0), so a read in the same
-  // iteration made every tile's compute wait for it (ffi/NOTES.md, round 47): early, on an
-  // H100, 64 x 512 ran 1-4% faster through the library, one pass over 8 x 4096 28% faster.
-  // At 32, 128 and 256 that read is waited for after the products already, and reading it
-  // early at 128 cost 0.8% (round 48).
-  static constexpr bool kPageLead = D == 64;
 };
 
 // Head dim of row r (0..15) of m16 block j of the FP8 kernel's O^T (see above).
