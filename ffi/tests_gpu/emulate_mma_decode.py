@@ -158,13 +158,16 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
     o = np.zeros((WARPS, 32, kd, 4))
     m = np.full((WARPS, 32), NEG_INF)
     lsum = np.zeros((WARPS, 32))
-    page_next = [page_of(ns, tid) for tid in range(NT)] if page_lead else None
+    # The pages of tile n + ns, stored after tile n: read in that iteration, or (page_lead)
+    # an iteration earlier, after tile n - 1's store.
+    pages = [page_of(ns, tid) for tid in range(NT)] if page_lead else None
     for n in range(ntiles):
         wait(ns - 2)
         if n + ns - 1 < ntiles:
             issue(n + ns - 1)
         commit()
-        pages = page_next if page_lead else [page_of(n + ns, tid) for tid in range(NT)]
+        if not page_lead:
+            pages = [page_of(n + ns, tid) for tid in range(NT)]
         s = n % ns
         for warp in range(WARPS):
             rb = warp * 16
@@ -210,7 +213,7 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
         for tid in range(NT):
             bad |= store_offset(n + ns, tid, pages[tid])
         if page_lead:
-            page_next = [page_of(n + ns + 1, tid) for tid in range(NT)]
+            pages = [page_of(n + ns + 1, tid) for tid in range(NT)]
     wait(0)
 
     red = np.full((WARPS, 8, d + 2), np.nan)

@@ -959,14 +959,13 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
 
   // The page of tile n + NS, stored after tile n's compute: read in the same iteration, or
   // (S::kPageLead) a whole iteration earlier, after tile n - 1's store.
-  [[maybe_unused]] int page_next = S::kPageLead ? ring.page_of(NS) : 0;
+  int page = S::kPageLead ? ring.page_of(NS) : 0;
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
     if (n < 8) JAXATTN_TRACE(4 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
-    [[maybe_unused]] int page = 0;
     if constexpr (!S::kPageLead) page = ring.page_of(n + NS);  // used after the compute
 
     const int s = n % NS;
@@ -1014,12 +1013,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
-    if constexpr (S::kPageLead) {
-      bad |= ring.store_offset(n + NS, page_next);  // stage n % NS's offsets were used at issue(n)
-      page_next = ring.page_of(n + NS + 1);
-    } else {
-      bad |= ring.store_offset(n + NS, page);
-    }
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+    if constexpr (S::kPageLead) page = ring.page_of(n + NS + 1);
   }
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
