@@ -45,7 +45,6 @@ from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: 
 
 NEG_INF = -np.inf
 RESCALE_SLACK = 8  # cascade.cuh: kCascadeRescaleSlack
-PAGE_FETCH = False  # the prefix block's ring schedule: True, the wgmma kernel's (main sets it)
 TILE, WARPS, NT, ROWS = 64, 4, 128, 64
 BINS = 1024
 STEP, MIN_CHUNK = 64, 256
@@ -244,7 +243,7 @@ class Ring:
             for op in self.groups.pop(0):
                 self._land(op)
 
-    def prologue(self, ntiles):
+    def prologue(self, ntiles, fetch):
         bad = False
         for n in range(self.ns):
             for tid in range(NT):
@@ -252,19 +251,19 @@ class Ring:
         for n in range(self.ns - 1):
             if n < ntiles:
                 self.issue(n)
-            if PAGE_FETCH:
+            if fetch:
                 self.fetch_page(n + self.ns)
             self.commit()
         return bad
 
 
-def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale, cap):
+def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale, cap, fetch):
     """cascade_prefix_mma: qrows[r] is row r's query (None: no row). Returns {r: (out, m, l)}
     for the rows that exist, as the block stores them."""
     rs, kd = d + 8, d // 16
     ring = Ring(kc, vc, geo, table, start, end, d, ns, land)
     ntiles = (end - start + TILE - 1) // TILE
-    bad = ring.prologue(ntiles)
+    bad = ring.prologue(ntiles, fetch)
 
     qa = np.zeros((WARPS, 32, kd, 4, 2), np.float32)
     for warp, lane in itertools.product(range(WARPS), range(32)):
@@ -286,10 +285,10 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
         ring.wait(ns - 2)
         if n + ns - 1 < ntiles:
             ring.issue(n + ns - 1)
-        if PAGE_FETCH:
+        if fetch:
             ring.fetch_page(n + 2 * ns - 1)
         ring.commit()
-        pages = None if PAGE_FETCH else [ring.page_of(n + ns, tid) for tid in range(NT)]
+        pages = None if fetch else [ring.page_of(n + ns, tid) for tid in range(NT)]
         s, n0 = n % ns, start + n * TILE
         tail = n0 + TILE > end
         for warp in range(WARPS):
@@ -336,7 +335,7 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
                     )
                     o[warp, 2 * dp] = mma(o[warp, 2 * dp], pf, bfr[:, 0:2])
                     o[warp, 2 * dp + 1] = mma(o[warp, 2 * dp + 1], pf, bfr[:, 2:4])
-        if PAGE_FETCH:  # read after the products, as the kernel does
+        if fetch:  # read after the products, as the kernel does
             pages = [ring.fetched_page(n + ns, tid) for tid in range(NT)]
         for tid in range(NT):
             bad |= ring.store_offset(n + ns, tid, pages[tid])
@@ -362,7 +361,7 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
 # --- a launch ----------------------------------------------------------------------------------
 
 
-def launch(P, d, ns, land):
+def launch(P, d, ns, land, fetch):
     """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d]."""
     B, hq, hkv = len(P["prefix_of"]), P["hq"], P["hkv"]
     group = hq // hkv
@@ -411,6 +410,7 @@ def launch(P, d, ns, land):
                 land,
                 P["q_scale"],
                 P["cap"],
+                fetch,
             )
             for r, (out, mm, ls) in res.items():
                 b, h = slots[r]
@@ -606,7 +606,7 @@ def make_batch(
     return P, ref
 
 
-def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit):
+def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit, fetch):
     hq, hkv = heads
     prefix_pages, prefix_of, own_lens = batch
     P, ref = make_batch(
@@ -623,7 +623,7 @@ def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, tar
         target=target,
         edit=edit,
     )
-    out = launch(P, d, ns, land)
+    out = launch(P, d, ns, land, fetch)
     nan_ref, nan_out = np.isnan(ref), np.isnan(out)
     if not np.array_equal(nan_ref.all(-1), nan_out.all(-1)) or nan_out[~nan_ref.all(-1)].any():
         return math.inf
@@ -632,7 +632,6 @@ def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, tar
 
 
 def main(full):
-    global PAGE_FETCH
     rng = np.random.default_rng(0)
     batches = [
         # (prefix pages per prefix, prefix_of per request, own tokens per request)
@@ -651,15 +650,15 @@ def main(full):
         configs += [(64, 3, "bhsd", 1, (8, 8), 0, 32), (128, 3, "bhsd", 32, (4, 4), 32, 16)]
     edits = [None, "bad_prefix_page", "bad_own_page", "bad_prefix_of", "bad_prefix_len", "garbage"]
     fails = cases = 0
-    for PAGE_FETCH in (False, True):  # the portable prefix block's schedule, then Hopper's
-        kernel = "wgmma" if PAGE_FETCH else "mma"
+    for fetch in (False, True):  # the portable prefix block's schedule, then Hopper's
+        kernel = "wgmma" if fetch else "mma"
         for (d, ns, layout, page, heads, part, target), batch in itertools.product(
             configs, batches
         ):
             for land, edit in itertools.product(("early", "late"), edits):
                 if land == "late" and edit not in (None,) and not full:
                     continue
-                err = check(rng, d, ns, land, layout, page, heads, batch, part, target, edit)
+                err = check(rng, d, ns, land, layout, page, heads, batch, part, target, edit, fetch)
                 cases += 1
                 status = "ok" if err < 2e-2 else "FAIL"
                 fails += status == "FAIL"
