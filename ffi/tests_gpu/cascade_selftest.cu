@@ -7,6 +7,7 @@
 //   /tmp/cascade_selftest            # correctness and robustness cases, then timing
 //   /tmp/cascade_selftest --check    # correctness and robustness only   (--perf: timing only)
 //   /tmp/cascade_selftest --robust   # robustness only: small, for compute-sanitizer
+//   (built with -DJAXATTN_CASCADE_TRACE) --trace 2 issue|prefix|own: block timelines of a launch
 // clang-format on
 //
 // Correctness: random batches of requests over G prefixes (pages a random permutation, every
@@ -897,7 +898,9 @@ struct Bench {
     return make_geometry(Layout::kBSHD, int64_t(copies) * pages_per_copy, P, HKV, D);
   }
 
-  double time_cascade(int target, int part, int prefix_kernel, int* used_target) const {
+  // The launch's arguments at a prefix target (0: jaxattn/native.py's), over copy 0's tables;
+  // false when the workspace is too small for its partitions.
+  bool cascade_params(int target, int part, int prefix_kernel, CascadeParams* out_p) const {
     int rows = 0, blocks = 0;
     tile_of(DT::kBF16, D, &rows, &blocks);
     Case c;
@@ -908,8 +911,6 @@ struct Bench {
     c.scale = 0.0883883f;
     c.prefix_kernel = prefix_kernel;
     CascadeParams p = params_of(c, B, G, wp, w, P, rows, blocks, num_sms());
-    *used_target = p.prefix_target;
-    if (cascade_workspace_floats(B, HQ, p.parts(), D) > int64_t(ws_floats)) return NAN;
     p.kv = geometry();
     p.q = q;
     p.k = k;
@@ -919,16 +920,29 @@ struct Bench {
     p.seq_lens = lens;
     p.out = out;
     p.workspace = ws;
+    p.prefix_tables = ptabs[0];
+    p.block_tables = tabs[0];
+    *out_p = p;
+    return cascade_workspace_floats(B, HQ, p.parts(), D) <= int64_t(ws_floats);
+  }
+
+  // One launch over copy `copy % copies`'s tables.
+  void launch_cascade(CascadeParams p, int copy) const {
+    p.prefix_tables = ptabs[copy % copies];
+    p.block_tables = tabs[copy % copies];
+    if (const char* e = gpu::launch_cascade_typed<bf16_t>(p, 0)) {
+      std::fprintf(stderr, "cascade launch: %s\n", e);
+      std::exit(2);
+    }
+  }
+
+  double time_cascade(int target, int part, int prefix_kernel, int* used_target) const {
+    CascadeParams p;
+    const bool fits = cascade_params(target, part, prefix_kernel, &p);
+    *used_target = p.prefix_target;
+    if (!fits) return NAN;
     int copy = 0;
-    return median_us([&] {
-      p.prefix_tables = ptabs[copy % copies];
-      p.block_tables = tabs[copy % copies];
-      ++copy;
-      if (const char* e = gpu::launch_cascade_typed<bf16_t>(p, 0)) {
-        std::fprintf(stderr, "cascade launch: %s\n", e);
-        std::exit(2);
-      }
-    });
+    return median_us([&] { launch_cascade(p, copy++); });
   }
 
   double time_decode() const {
@@ -1074,6 +1088,143 @@ void run_profile(int kernel, const std::string& which) {
   bench.teardown();
 }
 
+#if defined(JAXATTN_CASCADE_TRACE)
+// Block timelines of one launch (the kernel built with -DJAXATTN_CASCADE_TRACE: see the stamps
+// in jaxattn/cascade.cuh) of the issue's batch or one of its levels, as run_profile times it:
+// per kind of step-1 block, the stamps' spread (us from the launch's first block start) and each
+// phase's length, then the merge's blocks against step 1's last write.
+void run_trace(int kernel, const std::string& which) {
+  Rng rng(99);
+  Bench bench;
+  bench.prefix_tokens = {4096};
+  bench.prefix_of.assign(64, which == "own" ? -1 : 0);
+  bench.own.assign(64, which == "prefix" ? 1 : 256);
+  bench.setup(rng);
+  CascadeParams p;
+  if (!bench.cascade_params(0, 0, kernel, &p)) {
+    std::fprintf(stderr, "workspace too small\n");
+    std::exit(2);
+  }
+  int used = 0;
+  std::printf("%s, prefix kernel %d, target %d: untraced %.1f us\n", which.c_str(), kernel,
+              p.prefix_target, bench.time_cascade(0, 0, kernel, &used));
+  constexpr int kMaxBlocks = 1 << 16;
+  unsigned long long *tr, *mt;
+  CUDA_OK(cudaMalloc(&tr, size_t(kMaxBlocks) * 16 * 8));
+  CUDA_OK(cudaMalloc(&mt, size_t(kMaxBlocks) * 4 * 8));
+  CUDA_OK(cudaMemcpyToSymbol(gpu::g_cascade_trace, &tr, sizeof(tr)));
+  CUDA_OK(cudaMemcpyToSymbol(gpu::g_cascade_merge_trace, &mt, sizeof(mt)));
+  for (int rep = 0; rep < 3; ++rep) bench.launch_cascade(p, rep);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemset(tr, 0, size_t(kMaxBlocks) * 16 * 8));
+  CUDA_OK(cudaMemset(mt, 0, size_t(kMaxBlocks) * 4 * 8));
+  bench.launch_cascade(p, 3);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> h(size_t(kMaxBlocks) * 16), hm(size_t(kMaxBlocks) * 4);
+  CUDA_OK(cudaMemcpy(h.data(), tr, h.size() * 8, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(hm.data(), mt, hm.size() * 8, cudaMemcpyDeviceToHost));
+  unsigned long long nullp = 0;
+  CUDA_OK(cudaMemcpyToSymbol(gpu::g_cascade_trace, &nullp, sizeof(nullp)));
+  CUDA_OK(cudaMemcpyToSymbol(gpu::g_cascade_merge_trace, &nullp, sizeof(nullp)));
+  cudaFree(tr);
+  cudaFree(mt);
+  bench.teardown();
+
+  unsigned long long t0 = ~0ull, t1 = 0;
+  for (int b = 0; b < kMaxBlocks; ++b)
+    if (h[b * 16]) {
+      t0 = std::min(t0, h[b * 16]);
+      t1 = std::max(t1, h[b * 16 + 12]);
+    }
+  if (t0 == ~0ull) {
+    std::fprintf(stderr, "no stamps: was the kernel built with -DJAXATTN_CASCADE_TRACE?\n");
+    std::exit(2);
+  }
+  auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
+  auto spread = [](const char* name, std::vector<double> v) {
+    if (v.empty()) return;
+    std::sort(v.begin(), v.end());
+    std::printf("  %-12s n=%4zu  min %6.2f  p10 %6.2f  p50 %6.2f  p90 %6.2f  max %6.2f us\n", name,
+                v.size(), v.front(), v[v.size() / 10], v[v.size() / 2], v[v.size() * 9 / 10],
+                v.back());
+  };
+  std::printf("step 1: span %.2f us (first block start to last states written)\n", us(t1));
+  const char* names[13] = {"start", "range", "prologue", "tile0", "tile1",    "tile2",  "tile3",
+                           "tile4", "tile5", "tile6",    "tile7", "loop end", "written"};
+  for (int kind = 1; kind <= 2; ++kind) {
+    std::vector<int> work, idle;
+    for (int b = 0; b < kMaxBlocks; ++b)
+      if (h[b * 16] && int(h[b * 16 + 14]) == kind) (h[b * 16 + 1] ? work : idle).push_back(b);
+    if (work.empty() && idle.empty()) continue;
+    std::printf("%s blocks: %zu with work, %zu without\n", kind == 1 ? "prefix" : "own",
+                work.size(), idle.size());
+    if (!idle.empty()) {
+      std::vector<double> st, ex;
+      for (int b : idle) {
+        st.push_back(us(h[b * 16]));
+        if (h[b * 16 + 12]) ex.push_back((double(h[b * 16 + 12]) - double(h[b * 16])) * 1e-3);
+      }
+      spread("idle start", st);
+      spread("idle length", ex);
+    }
+    if (work.empty()) continue;
+    std::vector<double> tiles;
+    for (int b : work) tiles.push_back(double(h[b * 16 + 13]));
+    spread("key tiles", tiles);
+    for (int i = 0; i < 13; ++i) {
+      std::vector<double> v;
+      for (int b : work)
+        if (h[b * 16 + i]) v.push_back(us(h[b * 16 + i]));
+      spread(names[i], v);
+    }
+    // Per-block phase lengths: each stamp from the one before it that the block wrote, and a
+    // tile's length over every tile of the first eight a block stamped.
+    for (int i = 1; i < 13; ++i) {
+      std::vector<double> v;
+      for (int b : work) {
+        int j = i - 1;
+        while (j >= 0 && !h[b * 16 + j]) --j;
+        if (h[b * 16 + i] && j >= 0)
+          v.push_back((double(h[b * 16 + i]) - double(h[b * 16 + j])) * 1e-3);
+      }
+      spread((std::string("d ") + names[i]).c_str(), v);
+    }
+    std::vector<double> per_tile;
+    for (int b : work)
+      for (int i = 3; i < 10; ++i)
+        if (h[b * 16 + i] && h[b * 16 + i + 1])
+          per_tile.push_back((double(h[b * 16 + i + 1]) - double(h[b * 16 + i])) * 1e-3);
+    spread("a tile", per_tile);
+    // Blocks of this kind resident at a time: sampled every microsecond of the span.
+    std::printf("  resident (all SMs) at t = 0, 2, 4, ... us:");
+    for (double t = 0; t <= us(t1); t += 2) {
+      int n = 0;
+      for (int b : work)
+        if (us(h[b * 16]) <= t && (h[b * 16 + 12] ? us(h[b * 16 + 12]) : us(t1)) > t) ++n;
+      std::printf(" %d", n);
+    }
+    std::printf("\n");
+  }
+  std::vector<double> ms, mw, me;
+  int mb = 0;
+  for (int b = 0; b < kMaxBlocks; ++b)
+    if (hm[b * 4]) {
+      ++mb;
+      ms.push_back(us(hm[b * 4]));
+      if (hm[b * 4 + 1]) mw.push_back(us(hm[b * 4 + 1]));
+      if (hm[b * 4 + 2]) me.push_back(us(hm[b * 4 + 2]));
+    }
+  std::printf("merge: %d blocks (us from step 1's first block start)\n", mb);
+  spread("start", ms);
+  spread("step 1 seen", mw);
+  spread("written", me);
+  if (!me.empty())
+    std::printf("  call span %.2f us; the merge ends %.2f us after step 1's last write\n",
+                *std::max_element(me.begin(), me.end()),
+                *std::max_element(me.begin(), me.end()) - us(t1));
+}
+#endif  // JAXATTN_CASCADE_TRACE
+
 #endif  // !CASCADE_SELFTEST_ON_CPU
 
 }  // namespace
@@ -1093,10 +1244,15 @@ int main(int argc, char** argv) {
       run_profile(std::atoi(argv[i + 1]), argv[i + 2]);
       return 0;
 #endif
+#if defined(JAXATTN_CASCADE_TRACE) && !defined(CASCADE_SELFTEST_ON_CPU)
+    } else if (!std::strcmp(argv[i], "--trace") && i + 2 < argc) {
+      run_trace(std::atoi(argv[i + 1]), argv[i + 2]);
+      return 0;
+#endif
     } else {
       std::fprintf(stderr,
                    "usage: %s [--check | --robust | --perf | --profile KERNEL "
-                   "issue|prefix|own]\n",
+                   "issue|prefix|own | --trace KERNEL issue|prefix|own]\n",
                    argv[0]);
       return 2;
     }

@@ -55,6 +55,42 @@
 namespace jaxattn {
 namespace gpu {
 
+// Block timelines of step 1 and of the merge, for the cascade self-test's --trace (compile with
+// -DJAXATTN_CASCADE_TRACE on CUDA; never in the library). Thread 0 of each step-1 block stamps
+// the global timer into 16 slots of g_cascade_trace: its start (0), its range known (1: a
+// prefix block's plan made, an own block's length read), the prologue's copies issued (2), the
+// top of key tiles 0..7 (3..10), the loop's end (11) and its states written (12); slot 13 keeps
+// its key tiles, 14 its kind (1 prefix, 2 own), 15 its SM. The merge's blocks stamp 4 slots of
+// g_cascade_merge_trace: start (0), step 1's writes visible (1), written (2), SM (3).
+#if defined(JAXATTN_CASCADE_TRACE) && defined(JAXATTN_CUDA)
+__device__ unsigned long long* g_cascade_trace;
+__device__ unsigned long long* g_cascade_merge_trace;
+__device__ __forceinline__ void cascade_trace_note(unsigned long long* buf, int slots, int i,
+                                                   unsigned long long v) {
+  if (threadIdx.x == 0 && buf) buf[int64_t(blockIdx.x) * slots + i] = v;
+}
+__device__ __forceinline__ unsigned long long cascade_trace_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long cascade_trace_sm() {
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+#define JAXATTN_CASCADE_STAMP(i) cascade_trace_note(g_cascade_trace, 16, (i), cascade_trace_now())
+#define JAXATTN_CASCADE_NOTE(i, v) cascade_trace_note(g_cascade_trace, 16, (i), (v))
+#define JAXATTN_CASCADE_MERGE_STAMP(i) \
+  cascade_trace_note(g_cascade_merge_trace, 4, (i), cascade_trace_now())
+#define JAXATTN_CASCADE_MERGE_NOTE(i, v) cascade_trace_note(g_cascade_merge_trace, 4, (i), (v))
+#else
+#define JAXATTN_CASCADE_STAMP(i)
+#define JAXATTN_CASCADE_NOTE(i, v)
+#define JAXATTN_CASCADE_MERGE_STAMP(i)
+#define JAXATTN_CASCADE_MERGE_NOTE(i, v)
+#endif
+
 // Prefixes counted per pass of the plan (int32 bins in the dynamic shared memory, which the ring
 // takes over once the plan is made).
 constexpr int kCascadePlanBins = 1024;
@@ -600,6 +636,7 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   bool bad;  // this thread met a page id outside the cache
   const auto ring = cascade_prefix_ring<KvRing<T, D, TILE, NS, RS, S::kThreads>>(p, smem, plan, kvh,
                                                                                  start, end, &bad);
+  JAXATTN_CASCADE_STAMP(2);
   CascadePrefixRows<D> rows;
   cascade_prefix_q<T, D>(p, plan, kvh, split, rows);
 
@@ -619,9 +656,11 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   const bool warp_live = warp * 16 < plan.count * group;
 
   const int ntiles = ring.tiles();
+  JAXATTN_CASCADE_NOTE(13, ntiles);
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
+    if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     const int page = ring.page_of(n + NS);  // consumed after this tile's compute
@@ -665,8 +704,10 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
+  JAXATTN_CASCADE_STAMP(11);
   const bool poisoned = __syncthreads_or(bad);
   cascade_prefix_store<D>(p, o, rows.slot, m0, m1, l0, l1, poisoned);
+  JAXATTN_CASCADE_STAMP(12);
 }
 
 // Own block: paged decode of own partition `part` of request b, the group's heads as the n = 8
@@ -702,10 +743,16 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
   int start, end;
-  if (!own_range(p, b, part, &start, &end)) return;
+  if (!own_range(p, b, part, &start, &end)) {
+    JAXATTN_CASCADE_STAMP(12);  // no work: its exit
+    return;
+  }
+  JAXATTN_CASCADE_STAMP(1);
   const Ring ring{smem, kbase, vbase, table, kv, start, end};
   const int ntiles = (end - start + TILE - 1) / TILE;
   bool bad = ring.prologue(ntiles, pages);
+  JAXATTN_CASCADE_STAMP(2);
+  JAXATTN_CASCADE_NOTE(13, ntiles);
   const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   float o[KD][4];
@@ -720,6 +767,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();
     __syncthreads();
+    if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
     const int page = ring.page_of(n + NS);
@@ -769,6 +817,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
     bad |= ring.store_offset(n + NS, page);
   }
   async_copy_wait<0>();
+  JAXATTN_CASCADE_STAMP(11);
   l = group_sum<4>(l);
 
   float* red = reinterpret_cast<float*>(smem);
@@ -791,6 +840,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       p, red,
       [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
       poisoned);
+  JAXATTN_CASCADE_STAMP(12);
 }
 
 // The Hopper prefix level (cascade_sm90.cuh, built for sm_90a only): the same block, rows,
@@ -809,17 +859,23 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ CascadePlan<S::kThreads, S::kRows> plan;
   pdl_launch_dependents();  // the merge may launch now and waits for this grid (see there)
+  JAXATTN_CASCADE_STAMP(0);
   const int hkv = p.kv.num_kv_heads;
   const CascadeBlock blk = cascade_block(p, per_head);
   const int x = blk.index;
+  JAXATTN_CASCADE_NOTE(14, blk.prefix ? 1 : 2);
+  JAXATTN_CASCADE_NOTE(15, cascade_trace_sm());
   int start, end;
   if (blk.prefix) {
     int split, splits;
     if (!plan_prefix_block<S::kThreads, S::kRows>(p, x / hkv, x == 0, per_tile, per_head,
                                                   reinterpret_cast<int*>(smem), plan, &split,
-                                                  &splits))
+                                                  &splits) ||
+        !prefix_range(p, plan.g, split, splits, &start, &end)) {
+      JAXATTN_CASCADE_STAMP(12);  // no work: its exit
       return;
-    if (!prefix_range(p, plan.g, split, splits, &start, &end)) return;
+    }
+    JAXATTN_CASCADE_STAMP(1);
     if constexpr (WG) {
       cascade_prefix_wgmma<T, D>(p, smem, plan, x % hkv, split, start, end);
     } else {
@@ -857,6 +913,8 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   const bool live = row < int64_t(p.batch) * p.num_q_heads;
+  JAXATTN_CASCADE_MERGE_STAMP(0);
+  JAXATTN_CASCADE_MERGE_NOTE(3, cascade_trace_sm());
   const int b = live ? int(row / p.num_q_heads) : 0, h = live ? int(row % p.num_q_heads) : 0;
   int32_t lp = 0;
   const bool ok = live && cascade_request_ok(p, b, &lp);
@@ -864,6 +922,7 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
   // The KV head's value scale, on the merged row (exact: the parts' weights do not involve it).
   const float vs = p.scales.v_of(h / (p.num_q_heads / p.kv.num_kv_heads));
   pdl_wait();  // step 1's parts are written (a no-op after an ordinary launch)
+  JAXATTN_CASCADE_MERGE_STAMP(1);
   if (!live) return;
   T* out = static_cast<T*>(p.out) + row * D;
   if (!ok) {
@@ -920,6 +979,7 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
     const int d = lane + k * WARP_SIZE;
     if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls * vs);
   }
+  JAXATTN_CASCADE_MERGE_STAMP(2);
 }
 
 // The kernel the launcher runs for (T, D) on the current device: tensor cores for 16-bit data

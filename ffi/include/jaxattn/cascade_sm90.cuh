@@ -90,6 +90,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                 "the page slots fit beside the ring");
   bool bad;  // this thread met a page id outside the cache
   const Ring ring = cascade_prefix_ring<Ring>(p, base, plan, kvh, start, end, &bad, /*fetch=*/true);
+  JAXATTN_CASCADE_STAMP(2);
   CascadePrefixRows<D> rows;
   cascade_prefix_q<T, D>(p, plan, kvh, split, rows);
 
@@ -117,10 +118,12 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
   // (ffi/NOTES.md, round 14): with one warp a scheduler the block is bound by its instruction
   // latencies, not by the tensor cores.
   const int ntiles = ring.tiles();
+  JAXATTN_CASCADE_NOTE(13, ntiles);
   for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     sm90_fence_proxy_async();   // and are visible to the tensor cores' reads
     __syncthreads();            // everyone's are, and stage (n - 1) % NS is free
+    if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
     if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     // The block-table entries of the tile whose offsets an iteration stores are not read into
     // a register here: the wgmma fence waits for every outstanding register load, so each
@@ -161,8 +164,10 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
   async_copy_wait<0>();
+  JAXATTN_CASCADE_STAMP(11);
   const bool poisoned = __syncthreads_or(bad);
   cascade_prefix_store<D>(p, o, rows.slot, m0, m1, l0, l1, poisoned);
+  JAXATTN_CASCADE_STAMP(12);
 #else
   (void)p, (void)smem, (void)plan, (void)kvh, (void)split, (void)start, (void)end;
 #endif
