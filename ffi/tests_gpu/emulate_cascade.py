@@ -21,12 +21,14 @@ request continuing it NaN, the others exact), in an own table, a prefix_of out o
 prefix length that is not a multiple of the page size, garbage past every length (nothing
 changes). Keep it in step with the kernel when either changes.
 
-Every case runs with both ring schedules of the prefix block: the portable kernel's
+Every case runs with the ring schedules of the prefix block: the portable kernel's
 (cascade_prefix_mma: each tile's table entries read into a register in the iteration that
 stores their offsets) and the Hopper kernel's (cascade_prefix_wgmma, cascade_sm90.cuh, whose ring
 and groups are this block's): the entries fetched into page slots by 4-byte copies NS - 1 tiles
 ahead, in the commit groups of earlier copies, and read after the tile's products; the slots
-start as garbage, so an entry read before its group landed ("late") poisons the block.
+start as garbage, so an entry read before its group landed ("late") poisons the block. The
+Hopper schedule runs again with the ring's offsets as row numbers (JAXATTN_CASCADE_ROW_UNITS:
+stored at a permuted slot, read four to a thread), whose slots also start as garbage.
 
     python3 emulate_cascade.py [--full]
 """
@@ -170,14 +172,25 @@ def plan_prefix_block(P, k, per_tile, per_head):
 # --- the prefix block ---------------------------------------------------------------------------
 
 
+NO_ROW = 0xFFFFFFFF  # KvRing::kNoRow
+
+
 class Ring:
     """KvRing: a ring of ns stages of TILE rows (K and V, rs elements apart, NaN padding) and
-    each stage's row offsets; copies land at issue ("early") or at a wait ("late")."""
+    each stage's row offsets; copies land at issue ("early") or at a wait ("late"). `units`:
+    the JAXATTN_CASCADE_ROW_UNITS form of the swizzled ring -- uint32 row numbers (offset / d,
+    NO_ROW for none) stored at unit_slot(r), and issue's per-thread loop reading its rows side
+    by side."""
 
-    def __init__(self, kc, vc, geo, table, start, end, d, ns, land):
+    def __init__(self, kc, vc, geo, table, start, end, d, ns, land, units=False):
         self.kc, self.vc, self.geo, self.table = kc, vc, geo, table
         self.start, self.end, self.d, self.ns, self.land = start, end, d, ns, land
         self.rs, self.ch = d + 8, d // 8
+        self.units = units
+        self.step = NT // self.ch  # kCopyStep: rows between one thread's copies
+        self.rows_each = TILE // self.step  # kRowsEach
+        assert not units or (self.step % 8 == 0 and self.rows_each % 4 == 0)
+        self.row_units = np.full((ns, TILE), 0xDEADBEEF, np.int64)  # garbage until stored
         self.off = np.full((ns, TILE), 12345678, np.int64)
         self.ks = np.full((ns, TILE, self.rs), np.nan, np.float32)
         self.vs = np.full((ns, TILE, self.rs), np.nan, np.float32)
@@ -195,9 +208,13 @@ class Ring:
         t = self.start + n * TILE + tid
         live = t < self.end
         ok = live and 0 <= page < num_pages
-        self.off[n % self.ns, tid] = (
-            page * page_stride + (t % page_size) * token_stride if ok else -1
-        )
+        off = page * page_stride + (t % page_size) * token_stride if ok else -1
+        if self.units:
+            assert not ok or off % self.d == 0  # every stride is a multiple of head_dim
+            slot = (tid % self.step) * self.rows_each + tid // self.step  # unit_slot
+            self.row_units[n % self.ns, slot] = off // self.d if ok else NO_ROW
+        else:
+            self.off[n % self.ns, tid] = off
         return live and not ok
 
     def _land(self, op):
@@ -224,6 +241,19 @@ class Ring:
 
     def issue(self, n):
         s, copies = n % self.ns, TILE * self.ch
+        if self.units:
+            for tid in range(NT):
+                c, r0 = tid % self.ch, tid // self.ch
+                for i in range(self.rows_each):
+                    w = int(self.row_units[s, r0 * self.rows_each + i])
+                    assert 0 <= w <= NO_ROW, "a row number read before it was stored"
+                    r = r0 + i * self.step
+                    op = (s, r, c, w * self.d if w != NO_ROW else -1)
+                    if self.land == "early":
+                        self._land(op)
+                    else:
+                        self.groups[-1].append(op)
+            return
         for tid in range(NT):
             for i in range((copies + NT - 1) // NT):
                 idx = tid + i * NT
@@ -257,11 +287,13 @@ class Ring:
         return bad
 
 
-def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale, cap, fetch):
+def run_prefix_block(
+    kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale, cap, fetch, units=False
+):
     """cascade_prefix_mma: qrows[r] is row r's query (None: no row). Returns {r: (out, m, l)}
     for the rows that exist, as the block stores them."""
     rs, kd = d + 8, d // 16
-    ring = Ring(kc, vc, geo, table, start, end, d, ns, land)
+    ring = Ring(kc, vc, geo, table, start, end, d, ns, land, units)
     ntiles = (end - start + TILE - 1) // TILE
     bad = ring.prologue(ntiles, fetch)
 
@@ -361,7 +393,7 @@ def run_prefix_block(kc, vc, geo, table, start, end, qrows, d, ns, land, q_scale
 # --- a launch ----------------------------------------------------------------------------------
 
 
-def launch(P, d, ns, land, fetch):
+def launch(P, d, ns, land, fetch, units=False):
     """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d]."""
     B, hq, hkv = len(P["prefix_of"]), P["hq"], P["hkv"]
     group = hq // hkv
@@ -411,6 +443,7 @@ def launch(P, d, ns, land, fetch):
                 P["q_scale"],
                 P["cap"],
                 fetch,
+                units,
             )
             for r, (out, mm, ls) in res.items():
                 b, h = slots[r]
@@ -606,7 +639,9 @@ def make_batch(
     return P, ref
 
 
-def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit, fetch):
+def check(
+    rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit, fetch, units
+):
     hq, hkv = heads
     prefix_pages, prefix_of, own_lens = batch
     P, ref = make_batch(
@@ -623,7 +658,7 @@ def check(rng, d, ns, land, layout, page_size, heads, batch, partition_size, tar
         target=target,
         edit=edit,
     )
-    out = launch(P, d, ns, land, fetch)
+    out = launch(P, d, ns, land, fetch, units)
     nan_ref, nan_out = np.isnan(ref), np.isnan(out)
     if not np.array_equal(nan_ref.all(-1), nan_out.all(-1)) or nan_out[~nan_ref.all(-1)].any():
         return math.inf
@@ -650,15 +685,19 @@ def main(full):
         configs += [(64, 3, "bhsd", 1, (8, 8), 0, 32), (128, 3, "bhsd", 32, (4, 4), 32, 16)]
     edits = [None, "bad_prefix_page", "bad_own_page", "bad_prefix_of", "bad_prefix_len", "garbage"]
     fails = cases = 0
-    for fetch in (False, True):  # the portable prefix block's schedule, then Hopper's
-        kernel = "wgmma" if fetch else "mma"
+    # The portable prefix block's schedule, then Hopper's, then Hopper's with the ring's row
+    # numbers (JAXATTN_CASCADE_ROW_UNITS).
+    schedules = [("mma", False, False), ("wgmma", True, False), ("wgmma row units", True, True)]
+    for kernel, fetch, units in schedules:
         for (d, ns, layout, page, heads, part, target), batch in itertools.product(
             configs, batches
         ):
             for land, edit in itertools.product(("early", "late"), edits):
                 if land == "late" and edit not in (None,) and not full:
                     continue
-                err = check(rng, d, ns, land, layout, page, heads, batch, part, target, edit, fetch)
+                err = check(
+                    rng, d, ns, land, layout, page, heads, batch, part, target, edit, fetch, units
+                )
                 cases += 1
                 status = "ok" if err < 2e-2 else "FAIL"
                 fails += status == "FAIL"

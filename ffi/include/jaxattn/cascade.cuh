@@ -1035,7 +1035,12 @@ bool cascade_uses_wgmma(const CascadeParams& p, const char** error) {
       int64_t(p.batch) * p.num_q_heads < int64_t(kCascadeWgmmaMinRows) * p.kv.num_kv_heads *
                                              (p.num_prefixes > 0 ? p.num_prefixes : 1))
     return false;
-  const bool ok = cascade_wgmma_available<T, D>();
+  bool ok = cascade_wgmma_available<T, D>();
+  // Row numbers of its ring (JAXATTN_CASCADE_ROW_UNITS) are uint32, so the cache's rows of
+  // head_dim elements must stay below 2^32 - 1 (any cache a GPU holds does).
+  if (JAXATTN_CASCADE_ROW_UNITS &&
+      int64_t(p.kv.num_pages) * p.kv.page_stride / D >= int64_t(0xffffffffu))
+    ok = false;
   if (!ok && p.prefix_kernel == 2) *error = kCascadeNoWgmma;
   return ok;
 }

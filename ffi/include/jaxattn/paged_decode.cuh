@@ -106,6 +106,11 @@
 #ifndef JAXATTN_DECODE_MMA_STAGES
 #define JAXATTN_DECODE_MMA_STAGES 0
 #endif
+// Experiment (off): the swizzled ring (the wgmma cascade prefix) keeps its row offsets as
+// uint32 row numbers, a thread's rows side by side (KvRing::kRowUnits).
+#ifndef JAXATTN_CASCADE_ROW_UNITS
+#define JAXATTN_CASCADE_ROW_UNITS 0
+#endif
 
 namespace jaxattn {
 namespace gpu {
@@ -335,6 +340,19 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
   }
 }
 
+// base + bytes x row as a wide multiply-add (mad.wide.u32 on NVIDIA). ptxas computes the
+// product of a row once for its K and V copies and adds each base (five instructions for the
+// pair, against about fourteen for a 64-bit element offset with a sign test).
+__device__ __forceinline__ const void* row_address(uint64_t base, uint32_t row, uint32_t bytes) {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__)
+  uint64_t a;
+  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(a) : "r"(row), "r"(bytes), "l"(base));
+  return reinterpret_cast<const void*>(a);
+#else
+  return reinterpret_cast<const void*>(base + uint64_t(row) * bytes);
+#endif
+}
+
 // The shared-memory ring of the pipelined kernels: kStages stages, each the element offsets
 // of its TILE rows (int64, -1 for a row past the end) followed by TILE rows of K and TILE rows
 // of V (RS elements apart). Tile n lives in stage n % STAGES.
@@ -359,6 +377,21 @@ struct KvRing {
   static_assert(!kSwizzled || (D * int(sizeof(T))) % 128 == 0, "swizzled rows: 128-byte blocks");
   static_assert(!kSwizzled || TILE % 8 == 0, "swizzled tiles: whole 8-row groups");
   static_assert(TILE <= NT, "one thread computes each row offset");
+  // Rows between one thread's copies in issue()'s chunk-column order, and its rows a tile.
+  static constexpr int kCopyStep = NT / kChunks;
+  static constexpr int kRowsEach = kCopyStep > 0 ? TILE / kCopyStep : 0;
+  // JAXATTN_CASCADE_ROW_UNITS (swizzled rings only): a stage's offsets are uint32 row numbers
+  // (element offset / D: every page, token and head stride is a multiple of head_dim) with
+  // kNoRow for a row past the end or with a bad page, the row r at unit_slot(r) =
+  // (r % kCopyStep) * kRowsEach + r / kCopyStep, so that the kRowsEach rows a thread copies
+  // (r0, r0 + kCopyStep, ...) are side by side: issue() reads them four at a time (one 16-byte
+  // load) and makes each row's source one wide multiply-add (row x row bytes + the chunk's
+  // base) instead of a 64-bit sign test, select, shift and add for K and again for V.
+  static constexpr bool kRowUnits = kSwizzled && JAXATTN_CASCADE_ROW_UNITS != 0;
+  static constexpr uint32_t kNoRow = 0xffffffffu;
+  static_assert(!kRowUnits || (NT % kChunks == 0 && kCopyStep % 8 == 0 && TILE % kCopyStep == 0 &&
+                               kRowsEach % 4 == 0),
+                "row units: whole chunk columns, four rows a thread at a time");
 
   unsigned char* base;
   const T* kbase;  // this KV head's K and V
@@ -373,6 +406,12 @@ struct KvRing {
     if constexpr (kSwizzled)
       return reinterpret_cast<int64_t*>(base + 2 * STAGES * kTileBytes + stage * TILE * 8);
     return reinterpret_cast<int64_t*>(base + stage * kStageBytes);
+  }
+  __device__ __forceinline__ uint32_t* row_units(int stage) const {
+    return reinterpret_cast<uint32_t*>(offsets(stage));
+  }
+  __device__ __forceinline__ static int unit_slot(int r) {
+    return (r % kCopyStep) * kRowsEach + r / kCopyStep;
   }
   __device__ __forceinline__ T* k_rows(int stage) const {
     if constexpr (kSwizzled) return reinterpret_cast<T*>(base + stage * kTileBytes);
@@ -432,9 +471,16 @@ struct KvRing {
     const int t = start + n * TILE + int(threadIdx.x);
     const bool live = t < end;
     const bool ok = live && index_ok(page, kv.num_pages);
-    offsets(n % STAGES)[threadIdx.x] =
-        ok ? int64_t(page) * kv.page_stride + int64_t(page_offset(t)) * kv.token_stride
-           : int64_t(-1);
+    if constexpr (kRowUnits) {
+      // In 32 bits: the launcher keeps the cache's rows below kNoRow.
+      const uint32_t row = uint32_t(page) * uint32_t(kv.page_stride / D) +
+                           uint32_t(page_offset(t)) * uint32_t(kv.token_stride / D);
+      row_units(n % STAGES)[unit_slot(int(threadIdx.x))] = ok ? row : kNoRow;
+    } else {
+      offsets(n % STAGES)[threadIdx.x] =
+          ok ? int64_t(page) * kv.page_stride + int64_t(page_offset(t)) * kv.token_stride
+             : int64_t(-1);
+    }
     return live && !ok;
   }
 
@@ -444,8 +490,29 @@ struct KvRing {
     const int64_t* off = offsets(s);
     unsigned char* ks = reinterpret_cast<unsigned char*>(k_rows(s));
     unsigned char* vs = reinterpret_cast<unsigned char*>(v_rows(s));
-    constexpr int kStep = NT / kChunks;  // rows between one thread's copies
-    if constexpr (NT % kChunks == 0 && (!kSwizzled || kStep % 8 == 0)) {
+    constexpr int kStep = kCopyStep;  // rows between one thread's copies
+    if constexpr (kRowUnits) {
+      // The same rows and chunks as below, each row's number from a 16-byte load of four.
+      const int c = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
+      const int at0 = chunk_at(r0, c);
+      const uint4* units = reinterpret_cast<const uint4*>(row_units(s) + r0 * kRowsEach);
+      const uint64_t kc = reinterpret_cast<uint64_t>(kbase + c * kVec);
+      const uint64_t vc = reinterpret_cast<uint64_t>(vbase + c * kVec);
+      const uint32_t row_bytes = uint32_t(kv.head_dim) * uint32_t(sizeof(T));  // D's, at run time
+#pragma unroll
+      for (int i4 = 0; i4 < kRowsEach / 4; ++i4) {
+        const uint4 w = units[i4];
+        const uint32_t rows[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool ok = rows[j] != kNoRow;
+          const uint32_t row = ok ? rows[j] : 0u;
+          const int at = at0 + (i4 * 4 + j) * kStep * 128;
+          async_copy16(ks + at, row_address(kc, row, row_bytes), ok);
+          async_copy16(vs + at, row_address(vc, row, row_bytes), ok);
+        }
+      }
+    } else if constexpr (NT % kChunks == 0 && (!kSwizzled || kStep % 8 == 0)) {
       // Each thread copies chunk c of rows r0, r0 + kStep, ...: one chunk column, so its
       // shared address moves by a constant a row (the swizzle phase r % 8 stays) and its
       // source by the row's offset alone -- about a third of the instructions of a copy whose
