@@ -28,7 +28,8 @@ and groups are this block's): the entries fetched into page slots by 4-byte copi
 ahead, in the commit groups of earlier copies, and read after the tile's products; the slots
 start as garbage, so an entry read before its group landed ("late") poisons the block. The
 Hopper schedule runs again with the ring's offsets as row numbers (JAXATTN_CASCADE_ROW_UNITS:
-stored at a permuted slot, read four to a thread), whose slots also start as garbage.
+stored at a permuted slot, read four to a thread), whose slots also start as garbage, and so
+does the portable one with every own block's ring in that form too (JAXATTN_DECODE_ROW_UNITS).
 
     python3 emulate_cascade.py [--full]
 """
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulate_mma_decode  # noqa: E402
 from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: E402
 
 NEG_INF = -np.inf
@@ -685,10 +687,17 @@ def main(full):
         configs += [(64, 3, "bhsd", 1, (8, 8), 0, 32), (128, 3, "bhsd", 32, (4, 4), 32, 16)]
     edits = [None, "bad_prefix_page", "bad_own_page", "bad_prefix_of", "bad_prefix_len", "garbage"]
     fails = cases = 0
-    # The portable prefix block's schedule, then Hopper's, then Hopper's with the ring's row
-    # numbers (JAXATTN_CASCADE_ROW_UNITS).
-    schedules = [("mma", False, False), ("wgmma", True, False), ("wgmma row units", True, True)]
+    # The portable prefix block's schedule, then Hopper's, then each with its rings' row numbers:
+    # Hopper's prefix ring (JAXATTN_CASCADE_ROW_UNITS), the portable prefix ring and every own
+    # block's (JAXATTN_DECODE_ROW_UNITS: the padded rings).
+    schedules = [
+        ("mma", False, False),
+        ("wgmma", True, False),
+        ("wgmma row units", True, True),
+        ("mma row units", False, True),
+    ]
     for kernel, fetch, units in schedules:
+        emulate_mma_decode.UNITS = units and not fetch  # the own blocks' rings
         for (d, ns, layout, page, heads, part, target), batch in itertools.product(
             configs, batches
         ):

@@ -21,8 +21,13 @@ row offsets at head_dim 64 (MmaDecodeShape::kPageLead), in the iteration that st
 32: both schedules run (``run_block``'s ``page_lead``; the cascade's own block, which reads
 them in that iteration at every head_dim, passes False).
 
+``--units`` runs the rings in their row-number form (JAXATTN_DECODE_ROW_UNITS, KvRing's
+kRowUnits): each row's offset stored as a row number (offset / d, NO_ROW for none) at the
+slot that puts a thread's rows side by side, and the copies issued in the kernel's per-thread
+order from those slots, which start as garbage.
+
 Keep it in step with the kernels when they change. Run:
-python3 emulate_mma_decode.py [--full] [--fp8]
+python3 emulate_mma_decode.py [--full] [--fp8] [--units]
 """
 
 from __future__ import annotations
@@ -35,6 +40,34 @@ import numpy as np
 
 NEG_INF = -np.inf
 TILE, WARPS, NT = 64, 4, 128
+NO_ROW = 0xFFFFFFFF  # KvRing::kNoRow
+UNITS = False  # --units
+
+
+class RowUnits:
+    """KvRing's row-number form for a ring of ns stages of rows of `ch` 16-byte chunks: store
+    and issue as KvRing::store_offset / issue do with kRowUnits."""
+
+    def __init__(self, ns, d, ch):
+        self.d, self.ch = d, ch
+        self.step = NT // ch  # kCopyStep
+        self.rows_each = TILE // self.step  # kRowsEach
+        assert NT % ch == 0 and TILE % self.step == 0
+        assert self.rows_each <= 2 or self.rows_each % 4 == 0
+        self.units = np.full((ns, TILE), 0xDEADBEEF, np.int64)  # garbage until stored
+
+    def store(self, s, tid, off):
+        assert off < 0 or off % self.d == 0  # every stride is a multiple of head_dim
+        slot = (tid % self.step) * self.rows_each + tid // self.step  # unit_slot
+        self.units[s, slot] = off // self.d if off >= 0 else NO_ROW
+
+    def copies(self, s):
+        """(stage, row, chunk, element offset or -1) of every copy, in issue order."""
+        for tid in range(NT):
+            c, r0 = tid % self.ch, tid // self.ch
+            for i in range(self.rows_each):
+                w = int(self.units[s, r0 * self.rows_each + i])
+                yield s, r0 + i * self.step, c, (w * self.d if w != NO_ROW else -1)
 
 
 def bf16_round(x):
@@ -94,6 +127,7 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
     page_size, page_stride, token_stride, num_pages = geo
     rs, ch, kd = d + 8, d // 8, d // 16
     off = np.full((ns, TILE), 12345678, np.int64)
+    units = RowUnits(ns, d, ch) if UNITS else None
     ks = np.full((ns, TILE, rs), np.nan, np.float32)  # padding columns stay NaN
     vs = np.full((ns, TILE, rs), np.nan, np.float32)
     groups = [[]]  # committed groups of copies, then the open one
@@ -109,6 +143,8 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
         live = t < end
         ok = live and 0 <= page < num_pages
         off[n % ns, tid] = page * page_stride + (t % page_size) * token_stride if ok else -1
+        if units:
+            units.store(n % ns, tid, int(off[n % ns, tid]))
         return live and not ok
 
     def land_copy(op):
@@ -118,16 +154,22 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
 
     def issue(n):
         s, copies = n % ns, TILE * ch
-        for tid in range(NT):
-            for i in range((copies + NT - 1) // NT):
-                idx = tid + i * NT
-                if copies % NT == 0 or idx < copies:
-                    r, c = divmod(idx, ch)
-                    op = (s, r, c, int(off[s, r]))
-                    if land == "early":
-                        land_copy(op)
-                    else:
-                        groups[-1].append(op)
+        ops = (
+            units.copies(s)
+            if units
+            else (
+                (s, *divmod(idx, ch), int(off[s, idx // ch]))
+                for tid in range(NT)
+                for i in range((copies + NT - 1) // NT)
+                for idx in [tid + i * NT]
+                if copies % NT == 0 or idx < copies
+            )
+        )
+        for op in ops:
+            if land == "early":
+                land_copy(op)
+            else:
+                groups[-1].append(op)
 
     def commit():
         groups.append([])
@@ -283,6 +325,7 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
     page_size, page_stride, token_stride, num_pages = geo
     rs, ch, kd = d + 16, d // 16, d // 16
     off = np.full((ns, TILE), 12345678, np.int64)
+    units = RowUnits(ns, d, ch) if UNITS else None
     ks = np.full((ns, TILE, rs), np.nan, np.float32)
     vs = np.full((ns, TILE, rs), np.nan, np.float32)
     groups = [[]]
@@ -298,6 +341,8 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
         live = t < end
         ok = live and 0 <= page < num_pages
         off[n % ns, tid] = page * page_stride + (t % page_size) * token_stride if ok else -1
+        if units:
+            units.store(n % ns, tid, int(off[n % ns, tid]))
         return live and not ok
 
     def land_copy(op):  # 16-byte copies: 16 elements
@@ -307,16 +352,22 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
 
     def issue(n):
         s, copies = n % ns, TILE * ch
-        for tid in range(NT):
-            for i in range((copies + NT - 1) // NT):
-                idx = tid + i * NT
-                if copies % NT == 0 or idx < copies:
-                    r, c = divmod(idx, ch)
-                    op = (s, r, c, int(off[s, r]))
-                    if land == "early":
-                        land_copy(op)
-                    else:
-                        groups[-1].append(op)
+        ops = (
+            units.copies(s)
+            if units
+            else (
+                (s, *divmod(idx, ch), int(off[s, idx // ch]))
+                for tid in range(NT)
+                for i in range((copies + NT - 1) // NT)
+                for idx in [tid + i * NT]
+                if copies % NT == 0 or idx < copies
+            )
+        )
+        for op in ops:
+            if land == "early":
+                land_copy(op)
+            else:
+                groups[-1].append(op)
 
     def commit():
         groups.append([])
@@ -527,8 +578,9 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
 
 
 def main(full):
-    global FP8
+    global FP8, UNITS
     FP8 = "--fp8" in sys.argv[1:]
+    UNITS = "--units" in sys.argv[1:]
     rng = np.random.default_rng(0)
     lengths = [
         (1, 0),

@@ -1036,11 +1036,8 @@ bool cascade_uses_wgmma(const CascadeParams& p, const char** error) {
                                              (p.num_prefixes > 0 ? p.num_prefixes : 1))
     return false;
   bool ok = cascade_wgmma_available<T, D>();
-  // Row numbers of its ring (JAXATTN_CASCADE_ROW_UNITS) are uint32, so the cache's rows of
-  // head_dim elements must stay below 2^32 - 1 (any cache a GPU holds does).
-  if (JAXATTN_CASCADE_ROW_UNITS &&
-      int64_t(p.kv.num_pages) * p.kv.page_stride / D >= int64_t(0xffffffffu))
-    ok = false;
+  // Row numbers of its ring (JAXATTN_CASCADE_ROW_UNITS) are uint32 (ring_rows_fit).
+  if (JAXATTN_CASCADE_ROW_UNITS && !ring_rows_fit(p.kv)) ok = false;
   if (!ok && p.prefix_kernel == 2) *error = kCascadeNoWgmma;
   return ok;
 }
@@ -1110,6 +1107,8 @@ const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
   if (p.prefix_kernel < 0 || p.prefix_kernel > 2)
     return "jaxattn: cascade prefix_kernel must be 0 (auto), 1 (mma) or 2 (wgmma)";
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
+  if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
+    return "jaxattn: this build's cascade rings address at most 2^32 - 1 cache rows";
   switch (p.kv.head_dim) {
     case 32:
       return launch_cascade_dim<T, 32>(p, stream);

@@ -106,10 +106,15 @@
 #ifndef JAXATTN_DECODE_MMA_STAGES
 #define JAXATTN_DECODE_MMA_STAGES 0
 #endif
-// Experiment (off): the swizzled ring (the wgmma cascade prefix) keeps its row offsets as
-// uint32 row numbers, a thread's rows side by side (KvRing::kRowUnits).
+// Experiments (off): rings keep their row offsets as uint32 row numbers, a thread's rows side
+// by side (KvRing::kRowUnits) -- the swizzled ring of the wgmma cascade prefix
+// (JAXATTN_CASCADE_ROW_UNITS), the padded rings of the decode kernels and of cascade's other
+// blocks (JAXATTN_DECODE_ROW_UNITS).
 #ifndef JAXATTN_CASCADE_ROW_UNITS
 #define JAXATTN_CASCADE_ROW_UNITS 0
+#endif
+#ifndef JAXATTN_DECODE_ROW_UNITS
+#define JAXATTN_DECODE_ROW_UNITS 0
 #endif
 
 namespace jaxattn {
@@ -353,6 +358,13 @@ __device__ __forceinline__ const void* row_address(uint64_t base, uint32_t row, 
 #endif
 }
 
+// Whether uint32 row numbers (KvRing's row units) address every row of head_dim elements of
+// this cache with kNoRow to spare: any cache a GPU holds at head_dim >= 64, or 16-bit.
+inline bool ring_rows_fit(const KvGeometry& kv) {
+  return kv.head_dim > 0 &&
+         int64_t(kv.num_pages) * kv.page_stride / kv.head_dim < int64_t(0xffffffffu);
+}
+
 // The shared-memory ring of the pipelined kernels: kStages stages, each the element offsets
 // of its TILE rows (int64, -1 for a row past the end) followed by TILE rows of K and TILE rows
 // of V (RS elements apart). Tile n lives in stage n % STAGES.
@@ -380,18 +392,24 @@ struct KvRing {
   // Rows between one thread's copies in issue()'s chunk-column order, and its rows a tile.
   static constexpr int kCopyStep = NT / kChunks;
   static constexpr int kRowsEach = kCopyStep > 0 ? TILE / kCopyStep : 0;
-  // JAXATTN_CASCADE_ROW_UNITS (swizzled rings only): a stage's offsets are uint32 row numbers
-  // (element offset / D: every page, token and head stride is a multiple of head_dim) with
-  // kNoRow for a row past the end or with a bad page, the row r at unit_slot(r) =
-  // (r % kCopyStep) * kRowsEach + r / kCopyStep, so that the kRowsEach rows a thread copies
-  // (r0, r0 + kCopyStep, ...) are side by side: issue() reads them four at a time (one 16-byte
-  // load) and makes each row's source one wide multiply-add (row x row bytes + the chunk's
-  // base) instead of a 64-bit sign test, select, shift and add for K and again for V.
-  static constexpr bool kRowUnits = kSwizzled && JAXATTN_CASCADE_ROW_UNITS != 0;
+  // Row units (JAXATTN_CASCADE_ROW_UNITS for the swizzled ring, JAXATTN_DECODE_ROW_UNITS for
+  // the padded ones; rings whose copies are not whole chunk columns keep int64 offsets): a
+  // stage's offsets are uint32 row numbers (element offset / D: every page, token and head
+  // stride is a multiple of head_dim; the launchers keep a cache's rows below kNoRow, see
+  // ring_rows_fit) with kNoRow for a row past the end or with a bad page, the row r at
+  // unit_slot(r) = (r % kCopyStep) * kRowsEach + r / kCopyStep, so that the kRowsEach rows a
+  // thread copies (r0, r0 + kCopyStep, ...) are side by side: issue() reads them up to four at
+  // a time (one 16-byte load) and makes each row's source a wide multiply-add (row x row bytes
+  // + the chunk's base) instead of a 64-bit sign test, select, shift and add for K and again
+  // for V.
+  static constexpr bool kRowUnitsFit =
+      NT % kChunks == 0 && kCopyStep > 0 && TILE % kCopyStep == 0 &&
+      (kRowsEach <= 2 || kRowsEach % 4 == 0) && (!kSwizzled || kCopyStep % 8 == 0);
+  static constexpr bool kRowUnits =
+      kRowUnitsFit && (kSwizzled ? JAXATTN_CASCADE_ROW_UNITS != 0 : JAXATTN_DECODE_ROW_UNITS != 0);
   static constexpr uint32_t kNoRow = 0xffffffffu;
-  static_assert(!kRowUnits || (NT % kChunks == 0 && kCopyStep % 8 == 0 && TILE % kCopyStep == 0 &&
-                               kRowsEach % 4 == 0),
-                "row units: whole chunk columns, four rows a thread at a time");
+  static_assert(!kSwizzled || !JAXATTN_CASCADE_ROW_UNITS || kRowUnitsFit,
+                "row units: the swizzled ring copies whole chunk columns");
 
   unsigned char* base;
   const T* kbase;  // this KV head's K and V
@@ -492,22 +510,36 @@ struct KvRing {
     unsigned char* vs = reinterpret_cast<unsigned char*>(v_rows(s));
     constexpr int kStep = kCopyStep;  // rows between one thread's copies
     if constexpr (kRowUnits) {
-      // The same rows and chunks as below, each row's number from a 16-byte load of four.
+      // The same rows and chunks as below, the row numbers read up to four at a time.
+      constexpr int kRowBytes = kSwizzled ? 128 : RS * int(sizeof(T));  // shared memory
+      constexpr int kLoad = kRowsEach < 4 ? kRowsEach : 4;
       const int c = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
       const int at0 = chunk_at(r0, c);
-      const uint4* units = reinterpret_cast<const uint4*>(row_units(s) + r0 * kRowsEach);
+      const uint32_t* units = row_units(s) + r0 * kRowsEach;
       const uint64_t kc = reinterpret_cast<uint64_t>(kbase + c * kVec);
       const uint64_t vc = reinterpret_cast<uint64_t>(vbase + c * kVec);
       const uint32_t row_bytes = uint32_t(kv.head_dim) * uint32_t(sizeof(T));  // D's, at run time
 #pragma unroll
-      for (int i4 = 0; i4 < kRowsEach / 4; ++i4) {
-        const uint4 w = units[i4];
-        const uint32_t rows[4] = {w.x, w.y, w.z, w.w};
+      for (int i0 = 0; i0 < kRowsEach; i0 += kLoad) {
+        uint32_t rows[kLoad];
+        if constexpr (kLoad == 4) {
+          const uint4 w = *reinterpret_cast<const uint4*>(units + i0);
+          rows[0] = w.x;
+          rows[1] = w.y;
+          rows[2] = w.z;
+          rows[3] = w.w;
+        } else if constexpr (kLoad == 2) {
+          const uint2 w = *reinterpret_cast<const uint2*>(units + i0);
+          rows[0] = w.x;
+          rows[1] = w.y;
+        } else {
+          rows[0] = units[i0];
+        }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kLoad; ++j) {
           const bool ok = rows[j] != kNoRow;
           const uint32_t row = ok ? rows[j] : 0u;
-          const int at = at0 + (i4 * 4 + j) * kStep * 128;
+          const int at = at0 + (i0 + j) * kStep * kRowBytes;
           async_copy16(ks + at, row_address(kc, row, row_bytes), ok);
           async_copy16(vs + at, row_address(vc, row, row_bytes), ok);
         }
@@ -1709,6 +1741,8 @@ const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream)
   if (D != 32 && D != 64 && D != 128 && D != 256)
     return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
+  if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
+    return "jaxattn: this build's decode rings address at most 2^32 - 1 cache rows";
   switch (D) {
     case 32:
       return launch_paged_decode_dim<T, C, 32>(p, stream);
