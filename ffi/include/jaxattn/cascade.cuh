@@ -851,8 +851,13 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                                                      int start, int end);
 
 // WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
+// JAXATTN_CASCADE_MIN_BLOCKS (an experiment's knob, 2 by default): the blocks an SM ptxas
+// sizes the registers for.
+#ifndef JAXATTN_CASCADE_MIN_BLOCKS
+#define JAXATTN_CASCADE_MIN_BLOCKS 2
+#endif
 template <typename T, int D, bool WG = false>
-__global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
+__global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, JAXATTN_CASCADE_MIN_BLOCKS)
     cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
 #if __CUDA_ARCH__ >= 800
   using S = CascadeMmaShape<T, D>;
