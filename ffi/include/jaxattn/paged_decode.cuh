@@ -116,6 +116,11 @@
 #ifndef JAXATTN_DECODE_ROW_UNITS
 #define JAXATTN_DECODE_ROW_UNITS 0
 #endif
+// Experiment (off): the wgmma cascade prefix's table entries fetched by the threads that store
+// no offsets (KvRing::kFetchSplit).
+#ifndef JAXATTN_CASCADE_FETCH_SPLIT
+#define JAXATTN_CASCADE_FETCH_SPLIT 0
+#endif
 
 namespace jaxattn {
 namespace gpu {
@@ -468,15 +473,33 @@ struct KvRing {
   // fetched_page(n) reads it once that group has been waited for -- by this thread, which alone
   // reads the entry, so no barrier is needed. The read then never sits in a register while
   // the warp waits for its other loads (a wgmma fence waits for every one of them).
+  //
+  // kFetchSplit (JAXATTN_CASCADE_FETCH_SPLIT, where the block has 2 TILE threads): threads
+  // TILE .. 2 TILE - 1 fetch row tid - TILE's entry instead, so the warps that store the
+  // offsets (threads below TILE) do not also fetch -- in the wgmma prefix every warp of the
+  // warpgroup waits for the slowest at the tile barrier and the products. The reader is then
+  // another thread: the entry of tile n + NS, fetched in group g (the prologue's group n, or
+  // iteration n - NS + 1's), is read after the products of iteration n, whose top waits for
+  // groups up to n in every thread and then passes a barrier; the slot's next fetch (iteration
+  // n + 1's) comes after the next top barrier.
+  static constexpr bool kFetchSplit = JAXATTN_CASCADE_FETCH_SPLIT != 0 && NT >= 2 * TILE;
   static constexpr int kPageSlotBytes = STAGES * TILE * 4;
   __device__ __forceinline__ int32_t* page_slots(int stage) const {
     return reinterpret_cast<int32_t*>(base + STAGES * kStageBytes) + stage * TILE;
   }
   __device__ __forceinline__ void fetch_page(int n) const {
-    if (int(threadIdx.x) >= TILE) return;
-    const int t = start + n * TILE + int(threadIdx.x);
-    const bool live = t < end;
-    async_copy4(page_slots(n % STAGES) + threadIdx.x, live ? table + page_index(t) : table, live);
+    if constexpr (kFetchSplit) {
+      const int r = int(threadIdx.x) - TILE;  // its row
+      if (r < 0 || r >= TILE) return;
+      const int t = start + n * TILE + r;
+      const bool live = t < end;
+      async_copy4(page_slots(n % STAGES) + r, live ? table + page_index(t) : table, live);
+    } else {
+      if (int(threadIdx.x) >= TILE) return;
+      const int t = start + n * TILE + int(threadIdx.x);
+      const bool live = t < end;
+      async_copy4(page_slots(n % STAGES) + threadIdx.x, live ? table + page_index(t) : table, live);
+    }
   }
   __device__ __forceinline__ int fetched_page(int n) const {
     return int(threadIdx.x) < TILE ? page_slots(n % STAGES)[threadIdx.x] : 0;
