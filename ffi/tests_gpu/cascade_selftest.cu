@@ -1075,13 +1075,19 @@ void run_perf() {
 // The timing of the issue's batch ("issue"), or of its prefix or own level alone, with one prefix
 // kernel, for a profiler: its first launches are warm-ups (ncu --launch-skip 2 --launch-count 1
 // profiles one after them).
-void run_profile(int kernel, const std::string& which) {
+// The issue's batch, or its prefix ("prefix": an own token a request) or own level ("own": no
+// prefix) alone, set up.
+void setup_issue_batch(const std::string& which, Bench& bench) {
   Rng rng(99);
-  Bench bench;
   bench.prefix_tokens = {4096};
   bench.prefix_of.assign(64, which == "own" ? -1 : 0);
   bench.own.assign(64, which == "prefix" ? 1 : 256);
   bench.setup(rng);
+}
+
+void run_profile(int kernel, const std::string& which) {
+  Bench bench;
+  setup_issue_batch(which, bench);
   int used = 0;
   std::printf("%s, prefix kernel %d: %.1f us\n", which.c_str(), kernel,
               bench.time_cascade(0, 0, kernel, &used));
@@ -1094,12 +1100,8 @@ void run_profile(int kernel, const std::string& which) {
 // per kind of step-1 block, the stamps' spread (us from the launch's first block start) and each
 // phase's length, then the merge's blocks against step 1's last write.
 void run_trace(int kernel, const std::string& which) {
-  Rng rng(99);
   Bench bench;
-  bench.prefix_tokens = {4096};
-  bench.prefix_of.assign(64, which == "own" ? -1 : 0);
-  bench.own.assign(64, which == "prefix" ? 1 : 256);
-  bench.setup(rng);
+  setup_issue_batch(which, bench);
   CascadeParams p;
   if (!bench.cascade_params(0, 0, kernel, &p)) {
     std::fprintf(stderr, "workspace too small\n");

@@ -118,6 +118,21 @@ def mma(c, a, b):
     return out
 
 
+def ring_copies(s, ch, off, units):
+    """KvRing::issue's copies of stage s, (stage, row, chunk, element offset or -1) each, from
+    the int64 offsets `off` or, in the row-number form, from `units` (a RowUnits)."""
+    if units:
+        return units.copies(s)
+    copies = TILE * ch
+    return (
+        (s, *divmod(idx, ch), int(off[s, idx // ch]))
+        for tid in range(NT)
+        for i in range((copies + NT - 1) // NT)
+        for idx in [tid + i * NT]
+        if copies % NT == 0 or idx < copies
+    )
+
+
 def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap, page_lead=None):
     """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}.
     page_lead: read tile n + ns's pages an iteration ahead of their store (None: as
@@ -153,19 +168,7 @@ def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, ca
         vs[s, r, c * 8 : c * 8 + 8] = vc[o + c * 8 : o + c * 8 + 8] if o >= 0 else 0
 
     def issue(n):
-        s, copies = n % ns, TILE * ch
-        ops = (
-            units.copies(s)
-            if units
-            else (
-                (s, *divmod(idx, ch), int(off[s, idx // ch]))
-                for tid in range(NT)
-                for i in range((copies + NT - 1) // NT)
-                for idx in [tid + i * NT]
-                if copies % NT == 0 or idx < copies
-            )
-        )
-        for op in ops:
+        for op in ring_copies(n % ns, ch, off, units):
             if land == "early":
                 land_copy(op)
             else:
@@ -351,19 +354,7 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
         vs[s, r, c * 16 : c * 16 + 16] = vc[o + c * 16 : o + c * 16 + 16] if o >= 0 else 0
 
     def issue(n):
-        s, copies = n % ns, TILE * ch
-        ops = (
-            units.copies(s)
-            if units
-            else (
-                (s, *divmod(idx, ch), int(off[s, idx // ch]))
-                for tid in range(NT)
-                for i in range((copies + NT - 1) // NT)
-                for idx in [tid + i * NT]
-                if copies % NT == 0 or idx < copies
-            )
-        )
-        for op in ops:
+        for op in ring_copies(n % ns, ch, off, units):
             if land == "early":
                 land_copy(op)
             else:
