@@ -151,6 +151,30 @@ __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, 
   l1 = l1 * a1 + sum1;
 }
 
+// The same step on raw dot products s (logits before their positive factor qs): mx0 / mx1 are
+// the lane's raw row maxima, so the logits' maxima are qs times them, and each probability is
+// exp2(s * qs - max) in one FFMA (the factor's multiply folded into the subtraction).
+template <int J, int SLACK = 0>
+__device__ __forceinline__ void mma_online_softmax_folded(float (&s)[J][4], float qs, float mx0,
+                                                          float mx1, float& m0, float& m1,
+                                                          float& l0, float& l1, float& a0,
+                                                          float& a1) {
+  float mu0, mu1;
+  online_max_step<SLACK>(group_max<4>(mx0) * qs, group_max<4>(mx1) * qs, m0, m1, a0, a1, mu0, mu1);
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    s[j][0] = fast_exp2(fmaf(s[j][0], qs, -mu0));
+    s[j][1] = fast_exp2(fmaf(s[j][1], qs, -mu0));
+    s[j][2] = fast_exp2(fmaf(s[j][2], qs, -mu1));
+    s[j][3] = fast_exp2(fmaf(s[j][3], qs, -mu1));
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = l0 * a0 + sum0;
+  l1 = l1 * a1 + sum1;
+}
+
 // Row by row: a0 on row g (elements 0, 1), a1 on row g + 8 (2, 3).
 template <int N>
 __device__ __forceinline__ void scale_c_rows(float (&o)[N][4], float a0, float a1) {

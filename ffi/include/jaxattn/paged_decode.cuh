@@ -121,6 +121,11 @@
 #ifndef JAXATTN_CASCADE_FETCH_SPLIT
 #define JAXATTN_CASCADE_FETCH_SPLIT 0
 #endif
+// Experiment (off): cascade's prefix softmax with the logit factor folded into the exponent
+// (cascade_prefix_softmax).
+#ifndef JAXATTN_CASCADE_FOLD
+#define JAXATTN_CASCADE_FOLD 0
+#endif
 
 namespace jaxattn {
 namespace gpu {
