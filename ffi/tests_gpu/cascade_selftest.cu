@@ -1072,9 +1072,6 @@ void run_perf() {
       "joined tables at its own split)\n");
 }
 
-// The timing of the issue's batch ("issue"), or of its prefix or own level alone, with one prefix
-// kernel, for a profiler: its first launches are warm-ups (ncu --launch-skip 2 --launch-count 1
-// profiles one after them).
 // The issue's batch, or its prefix ("prefix": an own token a request) or own level ("own": no
 // prefix) alone, set up.
 void setup_issue_batch(const std::string& which, Bench& bench) {
@@ -1085,6 +1082,9 @@ void setup_issue_batch(const std::string& which, Bench& bench) {
   bench.setup(rng);
 }
 
+// The timing of the issue's batch ("issue"), or of its prefix or own level alone, with one prefix
+// kernel, for a profiler: its first launches are warm-ups (ncu --launch-skip 2 --launch-count 1
+// profiles one after them).
 void run_profile(int kernel, const std::string& which) {
   Bench bench;
   setup_issue_batch(which, bench);
