@@ -560,36 +560,17 @@ __device__ __forceinline__ void cascade_prefix_softmax(const CascadeParams& p, f
                                                        float& a1) {
   constexpr float kNegInf = -__builtin_huge_valf();
   const int tq = threadIdx.x % 4;
-#if JAXATTN_CASCADE_FOLD
-  // Experiment (off): without a cap and with a positive factor (every op's scale and key
-  // scales are; a device array's k_scale is not checked), the maxima on the raw dot products
-  // and the factor folded into the exponent's FFMA, as the Hopper prefill does: the tile's 32
-  // multiplies a lane go.
-  if (!(p.ls.cap_log2e > 0.f) && q_scale > 0.f) {
-    if (n0 + 8 * J > end) {
-#pragma unroll
-      for (int j = 0; j < J; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sc[j][e] = n0 + j * 8 + 2 * tq + (e & 1) >= end ? kNegInf : sc[j][e];
-    }
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-    }
-    mma_online_softmax_folded<J, kCascadeRescaleSlack>(sc, q_scale, mx0, mx1, m0, m1, l0, l1, a0,
-                                                       a1);
-    return;
-  }
-#endif
+  // Experiment (JAXATTN_CASCADE_FOLD, off): without a cap and with a positive factor (every
+  // op's scale and key scales are; a device array's k_scale is not checked), the maxima on the
+  // raw dot products and the factor folded into the exponent's FFMA, as the Hopper prefill
+  // does: the tile's 32 multiplies a lane go.
+  const bool fold = JAXATTN_CASCADE_FOLD != 0 && !(p.ls.cap_log2e > 0.f) && q_scale > 0.f;
   if (p.ls.cap_log2e > 0.f) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[j][e] = p.ls.cap_log2e * tanhf(sc[j][e] * q_scale);
-  } else {
+  } else if (!fold) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -608,7 +589,12 @@ __device__ __forceinline__ void cascade_prefix_softmax(const CascadeParams& p, f
     mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
   }
-  mma_online_softmax<J, kCascadeRescaleSlack>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
+  if (fold) {
+    mma_online_softmax<J, kCascadeRescaleSlack, true>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1,
+                                                      q_scale);
+  } else {
+    mma_online_softmax<J, kCascadeRescaleSlack>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
+  }
 }
 
 // A prefix block's rows, finished: o in the m16n8 accumulator layout (o[i][0..1]: row g, dims

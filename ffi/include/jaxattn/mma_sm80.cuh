@@ -131,43 +131,36 @@ __device__ __forceinline__ void online_max_step(float mx0, float mx1, float& m0,
 // max) (a row that has seen only -inf subtracts 0, so its probabilities stay 0), this lane's
 // partial row sums l0 / l1 rescaled and increased (the quad's are added once at the end). a0 /
 // a1 get the factors that rescale the rows' O (scale_c_rows).
-template <int J, int SLACK = 0>
+//
+// FOLD: s holds raw dot products whose logits are qs s (qs > 0) and mx0 / mx1 are their raw
+// maxima; the logits' maxima are then qs times them, and each probability is exp2(s qs - max)
+// in one FFMA (the factor's multiply folded into the subtraction).
+template <int J, int SLACK = 0, bool FOLD = false>
 __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, float mx1,
                                                    float& m0, float& m1, float& l0, float& l1,
-                                                   float& a0, float& a1) {
-  float mu0, mu1;
-  online_max_step<SLACK>(group_max<4>(mx0), group_max<4>(mx1), m0, m1, a0, a1, mu0, mu1);
-  float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    s[j][0] = fast_exp2(s[j][0] - mu0);
-    s[j][1] = fast_exp2(s[j][1] - mu0);
-    s[j][2] = fast_exp2(s[j][2] - mu1);
-    s[j][3] = fast_exp2(s[j][3] - mu1);
-    sum0 += s[j][0] + s[j][1];
-    sum1 += s[j][2] + s[j][3];
+                                                   float& a0, float& a1, float qs = 1.f) {
+  mx0 = group_max<4>(mx0);
+  mx1 = group_max<4>(mx1);
+  if constexpr (FOLD) {
+    mx0 *= qs;
+    mx1 *= qs;
   }
-  l0 = l0 * a0 + sum0;
-  l1 = l1 * a1 + sum1;
-}
-
-// The same step on raw dot products s (logits before their positive factor qs): mx0 / mx1 are
-// the lane's raw row maxima, so the logits' maxima are qs times them, and each probability is
-// exp2(s * qs - max) in one FFMA (the factor's multiply folded into the subtraction).
-template <int J, int SLACK = 0>
-__device__ __forceinline__ void mma_online_softmax_folded(float (&s)[J][4], float qs, float mx0,
-                                                          float mx1, float& m0, float& m1,
-                                                          float& l0, float& l1, float& a0,
-                                                          float& a1) {
   float mu0, mu1;
-  online_max_step<SLACK>(group_max<4>(mx0) * qs, group_max<4>(mx1) * qs, m0, m1, a0, a1, mu0, mu1);
+  online_max_step<SLACK>(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
+  auto logit = [&](float x, float mu) {
+    if constexpr (FOLD) {
+      return fmaf(x, qs, -mu);
+    } else {
+      return x - mu;
+    }
+  };
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    s[j][0] = fast_exp2(fmaf(s[j][0], qs, -mu0));
-    s[j][1] = fast_exp2(fmaf(s[j][1], qs, -mu0));
-    s[j][2] = fast_exp2(fmaf(s[j][2], qs, -mu1));
-    s[j][3] = fast_exp2(fmaf(s[j][3], qs, -mu1));
+    s[j][0] = fast_exp2(logit(s[j][0], mu0));
+    s[j][1] = fast_exp2(logit(s[j][1], mu0));
+    s[j][2] = fast_exp2(logit(s[j][2], mu1));
+    s[j][3] = fast_exp2(logit(s[j][3], mu1));
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }

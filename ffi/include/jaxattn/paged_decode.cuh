@@ -493,18 +493,11 @@ struct KvRing {
     return reinterpret_cast<int32_t*>(base + STAGES * kStageBytes) + stage * TILE;
   }
   __device__ __forceinline__ void fetch_page(int n) const {
-    if constexpr (kFetchSplit) {
-      const int r = int(threadIdx.x) - TILE;  // its row
-      if (r < 0 || r >= TILE) return;
-      const int t = start + n * TILE + r;
-      const bool live = t < end;
-      async_copy4(page_slots(n % STAGES) + r, live ? table + page_index(t) : table, live);
-    } else {
-      if (int(threadIdx.x) >= TILE) return;
-      const int t = start + n * TILE + int(threadIdx.x);
-      const bool live = t < end;
-      async_copy4(page_slots(n % STAGES) + threadIdx.x, live ? table + page_index(t) : table, live);
-    }
+    const int r = int(threadIdx.x) - (kFetchSplit ? TILE : 0);  // the row this thread fetches
+    if ((kFetchSplit && r < 0) || r >= TILE) return;
+    const int t = start + n * TILE + r;
+    const bool live = t < end;
+    async_copy4(page_slots(n % STAGES) + r, live ? table + page_index(t) : table, live);
   }
   __device__ __forceinline__ int fetched_page(int n) const {
     return int(threadIdx.x) < TILE ? page_slots(n % STAGES)[threadIdx.x] : 0;
