@@ -45,7 +45,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emulate_mma_decode  # noqa: E402
-from emulate_mma_decode import bf16_round, ldmatrix_x4, mma, run_block  # noqa: E402
+from emulate_mma_decode import (  # noqa: E402
+    RowUnits,
+    bf16_round,
+    ldmatrix_x4,
+    mma,
+    ring_copies,
+    run_block,
+)
 
 NEG_INF = -np.inf
 RESCALE_SLACK = 8  # cascade.cuh: kCascadeRescaleSlack
@@ -174,25 +181,16 @@ def plan_prefix_block(P, k, per_tile, per_head):
 # --- the prefix block ---------------------------------------------------------------------------
 
 
-NO_ROW = 0xFFFFFFFF  # KvRing::kNoRow
-
-
 class Ring:
     """KvRing: a ring of ns stages of TILE rows (K and V, rs elements apart, NaN padding) and
     each stage's row offsets; copies land at issue ("early") or at a wait ("late"). `units`:
-    the JAXATTN_CASCADE_ROW_UNITS form of the swizzled ring -- uint32 row numbers (offset / d,
-    NO_ROW for none) stored at unit_slot(r), and issue's per-thread loop reading its rows side
-    by side."""
+    the rings' row-number form (emulate_mma_decode.RowUnits)."""
 
     def __init__(self, kc, vc, geo, table, start, end, d, ns, land, units=False):
         self.kc, self.vc, self.geo, self.table = kc, vc, geo, table
         self.start, self.end, self.d, self.ns, self.land = start, end, d, ns, land
         self.rs, self.ch = d + 8, d // 8
-        self.units = units
-        self.step = NT // self.ch  # kCopyStep: rows between one thread's copies
-        self.rows_each = TILE // self.step  # kRowsEach
-        assert not units or (self.step % 8 == 0 and self.rows_each % 4 == 0)
-        self.row_units = np.full((ns, TILE), 0xDEADBEEF, np.int64)  # garbage until stored
+        self.units = RowUnits(ns, d, self.ch) if units else None
         self.off = np.full((ns, TILE), 12345678, np.int64)
         self.ks = np.full((ns, TILE, self.rs), np.nan, np.float32)
         self.vs = np.full((ns, TILE, self.rs), np.nan, np.float32)
@@ -212,9 +210,7 @@ class Ring:
         ok = live and 0 <= page < num_pages
         off = page * page_stride + (t % page_size) * token_stride if ok else -1
         if self.units:
-            assert not ok or off % self.d == 0  # every stride is a multiple of head_dim
-            slot = (tid % self.step) * self.rows_each + tid // self.step  # unit_slot
-            self.row_units[n % self.ns, slot] = off // self.d if ok else NO_ROW
+            self.units.store(n % self.ns, tid, off)
         else:
             self.off[n % self.ns, tid] = off
         return live and not ok
@@ -242,30 +238,11 @@ class Ring:
         return int(self.slots[n % self.ns, tid]) if tid < TILE else 0
 
     def issue(self, n):
-        s, copies = n % self.ns, TILE * self.ch
-        if self.units:
-            for tid in range(NT):
-                c, r0 = tid % self.ch, tid // self.ch
-                for i in range(self.rows_each):
-                    w = int(self.row_units[s, r0 * self.rows_each + i])
-                    assert 0 <= w <= NO_ROW, "a row number read before it was stored"
-                    r = r0 + i * self.step
-                    op = (s, r, c, w * self.d if w != NO_ROW else -1)
-                    if self.land == "early":
-                        self._land(op)
-                    else:
-                        self.groups[-1].append(op)
-            return
-        for tid in range(NT):
-            for i in range((copies + NT - 1) // NT):
-                idx = tid + i * NT
-                if copies % NT == 0 or idx < copies:
-                    r, c = divmod(idx, self.ch)
-                    op = (s, r, c, int(self.off[s, r]))
-                    if self.land == "early":
-                        self._land(op)
-                    else:
-                        self.groups[-1].append(op)
+        for op in ring_copies(n % self.ns, self.ch, self.off, self.units):
+            if self.land == "early":
+                self._land(op)
+            else:
+                self.groups[-1].append(op)
 
     def commit(self):
         self.groups.append([])

@@ -67,6 +67,7 @@ class RowUnits:
             c, r0 = tid % self.ch, tid // self.ch
             for i in range(self.rows_each):
                 w = int(self.units[s, r0 * self.rows_each + i])
+                assert 0 <= w <= NO_ROW, "a row number read before it was stored"
                 yield s, r0 + i * self.step, c, (w * self.d if w != NO_ROW else -1)
 
 
