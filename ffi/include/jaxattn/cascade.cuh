@@ -832,19 +832,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
 
   float* red = reinterpret_cast<float*>(smem);
   const bool poisoned = __syncthreads_or(bad);
-#pragma unroll
-  for (int j = 0; j < KD; ++j) {
-    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + j * 16 + g;
-    float* r1 = r0 + (D + 2);
-    r0[0] = o[j][0];
-    r1[0] = o[j][1];
-    r0[8] = o[j][2];
-    r1[8] = o[j][3];
-  }
-  if (tq == 0) {
-    red[(warp * H + g) * (D + 2) + D] = m;
-    red[(warp * H + g) * (D + 2) + D + 1] = l;
-  }
+  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
   __syncthreads();
   cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
       p, red,

@@ -1066,6 +1066,34 @@ __device__ __forceinline__ void decode_trace(int i) {
 //     (ldmatrix.trans of 8 token rows x 8 dims: lane gets V[tokens 2t, 2t+1][dim g]), B = P^T:
 //     (rows = tokens 2t, 2t+1, col = head g) is what S's C fragment holds, (head g, tokens 2t,
 //     2t+1), packed to 16 bits.
+// A tensor-core decode warp's states for the shared merge (paged decode, its FP8 kernel,
+// cascade's own blocks): accumulator j's elements 0 and 1 (heads 2 tq and 2 tq + 1) at dim
+// dim_of(j, g), elements 2 and 3 at that dim + STEP, then head g's max and sum (l, summed over
+// the quad), at red + (warp * H + head) * (D + 2).
+template <int D, int H, int STEP, int N, typename DimOf>
+__device__ __forceinline__ void mma_warp_states(float* red, const float (&o)[N][4], float m,
+                                                float l, DimOf dim_of) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + dim_of(j, g);
+    float* r1 = r0 + (D + 2);
+    r0[0] = o[j][0];
+    r1[0] = o[j][1];
+    r0[STEP] = o[j][2];
+    r1[STEP] = o[j][3];
+  }
+  if (tq == 0) {
+    red[(warp * H + g) * (D + 2) + D] = m;
+    red[(warp * H + g) * (D + 2) + D + 1] = l;
+  }
+}
+// The 16-bit kernels' dims: accumulator j holds dims 16 j + g and 16 j + g + 8.
+struct MmaDims16 {
+  __device__ __forceinline__ int operator()(int j, int g) const { return j * 16 + g; }
+};
+
 // The state a warp of the 16-bit tensor-core decode leaves for KV head kvh's merge (its o
 // fragments, head g's running max and this lane's share of the sum), merged across the warps
 // through `red` and written. `red` may lie over ring rows the warps have just read: the
@@ -1075,24 +1103,10 @@ __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* 
                                                   const float (&o)[D / 16][4], float m, float l,
                                                   bool bad, int b, int kvh, int group) {
   using S = MmaDecodeShape<T, D>;
-  constexpr int H = S::kHeads, KD = D / 16;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
+  constexpr int H = S::kHeads;
   l = group_sum<4>(l);
   const bool poisoned = __syncthreads_or(bad);
-#pragma unroll
-  for (int j = 0; j < KD; ++j) {
-    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + j * 16 + g;
-    float* r1 = r0 + (D + 2);
-    r0[0] = o[j][0];
-    r1[0] = o[j][1];
-    r0[8] = o[j][2];
-    r1[8] = o[j][3];
-  }
-  if (tq == 0) {
-    red[(warp * H + g) * (D + 2) + D] = m;
-    red[(warp * H + g) * (D + 2) + D + 1] = l;
-  }
+  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
   __syncthreads();
   merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
                                                             p.scales.v_of(kvh));
@@ -1491,19 +1505,8 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   // fixed-order merge.
   float* red = reinterpret_cast<float*>(smem);
   const bool poisoned = __syncthreads_or(bad);
-#pragma unroll
-  for (int j = 0; j < KD; ++j) {
-    float* r0 = red + (warp * H + 2 * tq) * (D + 2) + fp8_out_dim(j, g);
-    float* r1 = r0 + (D + 2);
-    r0[0] = o[j][0];
-    r1[0] = o[j][1];
-    r0[1] = o[j][2];  // row g + 8: the next dim
-    r1[1] = o[j][3];
-  }
-  if (tq == 0) {
-    red[(warp * H + g) * (D + 2) + D] = m;
-    red[(warp * H + g) * (D + 2) + D + 1] = l;
-  }
+  // Row g + 8 of accumulator j: the dim after row g's.
+  mma_warp_states<D, H, 1>(red, o, m, l, [](int j, int gg) { return fp8_out_dim(j, gg); });
   __syncthreads();
   merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
                                                             p.scales.v_of(kvh));
