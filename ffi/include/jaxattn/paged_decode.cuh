@@ -1056,16 +1056,6 @@ __device__ __forceinline__ void decode_trace(int i) {
 #define JAXATTN_TRACE(i)
 #endif
 
-// Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
-// (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
-// 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
-// cols 2t, 2t+1).
-//   S[16 x 8 tokens] = Q[16 x D] K^T: A = q (row g = query head g; rows 8..15 zero), B = K rows
-//     (ldmatrix of 8 token rows x 8 dims: lane gets K[token g][dims 2t, 2t+1] = B(k, n=g)).
-//   O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] P^T[16 tokens x 8 heads]: A = V^T
-//     (ldmatrix.trans of 8 token rows x 8 dims: lane gets V[tokens 2t, 2t+1][dim g]), B = P^T:
-//     (rows = tokens 2t, 2t+1, col = head g) is what S's C fragment holds, (head g, tokens 2t,
-//     2t+1), packed to 16 bits.
 // A tensor-core decode warp's states for the shared merge (paged decode, its FP8 kernel,
 // cascade's own blocks): accumulator j's elements 0 and 1 (heads 2 tq and 2 tq + 1) at dim
 // dim_of(j, g), elements 2 and 3 at that dim + STEP, then head g's max and sum (l, summed over
@@ -1112,6 +1102,17 @@ __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* 
                                                             p.scales.v_of(kvh));
 }
 
+// Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
+// (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
+// 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
+// cols 2t, 2t+1).
+//   S[16 x 8 tokens] = Q[16 x D] K^T: A = q (row g = query head g; rows 8..15 zero), B = K rows
+//     (ldmatrix of 8 token rows x 8 dims: lane gets K[token g][dims 2t, 2t+1] = B(k, n=g)).
+//   O^T[16 dims x 8 heads] += V^T[16 dims x 16 tokens] P^T[16 tokens x 8 heads]: A = V^T
+//     (ldmatrix.trans of 8 token rows x 8 dims: lane gets V[tokens 2t, 2t+1][dim g]), B = P^T:
+//     (rows = tokens 2t, 2t+1, col = head g) is what S's C fragment holds, (head g, tokens 2t,
+//     2t+1), packed to 16 bits.
+//
 // The 16-bit tensor-core decode (paged_decode_mma_kernel): one block a (KV head, sequence,
 // partition), or with STREAM a run of p.kv_heads_per_block KV heads of one sequence
 // (paged_decode_mma_heads_kernel). Those heads read the same rows, so their tiles form one
