@@ -271,8 +271,6 @@ struct DeviceCaps {
   int major = 0;
   int minor = 0;
   int smem_optin = 0;  // most dynamic shared memory one block may opt in to, bytes
-  int sms = 0;         // multiprocessors
-  int smem_sm = 0;     // shared memory a multiprocessor, bytes
 };
 
 inline DeviceCaps current_device_caps() {
@@ -282,9 +280,6 @@ inline DeviceCaps current_device_caps() {
       cudaDeviceGetAttribute(&c.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&c.minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess ||
-      cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&c.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
           cudaSuccess)
     return DeviceCaps{};
   return c;

@@ -1125,7 +1125,7 @@ __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* 
 template <typename T, int D, bool STREAM>
 __device__ __forceinline__ void mma_decode_block(const DecodeParams& p) {
   using S = MmaDecodeShape<T, D>;
-  static_assert(!STREAM || (S::kStreamHeads && !S::kPageLead), "no streamed heads here");
+  static_assert(!STREAM || S::kStreamHeads, "no streamed heads here");
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1703,10 +1703,14 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
   return check_launch();
 }
 
+template <typename Kernel>
+const char* occupancy_of(Kernel kernel, int threads, int smem, int* blocks);
+
 // KV heads a block of the 16-bit tensor-core decode streams (1: the one-head kernel). Asked
 // for (p.kv_heads_per_block > 0), as asked where the shape allows; otherwise, with
 // JAXATTN_DECODE_STREAM_HEADS, the fewest that fit the grid in one wave of resident blocks
-// when it would need more, and one when that cannot be had.
+// (multiprocessors x the kernel's occupancy) when it would need more, and one when that cannot
+// be had or the device cannot be queried.
 template <typename T, int D>
 int decode_kv_heads_per_block(const DecodeParams& p) {
   using S = MmaDecodeShape<T, D>;
@@ -1714,8 +1718,14 @@ int decode_kv_heads_per_block(const DecodeParams& p) {
   if (!S::kStreamHeads || kvh <= 1) return 1;
   if (p.kv_heads_per_block > 0) return p.kv_heads_per_block < kvh ? p.kv_heads_per_block : kvh;
   if (!JAXATTN_DECODE_STREAM_HEADS) return 1;
-  const DeviceCaps c = current_device_caps();
-  const int64_t wave = int64_t(c.sms) * cmax(1, c.smem_sm / (S::kSmemBytes + 1024));
+  int dev = 0, sms = 0, resident = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      occupancy_of(paged_decode_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, &resident)) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  const int64_t wave = int64_t(sms) * resident;
   const int64_t runs = int64_t(p.batch) * (p.partition_size > 0 ? p.max_parts : 1);
   if (runs * kvh <= wave) return 1;
   for (int h = 2; h <= kvh; h *= 2)
