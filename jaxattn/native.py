@@ -304,6 +304,31 @@ def _unsupported(platform, q, k_cache, v_cache, num_kv_heads, head_dim) -> str |
     return None
 
 
+# The GPU decode and cascade rings keep a row's offset as a uint32 row number (a row: head_dim
+# elements of one token and KV head; 0xffffffff marks a masked row), so they address at most
+# 2**32 - 2 rows of a cache: more than any 16-bit cache or head_dim >= 64 a GPU holds, but an
+# FP8 cache of head_dim 32 on a 141 GB card could pass it.
+_MAX_RING_ROWS = 2**32 - 2
+
+
+def _ring_rows_unsupported(platform, k_cache, v_cache, head_dim) -> str | None:
+    if platform == "cpu" or head_dim <= 0:
+        return None
+    rows = max(math.prod(k_cache.shape), math.prod(v_cache.shape)) // head_dim
+    if rows > _MAX_RING_ROWS:
+        return (
+            f"native GPU decode addresses at most {_MAX_RING_ROWS} cache rows of head_dim "
+            f"elements (uint32 row numbers), got a k_cache / v_cache of {rows}"
+        )
+    return None
+
+
+def _require_ring_rows(platform, k_cache, v_cache, geom) -> None:
+    reason = _ring_rows_unsupported(platform, k_cache, v_cache, geom.head_dim)
+    if reason is not None:
+        raise NotImplementedError(reason)
+
+
 def _layout_id(layout) -> int:
     name = L.get(layout, pool=True).name
     if name not in _LAYOUT_IDS:
@@ -459,6 +484,7 @@ def paged_attention(
     :func:`choose_partition_size` picks."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout)
+    _require_ring_rows(platform, k_cache, v_cache, geom)
     batch, num_q_heads, head_dim = q.shape
     if partition_size is not None:
         ps = int(partition_size)
@@ -939,6 +965,7 @@ def cascade_attention(
     16-bit or float32 caches only."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout)
+    _require_ring_rows(platform, k_cache, v_cache, geom)
     cfg, grid = _cascade_plan(platform, q, geom, prefix_tables, block_tables, config)
     batch, num_q_heads, head_dim = q.shape
     own_capacity = block_tables.shape[1] * geom.page_size
@@ -1000,6 +1027,12 @@ class _Native(KernelImplementation):
 class _PagedAttention(_Native):
     config_cls = DecodeConfig
 
+    def supports(self, a):
+        reason = super().supports(a)
+        if reason is None:
+            reason = _ring_rows_unsupported(_platform(), a.k_cache, a.v_cache, a.geometry.head_dim)
+        return reason
+
     def heuristic_config(self, a):
         platform = _ensure_registered()
         return DecodeConfig(
@@ -1031,6 +1064,8 @@ class _CascadeAttention(_Native):
 
     def supports(self, a):
         reason = super().supports(a)
+        if reason is None:
+            reason = _ring_rows_unsupported(_platform(), a.k_cache, a.v_cache, a.geometry.head_dim)
         if reason is None and _platform() != "cpu" and a.fp8_cache:
             # Per-head scales on a 16-bit / float32 cache are served exactly (folded into
             # the logit factor and the merged output); FP8 elements would need widening in

@@ -76,6 +76,19 @@ def test_partition_choice():
     assert choose(None, platform="cpu", batch=1, group=4, num_kv_heads=8, capacity=4096) == 0
 
 
+def test_ring_rows_bound():
+    # The GPU decode and cascade rings number a cache's rows in uint32 (0xffffffff masks a
+    # row): a cache of 2**32 rows (an FP8 cache of head_dim 32 at 128 GiB) is refused with the
+    # reason, one of 32 rows fewer is not, and the CPU handlers have no such bound.
+    fp8 = jnp.float8_e4m3fn
+    big = jax.ShapeDtypeStruct((2**27, 16, 2, 32), fp8)
+    fits = jax.ShapeDtypeStruct((2**27 - 1, 16, 2, 32), fp8)
+    why = native._ring_rows_unsupported("cuda", big, fits, 32)
+    assert why is not None and "4294967296" in why and "cache rows" in why
+    assert native._ring_rows_unsupported("cuda", fits, fits, 32) is None
+    assert native._ring_rows_unsupported("cpu", big, big, 32) is None
+
+
 @pytest.mark.gpu
 def test_occupancy_comes_from_the_library():
     blocks, sms = native.decode_occupancy(native._platform(), jnp.bfloat16, 128, 4)

@@ -560,17 +560,12 @@ __device__ __forceinline__ void cascade_prefix_softmax(const CascadeParams& p, f
                                                        float& a1) {
   constexpr float kNegInf = -__builtin_huge_valf();
   const int tq = threadIdx.x % 4;
-  // Experiment (JAXATTN_CASCADE_FOLD, off): without a cap and with a positive factor (every
-  // op's scale and key scales are; a device array's k_scale is not checked), the maxima on the
-  // raw dot products and the factor folded into the exponent's FFMA, as the Hopper prefill
-  // does: the tile's 32 multiplies a lane go.
-  const bool fold = JAXATTN_CASCADE_FOLD != 0 && !(p.ls.cap_log2e > 0.f) && q_scale > 0.f;
   if (p.ls.cap_log2e > 0.f) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[j][e] = p.ls.cap_log2e * tanhf(sc[j][e] * q_scale);
-  } else if (!fold) {
+  } else {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -589,12 +584,7 @@ __device__ __forceinline__ void cascade_prefix_softmax(const CascadeParams& p, f
     mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
   }
-  if (fold) {
-    mma_online_softmax<J, kCascadeRescaleSlack, true>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1,
-                                                      q_scale);
-  } else {
-    mma_online_softmax<J, kCascadeRescaleSlack>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
-  }
+  mma_online_softmax<J, kCascadeRescaleSlack>(sc, mx0, mx1, m0, m1, l0, l1, a0, a1);
 }
 
 // A prefix block's rows, finished: o in the m16n8 accumulator layout (o[i][0..1]: row g, dims
@@ -849,13 +839,8 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                                                      int start, int end);
 
 // WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
-// JAXATTN_CASCADE_MIN_BLOCKS (an experiment's knob, 2 by default): the blocks an SM ptxas
-// sizes the registers for.
-#ifndef JAXATTN_CASCADE_MIN_BLOCKS
-#define JAXATTN_CASCADE_MIN_BLOCKS 2
-#endif
 template <typename T, int D, bool WG = false>
-__global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, JAXATTN_CASCADE_MIN_BLOCKS)
+__global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
 #if __CUDA_ARCH__ >= 800
   using S = CascadeMmaShape<T, D>;
@@ -1111,7 +1096,7 @@ const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
     return "jaxattn: cascade prefix_kernel must be 0 (auto), 1 (mma) or 2 (wgmma)";
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
-    return "jaxattn: this build's cascade rings address at most 2^32 - 1 cache rows";
+    return "jaxattn: GPU cascade decode addresses at most 2^32 - 2 cache rows of head_dim elements";
   switch (p.kv.head_dim) {
     case 32:
       return launch_cascade_dim<T, 32>(p, stream);

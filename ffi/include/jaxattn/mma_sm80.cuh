@@ -131,29 +131,15 @@ __device__ __forceinline__ void online_max_step(float mx0, float mx1, float& m0,
 // max) (a row that has seen only -inf subtracts 0, so its probabilities stay 0), this lane's
 // partial row sums l0 / l1 rescaled and increased (the quad's are added once at the end). a0 /
 // a1 get the factors that rescale the rows' O (scale_c_rows).
-//
-// FOLD: s holds raw dot products whose logits are qs s (qs > 0) and mx0 / mx1 are their raw
-// maxima; the logits' maxima are then qs times them, and each probability is exp2(s qs - max)
-// in one FFMA (the factor's multiply folded into the subtraction).
-template <int J, int SLACK = 0, bool FOLD = false>
+template <int J, int SLACK = 0>
 __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, float mx1,
                                                    float& m0, float& m1, float& l0, float& l1,
-                                                   float& a0, float& a1, float qs = 1.f) {
+                                                   float& a0, float& a1) {
   mx0 = group_max<4>(mx0);
   mx1 = group_max<4>(mx1);
-  if constexpr (FOLD) {
-    mx0 *= qs;
-    mx1 *= qs;
-  }
   float mu0, mu1;
   online_max_step<SLACK>(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
-  auto logit = [&](float x, float mu) {
-    if constexpr (FOLD) {
-      return fmaf(x, qs, -mu);
-    } else {
-      return x - mu;
-    }
-  };
+  auto logit = [](float x, float mu) { return x - mu; };
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
