@@ -207,7 +207,6 @@ struct Case {
   Layout layout = Layout::kBSHD;
   int part = 0;
   float scale = 0.1f, cap = 0.f;
-  int kv_heads_per_block = 0;  // DecodeParams's (0: the launcher's choice)
 };
 
 std::string describe(const Case& c) {
@@ -217,13 +216,10 @@ std::string describe(const Case& c) {
   char cache[32] = "";
   if (c.kv != c.dt)
     std::snprintf(cache, sizeof(cache), "/%s%s", dt_name(c.kv), c.scaled ? "s" : "");
-  char run[32] = "";
-  if (c.kv_heads_per_block > 0)
-    std::snprintf(run, sizeof(run), " kv_heads/block=%d", c.kv_heads_per_block);
   std::snprintf(buf, sizeof(buf),
-                "%-4s%-6s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%4d cap=%g%s lens=[%s]",
+                "%-4s%-6s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%4d cap=%g lens=[%s]",
                 dt_name(c.dt), cache, c.hq, c.hkv, c.d, c.page,
-                c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.cap, run, lens.c_str());
+                c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part, c.cap, lens.c_str());
   return buf;
 }
 
@@ -387,7 +383,6 @@ bool run_problem(const Problem& P, const std::string& label) {
   p.max_parts = c.part > 0 ? int32_t((capacity + c.part - 1) / c.part) : 1;
   p.kv = P.g;
   p.ls = make_logit_scale(c.scale, c.cap);
-  p.kv_heads_per_block = c.kv_heads_per_block;
   const size_t ws_floats = size_t(decode_workspace_floats(B, hq, p.max_parts, D));
   void *dq, *dkc, *dvc, *dout;
   int32_t *dtab, *dlens;
@@ -532,15 +527,12 @@ int run_robustness(Rng& rng) {
     int hq, hkv;
     const char* kernel;
     DT kv = DT::kF32;  // an FP8 format, or (anything else) q's dtype
-    int kv_heads_per_block = 0;
   };
   const Variant variants[] = {
       {DT::kBF16, 2, 2, "direct"},
       {DT::kF16, 4, 4, "direct"},
       {DT::kBF16, 8, 2, "mma"},
       {DT::kF16, 16, 2, "mma"},
-      {DT::kBF16, 8, 2, "mma, 2 KV heads a block", DT::kF32, 2},
-      {DT::kF16, 12, 3, "mma, 2 KV heads a block", DT::kF32, 2},
       {DT::kF32, 8, 2, "simt"},
       {DT::kBF16, 32, 2, "simt"},
       {DT::kBF16, 64, 2, "simt32"},
@@ -563,7 +555,6 @@ int run_robustness(Rng& rng) {
         c.hq = v.hq;
         c.hkv = v.hkv;
         c.part = part;
-        c.kv_heads_per_block = v.kv_heads_per_block;
         Problem P = make_problem(c, rng);
         e.apply(P);
         ++total;
@@ -726,25 +717,6 @@ int run_checks() {
     fp8({32768}, 32, 8, 512, 0.0884f, 0.f);                     // B=1 long, 32/8
     fp8({4096, 4095, 4033, 63, 4161}, 32, 8, 0, 0.0884f, 0.f);  // one pass, 32/8
   }
-  // KV heads streamed by one block (16-bit tensor-core kernel at head_dim 128 and 256): runs of
-  // 2, 3 (a shorter last run) and all heads, over short and long sequences, one pass and split.
-  for (DT dt : {DT::kBF16, DT::kF16})
-    for (int d : {128, 256})
-      for (int run : {2, 3, 8})
-        for (int part : {0, 64}) {
-          Case c;
-          c.dt = dt;
-          c.d = d;
-          c.lens = {1, 3, 17, 64, 255, 513, 0, 130};
-          c.hkv = d == 128 ? 8 : 5;
-          c.hq = c.hkv * (run == 3 ? 3 : 4);
-          c.page = run == 3 ? 7 : 16;
-          c.layout = (run + part) % 2 ? Layout::kBHSD : Layout::kBSHD;
-          c.part = part;
-          c.cap = run == 8 ? 4.f : 0.f;
-          c.kv_heads_per_block = run;
-          cases.push_back(c);
-        }
   int failed = 0;
   for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;
   std::printf("correctness: %zu cases, %d failed\n", cases.size(), failed);
@@ -854,12 +826,6 @@ struct Bench {
   bool fp8;  // an e4m3 cache with per-head scales (bf16 q either way)
   static constexpr int D = JAXATTN_BENCH_HEAD_DIM, P = 16;
   int copies = 1, pages_per_copy = 0, width = 0;
-  // DecodeParams's, from DECODE_KV_HEADS_PER_BLOCK in the environment (unset: 0, the
-  // launcher's choice): `DECODE_KV_HEADS_PER_BLOCK=2 decode_selftest --one bf16 64 256 0`
-  // times the 16-bit kernel streaming two KV heads a block.
-  int kv_heads_per_block = std::getenv("DECODE_KV_HEADS_PER_BLOCK")
-                               ? std::atoi(std::getenv("DECODE_KV_HEADS_PER_BLOCK"))
-                               : 0;
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   float* ws = nullptr;
   float* scales = nullptr;  // k then v, [hkv] each
@@ -935,7 +901,6 @@ struct Bench {
     p.max_parts = part > 0 ? int32_t((int64_t(width) * P + part - 1) / part) : 1;
     p.kv = make_geometry(Layout::kBSHD, int64_t(copies) * pages_per_copy, P, hkv, D);
     p.ls = make_logit_scale(0.0883883f, 0.f);
-    p.kv_heads_per_block = kv_heads_per_block;
     if (fp8) {
       p.scales.k = scales;
       p.scales.v = scales + hkv;
@@ -955,28 +920,19 @@ struct Bench {
       if (variant == 1) e = gpu::launch_paged_decode_group<bf16_t, D, 4, false>(p, 0);
       if (variant == 2) e = gpu::launch_paged_decode_group<bf16_t, D, 4, true>(p, 0);
       // A tensor-core kernel alone (3) / the combine alone (4): FP8 or 16-bit, as the cache.
-      auto alone = [&](auto kernel, int threads, int smem, const DecodeParams& kp, int heads) {
+      auto alone = [&](auto kernel, int threads, int smem) {
         dim3 grid;
-        e = gpu::decode_grid(kp, &grid, heads);
+        e = gpu::decode_grid(p, &grid);
         if (!e) e = gpu::allow_dynamic_smem(kernel, smem);
-        if (!e && variant == 3) kernel<<<grid, threads, smem>>>(kp);
+        if (!e && variant == 3) kernel<<<grid, threads, smem>>>(p);
         if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
       };
       using F8 = gpu::MmaFp8DecodeShape<e4m3_t, D>;
       using M16 = gpu::MmaDecodeShape<bf16_t, D>;
       if ((variant == 3 || variant == 4) && fp8)
-        alone(gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>, F8::kThreads, F8::kSmemBytes, p,
-              1);
-      if ((variant == 3 || variant == 4) && !fp8) {
-        const int heads = gpu::decode_kv_heads_per_block<bf16_t, D>(p);
-        DecodeParams run = p;  // the launcher's kernel: streamed KV heads or one
-        run.kv_heads_per_block = heads;
-        if (heads > 1)
-          alone(gpu::paged_decode_mma_heads_kernel<bf16_t, D>, M16::kThreads, M16::kSmemBytes, run,
-                heads);
-        else
-          alone(gpu::paged_decode_mma_kernel<bf16_t, D>, M16::kThreads, M16::kSmemBytes, run, 1);
-      }
+        alone(gpu::paged_decode_mma_fp8_kernel<bf16_t, e4m3_t, D>, F8::kThreads, F8::kSmemBytes);
+      if ((variant == 3 || variant == 4) && !fp8)
+        alone(gpu::paged_decode_mma_kernel<bf16_t, D>, M16::kThreads, M16::kSmemBytes);
       if (e) {
         std::fprintf(stderr, "launch failed: %s\n", e);
         std::exit(2);
@@ -1140,8 +1096,7 @@ int main(int argc, char** argv) {
                 bench.time(part, 3));
     dim3 grid;
     const DecodeParams p0 = bench.params(part, 0);
-    const int heads = bench.fp8 ? 1 : gpu::decode_kv_heads_per_block<bf16_t, Bench::D>(p0);
-    if (const char* e = gpu::decode_grid(p0, &grid, heads)) {
+    if (const char* e = gpu::decode_grid(p0, &grid)) {
       std::fprintf(stderr, "%s\n", e);
       return 2;
     }
@@ -1196,10 +1151,8 @@ int main(int argc, char** argv) {
     bench.setup(rng);
     const int part = std::atoi(argv[5]);
     const double us = bench.time(part, 0);
-    const int heads =
-        fp8 ? 1 : gpu::decode_kv_heads_per_block<bf16_t, Bench::D>(bench.params(part, 0));
-    std::printf("%s B=%d ctx=%d part=%d: %.1f us, %.0f GB/s (KV heads a block %d)\n", argv[2],
-                bench.B, bench.ctx, part, us, bench.kv_bytes() / (us * 1e-6) / 1e9, heads);
+    std::printf("%s B=%d ctx=%d part=%d: %.1f us, %.0f GB/s\n", argv[2], bench.B, bench.ctx, part,
+                us, bench.kv_bytes() / (us * 1e-6) / 1e9);
     if (part > 0)
       std::printf("  kernel alone %.1f us, combine alone %.1f us\n", bench.time(part, 3),
                   bench.time(part, 4));

@@ -118,11 +118,6 @@
 #ifndef JAXATTN_DECODE_ROW_UNITS
 #define JAXATTN_DECODE_ROW_UNITS 1
 #endif
-// Experiment (off): the 16-bit tensor-core decode streams several KV heads a block when its
-// grid would take more than one wave of resident blocks (decode_kv_heads_per_block).
-#ifndef JAXATTN_DECODE_STREAM_HEADS
-#define JAXATTN_DECODE_STREAM_HEADS 0
-#endif
 
 namespace jaxattn {
 namespace gpu {
@@ -247,18 +242,16 @@ __device__ __forceinline__ int decode_block_start(const DecodeParams& p) {
   return p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0;
 }
 
-// `heads`: the block's KV heads from kvh on (the rows of all of them are NaN).
 template <typename T>
 __device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int group,
-                                             DecodeRange* r, int heads = 1) {
+                                             DecodeRange* r) {
   const int L = p.seq_lens[blockIdx.y];
   if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) {
     if (p.partition_size == 0) {
       const int D = p.kv.head_dim;
       T* out =
           static_cast<T*>(p.out) + (int64_t(blockIdx.y) * p.num_q_heads + int64_t(kvh) * group) * D;
-      for (int i = threadIdx.x; i < heads * group * D; i += blockDim.x)
-        out[i] = from_float<T>(quiet_nan());
+      for (int i = threadIdx.x; i < group * D; i += blockDim.x) out[i] = from_float<T>(quiet_nan());
     }
     return false;
   }
@@ -495,26 +488,19 @@ struct KvRing {
   // True when the row's page id lies outside the cache: the row is then zero-filled like a
   // row past the end, and the caller poisons the block.
   __device__ __forceinline__ bool store_offset(int n, int page) const {
-    return store_stream_offset(n, n, 0, page);
-  }
-  // The same for tile n of a stream of KV heads over the same rows (the 16-bit decode's
-  // kv_heads_per_block): it is tile `tile` of the range, of the KV head `head` after the ring's.
-  __device__ __forceinline__ bool store_stream_offset(int n, int tile, int head, int page) const {
     if (int(threadIdx.x) >= TILE) return false;
-    const int t = start + tile * TILE + int(threadIdx.x);
+    const int t = start + n * TILE + int(threadIdx.x);
     const bool live = t < end;
     const bool ok = live && index_ok(page, kv.num_pages);
     if constexpr (kRowUnits) {
       // In 32 bits: the launcher keeps the cache's rows below kNoRow.
       const uint32_t row = uint32_t(page) * uint32_t(kv.page_stride / D) +
-                           uint32_t(page_offset(t)) * uint32_t(kv.token_stride / D) +
-                           uint32_t(head) * uint32_t(kv.head_stride / D);
+                           uint32_t(page_offset(t)) * uint32_t(kv.token_stride / D);
       row_units(n % STAGES)[unit_slot(int(threadIdx.x))] = ok ? row : kNoRow;
     } else {
-      offsets(n % STAGES)[threadIdx.x] = ok ? int64_t(page) * kv.page_stride +
-                                                  int64_t(page_offset(t)) * kv.token_stride +
-                                                  int64_t(head) * kv.head_stride
-                                            : int64_t(-1);
+      offsets(n % STAGES)[threadIdx.x] =
+          ok ? int64_t(page) * kv.page_stride + int64_t(page_offset(t)) * kv.token_stride
+             : int64_t(-1);
     }
     return live && !ok;
   }
@@ -628,33 +614,13 @@ struct KvRing {
 #pragma unroll
     for (int n = 0; n < STAGES; ++n) bad |= store_offset(n, pages[n]);
     __syncthreads();
-    issue_prologue(ntiles, fetch);
-    return bad;
-  }
-  // The same over a stream of `heads` KV heads (store_stream_offset): stream tile n is tile
-  // n % ntiles of head n / ntiles; a stream shorter than STAGES tiles reads the pages of its
-  // repeated tiles again.
-  __device__ __forceinline__ bool prologue_stream(int ntiles, int heads,
-                                                  const int (&pages)[STAGES]) const {
-    bool bad = false;
-#pragma unroll
-    for (int n = 0; n < STAGES; ++n) {
-      const int nt = ntiles > 0 ? ntiles : 1;
-      int tile = n % nt, head = n / nt;
-      if (head >= heads) tile = nt, head = 0;  // past the stream: a row past the end
-      bad |= store_stream_offset(n, tile, head, n < ntiles ? pages[n] : page_of(tile));
-    }
-    __syncthreads();
-    issue_prologue(ntiles * heads);
-    return bad;
-  }
-  __device__ __forceinline__ void issue_prologue(int ntiles, bool fetch = false) const {
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
       if (n < ntiles) issue(n);
       if (fetch) fetch_page(n + STAGES);
       async_copy_commit();
     }
+    return bad;
   }
   // The same, the pages read now (page_of).
   __device__ __forceinline__ bool prologue(int ntiles, bool fetch = false) const {
@@ -668,23 +634,21 @@ struct KvRing {
 // The tensor-core decode kernels' start once their early loads are issued (q, and `pages` from
 // Ring::early_pages at decode_block_start): the block's range (decode_range; false: nothing to
 // compute), its ring over this KV head and the prologue's copies. `bad`: this thread met a page
-// id outside the cache. `heads` > 1: the ring streams that many KV heads from kvh on
-// (KvRing::prologue_stream).
+// id outside the cache.
 template <typename T, typename Ring>
 __device__ __forceinline__ bool decode_ring_start(const DecodeParams& p, int kvh, int group,
                                                   const int32_t* table, unsigned char* smem,
                                                   const int (&pages)[Ring::kStages], Ring& ring,
-                                                  bool& bad, int heads = 1) {
+                                                  bool& bad) {
   DecodeRange range;
   pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range, heads)) return false;
+  if (!decode_range<T>(p, kvh, group, &range)) return false;
   using E = typename Ring::Elem;
   const int64_t head = kvh * p.kv.head_stride;
   const E* k = static_cast<const E*>(p.k) + head;
   const E* v = static_cast<const E*>(p.v) + head;
   ring = Ring{smem, k, v, table, p.kv, range.start, range.end};
-  bad = heads > 1 ? ring.prologue_stream(ring.tiles(), heads, pages)
-                  : ring.prologue(ring.tiles(), pages);
+  bad = ring.prologue(ring.tiles(), pages);
   return true;
 }
 
@@ -1003,13 +967,6 @@ struct MmaDecodeShape {
   // At 32, 128 and 256 that read is waited for after the products already, and reading it
   // early at 128 cost 0.8% (round 48).
   static constexpr bool kPageLead = D == 64;
-  // Whether a block may stream several KV heads (paged_decode_mma_heads_kernel): where two
-  // blocks an SM is all that fits (head_dim 128 and 256), so that a batch of more (sequence,
-  // KV head) pairs than that runs in one wave. A head's states are merged over one stage's
-  // K and V rows.
-  static constexpr bool kStreamHeads = !kPageLead && kMinBlocks <= 2;
-  static_assert(!kStreamHeads || kMergeBytes <= 2 * kTile * kRowStride * int(sizeof(T)),
-                "a head's merge fits one stage's rows");
 };
 
 // Block timelines of the tensor-core kernels, for the decode self-test's --trace (compile
@@ -1094,29 +1051,18 @@ __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* 
 //     (ldmatrix.trans of 8 token rows x 8 dims: lane gets V[tokens 2t, 2t+1][dim g]), B = P^T:
 //     (rows = tokens 2t, 2t+1, col = head g) is what S's C fragment holds, (head g, tokens 2t,
 //     2t+1), packed to 16 bits.
-//
-// The 16-bit tensor-core decode (paged_decode_mma_kernel): one block a (KV head, sequence,
-// partition), or with STREAM a run of p.kv_heads_per_block KV heads of one sequence
-// (paged_decode_mma_heads_kernel). Those heads read the same rows, so their tiles form one
-// stream through the ring -- tile n is tile n % ntiles of the block's head n / ntiles, its
-// offsets that head's rows -- and the copies of a head's first tiles are in flight while the
-// one before it computes its last: a batch with more (sequence, KV head) pairs than resident
-// blocks runs in one wave of blocks without a second prologue, instead of two. A head's states
-// are merged over the rows of the stage its last tile used, which the ring refills only after
-// the next iteration's barrier (its offsets, before the rows, are stored after the merge).
-template <typename T, int D, bool STREAM>
-__device__ __forceinline__ void mma_decode_block(const DecodeParams& p) {
+template <typename T, int D>
+__global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape<T, D>::kMinBlocks)
+    paged_decode_mma_kernel(const DecodeParams p) {
+#if __CUDA_ARCH__ >= 800
   using S = MmaDecodeShape<T, D>;
-  static_assert(!STREAM || S::kStreamHeads, "no streamed heads here");
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem[];
   JAXATTN_TRACE(0);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
-  const int heads = STREAM ? p.kv_heads_per_block : 1;
-  const int kvh = blockIdx.x * heads, b = blockIdx.y;  // STREAM: the block's first KV head
-  const int nh = STREAM ? min(heads, p.kv.num_kv_heads - kvh) : 1;
+  const int kvh = blockIdx.x, b = blockIdx.y;
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -1127,25 +1073,23 @@ __device__ __forceinline__ void mma_decode_block(const DecodeParams& p) {
   // tiles (at batch 1 the q loads used to queue behind the first tiles' copies, ~3 us).
   // Q as the A operand, unscaled (16-bit, exact); the scale (with the KV head's key scale) is
   // applied to S in f32.
-  float q_scale;
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
   uint32_t qa[KD][2];
-  auto load_q = [&](int h) {
-    q_scale = p.ls.q_scale * p.scales.k_of(h);
+  {
     const bool head_ok = g < group;
     const T* qp = static_cast<const T*>(p.q) +
-                  (int64_t(b) * p.num_q_heads + int64_t(h) * group + (head_ok ? g : 0)) * D;
+                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
       qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
       qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
     }
-  };
-  load_q(kvh);
+  }
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
   Ring ring;
   bool bad;  // this thread met a page id outside the cache
-  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad, nh)) return;
+  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
   const int start = ring.start, end = ring.end, ntiles = ring.tiles();
   JAXATTN_TRACE(2);
 
@@ -1160,28 +1104,20 @@ __device__ __forceinline__ void mma_decode_block(const DecodeParams& p) {
   const uint32_t lane_off =
       uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
 
-  // STREAM: the computed tile's head (of the block's) and tile; those of tile n + NS, whose
-  // offsets the iteration stores (a head past the block's: a tile past the end).
-  const int total = STREAM ? ntiles * nh : ntiles;
-  int hc = 0, tc = 0, hs = 0, ts = 0;
-  if constexpr (STREAM) {
-    if (ntiles > 0) hs = NS / ntiles, ts = NS % ntiles;
-  }
   // The page of tile n + NS, stored after tile n's compute: read in the same iteration, or
   // (S::kPageLead) a whole iteration earlier, after tile n - 1's store.
   int page = S::kPageLead ? ring.page_of(NS) : 0;
-  for (int n = 0; n < total; ++n) {
+  for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();  // this thread's copies of tile n have landed
     __syncthreads();            // everyone's have, and stage (n - 1) % NS is free
     if (n < 8) JAXATTN_TRACE(4 + n);
-    if (n + NS - 1 < total) ring.issue(n + NS - 1);
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
-    const int stored = STREAM ? (hs < nh ? ts : ntiles) : n + NS;
-    if constexpr (!S::kPageLead) page = ring.page_of(stored);  // used after the compute
+    if constexpr (!S::kPageLead) page = ring.page_of(n + NS);  // used after the compute
 
     const int s = n % NS;
-    const int t0 = start + (STREAM ? tc : n) * TILE + rb;  // this warp's first token
-    if (t0 < end) {                                        // warp-uniform
+    const int t0 = start + n * TILE + rb;  // this warp's first token
+    if (t0 < end) {                        // warp-uniform
       const uint32_t kaddr = smem_u32(ring.k_rows(s)) + lane_off;
       const uint32_t vaddr = smem_u32(ring.v_rows(s)) + lane_off;
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -1224,53 +1160,14 @@ __device__ __forceinline__ void mma_decode_block(const DecodeParams& p) {
         mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
       }
     }
-    if constexpr (STREAM) {
-      if (tc == ntiles - 1) {  // block-uniform: head hc's last tile
-        mma_decode_finish<T, D>(p, reinterpret_cast<float*>(ring.k_rows(s)), o, m, l, bad, b,
-                                kvh + hc, group);
-        ++hc;
-        tc = 0;
-        if (hc < nh) {
-          load_q(kvh + hc);
-#pragma unroll
-          for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-          m = kNegInf;
-          l = 0.f;
-        }
-      } else {
-        ++tc;
-      }
-      bad |= ring.store_stream_offset(n + NS, stored, hs < nh ? hs : 0, page);
-      if (++ts == ntiles) ts = 0, ++hs;
-    } else {
-      bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
-      if constexpr (S::kPageLead) page = ring.page_of(n + NS + 1);
-    }
+    bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
+    if constexpr (S::kPageLead) page = ring.page_of(n + NS + 1);
   }
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
-  // Per-warp states to shared memory (over the ring), then the fixed-order merge. STREAM:
-  // every head with a tile was written in the loop; with none (an empty sequence), each here.
-  for (; hc < nh; ++hc)
-    mma_decode_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh + hc, group);
+  // Per-warp states to shared memory (over the ring), then the fixed-order merge.
+  mma_decode_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group);
   JAXATTN_TRACE(13);
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape<T, D>::kMinBlocks)
-    paged_decode_mma_kernel(const DecodeParams p) {
-#if __CUDA_ARCH__ >= 800
-  mma_decode_block<T, D, false>(p);
-#endif
-}
-
-// The same over runs of p.kv_heads_per_block KV heads (grid.x: the runs), where
-// MmaDecodeShape::kStreamHeads.
-template <typename T, int D>
-__global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape<T, D>::kMinBlocks)
-    paged_decode_mma_heads_kernel(const DecodeParams p) {
-#if __CUDA_ARCH__ >= 800
-  if constexpr (MmaDecodeShape<T, D>::kStreamHeads) mma_decode_block<T, D, true>(p);
 #endif
 }
 
@@ -1599,11 +1496,9 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   }
 }
 
-// `heads`: KV heads a block (paged_decode_mma_heads_kernel's runs).
-inline const char* decode_grid(const DecodeParams& p, dim3* grid, int heads = 1) {
+inline const char* decode_grid(const DecodeParams& p, dim3* grid) {
   if (p.batch > 65535 || p.max_parts > 65535) return "jaxattn: batch or partition count over 65535";
-  *grid = dim3((p.kv.num_kv_heads + heads - 1) / heads, p.batch,
-               p.partition_size > 0 ? p.max_parts : 1);
+  *grid = dim3(p.kv.num_kv_heads, p.batch, p.partition_size > 0 ? p.max_parts : 1);
   return nullptr;
 }
 
@@ -1675,9 +1570,9 @@ inline bool stream_capturing(gpuStream_t stream) {
 // the kernel is its graph's first and the attribute costs host time at each trace for nothing.
 template <typename Kernel>
 const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads, int smem,
-                               gpuStream_t stream, int heads = 1) {
+                               gpuStream_t stream) {
   dim3 grid;
-  if (const char* e = decode_grid(p, &grid, heads)) return e;
+  if (const char* e = decode_grid(p, &grid)) return e;
   if (const char* e = allow_dynamic_smem(kernel, smem)) return e;
   if (!stream_capturing(stream) && launch_dependent(kernel, grid, threads, smem, stream, p))
     return nullptr;
@@ -1685,54 +1580,12 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
   return check_launch();
 }
 
-template <typename Kernel>
-const char* occupancy_of(Kernel kernel, int threads, int smem, int* blocks);
-
-// KV heads a block of the 16-bit tensor-core decode streams (1: the one-head kernel). Asked
-// for (p.kv_heads_per_block > 0), as asked where the shape allows; otherwise, with
-// JAXATTN_DECODE_STREAM_HEADS, the fewest that fit the grid in one wave of resident blocks
-// (multiprocessors x the kernel's occupancy) when it would need more, and one when that cannot
-// be had or the device cannot be queried.
-template <typename T, int D>
-int decode_kv_heads_per_block(const DecodeParams& p) {
-  using S = MmaDecodeShape<T, D>;
-  const int kvh = p.kv.num_kv_heads;
-  if (!S::kStreamHeads || kvh <= 1) return 1;
-  if (p.kv_heads_per_block > 0) return p.kv_heads_per_block < kvh ? p.kv_heads_per_block : kvh;
-  if (!JAXATTN_DECODE_STREAM_HEADS) return 1;
-  int dev = 0, sms = 0, resident = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      occupancy_of(paged_decode_mma_kernel<T, D>, S::kThreads, S::kSmemBytes, &resident)) {
-    (void)cudaGetLastError();
-    return 1;
-  }
-  const int64_t wave = int64_t(sms) * resident;
-  const int64_t runs = int64_t(p.batch) * (p.partition_size > 0 ? p.max_parts : 1);
-  if (runs * kvh <= wave) return 1;
-  for (int h = 2; h <= kvh; h *= 2)
-    if (runs * ((kvh + h - 1) / h) <= wave) return h;
-  return 1;
-}
-
 template <typename T, int D>
 const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaDecodeShape<T, D>;
-  const char* e = nullptr;
-  bool launched = false;
-  if constexpr (S::kStreamHeads) {
-    const int heads = decode_kv_heads_per_block<T, D>(p);
-    if (heads > 1) {
-      DecodeParams run = p;
-      run.kv_heads_per_block = heads;
-      e = launch_decode_main(paged_decode_mma_heads_kernel<T, D>, run, S::kThreads, S::kSmemBytes,
-                             stream, heads);
-      launched = true;
-    }
-  }
-  if (!launched)
-    e = launch_decode_main(paged_decode_mma_kernel<T, D>, p, S::kThreads, S::kSmemBytes, stream);
-  if (e) return e;
+  if (const char* e =
+          launch_decode_main(paged_decode_mma_kernel<T, D>, p, S::kThreads, S::kSmemBytes, stream))
+    return e;
   return launch_decode_combine<T, D>(p, stream);
 }
 

@@ -119,9 +119,6 @@ struct DecodeParams {
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;
-  // KV heads of one sequence a block of the 16-bit tensor-core decode streams where its shape
-  // allows (gpu::MmaDecodeShape::kStreamHeads); 0: the launcher's choice, 1: one.
-  int32_t kv_heads_per_block = 0;
 };
 
 inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t max_parts,
