@@ -730,16 +730,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
   uint32_t qa[KD][2];
-  {
-    const bool head_ok = g < group;
-    const T* qp = static_cast<const T*>(p.q) +
-                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
-      qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
-    }
-  }
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, kvh, group, g, tq, qa);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
   int start, end;
@@ -775,44 +766,9 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
     const int s = n % NS;
     const int t0 = start + n * TILE + rb;  // this warp's first token
     if (t0 < end) {                        // warp-uniform
-      const uint32_t kaddr = smem_u32(ring.k_rows(s)) + lane_off;
-      const uint32_t vaddr = smem_u32(ring.v_rows(s)) + lane_off;
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        uint32_t kf[4];
-        ldmatrix_x4(kf, kaddr + kk * 32);
-        mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);
-        mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);
-      }
-      float pr[2][2];
-      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
-      mx = group_max<4>(mx);
-      const float m_new = fmaxf(m, mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pr[h][e] = fast_exp2(pr[h][e] - m_use);
-          sum += pr[h][e];
-        }
-      }
-      l = l * alpha + sum;
-      m = m_new;
-      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
-      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
-      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
-#pragma unroll
-      for (int j = 0; j < KD; ++j) {
-        if (rescale) scale_c_cols(o[j], a_lo, a_hi);
-        uint32_t vf[4];
-        ldmatrix_x4_trans(vf, vaddr + j * 32);
-        mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
-      }
+      mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
+                            smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
+                            o, m, l);
     }
     bad |= ring.store_offset(n + NS, page);
   }

@@ -1041,6 +1041,88 @@ __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* 
                                                             p.scales.v_of(kvh));
 }
 
+// The online softmax step of a tensor-core decode tile's logits S (sc, the m16n8 accumulators
+// of tokens t0 .. t0 + 15, row g = head g; rows 8..15 are padding; keys at or past `end`
+// masked): head g's running max m and this lane's share of the sum l updated, pr = its
+// probabilities (tokens t0 + 8 h + 2 tq + e), a_lo / a_hi the rescale factors of this lane's
+// output columns (heads 2 tq and 2 tq + 1, whose factors live on lanes 4 (2 tq) and
+// 4 (2 tq + 1)). Returns whether any factor of the warp is not 1 (see scale_c_rows).
+__device__ __forceinline__ bool mma_decode_softmax(const float (&sc)[2][4], float q_scale,
+                                                   float cap_log2e, int t0, int end, float& m,
+                                                   float& l, float (&pr)[2][2], float& a_lo,
+                                                   float& a_hi) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+  const int tq = threadIdx.x % 4;
+  float mx = mma_decode_logits(sc, q_scale, cap_log2e, t0, tq, end, pr);
+  mx = group_max<4>(mx);
+  const float m_new = fmaxf(m, mx);
+  const float m_use = m_new == kNegInf ? 0.f : m_new;
+  const float alpha = fast_exp2(m - m_use);
+  float sum = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      pr[h][e] = fast_exp2(pr[h][e] - m_use);
+      sum += pr[h][e];
+    }
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  a_lo = shfl(alpha, 8 * tq);
+  a_hi = shfl(alpha, 8 * tq + 4);
+  return __any_sync(0xffffffffu, alpha != 1.f);
+}
+
+// The A operand of the 16-bit tensor-core decode's QK^T (lane = 4 g + tq): row g = query head g
+// of KV head kvh's group at batch row b (rows past the group and rows 8..15 zero), unscaled
+// (16-bit, exact); the scale is applied to S in f32. Shared by paged_decode_mma_kernel and
+// cascade's own blocks.
+template <typename T, int D>
+__device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int b, int kvh,
+                                             int group, int g, int tq, uint32_t (&qa)[D / 16][2]) {
+  const bool head_ok = g < group;
+  const T* qp = static_cast<const T*>(q) +
+                (int64_t(b) * num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
+    qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
+  }
+}
+
+// One warp's 16 keys of a 16-bit tensor-core decode tile (t0: its first token; keys at or past
+// `end` masked): S = Q K^T from the K rows at shared address kaddr, the online softmax of head
+// g's row (running max m, this lane's share of the sum l) and O^T += V^T P^T from the V rows at
+// vaddr (both ldmatrix lane addresses, see the fragment layouts below). Shared by
+// paged_decode_mma_kernel and cascade's own blocks.
+template <typename T, int D>
+__device__ __forceinline__ void mma_decode_tile(const uint32_t (&qa)[D / 16][2], uint32_t kaddr,
+                                                uint32_t vaddr, float q_scale, float cap_log2e,
+                                                int t0, int end, float (&o)[D / 16][4], float& m,
+                                                float& l) {
+  constexpr int KD = D / 16;
+  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    uint32_t kf[4];
+    ldmatrix_x4(kf, kaddr + kk * 32);
+    mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
+    mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
+  }
+  float pr[2][2], a_lo, a_hi;
+  const bool rescale = mma_decode_softmax(sc, q_scale, cap_log2e, t0, end, m, l, pr, a_lo, a_hi);
+  const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
+  const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
+#pragma unroll
+  for (int j = 0; j < KD; ++j) {
+    if (rescale) scale_c_cols(o[j], a_lo, a_hi);
+    uint32_t vf[4];
+    ldmatrix_x4_trans(vf, vaddr + j * 32);
+    mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
+  }
+}
+
 // Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
 // (row g+8, same cols), (row g, cols 2t+8, 2t+9), (row g+8, those); B registers hold (rows 2t,
 // 2t+1, col g) and (rows 2t+8, 2t+9, col g); C holds (row g, cols 2t, 2t+1) then (row g+8,
@@ -1075,16 +1157,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   // applied to S in f32.
   const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
   uint32_t qa[KD][2];
-  {
-    const bool head_ok = g < group;
-    const T* qp = static_cast<const T*>(p.q) +
-                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
-      qa[kk][1] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 8 + 2 * tq) : 0u;
-    }
-  }
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, kvh, group, g, tq, qa);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
   Ring ring;
@@ -1118,47 +1191,9 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
     const int s = n % NS;
     const int t0 = start + n * TILE + rb;  // this warp's first token
     if (t0 < end) {                        // warp-uniform
-      const uint32_t kaddr = smem_u32(ring.k_rows(s)) + lane_off;
-      const uint32_t vaddr = smem_u32(ring.v_rows(s)) + lane_off;
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        uint32_t kf[4];
-        ldmatrix_x4(kf, kaddr + kk * 32);
-        mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
-        mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
-      }
-      // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
-      float pr[2][2];
-      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
-      mx = group_max<4>(mx);
-      const float m_new = fmaxf(m, mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pr[h][e] = fast_exp2(pr[h][e] - m_use);
-          sum += pr[h][e];
-        }
-      }
-      l = l * alpha + sum;
-      m = m_new;
-      // This lane's output columns are heads 2 tq and 2 tq + 1, whose factors live on lanes
-      // 4 (2 tq) and 4 (2 tq + 1).
-      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
-      const uint32_t pb0 = pack2<T>(pr[0][0], pr[0][1]);
-      const uint32_t pb1 = pack2<T>(pr[1][0], pr[1][1]);
-#pragma unroll
-      for (int j = 0; j < KD; ++j) {
-        if (rescale) scale_c_cols(o[j], a_lo, a_hi);
-        uint32_t vf[4];
-        ldmatrix_x4_trans(vf, vaddr + j * 32);
-        mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
-      }
+      mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
+                            smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
+                            o, m, l);
     }
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
     if constexpr (S::kPageLead) page = ring.page_of(n + NS + 1);
@@ -1331,26 +1366,9 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
         mma16816<f16_t>(sc[1], q0[0], 0u, q0[1], 0u, kb[2][0], kb[2][1]);  // tokens 8..15
         mma16816<f16_t>(sc[1], q1[0], 0u, q1[1], 0u, kb[3][0], kb[3][1]);
       }
-      // Row g of S (head g), tokens t0 + 8 h + 2 tq + e; rows 8..15 (sc[h][2..3]) are padding.
-      float pr[2][2];
-      float mx = mma_decode_logits(sc, q_scale, p.ls.cap_log2e, t0, tq, end, pr);
-      mx = group_max<4>(mx);
-      const float m_new = fmaxf(m, mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pr[h][e] = fast_exp2(pr[h][e] - m_use);
-          sum += pr[h][e];
-        }
-      }
-      l = l * alpha + sum;
-      m = m_new;
-      const float a_lo = shfl(alpha, 8 * tq), a_hi = shfl(alpha, 8 * tq + 4);
-      const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);  // see scale_c_rows
+      float pr[2][2], a_lo, a_hi;
+      const bool rescale =
+          mma_decode_softmax(sc, q_scale, p.ls.cap_log2e, t0, end, m, l, pr, a_lo, a_hi);
       const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
       const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
       const unsigned char* vrow = reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off;
