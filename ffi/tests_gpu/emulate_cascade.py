@@ -29,7 +29,8 @@ ahead, in the commit groups of earlier copies, and read after the tile's product
 start as garbage, so an entry read before its group landed ("late") poisons the block. The
 Hopper schedule runs again with the ring's offsets as row numbers (JAXATTN_CASCADE_ROW_UNITS:
 stored at a permuted slot, read four to a thread), whose slots also start as garbage, and so
-does the portable one with every own block's ring in that form too (JAXATTN_DECODE_ROW_UNITS).
+does the portable one with every own block's ring in that form too (JAXATTN_DECODE_ROW_UNITS);
+the row-number forms are the kernels' default build, the others what the switches' 0 builds.
 
     python3 emulate_cascade.py [--full]
 """

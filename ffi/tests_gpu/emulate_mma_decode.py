@@ -21,10 +21,11 @@ row offsets at head_dim 64 (MmaDecodeShape::kPageLead), in the iteration that st
 32: both schedules run (``run_block``'s ``page_lead``; the cascade's own block, which reads
 them in that iteration at every head_dim, passes False).
 
-``--units`` runs the rings in their row-number form (JAXATTN_DECODE_ROW_UNITS, KvRing's
-kRowUnits): each row's offset stored as a row number (offset / d, NO_ROW for none) at the
-slot that puts a thread's rows side by side, and the copies issued in the kernel's per-thread
-order from those slots, which start as garbage.
+``--units`` runs the rings in their row-number form, the kernels' default build
+(JAXATTN_DECODE_ROW_UNITS=1, KvRing's kRowUnits; without it, the int64 offsets that
+JAXATTN_DECODE_ROW_UNITS=0 builds): each row's offset stored as a row number (offset / d,
+NO_ROW for none) at the slot that puts a thread's rows side by side, and the copies issued in
+the kernel's per-thread order from those slots, which start as garbage.
 
 Keep it in step with the kernels when they change. Run:
 python3 emulate_mma_decode.py [--full] [--fp8] [--units]
