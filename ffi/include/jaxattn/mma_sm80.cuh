@@ -139,14 +139,13 @@ __device__ __forceinline__ void mma_online_softmax(float (&s)[J][4], float mx0, 
   mx1 = group_max<4>(mx1);
   float mu0, mu1;
   online_max_step<SLACK>(mx0, mx1, m0, m1, a0, a1, mu0, mu1);
-  auto logit = [](float x, float mu) { return x - mu; };
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    s[j][0] = fast_exp2(logit(s[j][0], mu0));
-    s[j][1] = fast_exp2(logit(s[j][1], mu0));
-    s[j][2] = fast_exp2(logit(s[j][2], mu1));
-    s[j][3] = fast_exp2(logit(s[j][3], mu1));
+    s[j][0] = fast_exp2(s[j][0] - mu0);
+    s[j][1] = fast_exp2(s[j][1] - mu0);
+    s[j][2] = fast_exp2(s[j][2] - mu1);
+    s[j][3] = fast_exp2(s[j][3] - mu1);
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }

@@ -1023,19 +1023,20 @@ struct MmaDims16 {
   __device__ __forceinline__ int operator()(int j, int g) const { return j * 16 + g; }
 };
 
-// The state a warp of the 16-bit tensor-core decode leaves for KV head kvh's merge (its o
-// fragments, head g's running max and this lane's share of the sum), merged across the warps
-// through `red` and written. `red` may lie over ring rows the warps have just read: the
-// barrier that ORs `bad` comes before any write to it.
-template <typename T, int D>
+// The state a warp of a tensor-core decode kernel (shape S: the 16-bit or the FP8 one) leaves
+// for KV head kvh's merge (its o fragments at dim_of / STEP as mma_warp_states, head g's
+// running max and this lane's share of the sum), merged across the warps through `red` and
+// written. `red` may lie over ring rows the warps have just read: the barrier that ORs `bad`
+// comes before any write to it.
+template <typename T, typename S, int D, int STEP, int N, typename DimOf>
 __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* red,
-                                                  const float (&o)[D / 16][4], float m, float l,
-                                                  bool bad, int b, int kvh, int group) {
-  using S = MmaDecodeShape<T, D>;
+                                                  const float (&o)[N][4], float m, float l,
+                                                  bool bad, int b, int kvh, int group,
+                                                  DimOf dim_of) {
   constexpr int H = S::kHeads;
   l = group_sum<4>(l);
   const bool poisoned = __syncthreads_or(bad);
-  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
+  mma_warp_states<D, H, STEP>(red, o, m, l, dim_of);
   __syncthreads();
   merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
                                                             p.scales.v_of(kvh));
@@ -1201,7 +1202,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
   // Per-warp states to shared memory (over the ring), then the fixed-order merge.
-  mma_decode_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group);
+  mma_decode_finish<T, S, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group,
+                                MmaDims16{});
   JAXATTN_TRACE(13);
 #endif
 }
@@ -1258,7 +1260,6 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
 #if __CUDA_ARCH__ >= 800
   using S = MmaFp8DecodeShape<C, D>;
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
-  constexpr int H = S::kHeads;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -1397,17 +1398,10 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   }
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
-  l = group_sum<4>(l);
-
-  // Per-warp states to shared memory (over the ring), each accumulator at its dim, then the
-  // fixed-order merge.
-  float* red = reinterpret_cast<float*>(smem);
-  const bool poisoned = __syncthreads_or(bad);
-  // Row g + 8 of accumulator j: the dim after row g's.
-  mma_warp_states<D, H, 1>(red, o, m, l, [](int j, int gg) { return fp8_out_dim(j, gg); });
-  __syncthreads();
-  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
-                                                            p.scales.v_of(kvh));
+  // Per-warp states to shared memory (over the ring), each accumulator at its dim (row g + 8
+  // of accumulator j: the dim after row g's), then the fixed-order merge.
+  mma_decode_finish<T, S, D, 1>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group,
+                                [](int j, int gg) { return fp8_out_dim(j, gg); });
   JAXATTN_TRACE(13);
 #endif
 }
