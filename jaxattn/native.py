@@ -323,12 +323,6 @@ def _ring_rows_unsupported(platform, k_cache, v_cache, head_dim) -> str | None:
     return None
 
 
-def _require_ring_rows(platform, k_cache, v_cache, geom) -> None:
-    reason = _ring_rows_unsupported(platform, k_cache, v_cache, geom.head_dim)
-    if reason is not None:
-        raise NotImplementedError(reason)
-
-
 def _layout_id(layout) -> int:
     name = L.get(layout, pool=True).name
     if name not in _LAYOUT_IDS:
@@ -338,11 +332,14 @@ def _layout_id(layout) -> int:
     return _LAYOUT_IDS[name]
 
 
-def _require(platform, q, k_cache, v_cache, layout) -> L.CacheGeometry:
+def _require(platform, q, k_cache, v_cache, layout, ring=False) -> L.CacheGeometry:
+    """The geometry of a cache the native kernels serve; ring: the op runs the decode rings."""
     if L.get(layout, pool=True).name != L.POOL:
         _layout_id(layout)
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
     reason = _unsupported(platform, q, k_cache, v_cache, geom.num_kv_heads, geom.head_dim)
+    if reason is None and ring:
+        reason = _ring_rows_unsupported(platform, k_cache, v_cache, geom.head_dim)
     if reason is not None:
         raise NotImplementedError(reason)
     return geom
@@ -483,8 +480,7 @@ def paged_attention(
     (explicit) wins over ``config``; with neither, the heuristic of
     :func:`choose_partition_size` picks."""
     platform = _ensure_registered()
-    geom = _require(platform, q, k_cache, v_cache, layout)
-    _require_ring_rows(platform, k_cache, v_cache, geom)
+    geom = _require(platform, q, k_cache, v_cache, layout, ring=True)
     batch, num_q_heads, head_dim = q.shape
     if partition_size is not None:
         ps = int(partition_size)
@@ -964,8 +960,7 @@ def cascade_attention(
     v_scale the merged output. The CPU handler also reads an FP8 cache; the GPU kernels read
     16-bit or float32 caches only."""
     platform = _ensure_registered()
-    geom = _require(platform, q, k_cache, v_cache, layout)
-    _require_ring_rows(platform, k_cache, v_cache, geom)
+    geom = _require(platform, q, k_cache, v_cache, layout, ring=True)
     cfg, grid = _cascade_plan(platform, q, geom, prefix_tables, block_tables, config)
     batch, num_q_heads, head_dim = q.shape
     own_capacity = block_tables.shape[1] * geom.page_size
@@ -1003,6 +998,7 @@ def cascade_attention(
 
 class _Native(KernelImplementation):
     backend = "native"
+    ring = False  # the op runs the GPU decode rings (their row bound applies)
 
     def available(self, platform):
         try:
@@ -1014,24 +1010,23 @@ class _Native(KernelImplementation):
     def supports(self, a):
         if a.layout.name not in (*_LAYOUT_IDS, L.POOL):
             return f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={a.layout.name!r}"
-        return _unsupported(
-            _platform(),
+        platform = _platform()
+        reason = _unsupported(
+            platform,
             a.kernel_q,
             a.k_cache,
             a.v_cache,
             a.geometry.num_kv_heads,
             a.geometry.head_dim,
         )
+        if reason is None and self.ring:
+            reason = _ring_rows_unsupported(platform, a.k_cache, a.v_cache, a.geometry.head_dim)
+        return reason
 
 
 class _PagedAttention(_Native):
     config_cls = DecodeConfig
-
-    def supports(self, a):
-        reason = super().supports(a)
-        if reason is None:
-            reason = _ring_rows_unsupported(_platform(), a.k_cache, a.v_cache, a.geometry.head_dim)
-        return reason
+    ring = True
 
     def heuristic_config(self, a):
         platform = _ensure_registered()
@@ -1061,11 +1056,10 @@ class _ExtendAttention(_Prefill):
 
 class _CascadeAttention(_Native):
     config_cls = CascadeConfig
+    ring = True
 
     def supports(self, a):
         reason = super().supports(a)
-        if reason is None:
-            reason = _ring_rows_unsupported(_platform(), a.k_cache, a.v_cache, a.geometry.head_dim)
         if reason is None and _platform() != "cpu" and a.fp8_cache:
             # Per-head scales on a 16-bit / float32 cache are served exactly (folded into
             # the logit factor and the merged output); FP8 elements would need widening in

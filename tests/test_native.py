@@ -87,6 +87,13 @@ def test_ring_rows_bound():
     assert why is not None and "4294967296" in why and "cache rows" in why
     assert native._ring_rows_unsupported("cuda", fits, fits, 32) is None
     assert native._ring_rows_unsupported("cpu", big, big, 32) is None
+    # The ops that run the rings (decode, cascade) refuse it before any kernel; prefill does not.
+    q = jax.ShapeDtypeStruct((4, 8, 32), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="cache rows"):
+        native._require("cuda", q, big, big, "bshd", ring=True)
+    assert native._require("cuda", q, big, big, "bshd").head_dim == 32
+    assert native._PagedAttention.ring and native._CascadeAttention.ring
+    assert not native._PrefixPrefill.ring and not native._ExtendAttention.ring
 
 
 @pytest.mark.gpu
