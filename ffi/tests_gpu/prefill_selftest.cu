@@ -10,7 +10,8 @@
 // (On a device other than compute capability 9.0 build for its arch without the sm90 files;
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
 // skips the checks, --robust runs the robustness cases alone, --fp8 the FP8 checks alone (both
-// small: for compute-sanitizer); --flush-l2 evicts the L2 before every timed launch.
+// small: for compute-sanitizer); --flush-l2 evicts the L2 before every timed launch; --pages
+// 16,64 times the two long rows over pages of those sizes instead of the usual timings.
 //
 // Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
 // the whole cache NaN before the requests' keys are written, so unused pages and the slots
@@ -697,6 +698,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
 int main(int argc, char** argv) {
   bool checks = true, bench = true, robust = true, only_fp8 = false;
   int bench_blocks = 0;
+  std::vector<int> bench_pages;  // --pages
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-bench") == 0) {
       bench = false;
@@ -709,12 +711,15 @@ int main(int argc, char** argv) {
       bench = robust = false;
     } else if (std::strcmp(argv[i], "--flush-l2") == 0) {
       g_flush_l2 = true;
+    } else if (std::strcmp(argv[i], "--pages") == 0 && i + 1 < argc) {
+      for (const char* t = argv[++i]; *t; ++t)  // comma-separated page sizes
+        if (t == argv[i] || t[-1] == ',') bench_pages.push_back(std::atoi(t));
     } else if (std::strcmp(argv[i], "--persistent-blocks") == 0 && i + 1 < argc) {
       bench_blocks = std::atoi(argv[++i]);  // the persistent launch's grid in the timings
     } else {
       std::fprintf(stderr,
                    "usage: %s [--no-bench | --bench-only | --robust | --fp8] [--flush-l2] "
-                   "[--persistent-blocks N]\n",
+                   "[--persistent-blocks N] [--pages P,...]\n",
                    argv[0]);
       return 2;
     }
@@ -810,6 +815,23 @@ int main(int argc, char** argv) {
   }
   if (bench) {
     g_persistent_blocks = bench_blocks;
+    if (!bench_pages.empty()) {
+      // --pages: the two long rows over pages of these sizes instead of the default timings.
+      std::printf("timings (bf16, D=128, 32/8, bshd; median of 10 after warm-up):\n");
+      for (const int ps : bench_pages) {
+        char name[64];
+        Case big = {"", {}, {}, 32, 8, 128, ps, bshd, false, 0.f, false, 0};
+        big.lq.assign(8, 512);
+        big.prefix.assign(8, 2048);
+        std::snprintf(name, sizeof(name), "8 x (2048 + 512) page %d", ps);
+        if (bench_case(name, big, rng)) ++failed;
+        const Case longq = {"", {8192}, {0}, 32, 8, 128, ps, bshd, false, 0.f, false, 0};
+        std::snprintf(name, sizeof(name), "1 x (0 + 8192) page %d", ps);
+        if (bench_case(name, longq, rng)) ++failed;
+      }
+      std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
+      return failed ? 1 : 0;
+    }
     std::printf("timings (bf16, D=128, 32/8, bshd, page 16 / pool; median of 10 after warm-up):\n");
     const Case big = {"", std::vector<int>(8, 512), std::vector<int>(8, 2048), 32, 8, 128, 16,
                       bshd, false, 0.f, false, 0};
