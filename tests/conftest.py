@@ -13,8 +13,10 @@ for _flag in _flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -49,6 +51,55 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+# Pallas' interpret mode runs a kernel of several threads (a Mosaic GPU kernel's warpgroups:
+# the decode's copy warpgroup, the warp-specialised prefill's three) as one program per
+# thread, started by a callback at every block of the grid. jax 0.10's
+# thread_map._run_jaxpr builds that program with a new jax.jit of a new closure each time,
+# so every block traces, lowers and compiles (or loads from the cache above) the same
+# program again, though its comment expects "JAX's caches" to compile it once: ~1.5 s a
+# block and thread on this CPU, against 0.1-0.2 s to run it (test_fp8_caches' copy
+# warpgroup case: 19 s a call, 3 s compiled once). Compiled once here instead, per traced
+# program: the same program, run with the same arguments, so every result is the same.
+# Compiled explicitly, not by calling one shared jax.jit from the threads: that hung here
+# (the threads' first calls of it wait for one another, it seems, while the kernel's
+# barriers wait for every thread). Left alone where thread_map has another shape;
+# JAXATTN_TEST_INTERPRET_COMPILE_ONCE=0 turns it off.
+_THREAD_PROGRAMS: dict = {}
+
+
+def _compile_thread_programs_once():
+    try:
+        from jax._src import core as jax_core
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - another jax
+        return
+    original = getattr(thread_map, "_run_jaxpr", None)
+    if original is None or list(inspect.signature(original).parameters) != [
+        "jaxpr",
+        "consts",
+        "args",
+    ]:
+        return
+    lock = threading.Lock()
+
+    def run(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        with lock:  # the threads of a block ask at once; one compiles
+            compiled = _THREAD_PROGRAMS.get(jaxpr)
+            if compiled is None:
+                traced = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args)
+                compiled = _THREAD_PROGRAMS[jaxpr] = traced.lower().compile()
+        compiled(consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+
+
+if os.environ.get("JAXATTN_TEST_INTERPRET_COMPILE_ONCE", "1") != "0":
+    _compile_thread_programs_once()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops every compiled program when a test module ends (jax.clear_caches; the
@@ -58,6 +109,7 @@ def _release_compiled_programs():
     compiler then crashed with a segmentation fault (6014 mappings after one minute of
     tests/test_pallas_mgpu_cascade.py alone)."""
     yield
+    _THREAD_PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
 

@@ -29,8 +29,8 @@ if prefill_mgpu.available() is not None:
 
 MODES = [True] + ([False] if prefill_mgpu.is_sm90() else [])
 # (interpret, form): interpret mode runs the one-warpgroup form (the warp-specialised one's
-# three warpgroups interpret ~10x slower: test_warp_specialized_interpreted covers it);
-# compiled, both forms.
+# three warpgroups interpret ~3x slower, ~10x before conftest.py compiled their program
+# once: test_warp_specialized_interpreted covers it); compiled, both forms.
 RUNS = [(True, "single")] + (
     [(False, "warp_specialized"), (False, "single")] if prefill_mgpu.is_sm90() else []
 )
