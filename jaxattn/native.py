@@ -323,6 +323,15 @@ def _ring_rows_unsupported(platform, k_cache, v_cache, head_dim) -> str | None:
     return None
 
 
+def _cache_unsupported(platform, q, k_cache, v_cache, geom, ring) -> str | None:
+    """Why the native kernels cannot serve this cache (None: they can); ring: the op runs the
+    GPU decode rings, whose row bound applies too."""
+    reason = _unsupported(platform, q, k_cache, v_cache, geom.num_kv_heads, geom.head_dim)
+    if reason is None and ring:
+        reason = _ring_rows_unsupported(platform, k_cache, v_cache, geom.head_dim)
+    return reason
+
+
 def _layout_id(layout) -> int:
     name = L.get(layout, pool=True).name
     if name not in _LAYOUT_IDS:
@@ -337,9 +346,7 @@ def _require(platform, q, k_cache, v_cache, layout, ring=False) -> L.CacheGeomet
     if L.get(layout, pool=True).name != L.POOL:
         _layout_id(layout)
     geom = L.get(layout, pool=True).geometry(k_cache, v_cache)
-    reason = _unsupported(platform, q, k_cache, v_cache, geom.num_kv_heads, geom.head_dim)
-    if reason is None and ring:
-        reason = _ring_rows_unsupported(platform, k_cache, v_cache, geom.head_dim)
+    reason = _cache_unsupported(platform, q, k_cache, v_cache, geom, ring)
     if reason is not None:
         raise NotImplementedError(reason)
     return geom
@@ -1010,18 +1017,9 @@ class _Native(KernelImplementation):
     def supports(self, a):
         if a.layout.name not in (*_LAYOUT_IDS, L.POOL):
             return f"native kernels read layouts {tuple(_LAYOUT_IDS)}, not layout={a.layout.name!r}"
-        platform = _platform()
-        reason = _unsupported(
-            platform,
-            a.kernel_q,
-            a.k_cache,
-            a.v_cache,
-            a.geometry.num_kv_heads,
-            a.geometry.head_dim,
+        return _cache_unsupported(
+            _platform(), a.kernel_q, a.k_cache, a.v_cache, a.geometry, self.ring
         )
-        if reason is None and self.ring:
-            reason = _ring_rows_unsupported(platform, a.k_cache, a.v_cache, a.geometry.head_dim)
-        return reason
 
 
 class _PagedAttention(_Native):
