@@ -11,7 +11,8 @@
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
 // skips the checks, --robust runs the robustness cases alone, --fp8 the FP8 checks alone (both
 // small: for compute-sanitizer); --flush-l2 evicts the L2 before every timed launch; --pages
-// 16,64 times the two long rows over pages of those sizes instead of the usual timings.
+// 16,64 times the two long rows over pages of those sizes instead of the usual timings;
+// --shapes B:PREFIX:NEW,... times those rows instead (bf16, 32/8, page 16).
 //
 // Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
 // the whole cache NaN before the requests' keys are written, so unused pages and the slots
@@ -35,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -698,6 +700,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
 int main(int argc, char** argv) {
   bool checks = true, bench = true, robust = true, only_fp8 = false;
   int bench_blocks = 0;
+  std::vector<std::array<int, 3>> bench_shapes;  // --shapes: B, prefix, new
   std::vector<int> bench_pages;  // --pages
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-bench") == 0) {
@@ -714,12 +717,20 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--pages") == 0 && i + 1 < argc) {
       for (const char* t = argv[++i]; *t; ++t)  // comma-separated page sizes
         if (t == argv[i] || t[-1] == ',') bench_pages.push_back(std::atoi(t));
+    } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
+      // B:prefix:new,... (every request of a row the same)
+      for (const char* t = argv[++i]; *t; ++t) {
+        if (t != argv[i] && t[-1] != ',') continue;
+        int b = 0, pre = 0, lq = 0;
+        if (std::sscanf(t, "%d:%d:%d", &b, &pre, &lq) == 3 && b > 0 && pre >= 0 && lq > 0)
+          bench_shapes.push_back({b, pre, lq});
+      }
     } else if (std::strcmp(argv[i], "--persistent-blocks") == 0 && i + 1 < argc) {
       bench_blocks = std::atoi(argv[++i]);  // the persistent launch's grid in the timings
     } else {
       std::fprintf(stderr,
                    "usage: %s [--no-bench | --bench-only | --robust | --fp8] [--flush-l2] "
-                   "[--persistent-blocks N] [--pages P,...]\n",
+                   "[--persistent-blocks N] [--pages P,...] [--shapes B:PREFIX:NEW,...]\n",
                    argv[0]);
       return 2;
     }
@@ -815,6 +826,20 @@ int main(int argc, char** argv) {
   }
   if (bench) {
     g_persistent_blocks = bench_blocks;
+    if (!bench_shapes.empty()) {
+      // --shapes: these rows instead of the default timings.
+      std::printf("timings (bf16, D=128, 32/8, bshd, page 16; median of 10 after warm-up):\n");
+      for (const auto& sh : bench_shapes) {
+        char name[64];
+        Case c = {"", {}, {}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
+        c.lq.assign(sh[0], sh[2]);
+        c.prefix.assign(sh[0], sh[1]);
+        std::snprintf(name, sizeof(name), "%d x (%d + %d)", sh[0], sh[1], sh[2]);
+        if (bench_case(name, c, rng)) ++failed;
+      }
+      std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
+      return failed ? 1 : 0;
+    }
     if (!bench_pages.empty()) {
       // --pages: the two long rows over pages of these sizes instead of the default timings.
       std::printf("timings (bf16, D=128, 32/8, bshd; median of 10 after warm-up):\n");
