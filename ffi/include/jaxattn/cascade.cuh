@@ -245,11 +245,11 @@ __device__ __forceinline__ bool own_range(const CascadeParams& p, int b, int par
 // (max, sum) pair. l == 0: nothing attended.
 __device__ __forceinline__ void cascade_write(const CascadeParams& p, int64_t slot, int d, float o,
                                               float m, float l) {
-  p.workspace[slot * p.kv.head_dim + d] = l == 0.f ? 0.f : o / l;
+  state_store(p.workspace + slot * p.kv.head_dim + d, l == 0.f ? 0.f : o / l);
   if (d == 0) {
     float* ml = cascade_ml(p);
-    ml[2 * slot] = m;
-    ml[2 * slot + 1] = l;
+    state_store(ml + 2 * slot, m);
+    state_store(ml + 2 * slot + 1, l);
   }
 }
 
@@ -607,12 +607,12 @@ __device__ __forceinline__ void cascade_prefix_store(const CascadeParams& p,
     float* out = p.workspace + slot[i] * D;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<float2*>(out + j * 8 + 2 * tq) =
-          make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+      state_store(reinterpret_cast<float2*>(out + j * 8 + 2 * tq),
+                  make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv));
     if (tq == 0) {
       float* ml = cascade_ml(p);
-      ml[2 * slot[i]] = m;
-      ml[2 * slot[i] + 1] = l;
+      state_store(ml + 2 * slot[i], m);
+      state_store(ml + 2 * slot[i] + 1, l);
     }
   }
 }

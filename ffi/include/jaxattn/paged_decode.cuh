@@ -293,6 +293,28 @@ __device__ __forceinline__ float mma_decode_logits(const float (&sc)[2][4], floa
   return mx;
 }
 
+// Stores of a partition's state (its normalised output, its max and sum), which a merge kernel
+// reads after the grid: with L2 evict-last priority, so the K/V streamed through L2 after them
+// do not push them out to memory before the merge reads them.
+template <typename V>
+__device__ __forceinline__ void state_store(V* ptr, V v) {
+#if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  if constexpr (sizeof(V) == 8) {
+    const float2 f = reinterpret_cast<const float2&>(v);
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n" ::"l"(ptr), "f"(f.x),
+                 "f"(f.y), "l"(pol)
+                 : "memory");
+  } else {
+    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;\n" ::"l"(ptr), "f"(v), "l"(pol)
+                 : "memory");
+  }
+#else
+  *ptr = v;
+#endif
+}
+
 // Writes one element of a finished (head, d): the output itself in one pass, or the
 // partition's normalised output and its (max, sum) for the combine. l == 0: nothing attended.
 // vs: the KV head's value scale (a weighted mean of values is linear in it, so each
@@ -308,11 +330,11 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
     return;
   }
   const int64_t slot = bh * p.max_parts + blockIdx.z;
-  p.workspace[slot * D + d] = v;
+  state_store(p.workspace + slot * D + d, v);
   if (d == 0) {
     float* ml = p.workspace + int64_t(p.batch) * p.num_q_heads * p.max_parts * D;
-    ml[2 * slot] = m;
-    ml[2 * slot + 1] = l;
+    state_store(ml + 2 * slot, m);
+    state_store(ml + 2 * slot + 1, l);
   }
 }
 
