@@ -893,7 +893,9 @@ struct Bench {
     ws_floats = size_t(decode_workspace_floats(B, HQ, (int64_t(wj) * P + 127) / 128, D));
     ws_floats = std::max(ws_floats, size_t(cascade_workspace_floats(B, HQ, 64 + 64, D)));
     CUDA_OK(cudaMalloc(&ws, ws_floats * 4));
+#if JAXATTN_CASCADE_FUSED_MERGE
     CUDA_OK(cudaMalloc(&counters, size_t(B) * HKV * 4));
+#endif
     CUDA_OK(cudaDeviceSynchronize());
   }
 

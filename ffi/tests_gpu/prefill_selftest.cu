@@ -11,8 +11,8 @@
 // the sm90 path then reports SKIP.) Arguments: --no-bench skips the timings, --bench-only
 // skips the checks, --robust runs the robustness cases alone, --fp8 the FP8 checks alone (both
 // small: for compute-sanitizer); --flush-l2 evicts the L2 before every timed launch; --pages
-// 16,64 times the two long rows over pages of those sizes instead of the usual timings;
-// --shapes B:PREFIX:NEW,... times those rows instead (bf16, 32/8, page 16).
+// 16,64 (the two long rows over pages of those sizes) and --shapes B:PREFIX:NEW,... (rows of
+// those shapes, page 16) time their rows instead of the usual timings.
 //
 // Every case: random inputs rounded to bf16/f16; permuted page tables (or token-pool slots);
 // the whole cache NaN before the requests' keys are written, so unused pages and the slots
@@ -44,6 +44,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "jaxattn/prefill.cuh"
@@ -826,34 +827,30 @@ int main(int argc, char** argv) {
   }
   if (bench) {
     g_persistent_blocks = bench_blocks;
-    if (!bench_shapes.empty()) {
-      // --shapes: these rows instead of the default timings.
-      std::printf("timings (bf16, D=128, 32/8, bshd, page 16; median of 10 after warm-up):\n");
-      for (const auto& sh : bench_shapes) {
-        char name[64];
-        Case c = {"", {}, {}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
-        c.lq.assign(sh[0], sh[2]);
-        c.prefix.assign(sh[0], sh[1]);
-        std::snprintf(name, sizeof(name), "%d x (%d + %d)", sh[0], sh[1], sh[2]);
-        if (bench_case(name, c, rng)) ++failed;
-      }
-      std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
-      return failed ? 1 : 0;
+    // --pages (the two long rows over pages of those sizes) and --shapes (rows of any shape):
+    // these rows instead of the default timings.
+    std::vector<std::pair<std::string, Case>> rows;
+    char name[64];
+    for (const int ps : bench_pages) {
+      Case big = {"", {}, {}, 32, 8, 128, ps, bshd, false, 0.f, false, 0};
+      big.lq.assign(8, 512);
+      big.prefix.assign(8, 2048);
+      std::snprintf(name, sizeof(name), "8 x (2048 + 512) page %d", ps);
+      rows.emplace_back(name, big);
+      std::snprintf(name, sizeof(name), "1 x (0 + 8192) page %d", ps);
+      rows.emplace_back(name, Case{"", {8192}, {0}, 32, 8, 128, ps, bshd, false, 0.f, false, 0});
     }
-    if (!bench_pages.empty()) {
-      // --pages: the two long rows over pages of these sizes instead of the default timings.
+    for (const auto& sh : bench_shapes) {
+      Case c = {"", {}, {}, 32, 8, 128, 16, bshd, false, 0.f, false, 0};
+      c.lq.assign(sh[0], sh[2]);
+      c.prefix.assign(sh[0], sh[1]);
+      std::snprintf(name, sizeof(name), "%d x (%d + %d)", sh[0], sh[1], sh[2]);
+      rows.emplace_back(name, c);
+    }
+    if (!rows.empty()) {
       std::printf("timings (bf16, D=128, 32/8, bshd; median of 10 after warm-up):\n");
-      for (const int ps : bench_pages) {
-        char name[64];
-        Case big = {"", {}, {}, 32, 8, 128, ps, bshd, false, 0.f, false, 0};
-        big.lq.assign(8, 512);
-        big.prefix.assign(8, 2048);
-        std::snprintf(name, sizeof(name), "8 x (2048 + 512) page %d", ps);
-        if (bench_case(name, big, rng)) ++failed;
-        const Case longq = {"", {8192}, {0}, 32, 8, 128, ps, bshd, false, 0.f, false, 0};
-        std::snprintf(name, sizeof(name), "1 x (0 + 8192) page %d", ps);
-        if (bench_case(name, longq, rng)) ++failed;
-      }
+      for (const auto& [row_name, c] : rows)
+        if (bench_case(row_name.c_str(), c, rng)) ++failed;
       std::printf("%s\n", failed ? "SELFTEST FAILED" : "SELFTEST PASSED");
       return failed ? 1 : 0;
     }

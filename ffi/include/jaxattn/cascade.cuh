@@ -990,7 +990,8 @@ __device__ void cascade_own_arrive(const CascadeParams& p, int b, int kvh, int g
 template <typename T, int D, typename Plan>
 __device__ void cascade_prefix_arrive(const CascadeParams& p, const Plan& plan, int kvh, int split,
                                       int splits) {
-  __shared__ int last_members[CascadeMmaShape<T, D>::kRows];
+  __shared__ int last_members[CascadeMmaShape<T, D>::kRows],
+      last_lens[CascadeMmaShape<T, D>::kRows];
   __shared__ int nlast;
   const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
   const int32_t share =
@@ -1007,20 +1008,20 @@ __device__ void cascade_prefix_arrive(const CascadeParams& p, const Plan& plan, 
     const bool ok = cascade_request_ok(p, m, &lp);
     const int32_t expect =
         ok ? cascade_merge_expected(lp, cascade_own_parts(p, p.seq_lens[m])) : -1;
-    if (atomicAdd(&p.counters[int64_t(m) * hkv + kvh], share) + share == expect)
-      last_members[atomicAdd(&nlast, 1)] = m;
+    if (atomicAdd(&p.counters[int64_t(m) * hkv + kvh], share) + share == expect) {
+      const int i = atomicAdd(&nlast, 1);
+      last_members[i] = m;
+      last_lens[i] = lp;  // its prefix length, for the merge below
+    }
   }
   __syncthreads();
   const int count = nlast;
   if (count == 0) return;
   __threadfence();
   const int warp = int(threadIdx.x / WARP_SIZE), nw = int(blockDim.x / WARP_SIZE);
-  for (int r = warp; r < count * group; r += nw) {
-    const int m = last_members[r / group];
-    int32_t lp = 0;
-    cascade_request_ok(p, m, &lp);
-    cascade_merge_group<T, D>(p, m, kvh, group, lp, splits, r % group, group);
-  }
+  for (int r = warp; r < count * group; r += nw)
+    cascade_merge_group<T, D>(p, last_members[r / group], kvh, group, last_lens[r / group], splits,
+                              r % group, group);
 }
 #endif  // JAXATTN_CASCADE_FUSED_MERGE
 
