@@ -447,12 +447,6 @@ bool run_problem(const Problem& P, const std::string& label) {
   p.seq_lens = dlens;
   p.out = dout;
   p.workspace = dws;
-#if JAXATTN_CASCADE_FUSED_MERGE
-  // The merge folded into step 1: the counters start as garbage, which the launcher zeroes.
-  void* dcnt = dev_alloc(size_t(P.B) * c.hkv * 4);
-  dev_fill_ones(dcnt, size_t(P.B) * c.hkv * 4);
-  p.counters = static_cast<int32_t*>(dcnt);
-#endif
   const char* err = launch(c.dt, p);
   const char* sync = sync_error();
   std::vector<unsigned char> oh(q_elems * es);
@@ -461,9 +455,6 @@ bool run_problem(const Problem& P, const std::string& label) {
                     static_cast<void*>(dpof), static_cast<void*>(dtab), static_cast<void*>(dlens),
                     static_cast<void*>(dws)})
     dev_free(ptr);
-#if JAXATTN_CASCADE_FUSED_MERGE
-  dev_free(dcnt);
-#endif
   if (dks != nullptr) {
     dev_free(dks);
     dev_free(dvs);
@@ -803,7 +794,6 @@ struct Bench {
   int B = 0, G = 0, wp = 0, w = 0, wj = 0, copies = 1, pages_per_copy = 0;
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   float* ws = nullptr;
-  int32_t* counters = nullptr;  // the fused merge's (JAXATTN_CASCADE_FUSED_MERGE builds)
   size_t ws_floats = 0;
   int32_t *plens = nullptr, *pof = nullptr, *lens = nullptr, *jlens = nullptr;
   std::vector<int32_t*> ptabs, tabs, jtabs;
@@ -893,16 +883,12 @@ struct Bench {
     ws_floats = size_t(decode_workspace_floats(B, HQ, (int64_t(wj) * P + 127) / 128, D));
     ws_floats = std::max(ws_floats, size_t(cascade_workspace_floats(B, HQ, 64 + 64, D)));
     CUDA_OK(cudaMalloc(&ws, ws_floats * 4));
-#if JAXATTN_CASCADE_FUSED_MERGE
-    CUDA_OK(cudaMalloc(&counters, size_t(B) * HKV * 4));
-#endif
     CUDA_OK(cudaDeviceSynchronize());
   }
 
   void teardown() {
-    for (void* p : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(counters),
-                    static_cast<void*>(plens), static_cast<void*>(pof), static_cast<void*>(lens),
-                    static_cast<void*>(jlens)})
+    for (void* p : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(plens),
+                    static_cast<void*>(pof), static_cast<void*>(lens), static_cast<void*>(jlens)})
       cudaFree(p);
     for (auto* vec : {&ptabs, &tabs, &jtabs})
       for (int32_t* t : *vec) cudaFree(t);
@@ -934,9 +920,6 @@ struct Bench {
     p.seq_lens = lens;
     p.out = out;
     p.workspace = ws;
-#if JAXATTN_CASCADE_FUSED_MERGE
-    p.counters = counters;
-#endif
     p.prefix_tables = ptabs[0];
     p.block_tables = tabs[0];
     *out_p = p;

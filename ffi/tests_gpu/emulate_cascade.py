@@ -12,9 +12,7 @@ mma.m16n8k16 of emulate_mma_decode.py (next to this file):
   the ring's padded rows, S = Q K^T and O += P V, the masked tail, the quad sums and the
   stores of every row's state to its workspace slot;
 * the own block, whose loop is the decode kernel's: emulate_mma_decode.run_block;
-* the merge kernel (the parts of a request in workspace order, the scalar checks), or the merge
-  folded into step 1 (JAXATTN_CASCADE_FUSED_MERGE: arrival counters, the last block to finish a
-  request's parts merges them; run with the blocks finishing in a random order).
+* the merge kernel (the parts of a request in workspace order, the scalar checks).
 
 Each case is a random batch of requests over a few prefixes (pages permuted, every unread slot
 NaN, tables padded with entries to NaN pages) checked against a float64 joined-table
@@ -375,52 +373,8 @@ def run_prefix_block(
 # --- a launch ----------------------------------------------------------------------------------
 
 
-# The merge folded into step 1 (cascade.cuh, JAXATTN_CASCADE_FUSED_MERGE): a counter a
-# (request, KV head), zeroed before the launch; own blocks add 1, prefix partition s of P adds
-# prefix_share(s, P) (the shares of a prefix's P partitions sum to MERGE_SHARES whatever P is);
-# the block whose add brings the counter to merge_expected merges the request's rows.
-MERGE_SHARES = 1 << 20
-
-
-def prefix_share(s, parts):
-    return (s + 1) * MERGE_SHARES // parts - s * MERGE_SHARES // parts
-
-
-def request_scalars(P, b):
-    """cascade_request_ok and the request's own partitions: (ok, prefix length, n_own)."""
-    g = P["prefix_of"][b]
-    ok, lp = -1 <= g < P["num_prefixes"], 0
-    if ok and g >= 0:
-        lp = P["prefix_lens"][g]
-        ok = prefix_bounds_ok(lp, P["prefix_width"], P["page_size"], P["num_pages"])
-    ok = ok and decode_bounds_ok(P["seq_lens"][b], P["own_width"], P["page_size"], P["num_pages"])
-    span = P["partition_size"] or P["own_width"] * P["page_size"]
-    n_own = 0 if not ok or P["seq_lens"][b] <= 0 else -(-P["seq_lens"][b] // span)
-    return ok, (lp if ok else 0), n_own
-
-
-def merge_expected(lp, n_own):
-    return n_own + (MERGE_SHARES if lp > 0 else 0)
-
-
-def merge_row(P, ws, ml, b, h, lp, n_own, splits, d):
-    """cascade_merge_kernel's row: the parts in workspace order, weighted and summed in order."""
-    n = n_own + (cascade_prefix_parts(lp, splits) if lp > 0 else 0)
-    idx = [i if i < n_own else i + P["own_parts"] - n_own for i in range(n)]
-    mx = np.fmax.reduce([ml[b, h, q, 0] for q in idx], initial=NEG_INF)
-    mu = 0.0 if mx == NEG_INF else mx
-    w = [ml[b, h, q, 1] * 2.0 ** (ml[b, h, q, 0] - mu) for q in idx]
-    acc = sum((wi * ws[b, h, q] for wi, q in zip(w, idx, strict=True)), np.zeros(d))
-    ls = sum(w)
-    return np.zeros(d) if ls == 0 else acc / ls
-
-
-def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
-    """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d].
-
-    fused: the merge folded into step 1 instead (see MERGE_SHARES), the blocks run in `order`
-    (a permutation of the grid; default grid order), and every row not written stays NaN.
-    """
+def launch(P, d, ns, land, fetch, units=False):
+    """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d]."""
     B, hq, hkv = len(P["prefix_of"]), P["hq"], P["hkv"]
     group = hq // hkv
     parts = P["own_parts"] + P["prefix_parts"]
@@ -432,18 +386,7 @@ def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
     per_head = cascade_blocks_per_head(tiles, P["prefix_target"], hkv)
     geo = (P["page_size"], P["page_stride"], P["token_stride"], P["num_pages"])
     own_blocks = B * hkv * P["own_parts"]
-    counters = np.zeros((B, hkv), np.int64)  # the memset before the launch
-    out = np.full((B, hq, d), np.nan)
-
-    def arrive(b, kvh, add):
-        counters[b, kvh] += add  # atomicAdd, after the block's states are written and fenced
-        ok, lp, n_own = request_scalars(P, b)
-        if ok and counters[b, kvh] == merge_expected(lp, n_own):  # the last arrival merges
-            for h in range(kvh * group, (kvh + 1) * group):
-                out[b, h] = merge_row(P, ws, ml, b, h, lp, n_own, split_slot[0], d)
-
-    blocks = range(per_head * hkv + own_blocks) if order is None else order
-    for x in blocks:
+    for x in range(per_head * hkv + own_blocks):
         if x < per_head * hkv:
             kvh = x % hkv
             plan, splits = plan_prefix_block(P, x // hkv, per_tile, per_head)
@@ -459,8 +402,6 @@ def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
             start, end = split * chunk, min(lp, split * chunk + chunk)
             if start >= lp:
                 continue
-            if fused:
-                split_slot[0] = splits  # every prefix block with work leaves it (one value)
             qrows, slots = [], []
             for r in range(ROWS):
                 member, h = r // group, kvh * group + r % group
@@ -484,14 +425,10 @@ def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
                 fetch,
                 units,
             )
-            for r, (o, mm, ls) in res.items():
+            for r, (out, mm, ls) in res.items():
                 b, h = slots[r]
-                ws[b, h, P["own_parts"] + split] = o
+                ws[b, h, P["own_parts"] + split] = out
                 ml[b, h, P["own_parts"] + split] = (mm, ls)
-            if fused:
-                share = prefix_share(split, cascade_prefix_parts(lp, splits))
-                for member in range(cnt):
-                    arrive(members[member], kvh, share)
         else:
             y = x - per_head * hkv
             part, kvh, b = (
@@ -500,12 +437,6 @@ def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
                 y // (P["own_parts"] * hkv),
             )
             L = P["seq_lens"][b]
-            if fused and part == 0:
-                # Own block 0 of a request writes the rows no merge will: NaN for an invalid
-                # request, zeros for one with nothing to attend.
-                ok, lp, n_own = request_scalars(P, b)
-                if not ok or merge_expected(lp, n_own) == 0:
-                    out[b, kvh * group : (kvh + 1) * group] = np.nan if not ok else 0.0
             if not decode_bounds_ok(L, P["own_width"], P["page_size"], P["num_pages"]):
                 continue
             span = P["partition_size"] or P["own_width"] * P["page_size"]
@@ -530,17 +461,33 @@ def launch(P, d, ns, land, fetch, units=False, fused=False, order=None):
                 P["cap"],
                 page_lead=False,  # cascade_own_mma reads the entries in the storing iteration
             )
-            for gh, (o, mm, ls) in res.items():
-                ws[b, kvh * group + gh, part] = o
+            for gh, (out, mm, ls) in res.items():
+                ws[b, kvh * group + gh, part] = out
                 ml[b, kvh * group + gh, part] = (mm, ls)
-            if fused:
-                arrive(b, kvh, 1)
-    if fused:
-        return out
 
+    out = np.zeros((B, hq, d))
     for b, h in itertools.product(range(B), range(hq)):
-        ok, lp, n_own = request_scalars(P, b)
-        out[b, h] = merge_row(P, ws, ml, b, h, lp, n_own, split_slot[0], d) if ok else np.nan
+        g = P["prefix_of"][b]
+        ok, lp = -1 <= g < P["num_prefixes"], 0
+        if ok and g >= 0:
+            lp = P["prefix_lens"][g]
+            ok = prefix_bounds_ok(lp, P["prefix_width"], P["page_size"], P["num_pages"])
+        ok = ok and decode_bounds_ok(
+            P["seq_lens"][b], P["own_width"], P["page_size"], P["num_pages"]
+        )
+        if not ok:
+            out[b, h] = np.nan
+            continue
+        span = P["partition_size"] or P["own_width"] * P["page_size"]
+        n_own = 0 if P["seq_lens"][b] <= 0 else -(-P["seq_lens"][b] // span)
+        n = n_own + (cascade_prefix_parts(lp, split_slot[0]) if lp > 0 else 0)
+        idx = [i if i < n_own else i + P["own_parts"] - n_own for i in range(n)]
+        mx = np.fmax.reduce([ml[b, h, q, 0] for q in idx], initial=NEG_INF)
+        mu = 0.0 if mx == NEG_INF else mx
+        w = [ml[b, h, q, 1] * 2.0 ** (ml[b, h, q, 0] - mu) for q in idx]
+        acc = sum((wi * ws[b, h, q] for wi, q in zip(w, idx, strict=True)), np.zeros(d))
+        ls = sum(w)
+        out[b, h] = 0.0 if ls == 0 else acc / ls
     return out
 
 
@@ -673,20 +620,7 @@ def make_batch(
 
 
 def check(
-    rng,
-    d,
-    ns,
-    land,
-    layout,
-    page_size,
-    heads,
-    batch,
-    partition_size,
-    target,
-    edit,
-    fetch,
-    units,
-    fused=False,
+    rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit, fetch, units
 ):
     hq, hkv = heads
     prefix_pages, prefix_of, own_lens = batch
@@ -704,14 +638,7 @@ def check(
         target=target,
         edit=edit,
     )
-    order = None
-    if fused:  # the blocks finish in any order: a random one
-        B, hkv, group = len(P["prefix_of"]), P["hkv"], P["hq"] // P["hkv"]
-        per_head = cascade_blocks_per_head(
-            cascade_tiles(B, P["num_prefixes"], ROWS // group), P["prefix_target"], hkv
-        )
-        order = rng.permutation(per_head * hkv + B * hkv * P["own_parts"]).tolist()
-    out = launch(P, d, ns, land, fetch, units, fused, order)
+    out = launch(P, d, ns, land, fetch, units)
     nan_ref, nan_out = np.isnan(ref), np.isnan(out)
     if not np.array_equal(nan_ref.all(-1), nan_out.all(-1)) or nan_out[~nan_ref.all(-1)].any():
         return math.inf
@@ -741,16 +668,13 @@ def main(full):
     # The portable prefix block's schedule, then Hopper's, then each with its rings' row numbers:
     # Hopper's prefix ring (JAXATTN_CASCADE_ROW_UNITS), the portable prefix ring and every own
     # block's (JAXATTN_DECODE_ROW_UNITS: the padded rings).
-    # Last, the default build's schedule with the merge folded into step 1
-    # (JAXATTN_CASCADE_FUSED_MERGE), its blocks finishing in a random order.
     schedules = [
-        ("mma", False, False, False),
-        ("wgmma", True, False, False),
-        ("wgmma row units", True, True, False),
-        ("mma row units", False, True, False),
-        ("wgmma row units, merge in step 1", True, True, True),
+        ("mma", False, False),
+        ("wgmma", True, False),
+        ("wgmma row units", True, True),
+        ("mma row units", False, True),
     ]
-    for kernel, fetch, units, fused in schedules:
+    for kernel, fetch, units in schedules:
         emulate_mma_decode.UNITS = units and not fetch  # the own blocks' rings
         for (d, ns, layout, page, heads, part, target), batch in itertools.product(
             configs, batches
@@ -759,20 +683,7 @@ def main(full):
                 if land == "late" and edit not in (None,) and not full:
                     continue
                 err = check(
-                    rng,
-                    d,
-                    ns,
-                    land,
-                    layout,
-                    page,
-                    heads,
-                    batch,
-                    part,
-                    target,
-                    edit,
-                    fetch,
-                    units,
-                    fused,
+                    rng, d, ns, land, layout, page, heads, batch, part, target, edit, fetch, units
                 )
                 cases += 1
                 status = "ok" if err < 2e-2 else "FAIL"

@@ -44,12 +44,6 @@
 // requests that continue it.
 #pragma once
 
-// The merge folded into step 1 (an experiment, off by default; CascadeParams::counters): built
-// with 1, a launch given counters runs no merge kernel (see cascade_own_arrive).
-#ifndef JAXATTN_CASCADE_FUSED_MERGE
-#define JAXATTN_CASCADE_FUSED_MERGE 0
-#endif
-
 #include <cstdint>
 
 #include "jaxattn/cascade.h"
@@ -716,15 +710,6 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   JAXATTN_CASCADE_STAMP(12);
 }
 
-// The merge folded into step 1 (JAXATTN_CASCADE_FUSED_MERGE; defined with the merge below).
-template <typename T, int D>
-__device__ void cascade_unmerged_rows(const CascadeParams& p, int b, int kvh, int group);
-template <typename T, int D>
-__device__ void cascade_own_arrive(const CascadeParams& p, int b, int kvh, int group);
-template <typename T, int D, typename Plan>
-__device__ void cascade_prefix_arrive(const CascadeParams& p, const Plan& plan, int kvh, int split,
-                                      int splits);
-
 // Own block: paged decode of own partition `part` of request b, the group's heads as the n = 8
 // side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
 // As there, q and the pages of the first tiles are loaded beside the request's length, not
@@ -748,9 +733,6 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   mma_decode_q<T, D>(p.q, p.num_q_heads, b, kvh, group, g, tq, qa);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
-#if JAXATTN_CASCADE_FUSED_MERGE
-  if (p.counters != nullptr && part == 0) cascade_unmerged_rows<T, D>(p, b, kvh, group);
-#endif
   int start, end;
   if (!own_range(p, b, part, &start, &end)) {
     JAXATTN_CASCADE_STAMP(12);  // no work: its exit
@@ -802,9 +784,6 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
       p, red,
       [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
       poisoned);
-#if JAXATTN_CASCADE_FUSED_MERGE
-  if (p.counters != nullptr) cascade_own_arrive<T, D>(p, b, kvh, group);
-#endif
   JAXATTN_CASCADE_STAMP(12);
 }
 
@@ -846,9 +825,6 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     } else {
       cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
     }
-#if JAXATTN_CASCADE_FUSED_MERGE
-    if (p.counters != nullptr) cascade_prefix_arrive<T, D>(p, plan, x % hkv, split, splits);
-#endif
   } else {
     const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
     cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part);
@@ -861,169 +837,6 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
 // ------------------------------------------------------------------------------------------
 // Merge and launchers.
 // ------------------------------------------------------------------------------------------
-
-// Reads of step 1's states by a merge: kL2, from L2 through ld.global.cg (a block of step 1
-// merging other blocks' states: this multiprocessor's L1 may hold a line of the workspace older
-// than their writes), else a plain load (the merge kernel, launched after step 1's writes).
-template <bool kL2, typename V>
-__device__ __forceinline__ V merge_load(const V* ptr) {
-#if defined(JAXATTN_CUDA)
-  if constexpr (kL2) return __ldcg(ptr);
-#endif
-  return *ptr;
-}
-
-// The exact merge of row (b, h)'s n parts -- own partitions [0, n_own), then its prefix's from
-// own_parts on -- by one warp: the maximum of their maxima first, then the weighted sums in a
-// fixed order, the merged row times vs written to out (the row's output).
-template <typename T, int D, bool kL2>
-__device__ __forceinline__ void cascade_merge_parts(const CascadeParams& p, int b, int h, int n_own,
-                                                    int n, float vs, int lane, T* out) {
-  constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
-  constexpr int kBatch = kPerLane > 4 ? 4 : 8;  // parts whose outputs a warp has in flight
-  constexpr float kNegInf = -__builtin_huge_valf();
-  const int64_t slot0 = cascade_slot(p, b, h, 0);
-  const float2* ml = reinterpret_cast<const float2*>(cascade_ml(p) + 2 * slot0);
-  const float* parts = p.workspace + slot0 * D;
-  const int skip = p.own_parts - n_own;  // part i >= n_own lives at i + skip
-  auto at = [&](int i) { return i < n_own ? i : i + skip; };
-
-  float mx = kNegInf;
-  for (int i = lane; i < n; i += WARP_SIZE) mx = fmaxf(mx, merge_load<kL2>(ml + at(i)).x);
-  mx = group_max<WARP_SIZE>(mx);
-  const float m_use = mx == kNegInf ? 0.f : mx;
-
-  float o[kPerLane], ls = 0.f;
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
-  for (int i0 = 0; i0 < n; i0 += WARP_SIZE) {
-    // Lane j's weight is part i0 + j's (its max read again: a cached line of this row).
-    float w_lane = 0.f;
-    if (i0 + lane < n) {
-      const float2 x = merge_load<kL2>(ml + at(i0 + lane));
-      w_lane = x.y * fast_exp2(x.x - m_use);
-    }
-    const int cnt = min(WARP_SIZE, n - i0);
-    for (int j0 = 0; j0 < cnt; j0 += kBatch) {
-      float v[kBatch][kPerLane];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int q = j0 + j < cnt ? at(i0 + j0 + j) : 0;
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int d = lane + k * WARP_SIZE;
-          v[j][k] = j0 + j < cnt && (D % WARP_SIZE == 0 || d < D)
-                        ? merge_load<kL2>(parts + int64_t(q) * D + d)
-                        : 0.f;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const float w = shfl(w_lane, (j0 + j) % WARP_SIZE);
-        if (j0 + j < cnt) {  // warp-uniform; parts added in order, as their sum
-          ls += w;
-#pragma unroll
-          for (int k = 0; k < kPerLane; ++k) o[k] = fmaf(w, v[j][k], o[k]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int d = lane + k * WARP_SIZE;
-    if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls * vs);
-  }
-}
-
-#if JAXATTN_CASCADE_FUSED_MERGE
-// The merge folded into step 1. Each step-1 block of the tensor-core kernel that writes states
-// of a (request, KV head) adds to its counter once they are written (own blocks 1, prefix
-// partitions their cascade_prefix_share) and the block whose add completes the request
-// (cascade_merge_expected) merges its rows, reading the other blocks' states through L2. The
-// writers fence their stores before the block's arrival, the merging block fences after it
-// (the threadFenceReduction pattern). Rows no merge writes -- an invalid request (NaN), one with
-// nothing to attend (zeros) -- are written by the request's own block 0.
-template <typename T, int D>
-__device__ void cascade_unmerged_rows(const CascadeParams& p, int b, int kvh, int group) {
-  int32_t lp = 0;
-  const bool ok = cascade_request_ok(p, b, &lp);
-  if (ok && cascade_merge_expected(lp, cascade_own_parts(p, p.seq_lens[b])) != 0) return;
-  T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + int64_t(kvh) * group) * D;
-  const T v = from_float<T>(ok ? 0.f : quiet_nan());
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) out[i] = v;
-}
-
-// Merges request b's rows of KV head kvh (its n_own own and prefix partitions of `splits`), a
-// warp a row.
-template <typename T, int D>
-__device__ __forceinline__ void cascade_merge_group(const CascadeParams& p, int b, int kvh,
-                                                    int group, int32_t lp, int splits, int first,
-                                                    int step) {
-  const int n_own = cascade_own_parts(p, p.seq_lens[b]);
-  const int n = n_own + (lp > 0 ? cascade_prefix_parts(lp, splits) : 0);
-  const float vs = p.scales.v_of(kvh);
-  for (int gh = first; gh < group; gh += step) {
-    const int h = kvh * group + gh;
-    cascade_merge_parts<T, D, true>(p, b, h, n_own, n, vs, int(threadIdx.x % WARP_SIZE),
-                                    static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + h) * D);
-  }
-}
-
-template <typename T, int D>
-__device__ void cascade_own_arrive(const CascadeParams& p, int b, int kvh, int group) {
-  int32_t lp = 0;
-  const bool ok = cascade_request_ok(p, b, &lp);
-  const int32_t expect = ok ? cascade_merge_expected(lp, cascade_own_parts(p, p.seq_lens[b])) : -1;
-  __threadfence();  // this thread's states
-  __syncthreads();  // every thread's
-  bool last = false;
-  if (threadIdx.x == 0)
-    last = atomicAdd(&p.counters[int64_t(b) * p.kv.num_kv_heads + kvh], 1) + 1 == expect;
-  if (!__syncthreads_or(last)) return;
-  __threadfence();
-  // The split the prefix blocks chose (each one with work left it before its arrival).
-  const int splits = lp > 0 ? merge_load<true>(cascade_split_slot(p)) : 1;
-  cascade_merge_group<T, D>(p, b, kvh, group, lp, splits, int(threadIdx.x / WARP_SIZE),
-                            int(blockDim.x / WARP_SIZE));
-}
-
-template <typename T, int D, typename Plan>
-__device__ void cascade_prefix_arrive(const CascadeParams& p, const Plan& plan, int kvh, int split,
-                                      int splits) {
-  __shared__ int last_members[CascadeMmaShape<T, D>::kRows],
-      last_lens[CascadeMmaShape<T, D>::kRows];
-  __shared__ int nlast;
-  const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
-  const int32_t share =
-      cascade_prefix_share(split, cascade_prefix_parts(p.prefix_lens[plan.g], splits));
-  if (threadIdx.x == 0) {
-    *cascade_split_slot(p) = splits;  // for own blocks that merge (the same value from every block)
-    nlast = 0;
-  }
-  __threadfence();  // this thread's states (and thread 0's split)
-  __syncthreads();  // every thread's
-  if (int(threadIdx.x) < plan.count) {
-    const int m = plan.members[threadIdx.x];
-    int32_t lp = 0;
-    const bool ok = cascade_request_ok(p, m, &lp);
-    const int32_t expect =
-        ok ? cascade_merge_expected(lp, cascade_own_parts(p, p.seq_lens[m])) : -1;
-    if (atomicAdd(&p.counters[int64_t(m) * hkv + kvh], share) + share == expect) {
-      const int i = atomicAdd(&nlast, 1);
-      last_members[i] = m;
-      last_lens[i] = lp;  // its prefix length, for the merge below
-    }
-  }
-  __syncthreads();
-  const int count = nlast;
-  if (count == 0) return;
-  __threadfence();
-  const int warp = int(threadIdx.x / WARP_SIZE), nw = int(blockDim.x / WARP_SIZE);
-  for (int r = warp; r < count * group; r += nw)
-    cascade_merge_group<T, D>(p, last_members[r / group], kvh, group, last_lens[r / group], splits,
-                              r % group, group);
-}
-#endif  // JAXATTN_CASCADE_FUSED_MERGE
 
 // One warp per (request, query head): the exact merge of the request's parts -- own partitions
 // [0, n_own), prefix partitions [own_parts, own_parts + n_prefix) -- the maximum of their maxima
@@ -1038,6 +851,9 @@ __device__ void cascade_prefix_arrive(const CascadeParams& p, const Plan& plan, 
 template <typename T, int D>
 __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams p) {
   constexpr int kWarps = 256 / WARP_SIZE;
+  constexpr int kPerLane = (D + WARP_SIZE - 1) / WARP_SIZE;
+  constexpr int kBatch = kPerLane > 4 ? 4 : 8;  // parts whose outputs a warp has in flight
+  constexpr float kNegInf = -__builtin_huge_valf();
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
   const bool live = row < int64_t(p.batch) * p.num_q_heads;
@@ -1058,7 +874,55 @@ __global__ void __launch_bounds__(256) cascade_merge_kernel(const CascadeParams 
     return;
   }
   const int n = n_own + (lp > 0 ? cascade_prefix_parts(lp, *cascade_split_slot(p)) : 0);
-  cascade_merge_parts<T, D, false>(p, b, h, n_own, n, vs, lane, out);
+  const int64_t slot0 = cascade_slot(p, b, h, 0);
+  const float2* ml = reinterpret_cast<const float2*>(cascade_ml(p) + 2 * slot0);
+  const float* parts = p.workspace + slot0 * D;
+  const int skip = p.own_parts - n_own;  // part i >= n_own lives at i + skip
+  auto at = [&](int i) { return i < n_own ? i : i + skip; };
+
+  float mx = kNegInf;
+  for (int i = lane; i < n; i += WARP_SIZE) mx = fmaxf(mx, ml[at(i)].x);
+  mx = group_max<WARP_SIZE>(mx);
+  const float m_use = mx == kNegInf ? 0.f : mx;
+
+  float o[kPerLane], ls = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) o[k] = 0.f;
+  for (int i0 = 0; i0 < n; i0 += WARP_SIZE) {
+    // Lane j's weight is part i0 + j's (its max read again: a cached line of this row).
+    float w_lane = 0.f;
+    if (i0 + lane < n) {
+      const float2 x = ml[at(i0 + lane)];
+      w_lane = x.y * fast_exp2(x.x - m_use);
+    }
+    const int cnt = min(WARP_SIZE, n - i0);
+    for (int j0 = 0; j0 < cnt; j0 += kBatch) {
+      float v[kBatch][kPerLane];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int q = j0 + j < cnt ? at(i0 + j0 + j) : 0;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int d = lane + k * WARP_SIZE;
+          v[j][k] = j0 + j < cnt && (D % WARP_SIZE == 0 || d < D) ? parts[int64_t(q) * D + d] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = shfl(w_lane, (j0 + j) % WARP_SIZE);
+        if (j0 + j < cnt) {  // warp-uniform; parts added in order, as their sum
+          ls += w;
+#pragma unroll
+          for (int k = 0; k < kPerLane; ++k) o[k] = fmaf(w, v[j][k], o[k]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int d = lane + k * WARP_SIZE;
+    if (D % WARP_SIZE == 0 || d < D) out[d] = from_float<T>(ls == 0.f ? 0.f : o[k] / ls * vs);
+  }
   JAXATTN_CASCADE_MERGE_STAMP(2);
 }
 
@@ -1167,14 +1031,6 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   const int per_head = cascade_blocks_per_head(tiles, p.prefix_target, hkv);
   const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * hkv * p.own_parts;
   if (blocks > 0x7fffffff) return "jaxattn: cascade grid over 2^31 - 1 blocks";
-#if JAXATTN_CASCADE_FUSED_MERGE
-  if (p.counters != nullptr && blocks > 0 && cascade_uses_mma<T, D>()) {
-    if (gpuMemsetAsync(p.counters, 0, size_t(p.batch) * hkv * sizeof(int32_t), stream) !=
-        gpuSuccess)
-      return "jaxattn: cascade counters could not be zeroed";
-    return launch_cascade_blocks<T, D>(p, stream, blocks, per_tile, per_head);
-  }
-#endif
   if (blocks > 0) {
     if (const char* e = launch_cascade_blocks<T, D>(p, stream, blocks, per_tile, per_head))
       return e;

@@ -60,11 +60,6 @@ struct CascadeParams {
   // library has its sm_90a build, else mma.sync), 1 mma.sync, 2 wgmma (an error where it is
   // not available). The self-test times both; the CPU ignores it.
   int32_t prefix_kernel = 0;
-  // GPU tensor-core kernel built with JAXATTN_CASCADE_FUSED_MERGE (an experiment, off by
-  // default): int32 [batch, num_kv_heads] arrival counters; the launcher zeroes them, and the
-  // last step-1 block to finish a (request, KV head) merges its rows (no merge kernel). nullptr:
-  // the merge kernel.
-  int32_t* counters = nullptr;
 
   JAXATTN_HD int32_t parts() const { return own_parts + prefix_parts; }
   // Own tokens per partition (a one-pass partition covers the whole table row).
@@ -122,22 +117,6 @@ JAXATTN_HD int32_t cascade_chunk(int32_t len, int32_t splits) {
   const int32_t chunk = (len + s - 1) / s;
   const int32_t rounded = (chunk + kCascadeStep - 1) / kCascadeStep * kCascadeStep;
   return rounded > kCascadeStep ? rounded : kCascadeStep;
-}
-
-// The merge folded into step 1 (JAXATTN_CASCADE_FUSED_MERGE): an own block adds 1 to its
-// (request, KV head)'s counter, prefix partition s of P adds cascade_prefix_share(s, P) for each
-// request of its tile. The shares of a prefix's P partitions sum to kCascadeMergeShares whatever
-// P is, so any block knows the total a complete request reaches (cascade_merge_expected)
-// without the split the prefix blocks chose.
-constexpr int32_t kCascadeMergeShares = 1 << 20;
-
-JAXATTN_HD int32_t cascade_prefix_share(int32_t s, int32_t parts) {
-  return int32_t(int64_t(s + 1) * kCascadeMergeShares / parts -
-                 int64_t(s) * kCascadeMergeShares / parts);
-}
-
-JAXATTN_HD int32_t cascade_merge_expected(int32_t prefix_len, int32_t own_parts) {
-  return own_parts + (prefix_len > 0 ? kCascadeMergeShares : 0);
 }
 
 // A prefix of len tokens fits its table row in whole pages (and, with any token, needs a page).
