@@ -9,7 +9,7 @@
 //   /tmp/decode_selftest --one e4m3 64 4096 0   # one shape (bf16|e4m3 B ctx partition), for ncu
 //   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
 //   (built with -DJAXATTN_DECODE_TRACE) --trace e4m3 1 32768 512: a tensor-core kernel's block
-//   timelines (bf16 or e4m3 cache)
+//   timelines (bf16 or e4m3 cache); with DECODE_TRACE_CSV=file also every block's stamps and SM
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -1114,6 +1114,22 @@ int main(int argc, char** argv) {
       t1 = std::max(t1, h[b * 16 + 13]);
     }
     std::printf("blocks %d, span %.2f us\n", nb, (t1 - t0) * 1e-3);
+    // $DECODE_TRACE_CSV: every block's stamps (ns from the first block's start; -1 where the
+    // block took none) and its SM, one row a block in grid order, for reading offline.
+    if (const char* path = std::getenv("DECODE_TRACE_CSV")) {
+      if (FILE* f = std::fopen(path, "w")) {
+        std::fprintf(f, "block,sm");
+        for (int i = 0; i < 14; ++i) std::fprintf(f, ",s%d", i);
+        std::fprintf(f, "\n");
+        for (int b = 0; b < nb; ++b) {
+          std::fprintf(f, "%d,%llu", b, h[b * 16 + 15]);
+          for (int i = 0; i < 14; ++i)
+            std::fprintf(f, ",%lld", h[b * 16 + i] ? (long long)(h[b * 16 + i] - t0) : -1ll);
+          std::fprintf(f, "\n");
+        }
+        std::fclose(f);
+      }
+    }
     const char* names[14] = {"start", "range", "prologue", "q", "tile0", "tile1", "tile2",
                              "tile3", "tile4", "tile5", "tile6", "tile7", "loop end", "written"};
     for (int i = 0; i < 14; ++i) {
