@@ -537,7 +537,7 @@ int run_robustness(Rng& rng) {
       {DT::kBF16, 32, 2, "simt"},
       {DT::kBF16, 64, 2, "simt32"},
       {DT::kF32, 2, 2, "direct32"},
-      {DT::kBF16, 2, 2, "direct e4m3", DT::kE4M3},
+      {DT::kBF16, 2, 2, "mma e4m3, one head a KV head", DT::kE4M3},
       {DT::kF16, 8, 2, "mma e4m3", DT::kE4M3},
       {DT::kBF16, 16, 2, "mma e5m2", DT::kE5M2},
       {DT::kBF16, 32, 2, "simt e4m3", DT::kE4M3},
@@ -1159,16 +1159,23 @@ int main(int argc, char** argv) {
     return 0;
   }
 #endif
-  if (argc == 6 && !std::strcmp(argv[1], "--one")) {
-    // --one bf16|e4m3 B ctx part: one shape, 32/8, timed as in the tables (a handle for ncu).
+  if ((argc == 6 || argc == 7) && !std::strcmp(argv[1], "--one")) {
+    // --one bf16|e4m3 B ctx part [HQ/HKV]: one shape (32/8 unless given), timed as in the
+    // tables (a handle for ncu).
     const bool fp8 = !std::strcmp(argv[2], "e4m3");
+    int hq = 32, hkv = 8;
+    if (argc == 7 &&
+        (std::sscanf(argv[6], "%d/%d", &hq, &hkv) != 2 || hq <= 0 || hkv <= 0 || hq % hkv != 0)) {
+      std::fprintf(stderr, "heads: HQ/HKV with HQ a multiple of HKV, got %s\n", argv[6]);
+      return 2;
+    }
     Rng rng(99);
-    Bench bench(std::atoi(argv[3]), std::atoi(argv[4]), 32, 8, fp8);
+    Bench bench(std::atoi(argv[3]), std::atoi(argv[4]), hq, hkv, fp8);
     bench.setup(rng);
     const int part = std::atoi(argv[5]);
     const double us = bench.time(part, 0);
-    std::printf("%s B=%d ctx=%d part=%d: %.1f us, %.0f GB/s\n", argv[2], bench.B, bench.ctx, part,
-                us, bench.kv_bytes() / (us * 1e-6) / 1e9);
+    std::printf("%s B=%d ctx=%d %d/%d part=%d: %.1f us, %.0f GB/s\n", argv[2], bench.B, bench.ctx,
+                hq, hkv, part, us, bench.kv_bytes() / (us * 1e-6) / 1e9);
     if (part > 0)
       std::printf("  kernel alone %.1f us, combine alone %.1f us\n", bench.time(part, 3),
                   bench.time(part, 4));

@@ -49,8 +49,9 @@
 // as stored -- half the bytes -- and widens them in registers. The SIMT kernels load 8 bytes a
 // lane (the 16-bit caches' element count) and widen through float16 bits (gpu_vendor.h); the
 // tensor-core kernel has an FP8 variant (paged_decode_mma_fp8_kernel, below) with a three-stage
-// ring of FP8 rows (four blocks an SM) and float16 MMAs. The per-KV-head scales cost nothing per
-// element: k_scale joins the f32 logit factor, v_scale multiplies the normalised output
+// ring of FP8 rows (four blocks an SM) and float16 MMAs, which serves every group up to 8 on
+// NVIDIA, one query head a KV head included (pick_decode_kernel). The per-KV-head scales cost
+// nothing per element: k_scale joins the f32 logit factor, v_scale multiplies the normalised output
 // (DecodeParams::scales).
 //
 // Softmax runs online in base 2 (logits scaled by scale * log2 e, exp2 on the SFU; with a soft
@@ -1652,20 +1653,25 @@ constexpr int mma_decode_smem_bytes() {
 
 // Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit q on NVIDIA sm_80+
 // -> tensor cores (the FP8 kernel for an FP8 cache); otherwise the pipelined SIMT kernel of
-// the smallest group template that covers the runtime group (extra heads are masked). One
-// function, so that the launcher and the occupancy query (decode_occupancy_typed) always
-// describe the same kernel.
+// the smallest group template that covers the runtime group (extra heads are masked). An FP8
+// cache under a 16-bit q takes the FP8 tensor-core kernel for one query head per KV head too:
+// it widens each K/V element once with the hardware conversion, where the direct kernel
+// converts every element in software and fell to 68% of the read ceiling at 64 x 4096 and 32%
+// at 1 x 32768 on an H100 (32/32 heads; slower than the bf16 cache there). One function, so
+// that the launcher and the occupancy query (decode_occupancy_typed) always describe the same
+// kernel.
 enum class DecodeKernel { kDirect, kMma, kG2, kG4, kG8, kG16, kG32, kG64, kNone };
 
 template <typename T, typename C, int D>
 DecodeKernel pick_decode_kernel(int group) {
-  if (group <= 1) return DecodeKernel::kDirect;
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
-    if (group <= 8 && decode_mma_supported(mma_decode_smem_bytes<T, C, D>()))
+    if ((group > 1 || (group == 1 && sizeof(C) == 1)) && group <= 8 &&
+        decode_mma_supported(mma_decode_smem_bytes<T, C, D>()))
       return DecodeKernel::kMma;
   }
 #endif
+  if (group <= 1) return DecodeKernel::kDirect;
   if (group <= 2) return DecodeKernel::kG2;
   if (group <= 4) return DecodeKernel::kG4;
   if (group <= 8) return DecodeKernel::kG8;
