@@ -534,14 +534,14 @@ int run_robustness(Rng& rng) {
       {DT::kBF16, 8, 2, "mma"},
       {DT::kF16, 16, 2, "mma"},
       {DT::kF32, 8, 2, "simt"},
-      {DT::kBF16, 32, 2, "simt"},
-      {DT::kBF16, 64, 2, "simt32"},
+      {DT::kBF16, 32, 2, "mma, two blocks a KV head"},
+      {DT::kBF16, 64, 2, "mma, four blocks a KV head"},
       {DT::kF32, 2, 2, "direct32"},
       {DT::kBF16, 2, 2, "mma e4m3, one head a KV head", DT::kE4M3},
       {DT::kF16, 8, 2, "mma e4m3", DT::kE4M3},
       {DT::kBF16, 16, 2, "mma e5m2", DT::kE5M2},
-      {DT::kBF16, 32, 2, "simt e4m3", DT::kE4M3},
-      {DT::kF16, 64, 2, "simt32 e5m2", DT::kE5M2},
+      {DT::kBF16, 32, 2, "mma e4m3, two blocks a KV head", DT::kE4M3},
+      {DT::kF16, 64, 2, "mma e5m2, four blocks a KV head", DT::kE5M2},
   };
   int failed = 0, total = 0;
   for (const Variant& v : variants)
@@ -922,7 +922,7 @@ struct Bench {
       // A tensor-core kernel alone (3) / the combine alone (4): FP8 or 16-bit, as the cache.
       auto alone = [&](auto kernel, int threads, int smem) {
         dim3 grid;
-        e = gpu::decode_grid(p, &grid);
+        e = gpu::decode_grid(p, &grid, gpu::mma_head_chunks(hq / hkv));
         if (!e) e = gpu::allow_dynamic_smem(kernel, smem);
         if (!e && variant == 3) kernel<<<grid, threads, smem>>>(p);
         if (!e && variant == 4) e = gpu::launch_decode_combine<bf16_t, D>(p, 0);
@@ -1096,7 +1096,7 @@ int main(int argc, char** argv) {
                 bench.time(part, 3));
     dim3 grid;
     const DecodeParams p0 = bench.params(part, 0);
-    if (const char* e = gpu::decode_grid(p0, &grid)) {
+    if (const char* e = gpu::decode_grid(p0, &grid, gpu::mma_head_chunks(bench.hq / bench.hkv))) {
       std::fprintf(stderr, "%s\n", e);
       return 2;
     }

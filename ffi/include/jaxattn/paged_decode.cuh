@@ -243,16 +243,38 @@ __device__ __forceinline__ int decode_block_start(const DecodeParams& p) {
   return p.partition_size > 0 ? int(blockIdx.z) * p.partition_size : 0;
 }
 
+// Tensor-core decode blocks serve at most kMmaDecodeHeads query heads (the n = 8 side of their
+// products), so a KV head with a larger group is served by mma_head_chunks(group) blocks, next
+// to each other in grid.x, each reading the KV head's tiles for its slice of the group (the
+// blocks of one KV head run side by side, so the later reads are mostly L2 hits).
+constexpr int kMmaDecodeHeads = 8;
+JAXATTN_HD int mma_head_chunks(int group) {
+  return (group + kMmaDecodeHeads - 1) / kMmaDecodeHeads;
+}
+struct MmaHeads {
+  int kvh;  // the block's KV head
+  int h0;   // its first query head
+  int hn;   // its query heads: 1..kMmaDecodeHeads
+};
+__device__ __forceinline__ MmaHeads mma_block_heads(const DecodeParams& p) {
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  if (group <= kMmaDecodeHeads) return {int(blockIdx.x), int(blockIdx.x) * group, group};
+  const int chunks = mma_head_chunks(group);
+  const int kvh = int(blockIdx.x) / chunks, c = int(blockIdx.x) - kvh * chunks;
+  return {kvh, kvh * group + c * kMmaDecodeHeads,
+          min(kMmaDecodeHeads, group - c * kMmaDecodeHeads)};
+}
+
+// The block serves query heads [h0, h0 + hn) of its sequence.
 template <typename T>
-__device__ __forceinline__ bool decode_range(const DecodeParams& p, int kvh, int group,
+__device__ __forceinline__ bool decode_range(const DecodeParams& p, int h0, int hn,
                                              DecodeRange* r) {
   const int L = p.seq_lens[blockIdx.y];
   if (!decode_bounds_ok(L, p.block_table_stride, p.kv.page_size, p.kv.num_pages)) {
     if (p.partition_size == 0) {
       const int D = p.kv.head_dim;
-      T* out =
-          static_cast<T*>(p.out) + (int64_t(blockIdx.y) * p.num_q_heads + int64_t(kvh) * group) * D;
-      for (int i = threadIdx.x; i < group * D; i += blockDim.x) out[i] = from_float<T>(quiet_nan());
+      T* out = static_cast<T*>(p.out) + (int64_t(blockIdx.y) * p.num_q_heads + h0) * D;
+      for (int i = threadIdx.x; i < hn * D; i += blockDim.x) out[i] = from_float<T>(quiet_nan());
     }
     return false;
   }
@@ -342,14 +364,15 @@ __device__ __forceinline__ void decode_write(const DecodeParams& p, int b, int h
 // Merges the (max, sum, output) states that WS warps left in shared memory for each of the
 // block's HC x GC heads and writes the results, in a fixed order; NaN for all of them when
 // the block is poisoned. red holds, for warp w = ws * HC + hc and its head g, D output floats
-// then the max and the sum, at red + (w * GC + g) * (D + 2).
+// then the max and the sum, at red + (w * GC + g) * (D + 2). The block's heads are query heads
+// [h0, h0 + hn) of sequence b.
 template <typename T, int D, int HC, int GC, int WS, int NT>
 __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, const float* red,
-                                                      int b, int kvh, int group, bool poisoned,
+                                                      int b, int h0, int hn, bool poisoned,
                                                       float vs) {
   constexpr float kNegInf = -__builtin_huge_valf();
-  // The group's heads only: the tensor-core kernels' 8 columns hold 4 padding heads at GQA 4.
-  const int items = min(group, HC * GC) * D;
+  // The block's heads only: the tensor-core kernels' 8 columns hold 4 padding heads at GQA 4.
+  const int items = min(hn, HC * GC) * D;
   for (int i = threadIdx.x; i < items; i += NT) {
     const int gh = i / D, d = i % D;
     const int hci = gh / GC, g = gh % GC;
@@ -366,7 +389,7 @@ __device__ __forceinline__ void merge_warps_and_write(const DecodeParams& p, con
       o += wt * r[d];
     }
     if (poisoned) o = mx = ls = quiet_nan();
-    decode_write<T>(p, b, kvh * group + gh, d, o, mx, ls, vs);
+    decode_write<T>(p, b, h0 + gh, d, o, mx, ls, vs);
   }
 }
 
@@ -655,17 +678,17 @@ struct KvRing {
 };
 
 // The tensor-core decode kernels' start once their early loads are issued (q, and `pages` from
-// Ring::early_pages at decode_block_start): the block's range (decode_range; false: nothing to
-// compute), its ring over this KV head and the prologue's copies. `bad`: this thread met a page
-// id outside the cache.
+// Ring::early_pages at decode_block_start): the block's range (decode_range over its query
+// heads [h0, h0 + hn); false: nothing to compute), its ring over KV head kvh and the prologue's
+// copies. `bad`: this thread met a page id outside the cache.
 template <typename T, typename Ring>
-__device__ __forceinline__ bool decode_ring_start(const DecodeParams& p, int kvh, int group,
+__device__ __forceinline__ bool decode_ring_start(const DecodeParams& p, int kvh, int h0, int hn,
                                                   const int32_t* table, unsigned char* smem,
                                                   const int (&pages)[Ring::kStages], Ring& ring,
                                                   bool& bad) {
   DecodeRange range;
   pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range)) return false;
+  if (!decode_range<T>(p, h0, hn, &range)) return false;
   using E = typename Ring::Elem;
   const int64_t head = kvh * p.kv.head_stride;
   const E* k = static_cast<const E*>(p.k) + head;
@@ -785,7 +808,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   DecodeRange range;
   pdl_launch_dependents();
-  if (!decode_range<T>(p, kvh, group, &range)) return;
+  if (!decode_range<T>(p, kvh * group, group, &range)) return;
   const int start = range.start, end = range.end;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int hc = warp % HC, ws = warp / HC;
@@ -947,7 +970,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
       }
     }
     __syncthreads();
-    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh, group, poisoned, v_scale);
+    merge_warps_and_write<T, D, HC, GC, WS, S::kThreads>(p, red, b, kvh * group, group, poisoned,
+                                                         v_scale);
   }
 }
 
@@ -962,7 +986,7 @@ struct MmaDecodeShape {
   static_assert(sizeof(T) == 2 && D % 16 == 0, "16-bit elements, head_dim a multiple of 16");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kHeads = 8;           // query heads a KV head serves (n of the MMAs)
+  static constexpr int kHeads = kMmaDecodeHeads;  // query heads a block serves (n of the MMAs)
   static constexpr int kTile = 16 * kWarps;  // a 16-token slice per warp
   static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
@@ -1054,14 +1078,14 @@ struct MmaDims16 {
 template <typename T, typename S, int D, int STEP, int N, typename DimOf>
 __device__ __forceinline__ void mma_decode_finish(const DecodeParams& p, float* red,
                                                   const float (&o)[N][4], float m, float l,
-                                                  bool bad, int b, int kvh, int group,
+                                                  bool bad, int b, int kvh, int h0, int hn,
                                                   DimOf dim_of) {
   constexpr int H = S::kHeads;
   l = group_sum<4>(l);
   const bool poisoned = __syncthreads_or(bad);
   mma_warp_states<D, H, STEP>(red, o, m, l, dim_of);
   __syncthreads();
-  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, kvh, group, poisoned,
+  merge_warps_and_write<T, D, 1, H, S::kWarps, S::kThreads>(p, red, b, h0, hn, poisoned,
                                                             p.scales.v_of(kvh));
 }
 
@@ -1098,16 +1122,14 @@ __device__ __forceinline__ bool mma_decode_softmax(const float (&sc)[2][4], floa
   return __any_sync(0xffffffffu, alpha != 1.f);
 }
 
-// The A operand of the 16-bit tensor-core decode's QK^T (lane = 4 g + tq): row g = query head g
-// of KV head kvh's group at batch row b (rows past the group and rows 8..15 zero), unscaled
-// (16-bit, exact); the scale is applied to S in f32. Shared by paged_decode_mma_kernel and
-// cascade's own blocks.
+// The A operand of the 16-bit tensor-core decode's QK^T (lane = 4 g + tq): row g = query head
+// h0 + g at batch row b (rows g >= hn and rows 8..15 zero), unscaled (16-bit, exact); the scale
+// is applied to S in f32. Shared by paged_decode_mma_kernel and cascade's own blocks.
 template <typename T, int D>
-__device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int b, int kvh,
-                                             int group, int g, int tq, uint32_t (&qa)[D / 16][2]) {
-  const bool head_ok = g < group;
-  const T* qp = static_cast<const T*>(q) +
-                (int64_t(b) * num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+__device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int b, int h0, int hn,
+                                             int g, int tq, uint32_t (&qa)[D / 16][2]) {
+  const bool head_ok = g < hn;
+  const T* qp = static_cast<const T*>(q) + (int64_t(b) * num_q_heads + h0 + (head_ok ? g : 0)) * D;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     qa[kk][0] = head_ok ? *reinterpret_cast<const uint32_t*>(qp + kk * 16 + 2 * tq) : 0u;
@@ -1168,8 +1190,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   JAXATTN_TRACE(0);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
-  const int kvh = blockIdx.x, b = blockIdx.y;
-  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const MmaHeads hs = mma_block_heads(p);
+  const int kvh = hs.kvh, b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
@@ -1181,12 +1203,12 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   // applied to S in f32.
   const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
   uint32_t qa[KD][2];
-  mma_decode_q<T, D>(p.q, p.num_q_heads, b, kvh, group, g, tq, qa);
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, hs.h0, hs.hn, g, tq, qa);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
   Ring ring;
   bool bad;  // this thread met a page id outside the cache
-  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
+  if (!decode_ring_start<T>(p, kvh, hs.h0, hs.hn, table, smem, pages, ring, bad)) return;
   const int start = ring.start, end = ring.end, ntiles = ring.tiles();
   JAXATTN_TRACE(2);
 
@@ -1225,8 +1247,8 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   async_copy_wait<0>();
   JAXATTN_TRACE(12);
   // Per-warp states to shared memory (over the ring), then the fixed-order merge.
-  mma_decode_finish<T, S, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group,
-                                MmaDims16{});
+  mma_decode_finish<T, S, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, hs.h0,
+                                hs.hn, MmaDims16{});
   JAXATTN_TRACE(13);
 #endif
 }
@@ -1258,7 +1280,7 @@ struct MmaFp8DecodeShape {
   static_assert(sizeof(C) == 1 && D % 32 == 0, "FP8 elements, head_dim a multiple of 32");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kHeads = 8;
+  static constexpr int kHeads = kMmaDecodeHeads;
   static constexpr int kTile = 16 * kWarps;
   static constexpr int kRowStride = D + 16;  // bytes: 16 of padding, rows stay 16-byte aligned
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride;
@@ -1286,8 +1308,8 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem[];
 
-  const int kvh = blockIdx.x, b = blockIdx.y;
-  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const MmaHeads hs = mma_block_heads(p);
+  const int kvh = hs.kvh, b = blockIdx.y;
   JAXATTN_TRACE(0);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1298,11 +1320,11 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   // What needs no sequence length is loaded beside it, not after: q (its 16-bit words) and the
   // pages of the first tiles (at batch 1 the q loads used to queue behind the first tiles'
   // copies, ~3 us of the block's start).
-  const bool head_ok = g < group;
+  const bool head_ok = g < hs.hn;
   uint2 qw[KD];
   {
-    const T* qp = static_cast<const T*>(p.q) +
-                  (int64_t(b) * p.num_q_heads + int64_t(kvh) * group + (head_ok ? g : 0)) * D;
+    const T* qp =
+        static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + hs.h0 + (head_ok ? g : 0)) * D;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk)
       qw[kk] =
@@ -1312,7 +1334,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
   Ring ring;
   bool bad;  // this thread met a page id outside the cache
-  if (!decode_ring_start<T>(p, kvh, group, table, smem, pages, ring, bad)) return;
+  if (!decode_ring_start<T>(p, kvh, hs.h0, hs.hn, table, smem, pages, ring, bad)) return;
   JAXATTN_TRACE(2);
   const int start = ring.start, end = ring.end, ntiles = ring.tiles();
 
@@ -1423,8 +1445,8 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   JAXATTN_TRACE(12);
   // Per-warp states to shared memory (over the ring), each accumulator at its dim (row g + 8
   // of accumulator j: the dim after row g's), then the fixed-order merge.
-  mma_decode_finish<T, S, D, 1>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, group,
-                                [](int j, int gg) { return fp8_out_dim(j, gg); });
+  mma_decode_finish<T, S, D, 1>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, hs.h0,
+                                hs.hn, [](int j, int gg) { return fp8_out_dim(j, gg); });
   JAXATTN_TRACE(13);
 #endif
 }
@@ -1531,9 +1553,10 @@ __global__ void __launch_bounds__(256) decode_combine_kernel(const DecodeParams 
   }
 }
 
-inline const char* decode_grid(const DecodeParams& p, dim3* grid) {
+// head_chunks: blocks a KV head (mma_head_chunks for the tensor-core kernels, else 1).
+inline const char* decode_grid(const DecodeParams& p, dim3* grid, int head_chunks = 1) {
   if (p.batch > 65535 || p.max_parts > 65535) return "jaxattn: batch or partition count over 65535";
-  *grid = dim3(p.kv.num_kv_heads, p.batch, p.partition_size > 0 ? p.max_parts : 1);
+  *grid = dim3(p.kv.num_kv_heads * head_chunks, p.batch, p.partition_size > 0 ? p.max_parts : 1);
   return nullptr;
 }
 
@@ -1607,7 +1630,8 @@ template <typename Kernel>
 const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads, int smem,
                                gpuStream_t stream) {
   dim3 grid;
-  if (const char* e = decode_grid(p, &grid)) return e;
+  if (const char* e = decode_grid(p, &grid, mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads)))
+    return e;
   if (const char* e = allow_dynamic_smem(kernel, smem)) return e;
   if (!stream_capturing(stream) && launch_dependent(kernel, grid, threads, smem, stream, p))
     return nullptr;
@@ -1651,14 +1675,14 @@ constexpr int mma_decode_smem_bytes() {
 }
 #endif
 
-// Kernel choice: one query head per KV head -> direct; 2..8 with 16-bit q on NVIDIA sm_80+
-// -> tensor cores (the FP8 kernel for an FP8 cache); otherwise the pipelined SIMT kernel of
-// the smallest group template that covers the runtime group (extra heads are masked). An FP8
-// cache under a 16-bit q takes the FP8 tensor-core kernel for one query head per KV head too:
-// it widens each K/V element once with the hardware conversion, where the direct kernel
-// converts every element in software and fell to 68% of the read ceiling at 64 x 4096 and 32%
-// at 1 x 32768 on an H100 (32/32 heads; slower than the bf16 cache there). One function, so
-// that the launcher and the occupancy query (decode_occupancy_typed) always describe the same
+// Kernel choice: one query head per KV head -> direct; 2..64 with 16-bit q on NVIDIA sm_80+
+// -> tensor cores (the FP8 kernel for an FP8 cache; groups past 8 as several blocks a KV head,
+// mma_head_chunks); otherwise (f32 q, HIP, older GPUs) the pipelined SIMT kernel of the
+// smallest group template that covers the runtime group (extra heads are masked). An FP8 cache
+// under a 16-bit q takes the FP8 tensor-core kernel for one query head per KV head too. On an
+// H100 (64 x 4096) the SIMT kernels read at 68% of the read ceiling with an FP8 cache at
+// 32/32 heads and at 9-20% at 16 query heads a KV head, either cache. One function, so that
+// the launcher and the occupancy query (decode_occupancy_typed) always describe the same
 // kernel.
 enum class DecodeKernel { kDirect, kMma, kG2, kG4, kG8, kG16, kG32, kG64, kNone };
 
@@ -1666,7 +1690,7 @@ template <typename T, typename C, int D>
 DecodeKernel pick_decode_kernel(int group) {
 #if defined(JAXATTN_CUDA)
   if constexpr (sizeof(T) == 2) {
-    if ((group > 1 || (group == 1 && sizeof(C) == 1)) && group <= 8 &&
+    if ((group > 1 || (group == 1 && sizeof(C) == 1)) && group <= 64 &&
         decode_mma_supported(mma_decode_smem_bytes<T, C, D>()))
       return DecodeKernel::kMma;
   }
