@@ -2,7 +2,9 @@
 //
 // Grid (num_kv_heads, batch, partitions): a block owns one KV head of one sequence (or one
 // partition of it) and computes every query head of that head's GQA group, so each K/V row
-// is fetched from memory once per block however many query heads share it.
+// is fetched from memory once per block however many query heads share it. (The tensor-core
+// kernels serve 8 query heads a block: a larger group takes ceil(group / 8) blocks a KV head,
+// grid.x = num_kv_heads x that, mma_block_heads.)
 //
 // Decode moves every K/V byte once and does little arithmetic per byte, so the kernels are
 // built around keeping enough loads in flight. Three kernels:
@@ -14,7 +16,8 @@
 //    per row is short and 8 blocks fit an SM, which keeps memory saturated (90-106% of the
 //    H200 copy bandwidth).
 //
-// 2. Pipelined tensor-core kernel (NVIDIA sm_80+, bf16/f16, 2..8 query heads per KV head).
+// 2. Pipelined tensor-core kernel (NVIDIA sm_80+, bf16/f16, 2..64 query heads per KV head, 8 a
+//    block; with an FP8 cache 1..64).
 //    With more heads the direct kernel's load -> wait -> compute step left too few bytes in
 //    flight (51-70% of copy bandwidth at 4 heads). Here K and V tiles of kTile = 64 token rows
 //    go through a ring of kStages shared-memory stages filled by 16-byte cp.async copies: while
@@ -39,7 +42,7 @@
 //    per H200 SM, 128 KiB in flight per SM. The four warps' (max, sum, output) states merge
 //    once, through shared memory.
 //
-// 3. Pipelined SIMT kernel (everything else: f32, HIP, 16..64 heads per KV head). The same
+// 3. Pipelined SIMT kernel (everything else: f32, HIP and pre-sm_80 GPUs). The same
 //    ring of stages (on HIP and pre-sm_80 targets the copies are synchronous: gpu_vendor.h),
 //    computed with the lane-group scheme of kernel 1 from shared memory. Groups up to 8 keep
 //    every head in each warp's registers and split the tile's rows over four warps; larger
@@ -49,9 +52,9 @@
 // as stored -- half the bytes -- and widens them in registers. The SIMT kernels load 8 bytes a
 // lane (the 16-bit caches' element count) and widen through float16 bits (gpu_vendor.h); the
 // tensor-core kernel has an FP8 variant (paged_decode_mma_fp8_kernel, below) with a three-stage
-// ring of FP8 rows (four blocks an SM) and float16 MMAs, which serves every group up to 8 on
-// NVIDIA, one query head a KV head included (pick_decode_kernel). The per-KV-head scales cost
-// nothing per element: k_scale joins the f32 logit factor, v_scale multiplies the normalised output
+// ring of FP8 rows (four blocks an SM) and float16 MMAs, which serves every group on NVIDIA,
+// one query head a KV head included (pick_decode_kernel). The per-KV-head scales cost nothing
+// per element: k_scale joins the f32 logit factor, v_scale multiplies the normalised output
 // (DecodeParams::scales).
 //
 // Softmax runs online in base 2 (logits scaled by scale * log2 e, exp2 on the SFU; with a soft
