@@ -730,7 +730,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
   uint32_t qa[KD][2];
-  mma_decode_q<T, D>(p.q, p.num_q_heads, b, kvh * group, group, g, tq, qa);
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh) * group, group, g, tq, qa);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
   int start, end;

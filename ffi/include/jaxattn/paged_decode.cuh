@@ -1127,10 +1127,11 @@ __device__ __forceinline__ bool mma_decode_softmax(const float (&sc)[2][4], floa
 
 // The A operand of the 16-bit tensor-core decode's QK^T (lane = 4 g + tq): row g = query head
 // h0 + g at batch row b (rows g >= hn and rows 8..15 zero), unscaled (16-bit, exact); the scale
-// is applied to S in f32. Shared by paged_decode_mma_kernel and cascade's own blocks.
+// is applied to S in f32. Shared by paged_decode_mma_kernel and cascade's own blocks (h0 is
+// 64-bit so that their q address is the 64-bit sum it was before the head slices).
 template <typename T, int D>
-__device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int b, int h0, int hn,
-                                             int g, int tq, uint32_t (&qa)[D / 16][2]) {
+__device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int b, int64_t h0,
+                                             int hn, int g, int tq, uint32_t (&qa)[D / 16][2]) {
   const bool head_ok = g < hn;
   const T* qp = static_cast<const T*>(q) + (int64_t(b) * num_q_heads + h0 + (head_ok ? g : 0)) * D;
 #pragma unroll
