@@ -20,9 +20,10 @@ Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> tha
 per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU
 short of blocks; then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
 rule :func:`jaxattn.backend.split_kv_partition` aimed at 90% of one wave of resident blocks,
-where the resident blocks per multiprocessor and the multiprocessor count come from the
-library itself (``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` on the kernel the launcher
-would pick, or its HIP twin), never from numbers written here.
+where the resident blocks per multiprocessor, the multiprocessor count and the blocks a KV
+head takes (:func:`decode_head_blocks`) come from the library itself
+(``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` on the kernel the launcher would pick, or
+its HIP twin), never from numbers written here.
 Inside the kernels logits are in base 2 (scale folded with log2(e)); nothing in base 2
 leaves them.
 
@@ -64,6 +65,7 @@ __all__ = [
     "cascade_attention",
     "cascade_tile",
     "choose_partition_size",
+    "decode_head_blocks",
     "decode_occupancy",
     "extend_attention",
     "is_available",
@@ -105,7 +107,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 7
+_FFI_ABI = 8
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -127,6 +129,13 @@ _MIN_PARTITION = 128
 # batch 1 x 32768 27.3 / 27.4 against 27.9 / 27.7 us, 4 x 8192 27.3 / 27.2 against 28.2 / 28.1,
 # 8 x 4096 27.3 / 27.3 against 28.3 / 28.4, 16 x 2048 27.6 / 27.6 against 27.8 / 27.7; fewer,
 # longer blocks pay fewer pipeline starts and a combine over half the partitions.
+# Groups past 8 take ceil(group / 8) tensor-core blocks a KV head (decode_head_blocks), and the
+# rule counts those blocks, with the FP8 kernel's own occupancy (no cap). H100, 132 SMs, D=128,
+# graph timing, one run: 64/4 heads 64 x 4096 one pass against the pairs' count's split of 2048
+# 242.1 / 259.9 us bf16, 126.7 / 145.5 e4m3; bf16 at 1024 against 512 tokens 38.6 / 43.1 (8 x
+# 4096) and 38.5 / 42.7 (1 x 32768); bf16 at 2048 against 1024 69.3 / 72.3 (128/8, 8 x 4096),
+# 67.8 / 71.3 (128/8, 1 x 32768), 70.3 / 73.6 (64/4, 16 x 4096). The other e4m3 rows keep their
+# partitions (with the cap, counting blocks chose 2048 at 128/8 8 x 4096: 43.8 against 41.8 us).
 _FP8_SPLIT_BLOCKS_PER_SM = 2
 
 _BUILD_HINT = (
@@ -394,12 +403,46 @@ def decode_occupancy(
     return blocks.value, sms.value
 
 
+@functools.cache
+def decode_head_blocks(platform: str, dtype, head_dim: int, group: int, kv_dtype=None) -> int:
+    """Blocks a KV head of one sequence takes in the grid of the decode kernel the GPU
+    launcher picks (as :func:`decode_occupancy`): ``ceil(group / 8)`` on the tensor-core
+    kernels, whose blocks serve 8 query heads each, else 1."""
+    lib = _lib_handles[platform]
+    blocks = ctypes.c_int(0)
+    kv_id = 0 if kv_dtype is None else _KV_IDS.get(np.dtype(kv_dtype), 0)
+    err = lib.jaxattn_decode_head_blocks(
+        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(kv_id),
+        ctypes.c_int(head_dim),
+        ctypes.c_int(group),
+        ctypes.byref(blocks),
+    )
+    if err != 0 or blocks.value <= 0:
+        raise RuntimeError(
+            f"the native library could not report the decode grid's blocks per KV head "
+            f"(dtype {np.dtype(dtype)}, cache {kv_dtype}, head_dim {head_dim}, group {group}): "
+            f"error {err}"
+        )
+    return blocks.value
+
+
 def choose_partition_size(
-    partition_size, *, platform, batch, num_kv_heads, group, capacity, occupancy=None
+    partition_size,
+    *,
+    platform,
+    batch,
+    num_kv_heads,
+    group,
+    capacity,
+    occupancy=None,
+    head_blocks=1,
 ) -> int:
     """Tokens per partition for decode, 0 for one pass (see the module docstring).
 
     ``occupancy``: ``(resident blocks per SM, SMs)``, asked of the library when None.
+    ``head_blocks``: the blocks a KV head takes (:func:`decode_head_blocks`); the rule
+    counts the grid's blocks, each serving ``ceil(group / head_blocks)`` query heads.
     """
     if partition_size is not None:
         return int(partition_size)
@@ -408,12 +451,12 @@ def choose_partition_size(
     env = _env.overrides().partition_size
     blocks_per_sm, sms = occupancy
     if env is not None:
-        pairs = batch * num_kv_heads
+        pairs = batch * num_kv_heads * head_blocks
         return 0 if capacity <= env or pairs >= _ONE_PASS_BLOCKS_PER_SM * sms else env
     return split_kv_partition(
         batch=batch,
-        num_kv_heads=num_kv_heads,
-        group=group,
+        num_kv_heads=num_kv_heads * head_blocks,
+        group=-(-group // head_blocks),
         capacity=capacity,
         target_blocks=_WAVE_FILL * blocks_per_sm * sms,
         wave=blocks_per_sm * sms,
@@ -521,11 +564,12 @@ def paged_attention(
 
 def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
     group = q.shape[1] // geom.num_kv_heads
-    occupancy = None
+    occupancy, head_blocks = None, 1
     if platform != "cpu":
         kv = None if kv_dtype is None or not _quant.is_fp8(kv_dtype) else np.dtype(kv_dtype)
+        head_blocks = decode_head_blocks(platform, q.dtype, geom.head_dim, group, kv)
         occupancy = _split_occupancy(
-            decode_occupancy(platform, q.dtype, geom.head_dim, group, kv), kv
+            decode_occupancy(platform, q.dtype, geom.head_dim, group, kv), kv, head_blocks
         )
     return choose_partition_size(
         None,
@@ -535,13 +579,15 @@ def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
         group=group,
         capacity=max_pages * geom.page_size,
         occupancy=occupancy,
+        head_blocks=head_blocks,
     )
 
 
-def _split_occupancy(occupancy: tuple[int, int], kv_dtype) -> tuple[int, int]:
+def _split_occupancy(occupancy: tuple[int, int], kv_dtype, head_blocks: int = 1) -> tuple[int, int]:
     """The (blocks per SM, SMs) a split grid is sized for: the kernel's occupancy, at most
-    ``_FP8_SPLIT_BLOCKS_PER_SM`` for an FP8 cache."""
-    if kv_dtype is not None and _quant.is_fp8(kv_dtype):
+    ``_FP8_SPLIT_BLOCKS_PER_SM`` for an FP8 cache whose KV heads take one block each (see
+    ``_FP8_SPLIT_BLOCKS_PER_SM``)."""
+    if kv_dtype is not None and _quant.is_fp8(kv_dtype) and head_blocks == 1:
         return min(occupancy[0], _FP8_SPLIT_BLOCKS_PER_SM), occupancy[1]
     return occupancy
 

@@ -70,6 +70,16 @@ def test_partition_choice():
     # A kernel with 8 resident blocks per SM (the one-head kernel) has a 4x larger wave.
     mha = dict(num_kv_heads=32, capacity=32768, occupancy=(8, 132))
     assert choose(None, platform="cuda", batch=1, group=1, **mha) == 1024
+    # Groups past 8 on the tensor-core kernels take several blocks a KV head, and the rule
+    # counts blocks: 64 x 4 KV heads x 2 blocks fill the grid in one pass, 8 x 4 x 2 split
+    # into 1024-token partitions (counting (sequence, KV head) pairs gave 2048 and 512).
+    g16 = dict(num_kv_heads=4, group=16, capacity=4096, occupancy=(2, 132))
+    assert choose(None, platform="cuda", batch=64, head_blocks=2, **g16) == 0
+    assert choose(None, platform="cuda", batch=64, **g16) == 2048
+    assert choose(None, platform="cuda", batch=8, head_blocks=2, **g16) == 1024
+    assert choose(None, platform="cuda", batch=8, **g16) == 512
+    # The FP8 split grids' cap of 2 blocks an SM holds for one block a KV head only.
+    assert native._split_occupancy((4, 132), jnp.float8_e4m3fn, 2) == (4, 132)
     # Enough sequences, a context within one partition, or the CPU: one pass.
     assert choose(None, platform="cuda", batch=4096, group=4, **common) == 0
     assert choose(None, platform="cuda", batch=1, group=4, **dict(common, capacity=512)) == 0
@@ -102,6 +112,17 @@ def test_occupancy_comes_from_the_library():
     assert sms == jax.devices()[0].core_count and 1 <= blocks <= 32
     one_head, _ = native.decode_occupancy(native._platform(), jnp.bfloat16, 128, 1)
     assert one_head >= blocks  # the one-head kernel is the lighter one
+    # Blocks a KV head: one up to 8 query heads; past 8, ceil(group / 8) where the
+    # tensor-core kernels serve the group (a 16-bit q on NVIDIA sm_80+), else one (SIMT).
+    platform = native._platform()
+    cc = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+    mma = platform == "cuda" and cc >= 8.0
+    heads = native.decode_head_blocks
+    assert heads(platform, jnp.bfloat16, 128, 8) == 1
+    assert heads(platform, jnp.float32, 128, 16) == 1
+    assert heads(platform, jnp.bfloat16, 128, 16) == (2 if mma else 1)
+    assert heads(platform, jnp.float16, 64, 20) == (3 if mma else 1)
+    assert heads(platform, jnp.bfloat16, 128, 64, jnp.float8_e4m3fn) == (8 if mma else 1)
 
 
 def test_config_reaches_the_kernel(rng):

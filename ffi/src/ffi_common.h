@@ -21,8 +21,10 @@ namespace ffi = xla::ffi;
 // a library that reports another (a stale build), instead of letting XLA fail on an operand
 // count. 2: the per-head scale operands and FP8 caches; 3: the cascade target, with them;
 // 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets;
-// 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials.
-constexpr int kFfiAbi = 7;
+// 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials;
+// 8: the GPU library's decode-blocks query (jaxattn_decode_head_blocks), which the split rule
+// asks.
+constexpr int kFfiAbi = 8;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 

@@ -283,6 +283,18 @@ extern "C" int jaxattn_decode_occupancy(int dtype, int kv, int head_dim, int gro
   return jaxattn::gpu::decode_occupancy(dt, kt, head_dim, group, blocks_per_sm) == nullptr ? 0 : 3;
 }
 
+// Host query for jaxattn/native.py's split rule: the blocks a KV head of one sequence takes in
+// the grid of the decode kernel the launcher picks for (dtype, kv, head_dim, group) on the
+// current device (several for groups past 8 on the tensor-core kernels). Returns 0 on success.
+extern "C" int jaxattn_decode_head_blocks(int dtype, int kv, int head_dim, int group, int* blocks) {
+  using jaxattn::gpu::DType;
+  using jaxattn::gpu::KvType;
+  if (dtype < 0 || dtype > 2 || kv < 0 || kv > 2 || blocks == nullptr) return 1;
+  const DType dt = dtype == 0 ? DType::kF32 : dtype == 1 ? DType::kBF16 : DType::kF16;
+  const KvType kt = kv == 0 ? KvType::kSame : kv == 1 ? KvType::kE4M3 : KvType::kE5M2;
+  return jaxattn::gpu::decode_head_blocks(dt, kt, head_dim, group, blocks) == nullptr ? 0 : 3;
+}
+
 // Host query for jaxattn/native.py's cascade grid: the query rows of a prefix tile and the
 // resident blocks per multiprocessor of the cascade kernel the launcher runs for dtype (0
 // float32, 1 bfloat16, 2 float16) and head_dim on the current device, and that device's

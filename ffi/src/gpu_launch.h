@@ -26,6 +26,8 @@ template <typename T, typename C>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream);
 template <typename T, typename C>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks);
+template <typename T, typename C>
+const char* decode_head_blocks_typed(int head_dim, int group, int* blocks);
 
 // write_kv's rows in dtype `in` into a cache of `cache`'s type (ffi/src/kv_write.cu).
 const char* launch_write_kv(DType in, CacheDType cache, const WriteKvParams& p, gpuStream_t stream);
@@ -35,6 +37,8 @@ const char* launch_rope_write_kv(DType in, CacheDType cache, const RopeWriteKvPa
 
 // Resident blocks per multiprocessor of the decode kernel for (dtype, kv, head_dim, group).
 const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, int* blocks);
+// Blocks a KV head takes in that kernel's grid (groups past 8 on the tensor-core kernels: several).
+const char* decode_head_blocks(DType dtype, KvType kv, int head_dim, int group, int* blocks);
 
 }  // namespace gpu
 }  // namespace jaxattn

@@ -38,5 +38,11 @@ const char* decode_occupancy(DType dtype, KvType kv, int head_dim, int group, in
   });
 }
 
+const char* decode_head_blocks(DType dtype, KvType kv, int head_dim, int group, int* blocks) {
+  return dispatch(dtype, kv, [&](auto t, auto c) {
+    return decode_head_blocks_typed<decltype(t), decltype(c)>(head_dim, group, blocks);
+  });
+}
+
 }  // namespace gpu
 }  // namespace jaxattn

@@ -5,3 +5,5 @@ template const char* jaxattn::gpu::launch_paged_decode_typed<jaxattn::f16_t, jax
     const jaxattn::DecodeParams& p, gpuStream_t stream);
 template const char* jaxattn::gpu::decode_occupancy_typed<jaxattn::f16_t, jaxattn::f16_t>(
     int head_dim, int group, int* blocks);
+template const char* jaxattn::gpu::decode_head_blocks_typed<jaxattn::f16_t, jaxattn::f16_t>(
+    int head_dim, int group, int* blocks);

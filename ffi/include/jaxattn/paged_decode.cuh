@@ -1820,6 +1820,34 @@ const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
   }
 }
 
+// Blocks a KV head of one sequence takes in the grid of the kernel the launcher picks for
+// (head_dim, group): mma_head_chunks(group) for the tensor-core kernels, 1 for the others. The
+// split-KV heuristic (jaxattn/native.py) counts a grid's blocks with it.
+template <typename T, typename C = T>
+const char* decode_head_blocks_typed(int head_dim, int group, int* blocks) {
+  DecodeKernel k = DecodeKernel::kNone;
+  switch (head_dim) {
+    case 32:
+      k = pick_decode_kernel<T, C, 32>(group);
+      break;
+    case 64:
+      k = pick_decode_kernel<T, C, 64>(group);
+      break;
+    case 128:
+      k = pick_decode_kernel<T, C, 128>(group);
+      break;
+    case 256:
+      k = pick_decode_kernel<T, C, 256>(group);
+      break;
+    default:
+      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+  }
+  if (k == DecodeKernel::kNone)
+    return "jaxattn: paged decode serves at most 64 query heads per KV head";
+  *blocks = k == DecodeKernel::kMma ? mma_head_chunks(group) : 1;
+  return nullptr;
+}
+
 // T: q's and the output's element type; C: the cache's (T, or an FP8 format under a 16-bit T).
 template <typename T, typename C = T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream) {
