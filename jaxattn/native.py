@@ -375,6 +375,28 @@ def _scale_operand(scale):
 # --- occupancy: asked of the library, not written here ---------------------------------------
 
 
+def _decode_query(platform, symbol, what, dtype, head_dim, group, kv_dtype, outputs: int):
+    """``outputs`` ints from the library's decode query ``symbol`` (q dtype, cache dtype,
+    head_dim, group -> int pointers); ``RuntimeError`` naming ``what`` when it fails or
+    reports a value below 1."""
+    lib = _lib_handles[platform]
+    values = [ctypes.c_int(0) for _ in range(outputs)]
+    kv_id = 0 if kv_dtype is None else _KV_IDS.get(np.dtype(kv_dtype), 0)
+    err = getattr(lib, symbol)(
+        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
+        ctypes.c_int(kv_id),
+        ctypes.c_int(head_dim),
+        ctypes.c_int(group),
+        *(ctypes.byref(v) for v in values),
+    )
+    if err != 0 or any(v.value <= 0 for v in values):
+        raise RuntimeError(
+            f"the native library could not report {what} (dtype {np.dtype(dtype)}, cache "
+            f"{kv_dtype}, head_dim {head_dim}, group {group}): error {err}"
+        )
+    return tuple(v.value for v in values)
+
+
 @functools.cache
 def decode_occupancy(
     platform: str, dtype, head_dim: int, group: int, kv_dtype=None
@@ -383,24 +405,16 @@ def decode_occupancy(
     launcher picks for this q dtype, cache dtype (None: q's), head_dim and GQA group, on the
     current device: the library runs ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` (or
     the HIP twin) on the kernel with its block size and shared memory."""
-    lib = _lib_handles[platform]
-    blocks, sms = ctypes.c_int(0), ctypes.c_int(0)
-    kv_id = 0 if kv_dtype is None else _KV_IDS.get(np.dtype(kv_dtype), 0)
-    err = lib.jaxattn_decode_occupancy(
-        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
-        ctypes.c_int(kv_id),
-        ctypes.c_int(head_dim),
-        ctypes.c_int(group),
-        ctypes.byref(blocks),
-        ctypes.byref(sms),
+    return _decode_query(
+        platform,
+        "jaxattn_decode_occupancy",
+        "the decode kernel's occupancy",
+        dtype,
+        head_dim,
+        group,
+        kv_dtype,
+        outputs=2,
     )
-    if err != 0 or blocks.value <= 0 or sms.value <= 0:
-        raise RuntimeError(
-            f"the native library could not report the decode kernel's occupancy "
-            f"(dtype {np.dtype(dtype)}, cache {kv_dtype}, head_dim {head_dim}, group {group}): "
-            f"error {err}"
-        )
-    return blocks.value, sms.value
 
 
 @functools.cache
@@ -408,23 +422,17 @@ def decode_head_blocks(platform: str, dtype, head_dim: int, group: int, kv_dtype
     """Blocks a KV head of one sequence takes in the grid of the decode kernel the GPU
     launcher picks (as :func:`decode_occupancy`): ``ceil(group / 8)`` on the tensor-core
     kernels, whose blocks serve 8 query heads each, else 1."""
-    lib = _lib_handles[platform]
-    blocks = ctypes.c_int(0)
-    kv_id = 0 if kv_dtype is None else _KV_IDS.get(np.dtype(kv_dtype), 0)
-    err = lib.jaxattn_decode_head_blocks(
-        ctypes.c_int(_DTYPE_IDS[np.dtype(dtype)]),
-        ctypes.c_int(kv_id),
-        ctypes.c_int(head_dim),
-        ctypes.c_int(group),
-        ctypes.byref(blocks),
+    (blocks,) = _decode_query(
+        platform,
+        "jaxattn_decode_head_blocks",
+        "the decode grid's blocks per KV head",
+        dtype,
+        head_dim,
+        group,
+        kv_dtype,
+        outputs=1,
     )
-    if err != 0 or blocks.value <= 0:
-        raise RuntimeError(
-            f"the native library could not report the decode grid's blocks per KV head "
-            f"(dtype {np.dtype(dtype)}, cache {kv_dtype}, head_dim {head_dim}, group {group}): "
-            f"error {err}"
-        )
-    return blocks.value
+    return blocks
 
 
 def choose_partition_size(

@@ -8,7 +8,9 @@ turns that into a failure.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +106,43 @@ def test_ring_rows_bound():
     assert native._require("cuda", q, big, big, "bshd").head_dim == 32
     assert native._PagedAttention.ring and native._CascadeAttention.ring
     assert not native._PrefixPrefill.ring and not native._ExtendAttention.ring
+
+
+def test_decode_queries_read_the_library(monkeypatch):
+    # The ctypes plumbing of the library's decode queries, against C callables standing in
+    # for the GPU library (the queries themselves need a GPU: the test below).
+    c_int, ptr = ctypes.c_int, ctypes.POINTER(ctypes.c_int)
+    seen = []
+
+    def occupancy(dtype, kv, head_dim, group, blocks, sms):
+        seen.append((dtype, kv, head_dim, group))
+        blocks[0], sms[0] = 2, 132
+        return 0
+
+    def head_blocks(dtype, kv, head_dim, group, blocks):
+        blocks[0] = -(-group // 8) if group > 1 else 1
+        return 0 if head_dim != 96 else 3
+
+    fake = types.SimpleNamespace(
+        jaxattn_decode_occupancy=ctypes.CFUNCTYPE(c_int, c_int, c_int, c_int, c_int, ptr, ptr)(
+            occupancy
+        ),
+        jaxattn_decode_head_blocks=ctypes.CFUNCTYPE(c_int, c_int, c_int, c_int, c_int, ptr)(
+            head_blocks
+        ),
+    )
+    monkeypatch.setitem(native._lib_handles, "fake", fake)
+    native.decode_occupancy.cache_clear()
+    native.decode_head_blocks.cache_clear()
+    try:
+        got = native.decode_occupancy("fake", jnp.bfloat16, 128, 16, jnp.float8_e5m2)
+        assert got == (2, 132) and seen == [(1, 2, 128, 16)]
+        assert native.decode_head_blocks("fake", jnp.float16, 128, 20) == 3
+        with pytest.raises(RuntimeError, match="blocks per KV head.*head_dim 96.*error 3"):
+            native.decode_head_blocks("fake", jnp.float16, 96, 20)
+    finally:
+        native.decode_occupancy.cache_clear()
+        native.decode_head_blocks.cache_clear()
 
 
 @pytest.mark.gpu

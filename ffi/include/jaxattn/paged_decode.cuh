@@ -1801,23 +1801,31 @@ const char* decode_occupancy_dim(int group, int* blocks) {
   return "jaxattn: paged decode serves at most 64 query heads per KV head";
 }
 
+// f(std::integral_constant<int, D>{}) for the head dims the decode kernels are built for.
+template <typename F>
+const char* with_decode_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 32:
+      return f(std::integral_constant<int, 32>{});
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
+    default:
+      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+  }
+}
+
 // The split-KV heuristic (jaxattn/native.py) asks this instead of assuming a kernel's
 // resources: blocks of the decode kernel that launch_paged_decode_typed would run for
 // (head_dim, group) that fit one multiprocessor of the current device.
 template <typename T, typename C = T>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
-  switch (head_dim) {
-    case 32:
-      return decode_occupancy_dim<T, C, 32>(group, blocks);
-    case 64:
-      return decode_occupancy_dim<T, C, 64>(group, blocks);
-    case 128:
-      return decode_occupancy_dim<T, C, 128>(group, blocks);
-    case 256:
-      return decode_occupancy_dim<T, C, 256>(group, blocks);
-    default:
-      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
-  }
+  return with_decode_head_dim(head_dim, [&](auto d) {
+    return decode_occupancy_dim<T, C, decltype(d)::value>(group, blocks);
+  });
 }
 
 // Blocks a KV head of one sequence takes in the grid of the kernel the launcher picks for
@@ -1825,27 +1833,13 @@ const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
 // split-KV heuristic (jaxattn/native.py) counts a grid's blocks with it.
 template <typename T, typename C = T>
 const char* decode_head_blocks_typed(int head_dim, int group, int* blocks) {
-  DecodeKernel k = DecodeKernel::kNone;
-  switch (head_dim) {
-    case 32:
-      k = pick_decode_kernel<T, C, 32>(group);
-      break;
-    case 64:
-      k = pick_decode_kernel<T, C, 64>(group);
-      break;
-    case 128:
-      k = pick_decode_kernel<T, C, 128>(group);
-      break;
-    case 256:
-      k = pick_decode_kernel<T, C, 256>(group);
-      break;
-    default:
-      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
-  }
-  if (k == DecodeKernel::kNone)
-    return "jaxattn: paged decode serves at most 64 query heads per KV head";
-  *blocks = k == DecodeKernel::kMma ? mma_head_chunks(group) : 1;
-  return nullptr;
+  return with_decode_head_dim(head_dim, [&](auto d) -> const char* {
+    const DecodeKernel k = pick_decode_kernel<T, C, decltype(d)::value>(group);
+    if (k == DecodeKernel::kNone)
+      return "jaxattn: paged decode serves at most 64 query heads per KV head";
+    *blocks = k == DecodeKernel::kMma ? mma_head_chunks(group) : 1;
+    return nullptr;
+  });
 }
 
 // T: q's and the output's element type; C: the cache's (T, or an FP8 format under a 16-bit T).
@@ -1857,18 +1851,8 @@ const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream)
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
     return "jaxattn: GPU paged decode addresses at most 2^32 - 2 cache rows of head_dim elements";
-  switch (D) {
-    case 32:
-      return launch_paged_decode_dim<T, C, 32>(p, stream);
-    case 64:
-      return launch_paged_decode_dim<T, C, 64>(p, stream);
-    case 128:
-      return launch_paged_decode_dim<T, C, 128>(p, stream);
-    case 256:
-      return launch_paged_decode_dim<T, C, 256>(p, stream);
-    default:
-      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
-  }
+  return with_decode_head_dim(
+      D, [&](auto d) { return launch_paged_decode_dim<T, C, decltype(d)::value>(p, stream); });
 }
 
 }  // namespace gpu
