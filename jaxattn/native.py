@@ -448,7 +448,8 @@ def choose_partition_size(
 ) -> int:
     """Tokens per partition for decode, 0 for one pass (see the module docstring).
 
-    ``occupancy``: ``(resident blocks per SM, SMs)``, asked of the library when None.
+    ``occupancy``: ``(resident blocks per SM, SMs)`` of the kernel (:func:`decode_occupancy`);
+    needed off the CPU (``ValueError`` without it).
     ``head_blocks``: the blocks a KV head takes (:func:`decode_head_blocks`); the rule
     counts the grid's blocks, each serving ``ceil(group / head_blocks)`` query heads.
     """
@@ -456,6 +457,11 @@ def choose_partition_size(
         return int(partition_size)
     if platform == "cpu":
         return 0
+    if occupancy is None:
+        raise ValueError(
+            f"choose_partition_size on {platform!r} needs occupancy=(blocks per SM, SMs), "
+            "as decode_occupancy reports it"
+        )
     env = _env.overrides().partition_size
     blocks_per_sm, sms = occupancy
     if env is not None:

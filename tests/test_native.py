@@ -80,6 +80,8 @@ def test_partition_choice():
     assert choose(None, platform="cuda", batch=64, **g16) == 2048
     assert choose(None, platform="cuda", batch=8, head_blocks=2, **g16) == 1024
     assert choose(None, platform="cuda", batch=8, **g16) == 512
+    with pytest.raises(ValueError, match="occupancy"):
+        choose(None, platform="cuda", batch=8, num_kv_heads=4, group=4, capacity=4096)
     # The FP8 split grids' cap of 2 blocks an SM holds for one block a KV head only.
     assert native._split_occupancy((4, 132), jnp.float8_e4m3fn, 2) == (4, 132)
     # Enough sequences, a context within one partition, or the CPU: one pass.
