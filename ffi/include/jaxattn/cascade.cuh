@@ -1046,6 +1046,9 @@ const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   return check_launch();
 }
 
+inline constexpr const char* kCascadeHeadDims =
+    "jaxattn: GPU cascade decode is built for head_dim 32, 64, 128 and 256";
+
 template <typename T>
 const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
   if (p.prefix_kernel < 0 || p.prefix_kernel > 2)
@@ -1053,18 +1056,9 @@ const char* launch_cascade_typed(const CascadeParams& p, gpuStream_t stream) {
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
     return "jaxattn: GPU cascade decode addresses at most 2^32 - 2 cache rows of head_dim elements";
-  switch (p.kv.head_dim) {
-    case 32:
-      return launch_cascade_dim<T, 32>(p, stream);
-    case 64:
-      return launch_cascade_dim<T, 64>(p, stream);
-    case 128:
-      return launch_cascade_dim<T, 128>(p, stream);
-    case 256:
-      return launch_cascade_dim<T, 256>(p, stream);
-    default:
-      return "jaxattn: GPU cascade decode is built for head_dim 32, 64, 128 and 256";
-  }
+  return with_head_dim(p.kv.head_dim, kCascadeHeadDims, [&](auto d) {
+    return launch_cascade_dim<T, decltype(d)::value>(p, stream);
+  });
 }
 
 // (query rows of a prefix tile, resident blocks per multiprocessor) of the kernel the launcher
@@ -1089,18 +1083,9 @@ const char* cascade_tile_dim(int* rows, int* blocks) {
 
 template <typename T>
 const char* cascade_tile_typed(int head_dim, int* rows, int* blocks) {
-  switch (head_dim) {
-    case 32:
-      return cascade_tile_dim<T, 32>(rows, blocks);
-    case 64:
-      return cascade_tile_dim<T, 64>(rows, blocks);
-    case 128:
-      return cascade_tile_dim<T, 128>(rows, blocks);
-    case 256:
-      return cascade_tile_dim<T, 256>(rows, blocks);
-    default:
-      return "jaxattn: GPU cascade decode is built for head_dim 32, 64, 128 and 256";
-  }
+  return with_head_dim(head_dim, kCascadeHeadDims, [&](auto d) {
+    return cascade_tile_dim<T, decltype(d)::value>(rows, blocks);
+  });
 }
 
 }  // namespace gpu

@@ -1709,6 +1709,12 @@ DecodeKernel pick_decode_kernel(int group) {
   return DecodeKernel::kNone;
 }
 
+// The decode launcher's and its queries' errors.
+inline constexpr const char* kDecodeHeadDims =
+    "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+inline constexpr const char* kDecodeGroupTooLarge =
+    "jaxattn: paged decode serves at most 64 query heads per KV head";
+
 template <typename T, typename C, int D>
 const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
   switch (pick_decode_kernel<T, C, D>(p.num_q_heads / p.kv.num_kv_heads)) {
@@ -1738,7 +1744,7 @@ const char* launch_paged_decode_dim(const DecodeParams& p, gpuStream_t stream) {
     default:
       break;
   }
-  return "jaxattn: paged decode serves at most 64 query heads per KV head";
+  return kDecodeGroupTooLarge;
 }
 
 // Resident blocks per multiprocessor of `kernel` launched with `threads` and `smem` bytes of
@@ -1798,24 +1804,7 @@ const char* decode_occupancy_dim(int group, int* blocks) {
     default:
       break;
   }
-  return "jaxattn: paged decode serves at most 64 query heads per KV head";
-}
-
-// f(std::integral_constant<int, D>{}) for the head dims the decode kernels are built for.
-template <typename F>
-const char* with_decode_head_dim(int head_dim, F&& f) {
-  switch (head_dim) {
-    case 32:
-      return f(std::integral_constant<int, 32>{});
-    case 64:
-      return f(std::integral_constant<int, 64>{});
-    case 128:
-      return f(std::integral_constant<int, 128>{});
-    case 256:
-      return f(std::integral_constant<int, 256>{});
-    default:
-      return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
-  }
+  return kDecodeGroupTooLarge;
 }
 
 // The split-KV heuristic (jaxattn/native.py) asks this instead of assuming a kernel's
@@ -1823,7 +1812,7 @@ const char* with_decode_head_dim(int head_dim, F&& f) {
 // (head_dim, group) that fit one multiprocessor of the current device.
 template <typename T, typename C = T>
 const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
-  return with_decode_head_dim(head_dim, [&](auto d) {
+  return with_head_dim(head_dim, kDecodeHeadDims, [&](auto d) {
     return decode_occupancy_dim<T, C, decltype(d)::value>(group, blocks);
   });
 }
@@ -1833,10 +1822,9 @@ const char* decode_occupancy_typed(int head_dim, int group, int* blocks) {
 // split-KV heuristic (jaxattn/native.py) counts a grid's blocks with it.
 template <typename T, typename C = T>
 const char* decode_head_blocks_typed(int head_dim, int group, int* blocks) {
-  return with_decode_head_dim(head_dim, [&](auto d) -> const char* {
+  return with_head_dim(head_dim, kDecodeHeadDims, [&](auto d) -> const char* {
     const DecodeKernel k = pick_decode_kernel<T, C, decltype(d)::value>(group);
-    if (k == DecodeKernel::kNone)
-      return "jaxattn: paged decode serves at most 64 query heads per KV head";
+    if (k == DecodeKernel::kNone) return kDecodeGroupTooLarge;
     *blocks = k == DecodeKernel::kMma ? mma_head_chunks(group) : 1;
     return nullptr;
   });
@@ -1846,13 +1834,13 @@ const char* decode_head_blocks_typed(int head_dim, int group, int* blocks) {
 template <typename T, typename C = T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream) {
   const int D = p.kv.head_dim;
-  if (D != 32 && D != 64 && D != 128 && D != 256)
-    return "jaxattn: GPU paged decode is built for head_dim 32, 64, 128 and 256";
+  if (D != 32 && D != 64 && D != 128 && D != 256) return kDecodeHeadDims;
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
     return "jaxattn: GPU paged decode addresses at most 2^32 - 2 cache rows of head_dim elements";
-  return with_decode_head_dim(
-      D, [&](auto d) { return launch_paged_decode_dim<T, C, decltype(d)::value>(p, stream); });
+  return with_head_dim(D, kDecodeHeadDims, [&](auto d) {
+    return launch_paged_decode_dim<T, C, decltype(d)::value>(p, stream);
+  });
 }
 
 }  // namespace gpu

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "jaxattn/dtypes.h"
 
@@ -33,6 +34,24 @@ struct KvGeometry {
     return page_shift >= 0 ? t & (page_size - 1) : t % page_size;
   }
 };
+
+// f(std::integral_constant<int, D>{}) for the head dims the GPU kernels are built for (32, 64,
+// 128 and 256); `unsupported`, the caller's error text, for any other.
+template <typename F>
+const char* with_head_dim(int head_dim, const char* unsupported, F&& f) {
+  switch (head_dim) {
+    case 32:
+      return f(std::integral_constant<int, 32>{});
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
+    default:
+      return unsupported;
+  }
+}
 
 inline int32_t page_shift_of(int64_t page_size) {
   if (page_size <= 0 || (page_size & (page_size - 1)) != 0) return -1;

@@ -1270,18 +1270,9 @@ const char* launch_prefill_typed(const PrefillParams& p, gpuStream_t stream) {
   if (which == PrefillKernel::kSm90 || which == PrefillKernel::kSm90Persistent)
     return "jaxattn: the sm90 prefill kernel is built for CUDA (compute capability 9.0) only";
 #endif
-  switch (p.kv.head_dim) {
-    case 32:
-      return launch_prefill_simt<T, 32, C>(p, stream);
-    case 64:
-      return launch_prefill_simt<T, 64, C>(p, stream);
-    case 128:
-      return launch_prefill_simt<T, 128, C>(p, stream);
-    case 256:
-      return launch_prefill_simt<T, 256, C>(p, stream);
-    default:
-      return "jaxattn: GPU prefill is built for head_dim 32, 64, 128 and 256";
-  }
+  return with_head_dim(
+      p.kv.head_dim, "jaxattn: GPU prefill is built for head_dim 32, 64, 128 and 256",
+      [&](auto d) { return launch_prefill_simt<T, decltype(d)::value, C>(p, stream); });
 }
 
 }  // namespace gpu
