@@ -519,6 +519,28 @@ def parse_impls(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+class _SiteDir(argparse.Action):
+    """Adds the option's directory as a site directory (its ``.pth`` files included) as soon
+    as it is parsed, before any peer is imported."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import site
+
+        site.addsitedir(values)
+        setattr(namespace, self.dest, values)
+
+
+def add_peer_site_arg(p) -> None:
+    """``--peer-site DIR``: where a peer's wheels were unpacked (FlashAttention-4's, whose
+    packages are found through a ``.pth`` file, which ``PYTHONPATH`` does not read)."""
+    p.add_argument(
+        "--peer-site",
+        metavar="DIR",
+        action=_SiteDir,
+        help="a site directory to add before the peers are imported (its .pth files included)",
+    )
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument(
@@ -529,6 +551,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceiling runs")
     p.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
+    add_peer_site_arg(p)
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--target-s", type=float, default=0.05, help="seconds per timing sample")
     p.add_argument(

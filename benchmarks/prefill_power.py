@@ -102,16 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs of each implementation")
     p.add_argument("--no-peers", action="store_true", help="jaxattn alone")
     p.add_argument("--ncu", action="store_true", help="one profiled call of each, no timing")
-    p.add_argument(
-        "--peer-site",
-        metavar="DIR",
-        help="a site directory to add before importing FA4 (its .pth files included)",
-    )
+    common.add_peer_site_arg(p)
     args = p.parse_args(argv)
-    if args.peer_site:
-        import site
-
-        site.addsitedir(args.peer_site)
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as f:
         log = f.name
     smi = None if args.ncu else _smi_start(log)
