@@ -18,7 +18,8 @@ caches, so a donated pool is written in place).
 
 Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> that many tokens
 per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU
-short of blocks; then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
+short of blocks (fewer than 3 an SM, unless they fit one wave of the one-pass kernel with
+about 2 an SM); then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
 rule :func:`jaxattn.backend.split_kv_partition` aimed at 90% of one wave of resident blocks,
 where the resident blocks per multiprocessor, the multiprocessor count and the blocks a KV
 head takes (:func:`decode_head_blocks`) come from the library itself
@@ -124,6 +125,17 @@ _ONE_PASS_BLOCKS_PER_SM = 3
 # blocks) and 33.4 us with 1024 (256 blocks).
 _WAVE_FILL = 0.9
 _MIN_PARTITION = 128
+# Below _ONE_PASS_BLOCKS_PER_SM, a one-pass grid that fits one wave of its kernel's resident
+# blocks and holds _WAVE_FILL of this many blocks an SM also runs in one pass: its blocks all
+# start together and stream to the end, where a split grid twice its size pays a second
+# wave (or its FP8 cap) and the combine. H100, 132 SMs, D=128, graph timing, one run, one
+# pass against the split of 2048 the 3-an-SM threshold chose: 32/8 32 x 4096 (256 blocks)
+# bf16 201.2 / 202.1 us, e4m3 106.6 / 112.9; 128/8 16 x 4096 (256) bf16 123.2 / 134.9, e4m3
+# 72.8 / 72.9; 128/8 24 x 4096 e4m3 (384 blocks, 4 an SM a wave) 96.5 / 122.3. Fewer blocks
+# still split: 32/8 24 x 4096 (192) bf16 163.9 / 159.3, e4m3 88.7 / 84.5; 16 x 4096 (128)
+# e4m3 69.6 / 58.1; and so does a one-pass grid past one wave below 3 an SM (128/8 24 x 4096
+# bf16, 384 blocks at 2 an SM: 206.9 / 194.2).
+_ONE_WAVE_BLOCKS_PER_SM = 2
 # The FP8 tensor-core kernel fits four blocks an SM at head_dim 128, but its split grids ran
 # faster at two: H200, e4m3, 32/8, 1024-token partitions (256 blocks) against 512 (512 blocks),
 # batch 1 x 32768 27.3 / 27.4 against 27.9 / 27.7 us, 4 x 8192 27.3 / 27.2 against 28.2 / 28.1,
@@ -445,13 +457,18 @@ def choose_partition_size(
     capacity,
     occupancy=None,
     head_blocks=1,
+    one_pass_occupancy=None,
 ) -> int:
     """Tokens per partition for decode, 0 for one pass (see the module docstring).
 
-    ``occupancy``: ``(resident blocks per SM, SMs)`` of the kernel (:func:`decode_occupancy`);
-    needed off the CPU (``ValueError`` without it).
+    ``occupancy``: ``(resident blocks per SM, SMs)`` a split grid is sized for (the kernel's,
+    :func:`decode_occupancy`, with the FP8 cap); needed off the CPU (``ValueError`` without
+    it).
     ``head_blocks``: the blocks a KV head takes (:func:`decode_head_blocks`); the rule
     counts the grid's blocks, each serving ``ceil(group / head_blocks)`` query heads.
+    ``one_pass_occupancy``: the one-pass kernel's resident blocks per SM (no cap); with it,
+    a one-pass grid that fits one wave of them and holds ``_WAVE_FILL`` x
+    ``_ONE_WAVE_BLOCKS_PER_SM`` blocks an SM runs in one pass.
     """
     if partition_size is not None:
         return int(partition_size)
@@ -467,6 +484,12 @@ def choose_partition_size(
     if env is not None:
         pairs = batch * num_kv_heads * head_blocks
         return 0 if capacity <= env or pairs >= _ONE_PASS_BLOCKS_PER_SM * sms else env
+    blocks = batch * num_kv_heads * head_blocks
+    if (
+        one_pass_occupancy is not None
+        and _WAVE_FILL * _ONE_WAVE_BLOCKS_PER_SM * sms <= blocks <= one_pass_occupancy * sms
+    ):
+        return 0
     return split_kv_partition(
         batch=batch,
         num_kv_heads=num_kv_heads * head_blocks,
@@ -578,13 +601,12 @@ def paged_attention(
 
 def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
     group = q.shape[1] // geom.num_kv_heads
-    occupancy, head_blocks = None, 1
+    occupancy, head_blocks, one_pass = None, 1, None
     if platform != "cpu":
         kv = None if kv_dtype is None or not _quant.is_fp8(kv_dtype) else np.dtype(kv_dtype)
         head_blocks = decode_head_blocks(platform, q.dtype, geom.head_dim, group, kv)
-        occupancy = _split_occupancy(
-            decode_occupancy(platform, q.dtype, geom.head_dim, group, kv), kv, head_blocks
-        )
+        kernel = decode_occupancy(platform, q.dtype, geom.head_dim, group, kv)
+        occupancy, one_pass = _split_occupancy(kernel, kv, head_blocks), kernel[0]
     return choose_partition_size(
         None,
         platform=platform,
@@ -594,6 +616,7 @@ def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
         capacity=max_pages * geom.page_size,
         occupancy=occupancy,
         head_blocks=head_blocks,
+        one_pass_occupancy=one_pass,
     )
 
 

@@ -84,6 +84,23 @@ def test_partition_choice():
         choose(None, platform="cuda", batch=8, num_kv_heads=4, group=4, capacity=4096)
     # The FP8 split grids' cap of 2 blocks an SM holds for one block a KV head only.
     assert native._split_occupancy((4, 132), jnp.float8_e4m3fn, 2) == (4, 132)
+    # A one-pass grid that fits one wave of its kernel and holds 90% of 2 blocks an SM
+    # (237.6 on 132 SMs) runs in one pass below the 3-an-SM threshold (396); fewer blocks,
+    # or a grid past one wave, still split. bf16 32/8 (2 an SM): 256 blocks, 192, 384.
+    wave = dict(common, one_pass_occupancy=2)
+    assert choose(None, platform="cuda", batch=32, group=4, **wave) == 0
+    assert choose(None, platform="cuda", batch=32, group=4, **common) == 2048
+    assert choose(None, platform="cuda", batch=24, group=4, **wave) == 2048
+    assert choose(None, platform="cuda", batch=48, group=4, **wave) == 2048
+    # e4m3 32/8: the kernel fits 4 an SM, its split grids 2; 256 and 384 blocks run in one
+    # pass, 192 split. 128/8 e4m3 (2 blocks a KV head, no cap): 24 x 8 x 2 = 384 blocks.
+    fp8_wave = dict(common, occupancy=fp8, one_pass_occupancy=4)
+    assert choose(None, platform="cuda", batch=32, group=4, **fp8_wave) == 0
+    assert choose(None, platform="cuda", batch=48, group=4, **fp8_wave) == 0
+    assert choose(None, platform="cuda", batch=24, group=4, **fp8_wave) == 2048
+    g16_fp8 = dict(g16, num_kv_heads=8, occupancy=(4, 132), head_blocks=2)
+    assert choose(None, platform="cuda", batch=24, one_pass_occupancy=4, **g16_fp8) == 0
+    assert choose(None, platform="cuda", batch=24, **g16_fp8) == 2048
     # Enough sequences, a context within one partition, or the CPU: one pass.
     assert choose(None, platform="cuda", batch=4096, group=4, **common) == 0
     assert choose(None, platform="cuda", batch=1, group=4, **dict(common, capacity=512)) == 0
