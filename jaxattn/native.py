@@ -134,7 +134,9 @@ _MIN_PARTITION = 128
 # 72.8 / 72.9; 128/8 24 x 4096 e4m3 (384 blocks, 4 an SM a wave) 96.5 / 122.3. Fewer blocks
 # still split: 32/8 24 x 4096 (192) bf16 163.9 / 159.3, e4m3 88.7 / 84.5; 16 x 4096 (128)
 # e4m3 69.6 / 58.1; and so does a one-pass grid past one wave below 3 an SM (128/8 24 x 4096
-# bf16, 384 blocks at 2 an SM: 206.9 / 194.2).
+# bf16, 384 blocks at 2 an SM: 206.9 / 194.2). D=64, 32/8, one pass against the better of
+# 1024 and 2048: 48 x 4096 (384 blocks) bf16 153.1 / 155.6, e4m3 102.3 / 114.8; 32 x 4096 bf16
+# 101.3 / 107.4, e4m3 67.4 / 71.9; 24 x 4096 (192, split) bf16 81.2 / 81.5, e4m3 57.7 / 55.2.
 _ONE_WAVE_BLOCKS_PER_SM = 2
 # The FP8 tensor-core kernel fits four blocks an SM at head_dim 128, but its split grids ran
 # faster at two: H200, e4m3, 32/8, 1024-token partitions (256 blocks) against 512 (512 blocks),
