@@ -18,7 +18,7 @@ caches, so a donated pool is written in place).
 
 Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> that many tokens
 per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU
-short of blocks (fewer than 3 an SM, unless they fit one wave of the one-pass kernel with
+short of blocks (fewer than 3 an SM, unless they fit one wave of a tensor-core kernel with
 about 2 an SM); then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
 rule :func:`jaxattn.backend.split_kv_partition` aimed at 90% of one wave of resident blocks,
 where the resident blocks per multiprocessor, the multiprocessor count and the blocks a KV
@@ -138,6 +138,12 @@ _MIN_PARTITION = 128
 # 1024 and 2048: 48 x 4096 (384 blocks) bf16 153.1 / 155.6, e4m3 102.3 / 114.8; 32 x 4096 bf16
 # 101.3 / 107.4, e4m3 67.4 / 71.9; 24 x 4096 (192, split) bf16 81.2 / 81.5, e4m3 57.7 / 55.2.
 _ONE_WAVE_BLOCKS_PER_SM = 2
+# ... for kernels of at most this many resident blocks an SM (the tensor-core kernels, 2-4 an
+# SM: each block keeps a ring of 64-key tiles in flight). The one-head SIMT kernel (bf16 32/32,
+# 8 an SM, smaller blocks) does not stream at the ceiling with 2 blocks an SM: H100, 8 x 4096
+# 32/32 bf16 in one pass (256 blocks) 249.9 us, 68% of the read ceiling, where 1 x 32768 (the
+# same bytes) split into 1024-token partitions took 190.0 us, 89%.
+_ONE_WAVE_MAX_OCCUPANCY = 4
 # The FP8 tensor-core kernel fits four blocks an SM at head_dim 128, but its split grids ran
 # faster at two: H200, e4m3, 32/8, 1024-token partitions (256 blocks) against 512 (512 blocks),
 # batch 1 x 32768 27.3 / 27.4 against 27.9 / 27.7 us, 4 x 8192 27.3 / 27.2 against 28.2 / 28.1,
@@ -469,8 +475,8 @@ def choose_partition_size(
     ``head_blocks``: the blocks a KV head takes (:func:`decode_head_blocks`); the rule
     counts the grid's blocks, each serving ``ceil(group / head_blocks)`` query heads.
     ``one_pass_occupancy``: the one-pass kernel's resident blocks per SM (no cap); with it,
-    a one-pass grid that fits one wave of them and holds ``_WAVE_FILL`` x
-    ``_ONE_WAVE_BLOCKS_PER_SM`` blocks an SM runs in one pass.
+    and at most ``_ONE_WAVE_MAX_OCCUPANCY``, a one-pass grid that fits one wave of them and
+    holds ``_WAVE_FILL`` x ``_ONE_WAVE_BLOCKS_PER_SM`` blocks an SM runs in one pass.
     """
     if partition_size is not None:
         return int(partition_size)
@@ -489,6 +495,7 @@ def choose_partition_size(
     blocks = batch * num_kv_heads * head_blocks
     if (
         one_pass_occupancy is not None
+        and one_pass_occupancy <= _ONE_WAVE_MAX_OCCUPANCY
         and _WAVE_FILL * _ONE_WAVE_BLOCKS_PER_SM * sms <= blocks <= one_pass_occupancy * sms
     ):
         return 0

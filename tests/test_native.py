@@ -101,6 +101,9 @@ def test_partition_choice():
     g16_fp8 = dict(g16, num_kv_heads=8, occupancy=(4, 132), head_blocks=2)
     assert choose(None, platform="cuda", batch=24, one_pass_occupancy=4, **g16_fp8) == 0
     assert choose(None, platform="cuda", batch=24, **g16_fp8) == 2048
+    # Not for the one-head SIMT kernel (8 an SM): 8 x 32 KV heads = 256 blocks still split.
+    mha8 = dict(num_kv_heads=32, group=1, capacity=4096, occupancy=(8, 132))
+    assert choose(None, platform="cuda", batch=8, one_pass_occupancy=8, **mha8) == 1024
     # Enough sequences, a context within one partition, or the CPU: one pass.
     assert choose(None, platform="cuda", batch=4096, group=4, **common) == 0
     assert choose(None, platform="cuda", batch=1, group=4, **dict(common, capacity=512)) == 0
