@@ -18,8 +18,8 @@ caches, so a donated pool is written in place).
 
 Split-KV decode (:func:`choose_partition_size`): ``partition_size`` given -> that many tokens
 per partition, then the combine kernel. Otherwise one pass, unless the batch leaves the GPU
-short of blocks (fewer than 3 an SM, unless they fit one wave of a tensor-core kernel with
-about 2 an SM); then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
+short of blocks (fewer than 3 an SM, unless they fit one wave of a kernel of at most 4 an
+SM with about 2 an SM); then the split from ``$JAXATTN_PARTITION_SIZE`` when set, else the shared
 rule :func:`jaxattn.backend.split_kv_partition` aimed at 90% of one wave of resident blocks,
 where the resident blocks per multiprocessor, the multiprocessor count and the blocks a KV
 head takes (:func:`decode_head_blocks`) come from the library itself
@@ -138,8 +138,8 @@ _MIN_PARTITION = 128
 # 1024 and 2048: 48 x 4096 (384 blocks) bf16 153.1 / 155.6, e4m3 102.3 / 114.8; 32 x 4096 bf16
 # 101.3 / 107.4, e4m3 67.4 / 71.9; 24 x 4096 (192, split) bf16 81.2 / 81.5, e4m3 57.7 / 55.2.
 _ONE_WAVE_BLOCKS_PER_SM = 2
-# ... for kernels of at most this many resident blocks an SM (the tensor-core kernels, 2-4 an
-# SM: each block keeps a ring of 64-key tiles in flight). The one-head SIMT kernel (bf16 32/32,
+# ... for kernels of at most this many resident blocks an SM (measured on the tensor-core
+# kernels, 2-4 an SM, whose blocks each keep a ring of 64-key tiles in flight). The one-head SIMT kernel (bf16 32/32,
 # 8 an SM, smaller blocks) does not stream at the ceiling with 2 blocks an SM: H100, 8 x 4096
 # 32/32 bf16 in one pass (256 blocks) 249.9 us, 68% of the read ceiling, where 1 x 32768 (the
 # same bytes) split into 1024-token partitions took 190.0 us, 89%.
