@@ -139,10 +139,10 @@ _MIN_PARTITION = 128
 # 101.3 / 107.4, e4m3 67.4 / 71.9; 24 x 4096 (192, split) bf16 81.2 / 81.5, e4m3 57.7 / 55.2.
 _ONE_WAVE_BLOCKS_PER_SM = 2
 # ... for kernels of at most this many resident blocks an SM (measured on the tensor-core
-# kernels, 2-4 an SM, whose blocks each keep a ring of 64-key tiles in flight). The one-head SIMT kernel (bf16 32/32,
-# 8 an SM, smaller blocks) does not stream at the ceiling with 2 blocks an SM: H100, 8 x 4096
-# 32/32 bf16 in one pass (256 blocks) 249.9 us, 68% of the read ceiling, where 1 x 32768 (the
-# same bytes) split into 1024-token partitions took 190.0 us, 89%.
+# kernels, 2-4 an SM, whose blocks each keep a ring of 64-key tiles in flight). The one-head
+# SIMT kernel (bf16 32/32, 8 an SM, smaller blocks) does not stream at the ceiling with 2
+# blocks an SM: H100, 8 x 4096 32/32 bf16 in one pass (256 blocks) 249.9 us, 68% of the read
+# ceiling, where 1 x 32768 (the same bytes) split into 1024-token partitions took 190.0 us, 89%.
 _ONE_WAVE_MAX_OCCUPANCY = 4
 # The FP8 tensor-core kernel fits four blocks an SM at head_dim 128, but its split grids ran
 # faster at two: H200, e4m3, 32/8, 1024-token partitions (256 blocks) against 512 (512 blocks),
