@@ -489,10 +489,9 @@ def choose_partition_size(
         )
     env = _env.overrides().partition_size
     blocks_per_sm, sms = occupancy
-    if env is not None:
-        pairs = batch * num_kv_heads * head_blocks
-        return 0 if capacity <= env or pairs >= _ONE_PASS_BLOCKS_PER_SM * sms else env
     blocks = batch * num_kv_heads * head_blocks
+    if env is not None:
+        return 0 if capacity <= env or blocks >= _ONE_PASS_BLOCKS_PER_SM * sms else env
     if (
         one_pass_occupancy is not None
         and one_pass_occupancy <= _ONE_WAVE_MAX_OCCUPANCY
