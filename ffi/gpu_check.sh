@@ -119,7 +119,7 @@ if [ "${SELFTESTS:-}" != skip ]; then
   selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
     ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
-    ffi/src/prefill_sm90.cu
+    ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu
   # sm_90a: the wgmma prefix level (the default on Hopper) is built and checked too, where an
   # sm_90 build reports it SKIP.
   selftest cascade_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
