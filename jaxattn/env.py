@@ -4,11 +4,13 @@
   the call gives no ``partition_size`` and no ``config`` (a positive integer);
 * ``JAXATTN_PREFILL_KERNEL``: the native GPU prefill kernel, ``auto`` (default), ``sm90``
   (Hopper wgmma), ``mma`` (mma.sync), ``simt`` or ``sm90_persistent`` (the Hopper kernel, one
-  block per multiprocessor looping over the tiles).
+  block per multiprocessor looping over the tiles);
+* ``JAXATTN_DECODE_COPIES``: how the native GPU decode copies K/V pages, ``auto`` (default:
+  the tensor memory accelerator where it serves, else row gathers) or ``gathers``.
 
 The variables only change which configuration a backend's heuristic returns; the chosen
-values travel as the kernels' static attributes (``partition_size``, ``kernel`` of the FFI
-calls), so they are part of the lowered program and of any compilation cache key. They are
+values travel as the kernels' static attributes (``partition_size``, ``kernel``, ``copies`` of
+the FFI calls), so they are part of the lowered program and of any compilation cache key. They are
 read once per process (:func:`overrides`); :func:`refresh` reads them again (tests).
 An explicit ``config=`` or ``partition_size=`` always wins over them.
 """
@@ -22,12 +24,15 @@ import os
 PARTITION_SIZE = "JAXATTN_PARTITION_SIZE"
 PREFILL_KERNEL = "JAXATTN_PREFILL_KERNEL"
 PREFILL_KERNELS = ("auto", "sm90", "mma", "simt", "sm90_persistent")
+DECODE_COPIES = "JAXATTN_DECODE_COPIES"
+DECODE_COPY_MODES = ("auto", "gathers")
 
 
 @dataclasses.dataclass(frozen=True)
 class Overrides:
     partition_size: int | None = None
     prefill_kernel: str | None = None
+    decode_copies: str | None = None
 
 
 @functools.cache
@@ -45,7 +50,10 @@ def overrides() -> Overrides:
     kernel = os.environ.get(PREFILL_KERNEL, "").strip().lower() or None
     if kernel is not None and kernel not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_KERNEL} must be one of {PREFILL_KERNELS}, got {kernel!r}")
-    return Overrides(partition_size, kernel)
+    copies = os.environ.get(DECODE_COPIES, "").strip().lower() or None
+    if copies is not None and copies not in DECODE_COPY_MODES:
+        raise ValueError(f"{DECODE_COPIES} must be one of {DECODE_COPY_MODES}, got {copies!r}")
+    return Overrides(partition_size, kernel, copies)
 
 
 OFF = ("0", "false", "no", "off")

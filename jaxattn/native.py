@@ -108,7 +108,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 8
+_FFI_ABI = 9
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -517,15 +517,26 @@ def choose_partition_size(
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Native decode. ``partition_size``: tokens per split-KV partition (then the combine
-    kernel), 0 for one pass. An op's explicit ``partition_size=`` wins over it."""
+    kernel), 0 for one pass. An op's explicit ``partition_size=`` wins over it.
+    ``copies``: how the GPU kernels bring K/V pages into shared memory: ``auto`` (the tensor
+    memory accelerator on compute capability 9.0 for a 16-bit cache at head_dim 64 or 128,
+    pages of a power of two >= 8 tokens and partitions of whole 64-token tiles; 16-byte row
+    gathers elsewhere) or ``gathers`` (the row gathers always). The CPU kernel ignores it."""
 
     partition_size: int = 0
+    copies: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.partition_size, bool) or not isinstance(self.partition_size, int):
             raise TypeError(f"partition_size must be an int, got {self.partition_size!r}")
         if self.partition_size < 0:
             raise ValueError(f"partition_size must be >= 0, got {self.partition_size}")
+        if self.copies not in _env.DECODE_COPY_MODES:
+            raise ValueError(f"copies must be one of {_env.DECODE_COPY_MODES}, got {self.copies!r}")
+
+
+# The FFI attribute `copies` (kDecodeCopiesAuto / kDecodeCopiesGathers in params.h).
+_COPY_IDS = {name: i for i, name in enumerate(_env.DECODE_COPY_MODES)}
 
 
 # The FFI attribute `kernel`: a name's position in the names the environment variable takes
@@ -573,7 +584,8 @@ def paged_attention(
 
     k_scale, v_scale: float32 [Hkv] (or None) of a scaled / FP8 cache. ``partition_size``
     (explicit) wins over ``config``; with neither, the heuristic of
-    :func:`choose_partition_size` picks."""
+    :func:`choose_partition_size` picks. The copies are ``config``'s, else
+    ``$JAXATTN_DECODE_COPIES``'s, else ``auto``."""
     platform = _ensure_registered()
     geom = _require(platform, q, k_cache, v_cache, layout, ring=True)
     batch, num_q_heads, head_dim = q.shape
@@ -583,6 +595,7 @@ def paged_attention(
         ps = config.partition_size
     else:
         ps = _heuristic_partition(platform, q, geom, block_tables.shape[1], k_cache.dtype)
+    copies = config.copies if config is not None else _decode_copies()
     capacity = block_tables.shape[1] * geom.page_size
     # Partial outputs and (max, sum) pairs of every partition, float32; a stub when one pass.
     max_parts = max(1, math.ceil(capacity / ps)) if ps else 0
@@ -603,8 +616,14 @@ def paged_attention(
         **_attrs(scale, soft_cap),
         layout=np.int32(_layout_id(layout)),
         partition_size=np.int32(ps),
+        copies=np.int32(_COPY_IDS[copies]),
     )
     return out
+
+
+def _decode_copies() -> str:
+    """The decode copies when no config names them: ``$JAXATTN_DECODE_COPIES``, else auto."""
+    return _env.overrides().decode_copies or "auto"
 
 
 def _heuristic_partition(platform, q, geom, max_pages, kv_dtype=None) -> int:
@@ -1122,7 +1141,8 @@ class _PagedAttention(_Native):
         return DecodeConfig(
             _heuristic_partition(
                 platform, a.q, a.geometry, a.block_tables.shape[1], a.k_cache.dtype
-            )
+            ),
+            copies=_decode_copies(),
         )
 
     function = staticmethod(paged_attention)

@@ -203,6 +203,8 @@ def test_config_reaches_the_kernel(rng):
     assert isinstance(resolved.config, native.DecodeConfig)
     with pytest.raises(ValueError, match="partition_size"):
         native.DecodeConfig(partition_size=-1)
+    with pytest.raises(ValueError, match="copies"):
+        native.DecodeConfig(copies="tma")
     with pytest.raises(ValueError, match="kernel"):
         native.PrefillConfig(kernel="fastest")
     c = make_prefix_prefill(
@@ -264,6 +266,84 @@ def test_sm90_persistent_matches_the_spec_and_the_one_tile_launch(rng, case):
     assert_close(outs["sm90_persistent"], outs["sm90"], dtype)
 
 
+def test_decode_copies_are_in_the_program(rng, set_env):
+    """The decode's copies (config, else the environment, else auto) become the call's
+    `copies` attribute; both modes match the spec (on the CPU the kernel ignores them)."""
+    case = make_paged_decode(
+        rng,
+        [700, 33, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+    )
+
+    def lowered(config=None):
+        f = jax.jit(lambda *a: jaxattn.paged_attention(*a, implementation="native", config=config))
+        args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+        return f.lower(*args).as_text()
+
+    assert "copies = 0" in lowered()
+    assert "copies = 1" in lowered(native.DecodeConfig(copies="gathers"))
+    set_env(JAXATTN_DECODE_COPIES="gathers")
+    assert "copies = 1" in lowered()
+    assert "copies = 0" in lowered(native.DecodeConfig(copies="auto"))
+    with pytest.raises(ValueError, match="JAXATTN_DECODE_COPIES"):
+        set_env(JAXATTN_DECODE_COPIES="fastest")
+    set_env(JAXATTN_DECODE_COPIES=None)
+    for copies in ("auto", "gathers"):
+        for ps in (0, 128):
+            out = call_decode(
+                jaxattn.paged_attention,
+                case,
+                implementation="native",
+                config=native.DecodeConfig(partition_size=ps, copies=copies),
+            )
+            assert_close(out, spec_decode(case), jnp.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-memory-accelerator copies run on a GPU")
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 8), (128, 128), (64, 32)])
+def test_decode_copies_agree(rng, layout, head_dim, page_size):
+    """The TMA decode (copies auto, on compute capability 9.0) and the row gathers against the
+    spec, with NaN in every slot no sequence reads: page tails, unused pages, a bad page id's
+    poisoned row, partitions that end mid-page."""
+    case = make_paged_decode(
+        rng,
+        [1, 63, 64, 65, 700, 0, 1000],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+        layout=layout,
+    )
+    want = spec_decode(case)
+    outs = {}
+    for copies in ("auto", "gathers"):
+        for ps in (0, 64, 320):
+            outs[copies, ps] = call_decode(
+                jaxattn.paged_attention,
+                case,
+                implementation="native",
+                config=native.DecodeConfig(partition_size=ps, copies=copies),
+            )
+            assert_close(outs[copies, ps], want, jnp.bfloat16)
+    # Under jit (no value checks): a page id past the cache poisons its sequence alone.
+    bad = case.block_tables.at[4, 3].set(case.k_cache.shape[0] + 5)
+    for copies in ("auto", "gathers"):
+        f = jax.jit(
+            lambda *a, c=copies: jaxattn.paged_attention(
+                *a, layout=layout, implementation="native", config=native.DecodeConfig(copies=c)
+            )
+        )
+        out = f(case.q, case.k_cache, case.v_cache, bad, case.seq_lens)
+        assert bool(jnp.isnan(out[4]).all()) and not bool(jnp.isnan(out[:4]).any())
+        assert_close(out[5:], want[5:], jnp.bfloat16)
+
+
 def test_prefill_kernel_override_is_in_the_program(rng, set_env):
     """The environment override becomes the call's `kernel` attribute: visible in the
     lowered program, so a compilation cache can tell the variants apart."""
@@ -292,7 +372,7 @@ def test_handler_reports_bad_arguments(rng):
     )
     no_scale = jnp.zeros((0,), jnp.float32)
 
-    def run(seq_lens, k_scale=no_scale, k_cache=case.k_cache):
+    def run(seq_lens, k_scale=no_scale, k_cache=case.k_cache, copies=0):
         return jax.block_until_ready(
             call(
                 case.q,
@@ -306,6 +386,7 @@ def test_handler_reports_bad_arguments(rng):
                 soft_cap=np.float32(0),
                 layout=np.int32(0),
                 partition_size=np.int32(0),
+                copies=np.int32(copies),
             )
         )
 
@@ -315,6 +396,8 @@ def test_handler_reports_bad_arguments(rng):
         run(case.seq_lens, jnp.ones((3,), jnp.float32))
     with pytest.raises(Exception, match="k_cache and v_cache must share"):
         run(case.seq_lens, k_cache=case.k_cache.astype(jnp.float8_e4m3fn))
+    with pytest.raises(Exception, match="copies must be 0"):
+        run(case.seq_lens, copies=2)
 
 
 def test_stale_library_is_refused(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ namespace ffi = xla::ffi;
 // 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials;
 // 8: the GPU library's decode-blocks query (jaxattn_decode_head_blocks), which the split rule
 // asks.
-constexpr int kFfiAbi = 8;
+constexpr int kFfiAbi = 9;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -135,8 +135,8 @@ inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
                                      const ffi::Buffer<ffi::F32>& k_scale,
                                      const ffi::Buffer<ffi::F32>& v_scale, ffi::AnyBuffer out,
                                      ffi::Buffer<ffi::F32> workspace, float scale, float soft_cap,
-                                     int32_t layout, int32_t partition_size, DecodeParams* p,
-                                     KvType* kv) {
+                                     int32_t layout, int32_t partition_size, int32_t copies,
+                                     DecodeParams* p, KvType* kv) {
   if (auto e = check_dtypes(q, k, v, out.element_type(), kv); e.failure()) return e;
   if (auto e = paged_geometry(k, v, layout, &p->kv); e.failure()) return e;
   if (auto e = check_query(q, p->kv); e.failure()) return e;
@@ -148,6 +148,9 @@ inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
   if (seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != qd[0])
     return invalid("seq_lens must be [batch]");
   if (partition_size < 0) return invalid("partition_size must be >= 0");
+  if (copies != kDecodeCopiesAuto && copies != kDecodeCopiesGathers)
+    return invalid("copies must be 0 (auto) or 1 (gathers)");
+  p->copies = copies;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
@@ -474,7 +477,8 @@ auto bind_paged_attention(B&& b) {
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("layout")
-      .template Attr<int32_t>("partition_size");
+      .template Attr<int32_t>("partition_size")
+      .template Attr<int32_t>("copies");
 }
 
 template <typename B>

@@ -56,12 +56,13 @@ ffi::Error PagedAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
                              ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                             float soft_cap, int32_t layout, int32_t partition_size) {
+                             float soft_cap, int32_t layout, int32_t partition_size,
+                             int32_t copies) {
   DecodeParams p;
   KvType kv;
   if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, k_scale, v_scale,
                                               *out, *workspace, scale, soft_cap, layout,
-                                              partition_size, &p, &kv);
+                                              partition_size, copies, &p, &kv);
       e.failure())
     return e;
   return dispatch(q.element_type(), kv,

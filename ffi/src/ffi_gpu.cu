@@ -58,12 +58,13 @@ ffi::Error PagedAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_scale,
                              ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> workspace, float scale,
-                             float soft_cap, int32_t layout, int32_t partition_size) {
+                             float soft_cap, int32_t layout, int32_t partition_size,
+                             int32_t copies) {
   DecodeParams p;
   ffi_common::KvType kv;
   if (auto e = ffi_common::make_decode_params(q, k, v, block_tables, seq_lens, k_scale, v_scale,
                                               *out, *workspace, scale, soft_cap, layout,
-                                              partition_size, &p, &kv);
+                                              partition_size, copies, &p, &kv);
       e.failure())
     return e;
   gpu::DType dt;

@@ -10,6 +10,8 @@
 //   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
 //   (built with -DJAXATTN_DECODE_TRACE) --trace e4m3 1 32768 512: a tensor-core kernel's block
 //   timelines (bf16 or e4m3 cache); with DECODE_TRACE_CSV=file also every block's stamps and SM
+//   DECODE_COPIES=gathers (environment): every launch with DecodeParams::copies gathers, so the
+//   16-bit tensor-core kernel never takes its TMA form (the default: auto)
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -58,6 +60,16 @@
 using namespace jaxattn;
 
 #include "cuda_ok.h"
+
+// DecodeParams::copies of every launch: DECODE_COPIES=gathers in the environment, else auto.
+int32_t selftest_copies() {
+  static const int32_t copies = [] {
+    const char* v = std::getenv("DECODE_COPIES");
+    return v != nullptr && std::strcmp(v, "gathers") == 0 ? kDecodeCopiesGathers
+                                                          : kDecodeCopiesAuto;
+  }();
+  return copies;
+}
 
 namespace {
 
@@ -375,6 +387,7 @@ bool run_problem(const Problem& P, const std::string& label) {
   const std::vector<double> ref = reference(P);
 
   DecodeParams p;
+  p.copies = selftest_copies();
   p.batch = B;
   p.num_q_heads = hq;
   p.block_table_stride = P.width;
@@ -887,6 +900,7 @@ struct Bench {
 
   DecodeParams params(int part, int copy) const {
     DecodeParams p;
+    p.copies = selftest_copies();
     p.q = q;
     p.k = k;
     p.v = v;

@@ -91,6 +91,9 @@
 
 #include "jaxattn/gpu_vendor.h"
 #include "jaxattn/guards.h"
+#if defined(JAXATTN_CUDA)
+#include <cuda.h>  // CUtensorMap and its enums (types only: the library does not link libcuda)
+#endif
 #include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/params.h"
 
@@ -1142,21 +1145,21 @@ __device__ __forceinline__ void mma_decode_q(const void* q, int num_q_heads, int
 }
 
 // One warp's 16 keys of a 16-bit tensor-core decode tile (t0: its first token; keys at or past
-// `end` masked): S = Q K^T from the K rows at shared address kaddr, the online softmax of head
-// g's row (running max m, this lane's share of the sum l) and O^T += V^T P^T from the V rows at
-// vaddr (both ldmatrix lane addresses, see the fragment layouts below). Shared by
-// paged_decode_mma_kernel and cascade's own blocks.
-template <typename T, int D>
-__device__ __forceinline__ void mma_decode_tile(const uint32_t (&qa)[D / 16][2], uint32_t kaddr,
-                                                uint32_t vaddr, float q_scale, float cap_log2e,
-                                                int t0, int end, float (&o)[D / 16][4], float& m,
-                                                float& l) {
+// `end` masked): S = Q K^T from the K rows, the online softmax of head g's row (running max m,
+// this lane's share of the sum l) and O^T += V^T P^T from the V rows. kaddr(kk) / vaddr(kk):
+// this lane's ldmatrix address of 16-element column block kk of the warp's 16 K / V rows (see
+// the fragment layouts below), whatever the ring's row layout.
+template <typename T, int D, typename KAddr, typename VAddr>
+__device__ __forceinline__ void mma_decode_tile_at(const uint32_t (&qa)[D / 16][2], KAddr kaddr,
+                                                   VAddr vaddr, float q_scale, float cap_log2e,
+                                                   int t0, int end, float (&o)[D / 16][4], float& m,
+                                                   float& l) {
   constexpr int KD = D / 16;
   float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int kk = 0; kk < KD; ++kk) {
     uint32_t kf[4];
-    ldmatrix_x4(kf, kaddr + kk * 32);
+    ldmatrix_x4(kf, kaddr(kk));
     mma16816<T>(sc[0], qa[kk][0], 0u, qa[kk][1], 0u, kf[0], kf[1]);  // tokens 0..7
     mma16816<T>(sc[1], qa[kk][0], 0u, qa[kk][1], 0u, kf[2], kf[3]);  // tokens 8..15
   }
@@ -1168,9 +1171,22 @@ __device__ __forceinline__ void mma_decode_tile(const uint32_t (&qa)[D / 16][2],
   for (int j = 0; j < KD; ++j) {
     if (rescale) scale_c_cols(o[j], a_lo, a_hi);
     uint32_t vf[4];
-    ldmatrix_x4_trans(vf, vaddr + j * 32);
+    ldmatrix_x4_trans(vf, vaddr(j));
     mma16816<T>(o[j], vf[0], vf[1], vf[2], vf[3], pb0, pb1);
   }
+}
+
+// mma_decode_tile_at on padded rows: K and V rows at shared addresses kaddr / vaddr (this
+// lane's ldmatrix address of column block 0), column block kk 32 bytes further. Shared by
+// paged_decode_mma_kernel and cascade's own blocks.
+template <typename T, int D>
+__device__ __forceinline__ void mma_decode_tile(const uint32_t (&qa)[D / 16][2], uint32_t kaddr,
+                                                uint32_t vaddr, float q_scale, float cap_log2e,
+                                                int t0, int end, float (&o)[D / 16][4], float& m,
+                                                float& l) {
+  mma_decode_tile_at<T, D>(
+      qa, [kaddr](int kk) { return kaddr + uint32_t(kk * 32); },
+      [vaddr](int kk) { return vaddr + uint32_t(kk * 32); }, q_scale, cap_log2e, t0, end, o, m, l);
 }
 
 // Fragment layouts (PTX, m16n8k16; lane = 4 g + t): A registers hold (row g, cols 2t, 2t+1),
@@ -1643,9 +1659,314 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
   return check_launch();
 }
 
+// ------------------------------------------------------------------------------------------
+// The 16-bit tensor-core decode with its pages copied by the tensor memory accelerator (sm_90):
+// paged_decode_mma_kernel's twin, run where decode_tma_usable holds (copies auto, head_dim 64
+// or 128, pages of a power of two >= 8 tokens, partitions of whole 64-key tiles). On an H100
+// (ffi/NOTES.md, round 57) 3% faster one pass at head_dim 128 (64 x 4096, 32 x 4096), level on
+// its split grids and at 256-token contexts, 4-7% faster at head_dim 64. The same block, heads,
+// products, softmax and merge; what differs is the ring: each stage holds a 64-key K and V
+// tile as 128-byte-swizzled column blocks (the layout of KvRing's RS = 0 form), filled by
+// cp.async.bulk.tensor boxes of one KV head's rows of a page (min(page, 64) rows x 64
+// elements) that thread 0 issues a stage ahead, each stage completing on its mbarrier by the
+// bytes it expects; the block-table entries of a tile reach shared memory by 4-byte cp.async
+// a tile before thread 0 reads them.
+//   Contract: a page id outside the cache poisons the block (NaN rows) and copies page 0;
+// rows past the block's end are copied whole with their page (or not at all) and masked out
+// of S, and their V rows are zeroed in shared memory before P V, so NaN there never reaches
+// the output.
+// ------------------------------------------------------------------------------------------
+
+template <typename T, int D>
+struct TmaDecodeShape {
+  using M = MmaDecodeShape<T, D>;
+  static_assert(D == 64 || D == 128, "TMA decode: head_dim 64 or 128");
+  static constexpr int kWarps = M::kWarps;
+  static constexpr int kThreads = M::kThreads;
+  static constexpr int kHeads = M::kHeads;
+  static constexpr int kTile = M::kTile;  // 64 keys, 16 a warp
+  static constexpr int kStages = M::kStages;
+  static constexpr int kBlocks = D * 2 / 128;  // 128-byte column blocks a row
+  static constexpr int kTileBytes = kTile * D * 2;
+  static constexpr int kMaxBoxes = kTile / 8;  // pages a tile at the smallest page (8 rows)
+  static constexpr int kBarOffset = 2 * kStages * kTileBytes;
+  static constexpr int kSlotOffset = kBarOffset + 8 * kStages;
+  static constexpr int kUsedBytes = kSlotOffset + 4 * kStages * kMaxBoxes;
+  // 1 KiB of slack for the 1024-byte alignment the swizzle needs; the merge's states lie over
+  // the ring at the end.
+  static constexpr int kSmemBytes = 1024 + cmax(kUsedBytes, M::kMergeBytes);
+  static constexpr int kMinBlocks = M::kMinBlocks;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void tma_bar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_bar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_bar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// One box of `map` at coordinates (c0, c1, c2, c3) into shared address dst, completing on bar.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+#endif
+
+// The block of paged_decode_mma_kernel on the TMA ring (see above). tk / tv: the K and V
+// caches as 4-D tensors, dimension 0 head_dim, then the head and in-page token dimensions in
+// the order of their strides, then pages (make_decode_tensor_map).
+template <typename T, int D>
+__global__ void __launch_bounds__(TmaDecodeShape<T, D>::kThreads, TmaDecodeShape<T, D>::kMinBlocks)
+    paged_decode_tma_kernel(const DecodeParams p, const __grid_constant__ CUtensorMap tk,
+                            const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = TmaDecodeShape<T, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, KD = D / 16, NB = S::kMaxBoxes;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t ring = smem_u32(smem);  // stage s: K at ring + s tile, V NS tiles further
+  const uint32_t bars = ring + S::kBarOffset;
+  int32_t* slots = reinterpret_cast<int32_t*>(smem + S::kSlotOffset);  // [NS][NB] page ids
+  pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
+
+  const MmaHeads hs = mma_block_heads(p);
+  const int kvh = hs.kvh, b = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
+  const int P = p.kv.page_size, R = P < TILE ? P : TILE;   // rows a box (a power of two >= 8)
+  const int page_shift = __ffs(P) - 1, bpt = TILE / R;     // boxes a tile
+  const bool bshd = p.kv.head_stride < p.kv.token_stride;  // the maps' dimension order
+
+  // Early loads, beside the length: q, and the page ids of tiles 0 .. NS - 1 (entries past
+  // the table's width read its last one; only rows below the length use them).
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
+  uint32_t qa[KD][2];
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, hs.h0, hs.hn, g, tq, qa);
+  const int start0 = decode_block_start(p);
+  int early = 0;
+  if (int(threadIdx.x) < NS * bpt) {
+    const int t = start0 + (int(threadIdx.x) / bpt) * TILE + (int(threadIdx.x) % bpt) * R;
+    const int w = p.block_table_stride;
+    early = w > 0 ? table[min(unsigned(t >> page_shift), unsigned(w - 1))] : 0;
+  }
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < NS; ++s) tma_bar_init(bars + 8 * s);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  DecodeRange range;
+  pdl_launch_dependents();
+  if (!decode_range<T>(p, hs.h0, hs.hn, &range)) return;
+  const int start = range.start, end = range.end;
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  if (int(threadIdx.x) < NS * bpt)
+    slots[(int(threadIdx.x) / bpt) * NB + int(threadIdx.x) % bpt] = early;
+  __syncthreads();  // the barriers and the first tiles' page ids
+
+  bool bad = false;  // thread 0: a page id outside the cache
+  // Tile n into stage n % NS (thread 0): the boxes of its rows below `end`, each a page's rows,
+  // K and V, every column block; the stage's barrier expects their bytes.
+  auto issue = [&](int n) {
+    const int s = n % NS, t0 = start + n * TILE;
+    const int live = min(bpt, (end - t0 + R - 1) / R);
+    const uint32_t bar = bars + 8 * s;
+    tma_bar_expect(bar, uint32_t(live * 2 * S::kBlocks * R * 128));
+    for (int j = 0; j < live; ++j) {
+      const int page = slots[s * NB + j];
+      const bool ok = index_ok(page, p.kv.num_pages);
+      bad |= !ok;
+      const int pg = ok ? page : 0, row = (t0 + j * R) & (P - 1);
+      const int c1 = bshd ? kvh : row, c2 = bshd ? row : kvh;
+      const uint32_t kd = ring + uint32_t(s * S::kTileBytes + j * R * 128);
+      const uint32_t vd = kd + uint32_t(NS * S::kTileBytes);
+#pragma unroll
+      for (int cb = 0; cb < S::kBlocks; ++cb) {
+        tma_load_4d(kd + uint32_t(cb * TILE * 128), &tk, cb * 64, c1, c2, pg, bar);
+        tma_load_4d(vd + uint32_t(cb * TILE * 128), &tv, cb * 64, c1, c2, pg, bar);
+      }
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int n = 0; n < NS - 1 && n < ntiles; ++n) issue(n);
+  }
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+
+  // ldmatrix lane addresses in the swizzled tile: row r = 16 warp + lane % 8 + 8 (lane / 16),
+  // chunk c = 2 kk + (lane / 8) % 2 of the 16 a 256-byte row (column block kk / 4), stored at
+  // chunk (c % 8) ^ (r % 8) of its block: ((c ^ r) & 1) << 4 + ((kk % 4) ^ (r % 8 / 2)) << 5.
+  const int x = lane & 7, h = (lane >> 3) & 1;
+  const uint32_t rowoff = uint32_t((warp * 16 + x + (lane >> 4) * 8) * 128 + (((h ^ x) & 1) << 4));
+  uint32_t at[4];
+#pragma unroll
+  for (int k4 = 0; k4 < 4; ++k4) at[k4] = rowoff + uint32_t(((k4 ^ (x >> 1)) & 3) << 5);
+
+  for (int n = 0; n < ntiles; ++n) {
+    const int s = n % NS, t0 = start + n * TILE;
+    tma_bar_wait(bars + 8 * s, uint32_t((n / NS) & 1));  // tile n has landed
+    if (t0 + TILE > end) {
+      // The tile's rows past the end: V zeroed (P is 0 there, and 0 x NaN is not).
+      const int first = end - t0;
+      const uint32_t vs = ring + uint32_t((NS + s) * S::kTileBytes);
+      for (int i = int(threadIdx.x); i < (TILE - first) * S::kBlocks * 8; i += S::kThreads) {
+        const int r = first + i / (S::kBlocks * 8), c = i % (S::kBlocks * 8);
+        const uint32_t a = vs + uint32_t((c >> 3) * TILE * 128 + r * 128 + (c & 7) * 16);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
+      }
+      // Generic writes ordered before the tensor copies that refill this stage later.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    async_copy_wait<0>();  // this thread's page-id copies of tile n + NS - 1
+    __syncthreads();       // everyone's have landed, the zeros too; stage (n - 1) % NS is free
+    if (threadIdx.x == 0 && n + NS - 1 < ntiles) issue(n + NS - 1);
+    if (int(threadIdx.x) < bpt && n + NS < ntiles) {
+      // Tile n + NS's page ids into the slot tile n's left (thread 0 read them at its issue).
+      const int t = start + (n + NS) * TILE + int(threadIdx.x) * R;
+      const bool live = t < end;
+      async_copy4(slots + s * NB + threadIdx.x, live ? table + (t >> page_shift) : table, live);
+      async_copy_commit();
+    }
+    if (t0 + warp * 16 < end) {  // warp-uniform
+      const uint32_t kb = ring + uint32_t(s * S::kTileBytes);
+      const uint32_t vb = kb + uint32_t(NS * S::kTileBytes);
+      mma_decode_tile_at<T, D>(
+          qa, [&](int kk) { return kb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); },
+          [&](int kk) { return vb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); }, q_scale,
+          p.ls.cap_log2e, t0 + warp * 16, end, o, m, l);
+    }
+  }
+  // Per-warp states to shared memory (over the ring, every tile consumed), then the merge.
+  mma_decode_finish<T, MmaDecodeShape<T, D>, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad,
+                                                   b, kvh, hs.h0, hs.hn, MmaDims16{});
+#else
+  (void)p, (void)tk, (void)tv;
+#endif
+}
+
+// Whether the TMA decode serves these parameters: copies kDecodeCopiesAuto, a 16-bit cache at
+// head_dim 64 or 128 on compute capability 9.0+, pages of a power of two >= 8 tokens,
+// partitions of whole 64-key tiles, and 16-byte strides (the tensor maps' rule).
+template <typename T, int D>
+bool decode_tma_usable(const DecodeParams& p) {
+  const KvGeometry& kv = p.kv;
+  const int P = kv.page_size;
+  return p.copies == kDecodeCopiesAuto && current_device_caps().major >= 9 && P >= 8 &&
+         (P & (P - 1)) == 0 && p.partition_size % TmaDecodeShape<T, D>::kTile == 0 &&
+         kv.num_pages > 0 && kv.num_kv_heads > 0 && kv.token_stride % 8 == 0 &&
+         kv.head_stride % 8 == 0 && kv.page_stride % 8 == 0 && kv.head_dim == D;
+}
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded (nullptr when it has none).
+using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                      const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                      const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                      CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline TensorMapEncoder tensor_map_encoder() {
+  static const TensorMapEncoder fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                           cudaEnableDefault, &q);
+#else
+    const cudaError_t e =
+        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return TensorMapEncoder(nullptr);
+    }
+    return reinterpret_cast<TensorMapEncoder>(f);
+  }();
+  return fn;
+}
+
+// One KV head's cache `base` (K or V, 16-bit) as the TMA decode's 4-D tensor: (head_dim, then
+// heads and in-page tokens in the order of their strides, pages), boxes of 64 elements x 1 head
+// x min(page, 64) tokens, 128-byte swizzle. False where the driver refuses it.
+inline bool make_decode_tensor_map(CUtensorMap* map, const void* base, const KvGeometry& kv,
+                                   int tile) {
+  const TensorMapEncoder encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const bool bshd = kv.head_stride < kv.token_stride;
+  const cuuint32_t rows = cuuint32_t(kv.page_size < tile ? kv.page_size : tile);
+  const cuuint64_t dims[4] = {
+      cuuint64_t(kv.head_dim), cuuint64_t(bshd ? kv.num_kv_heads : kv.page_size),
+      cuuint64_t(bshd ? kv.page_size : kv.num_kv_heads), cuuint64_t(kv.num_pages)};
+  const cuuint64_t strides[3] = {cuuint64_t(bshd ? kv.head_stride : kv.token_stride) * 2,
+                                 cuuint64_t(bshd ? kv.token_stride : kv.head_stride) * 2,
+                                 cuuint64_t(kv.page_stride) * 2};
+  const cuuint32_t box[4] = {64u, bshd ? 1u : rows, bshd ? rows : 1u, 1u};
+  const cuuint32_t unit[4] = {1u, 1u, 1u, 1u};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box,
+                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The TMA decode's launch (then the combine when split); nullptr with *launched false where
+// the tensor maps cannot be made (the caller runs paged_decode_mma_kernel instead).
+template <typename T, int D>
+const char* launch_paged_decode_tma(const DecodeParams& p, gpuStream_t stream, bool* launched) {
+  using S = TmaDecodeShape<T, D>;
+  *launched = false;
+  auto kernel = paged_decode_tma_kernel<T, D>;
+  // Machine code for compute capability 9.0 or later (a build for older targets alone, run
+  // through its PTX, compiles the kernel's body out).
+  static const bool sm90_code = [&] {
+    cudaFuncAttributes a{};
+    if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return a.ptxVersion >= 90;
+  }();
+  if (!sm90_code) return nullptr;
+  CUtensorMap tk, tv;
+  if (!make_decode_tensor_map(&tk, p.k, p.kv, S::kTile) ||
+      !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile))
+    return nullptr;
+  *launched = true;
+  dim3 grid;
+  if (const char* e = decode_grid(p, &grid, mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads)))
+    return e;
+  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
+  if (stream_capturing(stream) ||
+      !launch_dependent(kernel, grid, S::kThreads, S::kSmemBytes, stream, p, tk, tv)) {
+    kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, tk, tv);
+    if (const char* e = check_launch()) return e;
+  }
+  return launch_decode_combine<T, D>(p, stream);
+}
+
 template <typename T, int D>
 const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaDecodeShape<T, D>;
+  if constexpr (D == 64 || D == 128) {
+    if (decode_tma_usable<T, D>(p)) {
+      bool launched = false;
+      const char* e = launch_paged_decode_tma<T, D>(p, stream, &launched);
+      if (launched) return e;
+    }
+  }
   if (const char* e =
           launch_decode_main(paged_decode_mma_kernel<T, D>, p, S::kThreads, S::kSmemBytes, stream))
     return e;
@@ -1834,7 +2155,7 @@ const char* decode_head_blocks_typed(int head_dim, int group, int* blocks) {
 template <typename T, typename C = T>
 const char* launch_paged_decode_typed(const DecodeParams& p, gpuStream_t stream) {
   const int D = p.kv.head_dim;
-  if (D != 32 && D != 64 && D != 128 && D != 256) return kDecodeHeadDims;
+  if (!head_dim_supported(D)) return kDecodeHeadDims;      // before the empty batch's return
   if (p.batch == 0 || p.num_q_heads == 0) return nullptr;  // nothing to write (and no grid)
   if (JAXATTN_DECODE_ROW_UNITS && !ring_rows_fit(p.kv))
     return "jaxattn: GPU paged decode addresses at most 2^32 - 2 cache rows of head_dim elements";

@@ -35,6 +35,11 @@ struct KvGeometry {
   }
 };
 
+// The head dims the GPU kernels are built for: with_head_dim dispatches exactly these.
+JAXATTN_HD constexpr bool head_dim_supported(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
 // f(std::integral_constant<int, D>{}) for the head dims the GPU kernels are built for (32, 64,
 // 128 and 256); `unsupported`, the caller's error text, for any other.
 template <typename F>
@@ -138,7 +143,13 @@ struct DecodeParams {
   KvGeometry kv;
   LogitScale ls{};
   HeadScales scales;
+  // How the GPU decode copies K/V pages into shared memory: kDecodeCopiesAuto (the tensor
+  // memory accelerator where paged_decode.cuh's decode_tma_usable holds, else 16-byte row
+  // gathers) or kDecodeCopiesGathers (the gathers always). The CPU kernel has no copies.
+  int32_t copies = 0;
 };
+constexpr int32_t kDecodeCopiesAuto = 0;
+constexpr int32_t kDecodeCopiesGathers = 1;
 
 inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t max_parts,
                                        int64_t head_dim) {
