@@ -6,7 +6,8 @@
   (Hopper wgmma), ``mma`` (mma.sync), ``simt`` or ``sm90_persistent`` (the Hopper kernel, one
   block per multiprocessor looping over the tiles);
 * ``JAXATTN_DECODE_COPIES``: how the native GPU decode copies K/V pages, ``auto`` (default:
-  the tensor memory accelerator where it serves, else row gathers) or ``gathers``.
+  the tensor memory accelerator where it serves, else row gathers) or ``gathers``
+  (``native.DecodeConfig.copies``).
 
 The variables only change which configuration a backend's heuristic returns; the chosen
 values travel as the kernels' static attributes (``partition_size``, ``kernel``, ``copies`` of

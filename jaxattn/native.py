@@ -519,9 +519,10 @@ class DecodeConfig:
     """Native decode. ``partition_size``: tokens per split-KV partition (then the combine
     kernel), 0 for one pass. An op's explicit ``partition_size=`` wins over it.
     ``copies``: how the GPU kernels bring K/V pages into shared memory: ``auto`` (the tensor
-    memory accelerator on compute capability 9.0 for a 16-bit cache at head_dim 64 or 128,
-    pages of a power of two >= 8 tokens and partitions of whole 64-token tiles; 16-byte row
-    gathers elsewhere) or ``gathers`` (the row gathers always). The CPU kernel ignores it."""
+    memory accelerator on compute capability 9.0 for a 16-bit cache at head_dim 64 or 128 and
+    an FP8 cache at 128, pages of a power of two >= 8 tokens and partitions of whole 64-token
+    tiles; 16-byte row gathers elsewhere) or ``gathers`` (the row gathers always). The CPU
+    kernel ignores it."""
 
     partition_size: int = 0
     copies: str = "auto"

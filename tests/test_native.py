@@ -305,11 +305,23 @@ def test_decode_copies_are_in_the_program(rng, set_env):
 
 @pytest.mark.skipif(not ON_GPU, reason="the tensor-memory-accelerator copies run on a GPU")
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-@pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 8), (128, 128), (64, 32)])
-def test_decode_copies_agree(rng, layout, head_dim, page_size):
-    """The TMA decode (copies auto, on compute capability 9.0) and the row gathers against the
-    spec, with NaN in every slot no sequence reads: page tails, unused pages, a bad page id's
-    poisoned row, partitions that end mid-page."""
+@pytest.mark.parametrize(
+    "head_dim,page_size,kv_dtype",
+    [
+        (128, 16, None),
+        (64, 8, None),
+        (128, 128, None),
+        (64, 32, None),
+        (128, 16, jnp.float8_e4m3fn),
+        (128, 8, jnp.float8_e5m2),
+        (128, 64, jnp.float8_e4m3fn),
+    ],
+)
+def test_decode_copies_agree(rng, layout, head_dim, page_size, kv_dtype):
+    """The TMA decode (copies auto, on compute capability 9.0: 16-bit caches at head_dim 64 and
+    128, FP8 at 128) and the row gathers against the spec, with NaN in every slot no sequence
+    reads: page tails, unused pages, a bad page id's poisoned row, partitions that end
+    mid-page."""
     case = make_paged_decode(
         rng,
         [1, 63, 64, 65, 700, 0, 1000],
@@ -319,6 +331,7 @@ def test_decode_copies_agree(rng, layout, head_dim, page_size):
         page_size=page_size,
         dtype=jnp.bfloat16,
         layout=layout,
+        kv_dtype=kv_dtype,
     )
     want = spec_decode(case)
     outs = {}
@@ -336,7 +349,11 @@ def test_decode_copies_agree(rng, layout, head_dim, page_size):
     for copies in ("auto", "gathers"):
         f = jax.jit(
             lambda *a, c=copies: jaxattn.paged_attention(
-                *a, layout=layout, implementation="native", config=native.DecodeConfig(copies=c)
+                *a,
+                layout=layout,
+                implementation="native",
+                config=native.DecodeConfig(copies=c),
+                **case.scales,
             )
         )
         out = f(case.q, case.k_cache, case.v_cache, bad, case.seq_lens)

@@ -1318,6 +1318,106 @@ __device__ __forceinline__ int fp8_out_dim(int j, int r) {
   return 32 * (j / 2) + 4 * (r % 8) + 2 * (j % 2) + r / 8;
 }
 
+// q of the FP8 tensor-core decode (lane = 4 g + tq): this lane's 16-bit words of query head
+// h0 + g's dims 16 kk + 4 tq .. + 3 (zero for heads past the block's), loaded beside the length.
+template <typename T, int D>
+__device__ __forceinline__ void fp8_decode_q_load(const DecodeParams& p, int b, const MmaHeads& hs,
+                                                  int g, int tq, uint2 (&qw)[D / 16]) {
+  const bool head_ok = g < hs.hn;
+  const T* qp =
+      static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + hs.h0 + (head_ok ? g : 0)) * D;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    qw[kk] = head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
+}
+
+// Q as float16 A fragments: qa[kk] = q[head g][16 kk + 4t .. 16 kk + 4t + 3] (rows 8..15 are
+// zero), times pre (a bf16 q: the head's largest |q| into [2^14, 2^15)); returns post = 1 / pre,
+// which the logit factor takes.
+template <typename T, int D>
+__device__ __forceinline__ float fp8_decode_q(const uint2 (&qw)[D / 16],
+                                              uint32_t (&qa)[D / 16][2]) {
+  constexpr int KD = D / 16;
+  float post = 1.f;
+  float qf[KD][4];
+  float qmax = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    const uint32_t w[2] = {qw[kk].x, qw[kk].y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t h = uint16_t(w[i / 2] >> (16 * (i % 2)));
+      qf[kk][i] = std::is_same_v<T, bf16_t> ? bf16_to_float(h) : f16_to_float(h);
+      qmax = fmaxf(qmax, fabsf(qf[kk][i]));  // fmaxf skips NaN: a NaN q stays NaN below
+    }
+  }
+  float pre = 1.f;
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    qmax = group_max<4>(qmax);
+    // 2^(141 - e) for qmax = 1.x * 2^(e - 127): the head's largest |q| into [2^14, 2^15).
+    const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
+    const int biased = min(max(268 - e, 1), 253);
+    pre = __uint_as_float(uint32_t(biased) << 23);
+    post = __uint_as_float(uint32_t(254 - biased) << 23);
+  }
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    qa[kk][0] = pack2<f16_t>(qf[kk][0] * pre, qf[kk][1] * pre);
+    qa[kk][1] = pack2<f16_t>(qf[kk][2] * pre, qf[kk][3] * pre);
+  }
+  return post;
+}
+
+// One warp's 16 keys of an FP8 tensor-core decode tile (t0: its first token; keys at or past
+// `end` masked), the fragments of the comment above: S = Q K^T from K by ldmatrix at kaddr(k2)
+// (this lane's address of 32-dim block k2), the online softmax, O^T += V^T P^T from V's
+// 4-byte words vword(i, jj): bytes 4g .. 4g + 3 of 32-dim group jj of the warp's token rows
+// 2t, 2t + 1, 2t + 8, 2t + 9 for i = 0..3, whatever the ring's row layout.
+template <typename C, int D, typename KAddr, typename VWord>
+__device__ __forceinline__ void mma_fp8_decode_tile_at(const uint32_t (&qa)[D / 16][2], KAddr kaddr,
+                                                       VWord vword, float q_scale, float cap_log2e,
+                                                       int t0, int end, float (&o)[D / 16][4],
+                                                       float& m, float& l) {
+  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int k2 = 0; k2 < D / 32; ++k2) {
+    uint32_t kf[4];
+    ldmatrix_x4(kf, kaddr(k2));  // (tokens 0-7 | 8-15) x (dims 32 k2 + 0-15 | 16-31)
+    uint32_t kb[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) fp8x4_to_f16x2<C>(kf[i], kb[i][0], kb[i][1]);
+    const uint32_t* q0 = qa[2 * k2];
+    const uint32_t* q1 = qa[2 * k2 + 1];
+    mma16816<f16_t>(sc[0], q0[0], 0u, q0[1], 0u, kb[0][0], kb[0][1]);  // tokens 0..7
+    mma16816<f16_t>(sc[0], q1[0], 0u, q1[1], 0u, kb[1][0], kb[1][1]);
+    mma16816<f16_t>(sc[1], q0[0], 0u, q0[1], 0u, kb[2][0], kb[2][1]);  // tokens 8..15
+    mma16816<f16_t>(sc[1], q1[0], 0u, q1[1], 0u, kb[3][0], kb[3][1]);
+  }
+  float pr[2][2], a_lo, a_hi;
+  const bool rescale = mma_decode_softmax(sc, q_scale, cap_log2e, t0, end, m, l, pr, a_lo, a_hi);
+  const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
+  const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
+#pragma unroll
+  for (int jj = 0; jj < D / 32; ++jj) {
+    const uint32_t r0 = vword(0, jj);  // token 2t
+    const uint32_t r1 = vword(1, jj);  // 2t + 1
+    const uint32_t r2 = vword(2, jj);  // 2t + 8
+    const uint32_t r3 = vword(3, jj);  // 2t + 9
+    // Per dim, the token pair: (dims 0, 1 of the four) and (dims 2, 3).
+    uint32_t a[2][4];
+    fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x5140u), a[0][0], a[0][1]);
+    fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x5140u), a[0][2], a[0][3]);
+    fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x7362u), a[1][0], a[1][1]);
+    fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x7362u), a[1][2], a[1][3]);
+#pragma unroll
+    for (int s2 = 0; s2 < 2; ++s2) {
+      float (&oj)[4] = o[2 * jj + s2];
+      if (rescale) scale_c_cols(oj, a_lo, a_hi);
+      mma16816<f16_t>(oj, a[s2][0], a[s2][1], a[s2][2], a[s2][3], pb0, pb1);
+    }
+  }
+}
+
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
                                   MmaFp8DecodeShape<C, D>::kMinBlocks)
@@ -1340,16 +1440,8 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   // What needs no sequence length is loaded beside it, not after: q (its 16-bit words) and the
   // pages of the first tiles (at batch 1 the q loads used to queue behind the first tiles'
   // copies, ~3 us of the block's start).
-  const bool head_ok = g < hs.hn;
   uint2 qw[KD];
-  {
-    const T* qp =
-        static_cast<const T*>(p.q) + (int64_t(b) * p.num_q_heads + hs.h0 + (head_ok ? g : 0)) * D;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk)
-      qw[kk] =
-          head_ok ? *reinterpret_cast<const uint2*>(qp + kk * 16 + 4 * tq) : make_uint2(0u, 0u);
-  }
+  fp8_decode_q_load<T, D>(p, b, hs, g, tq, qw);
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, p.kv.page_size, decode_block_start(p), pages);
   Ring ring;
@@ -1358,39 +1450,8 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   JAXATTN_TRACE(2);
   const int start = ring.start, end = ring.end, ntiles = ring.tiles();
 
-  // Q as float16 A fragments: qa[kk] = q[head g][16 kk + 4t .. 16 kk + 4t + 3] (rows 8..15 are
-  // zero), times pre; the logit factor takes post = 1 / pre.
   uint32_t qa[KD][2];
-  float post = 1.f;
-  {
-    float qf[KD][4];
-    float qmax = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      const uint32_t w[2] = {qw[kk].x, qw[kk].y};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint16_t h = uint16_t(w[i / 2] >> (16 * (i % 2)));
-        qf[kk][i] = std::is_same_v<T, bf16_t> ? bf16_to_float(h) : f16_to_float(h);
-        qmax = fmaxf(qmax, fabsf(qf[kk][i]));  // fmaxf skips NaN: a NaN q stays NaN below
-      }
-    }
-    float pre = 1.f;
-    if constexpr (std::is_same_v<T, bf16_t>) {
-      qmax = group_max<4>(qmax);
-      // 2^(141 - e) for qmax = 1.x * 2^(e - 127): the head's largest |q| into [2^14, 2^15).
-      const int e = int((__float_as_uint(qmax) >> 23) & 0xffu);
-      const int biased = min(max(268 - e, 1), 253);
-      pre = __uint_as_float(uint32_t(biased) << 23);
-      post = __uint_as_float(uint32_t(254 - biased) << 23);
-    }
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      qa[kk][0] = pack2<f16_t>(qf[kk][0] * pre, qf[kk][1] * pre);
-      qa[kk][1] = pack2<f16_t>(qf[kk][2] * pre, qf[kk][3] * pre);
-    }
-  }
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh) * post;
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh) * fp8_decode_q<T, D>(qw, qa);
   JAXATTN_TRACE(3);
 
   float o[KD][4];
@@ -1417,47 +1478,17 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
     const int t0 = start + n * TILE + rb;  // this warp's first token
     if (t0 < end) {                        // warp-uniform
       const uint32_t kaddr = smem_u32(ring.k_rows(s)) + k_off;
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int k2 = 0; k2 < D / 32; ++k2) {
-        uint32_t kf[4];
-        ldmatrix_x4(kf, kaddr + k2 * 32);  // (tokens 0-7 | 8-15) x (dims 32 k2 + 0-15 | 16-31)
-        uint32_t kb[4][2];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) fp8x4_to_f16x2<C>(kf[i], kb[i][0], kb[i][1]);
-        const uint32_t* q0 = qa[2 * k2];
-        const uint32_t* q1 = qa[2 * k2 + 1];
-        mma16816<f16_t>(sc[0], q0[0], 0u, q0[1], 0u, kb[0][0], kb[0][1]);  // tokens 0..7
-        mma16816<f16_t>(sc[0], q1[0], 0u, q1[1], 0u, kb[1][0], kb[1][1]);
-        mma16816<f16_t>(sc[1], q0[0], 0u, q0[1], 0u, kb[2][0], kb[2][1]);  // tokens 8..15
-        mma16816<f16_t>(sc[1], q1[0], 0u, q1[1], 0u, kb[3][0], kb[3][1]);
-      }
-      float pr[2][2], a_lo, a_hi;
-      const bool rescale =
-          mma_decode_softmax(sc, q_scale, p.ls.cap_log2e, t0, end, m, l, pr, a_lo, a_hi);
-      const uint32_t pb0 = pack2<f16_t>(pr[0][0], pr[0][1]);
-      const uint32_t pb1 = pack2<f16_t>(pr[1][0], pr[1][1]);
-      const unsigned char* vrow = reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off;
-#pragma unroll
-      for (int jj = 0; jj < D / 32; ++jj) {
-        const unsigned char* vp = vrow + jj * 32;
-        const uint32_t r0 = *reinterpret_cast<const uint32_t*>(vp);           // token 2t
-        const uint32_t r1 = *reinterpret_cast<const uint32_t*>(vp + RS);      // 2t + 1
-        const uint32_t r2 = *reinterpret_cast<const uint32_t*>(vp + 8 * RS);  // 2t + 8
-        const uint32_t r3 = *reinterpret_cast<const uint32_t*>(vp + 9 * RS);  // 2t + 9
-        // Per dim, the token pair: (dims 0, 1 of the four) and (dims 2, 3).
-        uint32_t a[2][4];
-        fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x5140u), a[0][0], a[0][1]);
-        fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x5140u), a[0][2], a[0][3]);
-        fp8x4_to_f16x2<C>(byte_perm(r0, r1, 0x7362u), a[1][0], a[1][1]);
-        fp8x4_to_f16x2<C>(byte_perm(r2, r3, 0x7362u), a[1][2], a[1][3]);
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          float (&oj)[4] = o[2 * jj + s2];
-          if (rescale) scale_c_cols(oj, a_lo, a_hi);
-          mma16816<f16_t>(oj, a[s2][0], a[s2][1], a[s2][2], a[s2][3], pb0, pb1);
-        }
-      }
+      mma_fp8_decode_tile_at<C, D>(
+          qa, [kaddr](int k2) { return kaddr + uint32_t(k2 * 32); },
+          [&](int i, int jj) {
+            const unsigned char* vp =
+                reinterpret_cast<const unsigned char*>(ring.v_rows(s)) + v_off + jj * 32;
+            return *reinterpret_cast<const uint32_t*>(vp + (i == 0   ? 0
+                                                            : i == 1 ? RS
+                                                            : i == 2 ? 8 * RS
+                                                                     : 9 * RS));
+          },
+          q_scale, p.ls.cap_log2e, t0, end, o, m, l);
     }
     bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
   }
@@ -1660,43 +1691,53 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
 }
 
 // ------------------------------------------------------------------------------------------
-// The 16-bit tensor-core decode with its pages copied by the tensor memory accelerator (sm_90):
-// paged_decode_mma_kernel's twin, run where decode_tma_usable holds (copies auto, head_dim 64
-// or 128, pages of a power of two >= 8 tokens, partitions of whole 64-key tiles). On an H100
-// (ffi/NOTES.md, round 57) 3% faster one pass at head_dim 128 (64 x 4096, 32 x 4096), level on
-// its split grids and at 256-token contexts, 4-7% faster at head_dim 64. The same block, heads,
-// products, softmax and merge; what differs is the ring: each stage holds a 64-key K and V
-// tile as 128-byte-swizzled column blocks (the layout of KvRing's RS = 0 form), filled by
-// cp.async.bulk.tensor boxes of one KV head's rows of a page (min(page, 64) rows x 64
-// elements) that thread 0 issues a stage ahead, each stage completing on its mbarrier by the
-// bytes it expects; the block-table entries of a tile reach shared memory by 4-byte cp.async
-// a tile before thread 0 reads them.
+// The tensor-core decodes with their pages copied by the tensor memory accelerator (sm_90):
+// twins of paged_decode_mma_kernel (16-bit caches, head_dim 64 and 128) and of
+// paged_decode_mma_fp8_kernel (FP8 caches, head_dim 128), run where decode_tma_usable holds
+// (copies auto, pages of a power of two >= 8 tokens, partitions of whole 64-key tiles). On an
+// H100 (ffi/NOTES.md, round 57) the 16-bit one is 3% faster one pass at head_dim 128 (64 x
+// 4096, 32 x 4096), level on its split grids and at 256-token contexts, 4-7% faster at head_dim
+// 64; the FP8 one 1.6% at 64 x 4096 and 4% at 32 x 4096 and on split grids. The same blocks,
+// heads, products, softmax and merges; what differs is the ring: each stage holds a 64-key K
+// and V tile as 128-byte-swizzled column blocks (the layout of KvRing's RS = 0 form), filled by
+// cp.async.bulk.tensor boxes of one KV head's rows of a page (min(page, 64) rows x 128 bytes)
+// that thread 0 issues a stage ahead, each stage completing on its mbarrier by the bytes it
+// expects; the block-table entries of a tile reach shared memory by 4-byte cp.async a tile
+// before thread 0 reads them.
 //   Contract: a page id outside the cache poisons the block (NaN rows) and copies page 0;
 // rows past the block's end are copied whole with their page (or not at all) and masked out
 // of S, and their V rows are zeroed in shared memory before P V, so NaN there never reaches
 // the output.
 // ------------------------------------------------------------------------------------------
 
-template <typename T, int D>
+// The TMA decode kernels' block: 4 warps of 16 keys a 64-key tile, NS stages of a K and a V
+// tile of ROW bytes a row (ROW / 128 column blocks of [64 rows][128 bytes], 128-byte swizzle),
+// one mbarrier a stage, the page ids of NS tiles; MERGE bytes of the closing merge over the
+// ring. The stages are those of the gathers' kernel, so the occupancy is the same.
+template <int ROW, int NS, int MERGE>
 struct TmaDecodeShape {
-  using M = MmaDecodeShape<T, D>;
-  static_assert(D == 64 || D == 128, "TMA decode: head_dim 64 or 128");
-  static constexpr int kWarps = M::kWarps;
-  static constexpr int kThreads = M::kThreads;
-  static constexpr int kHeads = M::kHeads;
-  static constexpr int kTile = M::kTile;  // 64 keys, 16 a warp
-  static constexpr int kStages = M::kStages;
-  static constexpr int kBlocks = D * 2 / 128;  // 128-byte column blocks a row
-  static constexpr int kTileBytes = kTile * D * 2;
+  static_assert(ROW % 128 == 0, "TMA decode: rows of whole 128-byte column blocks");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTile = 16 * kWarps;  // 64 keys, 16 a warp
+  static constexpr int kStages = NS;
+  static constexpr int kBlocks = ROW / 128;
+  static constexpr int kTileBytes = kTile * ROW;
   static constexpr int kMaxBoxes = kTile / 8;  // pages a tile at the smallest page (8 rows)
   static constexpr int kBarOffset = 2 * kStages * kTileBytes;
   static constexpr int kSlotOffset = kBarOffset + 8 * kStages;
   static constexpr int kUsedBytes = kSlotOffset + 4 * kStages * kMaxBoxes;
-  // 1 KiB of slack for the 1024-byte alignment the swizzle needs; the merge's states lie over
-  // the ring at the end.
-  static constexpr int kSmemBytes = 1024 + cmax(kUsedBytes, M::kMergeBytes);
-  static constexpr int kMinBlocks = M::kMinBlocks;
+  // 1 KiB of slack for the 1024-byte alignment the swizzle needs.
+  static constexpr int kSmemBytes = 1024 + cmax(kUsedBytes, MERGE);
+  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
 };
+// The 16-bit kernel's (head_dim 64 and 128) and the FP8 kernel's (head_dim 128).
+template <typename T, int D>
+using Tma16Shape =
+    TmaDecodeShape<D * 2, MmaDecodeShape<T, D>::kStages, MmaDecodeShape<T, D>::kMergeBytes>;
+template <typename C, int D>
+using Tma8Shape =
+    TmaDecodeShape<D, MmaFp8DecodeShape<C, D>::kStages, MmaFp8DecodeShape<C, D>::kMergeBytes>;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void tma_bar_init(uint32_t bar) {
@@ -1723,40 +1764,32 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-#endif
 
-// The block of paged_decode_mma_kernel on the TMA ring (see above). tk / tv: the K and V
-// caches as 4-D tensors, dimension 0 head_dim, then the head and in-page token dimensions in
-// the order of their strides, then pages (make_decode_tensor_map).
-template <typename T, int D>
-__global__ void __launch_bounds__(TmaDecodeShape<T, D>::kThreads, TmaDecodeShape<T, D>::kMinBlocks)
-    paged_decode_tma_kernel(const DecodeParams p, const __grid_constant__ CUtensorMap tk,
-                            const __grid_constant__ CUtensorMap tv) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using S = TmaDecodeShape<T, D>;
-  constexpr int TILE = S::kTile, NS = S::kStages, KD = D / 16, NB = S::kMaxBoxes;
-  constexpr float kNegInf = -__builtin_huge_valf();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+// The TMA decode block's ring and loop over its tiles (S: a TmaDecodeShape with the output type
+// Out; E: the cache's element bytes), for the block's KV head hs.kvh. `prepare()` runs once the
+// first copies are in flight (the FP8 kernel's q conversion); `tile(k, v, t0, end)` computes the
+// warp's 16 keys from the swizzled K and V tiles at shared addresses k and v (t0: the warp's
+// first token, below the block's end). False when the block has nothing to compute
+// (decode_range); else true, every tile consumed (the merge may reuse the ring's memory), `bad`
+// set where thread 0 met a page id outside the cache.
+template <typename S, int E, typename Prepare, typename Tile>
+__device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CUtensorMap& tk,
+                                                 const CUtensorMap& tv, const MmaHeads& hs,
+                                                 unsigned char* smem, bool& bad, Prepare prepare,
+                                                 Tile tile) {
+  constexpr int TILE = S::kTile, NS = S::kStages, NB = S::kMaxBoxes;
+  constexpr int kBoxElems = 128 / E;     // elements a column block
   const uint32_t ring = smem_u32(smem);  // stage s: K at ring + s tile, V NS tiles further
   const uint32_t bars = ring + S::kBarOffset;
   int32_t* slots = reinterpret_cast<int32_t*>(smem + S::kSlotOffset);  // [NS][NB] page ids
-  pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
-
-  const MmaHeads hs = mma_block_heads(p);
-  const int kvh = hs.kvh, b = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
+  const int kvh = hs.kvh, warp = threadIdx.x / 32;
+  const int32_t* table = p.block_tables + int64_t(blockIdx.y) * p.block_table_stride;
   const int P = p.kv.page_size, R = P < TILE ? P : TILE;   // rows a box (a power of two >= 8)
   const int page_shift = __ffs(P) - 1, bpt = TILE / R;     // boxes a tile
   const bool bshd = p.kv.head_stride < p.kv.token_stride;  // the maps' dimension order
 
-  // Early loads, beside the length: q, and the page ids of tiles 0 .. NS - 1 (entries past
-  // the table's width read its last one; only rows below the length use them).
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);
-  uint32_t qa[KD][2];
-  mma_decode_q<T, D>(p.q, p.num_q_heads, b, hs.h0, hs.hn, g, tq, qa);
+  // The page ids of tiles 0 .. NS - 1, loaded beside the length (entries past the table's
+  // width read its last one; only rows below the length use them).
   const int start0 = decode_block_start(p);
   int early = 0;
   if (int(threadIdx.x) < NS * bpt) {
@@ -1771,14 +1804,14 @@ __global__ void __launch_bounds__(TmaDecodeShape<T, D>::kThreads, TmaDecodeShape
   }
   DecodeRange range;
   pdl_launch_dependents();
-  if (!decode_range<T>(p, hs.h0, hs.hn, &range)) return;
+  if (!decode_range<typename S::Out>(p, hs.h0, hs.hn, &range)) return false;
   const int start = range.start, end = range.end;
   const int ntiles = (end - start + TILE - 1) / TILE;
   if (int(threadIdx.x) < NS * bpt)
     slots[(int(threadIdx.x) / bpt) * NB + int(threadIdx.x) % bpt] = early;
   __syncthreads();  // the barriers and the first tiles' page ids
 
-  bool bad = false;  // thread 0: a page id outside the cache
+  bad = false;
   // Tile n into stage n % NS (thread 0): the boxes of its rows below `end`, each a page's rows,
   // K and V, every column block; the stage's barrier expects their bytes.
   auto issue = [&](int n) {
@@ -1796,28 +1829,15 @@ __global__ void __launch_bounds__(TmaDecodeShape<T, D>::kThreads, TmaDecodeShape
       const uint32_t vd = kd + uint32_t(NS * S::kTileBytes);
 #pragma unroll
       for (int cb = 0; cb < S::kBlocks; ++cb) {
-        tma_load_4d(kd + uint32_t(cb * TILE * 128), &tk, cb * 64, c1, c2, pg, bar);
-        tma_load_4d(vd + uint32_t(cb * TILE * 128), &tv, cb * 64, c1, c2, pg, bar);
+        tma_load_4d(kd + uint32_t(cb * TILE * 128), &tk, cb * kBoxElems, c1, c2, pg, bar);
+        tma_load_4d(vd + uint32_t(cb * TILE * 128), &tv, cb * kBoxElems, c1, c2, pg, bar);
       }
     }
   };
   if (threadIdx.x == 0) {
     for (int n = 0; n < NS - 1 && n < ntiles; ++n) issue(n);
   }
-
-  float o[KD][4];
-#pragma unroll
-  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
-
-  // ldmatrix lane addresses in the swizzled tile: row r = 16 warp + lane % 8 + 8 (lane / 16),
-  // chunk c = 2 kk + (lane / 8) % 2 of the 16 a 256-byte row (column block kk / 4), stored at
-  // chunk (c % 8) ^ (r % 8) of its block: ((c ^ r) & 1) << 4 + ((kk % 4) ^ (r % 8 / 2)) << 5.
-  const int x = lane & 7, h = (lane >> 3) & 1;
-  const uint32_t rowoff = uint32_t((warp * 16 + x + (lane >> 4) * 8) * 128 + (((h ^ x) & 1) << 4));
-  uint32_t at[4];
-#pragma unroll
-  for (int k4 = 0; k4 < 4; ++k4) at[k4] = rowoff + uint32_t(((k4 ^ (x >> 1)) & 3) << 5);
+  prepare();
 
   for (int n = 0; n < ntiles; ++n) {
     const int s = n % NS, t0 = start + n * TILE;
@@ -1846,32 +1866,145 @@ __global__ void __launch_bounds__(TmaDecodeShape<T, D>::kThreads, TmaDecodeShape
     }
     if (t0 + warp * 16 < end) {  // warp-uniform
       const uint32_t kb = ring + uint32_t(s * S::kTileBytes);
-      const uint32_t vb = kb + uint32_t(NS * S::kTileBytes);
-      mma_decode_tile_at<T, D>(
-          qa, [&](int kk) { return kb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); },
-          [&](int kk) { return vb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); }, q_scale,
-          p.ls.cap_log2e, t0 + warp * 16, end, o, m, l);
+      tile(kb, kb + uint32_t(NS * S::kTileBytes), t0 + warp * 16, end);
     }
   }
+  return true;
+}
+
+// This lane's ldmatrix offsets in a swizzled tile (row r = 16 warp + lane % 8 + 8 (lane / 16),
+// 16-byte chunk c = 2 k + (lane / 8) % 2 of a column block, stored at chunk c ^ (r % 8)):
+// at[k % 4] + (k / 4) x the tile's column-block bytes for 32-byte column k.
+__device__ __forceinline__ void tma_ldmatrix_offsets(uint32_t (&at)[4]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int x = lane & 7, h = (lane >> 3) & 1;
+  const uint32_t rowoff = uint32_t((warp * 16 + x + (lane >> 4) * 8) * 128 + (((h ^ x) & 1) << 4));
+#pragma unroll
+  for (int k4 = 0; k4 < 4; ++k4) at[k4] = rowoff + uint32_t(((k4 ^ (x >> 1)) & 3) << 5);
+}
+#endif
+
+// The block of paged_decode_mma_kernel on the TMA ring (see above). tk / tv: the K and V
+// caches as 4-D tensors, dimension 0 head_dim, then the head and in-page token dimensions in
+// the order of their strides, then pages (make_decode_tensor_map).
+template <typename T, int D>
+__global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::kMinBlocks)
+    paged_decode_tma_kernel(const DecodeParams p, const __grid_constant__ CUtensorMap tk,
+                            const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  struct S : Tma16Shape<T, D> {
+    using Out = T;
+  };
+  constexpr int TILE = S::kTile, KD = D / 16;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
+
+  const MmaHeads hs = mma_block_heads(p);
+  const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  // q, loaded beside the length, unscaled (16-bit, exact); the scale goes onto S in f32.
+  const float q_scale = p.ls.q_scale * p.scales.k_of(hs.kvh);
+  uint32_t qa[KD][2];
+  mma_decode_q<T, D>(p.q, p.num_q_heads, blockIdx.y, hs.h0, hs.hn, g, tq, qa);
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+  uint32_t at[4];
+  tma_ldmatrix_offsets(at);
+  bool bad;
+  const bool ran = tma_decode_tiles<S, 2>(
+      p, tk, tv, hs, smem, bad, [] {},
+      [&](uint32_t kb, uint32_t vb, int t0, int end) {
+        mma_decode_tile_at<T, D>(
+            qa, [&](int kk) { return kb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); },
+            [&](int kk) { return vb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); }, q_scale,
+            p.ls.cap_log2e, t0, end, o, m, l);
+      });
+  if (!ran) return;
   // Per-warp states to shared memory (over the ring, every tile consumed), then the merge.
   mma_decode_finish<T, MmaDecodeShape<T, D>, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad,
-                                                   b, kvh, hs.h0, hs.hn, MmaDims16{});
+                                                   blockIdx.y, hs.kvh, hs.h0, hs.hn, MmaDims16{});
 #else
   (void)p, (void)tk, (void)tv;
 #endif
 }
 
-// Whether the TMA decode serves these parameters: copies kDecodeCopiesAuto, a 16-bit cache at
-// head_dim 64 or 128 on compute capability 9.0+, pages of a power of two >= 8 tokens,
-// partitions of whole 64-key tiles, and 16-byte strides (the tensor maps' rule).
-template <typename T, int D>
-bool decode_tma_usable(const DecodeParams& p) {
+// The block of paged_decode_mma_fp8_kernel on the TMA ring (head_dim 128: a row of codes is one
+// 128-byte column block, one box a page for K and for V). K through ldmatrix as the 16-bit
+// kernel reads it; V's words (lane = 4 g + tq: rows 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of the
+// warp's slice, bytes 4 g .. 4 g + 3 of 32-byte group jj, i.e. chunk 2 jj + g / 4) at chunk
+// c ^ (row % 8) of their row.
+template <typename T, typename C, int D>
+__global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kMinBlocks)
+    paged_decode_tma_fp8_kernel(const DecodeParams p, const __grid_constant__ CUtensorMap tk,
+                                const __grid_constant__ CUtensorMap tv) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(D == 128, "the FP8 TMA decode: head_dim 128");
+  struct S : Tma8Shape<C, D> {
+    using Out = T;
+  };
+  constexpr int KD = D / 16;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
+
+  const MmaHeads hs = mma_block_heads(p);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  uint2 qw[KD];
+  fp8_decode_q_load<T, D>(p, blockIdx.y, hs, g, tq, qw);  // beside the length
+  uint32_t qa[KD][2];
+  float q_scale = 0.f;
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
+  uint32_t at[4];
+  tma_ldmatrix_offsets(at);
+  // V: the byte offsets of this lane's rows 2 tq (+ 8) and 2 tq + 1 (+ 9), their chunk bits
+  // apart (row % 8 is 2 tq and 2 tq + 1 for both of a pair).
+  const uint32_t v0 = uint32_t((warp * 16 + 2 * tq) * 128 + 4 * (g & 3));
+  const int gc = g >> 2, x0 = 2 * tq;
+  bool bad;
+  const bool ran = tma_decode_tiles<S, 1>(
+      p, tk, tv, hs, smem, bad,
+      [&] { q_scale = p.ls.q_scale * p.scales.k_of(hs.kvh) * fp8_decode_q<T, D>(qw, qa); },
+      [&](uint32_t kb, uint32_t vb, int t0, int end) {
+        mma_fp8_decode_tile_at<C, D>(
+            qa, [&](int k2) { return kb + at[k2 & 3]; },
+            [&](int i, int jj) {
+              const int x = x0 + (i & 1), row = (i & 1) + (i >> 1) * 8;
+              const uint32_t a = vb + v0 + uint32_t(row * 128 + ((((2 * jj + gc) ^ x) & 7) << 4));
+              return *reinterpret_cast<const uint32_t*>(smem + (a - smem_u32(smem)));
+            },
+            q_scale, p.ls.cap_log2e, t0, end, o, m, l);
+      });
+  if (!ran) return;
+  // Per-warp states to shared memory (over the ring), each accumulator at its dim, then the
+  // fixed-order merge.
+  mma_decode_finish<T, MmaFp8DecodeShape<C, D>, D, 1>(
+      p, reinterpret_cast<float*>(smem), o, m, l, bad, blockIdx.y, hs.kvh, hs.h0, hs.hn,
+      [](int j, int gg) { return fp8_out_dim(j, gg); });
+#else
+  (void)p, (void)tk, (void)tv;
+#endif
+}
+
+// Whether the TMA decode serves these parameters: copies kDecodeCopiesAuto, compute capability
+// 9.0+, pages of a power of two >= 8 tokens, partitions of whole 64-key tiles, and 16-byte
+// strides (the tensor maps' rule); the head_dim and cache type are the caller's.
+inline bool decode_tma_usable(const DecodeParams& p, int head_dim, int elem_bytes) {
   const KvGeometry& kv = p.kv;
   const int P = kv.page_size;
+  auto aligned = [elem_bytes](int64_t stride) { return stride * elem_bytes % 16 == 0; };
   return p.copies == kDecodeCopiesAuto && current_device_caps().major >= 9 && P >= 8 &&
-         (P & (P - 1)) == 0 && p.partition_size % TmaDecodeShape<T, D>::kTile == 0 &&
-         kv.num_pages > 0 && kv.num_kv_heads > 0 && kv.token_stride % 8 == 0 &&
-         kv.head_stride % 8 == 0 && kv.page_stride % 8 == 0 && kv.head_dim == D;
+         (P & (P - 1)) == 0 && p.partition_size % 64 == 0 && kv.num_pages > 0 &&
+         kv.num_kv_heads > 0 && aligned(kv.token_stride) && aligned(kv.head_stride) &&
+         aligned(kv.page_stride) && kv.head_dim == head_dim;
 }
 
 // cuTensorMapEncodeTiled from the driver the runtime loaded (nullptr when it has none).
@@ -1899,38 +2032,40 @@ inline TensorMapEncoder tensor_map_encoder() {
   return fn;
 }
 
-// One KV head's cache `base` (K or V, 16-bit) as the TMA decode's 4-D tensor: (head_dim, then
-// heads and in-page tokens in the order of their strides, pages), boxes of 64 elements x 1 head
-// x min(page, 64) tokens, 128-byte swizzle. False where the driver refuses it.
+// A cache `base` (K or V, elements of elem_bytes) as the TMA decode's 4-D tensor: (head_dim,
+// then heads and in-page tokens in the order of their strides, pages), boxes of one 128-byte
+// column block x 1 head x min(page, tile) tokens, 128-byte swizzle. False where the driver
+// refuses it.
 inline bool make_decode_tensor_map(CUtensorMap* map, const void* base, const KvGeometry& kv,
-                                   int tile) {
+                                   int tile, int elem_bytes) {
   const TensorMapEncoder encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const bool bshd = kv.head_stride < kv.token_stride;
   const cuuint32_t rows = cuuint32_t(kv.page_size < tile ? kv.page_size : tile);
+  const cuuint64_t e = cuuint64_t(elem_bytes);
   const cuuint64_t dims[4] = {
       cuuint64_t(kv.head_dim), cuuint64_t(bshd ? kv.num_kv_heads : kv.page_size),
       cuuint64_t(bshd ? kv.page_size : kv.num_kv_heads), cuuint64_t(kv.num_pages)};
-  const cuuint64_t strides[3] = {cuuint64_t(bshd ? kv.head_stride : kv.token_stride) * 2,
-                                 cuuint64_t(bshd ? kv.token_stride : kv.head_stride) * 2,
-                                 cuuint64_t(kv.page_stride) * 2};
-  const cuuint32_t box[4] = {64u, bshd ? 1u : rows, bshd ? rows : 1u, 1u};
+  const cuuint64_t strides[3] = {cuuint64_t(bshd ? kv.head_stride : kv.token_stride) * e,
+                                 cuuint64_t(bshd ? kv.token_stride : kv.head_stride) * e,
+                                 cuuint64_t(kv.page_stride) * e};
+  const cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes), bshd ? 1u : rows, bshd ? rows : 1u, 1u};
   const cuuint32_t unit[4] = {1u, 1u, 1u, 1u};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box,
-                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  return encode(map,
+                elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
+                const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The TMA decode's launch (then the combine when split); nullptr with *launched false where
-// the tensor maps cannot be made (the caller runs paged_decode_mma_kernel instead).
-template <typename T, int D>
-const char* launch_paged_decode_tma(const DecodeParams& p, gpuStream_t stream, bool* launched) {
-  using S = TmaDecodeShape<T, D>;
+// A TMA decode kernel's launch (S: its TmaDecodeShape; the combine follows when split);
+// nullptr with *launched false where it cannot run -- no sm_90 machine code in the library (a
+// build for older targets alone, run through its PTX, compiles the kernel's body out) or tensor
+// maps the driver refuses -- and the caller runs the gathers' kernel instead.
+template <typename T, int D, typename S, typename Kernel>
+const char* launch_paged_decode_tma(Kernel kernel, int elem_bytes, const DecodeParams& p,
+                                    gpuStream_t stream, bool* launched) {
   *launched = false;
-  auto kernel = paged_decode_tma_kernel<T, D>;
-  // Machine code for compute capability 9.0 or later (a build for older targets alone, run
-  // through its PTX, compiles the kernel's body out).
   static const bool sm90_code = [&] {
     cudaFuncAttributes a{};
     if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
@@ -1941,8 +2076,8 @@ const char* launch_paged_decode_tma(const DecodeParams& p, gpuStream_t stream, b
   }();
   if (!sm90_code) return nullptr;
   CUtensorMap tk, tv;
-  if (!make_decode_tensor_map(&tk, p.k, p.kv, S::kTile) ||
-      !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile))
+  if (!make_decode_tensor_map(&tk, p.k, p.kv, S::kTile, elem_bytes) ||
+      !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile, elem_bytes))
     return nullptr;
   *launched = true;
   dim3 grid;
@@ -1961,9 +2096,10 @@ template <typename T, int D>
 const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaDecodeShape<T, D>;
   if constexpr (D == 64 || D == 128) {
-    if (decode_tma_usable<T, D>(p)) {
+    if (decode_tma_usable(p, D, 2)) {
       bool launched = false;
-      const char* e = launch_paged_decode_tma<T, D>(p, stream, &launched);
+      const char* e = launch_paged_decode_tma<T, D, Tma16Shape<T, D>>(paged_decode_tma_kernel<T, D>,
+                                                                      2, p, stream, &launched);
       if (launched) return e;
     }
   }
@@ -1976,6 +2112,14 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
 template <typename T, typename C, int D>
 const char* launch_paged_decode_mma_fp8(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaFp8DecodeShape<C, D>;
+  if constexpr (D == 128) {
+    if (decode_tma_usable(p, D, 1)) {
+      bool launched = false;
+      const char* e = launch_paged_decode_tma<T, D, Tma8Shape<C, D>>(
+          paged_decode_tma_fp8_kernel<T, C, D>, 1, p, stream, &launched);
+      if (launched) return e;
+    }
+  }
   if (const char* e = launch_decode_main(paged_decode_mma_fp8_kernel<T, C, D>, p, S::kThreads,
                                          S::kSmemBytes, stream))
     return e;
