@@ -23,7 +23,7 @@ namespace ffi = xla::ffi;
 // 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets;
 // 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials;
 // 8: the GPU library's decode-blocks query (jaxattn_decode_head_blocks), which the split rule
-// asks.
+// asks; 9: the paged decode's `copies` attribute (how the GPU kernels copy K/V pages).
 constexpr int kFfiAbi = 9;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
