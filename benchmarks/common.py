@@ -708,6 +708,7 @@ def config_label(cfg) -> str:
         "heads_per_tile": "gh",
         "min_programs": "progs",
         "partition_size": "split",
+        "copies": "copies",
         "kernel": "kernel",
         "block_m": "bm",
         "prefix_blocks": "prefix",
