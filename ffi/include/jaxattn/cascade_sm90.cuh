@@ -84,7 +84,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
   constexpr float kNegInf = -__builtin_huge_valf();
   // The swizzled ring wants a 1024-byte-aligned base (the kernel's shared memory has 1 KiB
   // to spare for it).
-  unsigned char* base = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+  unsigned char* base = smem + smem_pad1024(smem);
   using Ring = KvRing<T, D, TILE, NS, 0, S::kThreads>;
   static_assert(NS * Ring::kStageBytes + Ring::kPageSlotBytes <= S::kSmemBytes - 1024,
                 "the page slots fit beside the ring");

@@ -20,6 +20,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Bytes from p to the first 1024-byte-aligned byte of shared memory at or after it (128-byte
+// swizzled tiles need that alignment; the kernels reserve 1 KiB of slack for it).
+__device__ __forceinline__ uint32_t smem_pad1024(const void* p) {
+  return (1024u - (smem_u32(p) & 1023u)) & 1023u;
+}
+
 // One 16-byte shared-memory load (ld.shared.v4). A uint4 read through a byte pointer may come
 // out of nvcc as four 4-byte loads, and where a quarter-warp's 16-byte loads take one
 // wavefront, its 4-byte loads of rows 128 bytes apart meet 4-way bank conflicts (the FP8

@@ -1677,16 +1677,18 @@ inline bool stream_capturing(gpuStream_t stream) {
 // paid, while that kernel finishes (the previous call's combine when decode calls follow each
 // other: 0.8-1.7 us a call at batch 1-16 on an H200). Not while the stream is captured, where
 // the kernel is its graph's first and the attribute costs host time at each trace for nothing.
-template <typename Kernel>
+// `extra`: the kernel's arguments after p (the TMA kernels' tensor maps).
+template <typename Kernel, typename... Extra>
 const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads, int smem,
-                               gpuStream_t stream) {
+                               gpuStream_t stream, const Extra&... extra) {
   dim3 grid;
   if (const char* e = decode_grid(p, &grid, mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads)))
     return e;
   if (const char* e = allow_dynamic_smem(kernel, smem)) return e;
-  if (!stream_capturing(stream) && launch_dependent(kernel, grid, threads, smem, stream, p))
+  if (!stream_capturing(stream) &&
+      launch_dependent(kernel, grid, threads, smem, stream, p, extra...))
     return nullptr;
-  kernel<<<grid, threads, smem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(p, extra...);
   return check_launch();
 }
 
@@ -1714,12 +1716,14 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
 // tile of ROW bytes a row (ROW / 128 column blocks of [64 rows][128 bytes], 128-byte swizzle),
 // one mbarrier a stage, the page ids of NS tiles; MERGE bytes of the closing merge over the
 // ring. The stages are those of the gathers' kernel, so the occupancy is the same.
+constexpr int kTmaDecodeTile = 64;  // keys a tile: 16 a warp
 template <int ROW, int NS, int MERGE>
 struct TmaDecodeShape {
   static_assert(ROW % 128 == 0, "TMA decode: rows of whole 128-byte column blocks");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTile = 16 * kWarps;  // 64 keys, 16 a warp
+  static constexpr int kTile = kTmaDecodeTile;
+  static_assert(kTile == 16 * kWarps, "16 keys a warp");
   static constexpr int kStages = NS;
   static constexpr int kBlocks = ROW / 128;
   static constexpr int kTileBytes = kTile * ROW;
@@ -1898,7 +1902,7 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
   constexpr int TILE = S::kTile, KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + smem_pad1024(smem_raw);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
   const MmaHeads hs = mma_block_heads(p);
@@ -1949,7 +1953,7 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
   constexpr int KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + smem_pad1024(smem_raw);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
   const MmaHeads hs = mma_block_heads(p);
@@ -2002,7 +2006,7 @@ inline bool decode_tma_usable(const DecodeParams& p, int head_dim, int elem_byte
   const int P = kv.page_size;
   auto aligned = [elem_bytes](int64_t stride) { return stride * elem_bytes % 16 == 0; };
   return p.copies == kDecodeCopiesAuto && current_device_caps().major >= 9 && P >= 8 &&
-         (P & (P - 1)) == 0 && p.partition_size % 64 == 0 && kv.num_pages > 0 &&
+         (P & (P - 1)) == 0 && p.partition_size % kTmaDecodeTile == 0 && kv.num_pages > 0 &&
          kv.num_kv_heads > 0 && aligned(kv.token_stride) && aligned(kv.head_stride) &&
          aligned(kv.page_stride) && kv.head_dim == head_dim;
 }
@@ -2058,14 +2062,16 @@ inline bool make_decode_tensor_map(CUtensorMap* map, const void* base, const KvG
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// A TMA decode kernel's launch (S: its TmaDecodeShape; the combine follows when split);
-// nullptr with *launched false where it cannot run -- no sm_90 machine code in the library (a
-// build for older targets alone, run through its PTX, compiles the kernel's body out) or tensor
-// maps the driver refuses -- and the caller runs the gathers' kernel instead.
-template <typename T, int D, typename S, typename Kernel>
-const char* launch_paged_decode_tma(Kernel kernel, int elem_bytes, const DecodeParams& p,
-                                    gpuStream_t stream, bool* launched) {
+// A TMA decode kernel's launch (S: its TmaDecodeShape; head_dim D, cache elements of
+// elem_bytes), without the combine; nullptr with *launched false where it does not run --
+// decode_tma_usable false, no sm_90 machine code in the library (a build for older targets
+// alone, run through its PTX, compiles the kernel's body out) or tensor maps the driver
+// refuses -- and the caller runs the gathers' kernel instead.
+template <int D, typename S, typename Kernel>
+const char* launch_decode_tma(Kernel kernel, int elem_bytes, const DecodeParams& p,
+                              gpuStream_t stream, bool* launched) {
   *launched = false;
+  if (!decode_tma_usable(p, D, elem_bytes)) return nullptr;
   static const bool sm90_code = [&] {
     cudaFuncAttributes a{};
     if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
@@ -2080,49 +2086,35 @@ const char* launch_paged_decode_tma(Kernel kernel, int elem_bytes, const DecodeP
       !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile, elem_bytes))
     return nullptr;
   *launched = true;
-  dim3 grid;
-  if (const char* e = decode_grid(p, &grid, mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads)))
-    return e;
-  if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
-  if (stream_capturing(stream) ||
-      !launch_dependent(kernel, grid, S::kThreads, S::kSmemBytes, stream, p, tk, tv)) {
-    kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, tk, tv);
-    if (const char* e = check_launch()) return e;
-  }
-  return launch_decode_combine<T, D>(p, stream);
+  return launch_decode_main(kernel, p, S::kThreads, S::kSmemBytes, stream, tk, tv);
 }
 
 template <typename T, int D>
 const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaDecodeShape<T, D>;
-  if constexpr (D == 64 || D == 128) {
-    if (decode_tma_usable(p, D, 2)) {
-      bool launched = false;
-      const char* e = launch_paged_decode_tma<T, D, Tma16Shape<T, D>>(paged_decode_tma_kernel<T, D>,
-                                                                      2, p, stream, &launched);
-      if (launched) return e;
-    }
-  }
-  if (const char* e =
-          launch_decode_main(paged_decode_mma_kernel<T, D>, p, S::kThreads, S::kSmemBytes, stream))
-    return e;
+  bool launched = false;
+  const char* e = nullptr;
+  if constexpr (D == 64 || D == 128)
+    e = launch_decode_tma<D, Tma16Shape<T, D>>(paged_decode_tma_kernel<T, D>, 2, p, stream,
+                                               &launched);
+  if (!launched)
+    e = launch_decode_main(paged_decode_mma_kernel<T, D>, p, S::kThreads, S::kSmemBytes, stream);
+  if (e) return e;
   return launch_decode_combine<T, D>(p, stream);
 }
 
 template <typename T, typename C, int D>
 const char* launch_paged_decode_mma_fp8(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaFp8DecodeShape<C, D>;
-  if constexpr (D == 128) {
-    if (decode_tma_usable(p, D, 1)) {
-      bool launched = false;
-      const char* e = launch_paged_decode_tma<T, D, Tma8Shape<C, D>>(
-          paged_decode_tma_fp8_kernel<T, C, D>, 1, p, stream, &launched);
-      if (launched) return e;
-    }
-  }
-  if (const char* e = launch_decode_main(paged_decode_mma_fp8_kernel<T, C, D>, p, S::kThreads,
-                                         S::kSmemBytes, stream))
-    return e;
+  bool launched = false;
+  const char* e = nullptr;
+  if constexpr (D == 128)
+    e = launch_decode_tma<D, Tma8Shape<C, D>>(paged_decode_tma_fp8_kernel<T, C, D>, 1, p, stream,
+                                              &launched);
+  if (!launched)
+    e = launch_decode_main(paged_decode_mma_fp8_kernel<T, C, D>, p, S::kThreads, S::kSmemBytes,
+                           stream);
+  if (e) return e;
   return launch_decode_combine<T, D>(p, stream);
 }
 
