@@ -6,8 +6,8 @@
   (Hopper wgmma), ``mma`` (mma.sync), ``simt`` or ``sm90_persistent`` (the Hopper kernel, one
   block per multiprocessor looping over the tiles);
 * ``JAXATTN_DECODE_COPIES``: how the native GPU decode copies K/V pages, ``auto`` (default:
-  the tensor memory accelerator where it serves, else row gathers) or ``gathers``
-  (``native.DecodeConfig.copies``).
+  the tensor memory accelerator where it serves and pays, else row gathers), ``gathers`` or
+  ``tma`` (the tensor memory accelerator wherever it serves) (``native.DecodeConfig.copies``).
 
 The variables only change which configuration a backend's heuristic returns; the chosen
 values travel as the kernels' static attributes (``partition_size``, ``kernel``, ``copies`` of
@@ -26,7 +26,7 @@ PARTITION_SIZE = "JAXATTN_PARTITION_SIZE"
 PREFILL_KERNEL = "JAXATTN_PREFILL_KERNEL"
 PREFILL_KERNELS = ("auto", "sm90", "mma", "simt", "sm90_persistent")
 DECODE_COPIES = "JAXATTN_DECODE_COPIES"
-DECODE_COPY_MODES = ("auto", "gathers")
+DECODE_COPY_MODES = ("auto", "gathers", "tma")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ _KV_IDS = {np.dtype(jnp.float8_e4m3fn): 1, np.dtype(jnp.float8_e5m2): 2}
 _GPU_FP8_Q = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # The operand lists this module passes (ffi/src/ffi_common.h: kFfiAbi); a library that
 # reports another version was built from other sources.
-_FFI_ABI = 9
+_FFI_ABI = 10
 
 # One-pass decode keeps one block per (sequence, KV head); with at least this many blocks per
 # multiprocessor the grid is full without splitting. On an H200 (132 SMs), bf16, D=128,
@@ -519,10 +519,12 @@ class DecodeConfig:
     """Native decode. ``partition_size``: tokens per split-KV partition (then the combine
     kernel), 0 for one pass. An op's explicit ``partition_size=`` wins over it.
     ``copies``: how the GPU kernels bring K/V pages into shared memory: ``auto`` (the tensor
-    memory accelerator on compute capability 9.0 for a 16-bit cache at head_dim 64 or 128 and
-    an FP8 cache at 128, pages of a power of two >= 8 tokens and partitions of whole 64-token
-    tiles; 16-byte row gathers elsewhere) or ``gathers`` (the row gathers always). The CPU
-    kernel ignores it."""
+    memory accelerator on compute capability 9.0 for a 16-bit cache at head_dim 32 to 128, pages
+    of a power of two >= 8 tokens and partitions of whole 64-token tiles, and for an FP8 cache
+    at head_dim 64 to 256 on one-pass grids of at least three blocks a multiprocessor over
+    tables of 1024 tokens or more; 16-byte row gathers elsewhere), ``gathers`` (the row gathers
+    always) or ``tma`` (the tensor memory accelerator wherever it can serve, whatever the grid:
+    for tests and timing). The CPU kernel ignores it."""
 
     partition_size: int = 0
     copies: str = "auto"
@@ -536,7 +538,7 @@ class DecodeConfig:
             raise ValueError(f"copies must be one of {_env.DECODE_COPY_MODES}, got {self.copies!r}")
 
 
-# The FFI attribute `copies` (kDecodeCopiesAuto / kDecodeCopiesGathers in params.h).
+# The FFI attribute `copies` (kDecodeCopiesAuto / Gathers / Tma in params.h).
 _COPY_IDS = {name: i for i, name in enumerate(_env.DECODE_COPY_MODES)}
 
 

@@ -204,7 +204,7 @@ def test_config_reaches_the_kernel(rng):
     with pytest.raises(ValueError, match="partition_size"):
         native.DecodeConfig(partition_size=-1)
     with pytest.raises(ValueError, match="copies"):
-        native.DecodeConfig(copies="tma")
+        native.DecodeConfig(copies="bulk")
     with pytest.raises(ValueError, match="kernel"):
         native.PrefillConfig(kernel="fastest")
     c = make_prefix_prefill(
@@ -286,13 +286,16 @@ def test_decode_copies_are_in_the_program(rng, set_env):
 
     assert "copies = 0" in lowered()
     assert "copies = 1" in lowered(native.DecodeConfig(copies="gathers"))
+    assert "copies = 2" in lowered(native.DecodeConfig(copies="tma"))
     set_env(JAXATTN_DECODE_COPIES="gathers")
     assert "copies = 1" in lowered()
     assert "copies = 0" in lowered(native.DecodeConfig(copies="auto"))
+    set_env(JAXATTN_DECODE_COPIES="tma")
+    assert "copies = 2" in lowered()
     with pytest.raises(ValueError, match="JAXATTN_DECODE_COPIES"):
         set_env(JAXATTN_DECODE_COPIES="fastest")
     set_env(JAXATTN_DECODE_COPIES=None)
-    for copies in ("auto", "gathers"):
+    for copies in ("auto", "gathers", "tma"):
         for ps in (0, 128):
             out = call_decode(
                 jaxattn.paged_attention,
@@ -312,16 +315,25 @@ def test_decode_copies_are_in_the_program(rng, set_env):
         (64, 8, None),
         (128, 128, None),
         (64, 32, None),
+        (32, 16, None),
+        (256, 8, None),
+        (256, 64, None),
         (128, 16, jnp.float8_e4m3fn),
         (128, 8, jnp.float8_e5m2),
         (128, 64, jnp.float8_e4m3fn),
+        (64, 16, jnp.float8_e4m3fn),
+        (64, 8, jnp.float8_e5m2),
+        (256, 32, jnp.float8_e4m3fn),
+        (32, 16, jnp.float8_e4m3fn),
     ],
 )
 def test_decode_copies_agree(rng, layout, head_dim, page_size, kv_dtype):
-    """The TMA decode (copies auto, on compute capability 9.0: 16-bit caches at head_dim 64 and
-    128, FP8 at 128) and the row gathers against the spec, with NaN in every slot no sequence
-    reads: page tails, unused pages, a bad page id's poisoned row, partitions that end
-    mid-page."""
+    """The TMA decode (on compute capability 9.0: 16-bit caches at head_dim 32 to 128, FP8 at
+    64 to 256, the 64-byte rows of 16-bit head_dim 32 and FP8 64 in the 64-byte swizzle; copies
+    tma forces it where auto keeps an FP8 cache's small grids on the gathers, and 16-bit 256
+    and FP8 32 keep the gathers in every mode) and the row gathers against the spec, with NaN
+    in every slot no sequence reads: page tails, unused pages, a bad page id's poisoned row,
+    partitions that end mid-page."""
     case = make_paged_decode(
         rng,
         [1, 63, 64, 65, 700, 0, 1000],
@@ -335,7 +347,7 @@ def test_decode_copies_agree(rng, layout, head_dim, page_size, kv_dtype):
     )
     want = spec_decode(case)
     outs = {}
-    for copies in ("auto", "gathers"):
+    for copies in ("auto", "gathers", "tma"):
         for ps in (0, 64, 320):
             outs[copies, ps] = call_decode(
                 jaxattn.paged_attention,
@@ -346,7 +358,7 @@ def test_decode_copies_agree(rng, layout, head_dim, page_size, kv_dtype):
             assert_close(outs[copies, ps], want, jnp.bfloat16)
     # Under jit (no value checks): a page id past the cache poisons its sequence alone.
     bad = case.block_tables.at[4, 3].set(case.k_cache.shape[0] + 5)
-    for copies in ("auto", "gathers"):
+    for copies in ("auto", "gathers", "tma"):
         f = jax.jit(
             lambda *a, c=copies: jaxattn.paged_attention(
                 *a,
@@ -414,7 +426,7 @@ def test_handler_reports_bad_arguments(rng):
     with pytest.raises(Exception, match="k_cache and v_cache must share"):
         run(case.seq_lens, k_cache=case.k_cache.astype(jnp.float8_e4m3fn))
     with pytest.raises(Exception, match="copies must be 0"):
-        run(case.seq_lens, copies=2)
+        run(case.seq_lens, copies=3)
 
 
 def test_stale_library_is_refused(monkeypatch, tmp_path):

@@ -23,8 +23,9 @@ namespace ffi = xla::ffi;
 // 4: the linear target; 5: the write_kv target; 6: the rope_write_kv and add_rms_norm targets;
 // 7: rope_write_kv's qkv and add_rms_norm's d may be a split-K projection's float32 partials;
 // 8: the GPU library's decode-blocks query (jaxattn_decode_head_blocks), which the split rule
-// asks; 9: the paged decode's `copies` attribute (how the GPU kernels copy K/V pages).
-constexpr int kFfiAbi = 9;
+// asks; 9: the paged decode's `copies` attribute (how the GPU kernels copy K/V pages); 10: its
+// value 2 (kDecodeCopiesTma).
+constexpr int kFfiAbi = 10;
 
 enum class DType { kF32, kBF16, kF16, kUnsupported };
 
@@ -148,8 +149,8 @@ inline ffi::Error make_decode_params(const ffi::AnyBuffer& q, const ffi::AnyBuff
   if (seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != qd[0])
     return invalid("seq_lens must be [batch]");
   if (partition_size < 0) return invalid("partition_size must be >= 0");
-  if (copies != kDecodeCopiesAuto && copies != kDecodeCopiesGathers)
-    return invalid("copies must be 0 (auto) or 1 (gathers)");
+  if (copies != kDecodeCopiesAuto && copies != kDecodeCopiesGathers && copies != kDecodeCopiesTma)
+    return invalid("copies must be 0 (auto), 1 (gathers) or 2 (tma)");
   p->copies = copies;
   p->q = q.untyped_data();
   p->k = k.untyped_data();

@@ -10,8 +10,9 @@
 //   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
 //   (built with -DJAXATTN_DECODE_TRACE) --trace e4m3 1 32768 512: a tensor-core kernel's block
 //   timelines (bf16 or e4m3 cache); with DECODE_TRACE_CSV=file also every block's stamps and SM
-//   DECODE_COPIES=gathers (environment): every launch with DecodeParams::copies gathers, so the
-//   16-bit tensor-core kernel never takes its TMA form (the default: auto)
+//   DECODE_COPIES=gathers|tma (environment): every launch with DecodeParams::copies gathers (the
+//   tensor-core kernels never take their TMA form) or tma (they take it wherever it can serve,
+//   the small grids of the correctness and robustness cases included); the default: auto
 //
 // Correctness: random paged caches (pages a random permutation, every unused page and every
 // slot past a sequence's end NaN, block tables padded with entries that point at NaN pages),
@@ -61,12 +62,13 @@ using namespace jaxattn;
 
 #include "cuda_ok.h"
 
-// DecodeParams::copies of every launch: DECODE_COPIES=gathers in the environment, else auto.
+// DecodeParams::copies of every launch: DECODE_COPIES=gathers|tma in the environment, else auto.
 int32_t selftest_copies() {
   static const int32_t copies = [] {
     const char* v = std::getenv("DECODE_COPIES");
-    return v != nullptr && std::strcmp(v, "gathers") == 0 ? kDecodeCopiesGathers
-                                                          : kDecodeCopiesAuto;
+    if (v != nullptr && std::strcmp(v, "gathers") == 0) return kDecodeCopiesGathers;
+    if (v != nullptr && std::strcmp(v, "tma") == 0) return kDecodeCopiesTma;
+    return kDecodeCopiesAuto;
   }();
   return copies;
 }
@@ -540,6 +542,7 @@ int run_robustness(Rng& rng) {
     int hq, hkv;
     const char* kernel;
     DT kv = DT::kF32;  // an FP8 format, or (anything else) q's dtype
+    int d = 128;
   };
   const Variant variants[] = {
       {DT::kBF16, 2, 2, "direct"},
@@ -555,6 +558,11 @@ int run_robustness(Rng& rng) {
       {DT::kBF16, 16, 2, "mma e5m2", DT::kE5M2},
       {DT::kBF16, 32, 2, "mma e4m3, two blocks a KV head", DT::kE4M3},
       {DT::kF16, 64, 2, "mma e5m2, four blocks a KV head", DT::kE5M2},
+      // The other head dims (on sm_90 the TMA ring's 64-byte rows and four column blocks).
+      {DT::kBF16, 8, 2, "mma, head_dim 32", DT::kF32, 32},
+      {DT::kF16, 8, 2, "mma, head_dim 256", DT::kF32, 256},
+      {DT::kBF16, 8, 2, "mma e4m3, head_dim 64", DT::kE4M3, 64},
+      {DT::kBF16, 8, 2, "mma e5m2, head_dim 256", DT::kE5M2, 256},
   };
   int failed = 0, total = 0;
   for (const Variant& v : variants)
@@ -567,6 +575,7 @@ int run_robustness(Rng& rng) {
         c.lens = lens;
         c.hq = v.hq;
         c.hkv = v.hkv;
+        c.d = v.d;
         c.part = part;
         Problem P = make_problem(c, rng);
         e.apply(P);
@@ -676,6 +685,9 @@ int run_checks() {
     extra(dt, {32768}, 32, 8, 128, 16, Layout::kBSHD, 512, 0.0884f, 0);      // B=1 long
     extra(dt, {4096, 4095, 4033, 63, 4161}, 32, 8, 128, 16, Layout::kBSHD, 0, 0.0884f, 0);
     extra(dt, {1024, 1000}, 16, 2, 128, 128, Layout::kBHSD, 8192, 0.0884f, 0);  // one partition
+    // head_dim 32 and 256 split into whole 64-key tiles (on sm_90 the TMA ring's split grids).
+    extra(dt, {700, 33, 65, 0, 128}, 8, 2, 32, 16, Layout::kBHSD, 128, 0.1f, 0);
+    extra(dt, {700, 33, 65, 0, 128}, 8, 2, 256, 64, Layout::kBHSD, 128, 0.1f, 0);
   }
   // FP8 caches under bf16 / f16 q: every kernel variant (groups 1, 4, 8: direct and tensor-core;
   // 16: SIMT), page sizes, layouts, one pass and split, scaled and unscaled, head dims.
@@ -729,6 +741,13 @@ int run_checks() {
     fp8({3, 255, 40}, 8, 2, 0, 0.5f, 4.f);                      // soft cap
     fp8({32768}, 32, 8, 512, 0.0884f, 0.f);                     // B=1 long, 32/8
     fp8({4096, 4095, 4033, 63, 4161}, 32, 8, 0, 0.0884f, 0.f);  // one pass, 32/8
+    // head_dim 64 and 256, bhsd, split into whole 64-key tiles.
+    for (int d : {64, 256}) {
+      fp8({700, 33, 65, 0, 128}, 8, 2, 128, 0.1f, 0.f);
+      cases.back().d = d;
+      cases.back().page = d == 64 ? 16 : 64;
+      cases.back().layout = Layout::kBHSD;
+    }
   }
   int failed = 0;
   for (const Case& c : cases) failed += run_case(c, rng) ? 0 : 1;

@@ -262,6 +262,7 @@ struct DeviceCaps {
   int major = 0;
   int minor = 0;
   int smem_optin = 0;  // most dynamic shared memory one block may opt in to, bytes
+  int sms = 0;         // multiprocessors
 };
 
 inline DeviceCaps current_device_caps() {
@@ -271,7 +272,8 @@ inline DeviceCaps current_device_caps() {
       cudaDeviceGetAttribute(&c.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&c.minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess)
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     return DeviceCaps{};
   return c;
 }

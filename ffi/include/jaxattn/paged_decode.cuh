@@ -1694,8 +1694,9 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
 
 // ------------------------------------------------------------------------------------------
 // The tensor-core decodes with their pages copied by the tensor memory accelerator (sm_90):
-// twins of paged_decode_mma_kernel (16-bit caches, head_dim 64 and 128) and of
-// paged_decode_mma_fp8_kernel (FP8 caches, head_dim 128), run where decode_tma_usable holds
+// twins of paged_decode_mma_kernel (16-bit caches, head_dim 32 to 128; 256 keeps the gathers)
+// and of paged_decode_mma_fp8_kernel (FP8 caches, head_dim 64 to 256: rows of 64 bytes or more;
+// 32 keeps the gathers), run where decode_tma_usable holds
 // (copies auto, pages of a power of two >= 8 tokens, partitions of whole 64-key tiles). On an
 // H100 (ffi/NOTES.md, round 57) the 16-bit one is 3% faster one pass at head_dim 128 (64 x
 // 4096, 32 x 4096), level on its split grids and at 256-token contexts, 4-7% faster at head_dim
@@ -1713,35 +1714,52 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
 // ------------------------------------------------------------------------------------------
 
 // The TMA decode kernels' block: 4 warps of 16 keys a 64-key tile, NS stages of a K and a V
-// tile of ROW bytes a row (ROW / 128 column blocks of [64 rows][128 bytes], 128-byte swizzle),
-// one mbarrier a stage, the page ids of NS tiles; MERGE bytes of the closing merge over the
-// ring. The stages are those of the gathers' kernel, so the occupancy is the same.
+// tile of ROW bytes a row, one mbarrier a stage, the page ids of NS tiles; MERGE bytes of the
+// closing merge over the ring. A tile is ROW / CB column blocks of [64 rows][CB bytes] with
+// the CB-byte swizzle (tma_chunk): CB = 128 for rows of 128 bytes or more, 64 for 64-byte rows
+// (head_dim 32 of a 16-bit cache, 64 of an FP8 one). The stages are those of the gathers'
+// kernel (GATHERS: its shared-memory bytes), and so is the shared memory's share of the
+// occupancy: the occupancy query and the split rule describe the gathers' kernel
+// (decode_occupancy_dim), so where this ring's smaller stages would fit more blocks an SM, the
+// kernel asks for the gathers' bytes instead. (Registers may still differ: at head_dim 64 the
+// FP8 kernel takes 79 to the gathers' 88, six blocks an SM to five.)
 constexpr int kTmaDecodeTile = 64;  // keys a tile: 16 a warp
-template <int ROW, int NS, int MERGE>
+constexpr int decode_blocks_by_smem(int bytes) { return (228 * 1024) / (bytes + 1024); }
+constexpr int decode_smem_as_gathers(int own, int gathers) {
+  return decode_blocks_by_smem(own) > decode_blocks_by_smem(gathers) ? gathers : own;
+}
+template <int ROW, int NS, int MERGE, int GATHERS>
 struct TmaDecodeShape {
-  static_assert(ROW % 128 == 0, "TMA decode: rows of whole 128-byte column blocks");
+  static_assert(ROW == 64 || ROW % 128 == 0, "TMA decode: 64-byte rows or 128-byte column blocks");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTile = kTmaDecodeTile;
   static_assert(kTile == 16 * kWarps, "16 keys a warp");
   static constexpr int kStages = NS;
-  static constexpr int kBlocks = ROW / 128;
+  static constexpr int kColBytes = ROW < 128 ? ROW : 128;  // a column block's row, the swizzle
+  static constexpr int kBlocks = ROW / kColBytes;
+  static constexpr int kBlockBytes = kTile * kColBytes;
   static constexpr int kTileBytes = kTile * ROW;
   static constexpr int kMaxBoxes = kTile / 8;  // pages a tile at the smallest page (8 rows)
   static constexpr int kBarOffset = 2 * kStages * kTileBytes;
   static constexpr int kSlotOffset = kBarOffset + 8 * kStages;
   static constexpr int kUsedBytes = kSlotOffset + 4 * kStages * kMaxBoxes;
   // 1 KiB of slack for the 1024-byte alignment the swizzle needs.
-  static constexpr int kSmemBytes = 1024 + cmax(kUsedBytes, MERGE);
-  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
+  static constexpr int kOwnBytes = 1024 + cmax(kUsedBytes, MERGE);
+  static constexpr int kSmemBytes = decode_smem_as_gathers(kOwnBytes, GATHERS);
+  static_assert(decode_blocks_by_smem(kSmemBytes) == decode_blocks_by_smem(GATHERS),
+                "the TMA decode fits an SM as often as the gathers' kernel");
+  static constexpr int kMinBlocks = cmin(4, cmax(2, decode_blocks_by_smem(kSmemBytes)));
 };
-// The 16-bit kernel's (head_dim 64 and 128) and the FP8 kernel's (head_dim 128).
+// The 16-bit kernel's (head_dim 32 to 128) and the FP8 kernel's (64 to 256).
 template <typename T, int D>
 using Tma16Shape =
-    TmaDecodeShape<D * 2, MmaDecodeShape<T, D>::kStages, MmaDecodeShape<T, D>::kMergeBytes>;
+    TmaDecodeShape<D * 2, MmaDecodeShape<T, D>::kStages, MmaDecodeShape<T, D>::kMergeBytes,
+                   MmaDecodeShape<T, D>::kSmemBytes>;
 template <typename C, int D>
 using Tma8Shape =
-    TmaDecodeShape<D, MmaFp8DecodeShape<C, D>::kStages, MmaFp8DecodeShape<C, D>::kMergeBytes>;
+    TmaDecodeShape<D, MmaFp8DecodeShape<C, D>::kStages, MmaFp8DecodeShape<C, D>::kMergeBytes,
+                   MmaFp8DecodeShape<C, D>::kSmemBytes>;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void tma_bar_init(uint32_t bar) {
@@ -1781,8 +1799,8 @@ __device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CU
                                                  const CUtensorMap& tv, const MmaHeads& hs,
                                                  unsigned char* smem, bool& bad, Prepare prepare,
                                                  Tile tile) {
-  constexpr int TILE = S::kTile, NS = S::kStages, NB = S::kMaxBoxes;
-  constexpr int kBoxElems = 128 / E;     // elements a column block
+  constexpr int TILE = S::kTile, NS = S::kStages, NB = S::kMaxBoxes, CB = S::kColBytes;
+  constexpr int kBoxElems = CB / E;      // elements a column block
   const uint32_t ring = smem_u32(smem);  // stage s: K at ring + s tile, V NS tiles further
   const uint32_t bars = ring + S::kBarOffset;
   int32_t* slots = reinterpret_cast<int32_t*>(smem + S::kSlotOffset);  // [NS][NB] page ids
@@ -1822,19 +1840,19 @@ __device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CU
     const int s = n % NS, t0 = start + n * TILE;
     const int live = min(bpt, (end - t0 + R - 1) / R);
     const uint32_t bar = bars + 8 * s;
-    tma_bar_expect(bar, uint32_t(live * 2 * S::kBlocks * R * 128));
+    tma_bar_expect(bar, uint32_t(live * 2 * S::kBlocks * R * CB));
     for (int j = 0; j < live; ++j) {
       const int page = slots[s * NB + j];
       const bool ok = index_ok(page, p.kv.num_pages);
       bad |= !ok;
       const int pg = ok ? page : 0, row = (t0 + j * R) & (P - 1);
       const int c1 = bshd ? kvh : row, c2 = bshd ? row : kvh;
-      const uint32_t kd = ring + uint32_t(s * S::kTileBytes + j * R * 128);
+      const uint32_t kd = ring + uint32_t(s * S::kTileBytes + j * R * CB);
       const uint32_t vd = kd + uint32_t(NS * S::kTileBytes);
 #pragma unroll
       for (int cb = 0; cb < S::kBlocks; ++cb) {
-        tma_load_4d(kd + uint32_t(cb * TILE * 128), &tk, cb * kBoxElems, c1, c2, pg, bar);
-        tma_load_4d(vd + uint32_t(cb * TILE * 128), &tv, cb * kBoxElems, c1, c2, pg, bar);
+        tma_load_4d(kd + uint32_t(cb * S::kBlockBytes), &tk, cb * kBoxElems, c1, c2, pg, bar);
+        tma_load_4d(vd + uint32_t(cb * S::kBlockBytes), &tv, cb * kBoxElems, c1, c2, pg, bar);
       }
     }
   };
@@ -1847,12 +1865,15 @@ __device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CU
     const int s = n % NS, t0 = start + n * TILE;
     tma_bar_wait(bars + 8 * s, uint32_t((n / NS) & 1));  // tile n has landed
     if (t0 + TILE > end) {
-      // The tile's rows past the end: V zeroed (P is 0 there, and 0 x NaN is not).
+      // The tile's rows past the end: V zeroed (P is 0 there, and 0 x NaN is not; whole rows,
+      // which the swizzle permutes within).
+      constexpr int CS = CB == 128 ? 3 : 2;  // log2 of a column block's 16-byte chunks
       const int first = end - t0;
       const uint32_t vs = ring + uint32_t((NS + s) * S::kTileBytes);
-      for (int i = int(threadIdx.x); i < (TILE - first) * S::kBlocks * 8; i += S::kThreads) {
-        const int r = first + i / (S::kBlocks * 8), c = i % (S::kBlocks * 8);
-        const uint32_t a = vs + uint32_t((c >> 3) * TILE * 128 + r * 128 + (c & 7) * 16);
+      for (int i = int(threadIdx.x); i < (TILE - first) * (S::kBlocks << CS); i += S::kThreads) {
+        const int r = first + i / (S::kBlocks << CS), c = i % (S::kBlocks << CS);
+        const uint32_t a =
+            vs + uint32_t((c >> CS) * S::kBlockBytes + r * CB + (c & ((1 << CS) - 1)) * 16);
         asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
       }
       // Generic writes ordered before the tensor copies that refill this stage later.
@@ -1876,15 +1897,33 @@ __device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CU
   return true;
 }
 
-// This lane's ldmatrix offsets in a swizzled tile (row r = 16 warp + lane % 8 + 8 (lane / 16),
-// 16-byte chunk c = 2 k + (lane / 8) % 2 of a column block, stored at chunk c ^ (r % 8)):
-// at[k % 4] + (k / 4) x the tile's column-block bytes for 32-byte column k.
-__device__ __forceinline__ void tma_ldmatrix_offsets(uint32_t (&at)[4]) {
+// Where 16-byte chunk c of row r of a CB-byte column block lies in the CB-byte swizzle (the
+// tensor maps' CU_TENSOR_MAP_SWIZZLE_128B / _64B): chunk c ^ (r % 8) of 8, c ^ (r / 2 % 4) of 4.
+template <int CB>
+__device__ __forceinline__ int tma_chunk(int r, int c) {
+  static_assert(CB == 128 || CB == 64, "the 128- and 64-byte swizzles");
+  return CB == 128 ? (c ^ r) & 7 : (c ^ (r >> 1)) & 3;
+}
+
+// This lane's ldmatrix offsets in a swizzled tile of CB-byte column blocks (row r = 16 warp +
+// lane % 8 + 8 (lane / 16), 16-byte chunk c = 2 k + (lane / 8) % 2 of a column block, stored at
+// tma_chunk<CB>(r, c)): at[k % (CB / 32)] + (k / (CB / 32)) x the tile's column-block bytes for
+// 32-byte column k. (r % 8 is lane % 8, so the swizzle's bits come from the lane alone.)
+template <int CB = 128>
+__device__ __forceinline__ void tma_ldmatrix_offsets(uint32_t (&at)[CB / 32]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int x = lane & 7, h = (lane >> 3) & 1;
-  const uint32_t rowoff = uint32_t((warp * 16 + x + (lane >> 4) * 8) * 128 + (((h ^ x) & 1) << 4));
+  const int r = warp * 16 + x + (lane >> 4) * 8;
+  if constexpr (CB == 128) {
+    const uint32_t rowoff = uint32_t(r * 128 + (((h ^ x) & 1) << 4));
 #pragma unroll
-  for (int k4 = 0; k4 < 4; ++k4) at[k4] = rowoff + uint32_t(((k4 ^ (x >> 1)) & 3) << 5);
+    for (int k4 = 0; k4 < 4; ++k4) at[k4] = rowoff + uint32_t(((k4 ^ (x >> 1)) & 3) << 5);
+  } else {
+    // chunk (2 k + h) ^ (x / 2 % 4): its low bit h ^ (x / 2), its high bit k ^ (x / 4).
+    const uint32_t rowoff = uint32_t(r * 64 + (((h ^ (x >> 1)) & 1) << 4));
+#pragma unroll
+    for (int k = 0; k < 2; ++k) at[k] = rowoff + uint32_t(((k ^ (x >> 2)) & 1) << 5);
+  }
 }
 #endif
 
@@ -1899,7 +1938,7 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
   struct S : Tma16Shape<T, D> {
     using Out = T;
   };
-  constexpr int TILE = S::kTile, KD = D / 16;
+  constexpr int KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_pad1024(smem_raw);
@@ -1916,16 +1955,17 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
 #pragma unroll
   for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
-  uint32_t at[4];
-  tma_ldmatrix_offsets(at);
+  constexpr int CB = S::kColBytes, KC = CB / 32;  // 32-byte columns a column block
+  uint32_t at[KC];
+  tma_ldmatrix_offsets<CB>(at);
   bool bad;
   const bool ran = tma_decode_tiles<S, 2>(
       p, tk, tv, hs, smem, bad, [] {},
       [&](uint32_t kb, uint32_t vb, int t0, int end) {
         mma_decode_tile_at<T, D>(
-            qa, [&](int kk) { return kb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); },
-            [&](int kk) { return vb + at[kk & 3] + uint32_t((kk >> 2) * TILE * 128); }, q_scale,
-            p.ls.cap_log2e, t0, end, o, m, l);
+            qa, [&](int kk) { return kb + at[kk % KC] + uint32_t((kk / KC) * S::kBlockBytes); },
+            [&](int kk) { return vb + at[kk % KC] + uint32_t((kk / KC) * S::kBlockBytes); },
+            q_scale, p.ls.cap_log2e, t0, end, o, m, l);
       });
   if (!ran) return;
   // Per-warp states to shared memory (over the ring, every tile consumed), then the merge.
@@ -1936,17 +1976,16 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
 #endif
 }
 
-// The block of paged_decode_mma_fp8_kernel on the TMA ring (head_dim 128: a row of codes is one
-// 128-byte column block, one box a page for K and for V). K through ldmatrix as the 16-bit
-// kernel reads it; V's words (lane = 4 g + tq: rows 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of the
-// warp's slice, bytes 4 g .. 4 g + 3 of 32-byte group jj, i.e. chunk 2 jj + g / 4) at chunk
-// c ^ (row % 8) of their row.
+// The block of paged_decode_mma_fp8_kernel on the TMA ring (head_dim 64, 128 and 256: a row of
+// codes is one 64-byte, one 128-byte or two 128-byte column blocks). K through ldmatrix as the
+// 16-bit kernel reads it; V's words (lane = 4 g + tq: rows 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of
+// the warp's slice, bytes 4 g .. 4 g + 3 of 32-byte group jj, i.e. chunk 2 jj + g / 4 of the
+// row) at their chunk's swizzled place in its column block (tma_chunk).
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kMinBlocks)
     paged_decode_tma_fp8_kernel(const DecodeParams p, const __grid_constant__ CUtensorMap tk,
                                 const __grid_constant__ CUtensorMap tv) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(D == 128, "the FP8 TMA decode: head_dim 128");
   struct S : Tma8Shape<C, D> {
     using Out = T;
   };
@@ -1967,11 +2006,15 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
 #pragma unroll
   for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
-  uint32_t at[4];
-  tma_ldmatrix_offsets(at);
+  constexpr int CB = S::kColBytes, KC = CB / 32;  // 32-byte columns a column block
+  uint32_t at[KC];
+  tma_ldmatrix_offsets<CB>(at);
   // V: the byte offsets of this lane's rows 2 tq (+ 8) and 2 tq + 1 (+ 9), their chunk bits
-  // apart (row % 8 is 2 tq and 2 tq + 1 for both of a pair).
-  const uint32_t v0 = uint32_t((warp * 16 + 2 * tq) * 128 + 4 * (g & 3));
+  // apart (row % 8 is 2 tq and 2 tq + 1 for both of a pair). (With 64-byte rows one load's
+  // four rows share half the banks: two-way conflicts. Lanes of odd tq reading their pair the
+  // other way round, with swapped byte selectors, removed them and ran 3% slower on an H200,
+  // ffi/NOTES.md round 58.)
+  const uint32_t v0 = uint32_t((warp * 16 + 2 * tq) * CB + 4 * (g & 3));
   const int gc = g >> 2, x0 = 2 * tq;
   bool bad;
   const bool ran = tma_decode_tiles<S, 1>(
@@ -1979,10 +2022,13 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
       [&] { q_scale = p.ls.q_scale * p.scales.k_of(hs.kvh) * fp8_decode_q<T, D>(qw, qa); },
       [&](uint32_t kb, uint32_t vb, int t0, int end) {
         mma_fp8_decode_tile_at<C, D>(
-            qa, [&](int k2) { return kb + at[k2 & 3]; },
+            qa, [&](int k2) { return kb + at[k2 % KC] + uint32_t((k2 / KC) * S::kBlockBytes); },
             [&](int i, int jj) {
               const int x = x0 + (i & 1), row = (i & 1) + (i >> 1) * 8;
-              const uint32_t a = vb + v0 + uint32_t(row * 128 + ((((2 * jj + gc) ^ x) & 7) << 4));
+              // Chunk 2 jj + gc of the row: 2 (jj % KC) + gc of column block jj / KC.
+              const uint32_t a = vb + v0 +
+                                 uint32_t((jj / KC) * S::kBlockBytes + row * CB +
+                                          (tma_chunk<CB>(x, 2 * (jj % KC) + gc) << 4));
               return *reinterpret_cast<const uint32_t*>(smem + (a - smem_u32(smem)));
             },
             q_scale, p.ls.cap_log2e, t0, end, o, m, l);
@@ -2005,7 +2051,7 @@ inline bool decode_tma_usable(const DecodeParams& p, int head_dim, int elem_byte
   const KvGeometry& kv = p.kv;
   const int P = kv.page_size;
   auto aligned = [elem_bytes](int64_t stride) { return stride * elem_bytes % 16 == 0; };
-  return p.copies == kDecodeCopiesAuto && current_device_caps().major >= 9 && P >= 8 &&
+  return p.copies != kDecodeCopiesGathers && current_device_caps().major >= 9 && P >= 8 &&
          (P & (P - 1)) == 0 && p.partition_size % kTmaDecodeTile == 0 && kv.num_pages > 0 &&
          kv.num_kv_heads > 0 && aligned(kv.token_stride) && aligned(kv.head_stride) &&
          aligned(kv.page_stride) && kv.head_dim == head_dim;
@@ -2037,11 +2083,11 @@ inline TensorMapEncoder tensor_map_encoder() {
 }
 
 // A cache `base` (K or V, elements of elem_bytes) as the TMA decode's 4-D tensor: (head_dim,
-// then heads and in-page tokens in the order of their strides, pages), boxes of one 128-byte
-// column block x 1 head x min(page, tile) tokens, 128-byte swizzle. False where the driver
-// refuses it.
+// then heads and in-page tokens in the order of their strides, pages), boxes of one column
+// block (col_bytes: 128, or 64 for 64-byte rows) x 1 head x min(page, tile) tokens, swizzled
+// by the column block's width. False where the driver refuses it.
 inline bool make_decode_tensor_map(CUtensorMap* map, const void* base, const KvGeometry& kv,
-                                   int tile, int elem_bytes) {
+                                   int tile, int elem_bytes, int col_bytes) {
   const TensorMapEncoder encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const bool bshd = kv.head_stride < kv.token_stride;
@@ -2053,13 +2099,14 @@ inline bool make_decode_tensor_map(CUtensorMap* map, const void* base, const KvG
   const cuuint64_t strides[3] = {cuuint64_t(bshd ? kv.head_stride : kv.token_stride) * e,
                                  cuuint64_t(bshd ? kv.token_stride : kv.head_stride) * e,
                                  cuuint64_t(kv.page_stride) * e};
-  const cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes), bshd ? 1u : rows, bshd ? rows : 1u, 1u};
+  const cuuint32_t box[4] = {cuuint32_t(col_bytes / elem_bytes), bshd ? 1u : rows, bshd ? rows : 1u,
+                             1u};
   const cuuint32_t unit[4] = {1u, 1u, 1u, 1u};
-  return encode(map,
-                elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
-                const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode(
+             map, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
+             4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             col_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // A TMA decode kernel's launch (S: its TmaDecodeShape; head_dim D, cache elements of
@@ -2082,8 +2129,8 @@ const char* launch_decode_tma(Kernel kernel, int elem_bytes, const DecodeParams&
   }();
   if (!sm90_code) return nullptr;
   CUtensorMap tk, tv;
-  if (!make_decode_tensor_map(&tk, p.k, p.kv, S::kTile, elem_bytes) ||
-      !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile, elem_bytes))
+  if (!make_decode_tensor_map(&tk, p.k, p.kv, S::kTile, elem_bytes, S::kColBytes) ||
+      !make_decode_tensor_map(&tv, p.v, p.kv, S::kTile, elem_bytes, S::kColBytes))
     return nullptr;
   *launched = true;
   return launch_decode_main(kernel, p, S::kThreads, S::kSmemBytes, stream, tk, tv);
@@ -2094,7 +2141,9 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaDecodeShape<T, D>;
   bool launched = false;
   const char* e = nullptr;
-  if constexpr (D == 64 || D == 128)
+  // head_dim 256 keeps the gathers: one block an SM and two stages of four column blocks, it
+  // ran 2-13% slower on TMA (ffi/NOTES.md, round 58).
+  if constexpr (D <= 128)
     e = launch_decode_tma<D, Tma16Shape<T, D>>(paged_decode_tma_kernel<T, D>, 2, p, stream,
                                                &launched);
   if (!launched)
@@ -2103,14 +2152,29 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
   return launch_decode_combine<T, D>(p, stream);
 }
 
+// Where an FP8 cache takes the TMA ring: one-pass grids of at least three blocks an SM over
+// tables of 1024 tokens or more. Elsewhere the gathers ran faster on an H200 (ffi/NOTES.md,
+// round 58): split grids by 3-30% (1 x 32768 and 8 x 4096 at 32/8, 32/32 at head_dim 128, and
+// at 64), smaller one-pass grids by 7-54% (8 x 4096 at 32/32, 16 x 4096 at head_dim 64), 64 x
+// 512 at head_dim 64 by 4-10%; the large one-pass grids gained 3-8% there through the library
+// and 5-27% on an H100.
+inline bool fp8_decode_tma_pays(const DecodeParams& p) {
+  const int64_t blocks =
+      int64_t(p.kv.num_kv_heads) * mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads) * p.batch;
+  return p.partition_size == 0 && blocks >= 3 * int64_t(current_device_caps().sms) &&
+         int64_t(p.block_table_stride) * p.kv.page_size >= 1024;
+}
+
 template <typename T, typename C, int D>
 const char* launch_paged_decode_mma_fp8(const DecodeParams& p, gpuStream_t stream) {
   using S = MmaFp8DecodeShape<C, D>;
   bool launched = false;
   const char* e = nullptr;
-  if constexpr (D == 128)
-    e = launch_decode_tma<D, Tma8Shape<C, D>>(paged_decode_tma_fp8_kernel<T, C, D>, 1, p, stream,
-                                              &launched);
+  if constexpr (D >= 64) {  // rows of 64 bytes or more (32-byte rows keep the gathers)
+    if (p.copies == kDecodeCopiesTma || fp8_decode_tma_pays(p))
+      e = launch_decode_tma<D, Tma8Shape<C, D>>(paged_decode_tma_fp8_kernel<T, C, D>, 1, p, stream,
+                                                &launched);
+  }
   if (!launched)
     e = launch_decode_main(paged_decode_mma_fp8_kernel<T, C, D>, p, S::kThreads, S::kSmemBytes,
                            stream);

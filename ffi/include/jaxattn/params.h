@@ -144,12 +144,16 @@ struct DecodeParams {
   LogitScale ls{};
   HeadScales scales;
   // How the GPU decode copies K/V pages into shared memory: kDecodeCopiesAuto (the tensor
-  // memory accelerator where paged_decode.cuh's decode_tma_usable holds, else 16-byte row
-  // gathers) or kDecodeCopiesGathers (the gathers always). The CPU kernel has no copies.
+  // memory accelerator where paged_decode.cuh's decode_tma_usable holds and, for an FP8 cache,
+  // the grid is one where it pays -- fp8_decode_tma_pays --, else 16-byte row gathers),
+  // kDecodeCopiesGathers (the gathers always) or kDecodeCopiesTma (the tensor memory
+  // accelerator wherever decode_tma_usable holds, whatever the grid: tests and timing). The CPU
+  // kernel has no copies.
   int32_t copies = 0;
 };
 constexpr int32_t kDecodeCopiesAuto = 0;
 constexpr int32_t kDecodeCopiesGathers = 1;
+constexpr int32_t kDecodeCopiesTma = 2;
 
 inline int64_t decode_workspace_floats(int64_t batch, int64_t num_q_heads, int64_t max_parts,
                                        int64_t head_dim) {
