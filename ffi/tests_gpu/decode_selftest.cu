@@ -558,7 +558,8 @@ int run_robustness(Rng& rng) {
       {DT::kBF16, 16, 2, "mma e5m2", DT::kE5M2},
       {DT::kBF16, 32, 2, "mma e4m3, two blocks a KV head", DT::kE4M3},
       {DT::kF16, 64, 2, "mma e5m2, four blocks a KV head", DT::kE5M2},
-      // The other head dims (on sm_90 the TMA ring's 64-byte rows and four column blocks).
+      // The other head dims (on sm_90, with DECODE_COPIES=tma for the FP8 ones, the TMA ring's
+      // 64-byte rows and, for e5m2 at 256, two column blocks).
       {DT::kBF16, 8, 2, "mma, head_dim 32", DT::kF32, 32},
       {DT::kF16, 8, 2, "mma, head_dim 256", DT::kF32, 256},
       {DT::kBF16, 8, 2, "mma e4m3, head_dim 64", DT::kE4M3, 64},
@@ -685,7 +686,8 @@ int run_checks() {
     extra(dt, {32768}, 32, 8, 128, 16, Layout::kBSHD, 512, 0.0884f, 0);      // B=1 long
     extra(dt, {4096, 4095, 4033, 63, 4161}, 32, 8, 128, 16, Layout::kBSHD, 0, 0.0884f, 0);
     extra(dt, {1024, 1000}, 16, 2, 128, 128, Layout::kBHSD, 8192, 0.0884f, 0);  // one partition
-    // head_dim 32 and 256 split into whole 64-key tiles (on sm_90 the TMA ring's split grids).
+    // head_dim 32 and 256 split into whole 64-key tiles (on sm_90, at 32, the TMA ring's split
+    // grids).
     extra(dt, {700, 33, 65, 0, 128}, 8, 2, 32, 16, Layout::kBHSD, 128, 0.1f, 0);
     extra(dt, {700, 33, 65, 0, 128}, 8, 2, 256, 64, Layout::kBHSD, 128, 0.1f, 0);
   }
