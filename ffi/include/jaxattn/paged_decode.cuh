@@ -1925,6 +1925,18 @@ __device__ __forceinline__ void tma_ldmatrix_offsets(uint32_t (&at)[CB / 32]) {
     for (int k = 0; k < 2; ++k) at[k] = rowoff + uint32_t(((k ^ (x >> 2)) & 1) << 5);
   }
 }
+
+// This lane's ldmatrix address of 32-byte column k in a TMA tile of shape S at shared address
+// `tile` (the K and V tiles of both TMA kernels): the offsets once, then the column's block.
+template <typename S>
+struct TmaLdmatrix {
+  static constexpr int kCols = S::kColBytes / 32;  // 32-byte columns a column block
+  uint32_t at[kCols];
+  __device__ __forceinline__ TmaLdmatrix() { tma_ldmatrix_offsets<S::kColBytes>(at); }
+  __device__ __forceinline__ uint32_t operator()(uint32_t tile, int k) const {
+    return tile + at[k % kCols] + uint32_t((k / kCols) * S::kBlockBytes);
+  }
+};
 #endif
 
 // The block of paged_decode_mma_kernel on the TMA ring (see above). tk / tv: the K and V
@@ -1955,17 +1967,14 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
 #pragma unroll
   for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
-  constexpr int CB = S::kColBytes, KC = CB / 32;  // 32-byte columns a column block
-  uint32_t at[KC];
-  tma_ldmatrix_offsets<CB>(at);
+  const TmaLdmatrix<S> ld;
   bool bad;
   const bool ran = tma_decode_tiles<S, 2>(
       p, tk, tv, hs, smem, bad, [] {},
       [&](uint32_t kb, uint32_t vb, int t0, int end) {
         mma_decode_tile_at<T, D>(
-            qa, [&](int kk) { return kb + at[kk % KC] + uint32_t((kk / KC) * S::kBlockBytes); },
-            [&](int kk) { return vb + at[kk % KC] + uint32_t((kk / KC) * S::kBlockBytes); },
-            q_scale, p.ls.cap_log2e, t0, end, o, m, l);
+            qa, [&](int kk) { return ld(kb, kk); }, [&](int kk) { return ld(vb, kk); }, q_scale,
+            p.ls.cap_log2e, t0, end, o, m, l);
       });
   if (!ran) return;
   // Per-warp states to shared memory (over the ring, every tile consumed), then the merge.
@@ -2007,8 +2016,7 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
   for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m = kNegInf, l = 0.f;  // head g: running max, this lane's share of the sum
   constexpr int CB = S::kColBytes, KC = CB / 32;  // 32-byte columns a column block
-  uint32_t at[KC];
-  tma_ldmatrix_offsets<CB>(at);
+  const TmaLdmatrix<S> ld;
   // V: the byte offsets of this lane's rows 2 tq (+ 8) and 2 tq + 1 (+ 9), their chunk bits
   // apart (row % 8 is 2 tq and 2 tq + 1 for both of a pair). (With 64-byte rows one load's
   // four rows share half the banks: two-way conflicts. Lanes of odd tq reading their pair the
@@ -2022,7 +2030,7 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
       [&] { q_scale = p.ls.q_scale * p.scales.k_of(hs.kvh) * fp8_decode_q<T, D>(qw, qa); },
       [&](uint32_t kb, uint32_t vb, int t0, int end) {
         mma_fp8_decode_tile_at<C, D>(
-            qa, [&](int k2) { return kb + at[k2 % KC] + uint32_t((k2 / KC) * S::kBlockBytes); },
+            qa, [&](int k2) { return ld(kb, k2); },
             [&](int i, int jj) {
               const int x = x0 + (i & 1), row = (i & 1) + (i >> 1) * 8;
               // Chunk 2 jj + gc of the row: 2 (jj % KC) + gc of column block jj / KC.
