@@ -2167,9 +2167,11 @@ const char* launch_paged_decode_mma(const DecodeParams& p, gpuStream_t stream) {
 // 512 at head_dim 64 by 4-10%; the large one-pass grids gained 3-8% there through the library
 // and 5-27% on an H100.
 inline bool fp8_decode_tma_pays(const DecodeParams& p) {
-  const int64_t blocks =
-      int64_t(p.kv.num_kv_heads) * mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads) * p.batch;
-  return p.partition_size == 0 && blocks >= 3 * int64_t(current_device_caps().sms) &&
+  dim3 grid;  // the one-pass grid launch_decode_main launches
+  if (p.partition_size != 0 ||
+      decode_grid(p, &grid, mma_head_chunks(p.num_q_heads / p.kv.num_kv_heads)) != nullptr)
+    return false;
+  return int64_t(grid.x) * grid.y >= 3 * int64_t(current_device_caps().sms) &&
          int64_t(p.block_table_stride) * p.kv.page_size >= 1024;
 }
 
