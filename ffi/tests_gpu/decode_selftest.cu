@@ -10,6 +10,7 @@
 //   (built with -DJAXATTN_BENCH_HEAD_DIM=64) the timing shapes at head_dim 64 instead of 128
 //   (built with -DJAXATTN_DECODE_TRACE) --trace e4m3 1 32768 512: a tensor-core kernel's block
 //   timelines (bf16 or e4m3 cache); with DECODE_TRACE_CSV=file also every block's stamps and SM
+//   (python3 ffi/tests_gpu/decode_trace.py file reads them)
 //   DECODE_COPIES=gathers|tma (environment): every launch with DecodeParams::copies gathers (the
 //   tensor-core kernels never take their TMA form) or tma (they take it wherever it can serve,
 //   the small grids of the correctness and robustness cases included); the default: auto

@@ -1027,7 +1027,8 @@ struct MmaDecodeShape {
 // timer at its start (0), after the prologue's copies (2; stamp 1, the length read, went with
 // the kernels' shared start, decode_ring_start), after q (3, the FP8 kernel), at the top of
 // tiles 0..7 (4..11), after the loop (12) and after its writes (13); slot 15 keeps its SM.
-// ffi/NOTES.md, rounds 15 and 21, reads them.
+// The TMA kernels stamp the same slots (2: thread 0's first boxes issued; tile n: its stage
+// landed). ffi/NOTES.md, rounds 15, 21 and 59, reads them (ffi/tests_gpu/decode_trace.py).
 #ifdef JAXATTN_DECODE_TRACE
 __device__ unsigned long long* g_decode_trace;
 __device__ __forceinline__ void decode_trace(int i) {
@@ -1859,11 +1860,13 @@ __device__ __forceinline__ bool tma_decode_tiles(const DecodeParams& p, const CU
   if (threadIdx.x == 0) {
     for (int n = 0; n < NS - 1 && n < ntiles; ++n) issue(n);
   }
+  JAXATTN_TRACE(2);
   prepare();
 
   for (int n = 0; n < ntiles; ++n) {
     const int s = n % NS, t0 = start + n * TILE;
     tma_bar_wait(bars + 8 * s, uint32_t((n / NS) & 1));  // tile n has landed
+    if (n < 8) JAXATTN_TRACE(4 + n);
     if (t0 + TILE > end) {
       // The tile's rows past the end: V zeroed (P is 0 there, and 0 x NaN is not; whole rows,
       // which the swizzle permutes within).
@@ -1954,6 +1957,7 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_pad1024(smem_raw);
+  JAXATTN_TRACE(0);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
   const MmaHeads hs = mma_block_heads(p);
@@ -1977,9 +1981,11 @@ __global__ void __launch_bounds__(Tma16Shape<T, D>::kThreads, Tma16Shape<T, D>::
             p.ls.cap_log2e, t0, end, o, m, l);
       });
   if (!ran) return;
+  JAXATTN_TRACE(12);
   // Per-warp states to shared memory (over the ring, every tile consumed), then the merge.
   mma_decode_finish<T, MmaDecodeShape<T, D>, D, 8>(p, reinterpret_cast<float*>(smem), o, m, l, bad,
                                                    blockIdx.y, hs.kvh, hs.h0, hs.hn, MmaDims16{});
+  JAXATTN_TRACE(13);
 #else
   (void)p, (void)tk, (void)tv;
 #endif
@@ -2002,6 +2008,7 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
   constexpr float kNegInf = -__builtin_huge_valf();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_pad1024(smem_raw);
+  JAXATTN_TRACE(0);
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
 
   const MmaHeads hs = mma_block_heads(p);
@@ -2042,11 +2049,13 @@ __global__ void __launch_bounds__(Tma8Shape<C, D>::kThreads, Tma8Shape<C, D>::kM
             q_scale, p.ls.cap_log2e, t0, end, o, m, l);
       });
   if (!ran) return;
+  JAXATTN_TRACE(12);
   // Per-warp states to shared memory (over the ring), each accumulator at its dim, then the
   // fixed-order merge.
   mma_decode_finish<T, MmaFp8DecodeShape<C, D>, D, 1>(
       p, reinterpret_cast<float*>(smem), o, m, l, bad, blockIdx.y, hs.kvh, hs.h0, hs.hn,
       [](int j, int gg) { return fp8_out_dim(j, gg); });
+  JAXATTN_TRACE(13);
 #else
   (void)p, (void)tk, (void)tv;
 #endif

@@ -1,0 +1,54 @@
+"""ffi/tests_gpu/decode_trace.py: the decode self-test's block timelines, read (no GPU)."""
+
+import importlib.util
+import pathlib
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "ffi" / "tests_gpu" / "decode_trace.py"
+_spec = importlib.util.spec_from_file_location("decode_trace", _PATH)
+decode_trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_trace)
+
+
+def _write(path, blocks):
+    """blocks: (sm, start_us, end_us) each; tiles 0..7 spread evenly over the block."""
+    lines = ["block,sm," + ",".join(f"s{i}" for i in range(14))]
+    for b, (sm, t0, t1) in enumerate(blocks):
+        s = [-1] * 14
+        s[0], s[2], s[12], s[13] = t0, t0, t1, t1
+        for n in range(8):
+            s[4 + n] = t0 + (t1 - t0) * n / 8
+        lines.append(f"{b},{sm}," + ",".join(str(int(v * 1000)) if v >= 0 else "-1" for v in s))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_an_unbalanced_grid_is_twice_its_balanced_estimate(tmp_path, capsys):
+    # SM 0 runs a block in 50 us, SM 1 in 100 us; SM 1 got two blocks, SM 0 one: the span is
+    # 200 us, while the three blocks spread by speed (two to SM 0) end at 100 us.
+    path = _write(tmp_path / "t.csv", [(0, 0, 50), (1, 0, 100), (1, 100, 200)])
+    decode_trace.report(path)
+    out = capsys.readouterr().out
+    assert "3 blocks on 2 SMs, span 200.0 us" in out
+    assert "blocks an SM (blocks: SMs): {1: 1, 2: 1}" in out
+    assert "balanced estimate (1 slots an SM, each SM at its own rate): 100.0 us" in out
+    assert "the span 100.0% over it" in out
+
+
+def test_a_balanced_grid_is_its_own_estimate(tmp_path, capsys):
+    path = _write(tmp_path / "t.csv", [(0, 0, 50), (0, 50, 100), (1, 0, 100)])
+    decode_trace.report(path)
+    assert "100.0 us, the span 0.0% over it" in capsys.readouterr().out
+
+
+def test_sm_speeds_compare_across_traces(tmp_path, capsys):
+    fast_first = [(sm, 0, 10 * (sm + 1)) for sm in range(12)]
+    a = _write(tmp_path / "a.csv", fast_first)
+    b = _write(tmp_path / "b.csv", [(sm, 0, 2 * t1) for sm, _, t1 in fast_first])
+    c = _write(tmp_path / "c.csv", [(sm, 0, 10 * (12 - sm)) for sm in range(12)])
+    decode_trace.compare(a, b)
+    out = capsys.readouterr().out
+    assert "correlation 1.00" in out
+    assert "fastest 2 SMs of the first: [0, 1]" in out
+    assert "their ranks in the second: [0, 1]" in out
+    decode_trace.compare(a, c)
+    assert "correlation -1.00" in capsys.readouterr().out
