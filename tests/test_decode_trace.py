@@ -52,3 +52,38 @@ def test_sm_speeds_compare_across_traces(tmp_path, capsys):
     assert "their ranks in the second: [0, 1]" in out
     decode_trace.compare(a, c)
     assert "correlation -1.00" in capsys.readouterr().out
+
+
+def _blocks_with_tiles(path, blocks, tiles):
+    """As _write, but stamps 4 and 12 bracket `tiles` key tiles: start -> tile 0 takes 1 us,
+    the loop (t1 - t0 - 2) us, the writes 1 us."""
+    lines = ["block,sm," + ",".join(f"s{i}" for i in range(14))]
+    for b, (sm, t0, t1) in enumerate(blocks):
+        s = [-1] * 14
+        s[0], s[2], s[4], s[12], s[13] = t0, t0, t0 + 1, t1 - 1, t1
+        for n in range(1, 8):
+            s[4 + n] = t0 + 1 + (t1 - t0 - 2) * n / tiles
+        lines.append(f"{b},{sm}," + ",".join(str(int(v * 1000)) if v >= 0 else "-1" for v in s))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_the_model_of_a_grid_reproduces_its_span(tmp_path):
+    # One slot an SM; SM 0 runs 8 tiles in 8 us, SM 1 in 16 us; four blocks in two waves.
+    blocks = [(0, 0, 10), (1, 0, 18), (0, 10, 20), (1, 18, 36)]
+    path = _blocks_with_tiles(tmp_path / "t.csv", blocks, 8)
+    assert abs(decode_trace.simulate(path, 8) - 36.0) < 1e-6
+
+
+def test_free_stealing_balances_and_costly_stealing_does_not(tmp_path):
+    # Two SMs, one twice as fast, one block each over 16 tiles: alone, the slow one ends at 34.
+    blocks = [(0, 0, 18), (1, 0, 34)]
+    path = _blocks_with_tiles(tmp_path / "t.csv", blocks, 16)
+    own = decode_trace.simulate(path, 16)
+    assert abs(own - 34.0) < 1e-6
+    free = decode_trace.simulate(path, 16, "steal", 1, 0.0, probe_us=0.0, restart_us=0.0)
+    assert free < own - 5  # the fast SM takes a share of the slow one's tiles
+    costly = decode_trace.simulate(path, 16, "steal", 1, 5.0, probe_us=1.0, restart_us=20.0)
+    assert costly > own
+    claim = decode_trace.simulate(path, 16, "claim", 1, 0.0, probe_us=0.0, restart_us=0.0)
+    assert claim < own - 5

@@ -4,6 +4,8 @@ timer at its start (s0), after its first copies (s2), at the top of key tiles 0.
 after its loop (s12) and after its writes (s13), in ns from the first block's start.
 
     python3 ffi/tests_gpu/decode_trace.py trace.csv [other.csv]
+    python3 ffi/tests_gpu/decode_trace.py trace.csv --claim|--steal TILES K[,K...]
+        [--combine US] [--restart US]
 
 Prints, for each file: the span; when each SM ran its last block out; blocks an SM; block
 phases; each SM's mean key-tile time; the resident blocks over the span; and the balanced
@@ -12,6 +14,15 @@ rate (block starts included), i.e. the work spread in proportion to each SM's sp
 files, how the SMs' speeds in one agree with the other's (their correlation, and where the
 first file's fastest SMs rank in the second): a property of the SM's place in the chip when
 they agree across kernels.
+
+``--claim`` simulates, on that trace's SMs, a decode whose blocks claim their sequence's
+key tiles K at a time from a counter and, once it is exhausted, help the sequence with the
+most tiles left (ffi/NOTES.md, round 59), or (``--steal``) take the back half of the largest
+range left: each SM's slots at its measured key-tile time, a ring start (to the first
+tile) and a block's finish at the trace's medians, a probe of 128 counters at 1 us, TILES key
+tiles a sequence, blocks started in grid order on the first free slot, and ``--combine`` us
+(default 5) added for the merge of the chunks. It first simulates the trace's own grid (one
+block a sequence, no claims), whose span checks the model against the measured one.
 """
 
 from __future__ import annotations
@@ -113,7 +124,105 @@ def compare(a_path: str, b_path: str) -> None:
     print(f"  their ranks in the second: {sorted(rank_b.index(k) for k in fast)}")
 
 
+def simulate(
+    path: str,
+    tiles: int,
+    mode: str = "own",
+    chunk: int = 1,
+    combine_us: float = 0.0,
+    probe_us: float = 1.0,
+    restart_us: float | None = None,
+) -> float:
+    """The span of a grid of one block a sequence on the trace's SMs (see the module
+    docstring). mode "own": each block runs its sequence alone (the trace's own grid);
+    "claim": blocks take their sequence's tiles ``chunk`` at a time from its counter and,
+    once it is exhausted, join the sequence with the most tiles left; "steal": a block whose work
+    is done takes the back half of the largest remaining range (at least 2 x ``chunk``
+    tiles), whose worker keeps the front half. ``restart_us``: what a block's move to other
+    work costs before its first tile (default: the trace's median start)."""
+    import heapq
+
+    rows = load(path)
+    # Each SM's key-tile time over its blocks' whole loops (tile 0 to the loop's end; the
+    # first tiles alone run slower than the loop's average).
+    speed = {
+        sm: statistics.mean((stamp(r, 12) - stamp(r, 4)) / tiles for r in rs)
+        for sm, rs in by_sm(rows).items()
+    }
+    sms = sorted(speed)
+    resident_max = max(
+        sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in [stamp(r, 0) for r in rows]
+    )
+    slots_per_sm = max(1, -(-resident_max // len(sms)))
+    start_us = statistics.median(stamp(r, 4) - stamp(r, 0) for r in rows if stamp(r, 4) is not None)
+    finish_us = statistics.median(stamp(r, 13) - stamp(r, 12) for r in rows)
+    n = len(rows)
+    step = tiles if mode == "own" else chunk
+    # Ranges of tiles [front, back) still to compute; one a sequence, more once stolen from.
+    front, back = [0] * n, [tiles] * n
+    slots = [sm for sm in sms for _ in range(slots_per_sm)]
+    events: list = []  # (time, order, its SM, the range it works on)
+    state = {"next": 0, "order": 0, "end": 0.0}
+
+    def push(t: float, sm: int, r: int) -> None:
+        state["order"] += 1
+        heapq.heappush(events, (t, state["order"], sm, r))
+
+    def start_next(t: float, sm: int) -> None:
+        if state["next"] < n:
+            state["next"] += 1
+            push(t + start_us, sm, state["next"] - 1)
+
+    for sm in slots[:n]:
+        start_next(0.0, sm)
+    while events:
+        t, _, sm, r = heapq.heappop(events)
+        if front[r] < back[r]:  # the next step of the range: its tiles, then the next claim
+            k = min(step, back[r] - front[r])
+            front[r] += k
+            push(t + k * speed[sm], sm, r)
+            continue
+        t += finish_us  # the range is done: the block writes its state
+        found = None
+        if mode == "claim":  # the sequence with the most tiles left
+            t += probe_us * -(-n // 128)
+            big = max(range(n), key=lambda x: back[x] - front[x])
+            if front[big] < back[big]:
+                found = big
+        elif mode == "steal":  # the back half of the largest range left
+            t += probe_us * -(-len(front) // 128)
+            big = max(range(len(front)), key=lambda x: back[x] - front[x])
+            if back[big] - front[big] >= 2 * chunk:
+                mid = front[big] + (back[big] - front[big] + 1) // 2
+                front.append(mid)
+                back.append(back[big])
+                back[big] = mid
+                found = len(front) - 1
+        if found is not None:
+            push(t + (start_us if restart_us is None else restart_us), sm, found)
+            continue
+        state["end"] = max(state["end"], t)
+        start_next(t, sm)
+    return state["end"] + combine_us
+
+
 def main(argv: list[str]) -> None:
+    for mode in ("--claim", "--steal"):
+        if mode in argv:
+            i = argv.index(mode)
+            path, tiles, chunks = argv[0], int(argv[i + 1]), argv[i + 2]
+            combine_us = float(argv[argv.index("--combine") + 1]) if "--combine" in argv else 5.0
+            restart = float(argv[argv.index("--restart") + 1]) if "--restart" in argv else None
+            span = max(stamp(r, 13) for r in load(path))
+            own = simulate(path, tiles)
+            print(f"{path}: measured span {span:.1f} us; the model of its own grid {own:.1f} us")
+            for k in map(int, chunks.split(",")):
+                t = simulate(path, tiles, mode[2:], k, combine_us, restart_us=restart)
+                print(
+                    f"  {mode[2:]}, {k} tiles (+{combine_us:g} us of merge): {t:.1f} us, "
+                    f"{100 * (1 - t / own):.1f}% below the model's own grid"
+                )
+            return
     if not 1 <= len(argv) <= 2:
         raise SystemExit(__doc__)
     for path in argv:
