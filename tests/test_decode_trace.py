@@ -87,3 +87,14 @@ def test_free_stealing_balances_and_costly_stealing_does_not(tmp_path):
     assert costly > own
     claim = decode_trace.simulate(path, 16, "claim", 1, 0.0, probe_us=0.0, restart_us=0.0)
     assert claim < own - 5
+
+
+def test_a_static_split_by_the_sms_own_speeds_balances(tmp_path):
+    # SM 0 runs 16 tiles in 16 us, SM 1 in 32 us (one block each, 1 us start and finish).
+    path = _blocks_with_tiles(tmp_path / "t.csv", [(0, 0, 18), (1, 0, 34)], 16)
+    equal = decode_trace.static_split(path, 16, None, combine_us=0.0)
+    assert abs(equal - 34.0) < 1e-6  # 16 tiles each: the slow SM bounds it
+    own = decode_trace.static_split(path, 16, path, combine_us=0.0)
+    assert abs(own - (2 + 32 * (2 / 3) * 1.0)) < 1e-6  # shares 2:1, both end together
+    flipped = _blocks_with_tiles(tmp_path / "f.csv", [(0, 0, 34), (1, 0, 18)], 16)
+    assert decode_trace.static_split(path, 16, flipped, combine_us=0.0) > equal

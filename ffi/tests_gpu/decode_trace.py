@@ -6,6 +6,7 @@ after its loop (s12) and after its writes (s13), in ns from the first block's st
     python3 ffi/tests_gpu/decode_trace.py trace.csv [other.csv]
     python3 ffi/tests_gpu/decode_trace.py trace.csv --claim|--steal TILES K[,K...]
         [--combine US] [--restart US]
+    python3 ffi/tests_gpu/decode_trace.py trace.csv --static TILES [calibration.csv]
 
 Prints, for each file: the span; when each SM ran its last block out; blocks an SM; block
 phases; each SM's mean key-tile time; the resident blocks over the span; and the balanced
@@ -23,6 +24,9 @@ tile) and a block's finish at the trace's medians, a probe of 128 counters at 1 
 tiles a sequence, blocks started in grid order on the first free slot, and ``--combine`` us
 (default 5) added for the merge of the chunks. It first simulates the trace's own grid (one
 block a sequence, no claims), whose span checks the model against the measured one.
+``--static`` models a persistent grid that cuts the work into shares weighted by the SMs'
+speeds (equal; this trace's own, an oracle; another trace's, a calibration), plus 5 us of
+merge.
 """
 
 from __future__ import annotations
@@ -124,6 +128,37 @@ def compare(a_path: str, b_path: str) -> None:
     print(f"  their ranks in the second: {sorted(rank_b.index(k) for k in fast)}")
 
 
+def loop_tile_times(rows: list[dict], tiles: int) -> dict[int, float]:
+    """Each SM's key-tile time over its blocks' whole loops, blocks of ``tiles`` key tiles (tile
+    0 to the loop's end; the first tiles alone run slower than the loop's average)."""
+    return {
+        sm: statistics.mean((stamp(r, 12) - stamp(r, 4)) / tiles for r in rs)
+        for sm, rs in by_sm(rows).items()
+    }
+
+
+def static_split(path: str, tiles: int, calib: str | None, combine_us: float = 5.0) -> float:
+    """The span of a persistent grid (the trace's slots) that cuts the trace's work into
+    contiguous shares weighted by each SM's speed in ``calib`` (another trace of the same
+    SMs; None: equal shares), its ring running on across sequences: one start, one finish, the
+    SM's key-tile time in this trace, and ``combine_us`` for the merge of the cut sequences."""
+    rows = load(path)
+    speed = loop_tile_times(rows, tiles)
+    weight_of = loop_tile_times(load(calib), tiles) if calib else dict.fromkeys(speed, 1.0)
+    resident_max = max(
+        sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in [stamp(r, 0) for r in rows]
+    )
+    slots = max(1, -(-resident_max // len(speed)))
+    start_us = statistics.median(stamp(r, 4) - stamp(r, 0) for r in rows if stamp(r, 4) is not None)
+    finish_us = statistics.median(stamp(r, 13) - stamp(r, 12) for r in rows)
+    weights = {sm: 1.0 / weight_of.get(sm, statistics.mean(weight_of.values())) for sm in speed}
+    total = slots * sum(weights.values())
+    work = len(rows) * tiles
+    return combine_us + max(
+        start_us + work * weights[sm] / total * speed[sm] + finish_us for sm in speed
+    )
+
+
 def simulate(
     path: str,
     tiles: int,
@@ -143,12 +178,7 @@ def simulate(
     import heapq
 
     rows = load(path)
-    # Each SM's key-tile time over its blocks' whole loops (tile 0 to the loop's end; the
-    # first tiles alone run slower than the loop's average).
-    speed = {
-        sm: statistics.mean((stamp(r, 12) - stamp(r, 4)) / tiles for r in rs)
-        for sm, rs in by_sm(rows).items()
-    }
+    speed = loop_tile_times(rows, tiles)
     sms = sorted(speed)
     resident_max = max(
         sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in [stamp(r, 0) for r in rows]
@@ -207,6 +237,17 @@ def simulate(
 
 
 def main(argv: list[str]) -> None:
+    if "--static" in argv:
+        i = argv.index("--static")
+        path, tiles = argv[0], int(argv[i + 1])
+        calib = argv[i + 2] if len(argv) > i + 2 and not argv[i + 2].startswith("--") else None
+        span = max(stamp(r, 13) for r in load(path))
+        for name, c in (("equal shares", None), ("this trace's own speeds", path), (calib, calib)):
+            if name is None:
+                continue
+            t = static_split(path, tiles, c)
+            print(f"{path}: static split, {name}: {t:.1f} us against the measured {span:.1f}")
+        return
     for mode in ("--claim", "--steal"):
         if mode in argv:
             i = argv.index(mode)
