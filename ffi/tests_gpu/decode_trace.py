@@ -228,8 +228,10 @@ def simulate(
                 back.append(back[big])
                 back[big] = mid
                 found = len(front) - 1
-        if found is not None:
-            push(t + (start_us if restart_us is None else restart_us), sm, found)
+        if found is not None:  # its first step claimed now, before the ring restarts
+            k = min(step, back[found] - front[found])
+            front[found] += k
+            push(t + (start_us if restart_us is None else restart_us) + k * speed[sm], sm, found)
             continue
         state["end"] = max(state["end"], t)
         start_next(t, sm)
