@@ -987,6 +987,13 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
 
 #if defined(JAXATTN_CUDA)
 
+// Blocks of `bytes` of dynamic shared memory an SM holds (228 KiB an SM, 1 KiB reserved a block),
+// and the 2 to 4 of them a tensor-core decode kernel's __launch_bounds__ asks for.
+constexpr int decode_blocks_by_smem(int bytes) { return (228 * 1024) / (bytes + 1024); }
+constexpr int decode_min_blocks(int bytes) {
+  return cmin(4, cmax(2, decode_blocks_by_smem(bytes)));
+}
+
 template <typename T, int D>
 struct MmaDecodeShape {
   static_assert(sizeof(T) == 2 && D % 16 == 0, "16-bit elements, head_dim a multiple of 16");
@@ -1010,7 +1017,7 @@ struct MmaDecodeShape {
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
   // Blocks an SM that shared memory allows, 2 to 4 (two at head_dim 128: saying so keeps
   // ptxas from capping registers at 128, which spilled on sm_80).
-  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
+  static constexpr int kMinBlocks = decode_min_blocks(kSmemBytes);
   // Where the loop reads the block-table entries of tile n + stages, whose row offsets it stores
   // after tile n's compute: in that iteration (false), or a whole iteration earlier (true), so
   // the read is in flight across tile n's copy wait and barrier. At head_dim 64 ptxas reuses
@@ -1311,7 +1318,7 @@ struct MmaFp8DecodeShape {
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
   // Blocks an SM that shared memory allows (228 KiB an SM, 1 KiB reserved a block), 2 to 4;
   // __launch_bounds__ then keeps the registers within that many blocks.
-  static constexpr int kMinBlocks = cmin(4, cmax(2, (228 * 1024) / (kSmemBytes + 1024)));
+  static constexpr int kMinBlocks = decode_min_blocks(kSmemBytes);
 };
 
 // Head dim of row r (0..15) of m16 block j of the FP8 kernel's O^T (see above).
@@ -1725,7 +1732,6 @@ const char* launch_decode_main(Kernel kernel, const DecodeParams& p, int threads
 // kernel asks for the gathers' bytes instead. (Registers may still differ: at head_dim 64 the
 // FP8 kernel takes 79 to the gathers' 88, six blocks an SM to five.)
 constexpr int kTmaDecodeTile = 64;  // keys a tile: 16 a warp
-constexpr int decode_blocks_by_smem(int bytes) { return (228 * 1024) / (bytes + 1024); }
 constexpr int decode_smem_as_gathers(int own, int gathers) {
   return decode_blocks_by_smem(own) > decode_blocks_by_smem(gathers) ? gathers : own;
 }
@@ -1750,7 +1756,7 @@ struct TmaDecodeShape {
   static constexpr int kSmemBytes = decode_smem_as_gathers(kOwnBytes, GATHERS);
   static_assert(decode_blocks_by_smem(kSmemBytes) == decode_blocks_by_smem(GATHERS),
                 "the TMA decode fits an SM as often as the gathers' kernel");
-  static constexpr int kMinBlocks = cmin(4, cmax(2, decode_blocks_by_smem(kSmemBytes)));
+  static constexpr int kMinBlocks = decode_min_blocks(kSmemBytes);
 };
 // The 16-bit kernel's (head_dim 32 to 128) and the FP8 kernel's (64 to 256).
 template <typename T, int D>
