@@ -32,6 +32,7 @@ merge.
 from __future__ import annotations
 
 import csv
+import heapq
 import statistics
 import sys
 
@@ -79,6 +80,21 @@ def sm_tile_times(rows: list[dict]) -> dict[int, float]:
     return out
 
 
+def slots_per_sm(rows: list[dict]) -> int:
+    """Slots an SM: the most blocks resident at once (at any block's start) over the SMs,
+    rounded up."""
+    most = max(
+        sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in (stamp(r, 0) for r in rows)
+    )
+    return max(1, -(-most // len(by_sm(rows))))
+
+
+def start_finish(rows: list[dict]) -> tuple[float, float]:
+    """The median block's start (to its first tile) and finish (loop end to written), us."""
+    start = statistics.median(stamp(r, 4) - stamp(r, 0) for r in rows if stamp(r, 4) is not None)
+    return start, statistics.median(stamp(r, 13) - stamp(r, 12) for r in rows)
+
+
 def report(path: str) -> None:
     rows = load(path)
     sms = by_sm(rows)
@@ -102,9 +118,9 @@ def report(path: str) -> None:
     points = [span * i / 20 for i in range(21)]
     resident = [sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in points]
     print("  resident blocks at every 5% of the span:", " ".join(map(str, resident)))
-    # Balanced: slots an SM (the most resident blocks over the SMs, rounded up), each SM's
-    # slot rate (blocks a slot-second, from its own blocks), the work spread by rate.
-    slots = max(1, -(-max(resident) // len(sms)))
+    # Balanced: each SM's slot rate (blocks a slot-second, from its own blocks), the work
+    # spread by rate.
+    slots = slots_per_sm(rows)
     work = len(rows)  # in blocks of equal work (the self-test's shapes)
     rate = sum(len(rs) / sum(stamp(r, 13) - stamp(r, 0) for r in rs) for rs in sms.values())
     balanced = work / (slots * rate)
@@ -145,12 +161,8 @@ def static_split(path: str, tiles: int, calib: str | None, combine_us: float = 5
     rows = load(path)
     speed = loop_tile_times(rows, tiles)
     weight_of = loop_tile_times(load(calib), tiles) if calib else dict.fromkeys(speed, 1.0)
-    resident_max = max(
-        sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in [stamp(r, 0) for r in rows]
-    )
-    slots = max(1, -(-resident_max // len(speed)))
-    start_us = statistics.median(stamp(r, 4) - stamp(r, 0) for r in rows if stamp(r, 4) is not None)
-    finish_us = statistics.median(stamp(r, 13) - stamp(r, 12) for r in rows)
+    slots = slots_per_sm(rows)
+    start_us, finish_us = start_finish(rows)
     weights = {sm: 1.0 / weight_of.get(sm, statistics.mean(weight_of.values())) for sm in speed}
     total = slots * sum(weights.values())
     work = len(rows) * tiles
@@ -175,22 +187,16 @@ def simulate(
     is done takes the back half of the largest remaining range (at least 2 x ``chunk``
     tiles), whose worker keeps the front half. ``restart_us``: what a block's move to other
     work costs before its first tile (default: the trace's median start)."""
-    import heapq
-
     rows = load(path)
     speed = loop_tile_times(rows, tiles)
     sms = sorted(speed)
-    resident_max = max(
-        sum(1 for r in rows if stamp(r, 0) <= t < stamp(r, 13)) for t in [stamp(r, 0) for r in rows]
-    )
-    slots_per_sm = max(1, -(-resident_max // len(sms)))
-    start_us = statistics.median(stamp(r, 4) - stamp(r, 0) for r in rows if stamp(r, 4) is not None)
-    finish_us = statistics.median(stamp(r, 13) - stamp(r, 12) for r in rows)
+    per_sm = slots_per_sm(rows)
+    start_us, finish_us = start_finish(rows)
     n = len(rows)
     step = tiles if mode == "own" else chunk
     # Ranges of tiles [front, back) still to compute; one a sequence, more once stolen from.
     front, back = [0] * n, [tiles] * n
-    slots = [sm for sm in sms for _ in range(slots_per_sm)]
+    slots = [sm for sm in sms for _ in range(per_sm)]
     events: list = []  # (time, order, its SM, the range it works on)
     state = {"next": 0, "order": 0, "end": 0.0}
 
