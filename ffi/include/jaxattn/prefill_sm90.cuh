@@ -353,6 +353,18 @@ struct Sm90Shape {
 #define JAXATTN_SM90_RESCALE_SLACK 8
 #endif
 
+// JAXATTN_SM90_PINGPONG (experiment, default off; the one-tile kernel only): FlashAttention-3's
+// and -4's warp scheduler barrier. The two consumer warpgroups take turns to issue a key tile's
+// products (S_n and P_{n-1} V_{n-1}): a warpgroup waits on its own named barrier (6 + cw, both
+// warpgroups' 256 threads) before issuing and arrives on the other's after, so one's softmax
+// runs while the other's products occupy the tensor cores. Consumer 0 opens the first turn;
+// consumer 1 skips its last arrival, so every arrival is matched by a wait and no barrier is
+// left part-arrived when the block exits (both warpgroups walk the block's ntiles tiles). Round
+// 10 measured an earlier form 1-3% slower, on the kernel of that round (ffi/NOTES.md).
+#ifndef JAXATTN_SM90_PINGPONG
+#define JAXATTN_SM90_PINGPONG 0
+#endif
+
 constexpr int kSm90ProducerRegs = 64;
 constexpr int kSm90ConsumerRegs = 216;
 // The persistent kernel's split (96 + 2 x 200 <= 504): its producer also finds the next work
@@ -1201,14 +1213,22 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         softmax_tile(0);
         rescale_pack();
       }
+      constexpr bool kPingPong = JAXATTN_SM90_PINGPONG != 0 && !kPersist;
+      if constexpr (kPingPong) {
+        if (cw == 0 && ntiles > 1) named_arrive(6, 256);  // consumer 0 takes the first turn
+      }
       for (int n = 1; n < ntiles; ++n) {
         const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
         mbar_wait(kfull(sk), (gn / NS) & 1);
         mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
         sm90_fence_proxy_async();
+        if constexpr (kPingPong) named_sync(6 + cw, 256);  // this warpgroup's turn
         sm90_wgmma_fence();
         issue_s(gn);       // group 1: S = Q K_n^T
         issue_pv(gn - 1);  // group 2: O += P_{n-1} V_{n-1}
+        if constexpr (kPingPong) {
+          if (cw == 0 || n + 1 < ntiles) named_arrive(7 - cw, 256);  // the other's turn
+        }
         sm90_wgmma_wait<1>();
         sm90_pin(s);
         release(kempty(sk));
