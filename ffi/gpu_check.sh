@@ -22,6 +22,11 @@
 #                  Only the sanitizer runs, e.g.:
 #                    SANITIZE=1 DECODE_ARGS=skip PREFILL_ARGS=skip TESTS=skip ffi/gpu_check.sh
 #   TESTS          "skip": do not run tests/test_native.py
+#   SUITES         "run": also run the suites that exercise the GPU, file by file (SUITE_FILES,
+#                  default below), each under pytest-xdist (SUITE_WORKERS, default 8) with -v and
+#                  a time limit of its own (SUITE_TIMEOUT, default 300 s): a failing test is named
+#                  from the live -v lines even when its file runs out of time, which a -q run's
+#                  summary at the end is not
 #   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
 #   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
@@ -43,7 +48,8 @@ stamp() { echo "[$(($(date +%s) - t0))s] $*"; }
 cat "$out/env.txt"
 
 need_lib=1
-[ "${DECODE_ARGS:-}" = skip ] && [ "${PREFILL_ARGS:-}" = skip ] && [ "${TESTS:-}" = skip ] && need_lib=0
+[ "${DECODE_ARGS:-}" = skip ] && [ "${PREFILL_ARGS:-}" = skip ] && [ "${TESTS:-}" = skip ] &&
+  [ "${SUITES:-}" != run ] && need_lib=0
 lib="${JAXATTN_NATIVE_LIB_DIR:-}/libjaxattn_cuda.so"
 if [ "$need_lib" = 0 ]; then
   stamp "no timings or tests: the CUDA library is not needed"
@@ -115,6 +121,22 @@ tests() {  # name, env assignment, pytest -k expression[, test files (default te
   grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -20
 }
 
+suites() {  # the GPU-relevant suites, file by file
+  local f name
+  for f in ${SUITE_FILES:-tests/test_native.py tests/test_ops.py tests/test_kernels.py \
+      tests/test_robustness.py tests/test_pallas_mgpu.py tests/test_pallas_mgpu_prefill.py \
+      tests/test_pallas_mgpu_cascade.py tests/test_engine.py tests/test_engine_cascade.py \
+      tests/test_engine_fp8.py}; do
+    name="suite_$(basename "$f" .py)"
+    stamp "suite: $f"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest \
+      -n "${SUITE_WORKERS:-8}" -v -rfE -p no:cacheprovider "$f" > "$out/$name.log" 2>&1
+    echo "pytest exit: $? (124: out of time)"
+    echo "$(grep -c " PASSED " "$out/$name.log") passed, $(grep -c " SKIPPED " "$out/$name.log") skipped"
+    grep -oE "(FAILED|ERROR) [^ ]+::[^ ]+" "$out/$name.log" | sort -u | head -20
+  done
+}
+
 if [ "${SELFTESTS:-}" != skip ]; then
   selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
   selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
@@ -143,6 +165,8 @@ if [ "${TESTS:-}" != skip ]; then
   tests cascade_tests "" "${CASCADE_K:-cascade}" \
     "tests/test_kernels.py tests/test_robustness.py tests/test_ops.py"
 fi
+
+[ "${SUITES:-}" = run ] && suites
 
 stamp "SASS summary"
 if [ -f "$lib" ] && command -v cuobjdump > /dev/null; then
