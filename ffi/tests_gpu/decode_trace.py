@@ -58,6 +58,11 @@ def quantiles(values: list[float]) -> str:
     )
 
 
+def span_of(rows: list[dict]) -> float:
+    """The trace's span: the last block's end, us."""
+    return max(stamp(r, 13) or 0.0 for r in rows)
+
+
 def tile_time(row: dict) -> float | None:
     """Mean key-tile time of tiles 0..7, or None for a block of fewer tiles."""
     a, b = stamp(row, 4), stamp(row, 11)
@@ -98,7 +103,7 @@ def start_finish(rows: list[dict]) -> tuple[float, float]:
 def report(path: str) -> None:
     rows = load(path)
     sms = by_sm(rows)
-    span = max(stamp(r, 13) or 0.0 for r in rows)
+    span = span_of(rows)
     print(f"{path}: {len(rows)} blocks on {len(sms)} SMs, span {span:.1f} us")
     last = [max(stamp(r, 13) for r in rs) for rs in sms.values()]
     print("  each SM's last end:", quantiles(last))
@@ -249,7 +254,7 @@ def main(argv: list[str]) -> None:
         i = argv.index("--static")
         path, tiles = argv[0], int(argv[i + 1])
         calib = argv[i + 2] if len(argv) > i + 2 and not argv[i + 2].startswith("--") else None
-        span = max(stamp(r, 13) for r in load(path))
+        span = span_of(load(path))
         for name, c in (("equal shares", None), ("this trace's own speeds", path), (calib, calib)):
             if name is None:
                 continue
@@ -262,7 +267,7 @@ def main(argv: list[str]) -> None:
             path, tiles, chunks = argv[0], int(argv[i + 1]), argv[i + 2]
             combine_us = float(argv[argv.index("--combine") + 1]) if "--combine" in argv else 5.0
             restart = float(argv[argv.index("--restart") + 1]) if "--restart" in argv else None
-            span = max(stamp(r, 13) for r in load(path))
+            span = span_of(load(path))
             own = simulate(path, tiles)
             print(f"{path}: measured span {span:.1f} us; the model of its own grid {own:.1f} us")
             for k in map(int, chunks.split(",")):
