@@ -257,7 +257,11 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // FlashAttention-3's ping-pong (named barriers ordering the two consumer warpgroups' wgmma
 // issue, so one's softmax runs under the other's products) was 1-3% slower on the H200 (prefill
 // self-test, 8 x (2048 + 512) 425 against 434 TFLOP/s, 1 x (0 + 8192) 500 against 510): the
-// two warpgroups drift apart on their own. Not kept.
+// two warpgroups drift apart on their own. Not kept. FlashAttention-4's form of it (each
+// warpgroup waits for its turn before issuing S_n and P_{n-1} V_{n-1}, arrives on the other's
+// after), built into this round's kernel, was 3-4% slower on an H100 (prefill self-test,
+// alternated: 8 x (2048 + 512) 512 -> 496 TFLOP/s, 1 x (0 + 8192) 606 -> 582, 4 x (0 + 4096)
+// 537 -> 517; ffi/NOTES.md, round 61).
 //
 // Shared memory, D = 128: 32 KB Q + 3 x (32 KB K + 32 KB V) + 1 KB row offsets + 1 KB alignment
 // = 226 KB, barriers and first_bad static. ptxas (nvcc 13.0): no spills at 64 / 216 registers
@@ -351,18 +355,6 @@ struct Sm90Shape {
 // level on the short one. 0 restores the exact-maximum recurrence.
 #ifndef JAXATTN_SM90_RESCALE_SLACK
 #define JAXATTN_SM90_RESCALE_SLACK 8
-#endif
-
-// JAXATTN_SM90_PINGPONG (experiment, default off; the one-tile kernel only): FlashAttention-3's
-// and -4's warp scheduler barrier. The two consumer warpgroups take turns to issue a key tile's
-// products (S_n and P_{n-1} V_{n-1}): a warpgroup waits on its own named barrier (6 + cw, both
-// warpgroups' 256 threads) before issuing and arrives on the other's after, so one's softmax
-// runs while the other's products occupy the tensor cores. Consumer 0 opens the first turn;
-// consumer 1 skips its last arrival, so every arrival is matched by a wait and no barrier is
-// left part-arrived when the block exits (both warpgroups walk the block's ntiles tiles). Round
-// 10 measured an earlier form 1-3% slower, on the kernel of that round (ffi/NOTES.md).
-#ifndef JAXATTN_SM90_PINGPONG
-#define JAXATTN_SM90_PINGPONG 0
 #endif
 
 constexpr int kSm90ProducerRegs = 64;
@@ -1213,22 +1205,14 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         softmax_tile(0);
         rescale_pack();
       }
-      constexpr bool kPingPong = JAXATTN_SM90_PINGPONG != 0 && !kPersist;
-      if constexpr (kPingPong) {
-        if (cw == 0 && ntiles > 1) named_arrive(6, 256);  // consumer 0 takes the first turn
-      }
       for (int n = 1; n < ntiles; ++n) {
         const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
         mbar_wait(kfull(sk), (gn / NS) & 1);
         mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
         sm90_fence_proxy_async();
-        if constexpr (kPingPong) named_sync(6 + cw, 256);  // this warpgroup's turn
         sm90_wgmma_fence();
         issue_s(gn);       // group 1: S = Q K_n^T
         issue_pv(gn - 1);  // group 2: O += P_{n-1} V_{n-1}
-        if constexpr (kPingPong) {
-          if (cw == 0 || n + 1 < ntiles) named_arrive(7 - cw, 256);  // the other's turn
-        }
         sm90_wgmma_wait<1>();
         sm90_pin(s);
         release(kempty(sk));
