@@ -26,7 +26,9 @@
 #                  default below), each under pytest-xdist (SUITE_WORKERS, default 8) with -v and
 #                  a time limit of its own (SUITE_TIMEOUT, default 300 s): a failing test is named
 #                  from the live -v lines even when its file runs out of time, which a -q run's
-#                  summary at the end is not
+#                  summary at the end is not; a file out of time also lists the tests its
+#                  workers had started and not finished
+#   SASS           "skip": no summary of the library's machine code at the end
 #   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
 #   PREFILL_ARGS   extra bench_native.py arguments for the prefill timings ("skip": none)
@@ -122,7 +124,7 @@ tests() {  # name, env assignment, pytest -k expression[, test files (default te
 }
 
 suites() {  # the GPU-relevant suites, file by file
-  local f name
+  local f name rc
   for f in ${SUITE_FILES:-tests/test_native.py tests/test_ops.py tests/test_kernels.py \
       tests/test_robustness.py tests/test_pallas_mgpu.py tests/test_pallas_mgpu_prefill.py \
       tests/test_pallas_mgpu_cascade.py tests/test_engine.py tests/test_engine_cascade.py \
@@ -131,9 +133,16 @@ suites() {  # the GPU-relevant suites, file by file
     stamp "suite: $f"
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest \
       -n "${SUITE_WORKERS:-8}" -v -rfE -p no:cacheprovider "$f" > "$out/$name.log" 2>&1
-    echo "pytest exit: $? (124: out of time)"
+    rc=$?
+    echo "pytest exit: $rc (124: out of time)"
     echo "$(grep -c " PASSED " "$out/$name.log") passed, $(grep -c " SKIPPED " "$out/$name.log") skipped"
     grep -oE "(FAILED|ERROR) [^ ]+::[^ ]+" "$out/$name.log" | sort -u | head -20
+    if [ "$rc" = 124 ]; then  # the tests a worker had started and not finished
+      echo "unfinished:"
+      comm -23 <(grep -oE "^tests/[^ ]+::[^ ]+" "$out/$name.log" | sort -u) \
+        <(grep -oE "(PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) tests/[^ ]+::[^ ]+" "$out/$name.log" |
+          awk '{print $2}' | sort -u) | head -20
+    fi
   done
 }
 
@@ -168,8 +177,8 @@ fi
 
 [ "${SUITES:-}" = run ] && suites
 
-stamp "SASS summary"
-if [ -f "$lib" ] && command -v cuobjdump > /dev/null; then
+if [ "${SASS:-}" != skip ] && [ -f "$lib" ] && command -v cuobjdump > /dev/null; then
+  stamp "SASS summary"
   cuobjdump --dump-sass "$lib" > "$out/sass.txt" 2>/dev/null
   python3 - "$out/sass.txt" <<'PY' | tee "$out/sass_summary.txt"
 import collections, re, sys
