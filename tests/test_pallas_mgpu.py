@@ -44,6 +44,15 @@ def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, 
     return q, k, v, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
 
 
+def interpreter_device(interpret):
+    """Where a case runs: interpreted, on the CPU device, on a GPU machine too. JAX's
+    interpreter runs each warpgroup of a kernel (the copy warpgroup beside the compute one)
+    as a program of its own that waits for the others at the kernel's barriers; with those
+    programs on the GPU they stalled (jax 0.11 on an H100: two such cases ran past 200 s,
+    where they take 2-6 s on a CPU), as test_pallas_mgpu_prefill's did on an H200."""
+    return jax.devices("cpu")[0] if interpret else jax.devices()[0]
+
+
 def reference(q, k, v, tables, lens, **kw):
     return jaxattn.paged_attention(q, k, v, tables, lens, implementation="reference", **kw)
 
@@ -74,24 +83,29 @@ def test_matches_reference_with_unread_slots_poisoned(case, interpret):
     layout, dtype, (hq, hkv), d, page, lens, part, kw = CASES[case]
     kw = dict(kw)
     width, pages = kw.pop("width", 12), kw.pop("pages", 40)
-    q, k, v, tables, lens = poisoned_case(
-        case,
-        batch=len(lens),
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        page=page,
-        pages=pages,
-        width=width,
-        lens=lens,
-        layout=layout,
-        dtype=dtype,
+    device = interpreter_device(interpret)
+    q, k, v, tables, lens = jax.device_put(
+        poisoned_case(
+            case,
+            batch=len(lens),
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            page=page,
+            pages=pages,
+            width=width,
+            lens=lens,
+            layout=layout,
+            dtype=dtype,
+        ),
+        device,
     )
-    out = decode_mgpu.paged_attention(
-        q, k, v, tables, lens, layout=layout, partition_pages=part, interpret=interpret, **kw
-    )
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert_close(out, reference(q, k, v, tables, lens, layout=layout))
+    with jax.default_device(device):
+        out = decode_mgpu.paged_attention(
+            q, k, v, tables, lens, layout=layout, partition_pages=part, interpret=interpret, **kw
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert_close(out, reference(q, k, v, tables, lens, layout=layout))
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -286,18 +300,20 @@ def test_experiments_lower(monkeypatch, specialized):
         *cascade, sds((2, 16), jnp.int32), i32, triton=False,
     ).mlir_module()  # fmt: skip
     assert "mosaic_gpu" in text
-    case = poisoned_case(
+    cpu = interpreter_device(True)
+    case = jax.device_put(poisoned_case(
         5, batch=4, hq=8, hkv=2, d=64, page=16, pages=40, width=12, lens=[70, 128, 30, 0],
         layout="bshd", dtype=jnp.bfloat16,
-    )  # fmt: skip
+    ), cpu)  # fmt: skip
     # One pass and split; the two-warpgroup form (5 s a run interpreted, 36 s before
     # conftest.py compiled its warpgroups' program once) split only: the experiments change
     # the steps' loop, which both grids run alike.
     for partition_pages in (4,) if specialized else (None, 4):
-        out = decode_mgpu.paged_attention(
-            *case, interpret=True, specialized=specialized, partition_pages=partition_pages
-        )
-        assert_close(out, reference(*case), jnp.bfloat16)
+        with jax.default_device(cpu):
+            out = decode_mgpu.paged_attention(
+                *case, interpret=True, specialized=specialized, partition_pages=partition_pages
+            )
+            assert_close(out, reference(*case), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -359,7 +375,7 @@ def test_fp8_caches(fmt, layout, specialized, part, hkv, interpret):
     through the public op as well. Interpreted on the
     CPU device on a GPU machine too (JAX's GPU interpreter runs each warpgroup as a program
     of its own and has stalled with them on an H200, see test_pallas_mgpu_prefill)."""
-    device = jax.devices("cpu")[0] if interpret else jax.devices()[0]
+    device = interpreter_device(interpret)
     # part None: default_partition_pages splits these small grids into partitions of 4
     # pages (one step), so 12 columns are 3 partitions. 33 heads: 8 columns, 2 partitions;
     # both sequences end in the first and the second is empty (a third, as empty, would
