@@ -228,6 +228,25 @@ __device__ bool find_prefill_tile(const PrefillParams& p, int bm, int x, int hea
   return true;
 }
 
+// The mma kernels' tile x (find_prefill_tile's) and query head y, taken tile-major from the
+// block's linear index -- the order in which blocks start, x fastest: every head's heaviest
+// tiles in the first waves, the lightest tiles of all heads at the end. In the grid's own
+// (x, y) order each head's tiles ran heaviest to lightest in turn, and the last heads' heavy
+// tiles started less than a wave before the end and ran on alone: on an H100 the mma kernel
+// took 3.5-5.4% longer on 8 x (2048 + 512), 1 x (0 + 8192) and 4 x (0 + 4096), bf16 and e4m3
+// (prefill self-test, alternated twice; ffi/NOTES.md, round 61). The sm90 kernel keeps its
+// grid's order: its GQA-packed grid (a KV head's 4 query heads in one tile, 8 heads in y) lost
+// 2-2.5% on the two causal rows this way, the K and V of all KV heads in flight at once
+// instead of one's. The SIMT kernel (HIP, and head dims the tensor-core kernels do not take)
+// is not timed in this order and keeps the grid's.
+struct PrefillBlock {
+  int x, y;
+};
+__device__ __forceinline__ PrefillBlock prefill_block() {
+  const unsigned l = blockIdx.y * gridDim.x + blockIdx.x;
+  return {int(l / gridDim.y), int(l % gridDim.y)};
+}
+
 // Keys [0, end) are loaded for the tile; tiles wholly below full_end need no mask.
 struct KeyRange {
   int end;
@@ -760,11 +779,12 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
   static_assert(kPrefillTileScratch<S::kThreads> * 4 <= S::kTileBytes, "scratch must fit a tile");
   static_assert(RP % 8 == 0, "a thread's copy rows must share one swizzle phase");
 
-  const int head = blockIdx.y;
+  const PrefillBlock blk = prefill_block();
+  const int head = blk.y;
   PrefillTile t;
   // The tile search's scratch: the K ring, which the first copies fill after the barrier
   // that follows the row offsets below.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(k_s), &t))
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blk.x, head, reinterpret_cast<int*>(k_s), &t))
     return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
@@ -1010,10 +1030,11 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
   static_assert(kPrefillTileScratch<S::kThreads> * 4 <= S::kTileBytes, "scratch must fit a tile");
   static_assert(F8R % 8 == 0, "a thread's widened rows must share one swizzle phase");
 
-  const int head = blockIdx.y;
+  const PrefillBlock blk = prefill_block();
+  const int head = blk.y;
   PrefillTile t;
   // The tile search's scratch: the widened K tile, first written in the loop.
-  if (!find_prefill_tile<T, S::kThreads>(p, BM, blockIdx.x, head, reinterpret_cast<int*>(k_s), &t))
+  if (!find_prefill_tile<T, S::kThreads>(p, BM, blk.x, head, reinterpret_cast<int*>(k_s), &t))
     return;
   const KvGeometry& kv = p.kv;
   const int kvh = head / (p.num_q_heads / kv.num_kv_heads);
