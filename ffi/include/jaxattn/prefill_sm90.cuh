@@ -259,7 +259,7 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 // self-test, 8 x (2048 + 512) 425 against 434 TFLOP/s, 1 x (0 + 8192) 500 against 510): the
 // two warpgroups drift apart on their own. Not kept. FlashAttention-4's form of it (each
 // warpgroup waits for its turn before issuing S_n and P_{n-1} V_{n-1}, arrives on the other's
-// after), built into this round's kernel, was 3-4% slower on an H100 (prefill self-test,
+// after), built into round 60's kernel, was 3-4% slower on an H100 (prefill self-test,
 // alternated: 8 x (2048 + 512) 512 -> 496 TFLOP/s, 1 x (0 + 8192) 606 -> 582, 4 x (0 + 4096)
 // 537 -> 517; ffi/NOTES.md, round 61).
 //
