@@ -722,6 +722,15 @@ def mesh_of(n: int):
     return sharding.make_mesh(n)
 
 
+def interpreter_device(interpret):
+    """Where a Mosaic GPU case runs: interpreted, on the CPU device, on a GPU machine too.
+    JAX's interpreter runs each warpgroup of a kernel (a copy warpgroup beside the compute
+    one, the prefill's three) as a program of its own that waits for the others at the
+    kernel's barriers; with those programs on the GPU they stalled (jax 0.11: the prefill's
+    on an H200, two decode cases on an H100 past 200 s, where they take 2-6 s on a CPU)."""
+    return jax.devices("cpu")[0] if interpret else jax.devices()[0]
+
+
 def poisoned_pages(rng, lens, *, page, pages, width, hkv, d):
     """float32 bshd K/V pools ``[pages, page, hkv, d]`` and int32 block tables ``[len(lens),
     width]`` for sequences of ``lens`` tokens on permuted pages: NaN in every pool slot no

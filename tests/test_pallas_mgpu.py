@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, export_cuda, poisoned_pages
+from helpers import assert_close, export_cuda, interpreter_device, poisoned_pages
 
 import jaxattn
 from jaxattn import layout as L
@@ -42,15 +42,6 @@ def poisoned_case(seed, *, batch, hq, hkv, d, page, pages, width, lens, layout, 
     if layout == "bhsd":
         k, v = L.convert(k, v, "bshd", "bhsd")
     return q, k, v, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
-
-
-def interpreter_device(interpret):
-    """Where a case runs: interpreted, on the CPU device, on a GPU machine too. JAX's
-    interpreter runs each warpgroup of a kernel (the copy warpgroup beside the compute one)
-    as a program of its own that waits for the others at the kernel's barriers; with those
-    programs on the GPU they stalled (jax 0.11 on an H100: two such cases ran past 200 s,
-    where they take 2-6 s on a CPU), as test_pallas_mgpu_prefill's did on an H200."""
-    return jax.devices("cpu")[0] if interpret else jax.devices()[0]
 
 
 def reference(q, k, v, tables, lens, **kw):

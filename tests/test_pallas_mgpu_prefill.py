@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, poisoned_pages
+from helpers import assert_close, interpreter_device, poisoned_pages
 from jax import export
 
 import jaxattn
@@ -132,7 +132,7 @@ def test_warp_specialized_interpreted(run):
     spec = WS_INTERPRETED[run]
     case = spec["case"]
     layout, group = case["layout"], case["hq"] // case["hkv"]
-    cpu = jax.devices("cpu")[0]
+    cpu = interpreter_device(True)
     q, k, v, cu, tables, lens = jax.device_put(poisoned_case(12, **case), cpu)
     rows = sum(case["lq"])
     with jax.default_device(cpu):
