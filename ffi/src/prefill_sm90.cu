@@ -18,3 +18,19 @@ template const char* launch_prefill_sm90<f16_t, e5m2_t>(const PrefillParams&, gp
 }  // namespace gpu
 }  // namespace jaxattn
 #endif
+
+#if defined(JAXATTN_CUDA) && JAXATTN_SM90_WAIT_STATS
+namespace jaxattn {
+namespace gpu {
+// The wait counters of this translation unit's kernels (JAXATTN_SM90_WAIT_STATS builds): read
+// into host[kWaitStats], then zeroed when `reset`.
+void sm90_read_wait_stats(unsigned long long* host, bool reset) {
+  cudaMemcpyFromSymbol(host, sm90_wait_stats, sizeof(unsigned long long) * kWaitStats);
+  if (reset) {
+    const unsigned long long zero[kWaitStats] = {};
+    cudaMemcpyToSymbol(sm90_wait_stats, zero, sizeof(zero));
+  }
+}
+}  // namespace gpu
+}  // namespace jaxattn
+#endif

@@ -54,6 +54,16 @@ using jaxattn::Layout;
 using jaxattn::PrefillParams;
 using jaxattn::gpu::PrefillKernel;
 
+#if JAXATTN_SM90_WAIT_STATS
+// prefill_sm90.cu's wait counters (a -DJAXATTN_SM90_WAIT_STATS=1 build of every source).
+namespace jaxattn {
+namespace gpu {
+void sm90_read_wait_stats(unsigned long long* host, bool reset);
+constexpr int kSelftestWaitStats = 9;  // Sm90WaitStat's kWaitStats (prefill_sm90.cuh)
+}  // namespace gpu
+}  // namespace jaxattn
+#endif
+
 #define CK(x)                                                                               \
   do {                                                                                      \
     cudaError_t e_ = (x);                                                                   \
@@ -659,6 +669,10 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     std::vector<float> ms;
+#if JAXATTN_SM90_WAIT_STATS
+    unsigned long long ws[jaxattn::gpu::kSelftestWaitStats];
+    jaxattn::gpu::sm90_read_wait_stats(ws, true);
+#endif
     for (int i = 0; i < 10; ++i) {
       if (flush != nullptr) CK(cudaMemsetAsync(flush, i, kFlushBytes));
       CK(cudaEventRecord(e0));
@@ -675,6 +689,21 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
     const double med = 0.5 * (ms[4] + ms[5]);
     std::printf("  %-28s %-5s %9.1f us  %6.1f TFLOP/s (useful)  [min %.1f us]\n", name,
                 kernel_name(which), med * 1e3, flops / (med * 1e-3) / 1e12, ms[0] * 1e3);
+#if JAXATTN_SM90_WAIT_STATS
+    if (which == PrefillKernel::kSm90) {
+      // Cycles a warp a key tile (the ten timed launches; consumer warps 8 a block, producer
+      // warps 4), and the consumers' share of their span spent waiting.
+      jaxattn::gpu::sm90_read_wait_stats(ws, true);
+      const double ct = double(ws[2]) > 0 ? double(ws[2]) : 1.0;
+      const double pt = double(ws[8]) > 0 ? double(ws[8]) : 1.0;
+      std::printf(
+          "  %-28s waits, cycles a warp a tile: consumer K full %.0f, V full %.0f, "
+          "span %.0f (waiting %.1f%%); producer K empty %.0f, V empty %.0f, copies "
+          "%.0f, barrier %.0f\n",
+          name, ws[0] / ct, ws[1] / ct, ws[3] / ct, 100.0 * (ws[0] + ws[1]) / ws[3], ws[4] / pt,
+          ws[5] / pt, ws[6] / pt, ws[7] / pt);
+    }
+#endif
     outs.emplace_back(P.q.size());
     CK(cudaMemcpy(outs.back().data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
   }

@@ -248,11 +248,15 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 //   empty[s] (K and V each): one arrival per consumer warp once its wgmma reading the stage
 //            has completed (K after S_n's wait, V after P V's).
 // A consumer executes fence.proxy.async after each full wait, before its wgmma reads the stage
-// (the copies are generic-proxy writes). The guards' flags live in the producer (index
-// entries) and first_bad (V values); the producer hands them over through shared memory and a
-// named barrier before the consumers store. Named barriers: 1 the producer's own, 2 and 3 each
-// consumer warpgroup's (its q rows moved to float16: a bf16 q over an FP8 cache), 4 the
-// flags' hand-over.
+// (the copies are generic-proxy writes). What the fences cost, measured on an H100 (prefill
+// self-test, alternated, round 62): without them (not a correct program) the long rows ran
+// 0.6-1.0% faster; with the producer fencing instead -- its copies of K_n and V_{n-1}
+// waited for (cp.async.wait_group) once V_n's were issued, then fence and plain arrivals --
+// they were level with this form (-0.7 to +0.2%), which stays. The guards' flags live in the
+// producer (index entries) and first_bad (V values); the producer hands them over through
+// shared memory and a named barrier before the consumers store. Named barriers: 1 the
+// producer's own, 2 and 3 each consumer warpgroup's (its q rows moved to float16: a bf16 q
+// over an FP8 cache), 4 the flags' hand-over.
 //
 // FlashAttention-3's ping-pong (named barriers ordering the two consumer warpgroups' wgmma
 // issue, so one's softmax runs under the other's products) was 1-3% slower on the H200 (prefill
@@ -331,6 +335,28 @@ struct Sm90Shape {
 #endif
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
+#endif
+// JAXATTN_SM90_WAIT_STATS (diagnostics, off by default): the one-tile kernel counts, warp by
+// warp (lane 0's clock64), the cycles its roles spend waiting, summed over the launch into
+// sm90_wait_stats (indices Sm90WaitStat) and read back by sm90_read_wait_stats (prefill_sm90.cu):
+// what the prefill self-test prints after each timed sm90 row of such a build.
+#ifndef JAXATTN_SM90_WAIT_STATS
+#define JAXATTN_SM90_WAIT_STATS 0
+#endif
+enum Sm90WaitStat {
+  kWaitConsumerK,       // consumer warps: cycles in K full waits
+  kWaitConsumerV,       // ... in V full waits
+  kWaitConsumerTiles,   // ... key tiles (one per S)
+  kWaitConsumerSpan,    // ... cycles from the q wait to the last P V's completion
+  kWaitProducerK,       // producer warps: cycles in K empty waits
+  kWaitProducerV,       // ... in V empty waits
+  kWaitProducerCopies,  // ... issuing K's and V's copies
+  kWaitProducerSync,    // ... in the producer barrier that publishes the next tile's offsets
+  kWaitProducerTiles,   // ... key tiles
+  kWaitStats            // 9: prefill_selftest.cu's kSelftestWaitStats
+};
+#if JAXATTN_SM90_WAIT_STATS
+static __device__ unsigned long long sm90_wait_stats[kWaitStats];
 #endif
 // JAXATTN_SM90_ALL_ROWS: the producer's copies of a key tile whose rows are all present (every
 // page within the pool, every key below the request's length: the usual interior tile) skip
@@ -427,6 +453,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// A warp's waiting time by category, added into sm90_wait_stats once at its end (lane 0).
+struct Sm90WaitClock {
+#if JAXATTN_SM90_WAIT_STATS
+  unsigned long long acc[kWaitStats] = {};
+  long long t0 = 0;
+  __device__ __forceinline__ void start() { t0 = clock64(); }
+  __device__ __forceinline__ void stop(int k) { acc[k] += (unsigned long long)(clock64() - t0); }
+  __device__ __forceinline__ void count(int k) { acc[k] += 1; }
+  __device__ __forceinline__ void flush() {
+    if (threadIdx.x % 32 == 0) {
+      for (int k = 0; k < kWaitStats; ++k)
+        if (acc[k]) atomicAdd(&sm90_wait_stats[k], acc[k]);
+    }
+  }
+#else
+  __device__ __forceinline__ void start() {}
+  __device__ __forceinline__ void stop(int) {}
+  __device__ __forceinline__ void count(int) {}
+  __device__ __forceinline__ void flush() {}
+#endif
+};
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -837,6 +884,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
         const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
         const uint32_t v_own = sm90_tile_off<BN>(r0, c);
+        Sm90WaitClock wclk;
         for (int n = 0; n < ntiles; ++n) {
           const int gn = it0 + n, s = gn % NS, slot = n & 1;  // ring position gn
           const uint32_t par = ((gn / NS) & 1) ^ 1;
@@ -876,16 +924,25 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
               batches(std::false_type{});
             }
           };
+          wclk.start();
           if (gn >= NS) mbar_wait(kempty(s), par);
+          wclk.stop(kWaitProducerK);
+          wclk.start();
 #if JAXATTN_SM90_TIMING_NO_COPY < 1
           copy_rows(k_s + uint32_t(s * S::kTileBytes), kg);
 #endif
           mbar_arrive_copies(kfull(s));
+          wclk.stop(kWaitProducerCopies);
+          wclk.start();
           if (gn >= NS) mbar_wait(vempty(s), par);
+          wclk.stop(kWaitProducerV);
+          wclk.start();
           const uint32_t vd = v_s + uint32_t(s * S::kTileBytes);
 #if JAXATTN_SM90_TIMING_NO_COPY < 2
           copy_rows(vd, vg);
 #endif
+          wclk.stop(kWaitProducerCopies);
+          wclk.count(kWaitProducerTiles);
           if (n * BN + BN > range.full_end) {  // keys the mask hides from some rows: the guards
             async_copy_commit();
             async_copy_wait<0>();
@@ -901,8 +958,11 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           }
           rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
           // slot ^ 1 written; every producer thread is done reading it
+          wclk.start();
           all_rows = named_sync_and(1, NP, cur.off >= 0);
+          wclk.stop(kWaitProducerSync);
         }
+        if constexpr (!kPersist) wclk.flush();
       }
       if constexpr (kPersist) {
         // The guards' flags (and first_bad) to the consumers, through flags_full.
@@ -1158,6 +1218,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         for (int i = 0; i < BN / 4; ++i) pf[i] = pack2<M>(s[2 * i], s[2 * i + 1]);
       };
 
+      Sm90WaitClock wclk;
+#if JAXATTN_SM90_WAIT_STATS
+      const long long span0 = clock64();
+#endif
       if constexpr (kPersist) {
         if (ntiles == 0) {  // q came all the same: take it and hand it back
           mbar_wait(qfull, nvalid & 1);
@@ -1192,7 +1256,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           sm90_fence_proxy_async();
           named_sync(2 + cw, 128);
         }
+        wclk.start();
         mbar_wait(kfull(it0 % NS), (it0 / NS) & 1);
+        wclk.stop(kWaitConsumerK);
+        wclk.count(kWaitConsumerTiles);
         sm90_fence_proxy_async();
         sm90_wgmma_fence();
         issue_s(it0);
@@ -1207,8 +1274,13 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       }
       for (int n = 1; n < ntiles; ++n) {
         const int gn = it0 + n, sk = gn % NS, sv = (gn - 1) % NS;  // ring positions
+        wclk.start();
         mbar_wait(kfull(sk), (gn / NS) & 1);
+        wclk.stop(kWaitConsumerK);
+        wclk.start();
         mbar_wait(vfull(sv), ((gn - 1) / NS) & 1);
+        wclk.stop(kWaitConsumerV);
+        wclk.count(kWaitConsumerTiles);
         sm90_fence_proxy_async();
         sm90_wgmma_fence();
         issue_s(gn);       // group 1: S = Q K_n^T
@@ -1228,13 +1300,18 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       }
       if (ntiles > 0) {
         const int gl = it0 + ntiles - 1, sv = gl % NS;
+        wclk.start();
         mbar_wait(vfull(sv), (gl / NS) & 1);
+        wclk.stop(kWaitConsumerV);
         sm90_fence_proxy_async();
         sm90_wgmma_fence();
         issue_pv(gl);
         sm90_wgmma_wait<0>();
         sm90_pin(o);
         sm90_pin(pf);
+#if JAXATTN_SM90_WAIT_STATS
+        wclk.acc[kWaitConsumerSpan] += (unsigned long long)(clock64() - span0);
+#endif
         // The item's last V stage back to the producer: its ring runs on into the next item
         // (the one-tile kernel ends here, and its producer waits for no later stage).
         if constexpr (kPersist) release(vempty(sv));
@@ -1250,6 +1327,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       const bool poisoned = (f & kGuardIndexBad) != 0;
       prefill_mma_store_rows<T, D, kPack>(p, t, head, lr0, tq, l0, l1, p.scales.v_of(kvh), o,
                                           f ? first_bad : nullptr, poisoned, f ? shift : 0);
+      if constexpr (!kPersist) wclk.flush();
       if constexpr (kPersist) {
         if (f) {
           // Every consumer has read them: the guards' state back to clean for the next item.
