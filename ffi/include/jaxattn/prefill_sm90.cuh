@@ -343,6 +343,14 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_WAIT_STATS
 #define JAXATTN_SM90_WAIT_STATS 0
 #endif
+// JAXATTN_SM90_OFFSETS_V4 (a switch under trial, off by default; not yet run on a GPU): the
+// 16-bit producer's table of a tile's row offsets stored transposed -- row r at
+// (r % RP) * (BN / RP) + r / RP -- so that the BN / RP rows a thread copies (r0 + i * RP) have
+// their offsets side by side and a batch of them is read with 16-byte shared loads (one per
+// four rows) instead of one 4-byte load a row. The FP8 loop keeps the plain order.
+#ifndef JAXATTN_SM90_OFFSETS_V4
+#define JAXATTN_SM90_OFFSETS_V4 0
+#endif
 enum Sm90WaitStat {
   kWaitConsumerK,       // consumer warps: cycles in K full waits
   kWaitConsumerV,       // ... in V full waits
@@ -698,7 +706,10 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       }
       RowCursor cur;  // row tid of each key tile
       cur.init(kv, t.table, tid, range.end, flags);
-      rowoff[tid] = sm90_pack_off(cur.off);
+      // Where producer thread tid publishes its row's offset in a slot of the table.
+      constexpr bool kOffV4 = !kF8 && JAXATTN_SM90_OFFSETS_V4;
+      const int off_at = kOffV4 ? (tid % RP) * (BN / RP) + tid / RP : tid;
+      rowoff[off_at] = sm90_pack_off(cur.off);
       // The entry of row tid of the next tile, loaded a tile ahead of its use.
       int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
       // 16-bit and kSplitQ (kAllRows): whether every row of the tile the table holds is
@@ -907,8 +918,18 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #pragma unroll
               for (int b = 0; b < kRows; b += kBatch) {
                 uint32_t u[kBatch];
+                if constexpr (kOffV4) {
+                  static_assert(kBatch % 4 == 0, "16-byte loads of whole groups of four rows");
 #pragma unroll
-                for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+                  for (int i = 0; i < kBatch; i += 4) {
+                    const uint4 w = *reinterpret_cast<const uint4*>(rowoff + slot * BN +
+                                                                    r0 * (BN / RP) + b + i);
+                    u[i] = w.x, u[i + 1] = w.y, u[i + 2] = w.z, u[i + 3] = w.w;
+                  }
+                } else {
+#pragma unroll
+                  for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+                }
 #pragma unroll
                 for (int i = 0; i < kBatch; ++i) {
                   const bool ok = kAll || u[i] != kSm90NoRow;
@@ -956,7 +977,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
           } else {
             mbar_arrive_copies(vfull(s));
           }
-          rowoff[(slot ^ 1) * BN + tid] = sm90_pack_off(cur.off);
+          rowoff[(slot ^ 1) * BN + off_at] = sm90_pack_off(cur.off);
           // slot ^ 1 written; every producer thread is done reading it
           wclk.start();
           all_rows = named_sync_and(1, NP, cur.off >= 0);
