@@ -22,8 +22,7 @@ template const char* launch_prefill_sm90<f16_t, e5m2_t>(const PrefillParams&, gp
 #if defined(JAXATTN_CUDA) && JAXATTN_SM90_WAIT_STATS
 namespace jaxattn {
 namespace gpu {
-// The wait counters of this translation unit's kernels (JAXATTN_SM90_WAIT_STATS builds): read
-// into host[kWaitStats], then zeroed when `reset`.
+// The wait counters of this translation unit's kernels (JAXATTN_SM90_WAIT_STATS builds).
 void sm90_read_wait_stats(unsigned long long* host, bool reset) {
   cudaMemcpyFromSymbol(host, sm90_wait_stats, sizeof(unsigned long long) * kWaitStats);
   if (reset) {

@@ -54,15 +54,7 @@ using jaxattn::Layout;
 using jaxattn::PrefillParams;
 using jaxattn::gpu::PrefillKernel;
 
-#if JAXATTN_SM90_WAIT_STATS
-// prefill_sm90.cu's wait counters (a -DJAXATTN_SM90_WAIT_STATS=1 build of every source).
-namespace jaxattn {
-namespace gpu {
-void sm90_read_wait_stats(unsigned long long* host, bool reset);
-constexpr int kSelftestWaitStats = 9;  // Sm90WaitStat's kWaitStats (prefill_sm90.cuh)
-}  // namespace gpu
-}  // namespace jaxattn
-#endif
+#include "jaxattn/prefill_sm90_stats.h"  // a -DJAXATTN_SM90_WAIT_STATS=1 build's counters
 
 #define CK(x)                                                                               \
   do {                                                                                      \
@@ -670,7 +662,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
     CK(cudaEventCreate(&e1));
     std::vector<float> ms;
 #if JAXATTN_SM90_WAIT_STATS
-    unsigned long long ws[jaxattn::gpu::kSelftestWaitStats];
+    unsigned long long ws[jaxattn::gpu::kWaitStats];
     jaxattn::gpu::sm90_read_wait_stats(ws, true);
 #endif
     for (int i = 0; i < 10; ++i) {
@@ -693,15 +685,18 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
     if (which == PrefillKernel::kSm90) {
       // Cycles a warp a key tile (the ten timed launches; consumer warps 8 a block, producer
       // warps 4), and the consumers' share of their span spent waiting.
-      jaxattn::gpu::sm90_read_wait_stats(ws, true);
-      const double ct = double(ws[2]) > 0 ? double(ws[2]) : 1.0;
-      const double pt = double(ws[8]) > 0 ? double(ws[8]) : 1.0;
+      using namespace jaxattn::gpu;
+      sm90_read_wait_stats(ws, true);
+      const double ct = std::max(1.0, double(ws[kWaitConsumerTiles]));
+      const double pt = std::max(1.0, double(ws[kWaitProducerTiles]));
+      const double waited = double(ws[kWaitConsumerK]) + double(ws[kWaitConsumerV]);
       std::printf(
           "  %-28s waits, cycles a warp a tile: consumer K full %.0f, V full %.0f, "
           "span %.0f (waiting %.1f%%); producer K empty %.0f, V empty %.0f, copies "
           "%.0f, barrier %.0f\n",
-          name, ws[0] / ct, ws[1] / ct, ws[3] / ct, 100.0 * (ws[0] + ws[1]) / ws[3], ws[4] / pt,
-          ws[5] / pt, ws[6] / pt, ws[7] / pt);
+          name, ws[kWaitConsumerK] / ct, ws[kWaitConsumerV] / ct, ws[kWaitConsumerSpan] / ct,
+          100.0 * waited / std::max(1.0, double(ws[kWaitConsumerSpan])), ws[kWaitProducerK] / pt,
+          ws[kWaitProducerV] / pt, ws[kWaitProducerCopies] / pt, ws[kWaitProducerSync] / pt);
     }
 #endif
     outs.emplace_back(P.q.size());

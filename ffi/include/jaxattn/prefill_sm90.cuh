@@ -57,6 +57,7 @@
 #include <type_traits>
 
 #include "jaxattn/prefill.cuh"
+#include "jaxattn/prefill_sm90_stats.h"
 
 #if defined(JAXATTN_CUDA)
 
@@ -336,13 +337,6 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
-// JAXATTN_SM90_WAIT_STATS (diagnostics, off by default): the one-tile kernel counts, warp by
-// warp (lane 0's clock64), the cycles its roles spend waiting, summed over the launch into
-// sm90_wait_stats (indices Sm90WaitStat) and read back by sm90_read_wait_stats (prefill_sm90.cu):
-// what the prefill self-test prints after each timed sm90 row of such a build.
-#ifndef JAXATTN_SM90_WAIT_STATS
-#define JAXATTN_SM90_WAIT_STATS 0
-#endif
 // JAXATTN_SM90_OFFSETS_V4 (a switch under trial, off by default; not yet run on a GPU): the
 // 16-bit producer's table of a tile's row offsets stored transposed -- row r at
 // (r % RP) * (BN / RP) + r / RP -- so that the BN / RP rows a thread copies (r0 + i * RP) have
@@ -351,18 +345,7 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_OFFSETS_V4
 #define JAXATTN_SM90_OFFSETS_V4 0
 #endif
-enum Sm90WaitStat {
-  kWaitConsumerK,       // consumer warps: cycles in K full waits
-  kWaitConsumerV,       // ... in V full waits
-  kWaitConsumerTiles,   // ... key tiles (one per S)
-  kWaitConsumerSpan,    // ... cycles from the q wait to the last P V's completion
-  kWaitProducerK,       // producer warps: cycles in K empty waits
-  kWaitProducerV,       // ... in V empty waits
-  kWaitProducerCopies,  // ... issuing K's and V's copies
-  kWaitProducerSync,    // ... in the producer barrier that publishes the next tile's offsets
-  kWaitProducerTiles,   // ... key tiles
-  kWaitStats            // 9: prefill_selftest.cu's kSelftestWaitStats
-};
+// JAXATTN_SM90_WAIT_STATS (prefill_sm90_stats.h): the counters' storage.
 #if JAXATTN_SM90_WAIT_STATS
 static __device__ unsigned long long sm90_wait_stats[kWaitStats];
 #endif
@@ -466,8 +449,12 @@ struct Sm90WaitClock {
 #if JAXATTN_SM90_WAIT_STATS
   unsigned long long acc[kWaitStats] = {};
   long long t0 = 0;
-  __device__ __forceinline__ void start() { t0 = clock64(); }
-  __device__ __forceinline__ void stop(int k) { acc[k] += (unsigned long long)(clock64() - t0); }
+  __device__ __forceinline__ long long mark() const { return clock64(); }
+  __device__ __forceinline__ void add_since(int k, long long t) {
+    acc[k] += (unsigned long long)(clock64() - t);
+  }
+  __device__ __forceinline__ void start() { t0 = mark(); }
+  __device__ __forceinline__ void stop(int k) { add_since(k, t0); }
   __device__ __forceinline__ void count(int k) { acc[k] += 1; }
   __device__ __forceinline__ void flush() {
     if (threadIdx.x % 32 == 0) {
@@ -476,6 +463,8 @@ struct Sm90WaitClock {
     }
   }
 #else
+  __device__ __forceinline__ long long mark() const { return 0; }
+  __device__ __forceinline__ void add_since(int, long long) {}
   __device__ __forceinline__ void start() {}
   __device__ __forceinline__ void stop(int) {}
   __device__ __forceinline__ void count(int) {}
@@ -1240,9 +1229,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       };
 
       Sm90WaitClock wclk;
-#if JAXATTN_SM90_WAIT_STATS
-      const long long span0 = clock64();
-#endif
+      const long long span0 = wclk.mark();
       if constexpr (kPersist) {
         if (ntiles == 0) {  // q came all the same: take it and hand it back
           mbar_wait(qfull, nvalid & 1);
@@ -1330,9 +1317,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
         sm90_wgmma_wait<0>();
         sm90_pin(o);
         sm90_pin(pf);
-#if JAXATTN_SM90_WAIT_STATS
-        wclk.acc[kWaitConsumerSpan] += (unsigned long long)(clock64() - span0);
-#endif
+        wclk.add_since(kWaitConsumerSpan, span0);
         // The item's last V stage back to the producer: its ring runs on into the next item
         // (the one-tile kernel ends here, and its producer waits for no later stage).
         if constexpr (kPersist) release(vempty(sv));
