@@ -337,14 +337,6 @@ struct Sm90Shape {
 #ifndef JAXATTN_SM90_CHAINS
 #define JAXATTN_SM90_CHAINS 1
 #endif
-// JAXATTN_SM90_OFFSETS_V4 (a switch under trial, off by default; not yet run on a GPU): the
-// 16-bit producer's table of a tile's row offsets stored transposed -- row r at
-// (r % RP) * (BN / RP) + r / RP -- so that the BN / RP rows a thread copies (r0 + i * RP) have
-// their offsets side by side and a batch of them is read with 16-byte shared loads (one per
-// four rows) instead of one 4-byte load a row. The FP8 loop keeps the plain order.
-#ifndef JAXATTN_SM90_OFFSETS_V4
-#define JAXATTN_SM90_OFFSETS_V4 0
-#endif
 // JAXATTN_SM90_WAIT_STATS (prefill_sm90_stats.h): the counters' storage.
 #if JAXATTN_SM90_WAIT_STATS
 static __device__ unsigned long long sm90_wait_stats[kWaitStats];
@@ -695,9 +687,14 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
       }
       RowCursor cur;  // row tid of each key tile
       cur.init(kv, t.table, tid, range.end, flags);
-      // Where producer thread tid publishes its row's offset in a slot of the table.
-      constexpr bool kOffV4 = !kF8 && JAXATTN_SM90_OFFSETS_V4;
-      const int off_at = kOffV4 ? (tid % RP) * (BN / RP) + tid / RP : tid;
+      // Where producer thread tid publishes its row's offset in a slot of the table. The 16-bit
+      // producer's table is transposed -- row r at (r % RP) * (BN / RP) + r / RP -- so that the
+      // BN / RP rows a thread copies (r0 + i * RP) have their offsets side by side and a batch
+      // of them is read with 16-byte shared loads, one per four rows (the all-rows copy path of
+      // a tile at head_dim 128: 8 shared loads a thread instead of 32; H100 self-test +0.5-1.6%
+      // on the one-tile and persistent rows, none slower: ffi/NOTES.md, round 63). The FP8 loop
+      // keeps the plain order.
+      const int off_at = kF8 ? tid : (tid % RP) * (BN / RP) + tid / RP;
       rowoff[off_at] = sm90_pack_off(cur.off);
       // The entry of row tid of the next tile, loaded a tile ahead of its use.
       int ahead = RowCursor::entry_ahead(kv, t.table, BN + tid, range.end);
@@ -907,17 +904,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #pragma unroll
               for (int b = 0; b < kRows; b += kBatch) {
                 uint32_t u[kBatch];
-                if constexpr (kOffV4) {
-                  static_assert(kBatch % 4 == 0, "16-byte loads of whole groups of four rows");
+                static_assert(kBatch % 4 == 0, "16-byte loads of whole groups of four rows");
 #pragma unroll
-                  for (int i = 0; i < kBatch; i += 4) {
-                    const uint4 w = *reinterpret_cast<const uint4*>(rowoff + slot * BN +
-                                                                    r0 * (BN / RP) + b + i);
-                    u[i] = w.x, u[i + 1] = w.y, u[i + 2] = w.z, u[i + 3] = w.w;
-                  }
-                } else {
-#pragma unroll
-                  for (int i = 0; i < kBatch; ++i) u[i] = rowoff[slot * BN + r0 + (b + i) * RP];
+                for (int i = 0; i < kBatch; i += 4) {
+                  const uint4 w =
+                      *reinterpret_cast<const uint4*>(rowoff + slot * BN + r0 * (BN / RP) + b + i);
+                  u[i] = w.x, u[i + 1] = w.y, u[i + 2] = w.z, u[i + 3] = w.w;
                 }
 #pragma unroll
                 for (int i = 0; i < kBatch; ++i) {
