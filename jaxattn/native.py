@@ -554,9 +554,10 @@ class PrefillConfig:
     or more new tokens a request on average, else the mma.sync one, else SIMT), ``sm90``,
     ``mma`` or ``simt``; a forced kernel is used wherever it supports the dtype and head
     dim. ``sm90_persistent``: the Hopper kernel launched one block per multiprocessor, each
-    looping over the tiles (overlapping one tile's last products with the next one's first
-    loads); ``auto`` does not pick it: on an H200 it was 2-6% slower than the one-tile-a-block
-    launch on long extends and level on short ones. The CPU has one kernel."""
+    claiming tiles from a counter until none is left (overlapping one tile's last products
+    with the next one's first loads); ``auto`` does not pick it: on an H100, through the public
+    ops, it ran level with the one-tile-a-block launch on long extends and up to 5% behind on
+    short ones. The CPU has one kernel."""
 
     kernel: str = "auto"
 
@@ -665,6 +666,12 @@ def _prefill_config(config):
     return PrefillConfig(_env.overrides().prefill_kernel or "auto")
 
 
+def _prefill_results(q):
+    """The prefill calls' results: the output, and one uint32 the persistent GPU kernel claims
+    its work items from (zeroed by its launcher; unused by the other kernels and the CPU)."""
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1,), jnp.uint32))
+
+
 def prefix_prefill(
     q,
     k_cache,
@@ -683,10 +690,8 @@ def prefix_prefill(
     """Prefix-cached prefill over a paged cache: q [Tq, Hq, D] -> [Tq, Hq, D]."""
     platform = _ensure_registered()
     _require(platform, q, k_cache, v_cache, layout)
-    call = jax.ffi.ffi_call(
-        "jaxattn_prefix_prefill", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
-    )
-    return call(
+    call = jax.ffi.ffi_call("jaxattn_prefix_prefill", _prefill_results(q), vmap_method="sequential")
+    out, _ = call(
         q,
         k_cache,
         v_cache,
@@ -699,6 +704,7 @@ def prefix_prefill(
         layout=np.int32(_layout_id(layout)),
         kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
     )
+    return out
 
 
 def extend_attention(
@@ -719,9 +725,9 @@ def extend_attention(
     platform = _ensure_registered()
     _require(platform, q, k_cache, v_cache, L.POOL)
     call = jax.ffi.ffi_call(
-        "jaxattn_extend_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+        "jaxattn_extend_attention", _prefill_results(q), vmap_method="sequential"
     )
-    return call(
+    out, _ = call(
         q,
         k_cache,
         v_cache,
@@ -733,6 +739,7 @@ def extend_attention(
         **_attrs(scale, soft_cap),
         kernel=np.int32(_KERNEL_IDS[_prefill_config(config).kernel]),
     )
+    return out
 
 
 # --- KV writes ---------------------------------------------------------------------------------

@@ -494,6 +494,7 @@ auto bind_prefix_prefill(B&& b) {
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::U32>>()  // work: the persistent GPU prefill's counter
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("layout")
@@ -512,6 +513,7 @@ auto bind_extend_attention(B&& b) {
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::U32>>()  // work: the persistent GPU prefill's counter
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("kernel");

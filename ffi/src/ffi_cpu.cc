@@ -73,7 +73,8 @@ ffi::Error PrefixPrefillCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_scale,
                             ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
-                            float scale, float soft_cap, int32_t layout, int32_t kernel) {
+                            ffi::Result<ffi::Buffer<ffi::U32>> /*work: GPU only*/, float scale,
+                            float soft_cap, int32_t layout, int32_t kernel) {
   PrefillParams p;
   KvType kv;
   if (auto e = ffi_common::make_prefix_prefill_params(q, k, v, cu_seqlens_q, block_tables, seq_lens,
@@ -89,7 +90,8 @@ ffi::Error ExtendAttentionCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer
                               ffi::Buffer<ffi::S32> qo_indptr, ffi::Buffer<ffi::S32> kv_indptr,
                               ffi::Buffer<ffi::S32> kv_indices, ffi::Buffer<ffi::F32> k_scale,
                               ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::AnyBuffer> out,
-                              float scale, float soft_cap, int32_t kernel) {
+                              ffi::Result<ffi::Buffer<ffi::U32>> /*work: GPU only*/, float scale,
+                              float soft_cap, int32_t kernel) {
   PrefillParams p;
   KvType kv;
   if (auto e = ffi_common::make_extend_params(q, k, v, qo_indptr, kv_indptr, kv_indices, k_scale,

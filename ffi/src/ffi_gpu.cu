@@ -78,7 +78,8 @@ ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                            ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::U32>> work, float scale, float soft_cap,
                             int32_t layout, int32_t kernel) {
   PrefillParams p;
   ffi_common::KvType kv;
@@ -91,6 +92,8 @@ ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   gpu::KvType kt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
   if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  if (work->element_count() < 1) return ffi_common::invalid("the prefill's work result is empty");
+  p.work_counter = work->typed_data();
   return launched("prefix prefill", gpu::launch_prefill(dt, kt, p, stream));
 }
 
@@ -98,7 +101,8 @@ ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qo_indptr,
                               ffi::Buffer<ffi::S32> kv_indptr, ffi::Buffer<ffi::S32> kv_indices,
                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::U32>> work, float scale, float soft_cap,
                               int32_t kernel) {
   PrefillParams p;
   ffi_common::KvType kv;
@@ -110,6 +114,8 @@ ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   gpu::KvType kt;
   if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
   if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  if (work->element_count() < 1) return ffi_common::invalid("the prefill's work result is empty");
+  p.work_counter = work->typed_data();
   return launched("extend attention", gpu::launch_prefill(dt, kt, p, stream));
 }
 

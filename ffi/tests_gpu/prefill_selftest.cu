@@ -300,6 +300,7 @@ struct Device {
   void *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr;
   int32_t *cu = nullptr, *table = nullptr, *indptr = nullptr, *seq = nullptr;
   float *ks = nullptr, *vs = nullptr;
+  uint32_t* work = nullptr;  // the persistent launch's work counter
   size_t out_bytes = 0;
   int kv8 = 0;
   PrefillParams p;
@@ -325,6 +326,8 @@ struct Device {
     seq = static_cast<int32_t*>(up(P.seq_lens));
     out_bytes = P.q.size() * 2;
     CK(cudaMalloc(&out, out_bytes));
+    CK(cudaMalloc(&work, sizeof(uint32_t)));
+    p.work_counter = work;
     p.q = q;
     p.k = k;
     p.v = v;
@@ -346,7 +349,7 @@ struct Device {
   ~Device() {
     for (void* x : {q, k, v, out, static_cast<void*>(cu), static_cast<void*>(table),
                     static_cast<void*>(indptr), static_cast<void*>(seq), static_cast<void*>(ks),
-                    static_cast<void*>(vs)})
+                    static_cast<void*>(vs), static_cast<void*>(work)})
       if (x) cudaFree(x);
   }
   const char* launch(bool f16, PrefillKernel which) const {

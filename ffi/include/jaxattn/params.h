@@ -195,6 +195,10 @@ struct PrefillParams {
   // multiprocessor). The self-test's checks launch few, so that every block loops over
   // several items; its timings may launch one an item (the persistent code, no item loop).
   int32_t persistent_blocks = 0;
+  // GPU sm90 persistent launch: the counter its blocks claim work items from (one uint32 of
+  // device memory, zeroed by the launcher before the kernel; the FFI's `work` result). Unused
+  // by the other kernels and on the CPU.
+  uint32_t* work_counter = nullptr;
 };
 
 // out[m, n] = sum_k x[m, k] w[k, n], f32 accumulation (jaxattn/native.py: linear). x [m, k]

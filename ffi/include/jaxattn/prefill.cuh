@@ -1237,9 +1237,9 @@ const char* launch_prefill_sm90(const PrefillParams& p, gpuStream_t stream);
 #endif
 
 // The values of PrefillParams::kernel (the FFI attribute `kernel`).
-// kSm90Persistent: the sm90 kernel with one block an SM looping over the tiles (not chosen by
-// kAuto: on an H200 2-6% slower than the one-tile-a-block launch on long extends, level on
-// short ones; ffi/NOTES.md, round 13).
+// kSm90Persistent: the sm90 kernel with one block an SM claiming tiles from a counter (not
+// chosen by kAuto: through the public ops on an H100 level with the one-tile-a-block launch on
+// long extends, up to 5% behind on short ones; ffi/NOTES.md, rounds 13 and 63).
 enum class PrefillKernel { kAuto = 0, kSm90 = 1, kMma = 2, kSimt = 3, kSm90Persistent = 4 };
 
 // Mean new tokens per request below which `auto` prefers the mma kernel's 64-row tiles (when

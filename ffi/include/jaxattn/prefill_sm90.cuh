@@ -274,20 +274,24 @@ __device__ __forceinline__ void sm90_mma_rs(float (&d)[N / 2], const uint32_t* a
 //
 // The persistent launch (kPersist; PrefillKernel::kSm90Persistent, not chosen by auto): one
 // block an SM, each looping over work items -- the one-tile-a-block grid's (tile, head group)
-// pairs, sm90_item's static snake -- so that an item's first q and K copies overlap the
-// previous item's last products and store instead of waiting for a new block to start. The
-// producer finds each item (find_prefill_tile over its own 128 threads: named barrier 1) and
-// publishes a record; the rings, their barriers and their phases run on across items (ring
-// position it0 + n). Hand-over barriers, each with a phase per record / valid item: record
-// full and empty, q empty (released by the consumer warps after the item's last S; the
-// producer's next q copy waits for it), flags full (the guards' flags, in place of named
-// barrier 4), item done (the consumers' store has read first_bad and block_flags and reset
-// them; the producer waits for it before its next guard). Registers 96 / 200: with the item
-// loop's state the producer spilled at 64 and at 80 / 208. H200 (prefill self-test, bf16,
-// 32/8): 433 / 522 / 442 / 209 TFLOP/s on 8 x (2048 + 512), 1 x (0 + 8192), 4 x (0 + 4096),
-// 32 x (1000 + 24), against the one-tile launch's 457 / 533 / 472 / 211. Launched one block an
-// item (PrefillParams::persistent_blocks) it is 3-5% slower too, so the loss is mostly in this
-// code (the 96 / 200 register split, the hand-over barriers), not in the item order. Opt-in.
+// pairs, claimed from a counter (sm90_items) -- so that an item's first q and K copies overlap
+// the previous item's last products and store instead of waiting for a new block to start.
+// The producer claims and finds each item (find_prefill_tile over its own 128 threads: named
+// barrier 1) and publishes a record (past the last item, an end record); the rings, their
+// barriers and their phases run on across items (ring position it0 + n). Hand-over barriers,
+// each with a phase per record / valid item: record full and empty, q empty (released by the
+// consumer warps after the item's last S; the producer's next q copy waits for it), flags full
+// (the guards' flags, in place of named barrier 4), item done (the consumers' store has read
+// first_bad and block_flags and reset them; the producer waits for it before its next guard).
+// Registers 104 / 200: with the item loop's state the producer spilled at 64 and at 80 / 208,
+// with the claims at 96 in two FP8 kernels (88 / 208, spilling only in FP8 kernels, ran level
+// with 96 / 200 on the 16-bit rows: round 63). With the static order it had until round 63
+// it ran 2-6% behind the one-tile launch on the long rows (round 13); claiming its items,
+// H100 prefill self-test, bf16, 32/8: 8 x (2048 + 512) 522 / 524 / 525 TFLOP/s against the
+// one-tile launch's 512 / 514 / 515 in the same job, 1 x (0 + 8192) 602 / 605 / 601 against
+// 607 / 608 / 605, 4 x (0 + 4096) 536 / 538 / 537 against 535 / 534 / 534; through the public
+// ops, sustained, level on the long rows and 5% behind on 32 x (1000 + 24) (ffi/NOTES.md,
+// round 63). Opt-in.
 // ------------------------------------------------------------------------------------------
 // kF8: an FP8 cache (the same rings: its tiles are staged in the K stage they widen into).
 template <int D, bool kF8 = false>
@@ -368,9 +372,10 @@ static __device__ unsigned long long sm90_wait_stats[kWaitStats];
 
 constexpr int kSm90ProducerRegs = 64;
 constexpr int kSm90ConsumerRegs = 216;
-// The persistent kernel's split (96 + 2 x 200 <= 504): its producer also finds the next work
-// item and keeps the item loop's state, and at 64 registers (or 80 / 208) ptxas spilled.
-constexpr int kSm90PersistProducerRegs = 96;
+// The persistent kernel's split (104 + 2 x 200 = 504): its producer also claims and finds the
+// next work item and keeps the item loop's state; at 64 registers (or 80 / 208) ptxas spilled,
+// and with the claims at 96 in two FP8 kernels (round 63).
+constexpr int kSm90PersistProducerRegs = 104;
 constexpr int kSm90PersistConsumerRegs = 200;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -511,22 +516,20 @@ struct Sm90ProducerSync {
 
 // The persistent kernel's work items: item w is tile w / heads of head group w % heads (the
 // grid of the one-tile-a-block launch, its x and y, heads varying fastest so that the tiles
-// that see the most keys come first). Block b takes item r * grid + b in even rounds r and
-// r * grid + grid - 1 - b in odd ones (a snake, so that the per-round differences of uneven
-// tiles cancel); -1 past the last item.
+// that see the most keys come first). Blocks claim items in that order from a counter
+// (PrefillParams::work_counter, zeroed by the launcher), so that an SM that finishes early
+// takes the next item, as the block scheduler hands the one-tile launch its next block: SMs
+// run at unequal speeds and uneven tiles end unevenly. A static snake over the rounds (block b
+// taking items r * grid + b and r * grid + grid - 1 - b in turn), its order until round 63,
+// ran 0-7% slower on every row (H100 prefill self-test; ffi/NOTES.md, round 63).
 __host__ __device__ __forceinline__ int64_t sm90_items(const PrefillParams& p) {
   const int g = p.pack_heads > 1 ? p.pack_heads : 1;
   const int bm = 128 / g;
   return (int64_t(p.total_q + bm - 1) / bm + p.batch) * (p.num_q_heads / g);
 }
-__device__ __forceinline__ int sm90_item(int r, const PrefillParams& p) {
-  const int nb = gridDim.x, b = blockIdx.x;
-  const int64_t w = int64_t(r) * nb + ((r & 1) ? nb - 1 - b : b);
-  return w < sm90_items(p) ? int(w) : -1;
-}
 
 // T: q's and the output's type; C: the cache's (T, or an FP8 format: the products are then
-// float16, M below). kPersist: one block an SM loops over work items (sm90_item) instead of
+// float16, M below). kPersist: one block an SM loops over work items (sm90_items) instead of
 // one tile a block (launch_prefill_sm90_d says which runs).
 template <typename T, typename C, int D, bool kPack, bool kPersist = false>
 __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
@@ -564,6 +567,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
   // store and the reset of first_bad and block_flags).
   __shared__ int rec[kPersist ? 7 : 1];
   __shared__ int pscratch[kPersist ? kPrefillTileScratch<128> : 1];
+  [[maybe_unused]] __shared__ int claimed;  // kPersist: the producer's claim of this round
   __shared__ __align__(8) uint64_t pbars[kPersist ? 5 : 1];
   const uint32_t bar0 = smem_u32(bars);
   auto kfull = [&](int s) { return bar0 + 8u * uint32_t(s); };
@@ -629,10 +633,23 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     const int c = tid % CH, r0 = tid / CH;                 // chunk c of rows r0 + i * RP
     for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
       if constexpr (kPersist) {
-        const int w = sm90_item(round, p), heads_y = p.num_q_heads / G;
-        if (w < 0) break;
+        if (tid == 0) {
+          const unsigned v = atomicAdd(p.work_counter, 1u);
+          claimed = v < uint64_t(sm90_items(p)) ? int(v) : -1;
+        }
+        // The claim published; every producer thread is done with the last item's scratch
+        // (thread 0 writes `claimed` again only past find_prefill_tile's barriers below).
+        named_sync(1, NP);
+        const int w = claimed, heads_y = p.num_q_heads / G;
+        if (w < 0) {
+          if (tid == 0) {  // the end record: no more items
+            if (round > 0) mbar_wait(rec_empty, (round - 1) & 1);
+            rec[0] = -1;
+            mbar_arrive(rec_full);
+          }
+          break;
+        }
         head = (w % heads_y) * G;
-        named_sync(1, NP);  // every producer thread is done with the last item's scratch
         const bool valid = find_prefill_tile<T, NP, Sm90ProducerSync>(p, BM / G, w / heads_y, head,
                                                                       pscratch, &t, G);
         if (tid == 0) {
@@ -1005,8 +1022,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
     };
     for (int round = 0; kPersist || round < 1; ++round) {  // once without kPersist
       if constexpr (kPersist) {
-        if (sm90_item(round, p) < 0) break;
         mbar_wait(rec_full, round & 1);
+        if (rec[0] < 0) break;  // the end record
         const bool valid = rec[0] != 0;
         head = rec[1];  // the consumers need neither t.b nor t.table
         t.m0 = rec[2];
@@ -1343,8 +1360,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 }
 
 // The persistent launch: one block an SM (the kernel's shared memory allows no more), each
-// looping over the work items of sm90_item. Instantiated in prefill_sm90_persistent.cu, a
-// translation unit of its own so that the two launches' kernels compile in parallel.
+// claiming work items (sm90_items) until none is left. Instantiated in prefill_sm90_persistent.cu,
+// a translation unit of its own so that the two launches' kernels compile in parallel.
 template <typename T, typename C, int D, bool kPack>
 const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t stream)
 #if defined(JAXATTN_SM90_PERSISTENT_TU)
@@ -1354,6 +1371,7 @@ const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t s
   if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   const int64_t items = sm90_items(p);
   if (items > 0x7fffffff) return "jaxattn: too many prefill tiles for the persistent kernel";
+  if (p.work_counter == nullptr) return "jaxattn: the persistent prefill needs a work counter";
   int blocks = p.persistent_blocks;  // set by tests and experiments; 0: one a multiprocessor
   if (blocks <= 0) {
     int dev = 0;
@@ -1363,6 +1381,8 @@ const char* launch_prefill_sm90_persistent(const PrefillParams& p, gpuStream_t s
       return "jaxattn: cannot read the multiprocessor count";
   }
   const dim3 grid(unsigned(items < blocks ? items : blocks));
+  if (gpuMemsetAsync(p.work_counter, 0, sizeof(uint32_t), stream) != gpuSuccess)
+    return "jaxattn: cannot zero the persistent prefill's work counter";
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   return check_launch();
 }
