@@ -521,7 +521,8 @@ struct Sm90ProducerSync {
 // takes the next item, as the block scheduler hands the one-tile launch its next block: SMs
 // run at unequal speeds and uneven tiles end unevenly. A static snake over the rounds (block b
 // taking items r * grid + b and r * grid + grid - 1 - b in turn), its order until round 63,
-// ran 0-7% slower on every row (H100 prefill self-test; ffi/NOTES.md, round 63).
+// ran level on 1 x (0 + 8192) and 3-7% slower on the other rows (H100 prefill self-test;
+// ffi/NOTES.md, round 63).
 __host__ __device__ __forceinline__ int64_t sm90_items(const PrefillParams& p) {
   const int g = p.pack_heads > 1 ? p.pack_heads : 1;
   const int bm = 128 / g;
