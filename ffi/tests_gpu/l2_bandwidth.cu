@@ -14,16 +14,8 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "cuda_ok.h"
 
 // Every thread reads 16-byte elements in a grid-stride loop, `reps` times over the buffer.
 __global__ void read_ldg(const uint4* __restrict__ p, size_t n, int reps, uint4* sink) {
@@ -59,25 +51,25 @@ __global__ void read_cp_async(const uint4* __restrict__ p, size_t n, int reps, u
 
 int main() {
   int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CUDA_OK(cudaGetDevice(&dev));
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  CUDA_OK(cudaGetDeviceProperties(&prop, dev));
   std::printf("device: %s (%d SMs, %d MB L2)\n", prop.name, sms, prop.l2CacheSize >> 20);
   constexpr int kCopyThreads = 384;
   constexpr size_t kCopySmem = size_t(kInFlight) * kCopyThreads * sizeof(uint4);
-  CK(cudaFuncSetAttribute(read_cp_async, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          int(kCopySmem)));
+  CUDA_OK(cudaFuncSetAttribute(read_cp_async, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(kCopySmem)));
   for (size_t mb : {8, 16, 32, 48, 2048}) {
     const size_t bytes = mb << 20, n = bytes / sizeof(uint4);
     uint4 *p = nullptr, *sink = nullptr;
-    CK(cudaMalloc(&p, bytes));
-    CK(cudaMalloc(&sink, sizeof(uint4)));
-    CK(cudaMemset(p, 1, bytes));
+    CUDA_OK(cudaMalloc(&p, bytes));
+    CUDA_OK(cudaMalloc(&sink, sizeof(uint4)));
+    CUDA_OK(cudaMemset(p, 1, bytes));
     const int reps = mb >= 1024 ? 2 : 40;
     cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
     for (int kind = 0; kind < 2; ++kind) {
       auto launch = [&]() {
         if (kind == 0) {
@@ -87,25 +79,25 @@ int main() {
         }
       };
       launch();
-      CK(cudaDeviceSynchronize());
+      CUDA_OK(cudaDeviceSynchronize());
       float best = 1e30f;
       for (int t = 0; t < 5; ++t) {
-        CK(cudaEventRecord(a));
+        CUDA_OK(cudaEventRecord(a));
         launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
+        CUDA_OK(cudaEventRecord(b));
+        CUDA_OK(cudaEventSynchronize(b));
         float ms = 0.f;
-        CK(cudaEventElapsedTime(&ms, a, b));
+        CUDA_OK(cudaEventElapsedTime(&ms, a, b));
         best = ms < best ? ms : best;
       }
-      CK(cudaGetLastError());
+      CUDA_OK(cudaGetLastError());
       std::printf("%6zu MB  %-9s %7.0f GB/s\n", mb, kind ? "cp.async" : "16-byte",
                   double(bytes) * reps / best / 1e6);
     }
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    CK(cudaFree(p));
-    CK(cudaFree(sink));
+    CUDA_OK(cudaEventDestroy(a));
+    CUDA_OK(cudaEventDestroy(b));
+    CUDA_OK(cudaFree(p));
+    CUDA_OK(cudaFree(sink));
   }
   return 0;
 }
