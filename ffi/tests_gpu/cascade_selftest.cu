@@ -59,36 +59,9 @@ using namespace jaxattn;
 #if !defined(CASCADE_SELFTEST_ON_CPU)
 #include "cuda_ok.h"
 #endif
+#include "selftest_rng.h"
 
 namespace {
-
-// splitmix64 with Box-Muller normals.
-struct Rng {
-  using result_type = uint64_t;
-  uint64_t state;
-  bool has_spare = false;
-  float spare = 0.f;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  static constexpr uint64_t min() { return 0; }
-  static constexpr uint64_t max() { return ~uint64_t(0); }
-  uint64_t operator()() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double((*this)() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-  float normal() {
-    if (has_spare) {
-      has_spare = false;
-      return spare;
-    }
-    const double r = std::sqrt(-2.0 * std::log(uniform())), a = 6.283185307179586 * uniform();
-    spare = float(r * std::sin(a));
-    has_spare = true;
-    return float(r * std::cos(a));
-  }
-};
 
 enum class DT { kF32, kBF16, kF16 };
 const char* dt_name(DT t) { return t == DT::kF32 ? "f32" : (t == DT::kBF16 ? "bf16" : "f16"); }

@@ -56,14 +56,7 @@ using jaxattn::gpu::PrefillKernel;
 
 #include "jaxattn/prefill_sm90_stats.h"  // a -DJAXATTN_SM90_WAIT_STATS=1 build's counters
 
-#define CK(x)                                                                               \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "cuda_ok.h"
 
 namespace {
 
@@ -309,8 +302,8 @@ struct Device {
   static void* up(const std::vector<V>& h) {
     if (h.empty()) return nullptr;
     void* d = nullptr;
-    CK(cudaMalloc(&d, h.size() * sizeof(V)));
-    CK(cudaMemcpy(d, h.data(), h.size() * sizeof(V), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&d, h.size() * sizeof(V)));
+    CUDA_OK(cudaMemcpy(d, h.data(), h.size() * sizeof(V), cudaMemcpyHostToDevice));
     return d;
   }
   explicit Device(const Problem& P) {
@@ -325,8 +318,8 @@ struct Device {
     indptr = static_cast<int32_t*>(up(P.indptr));
     seq = static_cast<int32_t*>(up(P.seq_lens));
     out_bytes = P.q.size() * 2;
-    CK(cudaMalloc(&out, out_bytes));
-    CK(cudaMalloc(&work, sizeof(uint32_t)));
+    CUDA_OK(cudaMalloc(&out, out_bytes));
+    CUDA_OK(cudaMalloc(&work, sizeof(uint32_t)));
     p.work_counter = work;
     p.q = q;
     p.k = k;
@@ -404,7 +397,7 @@ int check_problem(const Problem& P, const std::string& name) {
   int worst = 0;
   for (PrefillKernel which : {PrefillKernel::kSm90, PrefillKernel::kSm90Persistent,
                               PrefillKernel::kMma, PrefillKernel::kSimt}) {
-    CK(cudaMemset(dev.out, 0xff, dev.out_bytes));  // NaN everywhere
+    CUDA_OK(cudaMemset(dev.out, 0xff, dev.out_bytes));  // NaN everywhere
     const char* err = dev.launch(c.f16, which);
     if (err != nullptr) {
       const bool fail = !is_sm90(which) || g_sm90_expected;
@@ -414,9 +407,10 @@ int check_problem(const Problem& P, const std::string& name) {
       worst = std::max(worst, fail ? 1 : 0);
       continue;
     }
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> out(P.q.size());
-    if (dev.out_bytes) CK(cudaMemcpy(out.data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
+    if (dev.out_bytes)
+      CUDA_OK(cudaMemcpy(out.data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
     double max_abs = 0.0, max_ref = 0.0, worst_ratio = 0.0;
     int64_t bad = 0, nans = 0;
     for (int64_t i = 0; i < int64_t(out.size()); ++i) {
@@ -643,13 +637,13 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
   Device dev(P);
   constexpr size_t kFlushBytes = size_t(256) << 20;
   void* flush = nullptr;
-  if (g_flush_l2) CK(cudaMalloc(&flush, kFlushBytes));
+  if (g_flush_l2) CUDA_OK(cudaMalloc(&flush, kFlushBytes));
   const double flops = useful_flops(c.lq, c.prefix, c.hq, c.d);
   std::vector<std::vector<uint16_t>> outs;
   int rc = 0;
   for (PrefillKernel which :
        {PrefillKernel::kSm90, PrefillKernel::kSm90Persistent, PrefillKernel::kMma}) {
-    CK(cudaMemset(dev.out, 0xff, dev.out_bytes));
+    CUDA_OK(cudaMemset(dev.out, 0xff, dev.out_bytes));
     const char* err = dev.launch(c.f16, which);
     if (err != nullptr) {
       std::printf("  %-28s %-5s %s: %s\n", name, kernel_name(which),
@@ -659,27 +653,27 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
       continue;
     }
     for (int i = 0; i < 2; ++i) dev.launch(c.f16, which);
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaDeviceSynchronize());
     cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
     std::vector<float> ms;
 #if JAXATTN_SM90_WAIT_STATS
     unsigned long long ws[jaxattn::gpu::kWaitStats];
     jaxattn::gpu::sm90_read_wait_stats(ws, true);
 #endif
     for (int i = 0; i < 10; ++i) {
-      if (flush != nullptr) CK(cudaMemsetAsync(flush, i, kFlushBytes));
-      CK(cudaEventRecord(e0));
+      if (flush != nullptr) CUDA_OK(cudaMemsetAsync(flush, i, kFlushBytes));
+      CUDA_OK(cudaEventRecord(e0));
       dev.launch(c.f16, which);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
+      CUDA_OK(cudaEventRecord(e1));
+      CUDA_OK(cudaEventSynchronize(e1));
       float t = 0.f;
-      CK(cudaEventElapsedTime(&t, e0, e1));
+      CUDA_OK(cudaEventElapsedTime(&t, e0, e1));
       ms.push_back(t);
     }
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
     std::sort(ms.begin(), ms.end());
     const double med = 0.5 * (ms[4] + ms[5]);
     std::printf("  %-28s %-5s %9.1f us  %6.1f TFLOP/s (useful)  [min %.1f us]\n", name,
@@ -703,7 +697,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
     }
 #endif
     outs.emplace_back(P.q.size());
-    CK(cudaMemcpy(outs.back().data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(outs.back().data(), dev.out, dev.out_bytes, cudaMemcpyDeviceToHost));
   }
   for (size_t k = 1; k < outs.size(); ++k) {  // every path against the first
     double md = 0.0;
@@ -719,7 +713,7 @@ int bench_case(const char* name, const Case& c, std::mt19937& rng) {
                 md, (long long)nan, ok ? "PASS" : "FAIL");
     if (!ok) rc = 1;
   }
-  if (flush != nullptr) CK(cudaFree(flush));
+  if (flush != nullptr) CUDA_OK(cudaFree(flush));
   return rc;
 }
 
@@ -765,11 +759,11 @@ int main(int argc, char** argv) {
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out at once (a hang shows where)
   int dev = 0, major = 0, minor = 0;
-  CK(cudaGetDevice(&dev));
+  CUDA_OK(cudaGetDevice(&dev));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
-  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  CUDA_OK(cudaGetDeviceProperties(&prop, dev));
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
 #if defined(JAXATTN_HAVE_SM90A)
   g_sm90_expected = major == 9 && minor == 0;
 #endif
