@@ -74,6 +74,20 @@ ffi::Error PagedAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return launched("paged decode", gpu::launch_paged_decode(dt, kt, p, stream));
 }
 
+// The prefix prefill and extend handlers' common end: q's and the cache's types, the persistent
+// Hopper kernel's work counter (the calls' `work` result), the launch.
+ffi::Error launch_prefill_call(gpuStream_t stream, const char* what, ffi::DataType q_type,
+                               ffi_common::KvType kv, ffi::Result<ffi::Buffer<ffi::U32>>& work,
+                               PrefillParams& p) {
+  gpu::DType dt;
+  gpu::KvType kt;
+  if (auto e = gpu_dtype(q_type, &dt); e.failure()) return e;
+  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
+  if (work->element_count() < 1) return ffi_common::invalid("the prefill's work result is empty");
+  p.work_counter = work->typed_data();
+  return launched(what, gpu::launch_prefill(dt, kt, p, stream));
+}
+
 ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -88,13 +102,7 @@ ffi::Error PrefixPrefillGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                                                       layout, kernel, &p, &kv);
       e.failure())
     return e;
-  gpu::DType dt;
-  gpu::KvType kt;
-  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
-  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
-  if (work->element_count() < 1) return ffi_common::invalid("the prefill's work result is empty");
-  p.work_counter = work->typed_data();
-  return launched("prefix prefill", gpu::launch_prefill(dt, kt, p, stream));
+  return launch_prefill_call(stream, "prefix prefill", q.element_type(), kv, work, p);
 }
 
 ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -110,13 +118,7 @@ ffi::Error ExtendAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                                               v_scale, *out, scale, soft_cap, kernel, &p, &kv);
       e.failure())
     return e;
-  gpu::DType dt;
-  gpu::KvType kt;
-  if (auto e = gpu_dtype(q.element_type(), &dt); e.failure()) return e;
-  if (auto e = gpu_kv_type(kv, &kt); e.failure()) return e;
-  if (work->element_count() < 1) return ffi_common::invalid("the prefill's work result is empty");
-  p.work_counter = work->typed_data();
-  return launched("extend attention", gpu::launch_prefill(dt, kt, p, stream));
+  return launch_prefill_call(stream, "extend attention", q.element_type(), kv, work, p);
 }
 
 ffi::Error CascadeAttentionGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,

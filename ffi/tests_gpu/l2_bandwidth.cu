@@ -50,11 +50,11 @@ __global__ void read_cp_async(const uint4* __restrict__ p, size_t n, int reps, u
 }
 
 int main() {
-  int dev = 0, sms = 0;
+  int dev = 0;
   CUDA_OK(cudaGetDevice(&dev));
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, dev));
+  const int sms = prop.multiProcessorCount;
   std::printf("device: %s (%d SMs, %d MB L2)\n", prop.name, sms, prop.l2CacheSize >> 20);
   constexpr int kCopyThreads = 384;
   constexpr size_t kCopySmem = size_t(kInFlight) * kCopyThreads * sizeof(uint4);
