@@ -59,6 +59,7 @@ import common  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn import cascade_cost as cc  # noqa: E402
+from jaxattn.engine import ExecutionConfig  # noqa: E402
 from jaxattn.pallas import cascade_mgpu  # noqa: E402
 
 
@@ -308,12 +309,73 @@ def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.Cascade
     return model, dict(paged=a, cascade=b)
 
 
+def switch_decisions(points: list[dict], model: cc.CascadeCostModel, min_tokens: int = 0):
+    """How ``model``'s switch decides each measured point (``cascade_us`` / ``paged_us`` and
+    the features), and how much slower than paged decode, and than the faster of the two,
+    its choice is. A prefix shorter than ``min_tokens`` forms no level (the engine's
+    ``cascade_min_tokens``), so paged decode runs there whatever the model says."""
+    out = []
+    for pt in sorted(points, key=lambda x: x["batch"]):
+        cas, pag = model.predict(pt)
+        pays = cas <= (1 - model.margin) * pag and pt.get("prefix", min_tokens) >= min_tokens
+        chosen = pt["cascade_us"] if pays else pt["paged_us"]
+        out.append(
+            pt
+            | dict(
+                predicted_cascade_us=cas,
+                predicted_paged_us=pag,
+                use_cascade=bool(pays),
+                slowdown_vs_paged=chosen / pt["paged_us"] - 1,
+                slowdown_vs_best=chosen / min(pt["cascade_us"], pt["paged_us"]) - 1,
+            )
+        )
+    return out
+
+
+def crossovers(points: list[dict]) -> list[dict]:
+    """Where cascade starts to pay, measured: for each (batch, requests a prefix, own tokens)
+    of the points, the prefix lengths timed and the shortest from which cascade decode was
+    faster than paged decode at that length and every longer one (None: at none)."""
+    groups: dict[tuple, list[dict]] = {}
+    for pt in points:
+        if "prefix" in pt:
+            groups.setdefault((pt["b"], pt["per"], pt["own"]), []).append(pt)
+    out = []
+    for (b, per, own), pts in sorted(groups.items()):
+        pts.sort(key=lambda x: x["prefix"])
+        n = None
+        for pt in reversed(pts):
+            if pt["cascade_us"] >= pt["paged_us"]:
+                break
+            n = pt["prefix"]
+        out.append(
+            dict(
+                b=b,
+                per=per,
+                own=own,
+                prefixes=" ".join(str(p["prefix"]) for p in pts),
+                speedups=" ".join(f"{p['paged_us'] / p['cascade_us']:.2f}" for p in pts),
+                pays_from=n,
+            )
+        )
+    return out
+
+
 def fit_grid(args) -> list[Batch]:
+    """The fit's batches: shared prefixes from 64 to 4096 tokens, 1 to 64 requests a prefix
+    (one: nothing shared, cascade's overhead alone), short and long own parts; the short
+    prefixes measure where cascade starts to pay (the engine's ``cascade_min_tokens``)."""
     out = []
     page = args.page_size
-    for b, prefix, per, own in [
-        (64, p, n, o) for p in (512, 2048, 4096) for n in (1, 2, 8, 64) for o in (64, 512)
-    ] + [(16, 4096, 1, 256), (16, 4096, 16, 256), (128, 1024, 8, 128)]:
+    for b, prefix, per, own in (
+        [(64, p, n, o) for p in (512, 2048, 4096) for n in (1, 2, 8, 64) for o in (64, 512)]
+        + [(64, p, n, o) for p in (64, 128, 256) for n in (2, 8, 64) for o in (64, 512)]
+        + [
+            (16, 4096, 1, 256),
+            (16, 4096, 16, 256),
+            (128, 1024, 8, 128),
+        ]
+    ):
         groups = b // per
         out.append(
             Batch(
@@ -396,7 +458,13 @@ def main(argv=None):
         grid = fit_grid(args) if not args.small else batches(args.batch, args.prefix, args.own, 16)
         for batch in grid:
             print(batch.name, flush=True)
-            fit_rows += time_batch(batch, [args.fit_impl], args, check=False, record=lambda r: None)
+            fit_rows += time_batch(
+                batch,
+                [args.fit_impl],
+                args,
+                check=False,
+                record=lambda r: print(common.status_line(f"{r['impl']:>9}", r, r["op"])),
+            )
 
     # The ceilings after the cases (right after a large matmul the first timings on an H200
     # came out slow; see bench_decode.py).
@@ -423,6 +491,7 @@ def main(argv=None):
             row["speedup_vs_best_paged"] = best / row["us"]
 
     if fit_rows:
+        shape = {b.name: b for b in grid}
         points = []
         for batch in {r["batch"] for r in fit_rows}:
             rs = {r["op"]: r for r in fit_rows if r["batch"] == batch and "us" in r}
@@ -437,29 +506,39 @@ def main(argv=None):
                         "prefix_flops",
                     )
                 }
+                b = shape[batch]
+                groups = len({g for g in b.prefix_of if g >= 0})
                 points.append(
                     pt
-                    | dict(batch=batch, cascade_us=rs["cascade"]["us"], paged_us=rs["paged"]["us"])
+                    | dict(
+                        batch=batch,
+                        b=len(b.own),
+                        prefix=max(b.prefix_lens),
+                        per=len(b.own) // groups if groups else 0,
+                        own=max(b.own),
+                        cascade_us=rs["cascade"]["us"],
+                        paged_us=rs["paged"]["us"],
+                    )
                 )
         model, coef = fit_model(points, cc.CascadeCostModel())
-        decisions = []
-        for pt in sorted(points, key=lambda x: x["batch"]):
-            cas, pag = model.predict(pt)
-            pays = cas <= (1 - model.margin) * pag
-            chosen = pt["cascade_us"] if pays else pt["paged_us"]
-            decisions.append(
-                pt
-                | dict(
-                    predicted_cascade_us=cas,
-                    predicted_paged_us=pag,
-                    use_cascade=bool(pays),
-                    slowdown_vs_paged=chosen / pt["paged_us"] - 1,
-                    slowdown_vs_best=chosen / min(pt["cascade_us"], pt["paged_us"]) - 1,
-                )
-            )
+        shipped = cc.CascadeCostModel()
+        decisions = switch_decisions(points, model)
+        # What the engine decides today: the shipped defaults, with its default
+        # cascade_min_tokens (ExecutionConfig) -- measured, not fitted to these points.
+        min_tokens = ExecutionConfig().cascade_min_tokens
+        as_shipped = switch_decisions(points, shipped, min_tokens)
         result["cost_model"] = dataclasses.asdict(model)
-        result["fit"] = dict(coefficients=coef, decisions=decisions)
+        result["fit"] = dict(
+            coefficients=coef,
+            decisions=decisions,
+            shipped=dict(model=dataclasses.asdict(shipped), min_tokens=min_tokens),
+            shipped_decisions=as_shipped,
+            crossovers=crossovers(points),
+        )
         print("\nswitch rule (fitted cost model):", result["cost_model"])
+        for d, s in zip(decisions, as_shipped, strict=True):
+            d["shipped_use_cascade"] = s["use_cascade"]
+            d["shipped_slowdown_vs_paged"] = s["slowdown_vs_paged"]
         print(
             common.table(
                 decisions,
@@ -469,13 +548,34 @@ def main(argv=None):
                     ("paged_us", "paged us", ".1f"),
                     ("predicted_cascade_us", "model cascade", ".1f"),
                     ("predicted_paged_us", "model paged", ".1f"),
-                    ("use_cascade", "switch", ""),
-                    ("slowdown_vs_paged", "vs paged", "+.1%"),
+                    ("use_cascade", "switch (fit)", ""),
+                    ("slowdown_vs_paged", "vs paged (fit)", "+.1%"),
+                    ("shipped_use_cascade", "switch (shipped)", ""),
+                    ("shipped_slowdown_vs_paged", "vs paged (shipped)", "+.1%"),
                 ],
             )
         )
-        worst = max(d["slowdown_vs_paged"] for d in decisions)
-        print(f"worst batch with the switch: {worst:+.1%} against paged decode")
+        for name, rows in (("fitted", decisions), ("shipped", as_shipped)):
+            worst = max(d["slowdown_vs_paged"] for d in rows)
+            missed = max(d["slowdown_vs_best"] for d in rows)
+            print(
+                f"the {name} switch: worst batch {worst:+.1%} against paged decode, "
+                f"{missed:+.1%} against the faster op"
+            )
+        print("\nwhere cascade pays (measured; speedup = paged / cascade at each prefix):")
+        print(
+            common.table(
+                result["fit"]["crossovers"],
+                [
+                    ("b", "batch", "d"),
+                    ("per", "requests a prefix", "d"),
+                    ("own", "own tokens", "d"),
+                    ("prefixes", "prefix tokens", ""),
+                    ("speedups", "speedup", ""),
+                    ("pays_from", "faster from", ""),
+                ],
+            )
+        )
 
     common.write_json(args.json, result)
     print()

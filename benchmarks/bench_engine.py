@@ -206,6 +206,12 @@ def parse_args(argv=None):
         "--cascade-min-tokens", type=int, default=128, help="shortest shared prefix it uses"
     )
     e.add_argument(
+        "--cascade-model",
+        default=None,
+        help="the cost model --cascade auto decides with: the JSON bench_cascade.py --fit "
+        "--json FILE wrote (ExecutionConfig.cascade_model; default: the model's defaults)",
+    )
+    e.add_argument(
         "--kv-dtype",
         choices=list(KV_DTYPES),
         help="FP8 KV pool (scales per layer and KV head calibrated on the first 4 prompts)",
@@ -345,6 +351,7 @@ def run_mode(cfg, params, workload, args, radix: bool, step_mode: str, kv_scales
             implementation=args.implementation,
             cascade=args.cascade,
             cascade_min_tokens=args.cascade_min_tokens,
+            cascade_model=args.cascade_model,
             kv_dtype=args.kv_dtype,
             kv_scales=kv_scales,
             runner=runner,

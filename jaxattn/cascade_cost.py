@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,15 +68,26 @@ class CascadeCostModel:
 
     @classmethod
     def from_json(cls, source) -> CascadeCostModel:
-        """From a dict, a JSON text, or a JSON file written by bench_cascade.py (its
-        ``cost_model`` entry)."""
-        if isinstance(source, (str, Path)) and Path(source).is_file():
+        """From a dict, a JSON text (it starts with ``{``), or the path of a JSON file written
+        by bench_cascade.py (its ``cost_model`` entry). ValueError when it holds no field of
+        the model."""
+        if isinstance(source, os.PathLike) or (
+            isinstance(source, str) and not source.lstrip().startswith("{")
+        ):
             source = Path(source).read_text()
         if isinstance(source, str):
             source = json.loads(source)
+        if not isinstance(source, dict):
+            raise ValueError(f"a cost model must be a JSON object, got {type(source).__name__}")
         source = source.get("cost_model", source)
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: float(v) for k, v in source.items() if k in names})
+        known = {k: float(v) for k, v in source.items() if k in names}
+        if not known:
+            raise ValueError(
+                "no cost model in it (none of "
+                f"{sorted(names)}; bench_cascade.py --fit --json FILE writes one)"
+            )
+        return cls(**known)
 
     def predict(self, features: dict) -> tuple[float, float]:
         """(cascade microseconds, paged microseconds) for a batch's

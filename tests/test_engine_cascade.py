@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 
 import jax
 import numpy as np
@@ -299,6 +301,27 @@ def test_auto_with_the_default_model_keeps_paged_decode_for_a_tiny_model():
     assert engine.stats["cascade_steps"] == 0
 
 
+def test_auto_decides_with_the_configured_model(tmp_path):
+    """ExecutionConfig.cascade_model: a model measured on the serving GPU (here one whose
+    cascade costs nothing but its bytes, as a JSON file the benchmark's fit writes) turns
+    on what the defaults keep on paged decode for this tiny model; every form of the
+    setting reads to the same model."""
+    from jaxattn.cascade_cost import CascadeCostModel
+
+    cheap = CascadeCostModel(
+        cascade_fixed_us=0.0, cascade_row_us=0.0, cascade_flops_per_us=1e30, margin=0.0
+    )
+    path = tmp_path / "cascade.json"
+    path.write_text(json.dumps({"rows": [], "cost_model": dataclasses.asdict(cheap)}))
+    for form in (cheap, dataclasses.asdict(cheap), str(path), path, path.read_text()):
+        assert ExecutionConfig(cascade_model=form).cascade_model == cheap
+    prompts = workload(4, num=5, system=24, suffix=(1, 6))
+    engine = make_engine(cascade_model=path, **SHARED)
+    out = engine.generate(prompts, 6)
+    assert engine.stats["cascade_steps"] > 0
+    assert_verified(prompts, out, 6)
+
+
 def test_level_values_compile_nothing_new():
     """Other page ids and prefix lengths in the same shapes reuse the compiled program:
     one decode program with cascade, one without."""
@@ -321,10 +344,13 @@ def test_level_values_compile_nothing_new():
         (dict(cascade=True), "cascade"),
         (dict(cascade_min_tokens=0), "cascade_min_tokens"),
         (dict(cascade_min_tokens=2.5), "cascade_min_tokens"),
+        (dict(cascade_model=3), "cascade_model"),
+        (dict(cascade_model={"rows": []}), "cascade_model:"),
+        (dict(cascade_model="no/such/cascade.json"), "cascade_model:"),
     ],
 )
 def test_bad_cascade_settings(kw, field):
-    with pytest.raises(ValueError, match=f"ExecutionConfig.{field} "):
+    with pytest.raises(ValueError, match=f"ExecutionConfig.{field}[ :]"):
         ExecutionConfig(**kw)
 
 

@@ -713,3 +713,38 @@ def test_cascade_fit_recovers_the_model():
     model, _ = bench_cascade.fit_model(points, CascadeCostModel(margin=0.15))
     for name, want in dataclasses.asdict(truth).items():
         assert getattr(model, name) == pytest.approx(want, rel=1e-6), name
+
+
+def test_cascade_fit_reports_the_switch_and_the_crossover():
+    """bench_cascade.py --fit's report: each switch's choice and its cost against paged
+    decode (a prefix under the engine's cascade_min_tokens forms no level), and per shape
+    the shortest prefix from which cascade was faster at every longer one measured."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_cascade
+
+    from jaxattn.cascade_cost import CascadeCostModel, cascade_features
+
+    def point(prefix, cascade_us, paged_us, per=8, own=64):
+        f = cascade_features([prefix] * (64 // per), [i // per for i in range(64)], [own] * 64,
+                             num_q_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+        return f | dict(batch=f"L={prefix} n={per}", b=64, prefix=prefix, per=per, own=own,
+                        cascade_us=cascade_us, paged_us=paged_us)  # fmt: skip
+
+    # faster at 128, slower at 256 (noise), faster from 512 on: it pays from 512
+    pts = [point(64, 30.0, 20.0), point(128, 19.0, 20.0), point(256, 25.0, 24.0),
+           point(512, 26.0, 40.0), point(2048, 30.0, 120.0)]  # fmt: skip
+    (row,) = bench_cascade.crossovers(pts)
+    assert (row["b"], row["per"], row["own"], row["pays_from"]) == (64, 8, 64, 512)
+    assert row["prefixes"] == "64 128 256 512 2048"
+    (never,) = bench_cascade.crossovers([point(64, 30.0, 20.0, per=2)])
+    assert never["pays_from"] is None
+    always = CascadeCostModel(cascade_fixed_us=-1e9, margin=0.0)  # predicts cascade every time
+    by = {d["prefix"]: d for d in bench_cascade.switch_decisions(pts, always, min_tokens=128)}
+    assert not by[64]["use_cascade"] and by[64]["slowdown_vs_paged"] == 0.0  # under the minimum
+    assert by[128]["use_cascade"] and by[128]["slowdown_vs_paged"] == pytest.approx(-0.05)
+    assert by[256]["slowdown_vs_paged"] == pytest.approx(25 / 24 - 1)
+    assert by[256]["slowdown_vs_best"] == pytest.approx(25 / 24 - 1)
+    never_model = CascadeCostModel(cascade_fixed_us=1e9)
+    assert not any(d["use_cascade"] for d in bench_cascade.switch_decisions(pts, never_model))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -318,6 +319,10 @@ class ExecutionConfig:
       Outputs are the same either way, up to floating-point rounding.
     cascade_min_tokens: the shortest shared prefix (in tokens; whole pages of it count)
       that forms a cascade level. The default, 128, is a guess not yet measured on a GPU.
+    cascade_model: the cost model ``"auto"`` decides with: a
+      :class:`~jaxattn.cascade_cost.CascadeCostModel`, its fields as a dict, or the JSON
+      ``benchmarks/bench_cascade.py --fit --json FILE`` writes (a path or its text), whose
+      constants were measured on the GPU that serves. None: the model's defaults.
     decode_linear: the decode step's projections (QKV, output, MLP, LM head): ``"auto"``
       XLA's dot, with a one-row step padded to two rows on GPUs (XLA lowers one row to a
       GEMV at about half the read ceiling: the 1B decode step took 1.611 ms of device time
@@ -382,6 +387,7 @@ class ExecutionConfig:
     unroll_layers: bool | None = None
     cascade: str = "auto"
     cascade_min_tokens: int = 128
+    cascade_model: Any = None
     decode_linear: str = "auto"
     decode_graph: bool | None = None
     kv_write: str = "auto"
@@ -438,10 +444,30 @@ class ExecutionConfig:
             "cascade_min_tokens",
             _int("ExecutionConfig", "cascade_min_tokens", self.cascade_min_tokens, 1),
         )
+        object.__setattr__(self, "cascade_model", _cascade_model(self.cascade_model))
         if self.buckets is None:
             object.__setattr__(self, "buckets", Buckets())
         elif not isinstance(self.buckets, Buckets):
             raise ValueError(f"ExecutionConfig.buckets must be a Buckets, got {self.buckets!r}")
+
+
+def _cascade_model(value):
+    """ExecutionConfig.cascade_model as a CascadeCostModel (None: the defaults)."""
+    from jaxattn.cascade_cost import CascadeCostModel
+
+    if value is None:
+        return CascadeCostModel()
+    if isinstance(value, CascadeCostModel):
+        return value
+    if not isinstance(value, (dict, str, os.PathLike)):
+        raise ValueError(
+            "ExecutionConfig.cascade_model must be None, a CascadeCostModel, a dict of its "
+            f"fields or the path or text of bench_cascade.py --fit's JSON, got {value!r}"
+        )
+    try:
+        return CascadeCostModel.from_json(value)
+    except (OSError, TypeError, ValueError) as e:
+        raise ValueError(f"ExecutionConfig.cascade_model: {e}") from None
 
 
 _FIELDS = {

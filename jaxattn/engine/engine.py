@@ -230,6 +230,7 @@ class Engine:
                 )
             self.cascade = "off"
         self._cascade_min_pages = -(-execution.cascade_min_tokens // cache.page_size)
+        self._cascade_model = execution.cascade_model
         self._inflight: _InFlight | None = None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -476,6 +477,7 @@ class Engine:
             num_kv_heads=cfg.num_key_value_heads // tp,
             head_dim=cfg.head_dim,
             itemsize=self.kv_dtype.itemsize,
+            model=self._cascade_model,
         )
         if self.cascade == "auto" and not cascade_may_pay_off(np.asarray(positions) + 1, **heads):
             # No grouping could pay off for these lengths: skip looking for one (a few
