@@ -318,7 +318,10 @@ class ExecutionConfig:
       gain for the dispatch, ``"on"`` whenever two rows share a prefix, ``"off"`` never.
       Outputs are the same either way, up to floating-point rounding.
     cascade_min_tokens: the shortest shared prefix (in tokens; whole pages of it count)
-      that forms a cascade level. The default, 128, is a guess not yet measured on a GPU.
+      that forms a cascade level. The default, 128, follows a measurement on an H100
+      (``bench_cascade.py --fit``, ``benchmarks/RESULTS.md`` round 65): at 64-token prefixes
+      cascade decode was slower than paged decode in every shape timed, and with 64
+      requests on a prefix it was faster from 128-256 tokens (8 requests: from 512).
     cascade_model: the cost model ``"auto"`` decides with: a
       :class:`~jaxattn.cascade_cost.CascadeCostModel`, its fields as a dict, or the JSON
       ``benchmarks/bench_cascade.py --fit --json FILE`` writes (a path or its text), whose
