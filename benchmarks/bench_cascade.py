@@ -312,12 +312,17 @@ def fit_model(points: list[dict], base: cc.CascadeCostModel) -> tuple[cc.Cascade
 def switch_decisions(points: list[dict], model: cc.CascadeCostModel, min_tokens: int = 0):
     """How ``model``'s switch decides each measured point (``cascade_us`` / ``paged_us`` and
     the features), and how much slower than paged decode, and than the faster of the two,
-    its choice is. A prefix shorter than ``min_tokens`` forms no level (the engine's
-    ``cascade_min_tokens``), so paged decode runs there whatever the model says."""
+    its choice is. As in the engine, a batch with no prefix read twice (no repeated bytes)
+    never takes cascade, and a prefix shorter than ``min_tokens`` forms no level (the
+    engine's ``cascade_min_tokens``): paged decode runs there whatever the model says."""
     out = []
     for pt in sorted(points, key=lambda x: x["batch"]):
         cas, pag = model.predict(pt)
-        pays = cas <= (1 - model.margin) * pag and pt.get("prefix", min_tokens) >= min_tokens
+        pays = (
+            pt["repeated_bytes"] > 0
+            and pt.get("prefix", min_tokens) >= min_tokens
+            and model.pays_off(pt)
+        )
         chosen = pt["cascade_us"] if pays else pt["paged_us"]
         out.append(
             pt
@@ -536,12 +541,16 @@ def main(argv=None):
             crossovers=crossovers(points),
         )
         print("\nswitch rule (fitted cost model):", result["cost_model"])
-        for d, s in zip(decisions, as_shipped, strict=True):
-            d["shipped_use_cascade"] = s["use_cascade"]
-            d["shipped_slowdown_vs_paged"] = s["slowdown_vs_paged"]
         print(
             common.table(
-                decisions,
+                [
+                    d
+                    | dict(
+                        shipped_use_cascade=s["use_cascade"],
+                        shipped_slowdown_vs_paged=s["slowdown_vs_paged"],
+                    )
+                    for d, s in zip(decisions, as_shipped, strict=True)
+                ],
                 [
                     ("batch", "batch", ""),
                     ("cascade_us", "cascade us", ".1f"),

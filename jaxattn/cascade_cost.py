@@ -89,6 +89,12 @@ class CascadeCostModel:
             )
         return cls(**known)
 
+    def pays_off(self, features: dict) -> bool:
+        """The switch's rule on a batch's :func:`cascade_features`: cascade predicted faster
+        than paged decode by at least ``margin`` (and finite)."""
+        cascade, paged = self.predict(features)
+        return bool(cascade <= (1.0 - self.margin) * paged and math.isfinite(cascade))
+
     def predict(self, features: dict) -> tuple[float, float]:
         """(cascade microseconds, paged microseconds) for a batch's
         :func:`cascade_features`."""
@@ -186,8 +192,7 @@ def cascade_pays_off(
     shared = prefix_of[prefix_of >= 0]
     if len(shared) == len(np.unique(shared)):
         return False
-    m = model or CascadeCostModel()
-    cascade, paged = cascade_cost(
+    f = cascade_features(
         prefix_lens,
         prefix_of,
         own_lens,
@@ -195,9 +200,8 @@ def cascade_pays_off(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         itemsize=itemsize,
-        model=m,
     )
-    return bool(cascade <= (1.0 - m.margin) * paged and math.isfinite(cascade))
+    return (model or CascadeCostModel()).pays_off(f)
 
 
 def cascade_may_pay_off(

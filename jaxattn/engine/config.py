@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxattn.cascade_cost import CascadeCostModel
+
 __all__ = [
     "KV_DTYPES",
     "Buckets",
@@ -456,8 +458,6 @@ class ExecutionConfig:
 
 def _cascade_model(value):
     """ExecutionConfig.cascade_model as a CascadeCostModel (None: the defaults)."""
-    from jaxattn.cascade_cost import CascadeCostModel
-
     if value is None:
         return CascadeCostModel()
     if isinstance(value, CascadeCostModel):
