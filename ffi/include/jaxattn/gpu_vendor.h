@@ -235,12 +235,28 @@ __device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
 // NVIDIA sm_80+: cp.async.cg (bypasses L1; zero fill through src-size 0). HIP and older
 // NVIDIA targets: a plain synchronous load and shared store, commit and wait do nothing, so
 // one pipeline source runs (unpipelined) everywhere. Both pointers must be 16-byte aligned.
+//
+// JAXATTN_CP_ASYNC_L2_HINT (experiment switch, default 0): 128 or 256 adds the L2 prefetch-size
+// qualifier (.L2::128B / .L2::256B) to the 16-byte copies, asking L2 to fetch that much of the
+// surrounding memory on a miss (the TMA decode's tensor maps promote to 256 bytes). At 256 on an
+// H100 (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2%
+// faster at GQA 32/8 on 16-bit grids and FP8 split grids, 1-3% slower on FP8 one-pass grids, level
+// with 32/32 heads; the prefill and the cascade level. Off: no path the library takes by default
+// gains throughout (its 16-bit sm_90 decode copies by TMA).
+#ifndef JAXATTN_CP_ASYNC_L2_HINT
+#define JAXATTN_CP_ASYNC_L2_HINT 0
+#endif
+#if JAXATTN_CP_ASYNC_L2_HINT == 256
+#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+#elif JAXATTN_CP_ASYNC_L2_HINT == 128
+#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+#else
+#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#endif
 __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src, bool valid) {
 #if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile(JAXATTN_CP_ASYNC_CG16 ::"r"(dst), "l"(gmem_src), "r"(valid ? 16 : 0) : "memory");
 #else
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (valid) v = *static_cast<const uint4*>(gmem_src);

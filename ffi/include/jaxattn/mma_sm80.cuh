@@ -50,9 +50,7 @@ __device__ __forceinline__ void sts128_at(uint32_t a, const uint4& v) {
 // and wait are async_copy_commit / async_copy_wait<N> of gpu_vendor.h.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
 #if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  asm volatile(JAXATTN_CP_ASYNC_CG16 ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 #endif
 }
 
