@@ -1377,3 +1377,92 @@ def test_every_backend_agrees_on_one_case(rng, dtype):
     assert set(outs) >= {"reference"}
     for out in outs.values():
         assert_close(out, spec_decode(case), dtype)
+
+
+# --- random configurations ------------------------------------------------------------------
+# The grids above fix one combination of layout, page size, GQA group, head size, q and cache
+# dtypes, soft cap, lengths and split size at a time. These cases mix them at random, each
+# drawn once from a fixed seed (so a failure names a reproducible case), with the data drawn
+# per case as everywhere else: NaN in every unread page and slot. On the CPU the Pallas
+# interpreter is left to the grids above (seconds a case); on a GPU its kernels run these too.
+
+RANDOM_CASES_PER_OP = 8
+
+
+def _random_configs(op: str, seed: int) -> list[dict]:
+    r = np.random.default_rng(seed)
+
+    def pick(xs):
+        return xs[int(r.integers(len(xs)))]
+
+    configs = []
+    for _ in range(RANDOM_CASES_PER_OP):
+        hkv = pick((1, 2, 4))
+        dtype = pick((jnp.float32, jnp.bfloat16, jnp.float16))
+        kv = pick((None, None, E4M3, E5M2)) if dtype != jnp.float32 else pick((None, None, E4M3))
+        c = dict(
+            heads=(hkv * pick((1, 2, 3, 4, 8)), hkv),
+            head_dim=pick((16, 32, 64, 128)),
+            page_size=pick((1, 2, 8, 16, 32)),
+            layout=pick(("bshd", "bhsd")),
+            dtype=dtype,
+            kv_dtype=kv,
+            soft_cap=pick((None, None, 30.0)),
+        )
+        b = int(r.integers(1, 6))
+        if op == "decode":
+            c["lens"] = [int(r.integers(0, 300)) for _ in range(b)]
+            c["partition_size"] = pick((None, 16, 64, 128))
+        elif op in ("prefill", "extend"):
+            c["prefix"] = [int(r.integers(0, 200)) for _ in range(b)]
+            c["new"] = [int(r.integers(1, 70)) for _ in range(b)]
+        else:
+            g = int(r.integers(1, 3))
+            c["prefix_pages"] = [int(r.integers(0, 6)) for _ in range(g)]
+            c["prefix_of"] = [int(r.integers(-1, g)) for _ in range(b)]
+            c["own"] = [int(r.integers(0, 100)) for _ in range(b)]
+        configs.append(c)
+    return configs
+
+
+RANDOM_CONFIGS = {
+    op: _random_configs(op, seed)
+    for op, seed in (("decode", 101), ("prefill", 102), ("extend", 103), ("cascade", 104))
+}
+
+
+def _random_id(op: str, c: dict) -> str:
+    paged = "" if op == "extend" else f"{c['layout']}-p{c['page_size']}-"  # a token pool
+    kv = "" if c["kv_dtype"] is None else "-" + jnp.dtype(c["kv_dtype"]).name
+    cap = "-cap" if c["soft_cap"] else ""
+    hq, hkv = c["heads"]
+    return f"{paged}{hq}x{hkv}-d{c['head_dim']}-{jnp.dtype(c['dtype']).name}{kv}{cap}"
+
+
+@grid(
+    "op, index, desc",
+    [(op, i, _random_id(op, c)) for op, cs in RANDOM_CONFIGS.items() for i, c in enumerate(cs)],
+    backends=("reference", "native", "pallas") if ON_GPU else ("reference", "native"),
+)
+def test_random_configurations(rng, backend, op, index, desc):
+    c = RANDOM_CONFIGS[op][index]
+    hq, hkv = c["heads"]
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=c["head_dim"], dtype=c["dtype"])
+    if c["kv_dtype"] is not None:
+        kw["kv_dtype"] = c["kv_dtype"]
+    paged = dict(page_size=c["page_size"], layout=c["layout"])
+    cap = dict(soft_cap=c["soft_cap"])
+    if op == "decode":
+        case = make_paged_decode(rng, c["lens"], **kw, **paged)
+        split = {} if c["partition_size"] is None else dict(partition_size=c["partition_size"])
+        out, want = decode(backend, case, **cap, **split), want_decode(backend, case, **cap)
+    elif op == "prefill":
+        case = make_prefix_prefill(rng, c["prefix"], c["new"], **kw, **paged)
+        out, want = prefill(backend, case, **cap), want_prefill(backend, case, **cap)
+    elif op == "extend":
+        case = make_extend(rng, c["prefix"], c["new"], **kw)
+        out, want = extend(backend, case, **cap), want_extend(backend, case, **cap)
+    else:
+        case = make_cascade(rng, c["prefix_pages"], c["prefix_of"], c["own"], **kw, **paged)
+        out, want = cascade(backend, case, **cap), want_cascade(backend, case, **cap)
+    assert_close(out, want, c["dtype"])
