@@ -239,10 +239,11 @@ __device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
 // JAXATTN_CP_ASYNC_L2_HINT (experiment switch, default 0): 128 or 256 adds the L2 prefetch-size
 // qualifier (.L2::128B / .L2::256B) to the 16-byte copies, asking L2 to fetch that much of the
 // surrounding memory on a miss (the TMA decode's tensor maps promote to 256 bytes). At 256 on an
-// H100 (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2%
-// faster at GQA 32/8 on 16-bit grids and FP8 split grids, 1-3% slower on FP8 one-pass grids, level
-// with 32/32 heads; the prefill and the cascade level. Off: no path the library takes by default
-// gains throughout (its 16-bit sm_90 decode copies by TMA).
+// H100 (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2.5%
+// faster on FP8 split grids and short one-pass grids and on 16-bit grids at GQA 32/8, 1-3% slower
+// on FP8 one-pass grids over 4096-token tables (which the library reads by TMA); the prefill and
+// the cascade level or slower by up to 1%. Off until the decode alone takes it, timed through
+// the library.
 #ifndef JAXATTN_CP_ASYNC_L2_HINT
 #define JAXATTN_CP_ASYNC_L2_HINT 0
 #endif
