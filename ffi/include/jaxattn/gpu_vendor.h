@@ -235,29 +235,51 @@ __device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
 // NVIDIA sm_80+: cp.async.cg (bypasses L1; zero fill through src-size 0). HIP and older
 // NVIDIA targets: a plain synchronous load and shared store, commit and wait do nothing, so
 // one pipeline source runs (unpipelined) everywhere. Both pointers must be 16-byte aligned.
+// async_copy16_at (NVIDIA only) takes the 32-bit shared-memory address instead, for the
+// tensor-core kernels that keep their shared addresses in 32 bits (mma_sm80.cuh); its body is
+// empty below sm_80, where the launchers never pick those kernels.
 //
-// JAXATTN_CP_ASYNC_L2_HINT (experiment switch, default 0): 128 or 256 adds the L2 prefetch-size
-// qualifier (.L2::128B / .L2::256B) to the 16-byte copies, asking L2 to fetch that much of the
-// surrounding memory on a miss (the TMA decode's tensor maps promote to 256 bytes). At 256 on an
-// H100 (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2.5%
-// faster on FP8 split grids and short one-pass grids and on 16-bit grids at GQA 32/8, 1-3% slower
-// on FP8 one-pass grids over 4096-token tables (which the library reads by TMA); the prefill and
-// the cascade level or slower by up to 1%. Off until the decode alone takes it, timed through
-// the library.
+// kL2Prefetch (0, 128 or 256) adds the L2 prefetch-size qualifier (.L2::128B / .L2::256B) to a
+// call site's copies, asking L2 to fetch that much of the surrounding memory on a miss (the TMA
+// decode's tensor maps promote to 256 bytes); the paged decode's ring passes
+// JAXATTN_DECODE_L2_PREFETCH (paged_decode.cuh), every other copy the default,
+// JAXATTN_CP_ASYNC_L2_HINT (experiment switch, compile time, 0). At 256 everywhere on an H100
+// (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2.5% faster
+// on FP8 split grids and short one-pass grids and on 16-bit grids at GQA 32/8, 1-3% slower on
+// FP8 one-pass grids over 4096-token tables (which the library reads by TMA); the prefill and
+// the cascade level or slower by up to 1%.
 #ifndef JAXATTN_CP_ASYNC_L2_HINT
 #define JAXATTN_CP_ASYNC_L2_HINT 0
 #endif
-#if JAXATTN_CP_ASYNC_L2_HINT == 256
-#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-#elif JAXATTN_CP_ASYNC_L2_HINT == 128
-#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-#else
-#define JAXATTN_CP_ASYNC_CG16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#if defined(JAXATTN_CUDA)
+template <int kL2Prefetch = JAXATTN_CP_ASYNC_L2_HINT>
+__device__ __forceinline__ void async_copy16_at(uint32_t smem_dst, const void* gmem_src,
+                                                bool valid) {
+  static_assert(kL2Prefetch == 0 || kL2Prefetch == 128 || kL2Prefetch == 256,
+                "the L2 prefetch size is 0, 128 or 256 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kL2Prefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
+                 "l"(gmem_src), "r"(valid ? 16 : 0)
+                 : "memory");
+  } else if constexpr (kL2Prefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
+                 "l"(gmem_src), "r"(valid ? 16 : 0)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
+                 "l"(gmem_src), "r"(valid ? 16 : 0)
+                 : "memory");
+  }
 #endif
+}
+#endif
+
+template <int kL2Prefetch = JAXATTN_CP_ASYNC_L2_HINT>
 __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src, bool valid) {
 #if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile(JAXATTN_CP_ASYNC_CG16 ::"r"(dst), "l"(gmem_src), "r"(valid ? 16 : 0) : "memory");
+  async_copy16_at<kL2Prefetch>(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)),
+                               gmem_src, valid);
 #else
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (valid) v = *static_cast<const uint4*>(gmem_src);

@@ -1,9 +1,9 @@
 // NVIDIA tensor-core building blocks shared by the decode and prefill kernels (sm_80+):
-// shared-memory addresses, cp.async on 32-bit shared addresses, ldmatrix, mma.sync m16n8k16
-// with f32 accumulation, and packing of two floats into one 16-bit pair; on the host, the
-// device checks that pick those kernels and the opt-in to large dynamic shared memory. CUDA
-// only: the HIP builds never include the kernels that use them. On targets below sm_80 the
-// device bodies are empty (the launchers never pick those kernels there).
+// shared-memory addresses, ldmatrix, mma.sync m16n8k16 with f32 accumulation, and packing of
+// two floats into one 16-bit pair; on the host, the device checks that pick those kernels and
+// the opt-in to large dynamic shared memory. CUDA only: the HIP builds never include the
+// kernels that use them. On targets below sm_80 the device bodies are empty (the launchers
+// never pick those kernels there). Their 16-byte copies are gpu_vendor.h's async_copy16_at.
 #pragma once
 
 #include <cstdint>
@@ -44,14 +44,6 @@ __device__ __forceinline__ void sts128_at(uint32_t a, const uint4& v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// One 16-byte copy to a shared address (valid == false: 16 zero bytes, nothing read). Commit
-// and wait are async_copy_commit / async_copy_wait<N> of gpu_vendor.h.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile(JAXATTN_CP_ASYNC_CG16 ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {

@@ -813,7 +813,7 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     const int r = tid / CH + i * RP;
     const bool ok = r < t.rows;
     const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
-    cp_async16(smem_u32(q_s) + swz<D>(r, c), src, ok);
+    async_copy16_at(smem_u32(q_s) + swz<D>(r, c), src, ok);
   }
   async_copy_commit();
   // This thread copies chunk c of rows tid / CH + i * RP of every key tile.
@@ -824,8 +824,8 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
       const int64_t off = rowoff[buf * BN + r];
       const bool ok = off >= 0;
       const uint32_t dst = swz<D>(r, c) + uint32_t(buf * S::kTileBytes);
-      cp_async16(smem_u32(k_s) + dst, ok ? kg + off + c * 8 : kg, ok);
-      cp_async16(smem_u32(v_s) + dst, ok ? vg + off + c * 8 : vg, ok);
+      async_copy16_at(smem_u32(k_s) + dst, ok ? kg + off + c * 8 : kg, ok);
+      async_copy16_at(smem_u32(v_s) + dst, ok ? vg + off + c * 8 : vg, ok);
     }
   };
   // Copy groups: q, tile 0, tile 1, then one per tile from the loop (tile n + 1 in iteration n
@@ -1064,7 +1064,7 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
       const int r = tid / CH + i * RP;
       const bool ok = r < t.rows;
       const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
-      cp_async16(smem_u32(q_s) + swz<D>(r, c), src, ok);
+      async_copy16_at(smem_u32(q_s) + swz<D>(r, c), src, ok);
     }
   }
   async_copy_commit();
@@ -1081,8 +1081,8 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
       const int r = r8 + i * F8R;
       const int64_t off = rowoff[slot * BN + r];
       const bool ok = off >= 0;
-      cp_async16(smem_u32(stage_k(slot, r)), ok ? kg + off + c8 * 16 : kg, ok);
-      cp_async16(smem_u32(stage_v(slot, r)), ok ? vg + off + c8 * 16 : vg, ok);
+      async_copy16_at(smem_u32(stage_k(slot, r)), ok ? kg + off + c8 * 16 : kg, ok);
+      async_copy16_at(smem_u32(stage_v(slot, r)), ok ? vg + off + c8 * 16 : vg, ok);
     }
   };
   auto widen = [&](int slot) {

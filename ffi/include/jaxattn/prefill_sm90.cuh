@@ -690,7 +690,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
               ok ? qg + (int64_t(t.q0 + t.m0 + tok) * p.num_q_heads + head + r - tok * G) * D +
                        c * 8
                  : qg;
-          cp_async16(q_s + sm90_tile_off<BM>(r, c), src, ok);
+          async_copy16_at(q_s + sm90_tile_off<BM>(r, c), src, ok);
         };
         if constexpr (kPersist) {
           // Rolled: unrolled, ptxas hoisted every row's addresses out of the item loop (into
@@ -811,12 +811,12 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
               if (kAllRows && all_rows) {  // every row present: no test, no select
 #pragma unroll
                 for (int i = 0; i < R8; ++i)
-                  cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, u[i]), true);
+                  async_copy16_at(dst + i * F8R * D, sm90_row_address<8>(chunk, u[i]), true);
               } else {
 #pragma unroll
                 for (int i = 0; i < R8; ++i) {
                   const bool ok = u[i] != kSm90NoRow;
-                  cp_async16(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
+                  async_copy16_at(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
                 }
               }
             };
@@ -933,7 +933,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
                 for (int i = 0; i < kBatch; ++i) {
                   const bool ok = kAll || u[i] != kSm90NoRow;
                   // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
-                  cp_async16(dst + v_own + uint32_t((b + i) * RP * 128),
+                  async_copy16_at(dst + v_own + uint32_t((b + i) * RP * 128),
                              sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
                 }
               }
