@@ -267,8 +267,8 @@ __device__ __forceinline__ void async_copy16_at(uint32_t smem_dst, const void* g
                  "l"(gmem_src), "r"(valid ? 16 : 0)
                  : "memory");
   } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
-                 "l"(gmem_src), "r"(valid ? 16 : 0)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+                 "r"(valid ? 16 : 0)
                  : "memory");
   }
 #endif
@@ -278,8 +278,8 @@ __device__ __forceinline__ void async_copy16_at(uint32_t smem_dst, const void* g
 template <int kL2Prefetch = JAXATTN_CP_ASYNC_L2_HINT>
 __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src, bool valid) {
 #if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  async_copy16_at<kL2Prefetch>(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)),
-                               gmem_src, valid);
+  async_copy16_at<kL2Prefetch>(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src,
+                               valid);
 #else
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (valid) v = *static_cast<const uint4*>(gmem_src);

@@ -414,7 +414,9 @@ __device__ __forceinline__ const void* row_address(uint64_t base, uint32_t row, 
 
 // The L2 prefetch size of the decode rings' copies (experiment switch, compile time; 0, 128 or
 // 256 bytes; default JAXATTN_CP_ASYNC_L2_HINT, 0): the round-66 self-test A/B found 256 1.5-2.5%
-// faster on the FP8 grids the decode gathers (ffi/NOTES.md); timed here through the library.
+// faster on the FP8 grids the decode gathers, not yet timed through the library (ffi/NOTES.md,
+// rounds 66-67). Only the gathers' kernels stream through KvRing; the TMA kernels, the cascade
+// and the prefill keep their copies.
 #ifndef JAXATTN_DECODE_L2_PREFETCH
 #define JAXATTN_DECODE_L2_PREFETCH JAXATTN_CP_ASYNC_L2_HINT
 #endif
@@ -836,8 +838,8 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
   const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
 
-  using Ring = KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads,
-                      kDecodeL2Prefetch>;
+  using Ring =
+      KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads, kDecodeL2Prefetch>;
   [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
   [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
   bool bad = false;  // this thread met a page id outside the cache (pipelined kernel)

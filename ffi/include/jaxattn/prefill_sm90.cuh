@@ -816,7 +816,8 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
 #pragma unroll
                 for (int i = 0; i < R8; ++i) {
                   const bool ok = u[i] != kSm90NoRow;
-                  async_copy16_at(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u), ok);
+                  async_copy16_at(dst + i * F8R * D, sm90_row_address<8>(chunk, ok ? u[i] : 0u),
+                                  ok);
                 }
               }
             };
@@ -934,7 +935,7 @@ __global__ void __launch_bounds__(Sm90Shape<D, sizeof(C) == 1>::kThreads, 1)
                   const bool ok = kAll || u[i] != kSm90NoRow;
                   // sm90_tile_off<BN>(r0 + (b + i) * RP, c): RP rows keep the swizzle phase.
                   async_copy16_at(dst + v_own + uint32_t((b + i) * RP * 128),
-                             sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
+                                  sm90_row_address<16>(chunk, ok ? u[i] : 0u), ok);
                 }
               }
             };
