@@ -440,8 +440,9 @@ inline bool ring_rows_fit(const KvGeometry& kv) {
 // aligned.
 //
 // L2 is the copies' L2 prefetch size in bytes (async_copy16's kL2Prefetch): the decode
-// kernels pass kDecodeL2Prefetch, the cascade's levels the default.
-template <typename T, int D, int TILE, int STAGES, int RS, int NT, int L2 = 0>
+// kernels pass kDecodeL2Prefetch, the cascade's levels take the default, the global switch.
+template <typename T, int D, int TILE, int STAGES, int RS, int NT,
+          int L2 = JAXATTN_CP_ASYNC_L2_HINT>
 struct KvRing {
   using Elem = T;
   static constexpr int kTile = TILE;
