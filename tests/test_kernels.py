@@ -58,6 +58,7 @@ if not NATIVE and os.environ.get("JAXATTN_REQUIRE_NATIVE") == "1":
     raise RuntimeError("JAXATTN_REQUIRE_NATIVE=1 but the native library is not available")
 
 BACKENDS = ("reference", "pallas", "native")
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
 def grid(names: str, cases, *, heavy=(), backends=BACKENDS):
@@ -256,11 +257,16 @@ def test_decode_vmap_over_queries(rng, backend, dummy):
 
 @pytest.mark.gpu
 @grid(
-    "dtype, heads",
-    [(dt, h) for dt in (jnp.bfloat16, jnp.float16) for h in ((32, 8), (32, 32), (64, 4), (128, 8))],
+    "kv_dtype, dtype, heads",
+    [
+        (kv, dt, h)
+        for kv in (None, E4M3, E5M2)
+        for dt in (jnp.bfloat16, jnp.float16)
+        for h in ((32, 8), (32, 32), (64, 4), (128, 8))
+    ],
     backends=("pallas", "native"),
 )
-def test_decode_serving_shapes(rng, backend, dtype, heads):
+def test_decode_serving_shapes(rng, backend, kv_dtype, dtype, heads):
     hq, hkv = heads
     case = make_paged_decode(
         rng,
@@ -270,21 +276,37 @@ def test_decode_serving_shapes(rng, backend, dtype, heads):
         head_dim=128,
         page_size=16,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
-    # The backend's own choice: one pass or split-KV, by batch size.
+    # The backend's own choice: one pass or split-KV, by batch size (and, with an FP8
+    # cache, gathers or tensor copies).
     out = decode(backend, case, scale=128**-0.5)
     assert_close(out, want_decode(backend, case, scale=128**-0.5), dtype)
 
 
 @pytest.mark.gpu
 @grid(
-    "dtype, head_dim",
-    [(jnp.float32, 128), (jnp.bfloat16, 256), (jnp.float32, 256)],
+    "kv_dtype, dtype, head_dim",
+    [
+        (None, jnp.float32, 128),
+        (None, jnp.bfloat16, 256),
+        (None, jnp.float32, 256),
+        (E4M3, jnp.bfloat16, 64),
+        (E5M2, jnp.float16, 256),
+        (E4M3, jnp.bfloat16, 256),
+    ],
     backends=("pallas", "native"),
 )
-def test_decode_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
+def test_decode_default_tiles_fit_head_dims(rng, backend, kv_dtype, dtype, head_dim):
     case = make_paged_decode(
-        rng, [700, 33], num_q_heads=16, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype
+        rng,
+        [700, 33, 4100],
+        num_q_heads=16,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     out = decode(backend, case, scale=0.1)
     assert_close(out, want_decode(backend, case, scale=0.1), dtype)
@@ -501,11 +523,12 @@ def test_prefill_vmap_and_jit(rng, backend, dummy):
 
 @pytest.mark.gpu
 @grid(
-    "dtype, heads",
-    [(dt, h) for dt in (jnp.bfloat16, jnp.float16) for h in ((32, 8), (32, 32), (64, 4))],
+    "kv_dtype, dtype, heads",
+    [(None, dt, h) for dt in (jnp.bfloat16, jnp.float16) for h in ((32, 8), (32, 32), (64, 4))]
+    + [(E4M3, jnp.bfloat16, (32, 8)), (E5M2, jnp.float16, (64, 4)), (E4M3, jnp.bfloat16, (32, 32))],
     backends=("pallas", "native"),
 )
-def test_extend_serving_shapes(rng, backend, dtype, heads):
+def test_extend_serving_shapes(rng, backend, kv_dtype, dtype, heads):
     hq, hkv = heads
     c = make_extend(
         rng,
@@ -515,6 +538,7 @@ def test_extend_serving_shapes(rng, backend, dtype, heads):
         num_kv_heads=hkv,
         head_dim=128,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         pad_rows=5,
     )
     out = extend(backend, c, scale=128**-0.5)
@@ -522,8 +546,19 @@ def test_extend_serving_shapes(rng, backend, dtype, heads):
 
 
 @pytest.mark.gpu
-@grid("layout", ["bshd", "bhsd"], backends=("pallas", "native"))
-def test_prefill_serving_shapes(rng, backend, layout):
+@grid(
+    "kv_dtype, dtype, layout",
+    [
+        (None, jnp.bfloat16, "bshd"),
+        (None, jnp.bfloat16, "bhsd"),
+        (E4M3, jnp.bfloat16, "bshd"),
+        (E5M2, jnp.bfloat16, "bhsd"),
+        (E4M3, jnp.float16, "bhsd"),
+        (E5M2, jnp.float16, "bshd"),
+    ],
+    backends=("pallas", "native"),
+)
+def test_prefill_serving_shapes(rng, backend, kv_dtype, dtype, layout):
     c = make_prefix_prefill(
         rng,
         [2048, 1000, 0],
@@ -533,11 +568,12 @@ def test_prefill_serving_shapes(rng, backend, layout):
         head_dim=128,
         page_size=16,
         layout=layout,
-        dtype=jnp.bfloat16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
         pad_rows=4,
     )
     out = prefill(backend, c, scale=128**-0.5)
-    assert_close(out, want_prefill(backend, c, scale=128**-0.5), jnp.bfloat16)
+    assert_close(out, want_prefill(backend, c, scale=128**-0.5), dtype)
 
 
 @pytest.mark.gpu
@@ -559,8 +595,6 @@ def test_extend_default_tiles_fit_wide_heads(rng, backend, dtype, head_dim):
 # The kernels are compared with the spec on the same stored FP8 values and per-head scales
 # (the heads' magnitudes are drawn a few times apart, so a kernel applying the wrong head's
 # scale fails); the reference is compared with float64 attention over the dequantised values.
-
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
 @grid(
@@ -809,106 +843,6 @@ def test_fp8_every_finite_code_in_k_and_v(rng, backend, kv_dtype):
     case.v_scale = jnp.asarray([2.0 / big, 0.5 / big], jnp.float32)
     out = decode(backend, case, scale=0.5, partition_size=128)
     assert_close(out, spec_decode(case, scale=0.5), jnp.float32)
-
-
-@pytest.mark.gpu
-@grid(
-    "kv_dtype, dtype, heads",
-    [
-        (kv, dt, h)
-        for kv in (E4M3, E5M2)
-        for dt in (jnp.bfloat16, jnp.float16)
-        for h in ((32, 8), (32, 32), (64, 4), (128, 8))
-    ],
-    backends=("pallas", "native"),
-)
-def test_decode_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
-    hq, hkv = heads
-    case = make_paged_decode(
-        rng,
-        [4097, 1, 1000, 8191, 255],
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=128,
-        page_size=16,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-    )
-    out = decode(backend, case, scale=128**-0.5)
-    assert_close(out, want_decode(backend, case, scale=128**-0.5), dtype)
-
-
-@pytest.mark.gpu
-@grid(
-    "kv_dtype, dtype, head_dim",
-    [(E4M3, jnp.bfloat16, 64), (E5M2, jnp.float16, 256), (E4M3, jnp.bfloat16, 256)],
-    backends=("pallas", "native"),
-)
-def test_decode_fp8_head_dims(rng, backend, kv_dtype, dtype, head_dim):
-    case = make_paged_decode(
-        rng,
-        [700, 33, 4100],
-        num_q_heads=16,
-        num_kv_heads=2,
-        head_dim=head_dim,
-        page_size=16,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-    )
-    out = decode(backend, case, scale=0.1)
-    assert_close(out, want_decode(backend, case, scale=0.1), dtype)
-
-
-@pytest.mark.gpu
-@grid(
-    "kv_dtype, dtype, layout",
-    [
-        (E4M3, jnp.bfloat16, "bshd"),
-        (E5M2, jnp.bfloat16, "bhsd"),
-        (E4M3, jnp.float16, "bhsd"),
-        (E5M2, jnp.float16, "bshd"),
-    ],
-    backends=("pallas", "native"),
-)
-def test_prefill_fp8_serving_shapes(rng, backend, kv_dtype, dtype, layout):
-    c = make_prefix_prefill(
-        rng,
-        [2048, 1000, 0],
-        [512, 24, 300],
-        num_q_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        layout=layout,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        pad_rows=4,
-    )
-    out = prefill(backend, c, scale=128**-0.5)
-    assert_close(out, want_prefill(backend, c, scale=128**-0.5), dtype)
-
-
-@pytest.mark.gpu
-@grid(
-    "kv_dtype, dtype, heads",
-    [(E4M3, jnp.bfloat16, (32, 8)), (E5M2, jnp.float16, (64, 4)), (E4M3, jnp.bfloat16, (32, 32))],
-    backends=("pallas", "native"),
-)
-def test_extend_fp8_serving_shapes(rng, backend, kv_dtype, dtype, heads):
-    hq, hkv = heads
-    c = make_extend(
-        rng,
-        [2048, 0, 1000, 4097],
-        [512, 1000, 24, 1],
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=128,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        pad_rows=5,
-    )
-    out = extend(backend, c, scale=128**-0.5)
-    assert_close(out, want_extend(backend, c, scale=128**-0.5), dtype)
 
 
 # --- cascade decode -------------------------------------------------------------------------
