@@ -241,13 +241,13 @@ __device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
 //
 // kL2Prefetch (0, 128 or 256) adds the L2 prefetch-size qualifier (.L2::128B / .L2::256B) to a
 // call site's copies, asking L2 to fetch that much of the surrounding memory on a miss (the TMA
-// decode's tensor maps promote to 256 bytes); the paged decode's ring passes
-// JAXATTN_DECODE_L2_PREFETCH (paged_decode.cuh), every other copy the default,
+// decode's tensor maps promote to 256 bytes); every copy takes the default,
 // JAXATTN_CP_ASYNC_L2_HINT (experiment switch, compile time, 0). At 256 everywhere on an H100
 // (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2.5% faster
 // on FP8 split grids and short one-pass grids and on 16-bit grids at GQA 32/8, 1-3% slower on
 // FP8 one-pass grids over 4096-token tables (which the library reads by TMA); the prefill and
-// the cascade level or slower by up to 1%.
+// the cascade level or slower by up to 1%. In the decode's rings alone, through the library
+// (round 68), within the run's spread: not kept as a switch of its own.
 #ifndef JAXATTN_CP_ASYNC_L2_HINT
 #define JAXATTN_CP_ASYNC_L2_HINT 0
 #endif

@@ -412,16 +412,6 @@ __device__ __forceinline__ const void* row_address(uint64_t base, uint32_t row, 
 #endif
 }
 
-// The L2 prefetch size of the decode rings' copies (experiment switch, compile time; 0, 128 or
-// 256 bytes; default JAXATTN_CP_ASYNC_L2_HINT, 0): the round-66 self-test A/B found 256 1.5-2.5%
-// faster on the FP8 grids the decode gathers, not yet timed through the library (ffi/NOTES.md,
-// rounds 66-67). Only the gathers' kernels stream through KvRing; the TMA kernels, the cascade
-// and the prefill keep their copies.
-#ifndef JAXATTN_DECODE_L2_PREFETCH
-#define JAXATTN_DECODE_L2_PREFETCH JAXATTN_CP_ASYNC_L2_HINT
-#endif
-inline constexpr int kDecodeL2Prefetch = JAXATTN_DECODE_L2_PREFETCH;
-
 // Whether uint32 row numbers (KvRing's row units) address every row of head_dim elements of
 // this cache with kNoRow to spare: any cache a GPU holds at head_dim >= 64, or 16-bit.
 inline bool ring_rows_fit(const KvGeometry& kv) {
@@ -438,11 +428,7 @@ inline bool ring_rows_fit(const KvGeometry& kv) {
 // of [TILE rows][128 bytes], the 16-byte chunk c of a row at chunk c ^ (row % 8) of its block;
 // all the K tiles, then all the V tiles, then the offsets. `base` must then be 1024-byte
 // aligned.
-//
-// L2 is the copies' L2 prefetch size in bytes (async_copy16's kL2Prefetch): the decode
-// kernels pass kDecodeL2Prefetch, the cascade's levels take the default, the global switch.
-template <typename T, int D, int TILE, int STAGES, int RS, int NT,
-          int L2 = JAXATTN_CP_ASYNC_L2_HINT>
+template <typename T, int D, int TILE, int STAGES, int RS, int NT>
 struct KvRing {
   using Elem = T;
   static constexpr int kTile = TILE;
@@ -609,8 +595,8 @@ struct KvRing {
           const bool ok = rows[j] != kNoRow;
           const uint32_t row = ok ? rows[j] : 0u;
           const int at = at0 + (i0 + j) * kStep * kRowBytes;
-          async_copy16<L2>(ks + at, row_address(kc, row, row_bytes), ok);
-          async_copy16<L2>(vs + at, row_address(vc, row, row_bytes), ok);
+          async_copy16(ks + at, row_address(kc, row, row_bytes), ok);
+          async_copy16(vs + at, row_address(vc, row, row_bytes), ok);
         }
       }
     } else if constexpr (NT % kChunks == 0 && (!kSwizzled || kStep % 8 == 0)) {
@@ -631,8 +617,8 @@ struct KvRing {
           const bool ok = o >= 0;
           const int64_t src = ok ? o : 0;
           const int at = at0 + i * kStep * kRowBytes;
-          async_copy16<L2>(ks + at, kc + src, ok);
-          async_copy16<L2>(vs + at, vc + src, ok);
+          async_copy16(ks + at, kc + src, ok);
+          async_copy16(vs + at, vc + src, ok);
         }
       }
     } else {
@@ -646,8 +632,8 @@ struct KvRing {
           const bool ok = o >= 0;
           const int64_t src = ok ? o + c * kVec : 0;
           const int at = chunk_at(r, c);
-          async_copy16<L2>(ks + at, kbase + src, ok);
-          async_copy16<L2>(vs + at, vbase + src, ok);
+          async_copy16(ks + at, kbase + src, ok);
+          async_copy16(vs + at, vbase + src, ok);
         }
       }
     }
@@ -840,7 +826,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
 
   using Ring =
-      KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads, kDecodeL2Prefetch>;
+      KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads>;
   [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
   [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
   bool bad = false;  // this thread met a page id outside the cache (pipelined kernel)
@@ -1237,7 +1223,7 @@ __global__ void __launch_bounds__(MmaDecodeShape<T, D>::kThreads, MmaDecodeShape
   const int kvh = hs.kvh, b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
-  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads, kDecodeL2Prefetch>;
+  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
   // What needs no sequence length is loaded beside it, not after: q and the pages of the first
@@ -1457,7 +1443,7 @@ __global__ void __launch_bounds__(MmaFp8DecodeShape<C, D>::kThreads,
   pdl_wait();  // launched dependent on the kernel before it: nothing is read before it ends
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
-  using Ring = KvRing<C, D, TILE, NS, RS, S::kThreads, kDecodeL2Prefetch>;
+  using Ring = KvRing<C, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
 
   // What needs no sequence length is loaded beside it, not after: q (its 16-bit words) and the
