@@ -825,8 +825,7 @@ __global__ void __launch_bounds__((DecodeShape<T, D, GT, DIRECT, C>::kThreads),
   const C* kbase = static_cast<const C*>(p.k) + kvh * kv.head_stride;
   const C* vbase = static_cast<const C*>(p.v) + kvh * kv.head_stride;
 
-  using Ring =
-      KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads>;
+  using Ring = KvRing<C, D, S::kRingTile, S::kRingStages, S::kRowStride, S::kThreads>;
   [[maybe_unused]] const Ring ring{smem, kbase, vbase, bt, kv, start, end};
   [[maybe_unused]] const int ntiles = (end - start + S::kTile - 1) / S::kTile;
   bool bad = false;  // this thread met a page id outside the cache (pipelined kernel)
