@@ -374,25 +374,6 @@ CascadeParams params_of(const Case& c, int B, int G, int wp, int w, int page, in
   return p;
 }
 
-#if JAXATTN_CASCADE_PLAN_INPUT
-// With plans as an input (JAXATTN_CASCADE_PLAN_INPUT): the plans of p's prefix blocks
-// (cascade_plan_host, for tiles of `rows` query rows, as the launcher sizes its grid) copied
-// to the device and set in p; null where the grid has no prefix block. Free it with dev_free.
-int32_t* attach_plan(CascadeParams& p, const std::vector<int32_t>& prefix_of, int rows, int hkv) {
-  const int per_tile = std::max(1, rows / (p.num_q_heads / hkv));
-  const int per_head = cascade_blocks_per_head(cascade_tiles(p.batch, p.num_prefixes, per_tile),
-                                               p.prefix_target, hkv);
-  if (per_head <= 0) return nullptr;
-  const std::vector<int32_t> h =
-      cascade_plan_host(prefix_of.data(), p.batch, p.num_prefixes, per_tile, per_head,
-                        p.prefix_target, hkv, p.prefix_parts);
-  auto* d = static_cast<int32_t*>(dev_alloc(h.size() * 4));
-  to_dev(d, h.data(), h.size() * 4);
-  p.plan = d;
-  return d;
-}
-#endif
-
 bool run_problem(const Problem& P, const std::string& label) {
   const Case& c = P.c;
   const size_t es = dt_size(c.dt), q_elems = P.q_elems();
@@ -439,14 +420,8 @@ bool run_problem(const Problem& P, const std::string& label) {
   p.seq_lens = dlens;
   p.out = dout;
   p.workspace = dws;
-#if JAXATTN_CASCADE_PLAN_INPUT
-  int32_t* dplan = attach_plan(p, P.pof, rows, c.hkv);
-#endif
   const char* err = launch(c.dt, p);
   const char* sync = sync_error();
-#if JAXATTN_CASCADE_PLAN_INPUT
-  if (dplan != nullptr) dev_free(dplan);
-#endif
   std::vector<unsigned char> oh(q_elems * es);
   if (sync == nullptr) from_dev(oh.data(), dout, oh.size());
   for (void* ptr : {dq, dkc, dvc, dout, static_cast<void*>(dptab), static_cast<void*>(dplens),
@@ -795,7 +770,6 @@ struct Bench {
   size_t ws_floats = 0;
   int32_t *plens = nullptr, *pof = nullptr, *lens = nullptr, *jlens = nullptr;
   std::vector<int32_t*> ptabs, tabs, jtabs;
-  mutable std::vector<int32_t*> plans;  // with JAXATTN_CASCADE_PLAN_INPUT: cascade_params'
 
   double row_bytes() const { return 2.0 * HKV * D * 2; }  // K and V of one token
   double unique_bytes() const {  // each used prefix once, every own token once
@@ -889,7 +863,7 @@ struct Bench {
     for (void* p : {q, k, v, out, static_cast<void*>(ws), static_cast<void*>(plens),
                     static_cast<void*>(pof), static_cast<void*>(lens), static_cast<void*>(jlens)})
       cudaFree(p);
-    for (auto* vec : {&ptabs, &tabs, &jtabs, &plans})
+    for (auto* vec : {&ptabs, &tabs, &jtabs})
       for (int32_t* t : *vec) cudaFree(t);
   }
 
@@ -921,9 +895,6 @@ struct Bench {
     p.workspace = ws;
     p.prefix_tables = ptabs[0];
     p.block_tables = tabs[0];
-#if JAXATTN_CASCADE_PLAN_INPUT
-    if (int32_t* d = attach_plan(p, prefix_of, rows, HKV)) plans.push_back(d);
-#endif
     *out_p = p;
     return cascade_workspace_floats(B, HQ, p.parts(), D) <= int64_t(ws_floats);
   }

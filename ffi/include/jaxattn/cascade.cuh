@@ -154,27 +154,6 @@ __device__ bool plan_prefix_block(const CascadeParams& p, int k, bool leader, in
                                   int per_head, int* bins, CascadePlan<NT, MAXR>& plan, int* split,
                                   int* splits) {
   const int tid = threadIdx.x;
-#if JAXATTN_CASCADE_PLAN_INPUT
-  if (p.plan != nullptr) {
-    // The block's record (cascade_plan_host), read in one round of loads, every field clamped
-    // to what the grid and the workspace hold so that no record makes the block read or write
-    // outside them.
-    static_assert(MAXR <= kCascadePlanMembers, "a record holds a tile's requests");
-    const int32_t* rec = p.plan + int64_t(k) * kCascadePlanStride;
-    const int g = rec[0], part = rec[1], count = rec[3];
-    *splits = min(max(rec[2], 1), p.prefix_parts);
-    *split = part;
-    if (leader && tid == 0) *cascade_split_slot(p) = *splits;
-    for (int i = tid; i < MAXR; i += NT) plan.members[i] = min(max(rec[4 + i], 0), p.batch - 1);
-    if (tid == 0) {
-      plan.g = g;
-      plan.first = 0;
-      plan.count = min(max(count, 0), min(per_tile, MAXR));
-    }
-    __syncthreads();
-    return g >= 0 && g < p.num_prefixes && part >= 0 && part < *splits && plan.count > 0;
-  }
-#endif
   const int G = p.num_prefixes;
   const int chunks = (G + kCascadePlanBins - 1) / kCascadePlanBins;
   // Thread tid owns bins [lo, hi) of a chunk of n bins.

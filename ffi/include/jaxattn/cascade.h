@@ -27,18 +27,6 @@
 #include "jaxattn/guards.h"
 #include "jaxattn/params.h"
 
-// Experiment switch (compile time, off; ffi/NOTES.md, round 68): the prefix blocks' plans as an
-// input (CascadeParams::plan, made by cascade_plan_host), so that a prefix block reads its tile
-// and partition instead of planning them from prefix_of on the device, as a plan made once per
-// decode step and read by every layer's call would let it. Only the cascade self-test makes
-// plans; the library's calls leave plan null and plan on the device as before.
-#ifndef JAXATTN_CASCADE_PLAN_INPUT
-#define JAXATTN_CASCADE_PLAN_INPUT 0
-#endif
-#if JAXATTN_CASCADE_PLAN_INPUT
-#include <vector>
-#endif
-
 namespace jaxattn {
 
 struct CascadeParams {
@@ -72,11 +60,6 @@ struct CascadeParams {
   // library has its sm_90a build, else mma.sync), 1 mma.sync, 2 wgmma (an error where it is
   // not available). The self-test times both; the CPU ignores it.
   int32_t prefix_kernel = 0;
-#if JAXATTN_CASCADE_PLAN_INPUT
-  // Null, or the plans of a KV head's per_head prefix blocks (the same for every KV head),
-  // kCascadePlanStride int32 each (cascade_plan_host).
-  const int32_t* plan = nullptr;
-#endif
 
   JAXATTN_HD int32_t parts() const { return own_parts + prefix_parts; }
   // Own tokens per partition (a one-pass partition covers the whole table row).
@@ -169,53 +152,6 @@ JAXATTN_HD int32_t cascade_prefix_parts(int32_t prefix_len, int32_t splits) {
   const int32_t chunk = cascade_chunk(prefix_len, splits);
   return (prefix_len + chunk - 1) / chunk;
 }
-
-#if JAXATTN_CASCADE_PLAN_INPUT
-// A prefix block's plan record: its prefix (-1: no work), its partition, the batch's partition
-// count, its tile's request count, then the tile's requests in batch order.
-constexpr int32_t kCascadePlanMembers = 64;  // the most requests a prefix tile holds
-constexpr int32_t kCascadePlanStride = 4 + kCascadePlanMembers;
-
-// The records of prefix blocks k = 0 .. per_head - 1 of a KV head, as the device's planning
-// (cascade.cuh: plan_prefix_block) makes them: the prefixes' tiles in prefix order, up to
-// per_tile of a prefix's requests a tile in batch order, block k taking tile k % T and
-// partition k / T of the batch's T tiles; requests whose prefix_of is outside [0,
-// num_prefixes) belong to no tile.
-inline std::vector<int32_t> cascade_plan_host(const int32_t* prefix_of, int32_t batch,
-                                              int32_t num_prefixes, int32_t per_tile,
-                                              int32_t per_head, int32_t target, int32_t kv_heads,
-                                              int32_t max_splits) {
-  std::vector<std::vector<int32_t>> members(num_prefixes > 0 ? num_prefixes : 0);
-  for (int32_t b = 0; b < batch; ++b)
-    if (prefix_of[b] >= 0 && prefix_of[b] < num_prefixes) members[prefix_of[b]].push_back(b);
-  int32_t tiles = 0;
-  for (const auto& m : members) tiles += (int32_t(m.size()) + per_tile - 1) / per_tile;
-  const int32_t splits = cascade_splits(tiles, target, kv_heads, per_head, max_splits);
-  std::vector<int32_t> plan(size_t(per_head > 0 ? per_head : 0) * kCascadePlanStride, 0);
-  for (int32_t k = 0; k < per_head; ++k) {
-    plan[size_t(k) * kCascadePlanStride] = -1;
-    plan[size_t(k) * kCascadePlanStride + 2] = splits;
-  }
-  int32_t t = 0;
-  for (int32_t g = 0; g < num_prefixes; ++g) {
-    const int32_t n = int32_t(members[g].size());
-    for (int32_t first = 0; first < n; first += per_tile, ++t) {
-      for (int32_t split = 0; split < splits; ++split) {
-        const int64_t k = int64_t(split) * tiles + t;
-        if (k >= per_head) continue;
-        int32_t* rec = &plan[size_t(k) * kCascadePlanStride];
-        const int32_t count = n - first < per_tile ? n - first : per_tile;
-        rec[0] = g;
-        rec[1] = split;
-        rec[3] = count;
-        for (int32_t i = 0; i < count && i < kCascadePlanMembers; ++i)
-          rec[4 + i] = members[g][first + i];
-      }
-    }
-  }
-  return plan;
-}
-#endif
 
 // Workspace slot of (request b, query head h, part).
 JAXATTN_HD int64_t cascade_slot(const CascadeParams& p, int32_t b, int32_t h, int32_t part) {
