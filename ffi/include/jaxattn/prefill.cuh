@@ -756,6 +756,38 @@ __device__ __forceinline__ void prefill_mma_tile(const PrefillParams& p, const P
   }
 }
 
+// The mma kernels' first two key tiles: their row offsets into rowoff[0, 2 BN) (threads below
+// BN, a row each; cur left on tile 1's row), then a barrier.
+template <int BN>
+__device__ __forceinline__ void prefill_first_offsets(const KvGeometry& kv, const PrefillTile& t,
+                                                      int end, int64_t* rowoff, RowCursor& cur,
+                                                      int& flags) {
+  const int tid = threadIdx.x;
+  if (tid < BN) {
+    cur.init(kv, t.table, tid, end, flags);
+    rowoff[tid] = cur.off;
+    cur.advance(kv, t.table, tid, BN, end, flags);
+    rowoff[BN + tid] = cur.off;
+  }
+  __syncthreads();
+}
+
+// The tile's q rows of query head `head` into q_s (BM rows of D 16-bit elements, swizzled):
+// chunk tid % CH of rows tid / CH + i * RP, zeros past the tile's rows. Uncommitted.
+template <typename T, int D, int BM, int CH, int RP>
+__device__ __forceinline__ void prefill_copy_q(const PrefillParams& p, const PrefillTile& t,
+                                               int head, unsigned char* q_s) {
+  const T* qg = static_cast<const T*>(p.q);
+  const int tid = threadIdx.x, c = tid % CH;
+#pragma unroll
+  for (int i = 0; i < BM / RP; ++i) {
+    const int r = tid / CH + i * RP;
+    const bool ok = r < t.rows;
+    const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
+    async_copy16_at(smem_u32(q_s) + swz<D>(r, c), src, ok);
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
     prefill_mma_kernel(const PrefillParams p) {
@@ -796,26 +828,13 @@ __global__ void __launch_bounds__(MmaShape<D>::kThreads, 2)
 
   int flags = 0;  // kGuardIndexBad, kGuardValueBad
   RowCursor cur;
-  if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, flags);
-    rowoff[tid] = cur.off;
-    cur.advance(kv, t.table, tid, BN, range.end, flags);
-    rowoff[BN + tid] = cur.off;
-  }
-  __syncthreads();
+  prefill_first_offsets<BN>(kv, t, range.end, rowoff, cur, flags);
 
-  const T* qg = static_cast<const T*>(p.q);
   const T* kg = static_cast<const T*>(p.k) + kvh * kv.head_stride;
   const T* vg = static_cast<const T*>(p.v) + kvh * kv.head_stride;
-  const int c = tid % CH;
-#pragma unroll
-  for (int i = 0; i < BM / RP; ++i) {
-    const int r = tid / CH + i * RP;
-    const bool ok = r < t.rows;
-    const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
-    async_copy16_at(smem_u32(q_s) + swz<D>(r, c), src, ok);
-  }
+  prefill_copy_q<T, D, BM, CH, RP>(p, t, head, q_s);
   async_copy_commit();
+  const int c = tid % CH;
   // This thread copies chunk c of rows tid / CH + i * RP of every key tile.
   auto load_kv = [&](int buf) {
 #pragma unroll
@@ -1046,27 +1065,11 @@ __global__ void __launch_bounds__(MmaFp8Shape<D>::kThreads, 2)
 
   int flags = 0;  // kGuardIndexBad, kGuardValueBad
   RowCursor cur;
-  if (tid < BN) {
-    cur.init(kv, t.table, tid, range.end, flags);
-    rowoff[tid] = cur.off;
-    cur.advance(kv, t.table, tid, BN, range.end, flags);
-    rowoff[BN + tid] = cur.off;
-  }
-  __syncthreads();
+  prefill_first_offsets<BN>(kv, t, range.end, rowoff, cur, flags);
 
-  const T* qg = static_cast<const T*>(p.q);
   const C* kg = static_cast<const C*>(p.k) + kvh * kv.head_stride;
   const C* vg = static_cast<const C*>(p.v) + kvh * kv.head_stride;
-  {
-    const int c = tid % CH;
-#pragma unroll
-    for (int i = 0; i < BM / RP; ++i) {
-      const int r = tid / CH + i * RP;
-      const bool ok = r < t.rows;
-      const T* src = ok ? qg + (int64_t(t.q0 + t.m0 + r) * p.num_q_heads + head) * D + c * 8 : qg;
-      async_copy16_at(smem_u32(q_s) + swz<D>(r, c), src, ok);
-    }
-  }
+  prefill_copy_q<T, D, BM, CH, RP>(p, t, head, q_s);
   async_copy_commit();
   // This thread's FP8 chunks of every key tile: chunk c8 of rows r8 + i * F8R; it widens them
   // into chunks 2 c8 and 2 c8 + 1 of the same rows, which share their swizzle phase
