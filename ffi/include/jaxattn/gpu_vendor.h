@@ -239,30 +239,29 @@ __device__ __forceinline__ void vec_to_float(const uint2& r, float* out) {
 // tensor-core kernels that keep their shared addresses in 32 bits (mma_sm80.cuh); its body is
 // empty below sm_80, where the launchers never pick those kernels.
 //
-// kL2Prefetch (0, 128 or 256) adds the L2 prefetch-size qualifier (.L2::128B / .L2::256B) to a
-// call site's copies, asking L2 to fetch that much of the surrounding memory on a miss (the TMA
-// decode's tensor maps promote to 256 bytes); every copy takes the default,
-// JAXATTN_CP_ASYNC_L2_HINT (experiment switch, compile time, 0). At 256 everywhere on an H100
-// (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's gathers 1-2.5% faster
-// on FP8 split grids and short one-pass grids and on 16-bit grids at GQA 32/8, 1-3% slower on
-// FP8 one-pass grids over 4096-token tables (which the library reads by TMA); the prefill and
-// the cascade level or slower by up to 1%. In the decode's rings alone, through the library
-// (round 68), within the run's spread: not kept as a switch of its own.
+// JAXATTN_CP_ASYNC_L2_HINT (experiment switch, compile time, default 0): 128 or 256 adds the L2
+// prefetch-size qualifier (.L2::128B / .L2::256B) to every 16-byte copy, asking L2 to fetch that
+// much of the surrounding memory on a miss (the TMA decode's tensor maps promote to 256 bytes).
+// At 256 on an H100 (self-tests, three alternations; ffi/NOTES.md, round 66): the decode's
+// gathers 1-2.5% faster on FP8 split grids and short one-pass grids and on 16-bit grids at GQA
+// 32/8, 1-3% slower on FP8 one-pass grids over 4096-token tables (which the library reads by
+// TMA); the prefill and the cascade level or slower by up to 1%. In the decode's rings alone,
+// through the library (round 68): within the run's spread, so not kept as a switch of its own.
 #ifndef JAXATTN_CP_ASYNC_L2_HINT
 #define JAXATTN_CP_ASYNC_L2_HINT 0
 #endif
+static_assert(JAXATTN_CP_ASYNC_L2_HINT == 0 || JAXATTN_CP_ASYNC_L2_HINT == 128 ||
+                  JAXATTN_CP_ASYNC_L2_HINT == 256,
+              "JAXATTN_CP_ASYNC_L2_HINT is 0, 128 or 256 bytes");
 #if defined(JAXATTN_CUDA)
-template <int kL2Prefetch = JAXATTN_CP_ASYNC_L2_HINT>
 __device__ __forceinline__ void async_copy16_at(uint32_t smem_dst, const void* gmem_src,
                                                 bool valid) {
-  static_assert(kL2Prefetch == 0 || kL2Prefetch == 128 || kL2Prefetch == 256,
-                "the L2 prefetch size is 0, 128 or 256 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kL2Prefetch == 256) {
+  if constexpr (JAXATTN_CP_ASYNC_L2_HINT == 256) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
                  "l"(gmem_src), "r"(valid ? 16 : 0)
                  : "memory");
-  } else if constexpr (kL2Prefetch == 128) {
+  } else if constexpr (JAXATTN_CP_ASYNC_L2_HINT == 128) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_dst),
                  "l"(gmem_src), "r"(valid ? 16 : 0)
                  : "memory");
@@ -275,11 +274,9 @@ __device__ __forceinline__ void async_copy16_at(uint32_t smem_dst, const void* g
 }
 #endif
 
-template <int kL2Prefetch = JAXATTN_CP_ASYNC_L2_HINT>
 __device__ __forceinline__ void async_copy16(void* smem_dst, const void* gmem_src, bool valid) {
 #if defined(JAXATTN_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  async_copy16_at<kL2Prefetch>(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src,
-                               valid);
+  async_copy16_at(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, valid);
 #else
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (valid) v = *static_cast<const uint4*>(gmem_src);
