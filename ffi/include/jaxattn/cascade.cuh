@@ -52,6 +52,12 @@
 #include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/paged_decode.cuh"
 
+// Experiment (1: off): KV heads of one request an own block of the tensor-core kernel streams
+// (cascade_own_mma_run) where CascadeParams::own_heads does not say.
+#ifndef JAXATTN_CASCADE_OWN_HEADS
+#define JAXATTN_CASCADE_OWN_HEADS 1
+#endif
+
 namespace jaxattn {
 namespace gpu {
 
@@ -710,6 +716,25 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   JAXATTN_CASCADE_STAMP(12);
 }
 
+// An own block's end for KV head kvh: the warps' states (o, m, this lane's share of l) merged
+// through `red` in shared memory and written to the workspace slots of the group's `group`
+// heads, NaN when any thread of the block saw a bad page id.
+template <typename T, int D>
+__device__ __forceinline__ void cascade_own_finish(const CascadeParams& p, float* red,
+                                                   const float (&o)[D / 16][4], float m, float l,
+                                                   bool bad, int b, int kvh, int part, int group) {
+  using S = CascadeMmaShape<T, D>;
+  constexpr int H = S::kHeads;
+  l = group_sum<4>(l);
+  const bool poisoned = __syncthreads_or(bad);
+  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
+  __syncthreads();
+  cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
+      p, red,
+      [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
+      poisoned);
+}
+
 // Own block: paged decode of own partition `part` of request b, the group's heads as the n = 8
 // side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
 // As there, q and the pages of the first tiles are loaded beside the request's length, not
@@ -719,7 +744,6 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
                                                 int kvh, int part) {
   using S = CascadeMmaShape<T, D>;
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
-  constexpr int H = S::kHeads;
   constexpr float kNegInf = -__builtin_huge_valf();
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -774,16 +798,109 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   }
   async_copy_wait<0>();
   JAXATTN_CASCADE_STAMP(11);
-  l = group_sum<4>(l);
+  cascade_own_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, part, group);
+  JAXATTN_CASCADE_STAMP(12);
+}
 
-  float* red = reinterpret_cast<float*>(smem);
-  const bool poisoned = __syncthreads_or(bad);
-  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
-  __syncthreads();
-  cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
-      p, red,
-      [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
-      poisoned);
+// Own blocks that stream a run of KV heads (CascadeParams::own_heads > 1): KV heads
+// kvh0 .. kvh0 + nh - 1 of request b, own partition `part`. The heads read the same rows (one
+// table row, one length, one partition), so their tiles form one stream through the ring --
+// stream tile n is tile n % ntiles of head kvh0 + n / ntiles, its offsets that head's rows
+// (KvRing::store_stream_offset) -- and the copies of a head's first tiles are in flight while
+// the head before it computes its last: a request's range, prologue and first copies are paid
+// once a run instead of once a KV head. While the prefix blocks run, one own block an SM is
+// resident beside them, and an own block of 256 tokens spends ~4 of its ~9 us on its start
+// and its end (ffi/NOTES.md, round 68). A head's states are merged over the K rows of the stage
+// its last tile used, which the ring refills only after the next iteration's barrier (the
+// offsets stored after the merge lie before those rows). The next head's q is loaded a head
+// ahead. A head's poison flag is the OR of the stores so far: its own tiles' pages, which are
+// every head's.
+template <typename T, int D>
+__device__ __forceinline__ void cascade_own_mma_run(const CascadeParams& p, unsigned char* smem,
+                                                    int b, int kvh0, int nh, int part) {
+  using S = CascadeMmaShape<T, D>;
+  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  static_assert(S::kMergeBytes <= TILE * RS * int(sizeof(T)), "a head's merge fits a stage's K");
+  const int group = p.num_q_heads / p.kv.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const KvGeometry& kv = p.kv;
+  const T* kbase = static_cast<const T*>(p.k) + kvh0 * kv.head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + kvh0 * kv.head_stride;
+  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
+  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
+  uint32_t qa[KD][2], qn[KD][2];  // this head's q; the next head's, in flight
+  mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0) * group, group, g, tq, qa);
+  if (nh > 1)
+    mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0 + 1) * group, group, g, tq, qn);
+  int pages[NS];
+  Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
+  int start, end;
+  if (!own_range(p, b, part, &start, &end)) {
+    JAXATTN_CASCADE_STAMP(12);  // no work: its exit
+    return;
+  }
+  JAXATTN_CASCADE_STAMP(1);
+  const Ring ring{smem, kbase, vbase, table, kv, start, end};
+  const int ntiles = ring.tiles(), total = ntiles * nh;  // ntiles >= 1 (own_range)
+  bool bad = ring.prologue_stream(ntiles, nh, pages);
+  JAXATTN_CASCADE_STAMP(2);
+  JAXATTN_CASCADE_NOTE(13, total);
+  float q_scale = p.ls.q_scale * p.scales.k_of(kvh0);
+
+  float o[KD][4];
+#pragma unroll
+  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = kNegInf, l = 0.f;
+
+  const int rb = warp * 16;
+  const uint32_t lane_off =
+      uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
+
+  // The computed tile's head (of the run) and tile; those of stream tile n + NS, whose offsets
+  // the iteration stores (a head past the run: a tile past the end).
+  int hc = 0, tc = 0, hs = NS / ntiles, ts = NS % ntiles;
+  for (int n = 0; n < total; ++n) {
+    async_copy_wait<NS - 2>();
+    __syncthreads();
+    if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
+    if (n + NS - 1 < total) ring.issue(n + NS - 1);
+    async_copy_commit();
+    const int stored = hs < nh ? ts : ntiles;
+    const int page = ring.page_of(stored);
+
+    const int s = n % NS;
+    const int t0 = start + tc * TILE + rb;  // this warp's first token
+    if (t0 < end) {                         // warp-uniform
+      mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
+                            smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
+                            o, m, l);
+    }
+    if (tc == ntiles - 1) {  // block-uniform: the head's last tile
+      cascade_own_finish<T, D>(p, reinterpret_cast<float*>(ring.k_rows(s)), o, m, l, bad, b,
+                               kvh0 + hc, part, group);
+      tc = 0;
+      if (++hc < nh) {
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) qa[kk][0] = qn[kk][0], qa[kk][1] = qn[kk][1];
+        if (hc + 1 < nh)
+          mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0 + hc + 1) * group, group, g, tq,
+                             qn);
+        q_scale = p.ls.q_scale * p.scales.k_of(kvh0 + hc);
+#pragma unroll
+        for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+        m = kNegInf;
+        l = 0.f;
+      }
+    } else {
+      ++tc;
+    }
+    bad |= ring.store_stream_offset(n + NS, stored, hs < nh ? hs : 0, page);
+    if (++ts == ntiles) ts = 0, ++hs;
+  }
+  async_copy_wait<0>();
+  JAXATTN_CASCADE_STAMP(11);
   JAXATTN_CASCADE_STAMP(12);
 }
 
@@ -795,7 +912,9 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                                                      int start, int end);
 
 // WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
-template <typename T, int D, bool WG = false>
+// RUN: the own blocks stream runs of p.own_heads KV heads (cascade_own_mma_run; the grid's own
+// blocks are then (request, run, partition)), else one KV head each.
+template <typename T, int D, bool WG = false, bool RUN = false>
 __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
 #if __CUDA_ARCH__ >= 800
@@ -825,6 +944,11 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     } else {
       cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
     }
+  } else if constexpr (RUN) {
+    const int R = p.own_heads, runs = (hkv + R - 1) / R;
+    const int part = x % p.own_parts, run = (x / p.own_parts) % runs;
+    const int b = x / (p.own_parts * runs);
+    cascade_own_mma_run<T, D>(p, smem, b, run * R, min(R, hkv - run * R), part);
   } else {
     const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
     cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part);
@@ -939,7 +1063,8 @@ bool cascade_uses_mma() {
 
 #if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
 // cascade_sm90.cu (sm_90a): the tensor-core kernel with the wgmma prefix level, T = bf16_t or
-// f16_t, D = 64 or 128 -- its launch over `blocks` blocks, and its resident blocks an SM.
+// f16_t, D = 64 or 128 -- its launch over `blocks` blocks (own blocks streaming runs of
+// p.own_heads KV heads when that is over 1), and its resident blocks an SM.
 template <typename T, int D>
 const char* launch_cascade_sm90(const CascadeParams& p, gpuStream_t stream, int64_t blocks,
                                 int per_tile, int per_head);
@@ -1007,7 +1132,8 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
       (void)wg;
 #endif
       using S = CascadeMmaShape<T, D>;
-      auto kernel = cascade_mma_kernel<T, D>;
+      auto kernel =
+          p.own_heads > 1 ? cascade_mma_kernel<T, D, false, true> : cascade_mma_kernel<T, D>;
       if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
       kernel<<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
       return check_launch();
@@ -1021,15 +1147,27 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
   return check_launch();
 }
 
+// KV heads an own block streams: CascadeParams::own_heads where set, else the build's
+// JAXATTN_CASCADE_OWN_HEADS, within [1, KV heads]; always 1 on the SIMT kernel.
 template <typename T, int D>
-const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
+int cascade_own_heads(const CascadeParams& p) {
+  if (!cascade_uses_mma<T, D>()) return 1;
+  const int want = p.own_heads > 0 ? p.own_heads : JAXATTN_CASCADE_OWN_HEADS;
+  return want < 1 ? 1 : (want < p.kv.num_kv_heads ? want : p.kv.num_kv_heads);
+}
+
+template <typename T, int D>
+const char* launch_cascade_dim(const CascadeParams& params, gpuStream_t stream) {
+  CascadeParams p = params;
   const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
   if (group < 1 || group > kCascadeSimtRows)
     return "jaxattn: GPU cascade decode serves 1 to 8 query heads per KV head";
+  p.own_heads = cascade_own_heads<T, D>(p);
   const int per_tile = cascade_rows<T, D>() / group;
   const int tiles = cascade_tiles(p.batch, p.num_prefixes, per_tile);
   const int per_head = cascade_blocks_per_head(tiles, p.prefix_target, hkv);
-  const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * hkv * p.own_parts;
+  const int runs = (hkv + p.own_heads - 1) / p.own_heads;  // own blocks of a request's partition
+  const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * runs * p.own_parts;
   if (blocks > 0x7fffffff) return "jaxattn: cascade grid over 2^31 - 1 blocks";
   if (blocks > 0) {
     if (const char* e = launch_cascade_blocks<T, D>(p, stream, blocks, per_tile, per_head))
