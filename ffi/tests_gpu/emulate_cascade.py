@@ -375,7 +375,7 @@ def run_prefix_block(
 
 def launch(P, d, ns, land, fetch, units=False, own_heads=1):
     """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d].
-    own_heads > 1: the own blocks stream runs of that many KV heads (cascade_own_mma_run)."""
+    own_heads > 1: the own blocks stream runs of that many KV heads (cascade_own_mma, RUN)."""
     B, hq, hkv = len(P["prefix_of"]), P["hq"], P["hkv"]
     group = hq // hkv
     parts = P["own_parts"] + P["prefix_parts"]

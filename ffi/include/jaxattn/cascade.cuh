@@ -53,7 +53,7 @@
 #include "jaxattn/paged_decode.cuh"
 
 // Experiment (1: off): KV heads of one request an own block of the tensor-core kernel streams
-// (cascade_own_mma_run) where CascadeParams::own_heads does not say.
+// (cascade_own_mma with RUN) where CascadeParams::own_heads does not say.
 #ifndef JAXATTN_CASCADE_OWN_HEADS
 #define JAXATTN_CASCADE_OWN_HEADS 1
 #endif
@@ -739,12 +739,27 @@ __device__ __forceinline__ void cascade_own_finish(const CascadeParams& p, float
 // side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
 // As there, q and the pages of the first tiles are loaded beside the request's length, not
 // after it.
-template <typename T, int D>
+//
+// RUN: the block streams a run of KV heads, kvh .. kvh + nh - 1 (CascadeParams::own_heads > 1;
+// else nh is 1). The heads read the same rows (one table row, one length, one partition), so
+// their tiles form one stream through the ring -- stream tile n is tile n % ntiles of head
+// kvh + n / ntiles, its offsets that head's rows (KvRing::store_stream_offset) -- and the copies
+// of a head's first tiles are in flight while the head before it computes its last: a
+// request's range, prologue and first copies are paid once a run instead of once a KV head.
+// While the prefix blocks run, one own block an SM is resident beside them, and an own block of
+// 256 tokens spends ~4 of its ~9 us on its start and its end (ffi/NOTES.md, round 68). A head's
+// states are merged over the K rows of the stage its last tile used, which the ring refills
+// only after the next iteration's barrier (the offsets stored after the merge lie before those
+// rows). The next head's q is loaded a head ahead. A head's poison flag is the OR of the stores
+// so far: its own tiles' pages, which are every head's.
+template <typename T, int D, bool RUN = false>
 __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned char* smem, int b,
-                                                int kvh, int part) {
+                                                int kvh, int nh, int part) {
   using S = CascadeMmaShape<T, D>;
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
   constexpr float kNegInf = -__builtin_huge_valf();
+  static_assert(!RUN || S::kMergeBytes <= TILE * RS * int(sizeof(T)),
+                "a head's merge fits a stage's K rows");
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -754,7 +769,12 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
   uint32_t qa[KD][2];
+  [[maybe_unused]] uint32_t qn[KD][2];  // RUN: the next head's q, in flight
   mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh) * group, group, g, tq, qa);
+  if constexpr (RUN) {
+    if (nh > 1)
+      mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh + 1) * group, group, g, tq, qn);
+  }
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
   int start, end;
@@ -764,11 +784,12 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   }
   JAXATTN_CASCADE_STAMP(1);
   const Ring ring{smem, kbase, vbase, table, kv, start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;
-  bool bad = ring.prologue(ntiles, pages);
+  const int ntiles = (end - start + TILE - 1) / TILE;  // >= 1 (own_range)
+  const int total = RUN ? ntiles * nh : ntiles;
+  bool bad = RUN ? ring.prologue_stream(ntiles, nh, pages) : ring.prologue(ntiles, pages);
   JAXATTN_CASCADE_STAMP(2);
-  JAXATTN_CASCADE_NOTE(13, ntiles);
-  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
+  JAXATTN_CASCADE_NOTE(13, total);
+  float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   float o[KD][4];
 #pragma unroll
@@ -779,128 +800,56 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   const uint32_t lane_off =
       uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
 
-  for (int n = 0; n < ntiles; ++n) {
-    async_copy_wait<NS - 2>();
-    __syncthreads();
-    if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
-    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
-    async_copy_commit();
-    const int page = ring.page_of(n + NS);
-
-    const int s = n % NS;
-    const int t0 = start + n * TILE + rb;  // this warp's first token
-    if (t0 < end) {                        // warp-uniform
-      mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
-                            smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
-                            o, m, l);
-    }
-    bad |= ring.store_offset(n + NS, page);
-  }
-  async_copy_wait<0>();
-  JAXATTN_CASCADE_STAMP(11);
-  cascade_own_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, part, group);
-  JAXATTN_CASCADE_STAMP(12);
-}
-
-// Own blocks that stream a run of KV heads (CascadeParams::own_heads > 1): KV heads
-// kvh0 .. kvh0 + nh - 1 of request b, own partition `part`. The heads read the same rows (one
-// table row, one length, one partition), so their tiles form one stream through the ring --
-// stream tile n is tile n % ntiles of head kvh0 + n / ntiles, its offsets that head's rows
-// (KvRing::store_stream_offset) -- and the copies of a head's first tiles are in flight while
-// the head before it computes its last: a request's range, prologue and first copies are paid
-// once a run instead of once a KV head. While the prefix blocks run, one own block an SM is
-// resident beside them, and an own block of 256 tokens spends ~4 of its ~9 us on its start
-// and its end (ffi/NOTES.md, round 68). A head's states are merged over the K rows of the stage
-// its last tile used, which the ring refills only after the next iteration's barrier (the
-// offsets stored after the merge lie before those rows). The next head's q is loaded a head
-// ahead. A head's poison flag is the OR of the stores so far: its own tiles' pages, which are
-// every head's.
-template <typename T, int D>
-__device__ __forceinline__ void cascade_own_mma_run(const CascadeParams& p, unsigned char* smem,
-                                                    int b, int kvh0, int nh, int part) {
-  using S = CascadeMmaShape<T, D>;
-  constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
-  constexpr float kNegInf = -__builtin_huge_valf();
-  static_assert(S::kMergeBytes <= TILE * RS * int(sizeof(T)), "a head's merge fits a stage's K");
-  const int group = p.num_q_heads / p.kv.num_kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const KvGeometry& kv = p.kv;
-  const T* kbase = static_cast<const T*>(p.k) + kvh0 * kv.head_stride;
-  const T* vbase = static_cast<const T*>(p.v) + kvh0 * kv.head_stride;
-  using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
-  const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
-  uint32_t qa[KD][2], qn[KD][2];  // this head's q; the next head's, in flight
-  mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0) * group, group, g, tq, qa);
-  if (nh > 1)
-    mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0 + 1) * group, group, g, tq, qn);
-  int pages[NS];
-  Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
-  int start, end;
-  if (!own_range(p, b, part, &start, &end)) {
-    JAXATTN_CASCADE_STAMP(12);  // no work: its exit
-    return;
-  }
-  JAXATTN_CASCADE_STAMP(1);
-  const Ring ring{smem, kbase, vbase, table, kv, start, end};
-  const int ntiles = ring.tiles(), total = ntiles * nh;  // ntiles >= 1 (own_range)
-  bool bad = ring.prologue_stream(ntiles, nh, pages);
-  JAXATTN_CASCADE_STAMP(2);
-  JAXATTN_CASCADE_NOTE(13, total);
-  float q_scale = p.ls.q_scale * p.scales.k_of(kvh0);
-
-  float o[KD][4];
-#pragma unroll
-  for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m = kNegInf, l = 0.f;
-
-  const int rb = warp * 16;
-  const uint32_t lane_off =
-      uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
-
-  // The computed tile's head (of the run) and tile; those of stream tile n + NS, whose offsets
-  // the iteration stores (a head past the run: a tile past the end).
-  int hc = 0, tc = 0, hs = NS / ntiles, ts = NS % ntiles;
+  // RUN: the computed tile's head (of the run) and tile; those of stream tile n + NS, whose
+  // offsets the iteration stores (a head past the run: a tile past the end).
+  [[maybe_unused]] int hc = 0, tc = 0, hs = 0, ts = 0;
+  if constexpr (RUN) hs = NS / ntiles, ts = NS % ntiles;
   for (int n = 0; n < total; ++n) {
     async_copy_wait<NS - 2>();
     __syncthreads();
     if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
     if (n + NS - 1 < total) ring.issue(n + NS - 1);
     async_copy_commit();
-    const int stored = hs < nh ? ts : ntiles;
+    const int stored = RUN ? (hs < nh ? ts : ntiles) : n + NS;
     const int page = ring.page_of(stored);
 
     const int s = n % NS;
-    const int t0 = start + tc * TILE + rb;  // this warp's first token
-    if (t0 < end) {                         // warp-uniform
+    const int t0 = start + (RUN ? tc : n) * TILE + rb;  // this warp's first token
+    if (t0 < end) {                                     // warp-uniform
       mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
                             smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
                             o, m, l);
     }
-    if (tc == ntiles - 1) {  // block-uniform: the head's last tile
-      cascade_own_finish<T, D>(p, reinterpret_cast<float*>(ring.k_rows(s)), o, m, l, bad, b,
-                               kvh0 + hc, part, group);
-      tc = 0;
-      if (++hc < nh) {
+    if constexpr (RUN) {
+      if (tc == ntiles - 1) {  // block-uniform: the head's last tile
+        cascade_own_finish<T, D>(p, reinterpret_cast<float*>(ring.k_rows(s)), o, m, l, bad, b,
+                                 kvh + hc, part, group);
+        tc = 0;
+        if (++hc < nh) {
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) qa[kk][0] = qn[kk][0], qa[kk][1] = qn[kk][1];
-        if (hc + 1 < nh)
-          mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh0 + hc + 1) * group, group, g, tq,
-                             qn);
-        q_scale = p.ls.q_scale * p.scales.k_of(kvh0 + hc);
+          for (int kk = 0; kk < KD; ++kk) qa[kk][0] = qn[kk][0], qa[kk][1] = qn[kk][1];
+          if (hc + 1 < nh)
+            mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh + hc + 1) * group, group, g, tq,
+                               qn);
+          q_scale = p.ls.q_scale * p.scales.k_of(kvh + hc);
 #pragma unroll
-        for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-        m = kNegInf;
-        l = 0.f;
+          for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+          m = kNegInf;
+          l = 0.f;
+        }
+      } else {
+        ++tc;
       }
+      bad |= ring.store_stream_offset(n + NS, stored, hs < nh ? hs : 0, page);
+      if (++ts == ntiles) ts = 0, ++hs;
     } else {
-      ++tc;
+      bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
     }
-    bad |= ring.store_stream_offset(n + NS, stored, hs < nh ? hs : 0, page);
-    if (++ts == ntiles) ts = 0, ++hs;
   }
   async_copy_wait<0>();
   JAXATTN_CASCADE_STAMP(11);
+  if constexpr (!RUN)
+    cascade_own_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, part, group);
   JAXATTN_CASCADE_STAMP(12);
 }
 
@@ -912,7 +861,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                                                      int start, int end);
 
 // WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
-// RUN: the own blocks stream runs of p.own_heads KV heads (cascade_own_mma_run; the grid's own
+// RUN: the own blocks stream runs of p.own_heads KV heads (cascade_own_mma; the grid's own
 // blocks are then (request, run, partition)), else one KV head each.
 template <typename T, int D, bool WG = false, bool RUN = false>
 __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
@@ -948,10 +897,10 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     const int R = p.own_heads, runs = (hkv + R - 1) / R;
     const int part = x % p.own_parts, run = (x / p.own_parts) % runs;
     const int b = x / (p.own_parts * runs);
-    cascade_own_mma_run<T, D>(p, smem, b, run * R, min(R, hkv - run * R), part);
+    cascade_own_mma<T, D, true>(p, smem, b, run * R, min(R, hkv - run * R), part);
   } else {
     const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
-    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part);
+    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, 1, part);
   }
 #endif
 }

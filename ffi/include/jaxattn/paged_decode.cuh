@@ -543,7 +543,7 @@ struct KvRing {
     return store_stream_offset(n, n, 0, page);
   }
   // The same for tile n of a stream of KV heads over the same rows (the cascade's own blocks
-  // with runs of KV heads, cascade_own_mma_run): it is tile `tile` of the range, of the KV head
+  // with runs of KV heads, cascade_own_mma): it is tile `tile` of the range, of the KV head
   // `head` after the ring's.
   __device__ __forceinline__ bool store_stream_offset(int n, int tile, int head, int page) const {
     if (int(threadIdx.x) >= TILE) return false;
