@@ -182,16 +182,8 @@ struct Case {
   float scale = 0.1f, cap = 0.f;
   bool scaled = false;    // per-KV-head k_scale / v_scale (CascadeParams::scales), else 1
   int prefix_kernel = 0;  // CascadeParams::prefix_kernel: 0 auto, 1 mma.sync, 2 wgmma
-  int own_heads = 0;      // CascadeParams::own_heads, 0: CASCADE_OWN_HEADS or the build's
   std::vector<int> prefix_pages, prefix_of, own;
 };
-
-// KV heads an own block streams where a case does not say (CascadeParams::own_heads): the
-// environment's CASCADE_OWN_HEADS, else 0 (the build's default).
-int env_own_heads() {
-  const char* v = std::getenv("CASCADE_OWN_HEADS");
-  return v ? std::atoi(v) : 0;
-}
 
 std::string describe(const Case& c) {
   auto list = [](const std::vector<int>& v) {
@@ -202,14 +194,13 @@ std::string describe(const Case& c) {
   char buf[512];
   std::snprintf(
       buf, sizeof(buf),
-      "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g%s%s%s prefixes=[%s] "
+      "%-4s Hq/Hkv=%2d/%-2d D=%3d page=%3d %s part=%3d target=%3d cap=%g%s%s prefixes=[%s] "
       "of=[%s] own=[%s]",
       dt_name(c.dt), c.hq, c.hkv, c.d, c.page, c.layout == Layout::kBSHD ? "bshd" : "bhsd", c.part,
       c.target, c.cap, c.scaled ? " scaled" : "",
       c.prefix_kernel == 1   ? " mma"
       : c.prefix_kernel == 2 ? " wgmma"
                              : "",
-      c.own_heads > 0 ? (" run=" + std::to_string(c.own_heads)).c_str() : "",
       list(c.prefix_pages).c_str(), list(c.prefix_of).c_str(), list(c.own).c_str());
   return buf;
 }
@@ -380,7 +371,6 @@ CascadeParams params_of(const Case& c, int B, int G, int wp, int w, int page, in
       1, std::min((wp * page + kCascadeMinChunk - 1) / kCascadeMinChunk, std::max(per_head, 1)));
   p.ls = make_logit_scale(c.scale, c.cap);
   p.prefix_kernel = c.prefix_kernel;
-  p.own_heads = c.own_heads > 0 ? c.own_heads : env_own_heads();
   return p;
 }
 
@@ -559,19 +549,11 @@ int run_robustness(Rng& rng) {
     int hq, hkv;
     const char* kernel;
     int prefix_kernel;
-    int own_heads = 0;
   };
   const Variant variants[] = {
-      {DT::kBF16, 8, 2, "mma", 1},
-      {DT::kF16, 8, 8, "mma", 1},
-      {DT::kBF16, 16, 2, "mma", 1},
-      {DT::kBF16, 8, 2, "wgmma", 2},
-      {DT::kF16, 8, 8, "wgmma", 2},
-      {DT::kBF16, 16, 2, "wgmma", 2},
-      {DT::kF32, 8, 2, "simt", 0},
-      {DT::kF32, 4, 4, "simt", 0},
-      {DT::kBF16, 8, 2, "mma, runs of 2 KV heads", 1, 2},
-      {DT::kF16, 16, 8, "wgmma, runs of 3 KV heads", 2, 3},
+      {DT::kBF16, 8, 2, "mma", 1},   {DT::kF16, 8, 8, "mma", 1},   {DT::kBF16, 16, 2, "mma", 1},
+      {DT::kBF16, 8, 2, "wgmma", 2}, {DT::kF16, 8, 8, "wgmma", 2}, {DT::kBF16, 16, 2, "wgmma", 2},
+      {DT::kF32, 8, 2, "simt", 0},   {DT::kF32, 4, 4, "simt", 0},
   };
   int failed = 0, total = 0;
   for (const Variant& v : variants) {
@@ -585,7 +567,6 @@ int run_robustness(Rng& rng) {
         Case c;
         c.dt = v.dt;
         c.prefix_kernel = v.prefix_kernel;
-        c.own_heads = v.own_heads;
         c.hq = v.hq;
         c.hkv = v.hkv;
         c.d = 64;
@@ -678,30 +659,6 @@ int run_checks() {
     c.prefix_of.assign(64, 0);
     c.own.assign(64, 256);
     cases.push_back(c);
-  }
-  // Own blocks streaming runs of KV heads (CascadeParams::own_heads): the tensor-core cases of
-  // 16 tokens a page again with the two KV heads in one run, the scaled ones (four KV heads) in
-  // runs of 3 and 1 and of 4, the issue's shape (eight) in runs of 3, 3 and 2 and of 8.
-  {
-    const size_t n = cases.size();
-    for (size_t i = 0; i < n; ++i) {
-      Case c = cases[i];
-      if (c.dt == DT::kF32 || (c.d != 64 && c.d != 128)) continue;
-      if (c.hkv == 2 && c.page == 16) {
-        c.own_heads = 2;
-        cases.push_back(c);
-      } else if (c.hkv == 4 && c.scaled) {
-        c.own_heads = 3;
-        cases.push_back(c);
-        c.own_heads = 4;
-        cases.push_back(c);
-      } else if (c.hkv == 8) {
-        c.own_heads = 3;
-        cases.push_back(c);
-        c.own_heads = 8;
-        cases.push_back(c);
-      }
-    }
   }
   // The tensor-core cases once on each prefix level where both run (auto picks wgmma there).
   if (wgmma_available()) {
@@ -916,8 +873,7 @@ struct Bench {
 
   // The launch's arguments at a prefix target (0: jaxattn/native.py's), over copy 0's tables;
   // false when the workspace is too small for its partitions.
-  bool cascade_params(int target, int part, int prefix_kernel, CascadeParams* out_p,
-                      int own_heads = 0) const {
+  bool cascade_params(int target, int part, int prefix_kernel, CascadeParams* out_p) const {
     int rows = 0, blocks = 0;
     tile_of(DT::kBF16, D, &rows, &blocks);
     Case c;
@@ -927,7 +883,6 @@ struct Bench {
     c.target = target;
     c.scale = 0.0883883f;
     c.prefix_kernel = prefix_kernel;
-    c.own_heads = own_heads;
     CascadeParams p = params_of(c, B, G, wp, w, P, rows, blocks, num_sms());
     p.kv = geometry();
     p.q = q;
@@ -954,10 +909,9 @@ struct Bench {
     }
   }
 
-  double time_cascade(int target, int part, int prefix_kernel, int* used_target,
-                      int own_heads = 0) const {
+  double time_cascade(int target, int part, int prefix_kernel, int* used_target) const {
     CascadeParams p;
-    const bool fits = cascade_params(target, part, prefix_kernel, &p, own_heads);
+    const bool fits = cascade_params(target, part, prefix_kernel, &p);
     *used_target = p.prefix_target;
     if (!fits) return NAN;
     int copy = 0;
@@ -1030,17 +984,8 @@ void run_perf() {
   std::printf(
       "bf16, D=128, page 16, bshd, 32/8. floor = prefix once + own tokens once at the read "
       "ceiling.\n");
-  // CASCADE_PERF_RUNS=1,2,4: each row at the rule's target again with the own blocks
-  // streaming that many KV heads (CascadeParams::own_heads), side by side in time.
-  std::vector<int> runs = {0};
-  if (const char* v = std::getenv("CASCADE_PERF_RUNS"))
-    for (const char* c = v; *c;) {
-      runs.push_back(std::atoi(c));
-      while (*c && *c != ',') ++c;
-      if (*c == ',') ++c;
-    }
-  std::printf("%-9s %-7s %-6s %4s %8s %10s %10s %8s %8s\n", "batch", "target", "prefix", "run",
-              "floor", "cascade", "decode", "speedup", "x floor");
+  std::printf("%-9s %-7s %-6s %8s %10s %10s %8s %8s\n", "batch", "target", "prefix", "floor",
+              "cascade", "decode", "speedup", "x floor");
   Rng rng(99);
   struct Named {
     const char* name;
@@ -1084,18 +1029,15 @@ void run_perf() {
         sh.name, bench.unique_bytes() / 1e6, bench.joined_bytes() / 1e6,
         bench.joined_bytes() / (dec * 1e-6) / 1e9);
     for (int target : {0, 64, 132, 264, 528})
-      for (int kernel : {1, 2})
-        for (int run : runs) {
-          if (one_level && target != 0) continue;
-          if (kernel == 2 && !wgmma_available()) continue;
-          if (run > 0 && target != 0) continue;  // runs timed at the rule's target
-          int used = 0;
-          const double us = bench.time_cascade(target, 0, kernel, &used, run);
-          std::printf("%-9s %-7s %-6s %4s %8.1f %10.1f %10.1f %7.2fx %7.2fx\n", sh.name,
-                      (std::to_string(used) + (target == 0 ? "*" : "")).c_str(),
-                      kernel == 1 ? "mma" : "wgmma", run > 0 ? std::to_string(run).c_str() : "-",
-                      floor_us, us, dec, dec / us, us / floor_us);
-        }
+      for (int kernel : {1, 2}) {
+        if (one_level && target != 0) continue;
+        if (kernel == 2 && !wgmma_available()) continue;
+        int used = 0;
+        const double us = bench.time_cascade(target, 0, kernel, &used);
+        std::printf("%-9s %-7s %-6s %8.1f %10.1f %10.1f %7.2fx %7.2fx\n", sh.name,
+                    (std::to_string(used) + (target == 0 ? "*" : "")).c_str(),
+                    kernel == 1 ? "mma" : "wgmma", floor_us, us, dec, dec / us, us / floor_us);
+      }
     bench.teardown();
   }
   std::printf(

@@ -373,9 +373,8 @@ def run_prefix_block(
 # --- a launch ----------------------------------------------------------------------------------
 
 
-def launch(P, d, ns, land, fetch, units=False, own_heads=1):
-    """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d].
-    own_heads > 1: the own blocks stream runs of that many KV heads (cascade_own_mma, RUN)."""
+def launch(P, d, ns, land, fetch, units=False):
+    """Every block of cascade_mma_kernel, then cascade_merge_kernel: the output [B, Hq, d]."""
     B, hq, hkv = len(P["prefix_of"]), P["hq"], P["hkv"]
     group = hq // hkv
     parts = P["own_parts"] + P["prefix_parts"]
@@ -386,9 +385,7 @@ def launch(P, d, ns, land, fetch, units=False, own_heads=1):
     tiles = cascade_tiles(B, P["num_prefixes"], per_tile)
     per_head = cascade_blocks_per_head(tiles, P["prefix_target"], hkv)
     geo = (P["page_size"], P["page_stride"], P["token_stride"], P["num_pages"])
-    run = max(1, min(own_heads, hkv))  # cascade_own_heads
-    runs = -(-hkv // run)
-    own_blocks = B * runs * P["own_parts"]
+    own_blocks = B * hkv * P["own_parts"]
     for x in range(per_head * hkv + own_blocks):
         if x < per_head * hkv:
             kvh = x % hkv
@@ -434,13 +431,11 @@ def launch(P, d, ns, land, fetch, units=False, own_heads=1):
                 ml[b, h, P["own_parts"] + split] = (mm, ls)
         else:
             y = x - per_head * hkv
-            part, r, b = (
+            part, kvh, b = (
                 y % P["own_parts"],
-                (y // P["own_parts"]) % runs,
-                y // (P["own_parts"] * runs),
+                (y // P["own_parts"]) % hkv,
+                y // (P["own_parts"] * hkv),
             )
-            kvh = r * run  # the block's first KV head
-            heads = range(kvh, min(hkv, kvh + run))
             L = P["seq_lens"][b]
             if not decode_bounds_ok(L, P["own_width"], P["page_size"], P["num_pages"]):
                 continue
@@ -449,7 +444,7 @@ def launch(P, d, ns, land, fetch, units=False, own_heads=1):
             if start >= L:
                 continue
             kf, vf = (c.reshape(-1)[kvh * P["head_stride"] :] for c in (P["kc"], P["vc"]))
-            qs = [P["q"][b, h * group : (h + 1) * group] for h in heads]
+            qh = P["q"][b, kvh * group : (kvh + 1) * group]
             res = run_block(
                 kf,
                 vf,
@@ -457,7 +452,7 @@ def launch(P, d, ns, land, fetch, units=False, own_heads=1):
                 P["block_tables"][b],
                 start,
                 end,
-                None if run > 1 else qs[0],
+                qh,
                 group,
                 d,
                 ns,
@@ -465,12 +460,10 @@ def launch(P, d, ns, land, fetch, units=False, own_heads=1):
                 P["q_scale"],
                 P["cap"],
                 page_lead=False,  # cascade_own_mma reads the entries in the storing iteration
-                stream=(P["head_stride"], qs) if run > 1 else None,
             )
-            for h, of_head in zip(heads, res if run > 1 else [res], strict=True):
-                for gh, (out, mm, ls) in of_head.items():
-                    ws[b, h * group + gh, part] = out
-                    ml[b, h * group + gh, part] = (mm, ls)
+            for gh, (out, mm, ls) in res.items():
+                ws[b, kvh * group + gh, part] = out
+                ml[b, kvh * group + gh, part] = (mm, ls)
 
     out = np.zeros((B, hq, d))
     for b, h in itertools.product(range(B), range(hq)):
@@ -627,20 +620,7 @@ def make_batch(
 
 
 def check(
-    rng,
-    d,
-    ns,
-    land,
-    layout,
-    page_size,
-    heads,
-    batch,
-    partition_size,
-    target,
-    edit,
-    fetch,
-    units,
-    own_heads=1,
+    rng, d, ns, land, layout, page_size, heads, batch, partition_size, target, edit, fetch, units
 ):
     hq, hkv = heads
     prefix_pages, prefix_of, own_lens = batch
@@ -658,7 +638,7 @@ def check(
         target=target,
         edit=edit,
     )
-    out = launch(P, d, ns, land, fetch, units, own_heads)
+    out = launch(P, d, ns, land, fetch, units)
     nan_ref, nan_out = np.isnan(ref), np.isnan(out)
     if not np.array_equal(nan_ref.all(-1), nan_out.all(-1)) or nan_out[~nan_ref.all(-1)].any():
         return math.inf
@@ -680,7 +660,6 @@ def main(full):
         (64, 4, "bshd", 16, (8, 2), 0, 8),
         (64, 2, "bhsd", 8, (4, 1), 16, 64),
         (128, 3, "bshd", 16, (16, 2), 0, 2),
-        (64, 3, "bshd", 16, (12, 3), 32, 8),  # three KV heads: runs of 2 and 1, or one of 3
     ]
     if full:
         configs += [(64, 3, "bhsd", 1, (8, 8), 0, 32), (128, 3, "bhsd", 32, (4, 4), 32, 16)]
@@ -689,18 +668,13 @@ def main(full):
     # The portable prefix block's schedule, then Hopper's, then each with its rings' row numbers:
     # Hopper's prefix ring (JAXATTN_CASCADE_ROW_UNITS), the portable prefix ring and every own
     # block's (JAXATTN_DECODE_ROW_UNITS: the padded rings).
-    # Then the default build's rings with the own blocks streaming runs of KV heads
-    # (CascadeParams::own_heads): runs of 2 (a lone KV head's run of one), and of 3 over the
-    # config of three KV heads (a run of 3) and the others (one run of all).
     schedules = [
-        ("mma", False, False, 1),
-        ("wgmma", True, False, 1),
-        ("wgmma row units", True, True, 1),
-        ("mma row units", False, True, 1),
-        ("wgmma row units, own runs of 2", True, True, 2),
-        ("mma row units, own runs of 3", False, True, 3),
+        ("mma", False, False),
+        ("wgmma", True, False),
+        ("wgmma row units", True, True),
+        ("mma row units", False, True),
     ]
-    for kernel, fetch, units, own_heads in schedules:
+    for kernel, fetch, units in schedules:
         emulate_mma_decode.UNITS = units and not fetch  # the own blocks' rings
         for (d, ns, layout, page, heads, part, target), batch in itertools.product(
             configs, batches
@@ -709,20 +683,7 @@ def main(full):
                 if land == "late" and edit not in (None,) and not full:
                     continue
                 err = check(
-                    rng,
-                    d,
-                    ns,
-                    land,
-                    layout,
-                    page,
-                    heads,
-                    batch,
-                    part,
-                    target,
-                    edit,
-                    fetch,
-                    units,
-                    own_heads,
+                    rng, d, ns, land, layout, page, heads, batch, part, target, edit, fetch, units
                 )
                 cases += 1
                 status = "ok" if err < 2e-2 else "FAIL"

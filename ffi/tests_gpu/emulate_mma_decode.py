@@ -27,14 +27,8 @@ JAXATTN_DECODE_ROW_UNITS=0 builds): each row's offset stored as a row number (of
 NO_ROW for none) at the slot that puts a thread's rows side by side, and the copies issued in
 the kernel's per-thread order from those slots, which start as garbage.
 
-``--stream N`` runs the schedule of cascade's own blocks that stream KV heads
-(cascade_own_mma with a run of N heads, jaxattn/cascade.cuh, JAXATTN_CASCADE_OWN_HEADS): each
-block streams a run of N KV heads (of three) of one sequence through its ring, a head's states
-merged over the stage of its last tile, which is then poisoned until the ring refills it;
-checked here against the decode's reference, partition by partition.
-
 Keep it in step with the kernels when they change. Run:
-python3 emulate_mma_decode.py [--full] [--fp8] [--units] [--stream N]
+python3 emulate_mma_decode.py [--full] [--fp8] [--units]
 """
 
 from __future__ import annotations
@@ -141,19 +135,12 @@ def ring_copies(s, ch, off, units):
     )
 
 
-def run_block(
-    kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap, page_lead=None, stream=None
-):
+def run_block(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale, cap, page_lead=None):
     """One block: kc/vc flat caches offset to the KV head. Returns {head: (out, m, l)}.
     page_lead: read tile n + ns's pages an iteration ahead of their store (None: as
-    paged_decode_mma_kernel does at this head_dim, MmaDecodeShape::kPageLead).
-    stream: (head_stride, [q of each KV head]) -- the block streams those KV heads from kc/vc's
-    on (cascade_own_mma's runs of KV heads); returns a list of the per-head dicts."""
+    paged_decode_mma_kernel does at this head_dim, MmaDecodeShape::kPageLead)."""
     if page_lead is None:
-        page_lead = d == 64 and stream is None
-    assert not (page_lead and stream)
-    head_stride, qs = stream if stream else (0, [q])
-    nh = len(qs)
+        page_lead = d == 64
     page_size, page_stride, token_stride, num_pages = geo
     rs, ch, kd = d + 8, d // 8, d // 16
     off = np.full((ns, TILE), 12345678, np.int64)
@@ -166,15 +153,13 @@ def run_block(
         t = start + n * TILE + tid
         return table[t // page_size] if (tid < TILE and t < end) else 0
 
-    def store_offset(n, tid, page, tile=None, head=0):  # True: a page id outside the cache
-        t = start + (n if tile is None else tile) * TILE + tid  # store_stream_offset's tile
+    def store_offset(n, tid, page):  # True: a page id outside the cache
+        t = start + n * TILE + tid
         if tid >= TILE:
             return False
         live = t < end
         ok = live and 0 <= page < num_pages
-        off[n % ns, tid] = (
-            page * page_stride + (t % page_size) * token_stride + head * head_stride if ok else -1
-        )
+        off[n % ns, tid] = page * page_stride + (t % page_size) * token_stride if ok else -1
         if units:
             units.store(n % ns, tid, int(off[n % ns, tid]))
         return live and not ok
@@ -200,54 +185,40 @@ def run_block(
                 land_copy(op)
 
     ntiles = (end - start + TILE - 1) // TILE
-    total = ntiles * nh
     bad = False  # the block-wide OR of every thread's flag (__syncthreads_or)
-    for n in range(ns):  # prologue / prologue_stream
-        nt = max(ntiles, 1)
-        tile, head = n % nt, n // nt
-        if head >= nh:
-            tile, head = nt, 0
+    for n in range(ns):
         for tid in range(NT):
-            bad |= store_offset(n, tid, page_of(tile, tid), tile, head)
+            bad |= store_offset(n, tid, page_of(n, tid))
     for n in range(ns - 1):
-        if n < total:
+        if n < ntiles:
             issue(n)
         commit()
 
-    def load_q(qh):
-        qa = np.zeros((32, kd, 2, 2), np.float32)
-        for lane in range(32):
-            g, tq = lane // 4, lane % 4
-            if g < group:
-                for kk in range(kd):
-                    qa[lane, kk, 0] = qh[g, kk * 16 + 2 * tq : kk * 16 + 2 * tq + 2]
-                    qa[lane, kk, 1] = qh[g, kk * 16 + 8 + 2 * tq : kk * 16 + 8 + 2 * tq + 2]
-        return qa
+    qa = np.zeros((32, kd, 2, 2), np.float32)
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        if g < group:
+            for kk in range(kd):
+                qa[lane, kk, 0] = q[g, kk * 16 + 2 * tq : kk * 16 + 2 * tq + 2]
+                qa[lane, kk, 1] = q[g, kk * 16 + 8 + 2 * tq : kk * 16 + 8 + 2 * tq + 2]
 
-    qa = load_q(qs[0])
     o = np.zeros((WARPS, 32, kd, 4))
     m = np.full((WARPS, 32), NEG_INF)
     lsum = np.zeros((WARPS, 32))
-    results = []
-    # The computed tile's head and tile; those of tile n + ns, whose offsets the iteration
-    # stores (a head past the block's: a tile past the end).
-    hc = tc = 0
-    hs, ts = divmod(ns, ntiles) if ntiles else (0, 0)
     # The pages of tile n + ns, stored after tile n: read in that iteration, or (page_lead)
     # an iteration earlier, after tile n - 1's store.
     pages = [page_of(ns, tid) for tid in range(NT)] if page_lead else None
-    for n in range(total):
+    for n in range(ntiles):
         wait(ns - 2)
-        if n + ns - 1 < total:
+        if n + ns - 1 < ntiles:
             issue(n + ns - 1)
         commit()
-        stored = (ts if hs < nh else ntiles) if stream else n + ns
         if not page_lead:
-            pages = [page_of(stored, tid) for tid in range(NT)]
+            pages = [page_of(n + ns, tid) for tid in range(NT)]
         s = n % ns
         for warp in range(WARPS):
             rb = warp * 16
-            t0 = start + (tc if stream else n) * TILE + rb
+            t0 = start + n * TILE + rb
             if t0 >= end:
                 continue
             lane_off = [
@@ -286,37 +257,12 @@ def run_block(
                     o[warp, lane, j] *= [a_lo, a_hi, a_lo, a_hi]
                 vf = ldmatrix_x4(vs[s], [x + j * 32 for x in lane_off], rs, True)
                 o[warp, :, j] = mma(o[warp, :, j], vf, b)
-        if stream:
-            if tc == ntiles - 1:  # head hc's last tile: merged over stage s's rows
-                results.append(finish(o, m, lsum, bad, d, group))
-                ks[s] = np.nan  # the merge's states, until the ring refills the stage
-                hc, tc = hc + 1, 0
-                if hc < nh:
-                    qa = load_q(qs[hc])
-                    o = np.zeros((WARPS, 32, kd, 4))
-                    m = np.full((WARPS, 32), NEG_INF)
-                    lsum = np.zeros((WARPS, 32))
-            else:
-                tc += 1
-            for tid in range(NT):
-                bad |= store_offset(n + ns, tid, pages[tid], stored, hs if hs < nh else 0)
-            ts += 1
-            if ts == ntiles:
-                ts, hs = 0, hs + 1
-            continue
         for tid in range(NT):
             bad |= store_offset(n + ns, tid, pages[tid])
         if page_lead:
             pages = [page_of(n + ns + 1, tid) for tid in range(NT)]
     wait(0)
-    while len(results) < nh:  # heads with no tile (an empty sequence)
-        results.append(finish(o, m, lsum, bad, d, group))
-    return results if stream else results[0]
 
-
-def finish(o, m, lsum, bad, d, group):
-    """mma_decode_finish: the warps' states through the shared merge, per head g."""
-    kd = d // 16
     red = np.full((WARPS, 8, d + 2), np.nan)
     for warp, lane in itertools.product(range(WARPS), range(32)):
         g, tq = lane // 4, lane % 4
@@ -554,7 +500,6 @@ def run_block_fp8(kc, vc, geo, table, start, end, q, group, d, ns, land, q_scale
 
 
 FP8 = False  # main(--fp8): emulate the FP8 kernel
-STREAM = 0  # main(--stream N): KV heads a block, cascade_own_mma's runs
 
 
 def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=None):
@@ -591,42 +536,14 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
         [(0, length)] if part == 0 else [(s, min(length, s + part)) for s in range(0, length, part)]
     )
     worst = 0.0
-    per_head = {}  # KV head: the result of each partition
-    for kvh in range(0, hkv, STREAM or 1):
+    for kvh in range(hkv):
         kflat, vflat = kc.reshape(-1)[kvh * head_stride :], vc.reshape(-1)[kvh * head_stride :]
         qh = q[kvh * group : (kvh + 1) * group]
-        if STREAM:  # a run of KV heads a block
-            heads = range(kvh, min(hkv, kvh + STREAM))
-            qs = [q[h * group : (h + 1) * group] for h in heads]
-            runs = [
-                run_block(
-                    kflat,
-                    vflat,
-                    geo,
-                    table,
-                    s,
-                    e,
-                    None,
-                    group,
-                    d,
-                    ns,
-                    land,
-                    q_scale,
-                    cap_log2e,
-                    stream=(head_stride, qs),
-                )
-                for s, e in parts
-            ]
-            for i, h in enumerate(heads):
-                per_head[h] = [r[i] for r in runs]
-            continue
         block = run_block_fp8 if FP8 else run_block
-        per_head[kvh] = [
+        res = [
             block(kflat, vflat, geo, table, s, e, qh, group, d, ns, land, q_scale, cap_log2e)
             for s, e in parts
         ]
-    for kvh in range(hkv):
-        res, qh = per_head[kvh], q[kvh * group : (kvh + 1) * group]
         for g in range(group):
             if part == 0:
                 out = res[0][g][0]
@@ -654,12 +571,9 @@ def check(rng, d, page_size, layout, ns, land, group, length, part, hkv=2, edit=
 
 
 def main(full):
-    global FP8, UNITS, STREAM
+    global FP8, UNITS
     FP8 = "--fp8" in sys.argv[1:]
     UNITS = "--units" in sys.argv[1:]
-    if "--stream" in sys.argv[1:]:
-        STREAM = int(sys.argv[sys.argv.index("--stream") + 1])
-        assert not FP8 and STREAM > 1
     rng = np.random.default_rng(0)
     lengths = [
         (1, 0),
@@ -673,18 +587,16 @@ def main(full):
         (200, 64),
     ]
     configs = [(1, 3), (3, 2), (3, 3), (16, 3), (16, 4), (128, 4)]  # (page size, stages)
-    # The two schedules of the table read (kPageLead); streamed heads (no lead): 32 and 128.
-    dims = (32, 128) if STREAM else (32, 64)
+    dims = (32, 64)  # the two schedules of the table read (kPageLead)
     groups = (2, 4, 8) if full else (4, 8)
     fails = cases = 0
     for d, (page, ns), layout, land, group in itertools.product(
         dims, configs, ("bshd", "bhsd"), ("early", "late"), groups
     ):
         for (length, part), edit in itertools.product(lengths, (None, "bad", "garbage")):
-            if (d >= 64 and length > 300) or (edit and (length == 0 or land == "late")):
+            if (d == 64 and length > 300) or (edit and (length == 0 or land == "late")):
                 continue
-            hkv = 3 if STREAM else 2  # streamed: a run of STREAM heads and a shorter one
-            err = check(rng, d, page, layout, ns, land, group, length, part, hkv, edit)
+            err = check(rng, d, page, layout, ns, land, group, length, part, edit=edit)
             cases += 1
             if not err < 2e-2:
                 fails += 1

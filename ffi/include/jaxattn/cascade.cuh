@@ -52,12 +52,6 @@
 #include "jaxattn/mma_sm80.cuh"
 #include "jaxattn/paged_decode.cuh"
 
-// Experiment (1: off): KV heads of one request an own block of the tensor-core kernel streams
-// (cascade_own_mma with RUN) where CascadeParams::own_heads does not say.
-#ifndef JAXATTN_CASCADE_OWN_HEADS
-#define JAXATTN_CASCADE_OWN_HEADS 1
-#endif
-
 namespace jaxattn {
 namespace gpu {
 
@@ -716,50 +710,17 @@ __device__ __forceinline__ void cascade_prefix_mma(const CascadeParams& p, unsig
   JAXATTN_CASCADE_STAMP(12);
 }
 
-// An own block's end for KV head kvh: the warps' states (o, m, this lane's share of l) merged
-// through `red` in shared memory and written to the workspace slots of the group's `group`
-// heads, NaN when any thread of the block saw a bad page id.
-template <typename T, int D>
-__device__ __forceinline__ void cascade_own_finish(const CascadeParams& p, float* red,
-                                                   const float (&o)[D / 16][4], float m, float l,
-                                                   bool bad, int b, int kvh, int part, int group) {
-  using S = CascadeMmaShape<T, D>;
-  constexpr int H = S::kHeads;
-  l = group_sum<4>(l);
-  const bool poisoned = __syncthreads_or(bad);
-  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
-  __syncthreads();
-  cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
-      p, red,
-      [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
-      poisoned);
-}
-
 // Own block: paged decode of own partition `part` of request b, the group's heads as the n = 8
 // side of the products -- paged_decode_mma_kernel's loop (see its comments for the fragments).
 // As there, q and the pages of the first tiles are loaded beside the request's length, not
 // after it.
-//
-// RUN: the block streams a run of KV heads, kvh .. kvh + nh - 1 (CascadeParams::own_heads > 1;
-// else nh is 1). The heads read the same rows (one table row, one length, one partition), so
-// their tiles form one stream through the ring -- stream tile n is tile n % ntiles of head
-// kvh + n / ntiles, its offsets that head's rows (KvRing::store_stream_offset) -- and the copies
-// of a head's first tiles are in flight while the head before it computes its last: a
-// request's range, prologue and first copies are paid once a run instead of once a KV head.
-// While the prefix blocks run, one own block an SM is resident beside them, and an own block of
-// 256 tokens spends ~4 of its ~9 us on its start and its end (ffi/NOTES.md, round 68). A head's
-// states are merged over the K rows of the stage its last tile used, which the ring refills
-// only after the next iteration's barrier (the offsets stored after the merge lie before those
-// rows). The next head's q is loaded a head ahead. A head's poison flag is the OR of the stores
-// so far: its own tiles' pages, which are every head's.
-template <typename T, int D, bool RUN = false>
+template <typename T, int D>
 __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned char* smem, int b,
-                                                int kvh, int nh, int part) {
+                                                int kvh, int part) {
   using S = CascadeMmaShape<T, D>;
   constexpr int TILE = S::kTile, NS = S::kStages, RS = S::kRowStride, KD = D / 16;
+  constexpr int H = S::kHeads;
   constexpr float kNegInf = -__builtin_huge_valf();
-  static_assert(!RUN || S::kMergeBytes <= TILE * RS * int(sizeof(T)),
-                "a head's merge fits a stage's K rows");
   const int group = p.num_q_heads / p.kv.num_kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -769,12 +730,7 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   using Ring = KvRing<T, D, TILE, NS, RS, S::kThreads>;
   const int32_t* table = p.block_tables + int64_t(b) * p.block_table_stride;
   uint32_t qa[KD][2];
-  [[maybe_unused]] uint32_t qn[KD][2];  // RUN: the next head's q, in flight
   mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh) * group, group, g, tq, qa);
-  if constexpr (RUN) {
-    if (nh > 1)
-      mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh + 1) * group, group, g, tq, qn);
-  }
   int pages[NS];
   Ring::early_pages(table, p.block_table_stride, kv.page_size, part * p.own_span(), pages);
   int start, end;
@@ -784,12 +740,11 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   }
   JAXATTN_CASCADE_STAMP(1);
   const Ring ring{smem, kbase, vbase, table, kv, start, end};
-  const int ntiles = (end - start + TILE - 1) / TILE;  // >= 1 (own_range)
-  const int total = RUN ? ntiles * nh : ntiles;
-  bool bad = RUN ? ring.prologue_stream(ntiles, nh, pages) : ring.prologue(ntiles, pages);
+  const int ntiles = (end - start + TILE - 1) / TILE;
+  bool bad = ring.prologue(ntiles, pages);
   JAXATTN_CASCADE_STAMP(2);
-  JAXATTN_CASCADE_NOTE(13, total);
-  float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
+  JAXATTN_CASCADE_NOTE(13, ntiles);
+  const float q_scale = p.ls.q_scale * p.scales.k_of(kvh);  // with the KV head's key scale
 
   float o[KD][4];
 #pragma unroll
@@ -800,56 +755,35 @@ __device__ __forceinline__ void cascade_own_mma(const CascadeParams& p, unsigned
   const uint32_t lane_off =
       uint32_t(((rb + lane % 8 + (lane / 16) * 8) * RS + ((lane / 8) % 2) * 8) * 2);
 
-  // RUN: the computed tile's head (of the run) and tile; those of stream tile n + NS, whose
-  // offsets the iteration stores (a head past the run: a tile past the end).
-  [[maybe_unused]] int hc = 0, tc = 0, hs = 0, ts = 0;
-  if constexpr (RUN) hs = NS / ntiles, ts = NS % ntiles;
-  for (int n = 0; n < total; ++n) {
+  for (int n = 0; n < ntiles; ++n) {
     async_copy_wait<NS - 2>();
     __syncthreads();
     if (n < 8) JAXATTN_CASCADE_STAMP(3 + n);
-    if (n + NS - 1 < total) ring.issue(n + NS - 1);
+    if (n + NS - 1 < ntiles) ring.issue(n + NS - 1);
     async_copy_commit();
-    const int stored = RUN ? (hs < nh ? ts : ntiles) : n + NS;
-    const int page = ring.page_of(stored);
+    const int page = ring.page_of(n + NS);
 
     const int s = n % NS;
-    const int t0 = start + (RUN ? tc : n) * TILE + rb;  // this warp's first token
-    if (t0 < end) {                                     // warp-uniform
+    const int t0 = start + n * TILE + rb;  // this warp's first token
+    if (t0 < end) {                        // warp-uniform
       mma_decode_tile<T, D>(qa, smem_u32(ring.k_rows(s)) + lane_off,
                             smem_u32(ring.v_rows(s)) + lane_off, q_scale, p.ls.cap_log2e, t0, end,
                             o, m, l);
     }
-    if constexpr (RUN) {
-      if (tc == ntiles - 1) {  // block-uniform: the head's last tile
-        cascade_own_finish<T, D>(p, reinterpret_cast<float*>(ring.k_rows(s)), o, m, l, bad, b,
-                                 kvh + hc, part, group);
-        tc = 0;
-        if (++hc < nh) {
-#pragma unroll
-          for (int kk = 0; kk < KD; ++kk) qa[kk][0] = qn[kk][0], qa[kk][1] = qn[kk][1];
-          if (hc + 1 < nh)
-            mma_decode_q<T, D>(p.q, p.num_q_heads, b, int64_t(kvh + hc + 1) * group, group, g, tq,
-                               qn);
-          q_scale = p.ls.q_scale * p.scales.k_of(kvh + hc);
-#pragma unroll
-          for (int j = 0; j < KD; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-          m = kNegInf;
-          l = 0.f;
-        }
-      } else {
-        ++tc;
-      }
-      bad |= ring.store_stream_offset(n + NS, stored, hs < nh ? hs : 0, page);
-      if (++ts == ntiles) ts = 0, ++hs;
-    } else {
-      bad |= ring.store_offset(n + NS, page);  // stage n % NS's offsets were used at issue(n)
-    }
+    bad |= ring.store_offset(n + NS, page);
   }
   async_copy_wait<0>();
   JAXATTN_CASCADE_STAMP(11);
-  if constexpr (!RUN)
-    cascade_own_finish<T, D>(p, reinterpret_cast<float*>(smem), o, m, l, bad, b, kvh, part, group);
+  l = group_sum<4>(l);
+
+  float* red = reinterpret_cast<float*>(smem);
+  const bool poisoned = __syncthreads_or(bad);
+  mma_warp_states<D, H, 8>(red, o, m, l, MmaDims16{});
+  __syncthreads();
+  cascade_merge_warps<D, H, S::kWarps, S::kThreads>(
+      p, red,
+      [&](int h) { return h < group ? cascade_slot(p, b, kvh * group + h, part) : int64_t(-1); },
+      poisoned);
   JAXATTN_CASCADE_STAMP(12);
 }
 
@@ -861,9 +795,7 @@ __device__ __forceinline__ void cascade_prefix_wgmma(const CascadeParams& p, uns
                                                      int start, int end);
 
 // WG: the prefix blocks run cascade_prefix_wgmma (an sm_90a build), else cascade_prefix_mma.
-// RUN: the own blocks stream runs of p.own_heads KV heads (cascade_own_mma; the grid's own
-// blocks are then (request, run, partition)), else one KV head each.
-template <typename T, int D, bool WG = false, bool RUN = false>
+template <typename T, int D, bool WG = false>
 __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     cascade_mma_kernel(const CascadeParams p, const int per_tile, const int per_head) {
 #if __CUDA_ARCH__ >= 800
@@ -893,14 +825,9 @@ __global__ void __launch_bounds__(CascadeMmaShape<T, D>::kThreads, 2)
     } else {
       cascade_prefix_mma<T, D>(p, smem, plan, x % hkv, split, start, end);
     }
-  } else if constexpr (RUN) {
-    const int R = p.own_heads, runs = (hkv + R - 1) / R;
-    const int part = x % p.own_parts, run = (x / p.own_parts) % runs;
-    const int b = x / (p.own_parts * runs);
-    cascade_own_mma<T, D, true>(p, smem, b, run * R, min(R, hkv - run * R), part);
   } else {
     const int part = x % p.own_parts, b = x / (p.own_parts * hkv);
-    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, 1, part);
+    cascade_own_mma<T, D>(p, smem, b, (x / p.own_parts) % hkv, part);
   }
 #endif
 }
@@ -1012,8 +939,7 @@ bool cascade_uses_mma() {
 
 #if defined(JAXATTN_CUDA) && defined(JAXATTN_HAVE_SM90A)
 // cascade_sm90.cu (sm_90a): the tensor-core kernel with the wgmma prefix level, T = bf16_t or
-// f16_t, D = 64 or 128 -- its launch over `blocks` blocks (own blocks streaming runs of
-// p.own_heads KV heads when that is over 1), and its resident blocks an SM.
+// f16_t, D = 64 or 128 -- its launch over `blocks` blocks, and its resident blocks an SM.
 template <typename T, int D>
 const char* launch_cascade_sm90(const CascadeParams& p, gpuStream_t stream, int64_t blocks,
                                 int per_tile, int per_head);
@@ -1081,8 +1007,7 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
       (void)wg;
 #endif
       using S = CascadeMmaShape<T, D>;
-      auto kernel =
-          p.own_heads > 1 ? cascade_mma_kernel<T, D, false, true> : cascade_mma_kernel<T, D>;
+      auto kernel = cascade_mma_kernel<T, D>;
       if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
       kernel<<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
       return check_launch();
@@ -1096,27 +1021,15 @@ const char* launch_cascade_blocks(const CascadeParams& p, gpuStream_t stream, in
   return check_launch();
 }
 
-// KV heads an own block streams: CascadeParams::own_heads where set, else the build's
-// JAXATTN_CASCADE_OWN_HEADS, within [1, KV heads]; always 1 on the SIMT kernel.
 template <typename T, int D>
-int cascade_own_heads(const CascadeParams& p) {
-  if (!cascade_uses_mma<T, D>()) return 1;
-  const int want = p.own_heads > 0 ? p.own_heads : JAXATTN_CASCADE_OWN_HEADS;
-  return want < 1 ? 1 : (want < p.kv.num_kv_heads ? want : p.kv.num_kv_heads);
-}
-
-template <typename T, int D>
-const char* launch_cascade_dim(const CascadeParams& params, gpuStream_t stream) {
-  CascadeParams p = params;
+const char* launch_cascade_dim(const CascadeParams& p, gpuStream_t stream) {
   const int hkv = p.kv.num_kv_heads, group = p.num_q_heads / hkv;
   if (group < 1 || group > kCascadeSimtRows)
     return "jaxattn: GPU cascade decode serves 1 to 8 query heads per KV head";
-  p.own_heads = cascade_own_heads<T, D>(p);
   const int per_tile = cascade_rows<T, D>() / group;
   const int tiles = cascade_tiles(p.batch, p.num_prefixes, per_tile);
   const int per_head = cascade_blocks_per_head(tiles, p.prefix_target, hkv);
-  const int runs = (hkv + p.own_heads - 1) / p.own_heads;  // own blocks of a request's partition
-  const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * runs * p.own_parts;
+  const int64_t blocks = int64_t(per_head) * hkv + int64_t(p.batch) * hkv * p.own_parts;
   if (blocks > 0x7fffffff) return "jaxattn: cascade grid over 2^31 - 1 blocks";
   if (blocks > 0) {
     if (const char* e = launch_cascade_blocks<T, D>(p, stream, blocks, per_tile, per_head))

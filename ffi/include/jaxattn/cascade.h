@@ -60,9 +60,6 @@ struct CascadeParams {
   // library has its sm_90a build, else mma.sync), 1 mma.sync, 2 wgmma (an error where it is
   // not available). The self-test times both; the CPU ignores it.
   int32_t prefix_kernel = 0;
-  // GPU tensor-core kernel's own level: KV heads of one request an own block streams through
-  // its ring (0: the build's default, JAXATTN_CASCADE_OWN_HEADS). The CPU ignores it.
-  int32_t own_heads = 0;
 
   JAXATTN_HD int32_t parts() const { return own_parts + prefix_parts; }
   // Own tokens per partition (a one-pass partition covers the whole table row).

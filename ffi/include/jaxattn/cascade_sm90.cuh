@@ -177,8 +177,7 @@ template <typename T, int D>
 const char* launch_cascade_sm90(const CascadeParams& p, gpuStream_t stream, int64_t blocks,
                                 int per_tile, int per_head) {
   using S = CascadeMmaShape<T, D>;
-  auto kernel =
-      p.own_heads > 1 ? cascade_mma_kernel<T, D, true, true> : cascade_mma_kernel<T, D, true>;
+  auto kernel = cascade_mma_kernel<T, D, true>;
   if (const char* e = allow_dynamic_smem(kernel, S::kSmemBytes)) return e;
   kernel<<<unsigned(blocks), S::kThreads, S::kSmemBytes, stream>>>(p, per_tile, per_head);
   return check_launch();

@@ -540,27 +540,19 @@ struct KvRing {
   // True when the row's page id lies outside the cache: the row is then zero-filled like a
   // row past the end, and the caller poisons the block.
   __device__ __forceinline__ bool store_offset(int n, int page) const {
-    return store_stream_offset(n, n, 0, page);
-  }
-  // The same for tile n of a stream of KV heads over the same rows (the cascade's own blocks
-  // with runs of KV heads, cascade_own_mma): it is tile `tile` of the range, of the KV head
-  // `head` after the ring's.
-  __device__ __forceinline__ bool store_stream_offset(int n, int tile, int head, int page) const {
     if (int(threadIdx.x) >= TILE) return false;
-    const int t = start + tile * TILE + int(threadIdx.x);
+    const int t = start + n * TILE + int(threadIdx.x);
     const bool live = t < end;
     const bool ok = live && index_ok(page, kv.num_pages);
     if constexpr (kRowUnits) {
       // In 32 bits: the launcher keeps the cache's rows below kNoRow.
       const uint32_t row = uint32_t(page) * uint32_t(kv.page_stride / D) +
-                           uint32_t(page_offset(t)) * uint32_t(kv.token_stride / D) +
-                           uint32_t(head) * uint32_t(kv.head_stride / D);
+                           uint32_t(page_offset(t)) * uint32_t(kv.token_stride / D);
       row_units(n % STAGES)[unit_slot(int(threadIdx.x))] = ok ? row : kNoRow;
     } else {
-      offsets(n % STAGES)[threadIdx.x] = ok ? int64_t(page) * kv.page_stride +
-                                                  int64_t(page_offset(t)) * kv.token_stride +
-                                                  int64_t(head) * kv.head_stride
-                                            : int64_t(-1);
+      offsets(n % STAGES)[threadIdx.x] =
+          ok ? int64_t(page) * kv.page_stride + int64_t(page_offset(t)) * kv.token_stride
+             : int64_t(-1);
     }
     return live && !ok;
   }
@@ -678,27 +670,6 @@ struct KvRing {
     for (int n = 0; n < STAGES - 1; ++n) {
       if (n < ntiles) issue(n);
       if (fetch) fetch_page(n + STAGES);
-      async_copy_commit();
-    }
-    return bad;
-  }
-  // The same over a stream of `heads` KV heads of `ntiles` tiles each (store_stream_offset):
-  // stream tile n is tile n % ntiles of head n / ntiles; a stream shorter than STAGES tiles
-  // reads the pages of its repeated tiles again.
-  __device__ __forceinline__ bool prologue_stream(int ntiles, int heads,
-                                                  const int (&pages)[STAGES]) const {
-    bool bad = false;
-    const int nt = ntiles > 0 ? ntiles : 1;
-#pragma unroll
-    for (int n = 0; n < STAGES; ++n) {
-      int tile = n % nt, head = n / nt;
-      if (head >= heads) tile = nt, head = 0;  // past the stream: a row past the end
-      bad |= store_stream_offset(n, tile, head, n < ntiles ? pages[n] : page_of(tile));
-    }
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < STAGES - 1; ++n) {
-      if (n < ntiles * heads) issue(n);
       async_copy_commit();
     }
     return bad;
@@ -1029,8 +1000,8 @@ struct MmaDecodeShape {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kHeads = kMmaDecodeHeads;  // query heads a block serves (n of the MMAs)
-  static constexpr int kTile = 16 * kWarps;       // a 16-token slice per warp
-  static constexpr int kRowStride = D + 8;        // elements: one 16-byte vector of padding
+  static constexpr int kTile = 16 * kWarps;  // a 16-token slice per warp
+  static constexpr int kRowStride = D + 8;   // elements: one 16-byte vector of padding
   static constexpr int kStageBytes = kTile * 8 + 2 * kTile * kRowStride * 2;
   // Stages that still let four blocks share an SM (228 KiB, 1 KiB reserved a block): at
   // head_dim 64 three (a batch of 64 x 8 KV heads then runs in one wave of 528 blocks on an
@@ -1039,8 +1010,8 @@ struct MmaDecodeShape {
   static constexpr int kFourBlockStages = cmin(4, (228 * 1024 / 4 - 1024) / kStageBytes);
   static constexpr int kStages =
       JAXATTN_DECODE_MMA_STAGES > 0 ? JAXATTN_DECODE_MMA_STAGES
-      : kFourBlockStages >= 3 ? kFourBlockStages
-                              : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
+      : kFourBlockStages >= 3       ? kFourBlockStages
+                                    : cmin(4, cmax(2, JAXATTN_DECODE_MMA_SMEM_KB * 1024 / kStageBytes));
   static_assert(kStages >= 2, "the ring needs two stages");
   static constexpr int kMergeBytes = kWarps * kHeads * (D + 2) * int(sizeof(float));
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
