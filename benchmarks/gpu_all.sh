@@ -6,6 +6,14 @@
 #   STAGES="engine pagetable" bash benchmarks/gpu_all.sh
 #   STAGES="fp8" bash benchmarks/gpu_all.sh      # FP8 caches: GPU tests, decode, prefill, accuracy
 #   STAGES="engine-options" bash benchmarks/gpu_all.sh   # the engine's cascade and FP8 pool
+#   STAGES="issues" bash benchmarks/gpu_all.sh   # every open issue's target rows (below)
+#
+# "issues" is the stages issue-decode (the decode rows of the Mosaic GPU and FP8 issues: 32/8
+# and 32/32, bf16 and e4m3, B x ctx 64 x 4096, 8 x 4096, 1 x 32768; then e4m3 64 x 4096 split
+# at 2048 beside the rule's choice), issue-cascade (shared / mixed / private batches against
+# paged decode and the read floor), issue-step (the 1B and 8B decode steps at batch 1 and 64)
+# and issue-prefill (the prefill rows, bf16 and e4m3; FA4 beside them when $FA4_SITE names the
+# site directory that benchmarks/fa4_peer.py describes); each stage alone fits a 10-minute job.
 #
 # The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
 # elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
@@ -29,6 +37,7 @@ if [ -z "${WORKERS:-}" ]; then
   esac
 fi
 STAGES="${STAGES:-tests decode extend engine pagetable}"
+STAGES="${STAGES//issues/issue-decode issue-cascade issue-step issue-prefill}"
 mkdir -p "$OUT"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0))s] $*"; }
@@ -90,6 +99,39 @@ for stage in $STAGES; do
       timeout "${STEP_TIMEOUT:-200}" python3 benchmarks/bench_step.py --preset 1b --batch 1,64 \
         --modes multistep --kv-dtype fp8_e4m3 --json "$OUT/step_fp8.json" > "$OUT/step_fp8.log" 2>&1
       echo "step fp8 rc=$?"; sed -n '/^| mode/,$p' "$OUT/step_fp8.log" ;;
+    issue-decode)
+      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --impl native,pallas \
+        --no-peers --samples 5 --target-s 0.02 --timing graph --heads 32/8,32/32 \
+        --kv-dtype bfloat16,float8_e4m3fn --cases 64:4096,8:4096,1:32768 \
+        --json "$OUT/issue_decode.json" > "$OUT/issue_decode.log" 2>&1
+      echo "issue decode rc=$?"; sed -n '/^| B /,$p' "$OUT/issue_decode.log"
+      grep -E "ERROR|ceiling" "$OUT/issue_decode.log" | head
+      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --impl native \
+        --no-peers --samples 5 --target-s 0.02 --timing graph --heads 32/8 --partitions 2048 \
+        --kv-dtype bfloat16,float8_e4m3fn --cases 64:4096 --json "$OUT/issue_decode_split.json" \
+        > "$OUT/issue_decode_split.log" 2>&1
+      echo "issue decode split rc=$?"; sed -n '/^| B /,$p' "$OUT/issue_decode_split.log" ;;
+    issue-cascade)
+      timeout "${CASCADE_TIMEOUT:-300}" python3 benchmarks/bench_cascade.py --impl native,pallas \
+        --batches shared,mixed,private --timing graph --samples 5 --target-s 0.03 \
+        --json "$OUT/issue_cascade.json" > "$OUT/issue_cascade.log" 2>&1
+      echo "issue cascade rc=$?"; sed -n '/^| batch/,$p' "$OUT/issue_cascade.log"
+      grep -E "ERROR|ceiling|floor" "$OUT/issue_cascade.log" | head ;;
+    issue-step)
+      for preset in 1b 8b; do
+        timeout "${STEP_TIMEOUT:-250}" python3 benchmarks/bench_step.py --preset "$preset" \
+          --batch 1,64 --modes multistep --json "$OUT/issue_step_$preset.json" \
+          > "$OUT/issue_step_$preset.log" 2>&1
+        echo "issue step $preset rc=$?"; sed -n '/^| mode/,$p' "$OUT/issue_step_$preset.log"
+      done ;;
+    issue-prefill)
+      peers=(--no-peers)
+      [ -n "${FA4_SITE:-}" ] && peers=(--peer-site "$FA4_SITE")
+      timeout "${EXTEND_TIMEOUT:-400}" python3 benchmarks/bench_extend.py --form prefill \
+        --impl native,pallas --kv-dtype bfloat16,float8_e4m3fn --samples 5 --target-s 0.03 \
+        "${peers[@]}" --json "$OUT/issue_prefill.json" > "$OUT/issue_prefill.log" 2>&1
+      echo "issue prefill rc=$?"; sed -n '/^| B x/,$p' "$OUT/issue_prefill.log"
+      grep -E "ERROR|ceiling" "$OUT/issue_prefill.log" | head ;;
     pagetable)
       timeout "${PAGETABLE_TIMEOUT:-90}" python3 benchmarks/bench_page_table.py --batch 64 \
         --prompt-len 500 --steps 50 --dtype bfloat16 --num-q-heads 32 --num-kv-heads 8 \
