@@ -8,7 +8,8 @@
 # A prebuilt library in $JAXATTN_NATIVE_LIB_DIR is used when it loads; otherwise the CUDA
 # library is built here for sm_90 first (not at all when timings and tests are all skipped).
 # Knobs (environment):
-#   SELFTESTS      "skip": do not build and run ffi/tests_gpu/*_selftest.cu
+#   SELFTESTS      which of ffi/tests_gpu/{decode,prefill,cascade}_selftest.cu to build and run
+#                  (default "decode prefill cascade"; "skip": none)
 #   SELFTEST_FLAGS extra nvcc arguments for every self-test build, e.g. a build switch under
 #                  trial: "-DJAXATTN_DECODE_MMA_STAGES=4"
 #   SELFTEST_BIN   a directory of self-tests built elsewhere from this tree (same names, e.g.
@@ -28,6 +29,18 @@
 #                  from the live -v lines even when its file runs out of time, which a -q run's
 #                  summary at the end is not; a file out of time also lists the tests its
 #                  workers had started and not finished
+#   NCU_CASCADE    "1": read the cascade kernel's bounds with ncu (throughput, memory, occupancy,
+#                  scheduler and warp-state sections) on the self-test's issue batch and on each of
+#                  its levels alone (cascade_selftest --profile 2 issue|own|prefix: the wgmma
+#                  prefix level; one launch after two warm-ups), $out/ncu_cascade_<batch>.txt;
+#                  $NCU names the binary (default: ncu on PATH, else CUDA's bin). Add -lineinfo to
+#                  SELFTEST_FLAGS for source lines in an ncu report. Only the readings, e.g.:
+#                    NCU_CASCADE=1 SELFTESTS=skip SELFTEST_FLAGS=-lineinfo DECODE_ARGS=skip \
+#                      PREFILL_ARGS=skip TESTS=skip ffi/gpu_check.sh
+#   CASCADE_PROXY  "1": build and run ffi/tests_gpu/cascade_split_proxy.cu (the prefix level as the
+#                  Hopper prefill beside the own level as paged decode, on two streams: a timing
+#                  proxy for a two-kernel cascade), $out/cascade_split_proxy.log; with SELFTEST_BIN
+#                  holding a cascade_split_proxy built elsewhere from this tree, that one runs
 #   SASS           "skip": no summary of the library's machine code at the end
 #   PREFILL_KERNELS  prefill kernels to time (JAXATTN_PREFILL_KERNEL values; default "auto mma")
 #   DECODE_ARGS    extra bench_native.py arguments for the decode timings ("skip": none)
@@ -70,17 +83,22 @@ else
 fi
 lib="${JAXATTN_NATIVE_LIB_DIR:-}/libjaxattn_cuda.so"
 
-selftest() {  # name, nvcc arguments...
+build_selftest() {  # name, nvcc arguments...: $out/name, built here or from SELFTEST_BIN
   local name="$1"
   shift
-  stamp "self-test: $name"
   if [ -n "${SELFTEST_BIN:-}" ] && [ -x "$SELFTEST_BIN/$name" ]; then
     cp "$SELFTEST_BIN/$name" "$out/$name"  # built elsewhere from this tree
   elif ! nvcc -std=c++17 -O3 -Iffi/include -Iffi/src ${SELFTEST_FLAGS:-} "$@" -o "$out/$name" \
       > "$out/$name.build.log" 2>&1; then
     tail -20 "$out/$name.build.log"
-    return
+    return 1
   fi
+}
+
+selftest() {  # name, nvcc arguments...: build, then run with no arguments
+  local name="$1"
+  stamp "self-test: $name"
+  build_selftest "$@" || return
   timeout "${BENCH_TIMEOUT:-240}" "$out/$name" > "$out/$name.log" 2>&1
   echo "exit $?"
   grep -c PASS "$out/$name.log"
@@ -99,6 +117,22 @@ sanitize() {  # name (a self-test built by selftest)
     echo "exit $? (99: the sanitizer found errors)"
     grep -E "ERROR SUMMARY|robustness:" "$out/$name.$tool.log"
     grep -E "^=========" "$out/$name.$tool.log" | grep -v "ERROR SUMMARY" | head -20
+  done
+}
+
+ncu_cascade() {  # the cascade kernel under ncu: the issue batch and each level alone
+  local which ncu_bin="${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}"
+  [ -x "$out/cascade_selftest" ] || { echo "no $out/cascade_selftest to profile"; return; }
+  for which in issue own prefix; do
+    stamp "ncu: cascade_selftest --profile 2 $which"
+    timeout "${BENCH_TIMEOUT:-240}" "$ncu_bin" --kernel-name regex:cascade_mma_kernel \
+      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section SchedulerStats \
+      --section WarpStateStats "$out/cascade_selftest" --profile 2 "$which" \
+      > "$out/ncu_cascade_$which.txt" 2>&1
+    echo "exit $?"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|Issued Warp|No Eligible|Achieved Occupancy" \
+      "$out/ncu_cascade_$which.txt" | head -20
   done
 }
 
@@ -146,20 +180,34 @@ suites() {  # the GPU-relevant suites, file by file
   done
 }
 
-if [ "${SELFTESTS:-}" != skip ]; then
-  selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu
-  selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-    ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
-    ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu
+cascade_args=(-gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A ffi/tests_gpu/cascade_selftest.cu)
+selftests=" ${SELFTESTS:-decode prefill cascade} "
+if [ "$selftests" != " skip " ]; then
+  case "$selftests" in *" decode "*)
+    selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu ;;
+  esac
+  case "$selftests" in *" prefill "*)
+    selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
+      ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
+      ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu ;;
+  esac
   # sm_90a: the wgmma prefix level (the default on Hopper) is built and checked too, where an
   # sm_90 build reports it SKIP.
-  selftest cascade_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-    ffi/tests_gpu/cascade_selftest.cu
+  case "$selftests" in *" cascade "*) selftest cascade_selftest "${cascade_args[@]}" ;; esac
   if [ -n "${SANITIZE:-}" ]; then
-    sanitize decode_selftest
-    sanitize prefill_selftest
-    sanitize cascade_selftest
+    for name in decode prefill cascade; do
+      case "$selftests" in *" $name "*) sanitize "${name}_selftest" ;; esac
+    done
   fi
+fi
+if [ "${NCU_CASCADE:-}" = 1 ]; then
+  [ -x "$out/cascade_selftest" ] || build_selftest cascade_selftest "${cascade_args[@]}"
+  ncu_cascade
+fi
+if [ "${CASCADE_PROXY:-}" = 1 ]; then
+  selftest cascade_split_proxy -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
+    ffi/tests_gpu/cascade_split_proxy.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
+    ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu ffi/src/paged_decode_bf16.cu
 fi
 [ "${DECODE_ARGS:-}" = skip ] || bench decode "" --skip-prefill ${DECODE_ARGS:-}
 if [ "${PREFILL_ARGS:-}" != skip ]; then
