@@ -176,6 +176,13 @@ struct PrefixLevel {
   }
 };
 
+// Holds its stream for `cycles` SM clocks, so that the launches enqueued behind it are all
+// waiting when the timed work starts (no host launch latency inside a timing).
+__global__ void hold(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) __nanosleep(1000);
+}
+
 // Median over `reps` of the time from `start` (recorded on s0) to the end of `body`, which
 // enqueues on s0 and s1 and joins s1 into s0; two warm-ups first.
 float median_us(cudaStream_t s0, cudaStream_t s1, int reps, const std::function<void()>& body) {
@@ -185,6 +192,8 @@ float median_us(cudaStream_t s0, cudaStream_t s1, int reps, const std::function<
   CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
   std::vector<float> t;
   for (int r = 0; r < reps + 2; ++r) {
+    hold<<<1, 1, 0, s0>>>(200000);  // ~100-120 us
+    CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaEventRecord(a, s0));
     CUDA_OK(cudaEventRecord(fork, s0));
     CUDA_OK(cudaStreamWaitEvent(s1, fork, 0));
