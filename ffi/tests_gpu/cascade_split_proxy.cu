@@ -17,7 +17,9 @@
 //     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu \
 //     ffi/src/paged_decode_bf16.cu -o /tmp/cascade_split_proxy && /tmp/cascade_split_proxy
 //
-// Arguments: --splits S,... (default 1,2,4,8), --reps N (default 50). The prefill's grid is
+// First the own level's decode alone with 0, 16, 32, 64 and 96 SMs held by blocks that take a
+// whole SM each (what the decode can do on the SMs a prefill leaves it). Arguments:
+// --splits S,... (default 1,2,4,8), --reps N (default 50). The prefill's grid is
 // 16 S blocks of one multiprocessor each (8 KV heads x 2 tiles of 128 packed rows x S), so S = 4
 // leaves about half of an H100's or H200's 132 multiprocessors to the decode. For every S it prints
 // the median time of: the prefill alone, the decode alone, both in one stream (one after the
@@ -183,6 +185,47 @@ __global__ void hold(long long cycles) {
   while (clock64() - t0 < cycles) __nanosleep(1000);
 }
 
+// Takes a whole multiprocessor (all the shared memory a block may have) for `cycles` clocks:
+// while N of these are resident, a kernel launched after them runs on the other SMs.
+__global__ void occupy(long long cycles) {
+  extern __shared__ unsigned char pad[];
+  if (threadIdx.x == 0) pad[0] = 0;
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) __nanosleep(1000);
+}
+
+// Median over `reps` of the own level's decode time (events on its stream) while `held` SMs are
+// taken by occupy blocks placed before it.
+float decode_beside_held_sms(const OwnLevel& own, cudaStream_t s0, cudaStream_t s1, int held,
+                             int smem, int reps) {
+  cudaEvent_t a, b, fork;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  std::vector<float> t;
+  for (int r = 0; r < reps + 2; ++r) {
+    hold<<<1, 1, 0, s0>>>(200000);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaEventRecord(fork, s0));
+    CUDA_OK(cudaStreamWaitEvent(s1, fork, 0));
+    if (held > 0) occupy<<<held, 32, smem, s0>>>(1000000);  // ~0.5 ms, past the decode's end
+    CUDA_OK(cudaGetLastError());
+    hold<<<1, 1, 0, s1>>>(4000);  // ~2 us: the occupy blocks are placed first
+    CUDA_OK(cudaEventRecord(a, s1));
+    own.launch(s1);
+    CUDA_OK(cudaEventRecord(b, s1));
+    CUDA_OK(cudaDeviceSynchronize());
+    float ms = 0.f;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 2) t.push_back(ms * 1000.f);
+  }
+  CUDA_OK(cudaEventDestroy(a));
+  CUDA_OK(cudaEventDestroy(b));
+  CUDA_OK(cudaEventDestroy(fork));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 // Median over `reps` of the time from `start` (recorded on s0) to the end of `body`, which
 // enqueues on s0 and s1 and joins s1 into s0; two warm-ups first.
 float median_us(cudaStream_t s0, cudaStream_t s1, int reps, const std::function<void()>& body) {
@@ -253,6 +296,16 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
   });
   std::printf("decode of the own level alone: %.1f us\n", t_own);
+  // The own level's decode on part of the GPU, the rest held: what it can do beside a prefill
+  // that holds those SMs.
+  const int smem = static_cast<int>(prop.sharedMemPerBlockOptin);
+  CUDA_OK(cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::printf("| SMs held | decode us | GB/s |\n|---|---|---|\n");
+  for (int held : {0, 16, 32, 64, 96}) {
+    if (held >= prop.multiProcessorCount) continue;
+    const float t = decode_beside_held_sms(own, s0, s1, held, smem, reps);
+    std::printf("| %d | %.1f | %.0f |\n", held, t, own_bytes / (t * 1e-6) / 1e9);
+  }
   std::printf(
       "| S | prefill alone us | decode alone us | one stream us | two streams, prefill "
       "first us | two streams, decode first us | best / (prefill + decode) |\n");
