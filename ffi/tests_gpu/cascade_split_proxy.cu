@@ -15,7 +15,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
 //     -Iffi/include -Iffi/src ffi/tests_gpu/cascade_split_proxy.cu ffi/src/prefill.cu \
 //     ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu \
-//     ffi/src/paged_decode_bf16.cu -o /tmp/cascade_split_proxy && /tmp/cascade_split_proxy
+//     ffi/src/paged_decode_bf16.cu -o cascade_split_proxy && ./cascade_split_proxy
 //
 // First the own level's decode alone with 0, 16, 32, 64 and 96 SMs held by blocks that take a
 // whole SM each (what the decode can do on the SMs a prefill leaves it). Arguments:
