@@ -13,7 +13,8 @@
 # at 2048 beside the rule's choice), issue-cascade (shared / mixed / private batches against
 # paged decode and the read floor), issue-step (the 1B and 8B decode steps at batch 1 and 64)
 # and issue-prefill (the prefill rows, bf16 and e4m3; FA4 beside them when $FA4_SITE names the
-# site directory that benchmarks/fa4_peer.py describes); each stage alone fits a 10-minute job.
+# site directory that benchmarks/fa4_peer.py describes); each stage's time limits add up to at
+# most ~9 minutes, so a stage fits a 10-minute job.
 #
 # The native CUDA library is taken from $JAXATTN_NATIVE_LIB_DIR when it is set (built
 # elsewhere with `cmake -S . -B build/gpu -DJAXATTN_CUDA=ON -DJAXATTN_CUDA_ARCHS=90`),
@@ -100,13 +101,13 @@ for stage in $STAGES; do
         --modes multistep --kv-dtype fp8_e4m3 --json "$OUT/step_fp8.json" > "$OUT/step_fp8.log" 2>&1
       echo "step fp8 rc=$?"; sed -n '/^| mode/,$p' "$OUT/step_fp8.log" ;;
     issue-decode)
-      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --impl native,pallas \
+      timeout "${DECODE_TIMEOUT:-360}" python3 benchmarks/bench_decode.py --impl native,pallas \
         --no-peers --samples 5 --target-s 0.02 --timing graph --heads 32/8,32/32 \
         --kv-dtype bfloat16,float8_e4m3fn --cases 64:4096,8:4096,1:32768 \
         --json "$OUT/issue_decode.json" > "$OUT/issue_decode.log" 2>&1
       echo "issue decode rc=$?"; sed -n '/^| B /,$p' "$OUT/issue_decode.log"
       grep -E "ERROR|ceiling" "$OUT/issue_decode.log" | head
-      timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py --impl native \
+      timeout "${SPLIT_TIMEOUT:-150}" python3 benchmarks/bench_decode.py --impl native \
         --no-peers --samples 5 --target-s 0.02 --timing graph --heads 32/8 --partitions 2048 \
         --kv-dtype bfloat16,float8_e4m3fn --cases 64:4096 --json "$OUT/issue_decode_split.json" \
         > "$OUT/issue_decode_split.log" 2>&1
