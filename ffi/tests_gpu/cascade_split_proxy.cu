@@ -194,65 +194,58 @@ __global__ void occupy(long long cycles) {
   while (clock64() - t0 < cycles) __nanosleep(1000);
 }
 
-// Median over `reps` of the own level's decode time (events on its stream) while `held` SMs are
-// taken by occupy blocks placed before it.
-float decode_beside_held_sms(const OwnLevel& own, cudaStream_t s0, cudaStream_t s1, int held,
-                             int smem, int reps) {
+// The median over `reps` runs (after two warm-ups) of the time between events `a` and `b`, which
+// `enqueue` records around the work it enqueues, behind a holding kernel on s0 and a `fork`
+// event that s1 waits for.
+struct Timing {
+  cudaStream_t s0, s1;
   cudaEvent_t a, b, fork;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  std::vector<float> t;
-  for (int r = 0; r < reps + 2; ++r) {
-    hold<<<1, 1, 0, s0>>>(200000);
-    CUDA_OK(cudaGetLastError());
-    CUDA_OK(cudaEventRecord(fork, s0));
-    CUDA_OK(cudaStreamWaitEvent(s1, fork, 0));
-    if (held > 0) occupy<<<held, 32, smem, s0>>>(1000000);  // ~0.5 ms, past the decode's end
-    CUDA_OK(cudaGetLastError());
-    hold<<<1, 1, 0, s1>>>(4000);  // ~2 us: the occupy blocks are placed first
-    CUDA_OK(cudaEventRecord(a, s1));
-    own.launch(s1);
-    CUDA_OK(cudaEventRecord(b, s1));
-    CUDA_OK(cudaDeviceSynchronize());
-    float ms = 0.f;
-    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 2) t.push_back(ms * 1000.f);
+  Timing(cudaStream_t s0_, cudaStream_t s1_) : s0(s0_), s1(s1_) {
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
   }
-  CUDA_OK(cudaEventDestroy(a));
-  CUDA_OK(cudaEventDestroy(b));
-  CUDA_OK(cudaEventDestroy(fork));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-// Median over `reps` of the time from `start` (recorded on s0) to the end of `body`, which
-// enqueues on s0 and s1 and joins s1 into s0; two warm-ups first.
-float median_us(cudaStream_t s0, cudaStream_t s1, int reps, const std::function<void()>& body) {
-  cudaEvent_t a, b, fork;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  std::vector<float> t;
-  for (int r = 0; r < reps + 2; ++r) {
-    hold<<<1, 1, 0, s0>>>(200000);  // ~100-120 us
-    CUDA_OK(cudaGetLastError());
-    CUDA_OK(cudaEventRecord(a, s0));
-    CUDA_OK(cudaEventRecord(fork, s0));
-    CUDA_OK(cudaStreamWaitEvent(s1, fork, 0));
-    body();
-    CUDA_OK(cudaEventRecord(b, s0));
-    CUDA_OK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 2) t.push_back(ms * 1000.f);
+  ~Timing() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    cudaEventDestroy(fork);
   }
-  CUDA_OK(cudaEventDestroy(a));
-  CUDA_OK(cudaEventDestroy(b));
-  CUDA_OK(cudaEventDestroy(fork));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+  float median_us(int reps, const std::function<void()>& enqueue) const {
+    std::vector<float> t;
+    for (int r = 0; r < reps + 2; ++r) {
+      hold<<<1, 1, 0, s0>>>(200000);  // ~100-120 us
+      CUDA_OK(cudaGetLastError());
+      CUDA_OK(cudaEventRecord(fork, s0));
+      CUDA_OK(cudaStreamWaitEvent(s1, fork, 0));
+      enqueue();
+      CUDA_OK(cudaDeviceSynchronize());
+      float ms = 0.f;
+      CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+      if (r >= 2) t.push_back(ms * 1000.f);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+  // From a on s0 to the end of `body`, which enqueues on s0 and s1 and joins s1 into s0.
+  float pair_us(int reps, const std::function<void()>& body) const {
+    return median_us(reps, [&] {
+      CUDA_OK(cudaEventRecord(a, s0));
+      body();
+      CUDA_OK(cudaEventRecord(b, s0));
+    });
+  }
+  // The own level's decode on s1 while `held` SMs are taken by occupy blocks placed before it.
+  float beside_held_us(int reps, const OwnLevel& own, int held, int smem) const {
+    return median_us(reps, [&] {
+      if (held > 0) occupy<<<held, 32, smem, s0>>>(1000000);  // ~0.5 ms, past the decode's end
+      CUDA_OK(cudaGetLastError());
+      hold<<<1, 1, 0, s1>>>(4000);  // ~2 us: the occupy blocks are placed first
+      CUDA_OK(cudaEventRecord(a, s1));
+      own.launch(s1);
+      CUDA_OK(cudaEventRecord(b, s1));
+    });
+  }
+};
 
 }  // namespace
 
@@ -283,6 +276,7 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   cudaEvent_t join;
   CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  const Timing timing(s0, s1);
   Rng rng(2026);
   const OwnLevel own(rng);
   const double own_bytes = 2.0 * kRequests * kOwn * kHkv * kD * 2;
@@ -290,7 +284,7 @@ int main(int argc, char** argv) {
   const double flops = 4.0 * kD * kHq * double(kRequests) * kPrefix;
   std::printf("own level %.1f MB, prefix %.1f MB, prefix level %.2f GFLOP\n", own_bytes / 1e6,
               prefix_bytes / 1e6, flops / 1e9);
-  const float t_own = median_us(s0, s1, reps, [&] {
+  const float t_own = timing.pair_us(reps, [&] {
     own.launch(s0);
     CUDA_OK(cudaEventRecord(join, s1));
     CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
@@ -303,7 +297,7 @@ int main(int argc, char** argv) {
   std::printf("| SMs held | decode us | GB/s |\n|---|---|---|\n");
   for (int held : {0, 16, 32, 64, 96}) {
     if (held >= prop.multiProcessorCount) continue;
-    const float t = decode_beside_held_sms(own, s0, s1, held, smem, reps);
+    const float t = timing.beside_held_us(reps, own, held, smem);
     std::printf("| %d | %.1f | %.0f |\n", held, t, own_bytes / (t * 1e-6) / 1e9);
   }
   std::printf(
@@ -321,25 +315,25 @@ int main(int argc, char** argv) {
       CUDA_OK(cudaEventRecord(join, s1));
       CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
     };
-    const float t_pre = median_us(s0, s1, reps, [&] {
+    const float t_pre = timing.pair_us(reps, [&] {
       pre.launch(s0);
       join_s1();
     });
-    const float t_own_again = median_us(s0, s1, reps, [&] {
+    const float t_own_again = timing.pair_us(reps, [&] {
       own.launch(s0);
       join_s1();
     });
-    const float t_seq = median_us(s0, s1, reps, [&] {
+    const float t_seq = timing.pair_us(reps, [&] {
       pre.launch(s0);
       own.launch(s0);
       join_s1();
     });
-    const float t_pf = median_us(s0, s1, reps, [&] {
+    const float t_pf = timing.pair_us(reps, [&] {
       pre.launch(s0);
       own.launch(s1);
       join_s1();
     });
-    const float t_df = median_us(s0, s1, reps, [&] {
+    const float t_df = timing.pair_us(reps, [&] {
       own.launch(s1);
       pre.launch(s0);
       join_s1();
