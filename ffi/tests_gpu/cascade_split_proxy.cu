@@ -29,12 +29,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <string>
 #include <vector>
 
 #include "cuda_ok.h"
@@ -199,16 +199,15 @@ __global__ void occupy(long long cycles) {
 // event that s1 waits for.
 struct Timing {
   cudaStream_t s0, s1;
-  cudaEvent_t a, b, fork;
+  cudaEvent_t a, b, fork, join;
   Timing(cudaStream_t s0_, cudaStream_t s1_) : s0(s0_), s1(s1_) {
     CUDA_OK(cudaEventCreate(&a));
     CUDA_OK(cudaEventCreate(&b));
     CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   }
   ~Timing() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    cudaEventDestroy(fork);
+    for (cudaEvent_t e : {a, b, fork, join}) cudaEventDestroy(e);
   }
   float median_us(int reps, const std::function<void()>& enqueue) const {
     std::vector<float> t;
@@ -226,11 +225,13 @@ struct Timing {
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   }
-  // From a on s0 to the end of `body`, which enqueues on s0 and s1 and joins s1 into s0.
+  // From a on s0 to the end of everything `body` enqueues on s0 and s1 (s1 joined into s0).
   float pair_us(int reps, const std::function<void()>& body) const {
     return median_us(reps, [&] {
       CUDA_OK(cudaEventRecord(a, s0));
       body();
+      CUDA_OK(cudaEventRecord(join, s1));
+      CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
       CUDA_OK(cudaEventRecord(b, s0));
     });
   }
@@ -274,8 +275,6 @@ int main(int argc, char** argv) {
   cudaStream_t s0, s1;
   CUDA_OK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
   CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-  cudaEvent_t join;
-  CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   const Timing timing(s0, s1);
   Rng rng(2026);
   const OwnLevel own(rng);
@@ -284,14 +283,8 @@ int main(int argc, char** argv) {
   const double flops = 4.0 * kD * kHq * double(kRequests) * kPrefix;
   std::printf("own level %.1f MB, prefix %.1f MB, prefix level %.2f GFLOP\n", own_bytes / 1e6,
               prefix_bytes / 1e6, flops / 1e9);
-  const float t_own = timing.pair_us(reps, [&] {
-    own.launch(s0);
-    CUDA_OK(cudaEventRecord(join, s1));
-    CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
-  });
-  std::printf("decode of the own level alone: %.1f us\n", t_own);
   // The own level's decode on part of the GPU, the rest held: what it can do beside a prefill
-  // that holds those SMs.
+  // that holds those SMs (0 held: the decode alone).
   const int smem = static_cast<int>(prop.sharedMemPerBlockOptin);
   CUDA_OK(cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::printf("| SMs held | decode us | GB/s |\n|---|---|---|\n");
@@ -311,38 +304,24 @@ int main(int argc, char** argv) {
       continue;
     }
     const PrefixLevel pre(s, rng);
-    auto join_s1 = [&] {
-      CUDA_OK(cudaEventRecord(join, s1));
-      CUDA_OK(cudaStreamWaitEvent(s0, join, 0));
-    };
-    const float t_pre = timing.pair_us(reps, [&] {
-      pre.launch(s0);
-      join_s1();
-    });
-    const float t_own_again = timing.pair_us(reps, [&] {
-      own.launch(s0);
-      join_s1();
-    });
+    const float t_pre = timing.pair_us(reps, [&] { pre.launch(s0); });
+    const float t_own = timing.pair_us(reps, [&] { own.launch(s0); });
     const float t_seq = timing.pair_us(reps, [&] {
       pre.launch(s0);
       own.launch(s0);
-      join_s1();
     });
     const float t_pf = timing.pair_us(reps, [&] {
       pre.launch(s0);
       own.launch(s1);
-      join_s1();
     });
     const float t_df = timing.pair_us(reps, [&] {
       own.launch(s1);
       pre.launch(s0);
-      join_s1();
     });
     std::printf("| %d | %.1f (%.0f TFLOP/s) | %.1f | %.1f | %.1f | %.1f | %.2f |\n", s, t_pre,
-                flops / (t_pre * 1e-6) / 1e12, t_own_again, t_seq, t_pf, t_df,
-                std::min(t_pf, t_df) / (t_pre + t_own_again));
+                flops / (t_pre * 1e-6) / 1e12, t_own, t_seq, t_pf, t_df,
+                std::min(t_pf, t_df) / (t_pre + t_own));
   }
-  CUDA_OK(cudaEventDestroy(join));
   CUDA_OK(cudaStreamDestroy(s0));
   CUDA_OK(cudaStreamDestroy(s1));
   return 0;
