@@ -180,16 +180,17 @@ suites() {  # the GPU-relevant suites, file by file
   done
 }
 
-cascade_args=(-gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A ffi/tests_gpu/cascade_selftest.cu)
+sm90a=(-gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A)
+prefill_srcs=(ffi/src/prefill.cu ffi/src/prefill_fp8.cu ffi/src/prefill_sm90.cu
+  ffi/src/prefill_sm90_persistent.cu)
+cascade_args=("${sm90a[@]}" ffi/tests_gpu/cascade_selftest.cu)
 selftests=" ${SELFTESTS:-decode prefill cascade} "
 if [ "$selftests" != " skip " ]; then
   case "$selftests" in *" decode "*)
     selftest decode_selftest -arch=sm_90 ffi/tests_gpu/decode_selftest.cu ;;
   esac
   case "$selftests" in *" prefill "*)
-    selftest prefill_selftest -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-      ffi/tests_gpu/prefill_selftest.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
-      ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu ;;
+    selftest prefill_selftest "${sm90a[@]}" ffi/tests_gpu/prefill_selftest.cu "${prefill_srcs[@]}" ;;
   esac
   # sm_90a: the wgmma prefix level (the default on Hopper) is built and checked too, where an
   # sm_90 build reports it SKIP.
@@ -205,9 +206,8 @@ if [ "${NCU_CASCADE:-}" = 1 ]; then
   ncu_cascade
 fi
 if [ "${CASCADE_PROXY:-}" = 1 ]; then
-  selftest cascade_split_proxy -gencode=arch=compute_90a,code=sm_90a -DJAXATTN_HAVE_SM90A \
-    ffi/tests_gpu/cascade_split_proxy.cu ffi/src/prefill.cu ffi/src/prefill_fp8.cu \
-    ffi/src/prefill_sm90.cu ffi/src/prefill_sm90_persistent.cu ffi/src/paged_decode_bf16.cu
+  selftest cascade_split_proxy "${sm90a[@]}" ffi/tests_gpu/cascade_split_proxy.cu \
+    "${prefill_srcs[@]}" ffi/src/paged_decode_bf16.cu
 fi
 [ "${DECODE_ARGS:-}" = skip ] || bench decode "" --skip-prefill ${DECODE_ARGS:-}
 if [ "${PREFILL_ARGS:-}" != skip ]; then
