@@ -53,14 +53,6 @@ using jaxattn::PrefillParams;
 constexpr int kHq = 32, kHkv = 8, kD = 128, kPage = 16;
 constexpr int kRequests = 64, kPrefix = 4096, kOwn = 256, kNew = 64;
 
-template <typename V>
-V* upload(const std::vector<V>& h) {
-  V* d = nullptr;
-  CUDA_OK(cudaMalloc(&d, h.size() * sizeof(V)));
-  CUDA_OK(cudaMemcpy(d, h.data(), h.size() * sizeof(V), cudaMemcpyHostToDevice));
-  return d;
-}
-
 std::vector<uint16_t> random_bf16(size_t n, Rng& rng) {
   std::vector<uint16_t> h(n);
   for (auto& x : h) x = jaxattn::float_to_bf16(rng.normal());

@@ -298,25 +298,17 @@ struct Device {
   int kv8 = 0;
   PrefillParams p;
 
-  template <typename V>
-  static void* up(const std::vector<V>& h) {
-    if (h.empty()) return nullptr;
-    void* d = nullptr;
-    CUDA_OK(cudaMalloc(&d, h.size() * sizeof(V)));
-    CUDA_OK(cudaMemcpy(d, h.data(), h.size() * sizeof(V), cudaMemcpyHostToDevice));
-    return d;
-  }
   explicit Device(const Problem& P) {
-    q = up(P.q);
+    q = upload(P.q);
     kv8 = P.c.kv8;
-    k = kv8 ? up(P.k8) : up(P.k);
-    v = kv8 ? up(P.v8) : up(P.v);
-    ks = static_cast<float*>(up(P.kscale));
-    vs = static_cast<float*>(up(P.vscale));
-    cu = static_cast<int32_t*>(up(P.cu_q));
-    table = static_cast<int32_t*>(up(P.table));
-    indptr = static_cast<int32_t*>(up(P.indptr));
-    seq = static_cast<int32_t*>(up(P.seq_lens));
+    k = kv8 ? static_cast<void*>(upload(P.k8)) : upload(P.k);
+    v = kv8 ? static_cast<void*>(upload(P.v8)) : upload(P.v);
+    ks = upload(P.kscale);
+    vs = upload(P.vscale);
+    cu = upload(P.cu_q);
+    table = upload(P.table);
+    indptr = upload(P.indptr);
+    seq = upload(P.seq_lens);
     out_bytes = P.q.size() * 2;
     CUDA_OK(cudaMalloc(&out, out_bytes));
     CUDA_OK(cudaMalloc(&work, sizeof(uint32_t)));
